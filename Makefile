@@ -1,0 +1,64 @@
+# trainyard — everything a fresh machine needs goes through these targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := venv
+
+PYTHON   ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+STAMP    := $(VENV)/.trainyard-installed
+PACKAGES := libs/common libs/trainer libs/cli services/api services/scheduler services/node-agent services/checkpoint-coordinator services/registry
+PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
+PYTEST_ARGS ?=
+
+.PHONY: venv deps up down logs status demo data test test-unit test-long chaos bench clean help
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+venv: $(STAMP) ## create .venv with every package editable (torch==2.13.0 CPU)
+
+$(STAMP): $(PYPROJECTS) requirements-dev.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES)) -e 'libs/cli[dev]' -r requirements-dev.txt
+	@touch $(STAMP)
+
+deps: venv ## install system packages the local stack needs (redis-server)
+	@scripts/ensure-system-deps.sh
+
+up: deps ## start broker, redis, the five services and 2 node agents; print API URL + token
+	$(BIN)/trainyard dev up
+
+down: ## stop exactly what 'make up' started
+	@if [ -x $(BIN)/trainyard ]; then $(BIN)/trainyard dev down; else echo "nothing to stop (no .venv)"; fi
+
+logs: ## show the local stack's logs
+	$(BIN)/trainyard dev logs
+
+status: ## show what the local stack runs
+	$(BIN)/trainyard dev status
+
+data: venv ## build the example dataset (tinycorpus@v1) if needed
+	$(BIN)/trainyard dev data
+
+demo: up ## run the tiny example job end to end on the local stack
+	$(BIN)/trainyard dev demo
+
+test: deps ## install what is missing, start what tests need, run the test suite
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: venv ## unit tests only (no broker, no redis)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+test-long: deps ## the long property-based and stateful runs
+	TRAINYARD_LONG_TESTS=1 $(BIN)/python -m pytest -m "long or not chaos" $(PYTEST_ARGS)
+
+chaos: deps ## the chaos suite, long run
+	TRAINYARD_LONG_TESTS=1 $(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
+
+bench: deps ## run the benchmarks (ratios against a baseline measured in the same run)
+	@for b in bench/*/run.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean: down ## remove local state (.trainyard/) — keeps .venv
+	rm -rf .trainyard

@@ -1,0 +1,286 @@
+"""The event bus: one faststream ``KafkaBroker`` wiring shared by every service.
+
+* publish: typed events as camelCase JSON, key = job id (or node id), the W3C trace
+  context of the current span in the Kafka headers;
+* subscribe: a handler per event class; at-least-once (offsets are committed only after
+  the handler returns); duplicates by ``eventId`` are skipped when a Redis de-duplicator
+  is given; a message that cannot be decoded, or whose handler fails for good, goes to
+  ``trainyard.deadletter`` with its topic, partition, offset, raw bytes and the error, and
+  the consumer carries on; infrastructure errors are retried with back-off (the message
+  is re-delivered, never skipped);
+* topics are created explicitly at start-up (:func:`ensure_topics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from faststream import AckPolicy
+from faststream.exceptions import NackMessage
+from faststream.kafka import KafkaBroker, KafkaMessage
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from trainyard_common import events as ev
+from trainyard_common.errors import BusError, TrainyardError
+from trainyard_common.tracing import inject_headers
+
+log = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()
+_tracer = trace.get_tracer("trainyard.bus")
+
+Handler = Callable[[Any], Awaitable[None]]
+SEEN_TTL_S = 7 * 24 * 3600
+
+
+async def ensure_topics(
+    bootstrap: str,
+    *,
+    partitions: int,
+    replication: int = 1,
+    topics: Iterable[str] = ev.ALL_TOPICS,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create the missing topics; returns those created. Existing topics are left alone."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    created: list[str] = []
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        existing = set(await admin.list_topics())
+        missing = [t for t in topics if t not in existing]
+        for topic in missing:  # one at a time: a concurrent creator only costs us one topic
+            try:
+                await admin.create_topics(
+                    [NewTopic(topic, num_partitions=partitions, replication_factor=replication)]
+                )
+                created.append(topic)
+            except TopicAlreadyExistsError:
+                pass
+    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        raise BusError(f"cannot create topics on {bootstrap}: {exc!r}") from exc
+    finally:
+        await admin.close()
+    return created
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, TrainyardError):
+        return exc.retryable
+    return isinstance(exc, (RedisError, KafkaError, OSError, asyncio.TimeoutError))
+
+
+class Deduper:
+    """Remembers handled ``eventId``s per consumer group in Redis (idempotent consumers)."""
+
+    def __init__(self, redis: Redis, group: str, ttl_s: int = SEEN_TTL_S) -> None:
+        self._redis = redis
+        self._group = group
+        self._ttl_s = ttl_s
+
+    def _key(self, event_id: str) -> str:
+        return f"ty:seen:{self._group}:{event_id}"
+
+    async def seen(self, event_id: str) -> bool:
+        return bool(await self._redis.exists(self._key(event_id)))
+
+    async def mark(self, event_id: str) -> None:
+        await self._redis.set(self._key(event_id), 1, ex=self._ttl_s)
+
+
+class Bus:
+    """Owns the broker connection. ``start()`` after subscribing; ``aclose()`` is idempotent."""
+
+    def __init__(self, bootstrap: str, *, service_name: str, group_prefix: str = "trainyard") -> None:
+        self.service_name = service_name
+        self.group_prefix = group_prefix
+        self.bootstrap = bootstrap
+        # No idempotent producer and no transactions: the embedded broker rejects both.
+        self.broker = KafkaBroker(
+            bootstrap,
+            client_id=service_name,
+            enable_idempotence=False,
+            acks="all",
+            graceful_timeout=10.0,
+            logger=logging.getLogger(f"faststream.{service_name}"),
+        )
+        self._started = False
+        self.dead_lettered = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._started:
+            return
+        try:
+            await self.broker.start()
+        except (KafkaError, OSError) as exc:
+            raise BusError(f"cannot connect to the broker at {self.bootstrap}: {exc!r}") from exc
+        self._started = True
+
+    async def aclose(self) -> None:
+        if self._started:
+            self._started = False
+            await self.broker.stop()
+
+    async def __aenter__(self) -> Bus:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ publish
+    async def publish(self, event: ev.Event, *, traceparent: str | None = None) -> None:
+        """Publish ``event`` to its topic. ``traceparent`` overrides the current span as parent."""
+        await self.publish_raw_traced(event.topic, event.to_bytes(), key=event.key(), traceparent=traceparent)
+
+    async def publish_raw_traced(
+        self, topic: str, payload: bytes, *, key: str | None, traceparent: str | None = None
+    ) -> None:
+        """Publish bytes inside a PRODUCER span; its context goes into the Kafka headers."""
+        ctx = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
+        with _tracer.start_as_current_span(
+            f"{topic} publish",
+            context=ctx,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={"messaging.system": "kafka", "messaging.destination.name": topic,
+                        "trainyard.key": key or ""},
+        ):
+            headers = inject_headers({"content-type": "application/json"})
+            await self.publish_raw(topic, payload, key=key, headers=headers)
+
+    async def publish_raw(
+        self, topic: str, payload: bytes, *, key: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
+        try:
+            await self.broker.publish(
+                payload, topic=topic, key=key.encode() if key else None, headers=dict(headers or {})
+            )
+        except (KafkaError, OSError) as exc:
+            raise BusError(f"publish to {topic} failed: {exc!r}") from exc
+
+    # ------------------------------------------------------------------ subscribe
+    def subscribe(
+        self,
+        topic: str,
+        handlers: Mapping[type[ev.Event], Handler],
+        *,
+        group: str | None = None,
+        deduper_factory: Callable[[str], Deduper] | None = None,
+        max_backoff_s: float = 10.0,
+    ) -> str:
+        """Route each event of ``topic`` to the handler of its class; returns the group id.
+
+        Events of classes without a handler are acknowledged and ignored: several event
+        types share a topic and each consumer takes the ones it needs.
+        """
+        group_id = group or f"{self.group_prefix}.{self.service_name}"
+        deduper = deduper_factory(group_id) if deduper_factory else None
+        dispatcher = _Dispatcher(self, topic, group_id, dict(handlers), deduper, max_backoff_s)
+
+        @self.broker.subscriber(
+            topic,
+            group_id=group_id,
+            auto_offset_reset="earliest",
+            ack_policy=AckPolicy.NACK_ON_ERROR,
+            max_poll_interval_ms=600_000,
+        )
+        async def _on_message(message: KafkaMessage) -> None:
+            await dispatcher(message)
+
+        return group_id
+
+
+class _Dispatcher:
+    """decode → dedupe → handler → mark seen; dead-letter or retry on failure."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        topic: str,
+        group: str,
+        handlers: dict[type[ev.Event], Handler],
+        deduper: Deduper | None,
+        max_backoff_s: float,
+    ) -> None:
+        self.bus, self.topic, self.group = bus, topic, group
+        self.handlers, self.deduper, self.max_backoff_s = handlers, deduper, max_backoff_s
+        self._failures: dict[tuple[int, int], int] = {}
+
+    async def __call__(self, message: KafkaMessage) -> None:
+        record = message.raw_message
+        partition, offset = record.partition, record.offset
+        raw: bytes = record.value or b""
+        headers = {k: (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in (record.headers or [])}
+        parent = _PROPAGATOR.extract(headers)
+        try:
+            event = ev.decode_event(self.topic, raw)
+        except (ValidationError, ValueError) as exc:
+            await self._dead_letter(record, f"invalid event: {_short(exc)}")
+            return
+        handler = self.handlers.get(type(event))
+        if handler is None:
+            return
+        with _tracer.start_as_current_span(
+            f"{self.topic} process {event.event_type}",
+            context=parent,
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.destination.name": self.topic,
+                "messaging.consumer.group.name": self.group,
+                "messaging.kafka.offset": offset,
+                "trainyard.event_type": event.event_type,
+                "trainyard.event_id": str(event.event_id),
+            },
+        ) as span:
+            try:
+                if self.deduper and await self.deduper.seen(str(event.event_id)):
+                    span.set_attribute("trainyard.duplicate", True)
+                    return
+                await handler(event)
+                if self.deduper:
+                    await self.deduper.mark(str(event.event_id))
+                self._failures.pop((partition, offset), None)
+            except Exception as exc:  # noqa: BLE001 - classified below, never lost
+                span.record_exception(exc)
+                if is_retryable(exc):
+                    n = self._failures.get((partition, offset), 0) + 1
+                    self._failures[(partition, offset)] = n
+                    delay = min(self.max_backoff_s, 0.2 * 2 ** min(n, 10))
+                    log.warning("%s: retryable error on %s@%s/%s (try %d, retry in %.1fs): %r",
+                                self.group, self.topic, partition, offset, n, delay, exc)
+                    await asyncio.sleep(delay)
+                    raise NackMessage() from exc
+                log.exception("%s: handler failed for %s@%s/%s; dead-lettering", self.group,
+                              self.topic, partition, offset)
+                await self._dead_letter(record, f"handler error: {type(exc).__name__}: {_short(exc)}")
+
+    async def _dead_letter(self, record: Any, error: str) -> None:
+        letter = ev.DeadLetter(
+            source_topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            consumer_group=self.group,
+            key_b64=base64.b64encode(record.key).decode() if record.key else None,
+            raw_b64=base64.b64encode(record.value or b"").decode(),
+            error=error,
+        )
+        log.warning("%s: dead-letter %s@%s/%s: %s", self.group, record.topic, record.partition,
+                    record.offset, error)
+        # If this publish fails, the exception propagates and the message is re-delivered.
+        await self.bus.publish(letter)
+        self.bus.dead_lettered += 1
+
+
+def _short(exc: BaseException, limit: int = 2000) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,392 @@
+"""Event models and topics: the public contract of trainyard (DESIGN.md §4).
+
+Every event carries ``eventId`` (uuid, for idempotent consumers), ``eventType``,
+``schemaVersion`` and ``occurredAt``; it travels as camelCase JSON, keyed by job id
+(or node id) so per-job order holds, with the W3C trace context in Kafka headers.
+
+Rules for changing this module: changes are additive (new optional fields); unknown
+fields are ignored on read so older consumers keep working; a breaking change is a
+new event name.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union
+from uuid import UUID, uuid4
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.spec import TrainingSpec
+
+# ----------------------------------------------------------------------------- topics
+
+JOBS = "trainyard.jobs"
+NODES = "trainyard.nodes"
+ALLOCATIONS = "trainyard.allocations"
+WORKERS = "trainyard.workers"
+CHECKPOINTS = "trainyard.checkpoints"
+METRICS = "trainyard.metrics"
+DATASETS = "trainyard.datasets"
+DEADLETTER = "trainyard.deadletter"
+
+ALL_TOPICS: tuple[str, ...] = (
+    JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, DEADLETTER,
+)
+
+JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        extra="ignore",
+        protected_namespaces=(),
+    )
+
+
+class Event(_Wire):
+    """Common envelope fields. Subclasses pin ``event_type`` and declare ``topic``."""
+
+    topic: ClassVar[str]
+
+    event_id: UUID = Field(default_factory=uuid4)
+    event_type: str
+    schema_version: int = 1
+    occurred_at: datetime = Field(default_factory=utcnow)
+
+    def key(self) -> str:
+        """Partition key: the job id, or the node id for node events."""
+        return getattr(self, "job_id", None) or getattr(self, "node_id")
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+class JobSubmitted(Event):
+    topic: ClassVar[str] = JOBS
+    event_type: Literal["JobSubmitted"] = "JobSubmitted"
+    job_id: str = Field(min_length=1, max_length=128)
+    tenant: str = Field(min_length=1, max_length=128)
+    spec: TrainingSpec
+    spec_hash: str
+    submitted_by: str | None = None
+
+
+class JobControlRequested(Event):
+    topic: ClassVar[str] = JOBS
+    event_type: Literal["JobControlRequested"] = "JobControlRequested"
+    job_id: str
+    tenant: str
+    action: Literal["cancel", "pause", "resume"]
+    reason: str | None = None
+
+
+class JobStateChanged(Event):
+    topic: ClassVar[str] = JOBS
+    event_type: Literal["JobStateChanged"] = "JobStateChanged"
+    job_id: str
+    tenant: str
+    state: JobState
+    previous_state: JobState | None = None
+    attempt: int | None = None
+    reason: str | None = None
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
+class DeviceInfo(_Wire):
+    index: int = Field(ge=0)
+    type: str
+    memory_bytes: int = Field(ge=0)
+    healthy: bool = True
+
+
+class NodeHeartbeat(Event):
+    topic: ClassVar[str] = NODES
+    event_type: Literal["NodeHeartbeat"] = "NodeHeartbeat"
+    node_id: str
+    host: str
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    devices: list[DeviceInfo]
+    healthy: bool = True
+    running_allocations: list[str] = []
+    seq: int = 0
+
+
+class NodeQuarantined(Event):
+    topic: ClassVar[str] = NODES
+    event_type: Literal["NodeQuarantined"] = "NodeQuarantined"
+    node_id: str
+    reason: str
+
+
+# ----------------------------------------------------------------------------- allocations
+
+
+class RankAssignment(_Wire):
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    device_index: int = Field(ge=0)
+
+
+class NodeAssignment(_Wire):
+    node_id: str
+    host: str
+    ranks: list[RankAssignment]
+
+
+class CheckpointRef(_Wire):
+    manifest_uri: str
+    global_step: int
+    attempt: int
+    content_hash: str | None = None
+
+
+class GangAllocated(Event):
+    topic: ClassVar[str] = ALLOCATIONS
+    event_type: Literal["GangAllocated"] = "GangAllocated"
+    job_id: str
+    tenant: str
+    attempt: int = Field(ge=1)
+    allocation_id: str
+    epoch: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    nodes: list[NodeAssignment]
+    master_addr: str
+    master_port: int = Field(gt=0, lt=65536)
+    start_checkpoint: CheckpointRef | None = None
+    spec: TrainingSpec
+    spec_hash: str
+    placement_score: float | None = None
+
+
+class AllocationRevoked(Event):
+    topic: ClassVar[str] = ALLOCATIONS
+    event_type: Literal["AllocationRevoked"] = "AllocationRevoked"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    reason: str
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+class WorkerStarted(Event):
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["WorkerStarted"] = "WorkerStarted"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    node_id: str
+    rank: int
+    pid: int
+    log_uri: str
+
+
+class WorkerExited(Event):
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["WorkerExited"] = "WorkerExited"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    node_id: str
+    rank: int
+    exit_code: int
+    reason: str = Field(description="ok | error | killed | nan | oom | revoked | lost")
+    detail: str | None = None
+
+
+class AttemptEnded(Event):
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["AttemptEnded"] = "AttemptEnded"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    outcome: Literal["succeeded", "failed", "revoked"]
+    reason: str | None = None
+
+
+class StragglerDetected(Event):
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["StragglerDetected"] = "StragglerDetected"
+    job_id: str
+    attempt: int
+    rank: int
+    node_id: str
+    slowdown: float
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class FileDigest(_Wire):
+    uri: str
+    size_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ShardWritten(Event):
+    topic: ClassVar[str] = CHECKPOINTS
+    event_type: Literal["ShardWritten"] = "ShardWritten"
+    job_id: str
+    tenant: str
+    attempt: int
+    epoch: int
+    global_step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    uri: str
+    size_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    extra_files: list[FileDigest] = Field(
+        default=[], description="files shared by all ranks (the DCP .metadata), reported by rank 0"
+    )
+    consumed_tokens: int = 0
+    consumed_samples: int = 0
+    spec_hash: str | None = None
+    parallelism: dict[str, int] = {}
+
+
+class CheckpointReady(Event):
+    topic: ClassVar[str] = CHECKPOINTS
+    event_type: Literal["CheckpointReady"] = "CheckpointReady"
+    job_id: str
+    tenant: str
+    attempt: int
+    epoch: int
+    global_step: int
+    world_size: int
+    manifest_uri: str
+    content_hash: str
+    consumed_tokens: int = 0
+
+
+class CheckpointFailed(Event):
+    topic: ClassVar[str] = CHECKPOINTS
+    event_type: Literal["CheckpointFailed"] = "CheckpointFailed"
+    job_id: str
+    tenant: str | None = None
+    attempt: int
+    global_step: int
+    reason: str
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class StepMetrics(Event):
+    topic: ClassVar[str] = METRICS
+    event_type: Literal["StepMetrics"] = "StepMetrics"
+    job_id: str
+    tenant: str | None = None
+    attempt: int
+    rank: int
+    step: int = Field(description="global step completed")
+    max_steps: int | None = None
+    loss: float
+    lr: float | None = None
+    consumed_tokens: int = Field(description="tokens consumed by the whole job so far")
+    consumed_samples: int = 0
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    collective_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+class DatasetVersionPublished(Event):
+    topic: ClassVar[str] = DATASETS
+    event_type: Literal["DatasetVersionPublished"] = "DatasetVersionPublished"
+    name: str
+    version: str
+    manifest_uri: str
+    sha256: str
+    tokenizer: str | None = None
+    num_tokens: int | None = None
+
+    def key(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+# ----------------------------------------------------------------------------- dead letters
+
+
+class DeadLetter(Event):
+    topic: ClassVar[str] = DEADLETTER
+    event_type: Literal["DeadLetter"] = "DeadLetter"
+    source_topic: str
+    partition: int
+    offset: int
+    consumer_group: str
+    key_b64: str | None = None
+    raw_b64: str
+    error: str
+
+    def key(self) -> str:
+        return f"{self.source_topic}/{self.partition}/{self.offset}"
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _union(*classes: type[Event]) -> Any:
+    if len(classes) == 1:
+        return TypeAdapter(classes[0])
+    return TypeAdapter(Annotated[Union[classes], Field(discriminator="event_type")])  # noqa: UP007
+
+
+TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
+    JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
+    NODES: (NodeHeartbeat, NodeQuarantined),
+    ALLOCATIONS: (GangAllocated, AllocationRevoked),
+    WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected),
+    CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed),
+    METRICS: (StepMetrics,),
+    DATASETS: (DatasetVersionPublished,),
+    DEADLETTER: (DeadLetter,),
+}
+
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {t: _union(*cs) for t, cs in TOPIC_EVENTS.items()}
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.model_fields["event_type"].default: cls for cs in TOPIC_EVENTS.values() for cls in cs
+}
+
+AnyEvent: TypeAlias = Event
+
+
+def decode_event(topic: str, raw: bytes) -> Event:
+    """Parse and validate ``raw`` as one of the events of ``topic``.
+
+    Raises ``ValueError`` (pydantic's ValidationError is one) for anything that is not
+    a valid event of that topic; the bus sends such messages to the dead-letter topic.
+    """
+    try:
+        adapter = _ADAPTERS[topic]
+    except KeyError:
+        raise ValueError(f"no events are defined for topic {topic!r}") from None
+    return adapter.validate_json(raw)

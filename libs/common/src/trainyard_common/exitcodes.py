@@ -1,0 +1,24 @@
+"""Exit codes of a trainer rank, and how a node agent names them (WorkerExited.reason)."""
+
+from __future__ import annotations
+
+import signal
+
+OK = 0
+ERROR = 1
+CONFIG = 2
+NAN = 3
+CHECKPOINT = 4
+DATA = 5
+OOM = 6
+
+_REASONS = {OK: "ok", ERROR: "error", CONFIG: "config", NAN: "nan", CHECKPOINT: "checkpoint",
+            DATA: "data", OOM: "oom"}
+RETRYABLE_REASONS = frozenset({"error", "killed", "lost", "oom", "hang"})
+
+
+def exit_reason(code: int) -> str:
+    """Classify a process exit code (negative = killed by that signal, as subprocess reports)."""
+    if code < 0:
+        return "killed" if -code in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) else f"signal-{-code}"
+    return _REASONS.get(code, "error")

@@ -1,0 +1,84 @@
+"""The transactional outbox: a state change and the events it causes are written to Redis
+in one MULTI; a relay publishes them afterwards and deletes each once the broker has it.
+
+A crash between publish and delete re-publishes on restart; consumers are idempotent by
+``eventId``, so that is harmless. A broker outage only delays events, never loses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from trainyard_common.bus import Bus
+from trainyard_common.events import Event
+from trainyard_common.store import Keys
+from trainyard_common.tracing import current_traceparent
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    def __init__(self, redis: Redis, service: str) -> None:
+        self.redis = redis
+        self.key = Keys.outbox(service)
+        self._wake = asyncio.Event()
+
+    def stage(self, pipe: Pipeline, event: Event, *, traceparent: str | None = None) -> None:
+        """Queue ``event`` inside the caller's MULTI pipeline."""
+        pipe.xadd(
+            self.key,
+            {
+                "topic": event.topic,
+                "key": event.key(),
+                "payload": event.to_bytes().decode(),
+                "traceparent": traceparent or current_traceparent() or "",
+            },
+        )
+        self._wake.set()
+
+    async def put(self, *events: Event, traceparent: str | None = None) -> None:
+        """Stage events on their own (no other state change to pair them with)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for event in events:
+                self.stage(pipe, event, traceparent=traceparent)
+            await pipe.execute()
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    async def pending(self) -> int:
+        return int(await self.redis.xlen(self.key))
+
+    async def relay_once(self, bus: Bus, *, batch: int = 200) -> int:
+        """Publish what is staged, oldest first; returns how many were published."""
+        entries = await self.redis.xrange(self.key, count=batch)
+        for entry_id, fields in entries:
+            await bus.publish_raw_traced(
+                fields["topic"], fields["payload"].encode(), key=fields["key"],
+                traceparent=fields.get("traceparent") or None,
+            )
+            await self.redis.xdel(self.key, entry_id)
+        return len(entries)
+
+    async def relay_forever(self, bus: Bus, *, idle_poll_s: float = 1.0) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                if await self.relay_once(bus):
+                    backoff = 0.2
+                    continue
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), idle_poll_s)
+                except asyncio.TimeoutError:
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a relay never dies on one failure
+                log.warning("outbox relay %s: %r; retrying in %.1fs", self.key, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,171 @@
+"""Durable records kept in Redis (the system of record; the broker is not).
+
+One JSON document per key; camelCase like the API. Who writes what:
+
+* ``JobRecord``        api creates (SET NX); afterwards only the scheduler changes it.
+* ``Progress``         api, from StepMetrics.
+* ``CheckpointRecord`` checkpoint-coordinator.
+* ``ArtifactRecord``   registry.  ``DatasetRecord`` registry (from DatasetVersionPublished).
+* ``NodeRecord``       scheduler, from NodeHeartbeat.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, utcnow
+from trainyard_common.spec import TrainingSpec
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", protected_namespaces=()
+    )
+
+    def dumps(self) -> str:
+        return self.model_dump_json(by_alias=True)
+
+
+AttemptState = Literal["starting", "running", "succeeded", "failed", "revoked"]
+
+
+class AttemptRecord(Record):
+    attempt: int
+    allocation_id: str
+    epoch: int
+    state: AttemptState = "starting"
+    nodes: list[str] = []
+    devices: list[str] = Field(default=[], description="node:index of every leased device")
+    world_size: int
+    start_checkpoint: CheckpointRef | None = None
+    started_at: datetime = Field(default_factory=utcnow)
+    ended_at: datetime | None = None
+    failure_reason: str | None = None
+    exited_ranks: dict[str, int] = Field(default={}, description="rank -> exit code")
+    started_ranks: list[int] = []
+    placement_score: float | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+class JobRecord(Record):
+    job_id: str
+    tenant: str
+    spec: TrainingSpec
+    spec_hash: str
+    state: JobState = "queued"
+    priority: int = 0
+    submitted_by: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+    reason: str | None = Field(default=None, description="why it failed or was cancelled")
+    queued_reason: str | None = Field(default=None, description="why it waits, while queued")
+    attempts: list[AttemptRecord] = []
+    max_attempts: int = 3
+    traceparent: str | None = None
+    control: Literal["cancel", "pause"] | None = Field(default=None, description="pending control action")
+
+    @property
+    def current(self) -> AttemptRecord | None:
+        return self.attempts[-1] if self.attempts else None
+
+
+class Progress(Record):
+    attempt: int | None = None
+    global_step: int = 0
+    max_steps: int | None = None
+    consumed_tokens: int = 0
+    consumed_samples: int = 0
+    last_loss: float | None = None
+    lr: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    step_seconds: float | None = None
+    updated_at: datetime | None = None
+
+
+CheckpointState = Literal["PENDING", "READY", "FAILED"]
+
+
+class CheckpointRecord(Record):
+    job_id: str
+    tenant: str
+    attempt: int
+    epoch: int
+    global_step: int
+    world_size: int
+    state: CheckpointState = "PENDING"
+    manifest_uri: str | None = None
+    content_hash: str | None = None
+    consumed_tokens: int = 0
+    reason: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    ready_at: datetime | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return checkpoint_id(self.global_step, self.attempt)
+
+
+def checkpoint_id(global_step: int, attempt: int) -> str:
+    return f"step-{global_step:09d}-a{attempt}"
+
+
+class Lineage(Record):
+    spec_hash: str
+    code_revision: str
+    dataset: str
+    dataset_manifest_uri: str | None = None
+    dataset_sha256: str | None = None
+    tokenizer: str | None = None
+    model_config_ref: str | None = Field(default=None, alias="modelConfig")
+    parent_checkpoint: str | None = Field(default=None, description="manifest the producing attempt started from")
+
+
+class ArtifactRecord(Record):
+    artifact_id: str
+    job_id: str
+    tenant: str
+    type: Literal["checkpoint", "model"]
+    uri: str
+    hash: str
+    producer_attempt: int
+    global_step: int
+    consumed_tokens: int = 0
+    lineage: Lineage
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class DatasetRecord(Record):
+    name: str
+    version: str
+    manifest_uri: str
+    sha256: str
+    tokenizer: str | None = None
+    num_tokens: int | None = None
+    published_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+class NodeRecord(Record):
+    node_id: str
+    host: str
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    devices: list[DeviceInfo]
+    healthy: bool = True
+    last_seen: datetime = Field(default_factory=utcnow)
+    quarantined: str | None = None
+
+
+class TenantToken(Record):
+    tenant: str
+    name: str = "default"
+    created_at: datetime = Field(default_factory=utcnow)

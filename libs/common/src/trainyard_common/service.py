@@ -1,0 +1,167 @@
+"""The lifecycle every trainyard service shares.
+
+    runtime = ServiceRuntime("scheduler", settings)
+    runtime.bus.subscribe(...); runtime.add_loop("tick", tick, every_s=1.0)
+    await runtime.run()          # start → wait for SIGTERM/SIGINT → aclose
+
+start: logging, tracing, Redis ping, topics, subscriptions, outbox relay, health beacon,
+background loops. aclose (idempotent): stop loops, stop the broker, flush traces, close
+Redis. Background loops log and back off; one failure never kills them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from trainyard_common.bus import Bus, Deduper, ensure_topics
+from trainyard_common.errors import StateStoreError, TrainyardError
+from trainyard_common.outbox import Outbox
+from trainyard_common.settings import ServiceSettings
+from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_common.tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+
+def configure_logging(level: str, service: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("faststream"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class ServiceRuntime:
+    """Redis + bus + outbox + loops for one service process."""
+
+    def __init__(self, name: str, settings: ServiceSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.redis = connect_redis(settings.redis_url)
+        self.store = StateStore(self.redis)
+        self.bus = Bus(settings.kafka_bootstrap, service_name=name, group_prefix=settings.group_prefix)
+        self.outbox = Outbox(self.redis, name)
+        self._loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+        self._closed = False
+        self._started = False
+
+    def deduper(self, group: str) -> Deduper:
+        return Deduper(self.redis, group)
+
+    def add_loop(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
+        """Run ``fn`` every ``every_s`` seconds once started."""
+        self._loops.append((name, fn, every_s))
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        setup_tracing(f"trainyard-{self.name}", instance_id=self.instance)
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            raise StateStoreError(f"cannot reach Redis at {self.settings.redis_url}: {exc!r}") from exc
+        if self.settings.create_topics:
+            await ensure_topics(
+                self.settings.kafka_bootstrap,
+                partitions=self.settings.topic_partitions,
+                replication=self.settings.topic_replication,
+            )
+        await self.bus.start()
+        if self.settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port)
+        self._spawn("outbox-relay", self.outbox.relay_forever(self.bus))
+        self._spawn("health", self._periodic("health", self._beacon, self.settings.health_interval_s))
+        for name, fn, every_s in self._loops:
+            self._spawn(name, self._periodic(name, fn, every_s))
+        log.info("%s started (instance %s)", self.name, self.instance)
+
+    def _spawn(self, name: str, coro: Awaitable[None]) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=f"{self.name}:{name}"))  # type: ignore[arg-type]
+
+    async def _beacon(self) -> None:
+        ttl = max(int(self.settings.health_interval_s * 5), 5)
+        await self.redis.set(Keys.health(self.name, self.instance), str(os.getpid()), ex=ttl)
+
+    async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
+        failures = 0
+        while True:
+            try:
+                await fn()
+                failures = 0
+                await asyncio.sleep(every_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - loops back off, never die
+                failures += 1
+                delay = min(every_s * 2**failures, 30.0)
+                level = logging.WARNING if isinstance(exc, TrainyardError) and exc.retryable else logging.ERROR
+                log.log(level, "%s loop %r failed (%d in a row), retry in %.1fs: %r",
+                        self.name, name, failures, delay, exc, exc_info=level == logging.ERROR)
+                await asyncio.sleep(delay)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Start, then serve until SIGTERM or SIGINT, then close."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            await self._stopping.wait()
+            log.info("%s stopping", self.name)
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.bus.aclose()
+        try:
+            await self.redis.delete(Keys.health(self.name, self.instance))
+        except (RedisError, OSError):
+            pass
+        await self.redis.aclose()
+        shutdown_tracing()
+
+    async def __aenter__(self) -> ServiceRuntime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def run_main(coro_factory: Callable[[], Awaitable[None]]) -> None:
+    """Entry point helper: run the service; a TrainyardError at start-up exits 2 with its message."""
+    try:
+        asyncio.run(coro_factory())  # type: ignore[arg-type]
+    except TrainyardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,52 @@
+"""Typed settings, parsed once in each service's ``main()`` from ``TRAINYARD_*`` variables.
+
+Each service subclasses :class:`ServiceSettings` with its own fields. Nothing deeper in
+the code reads ``os.environ``; the settings object is passed down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trainyard_common.errors import ConfigError
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class ServiceSettings(BaseSettings):
+    """What every trainyard process needs: where the broker, Redis and artifacts are."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
+
+    kafka_bootstrap: str = Field(default="127.0.0.1:9092", description="host:port[,host:port]")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    artifact_root: Path = Field(default=Path(".trainyard/artifacts"))
+    topic_partitions: int = Field(default=3, gt=0)
+    topic_replication: int = Field(default=1, gt=0)
+    create_topics: bool = Field(default=True, description="create missing topics at start-up")
+    group_prefix: str = "trainyard"
+    instance_id: str | None = Field(default=None, description="defaults to host:pid")
+    log_level: str = "INFO"
+    metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="Prometheus /metrics")
+    health_interval_s: float = Field(default=2.0, gt=0)
+    reconcile_interval_s: float = Field(default=5.0, gt=0)
+
+    @property
+    def artifact_root_abs(self) -> Path:
+        return self.artifact_root.expanduser().resolve()
+
+
+def load_settings(cls: type[S], **overrides: object) -> S:
+    """Parse settings once; a bad variable becomes a ConfigError naming it."""
+    try:
+        return cls(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        prefix = cls.model_config.get("env_prefix", "")
+        problems = "; ".join(
+            f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from exc

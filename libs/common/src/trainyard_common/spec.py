@@ -1,0 +1,143 @@
+"""The immutable training spec (`POST /v1/training-jobs` body) and its canonical hash.
+
+Field names on the wire are camelCase, as in the seed; Python attributes are snake_case.
+Validation here is everything that can be checked without I/O. References to the model
+catalog and the dataset registry are resolved by the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.catalog import ModelConfig
+
+REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, frozen=True, extra="forbid",
+        protected_namespaces=(),
+    )
+
+
+class Resources(_Wire):
+    gpu_type: str = Field(min_length=1, max_length=64, description="device type, e.g. h100-80gb or cpu")
+    gpu_count: int = Field(gt=0, le=65_536)
+    topology: str | None = Field(default=None, max_length=64)
+
+
+class Parallelism(_Wire):
+    data: int = Field(default=1, gt=0)
+    tensor: int = Field(default=1, gt=0)
+    pipeline: int = Field(default=1, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.tensor * self.pipeline
+
+
+class CheckpointPolicy(_Wire):
+    every_steps: int | None = Field(default=None, gt=0)
+    every_minutes: float | None = Field(default=None, gt=0)
+    keep_last: int = Field(default=3, gt=0, le=1000)
+
+    @model_validator(mode="after")
+    def _exactly_one_interval(self) -> CheckpointPolicy:
+        if (self.every_steps is None) == (self.every_minutes is None):
+            raise ValueError("set exactly one of everySteps or everyMinutes")
+        return self
+
+
+class Optimizer(_Wire):
+    name: Literal["adamw", "sgd"] = "adamw"
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+
+
+class LrSchedule(_Wire):
+    name: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class Training(_Wire):
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    sequence_length: int = Field(gt=0, le=1_048_576)
+    micro_batch_size: int = Field(gt=0, le=65_536)
+    global_batch_size: int = Field(gt=0, description="sequences per optimizer step")
+    optimizer: Optimizer = Optimizer()
+    learning_rate: float = Field(gt=0, lt=10)
+    lr_schedule: LrSchedule = LrSchedule()
+    max_steps: int = Field(gt=0, le=10_000_000)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    deterministic: bool = True
+
+
+class TrainingSpec(_Wire):
+    """What a researcher submits. Immutable: a new configuration is a new job."""
+
+    spec_version: Literal["v1"]
+    model_config_ref: Annotated[
+        str | ModelConfig,
+        Field(alias="modelConfig", description="catalog reference name@version, or an inline model"),
+    ]
+    dataset: str = Field(pattern=REF_PATTERN, description="dataset name@version")
+    code_revision: str = Field(min_length=1, max_length=128)
+    resources: Resources
+    parallelism: Parallelism = Parallelism()
+    checkpoint_policy: CheckpointPolicy = CheckpointPolicy(every_steps=1000)
+    training: Training
+    name: str | None = Field(default=None, max_length=128)
+    priority: int = Field(default=0, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainingSpec:
+        if isinstance(self.model_config_ref, str):
+            import re
+
+            if not re.match(REF_PATTERN, self.model_config_ref):
+                raise ValueError("modelConfig must be a catalog reference name@version or an object")
+        world = self.parallelism.world_size
+        if world != self.resources.gpu_count:
+            raise ValueError(
+                f"parallelism data*tensor*pipeline = {self.parallelism.data}*{self.parallelism.tensor}"
+                f"*{self.parallelism.pipeline} = {world} must equal resources.gpuCount = {self.resources.gpu_count}"
+            )
+        t = self.training
+        per_step = t.micro_batch_size * self.parallelism.data
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"training.globalBatchSize ({t.global_batch_size}) must be a multiple of "
+                f"microBatchSize ({t.micro_batch_size}) x parallelism.data ({self.parallelism.data}) = {per_step}"
+            )
+        return self
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.parallelism.data
+        )
+
+    def wire(self) -> dict[str, Any]:
+        """The spec as JSON-ready camelCase data, defaults filled in."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def spec_hash(self) -> str:
+        return spec_hash(self.wire())
+
+
+def canonical_json(data: Any) -> bytes:
+    """Deterministic JSON: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def spec_hash(wire: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(wire)).hexdigest()

@@ -1,0 +1,85 @@
+"""The event spool: how a torch rank hands events to its node agent.
+
+A rank appends one JSON line per event to its own file (``SpoolWriter``; flushed and
+fsynced, so an event that was written survives a crash of the rank). The node agent
+tails every rank's file (``SpoolReader``) and publishes each line with the rank's trace
+context. Ranks therefore keep training while the broker is down: their events wait in
+the file and are flushed on reconnect; consumers are idempotent by ``eventId``.
+
+Line format: ``{"topic": …, "key": …, "traceparent": …, "payload": {event JSON}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainyard_common.events import Event
+
+
+class SpoolWriter:
+    """Append-only, one line per event; safe to use from one process (one rank)."""
+
+    def __init__(self, path: Path | str, *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._fsync = fsync
+
+    def write(self, event: Event, *, traceparent: str | None = None) -> None:
+        line = json.dumps(
+            {
+                "topic": event.topic,
+                "key": event.key(),
+                "traceparent": traceparent,
+                "payload": json.loads(event.to_bytes()),
+            },
+            separators=(",", ":"),
+        )
+        self._fh.write(line + "\n")
+        self._fh.flush()
+        if self._fsync:
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> SpoolWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SpoolReader:
+    """Reads complete lines past ``offset``; a partial last line is left for next time."""
+
+    def __init__(self, path: Path | str, offset: int = 0) -> None:
+        self.path = Path(path)
+        self.offset = offset
+
+    def read_new(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(offset_after_line, record)``; commit by storing the offset after publishing."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        pos = self.offset
+        for raw in data.splitlines(keepends=True):
+            if not raw.endswith(b"\n"):
+                break
+            pos += len(raw)
+            text = raw.strip()
+            if not text:
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError:
+                record = {"corrupt": text.decode(errors="replace")}
+            yield pos, record

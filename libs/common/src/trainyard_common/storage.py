@@ -1,0 +1,104 @@
+"""The artifact store: layout per tenant and job, atomic writes, content hashes.
+
+The store is a filesystem root (``./.trainyard/artifacts`` locally, a shared filesystem
+in a cluster). URIs are ``file://`` absolute paths so every process, whatever its
+working directory, resolves them the same way.
+
+Layout::
+
+    <root>/datasets/<name>/<version>/{manifest.json,tokenizer.json,shard-00000.bin,…}
+    <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/logs/rank-<r>.log
+    <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/events/rank-<r>.jsonl
+    <root>/tenants/<tenant>/jobs/<job>/checkpoints/step-<000000040>-a<n>/{__<r>_0.distcp,.metadata,manifest.json}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from trainyard_common.errors import StateStoreError
+
+CHUNK = 4 * 1024 * 1024
+
+
+def path_to_uri(path: Path | str) -> str:
+    return Path(path).resolve().as_uri()
+
+
+def uri_to_path(uri: str) -> Path:
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(unquote(parsed.path if parsed.scheme else uri))
+    raise StateStoreError(f"unsupported artifact URI scheme {parsed.scheme!r} in {uri!r}", retryable=False)
+
+
+def sha256_file(path: Path | str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write to a temporary sibling, fsync, rename into place, fsync the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class ArtifactLayout:
+    """Where things live under the artifact root."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).expanduser().resolve()
+
+    def dataset_dir(self, name: str, version: str) -> Path:
+        return self.root / "datasets" / name / version
+
+    def job_dir(self, tenant: str, job_id: str) -> Path:
+        return self.root / "tenants" / tenant / "jobs" / job_id
+
+    def attempt_dir(self, tenant: str, job_id: str, attempt: int) -> Path:
+        return self.job_dir(tenant, job_id) / "attempts" / str(attempt)
+
+    def rank_log(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
+        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}.log"
+
+    def rank_events(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
+        return self.attempt_dir(tenant, job_id, attempt) / "events" / f"rank-{rank}.jsonl"
+
+    def checkpoints_dir(self, tenant: str, job_id: str) -> Path:
+        return self.job_dir(tenant, job_id) / "checkpoints"
+
+    def checkpoint_dir(self, tenant: str, job_id: str, attempt: int, step: int) -> Path:
+        return self.checkpoints_dir(tenant, job_id) / f"step-{step:09d}-a{attempt}"
+
+    @staticmethod
+    def manifest_path(checkpoint_dir: Path) -> Path:
+        return checkpoint_dir / "manifest.json"

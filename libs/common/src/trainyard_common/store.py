@@ -1,0 +1,186 @@
+"""Redis keys and typed access to the durable records (see ``records.py``).
+
+Every key starts with ``ty:``. Services share these readers so the API's read models
+and the writers agree on one layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from trainyard_common.errors import StateStoreError
+from trainyard_common.records import (
+    ArtifactRecord,
+    CheckpointRecord,
+    DatasetRecord,
+    JobRecord,
+    NodeRecord,
+    Progress,
+    Record,
+    TenantToken,
+)
+
+R = TypeVar("R", bound=Record)
+
+
+class Keys:
+    jobs = "ty:jobs"
+    datasets = "ty:datasets"
+    nodes = "ty:nodes"
+    tokens = "ty:tokens"
+    lease_audit = "ty:lease-audit"
+
+    @staticmethod
+    def job(job_id: str) -> str:
+        return f"ty:job:{job_id}"
+
+    @staticmethod
+    def tenant_jobs(tenant: str) -> str:
+        return f"ty:tenant:{tenant}:jobs"
+
+    @staticmethod
+    def progress(job_id: str) -> str:
+        return f"ty:job:{job_id}:progress"
+
+    @staticmethod
+    def checkpoints(job_id: str) -> str:
+        return f"ty:ckpt:{job_id}"
+
+    @staticmethod
+    def shards(job_id: str, attempt: int, step: int) -> str:
+        return f"ty:ckpt:{job_id}:shards:{attempt}:{step}"
+
+    @staticmethod
+    def artifacts(job_id: str) -> str:
+        return f"ty:artifacts:{job_id}"
+
+    @staticmethod
+    def epoch(job_id: str) -> str:
+        return f"ty:epoch:{job_id}"
+
+    @staticmethod
+    def allocation(allocation_id: str) -> str:
+        return f"ty:alloc:{allocation_id}"
+
+    @staticmethod
+    def lease(node_id: str, device_index: int) -> str:
+        return f"ty:lease:{node_id}:{device_index}"
+
+    @staticmethod
+    def outbox(service: str) -> str:
+        return f"ty:outbox:{service}"
+
+    @staticmethod
+    def health(service: str, instance: str) -> str:
+        return f"ty:health:{service}:{instance}"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def connect_redis(url: str) -> Redis:
+    return Redis.from_url(url, decode_responses=True, health_check_interval=10)
+
+
+class StateStore:
+    """Typed reads and simple writes of the shared records."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def _get(self, key: str, cls: type[R]) -> R | None:
+        try:
+            raw = await self.redis.get(key)
+        except RedisError as exc:
+            raise StateStoreError(f"redis GET {key} failed: {exc!r}") from exc
+        return cls.model_validate_json(raw) if raw else None
+
+    async def _hvals(self, key: str, cls: type[R]) -> list[R]:
+        try:
+            raw = await self.redis.hvals(key)
+        except RedisError as exc:
+            raise StateStoreError(f"redis HVALS {key} failed: {exc!r}") from exc
+        return [cls.model_validate_json(r) for r in raw]
+
+    # jobs -------------------------------------------------------------------
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        return await self._get(Keys.job(job_id), JobRecord)
+
+    async def create_job(self, job: JobRecord) -> bool:
+        """Store a new job; False if the id exists already (idempotent re-submission)."""
+        created = await self.redis.set(Keys.job(job.job_id), job.dumps(), nx=True)
+        if created:
+            score = job.created_at.timestamp()
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zadd(Keys.jobs, {job.job_id: score})
+                pipe.zadd(Keys.tenant_jobs(job.tenant), {job.job_id: score})
+                await pipe.execute()
+        return bool(created)
+
+    async def put_job(self, job: JobRecord) -> None:
+        await self.redis.set(Keys.job(job.job_id), job.dumps())
+
+    async def list_job_ids(self, tenant: str | None = None, *, limit: int = 100, offset: int = 0) -> list[str]:
+        key = Keys.tenant_jobs(tenant) if tenant else Keys.jobs
+        return list(await self.redis.zrevrange(key, offset, offset + limit - 1))
+
+    async def get_jobs(self, job_ids: Sequence[str]) -> list[JobRecord]:
+        if not job_ids:
+            return []
+        raws = await self.redis.mget([Keys.job(j) for j in job_ids])
+        return [JobRecord.model_validate_json(r) for r in raws if r]
+
+    async def get_progress(self, job_id: str) -> Progress | None:
+        return await self._get(Keys.progress(job_id), Progress)
+
+    # checkpoints ------------------------------------------------------------
+    async def list_checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        records = await self._hvals(Keys.checkpoints(job_id), CheckpointRecord)
+        return sorted(records, key=lambda c: (c.global_step, c.attempt))
+
+    async def latest_ready_checkpoint(self, job_id: str) -> CheckpointRecord | None:
+        ready = [c for c in await self.list_checkpoints(job_id) if c.state == "READY"]
+        return ready[-1] if ready else None
+
+    async def put_checkpoint(self, record: CheckpointRecord) -> None:
+        await self.redis.hset(Keys.checkpoints(record.job_id), record.checkpoint_id, record.dumps())
+
+    # registry ---------------------------------------------------------------
+    async def list_artifacts(self, job_id: str) -> list[ArtifactRecord]:
+        records = await self._hvals(Keys.artifacts(job_id), ArtifactRecord)
+        return sorted(records, key=lambda a: (a.global_step, a.created_at))
+
+    async def put_artifact(self, record: ArtifactRecord) -> bool:
+        """Idempotent by artifact id; False when it was recorded before."""
+        return bool(await self.redis.hsetnx(Keys.artifacts(record.job_id), record.artifact_id, record.dumps()))
+
+    async def get_dataset(self, ref: str) -> DatasetRecord | None:
+        raw = await self.redis.hget(Keys.datasets, ref)
+        return DatasetRecord.model_validate_json(raw) if raw else None
+
+    async def put_dataset(self, record: DatasetRecord) -> None:
+        await self.redis.hset(Keys.datasets, record.ref, record.dumps())
+
+    async def list_datasets(self) -> list[DatasetRecord]:
+        return await self._hvals(Keys.datasets, DatasetRecord)
+
+    # nodes ------------------------------------------------------------------
+    async def list_nodes(self) -> list[NodeRecord]:
+        return await self._hvals(Keys.nodes, NodeRecord)
+
+    async def put_node(self, record: NodeRecord) -> None:
+        await self.redis.hset(Keys.nodes, record.node_id, record.dumps())
+
+    # tenants ----------------------------------------------------------------
+    async def add_token(self, token: str, tenant: str, name: str = "default") -> None:
+        await self.redis.hset(Keys.tokens, hash_token(token), TenantToken(tenant=tenant, name=name).dumps())
+
+    async def tenant_for_token(self, token: str) -> TenantToken | None:
+        raw = await self.redis.hget(Keys.tokens, hash_token(token))
+        return TenantToken.model_validate_json(raw) if raw else None

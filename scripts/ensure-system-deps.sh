@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the system packages trainyard's local stack and tests need, when missing.
+set -euo pipefail
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing ${need[*]} with apt-get…"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq "${need[@]}" >/dev/null
+  # Debian starts a system redis on 6379 on install; ours runs on its own port, stop theirs.
+  (command -v systemctl >/dev/null && systemctl stop redis-server 2>/dev/null) || true
+  (service redis-server stop >/dev/null 2>&1) || true
+else
+  echo "trainyard needs: ${need[*]}" >&2
+  echo "install it with your package manager, e.g.: sudo apt-get install -y ${need[*]}" >&2
+  echo "or point TRAINYARD_REDIS_URL at an existing Redis server." >&2
+  exit 1
+fi

