@@ -73,3 +73,37 @@ async def redis(redis_server_url: str) -> AsyncIterator[object]:
         yield client
     finally:
         await client.aclose()
+
+
+_db_counter = iter(range(10**9))
+
+
+@pytest.fixture
+def env(kafka_bootstrap: str, redis_server_url: str, unique: str, tmp_path: Path) -> dict[str, object]:
+    """Settings for services under test, isolated from other tests on the shared servers:
+    topics under a unique namespace, a freshly flushed Redis database, a private artifact root.
+
+    Pass as keyword arguments: ``SchedulerSettings(**env)``; the same keys, upper-cased with
+    a ``TRAINYARD_`` prefix, configure a subprocess (see :func:`env_vars`).
+    """
+    import redis as redis_sync
+
+    base = redis_server_url.rsplit("/", 1)[0]
+    db = 1 + next(_db_counter) % 15
+    url = f"{base}/{db}"
+    client = redis_sync.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    return {
+        "kafka_bootstrap": kafka_bootstrap,
+        "redis_url": url,
+        "topic_namespace": f"t{unique}.",
+        "group_prefix": f"g{unique}",
+        "artifact_root": tmp_path / "artifacts",
+        "topic_partitions": 2,
+    }
+
+
+def env_vars(env: dict[str, object]) -> dict[str, str]:
+    """``env`` as TRAINYARD_* environment variables for a subprocess."""
+    return {f"TRAINYARD_{k.upper()}": str(v) for k, v in env.items()}

@@ -48,6 +48,7 @@ async def ensure_topics(
     partitions: int,
     replication: int = 1,
     topics: Iterable[str] = ev.ALL_TOPICS,
+    namespace: str = "",
     timeout_s: float = 30.0,
 ) -> list[str]:
     """Create the missing topics; returns those created. Existing topics are left alone."""
@@ -56,7 +57,7 @@ async def ensure_topics(
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
         existing = set(await admin.list_topics())
-        missing = [t for t in topics if t not in existing]
+        missing = [f"{namespace}{t}" for t in topics if f"{namespace}{t}" not in existing]
         for topic in missing:  # one at a time: a concurrent creator only costs us one topic
             try:
                 await admin.create_topics(
@@ -99,10 +100,14 @@ class Deduper:
 class Bus:
     """Owns the broker connection. ``start()`` after subscribing; ``aclose()`` is idempotent."""
 
-    def __init__(self, bootstrap: str, *, service_name: str, group_prefix: str = "trainyard") -> None:
+    def __init__(
+        self, bootstrap: str, *, service_name: str, group_prefix: str = "trainyard", topic_namespace: str = ""
+    ) -> None:
         self.service_name = service_name
         self.group_prefix = group_prefix
         self.bootstrap = bootstrap
+        # A namespace prefixes every topic name (test isolation, several stacks on one broker).
+        self.namespace = topic_namespace
         # No idempotent producer and no transactions: the embedded broker rejects both.
         self.broker = KafkaBroker(
             bootstrap,
@@ -142,6 +147,10 @@ class Bus:
         """Publish ``event`` to its topic. ``traceparent`` overrides the current span as parent."""
         await self.publish_raw_traced(event.topic, event.to_bytes(), key=event.key(), traceparent=traceparent)
 
+    def physical(self, topic: str) -> str:
+        """The broker's name for a logical topic (``trainyard.jobs`` → ``<namespace>trainyard.jobs``)."""
+        return f"{self.namespace}{topic}"
+
     async def publish_raw_traced(
         self, topic: str, payload: bytes, *, key: str | None, traceparent: str | None = None
     ) -> None:
@@ -162,7 +171,7 @@ class Bus:
     ) -> None:
         try:
             await self.broker.publish(
-                payload, topic=topic, key=key.encode() if key else None, headers=dict(headers or {})
+                payload, topic=self.physical(topic), key=key.encode() if key else None, headers=dict(headers or {})
             )
         except (KafkaError, OSError) as exc:
             raise BusError(f"publish to {topic} failed: {exc!r}") from exc
@@ -187,7 +196,7 @@ class Bus:
         dispatcher = _Dispatcher(self, topic, group_id, dict(handlers), deduper, max_backoff_s)
 
         @self.broker.subscriber(
-            topic,
+            self.physical(topic),
             group_id=group_id,
             auto_offset_reset="earliest",
             ack_policy=AckPolicy.NACK_ON_ERROR,
@@ -266,7 +275,7 @@ class _Dispatcher:
 
     async def _dead_letter(self, record: Any, error: str) -> None:
         letter = ev.DeadLetter(
-            source_topic=record.topic,
+            source_topic=self.topic,
             partition=record.partition,
             offset=record.offset,
             consumer_group=self.group,

@@ -53,7 +53,12 @@ class ServiceRuntime:
         self.instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         self.redis = connect_redis(settings.redis_url)
         self.store = StateStore(self.redis)
-        self.bus = Bus(settings.kafka_bootstrap, service_name=name, group_prefix=settings.group_prefix)
+        self.bus = Bus(
+            settings.kafka_bootstrap,
+            service_name=name,
+            group_prefix=settings.group_prefix,
+            topic_namespace=settings.topic_namespace,
+        )
         self.outbox = Outbox(self.redis, name)
         self._loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,6 +87,7 @@ class ServiceRuntime:
                 self.settings.kafka_bootstrap,
                 partitions=self.settings.topic_partitions,
                 replication=self.settings.topic_replication,
+                namespace=self.settings.topic_namespace,
             )
         await self.bus.start()
         if self.settings.metrics_port:

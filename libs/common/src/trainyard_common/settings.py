@@ -29,6 +29,7 @@ class ServiceSettings(BaseSettings):
     topic_replication: int = Field(default=1, gt=0)
     create_topics: bool = Field(default=True, description="create missing topics at start-up")
     group_prefix: str = "trainyard"
+    topic_namespace: str = Field(default="", description="prefix of every topic name; empty in production")
     instance_id: str | None = Field(default=None, description="defaults to host:pid")
     log_level: str = "INFO"
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="Prometheus /metrics")
