@@ -1,7 +1,138 @@
-"""`trainyard dev …`: the embedded local stack (being written by the lead)."""
+"""`trainyard dev …`: run the embedded local stack on this host (what `make up`, `make down`,
+`make logs`, `make data` and `make demo` call)."""
 
 from __future__ import annotations
 
-import typer
+import asyncio
+import subprocess
+import time
+from pathlib import Path
 
-dev_app = typer.Typer(help="Run the local stack on this host: broker, Redis, services, node agents.")
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from trainyard_cli.stack import LocalStack, StackSettings
+from trainyard_common.errors import TrainyardError
+
+dev_app = typer.Typer(
+    help="Run the local stack on this host: a Kafka-protocol broker, Redis, the five services "
+    "and simulated nodes (CPU ranks, gloo). Configure with TRAINYARD_* variables "
+    "(TRAINYARD_KAFKA_PORT, TRAINYARD_REDIS_PORT, TRAINYARD_API_PORT, TRAINYARD_NODES, "
+    "TRAINYARD_DEVICES_PER_NODE, TRAINYARD_STATE_DIR).",
+    no_args_is_help=True,
+)
+console = Console(stderr=True)
+EXAMPLE_SPEC = Path("examples/tiny.yaml")
+DATASET = ("tinycorpus", "v1")
+
+
+def _stack() -> LocalStack:
+    return LocalStack(StackSettings(), say=lambda m: console.print(f"[dim]•[/dim] {m}"))
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(2)
+
+
+@dev_app.command()
+def up() -> None:
+    """Start everything (idempotent), wait until healthy, print the API URL and a dev token."""
+    stack = _stack()
+    try:
+        token = stack.up()
+    except TrainyardError as exc:
+        raise _fail(exc) from None
+    console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}")
+    console.print(f"dev token (tenant 'dev'): {token}   (also in {stack.token_file})")
+    console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")
+
+
+@dev_app.command()
+def down() -> None:
+    """Stop exactly what `up` started (by pid)."""
+    stopped = _stack().down()
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@dev_app.command()
+def status() -> None:
+    """Show the components of the local stack and whether they run."""
+    stack = _stack()
+    table = Table("component", "pid", "state", "log")
+    for c in stack.components():
+        table.add_row(c.name, str(c.pid), "[green]running[/green]" if c.alive else "[red]dead[/red]", str(c.log))
+    Console().print(table)
+
+
+@dev_app.command()
+def logs(
+    name: str = typer.Argument(None, help="one component (api, scheduler, node-agent-0, broker, …); all if omitted"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+    lines: int = typer.Option(40, "--lines", "-n", help="lines per log"),
+) -> None:
+    """Show the local stack's logs."""
+    log_dir = _stack().s.log_dir
+    files = sorted(log_dir.glob(f"{name}.log" if name else "*.log"))
+    if not files:
+        raise _fail(FileNotFoundError(f"no logs in {log_dir}" + (f" named {name}" if name else "")))
+    cmd = ["tail", f"-n{lines}"] + (["-F"] if follow else []) + [str(f) for f in files]
+    raise typer.Exit(subprocess.call(cmd))  # noqa: S603
+
+
+@dev_app.command()
+def data() -> None:
+    """Build the example dataset (tinycorpus@v1) if needed and publish it to the registry."""
+    try:
+        ref = prepare_and_publish(_stack())
+    except TrainyardError as exc:
+        raise _fail(exc) from None
+    console.print(f"dataset {ref} is registered")
+
+
+def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
+    """Prepare tinycorpus@v1 under the artifact root, publish DatasetVersionPublished, and
+    wait until the registry has recorded it."""
+    from trainyard_trainer.data import prepare_dataset
+
+    name, version = DATASET
+    console.print(f"preparing dataset {name}@{version} (real text, trained byte-level BPE)…")
+    manifest_path, manifest_sha, manifest = prepare_dataset(stack.s.artifact_root, name, version)
+    asyncio.run(_publish_dataset(stack, manifest_path, manifest_sha, manifest))
+    return f"{name}@{version}"
+
+
+async def _publish_dataset(stack: LocalStack, manifest_path: Path, manifest_sha: str, manifest: object) -> None:
+    from trainyard_common.bus import Bus
+    from trainyard_common.events import DatasetVersionPublished
+    from trainyard_common.storage import path_to_uri
+    from trainyard_common.store import StateStore, connect_redis
+
+    name, version = DATASET
+    redis = connect_redis(stack.redis_url)
+    store = StateStore(redis)
+    try:
+        existing = await store.get_dataset(f"{name}@{version}")
+        if existing and existing.sha256 == manifest_sha:
+            return
+        event = DatasetVersionPublished(
+            name=name, version=version, manifest_uri=path_to_uri(manifest_path), sha256=manifest_sha,
+            tokenizer=getattr(manifest, "tokenizer_version", None) or _tokenizer_version(manifest),
+            num_tokens=getattr(manifest, "num_tokens", None),
+        )
+        async with Bus(stack.kafka_bootstrap, service_name="cli", topic_namespace=stack.s.topic_namespace) as bus:
+            await bus.publish(event)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if await store.get_dataset(f"{name}@{version}"):
+                return
+            await asyncio.sleep(0.3)
+        raise TimeoutError("the registry did not record the dataset within 60 s; is it running? (`make logs registry`)")
+    finally:
+        await redis.aclose()
+
+
+def _tokenizer_version(manifest: object) -> str | None:
+    tok = getattr(manifest, "tokenizer", None)
+    return getattr(tok, "version", None) if tok is not None else None

@@ -1,0 +1,301 @@
+"""The embedded local stack: broker, Redis, the five services and N simulated nodes, as
+processes on this host, tracked by pid files so ``down`` stops exactly what ``up`` started.
+
+Used by ``trainyard dev up|down|status`` (``make up``/``make down``) and by the end-to-end
+tests, which run the same code against a temporary state directory and free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trainyard_cli import infra
+from trainyard_common.errors import ConfigError, InfrastructureError
+from trainyard_common.store import Keys, StateStore, connect_redis
+
+SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
+DEV_TENANT = "dev"
+
+
+class StackSettings(BaseSettings):
+    """Where and how the local stack runs (TRAINYARD_* variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
+
+    state_dir: Path = Field(default=Path(".trainyard"), description="pids, logs, Redis data, artifacts")
+    kafka_port: int = Field(default=9092, gt=0, lt=65536)
+    redis_port: int = Field(default=6390, gt=0, lt=65536)
+    api_port: int = Field(default=8080, gt=0, lt=65536)
+    kafka_bootstrap: str | None = Field(default=None, description="use this broker instead of starting one")
+    redis_url: str | None = Field(default=None, description="use this Redis instead of starting one")
+    nodes: int = Field(default=2, ge=1, le=64)
+    devices_per_node: int = Field(default=4, ge=1, le=64)
+    topic_partitions: int = Field(default=3, gt=0)
+    topic_namespace: str = ""
+    ready_timeout_s: float = Field(default=90.0, gt=0)
+
+    @property
+    def root(self) -> Path:
+        return self.state_dir.expanduser().resolve()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.root / "artifacts"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    pid: int
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as dead
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+class LocalStack:
+    """Start, inspect and stop the local stack described by ``settings``."""
+
+    def __init__(self, settings: StackSettings, *, extra_env: dict[str, str] | None = None,
+                 say: Callable[[str], None] = lambda _m: None) -> None:
+        self.s = settings
+        self.extra_env = dict(extra_env or {})
+        self.say = say
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.s.kafka_bootstrap or f"127.0.0.1:{self.s.kafka_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.s.redis_url or f"redis://127.0.0.1:{self.s.redis_port}/0"
+
+    @property
+    def token_file(self) -> Path:
+        return self.s.root / "dev-token"
+
+    def service_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "TRAINYARD_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+                "TRAINYARD_REDIS_URL": self.redis_url,
+                "TRAINYARD_ARTIFACT_ROOT": str(self.s.artifact_root),
+                "TRAINYARD_TOPIC_PARTITIONS": str(self.s.topic_partitions),
+                "TRAINYARD_TOPIC_NAMESPACE": self.s.topic_namespace,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    # ------------------------------------------------------------------ pid files
+    def _pidfile(self, name: str) -> Path:
+        return self.s.run_dir / f"{name}.pid"
+
+    def components(self) -> list[Component]:
+        found = []
+        if self.s.run_dir.is_dir():
+            for pidfile in sorted(self.s.run_dir.glob("*.pid")):
+                try:
+                    pid = int(pidfile.read_text().strip())
+                except ValueError:
+                    continue
+                found.append(Component(pidfile.stem, pid, self.s.log_dir / f"{pidfile.stem}.log"))
+        return found
+
+    def running(self) -> list[Component]:
+        return [c for c in self.components() if c.alive]
+
+    def _record(self, name: str, pid: int) -> None:
+        self.s.run_dir.mkdir(parents=True, exist_ok=True)
+        self._pidfile(name).write_text(f"{pid}\n")
+
+    # ------------------------------------------------------------------ up
+    def up(self) -> str:
+        """Start everything not yet running, wait until healthy; returns the dev token."""
+        for d in (self.s.run_dir, self.s.log_dir, self.s.artifact_root):
+            d.mkdir(parents=True, exist_ok=True)
+        alive = {c.name for c in self.running()}
+        for stale in {c.name for c in self.components()} - alive:
+            self._pidfile(stale).unlink(missing_ok=True)
+        if not self.s.kafka_bootstrap and "broker" not in alive:
+            self.say(f"starting the Kafka-protocol broker (tansu, memory storage) on :{self.s.kafka_port}")
+            launched = infra.start_broker(self.s.kafka_port, self.s.log_dir / "broker.log")
+            self._record("broker", launched.process.pid)
+        if not self.s.redis_url and "redis" not in alive:
+            self.say(f"starting redis-server (AOF, fsync always) on :{self.s.redis_port}")
+            launched = infra.start_redis(self.s.redis_port, self.s.root / "redis", self.s.log_dir / "redis.log")
+            self._record("redis", launched.process.pid)
+        asyncio.run(self._prepare_infra())
+        token = asyncio.run(self._ensure_token())
+        if "api" not in alive:
+            infra.require_free_port(self.s.api_port, "the API", "TRAINYARD_API_PORT")
+        for name in SERVICES:
+            if name not in alive:
+                self._spawn_service(name)
+        for i in range(self.s.nodes):
+            name = f"node-agent-{i}"
+            if name not in alive:
+                self._spawn_service("node-agent", name=name, node_index=i)
+        self._wait_ready()
+        (self.s.root / "api-url").write_text(self.s.api_url + "\n")
+        return token
+
+    async def _prepare_infra(self) -> None:
+        from trainyard_common.bus import ensure_topics
+
+        await ensure_topics(self.kafka_bootstrap, partitions=self.s.topic_partitions,
+                            namespace=self.s.topic_namespace)
+
+    async def _ensure_token(self) -> str:
+        token = self.token_file.read_text().strip() if self.token_file.exists() else ""
+        if not token:
+            token = "ty_dev_" + secrets.token_urlsafe(24)
+            self.token_file.write_text(token + "\n")
+            self.token_file.chmod(0o600)
+        redis = connect_redis(self.redis_url)
+        try:
+            await StateStore(redis).add_token(token, DEV_TENANT, name="dev")
+        finally:
+            await redis.aclose()
+        return token
+
+    def _spawn_service(self, service: str, *, name: str | None = None, node_index: int = 0) -> None:
+        name = name or service
+        env = self.service_env()
+        module = "trainyard_" + service.replace("-", "_")
+        if service == "api":
+            env["TRAINYARD_PORT"] = str(self.s.api_port)
+        if service == "node-agent":
+            env.update(
+                {
+                    "TRAINYARD_NODE_ID": f"node-{node_index}",
+                    "TRAINYARD_DEVICE_COUNT": str(self.s.devices_per_node),
+                    "TRAINYARD_RACK": f"rack-{node_index // 2}",
+                }
+            )
+        log_path = self.s.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                [sys.executable, "-m", module],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=str(self.s.root.parent), start_new_session=True,
+            )
+        self._record(name, proc.pid)
+        self.say(f"started {name} (pid {proc.pid}); log {log_path}")
+
+    def _wait_ready(self) -> None:
+        """Every service beacons its health key; the API answers; every node has reported."""
+        deadline = time.monotonic() + self.s.ready_timeout_s
+        missing: list[str] = []
+        while time.monotonic() < deadline:
+            dead = [c for c in self.components() if not c.alive]
+            if dead:
+                c = dead[0]
+                tail = c.log.read_text(errors="replace")[-3000:] if c.log.exists() else ""
+                raise InfrastructureError(f"{c.name} exited during start-up; last log lines:\n{tail}",
+                                          retryable=False)
+            missing = asyncio.run(self._not_ready())
+            if not missing:
+                return
+            time.sleep(0.5)
+        raise InfrastructureError(
+            f"the stack was not healthy after {self.s.ready_timeout_s:.0f}s; waiting for: {', '.join(missing)}. "
+            f"See the logs in {self.s.log_dir} (`make logs`)."
+        )
+
+    async def _not_ready(self) -> list[str]:
+        missing: list[str] = []
+        redis = connect_redis(self.redis_url)
+        try:
+            for service in (*SERVICES, "node-agent"):
+                keys = [k async for k in redis.scan_iter(match=Keys.health(service, "*"), count=100)]
+                need = self.s.nodes if service == "node-agent" else 1
+                if len(keys) < need:
+                    missing.append(f"{service} ({len(keys)}/{need})")
+            nodes = await StateStore(redis).list_nodes()
+            if len(nodes) < self.s.nodes:
+                missing.append(f"node inventory ({len(nodes)}/{self.s.nodes} nodes)")
+        finally:
+            await redis.aclose()
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                resp = await client.get(f"{self.s.api_url}/healthz")
+                if resp.status_code != 200:
+                    missing.append(f"api /healthz ({resp.status_code})")
+        except httpx.HTTPError:
+            missing.append("api /healthz (no answer)")
+        return missing
+
+    # ------------------------------------------------------------------ down
+    def down(self, timeout_s: float = 20.0) -> list[str]:
+        """Stop what the pid files name: services first, then Redis and the broker."""
+        comps = self.components()
+        order = sorted(comps, key=lambda c: c.name in ("broker", "redis"))
+        stopped: list[str] = []
+        for group in ([c for c in order if c.name not in ("broker", "redis")],
+                      [c for c in order if c.name in ("broker", "redis")]):
+            for c in group:
+                _signal_group(c.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and any(c.alive for c in group):
+                time.sleep(0.2)
+            for c in group:
+                if c.alive:
+                    _signal_group(c.pid, signal.SIGKILL)
+                self._pidfile(c.name).unlink(missing_ok=True)
+                stopped.append(c.name)
+        return stopped
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the process group our start_new_session gave the component (its children too)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        raise ConfigError(f"not allowed to stop pid {pid}: {exc}") from exc

@@ -1,0 +1,162 @@
+"""The bus against a real Kafka-protocol broker: delivery, dead letters, retries, dedupe."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from trainyard_common import events as ev
+from trainyard_common.bus import Bus, Deduper, ensure_topics
+from trainyard_common.errors import StateStoreError, TrainyardError
+
+
+async def wait_until(pred: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def heartbeat(node: str = "n1", seq: int = 0) -> ev.NodeHeartbeat:
+    return ev.NodeHeartbeat(node_id=node, host="h", seq=seq,
+                            devices=[ev.DeviceInfo(index=0, type="cpu", memory_bytes=1)])
+
+
+async def make_bus(env: dict, name: str = "test") -> Bus:
+    await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
+    return Bus(env["kafka_bootstrap"], service_name=name, group_prefix=env["group_prefix"],
+               topic_namespace=env["topic_namespace"])
+
+
+async def test_topics_are_created_once(env: dict) -> None:
+    first = await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
+    again = await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
+    assert sorted(first) == sorted(env["topic_namespace"] + t for t in ev.ALL_TOPICS)
+    assert again == []
+
+
+async def test_malformed_messages_go_to_dead_letter_and_consumer_carries_on(env: dict) -> None:
+    bus = await make_bus(env)
+    seen: list[ev.NodeHeartbeat] = []
+    letters: list[ev.DeadLetter] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        seen.append(e)
+
+    async def on_letter(e: ev.DeadLetter) -> None:
+        letters.append(e)
+
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat})
+    bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group=f"{env['group_prefix']}.dlq-reader")
+    async with bus:
+        await bus.publish(heartbeat(seq=1))
+        await bus.publish_raw(ev.NODES, b"\x00garbage", key="n1")
+        await bus.publish_raw(ev.NODES, b'{"eventType":"NodeHeartbeat","nodeId":"n1"}', key="n1")
+        await bus.publish(heartbeat(seq=2))
+        await wait_until(lambda: len(seen) == 2 and len(letters) == 2)
+    assert [h.seq for h in seen] == [1, 2]
+    raw = sorted(base64.b64decode(dl.raw_b64) for dl in letters)
+    assert raw == sorted([b"\x00garbage", b'{"eventType":"NodeHeartbeat","nodeId":"n1"}'])
+    for dl in letters:
+        assert dl.source_topic == ev.NODES and dl.offset >= 0 and dl.partition >= 0
+        assert "invalid event" in dl.error
+        assert dl.consumer_group == f"{env['group_prefix']}.test"
+
+
+async def test_failing_handler_is_dead_lettered_retryable_one_is_retried(env: dict, redis) -> None:
+    bus = await make_bus(env)
+    attempts: dict[int, int] = {}
+    handled: list[int] = []
+    letters: list[ev.DeadLetter] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        attempts[e.seq] = attempts.get(e.seq, 0) + 1
+        if e.seq == 1:
+            raise TrainyardError("this event can never be applied")
+        if e.seq == 2 and attempts[2] < 3:
+            raise StateStoreError("redis blinked")  # retryable: must come back, not be skipped
+        handled.append(e.seq)
+
+    async def on_letter(e: ev.DeadLetter) -> None:
+        letters.append(e)
+
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat},
+                  deduper_factory=lambda g: Deduper(redis, g))
+    bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group=f"{env['group_prefix']}.dlq-reader")
+    async with bus:
+        for seq in (1, 2, 3):
+            await bus.publish(heartbeat(seq=seq))
+        await wait_until(lambda: 3 in handled and 2 in handled and letters)
+    assert attempts[1] == 1 and attempts[2] == 3
+    assert "handler error: TrainyardError" in letters[0].error
+
+
+async def test_duplicate_event_ids_have_no_effect(env: dict, redis) -> None:
+    bus = await make_bus(env)
+    handled: list[str] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        handled.append(str(e.event_id))
+
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, deduper_factory=lambda g: Deduper(redis, g))
+    async with bus:
+        once = heartbeat(seq=5)
+        for _ in range(3):
+            await bus.publish(once)
+        marker = heartbeat(seq=6)
+        await bus.publish(marker)
+        await wait_until(lambda: str(marker.event_id) in handled)
+    assert handled.count(str(once.event_id)) == 1
+
+
+CRASHING_CONSUMER = """
+import asyncio, sys, pathlib
+from trainyard_common import events as ev
+from trainyard_common.bus import Bus
+bootstrap, namespace, group, marker = sys.argv[1:5]
+async def main():
+    bus = Bus(bootstrap, service_name="crasher", topic_namespace=namespace)
+    async def hang(e):
+        pathlib.Path(marker).write_text(str(e.seq))
+        await asyncio.sleep(3600)  # killed -9 here, before the handler returns
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: hang}, group=group)
+    await bus.start()
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_offsets_commit_only_after_success_so_a_crash_redelivers(env: dict, tmp_path) -> None:
+    """kill -9 a consumer inside its handler: the same group gets the message again."""
+    import signal
+    import subprocess
+    import sys
+
+    group = f"{env['group_prefix']}.crash"
+    marker = tmp_path / "handling"
+    bus = await make_bus(env, "producer")
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_CONSUMER, env["kafka_bootstrap"],
+                             env["topic_namespace"], group, str(marker)])
+    try:
+        async with bus:
+            await bus.publish(heartbeat(seq=42))
+            await wait_until(marker.exists, timeout_s=60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert marker.read_text() == "42"
+
+    got: list[int] = []
+
+    async def record(e: ev.NodeHeartbeat) -> None:
+        got.append(e.seq)
+
+    second = await make_bus(env, "second")
+    second.subscribe(ev.NODES, {ev.NodeHeartbeat: record}, group=group)
+    async with second:
+        await wait_until(lambda: 42 in got, timeout_s=90)
+    assert got[0] == 42

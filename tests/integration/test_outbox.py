@@ -1,0 +1,47 @@
+"""The outbox: state and event commit together; the relay publishes, with the trace context."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from trainyard_common import events as ev
+from trainyard_common.bus import Bus, ensure_topics
+from trainyard_common.outbox import Outbox
+from trainyard_common.tracing import setup_tracing
+from tests.integration.test_bus import wait_until
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def test_staged_events_are_published_with_their_trace_and_removed(env: dict, redis) -> None:
+    setup_tracing("test")
+    await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
+    outbox = Outbox(redis, "svc")
+    event = ev.JobStateChanged(job_id="job-1", tenant="t", state="running")
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.set("ty:test:state", "running")
+        outbox.stage(pipe, event, traceparent=TRACEPARENT)
+        await pipe.execute()
+    assert await outbox.pending() == 1
+
+    received: list[tuple[ev.JobStateChanged, str]] = []
+    bus = Bus(env["kafka_bootstrap"], service_name="outbox-test", group_prefix=env["group_prefix"],
+              topic_namespace=env["topic_namespace"])
+
+    async def on_changed(e: ev.JobStateChanged) -> None:
+        from opentelemetry import trace
+
+        ctx = trace.get_current_span().get_span_context()
+        received.append((e, format(ctx.trace_id, "032x")))
+
+    bus.subscribe(ev.JOBS, {ev.JobStateChanged: on_changed})
+    async with bus:
+        relay = asyncio.create_task(outbox.relay_forever(bus, idle_poll_s=0.2))
+        await wait_until(lambda: received)
+        relay.cancel()
+    got, trace_id = received[0]
+    assert got.event_id == event.event_id
+    assert trace_id == "0af7651916cd43dd8448eb211c80319c"
+    assert await outbox.pending() == 0
