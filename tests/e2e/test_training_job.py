@@ -1,0 +1,217 @@
+"""The whole pipe on real components: HTTP → Kafka → scheduler (Redis leases) → node agents →
+real torch.distributed ranks training gpt-tiny on tinycorpus → shards → verified manifest →
+READY → registry artifact with lineage; one trace; malformed events dead-lettered on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from trainyard_cli import infra
+from trainyard_cli.devstack import prepare_and_publish
+from trainyard_cli.stack import LocalStack, StackSettings
+from trainyard_common import events as ev
+from trainyard_common.bus import Bus
+from trainyard_common.storage import sha256_file, uri_to_path
+from tests.support.otlp import OtlpSink
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES_IN_TRACE = {
+    "trainyard-api", "trainyard-scheduler", "trainyard-node-agent", "trainyard-trainer",
+    "trainyard-checkpoint-coordinator", "trainyard-registry",
+}
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def sink() -> Iterator[OtlpSink]:
+    with OtlpSink() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, sink: OtlpSink) -> Iterator[LocalStack]:
+    settings = StackSettings(
+        state_dir=tmp_path_factory.mktemp("stack") / ".trainyard",
+        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
+        nodes=2, devices_per_node=4, ready_timeout_s=120,
+    )
+    stack = LocalStack(settings, extra_env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    })
+    try:
+        stack.up()
+        yield stack
+    finally:
+        stopped = stack.down()
+        assert "broker" in stopped and "redis" in stopped
+
+
+def client_for(stack: LocalStack) -> httpx.Client:
+    token = stack.token_file.read_text().strip()
+    return httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+def publish_garbage(stack: LocalStack) -> None:
+    async def go() -> None:
+        async with Bus(stack.kafka_bootstrap, service_name="e2e", topic_namespace=stack.s.topic_namespace) as bus:
+            await bus.publish_raw(ev.JOBS, b'{"eventType":"JobSubmitted","jobId":', key="garbage")
+            await bus.publish_raw(ev.CHECKPOINTS, b"\xff\xfe not an event", key="garbage")
+            await bus.publish_raw(ev.METRICS, b'{"eventType":"StepMetrics","loss":"NaN?"}', key="garbage")
+
+    asyncio.run(go())
+
+
+def dead_letters(stack: LocalStack, timeout_s: float = 60.0) -> list[ev.DeadLetter]:
+    async def go() -> list[ev.DeadLetter]:
+        got: list[ev.DeadLetter] = []
+        bus = Bus(stack.kafka_bootstrap, service_name="e2e-dlq", topic_namespace=stack.s.topic_namespace)
+
+        async def on_letter(e: ev.DeadLetter) -> None:
+            got.append(e)
+
+        bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group="e2e-dlq-reader")
+        async with bus:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                sources = {d.source_topic for d in got}
+                if {ev.JOBS, ev.CHECKPOINTS, ev.METRICS} <= sources:
+                    break
+                await asyncio.sleep(0.5)
+        return got
+
+    return asyncio.run(go())
+
+
+def wait_for_state(client: httpx.Client, job_id: str, states: set[str], timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job: dict = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
+        if job["state"] in states:
+            return job
+        time.sleep(1.0)
+    raise AssertionError(f"job {job_id} still {job.get('state')} after {timeout_s}s: {json.dumps(job)[:2000]}")
+
+
+def test_tiny_job_runs_end_to_end(stack: LocalStack, sink: OtlpSink) -> None:
+    assert prepare_and_publish(stack) == "tinycorpus@v1"
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    with client_for(stack) as client:
+        assert httpx.get(f"{stack.s.api_url}/v1/training-jobs").status_code == 401
+        resp = client.post("/v1/training-jobs", json=spec)
+        assert resp.status_code == 202, resp.text
+        accepted = resp.json()
+        assert accepted["state"] == "queued" and accepted["specHash"].startswith("sha256:")
+        job_id = accepted["jobId"]
+
+        publish_garbage(stack)  # the job must succeed regardless
+
+        job = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=300)
+        assert job["state"] == "succeeded", json.dumps(job)[:3000]
+        max_steps = spec["training"]["maxSteps"]
+        assert job["progress"]["globalStep"] == max_steps
+        assert job["progress"]["consumedTokens"] == max_steps * 32 * 64
+
+        # -- checkpoints: READY only with every shard present and verified
+        ckpts = client.get(f"/v1/training-jobs/{job_id}/checkpoints").raise_for_status().json()
+        ckpts = ckpts.get("checkpoints", ckpts) if isinstance(ckpts, dict) else ckpts
+        ready = [c for c in ckpts if c["state"] == "READY"]
+        assert sorted(c["globalStep"] for c in ready) == [20, 40]
+        final = max(ready, key=lambda c: c["globalStep"])
+        manifest_path = uri_to_path(final["manifestUri"])
+        manifest = json.loads(manifest_path.read_text())
+        assert manifest["worldSize"] == 2 and len(manifest["shards"]) == 2
+        assert sorted(s["rank"] for s in manifest["shards"]) == [0, 1]
+        for shard in manifest["shards"] + manifest.get("extraFiles", []):
+            path = uri_to_path(shard["uri"])
+            assert path.stat().st_size == shard["sizeBytes"]
+            assert sha256_file(path) == shard["sha256"]
+        assert manifest["contentHash"] == final["contentHash"]
+
+        # -- registry: checkpoint artifacts and the final model, with lineage
+        arts = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+        arts = arts.get("artifacts", arts) if isinstance(arts, dict) else arts
+        kinds = {a["type"] for a in arts}
+        assert kinds == {"checkpoint", "model"}
+        model = next(a for a in arts if a["type"] == "model")
+        assert model["hash"] == final["contentHash"]
+        lineage = model["lineage"]
+        assert lineage["specHash"] == accepted["specHash"]
+        assert lineage["codeRevision"] == spec["codeRevision"]
+        assert lineage["dataset"] == "tinycorpus@v1" and lineage["datasetSha256"]
+        assert lineage["tokenizer"]
+
+
+    # -- the malformed messages went to the dead-letter topic, with their bytes
+    letters = dead_letters(stack)
+    by_source = {d.source_topic: d for d in letters}
+    assert {ev.JOBS, ev.CHECKPOINTS, ev.METRICS} <= set(by_source)
+    assert base64.b64decode(by_source[ev.CHECKPOINTS].raw_b64) == b"\xff\xfe not an event"
+
+    # -- one job, one trace: api → scheduler → node agent → trainer → coordinator → registry
+    trace_id = job_trace_id(stack, job_id)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not SERVICES_IN_TRACE <= sink.services_in_trace(trace_id):
+        time.sleep(0.5)
+    assert SERVICES_IN_TRACE <= sink.services_in_trace(trace_id), sink.services_in_trace(trace_id)
+
+
+def job_trace_id(stack: LocalStack, job_id: str) -> str:
+    from trainyard_common.store import StateStore, connect_redis
+
+    async def go() -> str:
+        redis = connect_redis(stack.redis_url)
+        try:
+            job = await StateStore(redis).get_job(job_id)
+        finally:
+            await redis.aclose()
+        assert job is not None and job.traceparent, "the API stores the job's trace context"
+        return job.traceparent.split("-")[1]
+
+    return asyncio.run(go())
+
+
+def test_oversized_job_stays_queued_and_says_why(stack: LocalStack) -> None:
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec["resources"]["gpuCount"] = 16
+    spec["parallelism"]["data"] = 16
+    spec["training"]["globalBatchSize"] = 128
+    with client_for(stack) as client:
+        resp = client.post("/v1/training-jobs", json=spec)
+        assert resp.status_code == 202, resp.text
+        job_id = resp.json()["jobId"]
+        deadline = time.monotonic() + 30
+        job: dict = {}
+        while time.monotonic() < deadline:
+            job = client.get(f"/v1/training-jobs/{job_id}").json()
+            if job.get("queuedReason"):
+                break
+            time.sleep(0.5)
+        assert job["state"] == "queued"
+        assert "16" in job["queuedReason"] and "8" in job["queuedReason"], job["queuedReason"]
+        assert client.post(f"/v1/training-jobs/{job_id}/cancel").status_code in (200, 202)
+        wait_for_state(client, job_id, {"cancelled"}, timeout_s=30)
+
+
+def test_bad_specs_are_refused_with_the_field_named(stack: LocalStack) -> None:
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    with client_for(stack) as client:
+        bad = {**spec, "training": {**spec["training"], "globalBatchSize": 30}}
+        resp = client.post("/v1/training-jobs", json=bad)
+        assert resp.status_code == 422
+        assert "globalBatchSize" in resp.text
+        resp = client.post("/v1/training-jobs", json={**spec, "modelConfig": "gpt-huge@v9"})
+        assert resp.status_code == 422 and "gpt-huge@v9" in resp.text
+        resp = client.post("/v1/training-jobs", json={**spec, "dataset": "nosuch@v1"})
+        assert resp.status_code == 422 and "nosuch@v1" in resp.text
