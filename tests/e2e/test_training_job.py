@@ -57,6 +57,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, sink: OtlpSink) -> Iterator[
         assert "broker" in stopped and "redis" in stopped
 
 
+@pytest.fixture(scope="module")
+def dataset(stack: LocalStack) -> str:
+    return prepare_and_publish(stack)
+
+
 def client_for(stack: LocalStack) -> httpx.Client:
     token = stack.token_file.read_text().strip()
     return httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -104,8 +109,8 @@ def wait_for_state(client: httpx.Client, job_id: str, states: set[str], timeout_
     raise AssertionError(f"job {job_id} still {job.get('state')} after {timeout_s}s: {json.dumps(job)[:2000]}")
 
 
-def test_tiny_job_runs_end_to_end(stack: LocalStack, sink: OtlpSink) -> None:
-    assert prepare_and_publish(stack) == "tinycorpus@v1"
+def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSink) -> None:
+    assert dataset == "tinycorpus@v1"
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     with client_for(stack) as client:
         assert httpx.get(f"{stack.s.api_url}/v1/training-jobs").status_code == 401
@@ -182,7 +187,7 @@ def job_trace_id(stack: LocalStack, job_id: str) -> str:
     return asyncio.run(go())
 
 
-def test_oversized_job_stays_queued_and_says_why(stack: LocalStack) -> None:
+def test_oversized_job_stays_queued_and_says_why(stack: LocalStack, dataset: str) -> None:
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["resources"]["gpuCount"] = 16
     spec["parallelism"]["data"] = 16
@@ -204,7 +209,7 @@ def test_oversized_job_stays_queued_and_says_why(stack: LocalStack) -> None:
         wait_for_state(client, job_id, {"cancelled"}, timeout_s=30)
 
 
-def test_bad_specs_are_refused_with_the_field_named(stack: LocalStack) -> None:
+def test_bad_specs_are_refused_with_the_field_named(stack: LocalStack, dataset: str) -> None:
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     with client_for(stack) as client:
         bad = {**spec, "training": {**spec["training"], "globalBatchSize": 30}}

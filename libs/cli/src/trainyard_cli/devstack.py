@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trainyard_cli.client import ApiClient
 from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common.errors import TrainyardError
 
@@ -136,3 +138,52 @@ async def _publish_dataset(stack: LocalStack, manifest_path: Path, manifest_sha:
 def _tokenizer_version(manifest: object) -> str | None:
     tok = getattr(manifest, "tokenizer", None)
     return getattr(tok, "version", None) if tok is not None else None
+
+
+@dev_app.command()
+def demo(
+    spec_path: Path = typer.Option(EXAMPLE_SPEC, "--spec", help="the job to run"),
+    timeout_s: float = typer.Option(600.0, "--timeout", help="give up following after this many seconds"),
+) -> None:
+    """Run the example job on the running stack and print its READY checkpoint and registry artifact.
+
+    Prepares the dataset if needed, submits the spec, follows it with a progress bar to the end.
+    """
+    from trainyard_cli.config import load_spec
+    from trainyard_cli.follow import follow_job
+
+    stack = _stack()
+    if not stack.running():
+        raise _fail(RuntimeError("the local stack is not running: run `make up` first (or `make demo`)"))
+    try:
+        prepare_and_publish(stack)
+        token = stack.token_file.read_text().strip()
+        spec = load_spec(spec_path)
+        with ApiClient(stack.s.api_url, token) as client:
+            submitted = client.submit(spec)
+            console.print(f"submitted [bold]{submitted.job_id}[/bold] (specHash {submitted.spec_hash})")
+            code = follow_job(client, submitted.job_id, console=console, timeout_s=timeout_s)
+            job = client.get_job(submitted.job_id)
+            if code != 0:
+                console.print(f"[red]job {job.job_id} ended {job.state}[/red]: {job.reason or ''}")
+                console.print(f"rank logs: {stack.s.artifact_root}/tenants/*/jobs/{job.job_id}/attempts/*/logs/")
+                raise typer.Exit(code)
+            _print_outcome(client, job.job_id)
+    except TrainyardError as exc:
+        raise _fail(exc) from None
+
+
+def _print_outcome(client: ApiClient, job_id: str) -> None:
+    from trainyard_common.storage import uri_to_path
+
+    ready = [c for c in client.checkpoints(job_id) if c.state == "READY"]
+    final = max(ready, key=lambda c: c.global_step)
+    manifest = uri_to_path(final.manifest_uri)
+    console.print(f"[green]job {job_id} succeeded[/green]")
+    console.print(f"READY checkpoint at step {final.global_step}: {manifest}")
+    console.print(manifest.read_text(), markup=False, highlight=False)
+    for art in client.artifacts(job_id):
+        if art.type == "model":
+            console.print(f"registry artifact [bold]{art.artifact_id}[/bold] ({art.type}) {art.uri}")
+            console.print(f"  hash {art.hash}")
+            console.print(json.dumps(art.lineage, indent=2), markup=False, highlight=False)

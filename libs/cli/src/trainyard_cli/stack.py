@@ -208,7 +208,7 @@ class LocalStack:
         env = self.service_env()
         module = "trainyard_" + service.replace("-", "_")
         if service == "api":
-            env["TRAINYARD_PORT"] = str(self.s.api_port)
+            env["TRAINYARD_API_PORT"] = str(self.s.api_port)
         if service == "node-agent":
             env.update(
                 {

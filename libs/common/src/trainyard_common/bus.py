@@ -121,6 +121,10 @@ class Bus:
         self.dead_lettered = 0
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return self._started
+
     async def start(self) -> None:
         if self._started:
             return

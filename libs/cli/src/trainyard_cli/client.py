@@ -1,0 +1,376 @@
+"""A typed HTTP client for the trainyard API (httpx), sync and async.
+
+The response models here are tolerant readers of the API's JSON (unknown fields are
+ignored), so the CLI does not import the server package. Failures raise
+:class:`ApiError` subclasses whose message says what to do.
+
+    with ApiClient("http://127.0.0.1:8080", token) as api:
+        submitted = api.submit(spec_dict)
+        job = api.get_job(submitted.job_id)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.errors import AuthError, ConflictError, NotFoundError, SpecError, TrainyardError
+
+M = TypeVar("M", bound=BaseModel)
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ApiError(TrainyardError):
+    """The API answered with an error (``status``) or could not be reached (``status`` None)."""
+
+    def __init__(self, message: str, *, status: int | None = None, retryable: bool | None = None) -> None:
+        TrainyardError.__init__(self, message, retryable=retryable)  # not super(): SpecError's init differs
+        self.status = status
+
+
+class ApiUnreachableError(ApiError):
+    retryable = True
+
+
+class ApiAuthError(ApiError, AuthError):
+    pass
+
+
+class ApiNotFoundError(ApiError, NotFoundError):
+    pass
+
+
+class ApiConflictError(ApiError, ConflictError):
+    pass
+
+
+class ApiSpecError(ApiError, SpecError):
+    """A 422: ``problems`` holds (field, message) for every bad field."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        ApiError.__init__(self, "; ".join(f"{f}: {m}" for f, m in problems) or "invalid request", status=422)
+        self.problems = problems
+        self.field, self.detail = problems[0] if problems else ("", "invalid request")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              protected_namespaces=())
+
+
+class Submitted(_In):
+    job_id: str
+    state: str
+    spec_hash: str
+
+
+class ControlAccepted(_In):
+    job_id: str
+    action: str
+    state: str
+
+
+class Attempt(_In):
+    attempt: int
+    allocation_id: str | None = None
+    epoch: int | None = None
+    state: str
+    nodes: list[str] = []
+    world_size: int | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    failure_reason: str | None = None
+
+
+class JobProgress(_In):
+    global_step: int = 0
+    max_steps: int | None = None
+    consumed_tokens: int = 0
+    last_loss: float | None = None
+    lr: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    attempt: int | None = None
+
+
+class Checkpoint(_In):
+    checkpoint_id: str
+    state: str
+    global_step: int
+    attempt: int
+    manifest_uri: str | None = None
+    content_hash: str | None = None
+    consumed_tokens: int = 0
+    created_at: datetime | None = None
+    ready_at: datetime | None = None
+
+
+class Job(_In):
+    job_id: str
+    tenant: str | None = None
+    name: str | None = None
+    state: str
+    spec_hash: str
+    spec: dict[str, Any] = {}
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    reason: str | None = None
+    queued_reason: str | None = None
+    attempts: list[Attempt] = []
+    progress: JobProgress = JobProgress()
+    checkpoints: list[Checkpoint] = []
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def attempt(self) -> int | None:
+        return self.attempts[-1].attempt if self.attempts else None
+
+
+class JobSummary(_In):
+    job_id: str
+    name: str | None = None
+    state: str
+    spec_hash: str
+    model: str | None = None
+    dataset: str | None = None
+    gpu_count: int | None = None
+    attempts: int = 0
+    global_step: int = 0
+    max_steps: int | None = None
+    last_loss: float | None = None
+    created_at: datetime | None = None
+    queued_reason: str | None = None
+    reason: str | None = None
+
+
+class JobPage(_In):
+    jobs: list[JobSummary]
+    next_offset: int | None = None
+
+
+class Artifact(_In):
+    artifact_id: str
+    job_id: str
+    type: str
+    uri: str
+    hash: str
+    producer_attempt: int
+    global_step: int
+    consumed_tokens: int = 0
+    lineage: dict[str, Any] = {}
+    created_at: datetime | None = None
+
+
+class Dataset(_In):
+    name: str
+    version: str
+    manifest_uri: str
+    sha256: str
+    tokenizer: str | None = None
+    num_tokens: int | None = None
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def error_for(response: httpx.Response) -> ApiError:
+    """The ApiError an error response means."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = response.text or response.reason_phrase
+    status = response.status_code
+    if status == 422:
+        if isinstance(detail, list):
+            return ApiSpecError([(str(d.get("field", "")), str(d.get("message", d))) for d in detail
+                                 if isinstance(d, dict)])
+        return ApiSpecError([("", str(detail))])
+    message = detail if isinstance(detail, str) else str(detail)
+    if status == 401:
+        return ApiAuthError(f"the API refused the token: {message}", status=status)
+    if status == 404:
+        return ApiNotFoundError(message, status=status)
+    if status == 409:
+        return ApiConflictError(message, status=status)
+    return ApiError(f"HTTP {status}: {message}", status=status, retryable=status >= 500)
+
+
+def _unreachable(base_url: str, exc: Exception) -> ApiUnreachableError:
+    return ApiUnreachableError(
+        f"cannot reach the trainyard API at {base_url} ({type(exc).__name__}). Is the stack running? "
+        "Run `make up`, or point --api-url / TRAINYARD_API_URL at a running API"
+    )
+
+
+def _parse(response: httpx.Response, model: type[M]) -> M:
+    if response.is_error:
+        raise error_for(response)
+    return model.model_validate(response.json())
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    headers = {"Accept": "application/json", "User-Agent": "trainyard-cli"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _list_params(state: str | None, limit: int | None, offset: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"offset": offset}
+    if state:
+        params["state"] = state
+    if limit:
+        params["limit"] = limit
+    return params
+
+
+class ApiClient:
+    """Synchronous client. ``close()`` or use it as a context manager."""
+
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
+                                  transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+
+    def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> Submitted:
+        """POST the spec; ``ApiSpecError`` lists every bad field on a 422."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return _parse(self._request("POST", "/v1/training-jobs", json=dict(spec), headers=headers), Submitted)
+
+    def get_job(self, job_id: str) -> Job:
+        return _parse(self._request("GET", f"/v1/training-jobs/{job_id}"), Job)
+
+    def list_jobs(self, *, state: str | None = None, limit: int | None = None, offset: int = 0) -> JobPage:
+        return _parse(self._request("GET", "/v1/training-jobs", params=_list_params(state, limit, offset)), JobPage)
+
+    def checkpoints(self, job_id: str) -> list[Checkpoint]:
+        page = _parse(self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), _Checkpoints)
+        return page.checkpoints
+
+    def control(self, job_id: str, action: str) -> ControlAccepted:
+        """``action``: cancel, pause or resume."""
+        return _parse(self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlAccepted)
+
+    def cancel(self, job_id: str) -> ControlAccepted:
+        return self.control(job_id, "cancel")
+
+    def artifacts(self, job_id: str) -> list[Artifact]:
+        return _parse(self._request("GET", "/v1/registry/artifacts", params={"jobId": job_id}), _Artifacts).artifacts
+
+    def datasets(self) -> list[Dataset]:
+        return _parse(self._request("GET", "/v1/datasets"), _Datasets).datasets
+
+    def health(self) -> dict[str, Any]:
+        response = self._request("GET", "/healthz")
+        return dict(response.json())
+
+    def get_json(self, path: str, *, params: Mapping[str, Any] | None = None) -> Any:
+        """The raw JSON of a GET (for ``--json`` output)."""
+        response = self._request("GET", path, params=dict(params or {}))
+        if response.is_error:
+            raise error_for(response)
+        return response.json()
+
+
+class AsyncApiClient:
+    """The same calls for async code (tests, the dev stack)."""
+
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
+                                       transport=transport)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncApiClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+
+    async def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> Submitted:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return _parse(await self._request("POST", "/v1/training-jobs", json=dict(spec), headers=headers),
+                      Submitted)
+
+    async def get_job(self, job_id: str) -> Job:
+        return _parse(await self._request("GET", f"/v1/training-jobs/{job_id}"), Job)
+
+    async def list_jobs(self, *, state: str | None = None, limit: int | None = None, offset: int = 0) -> JobPage:
+        return _parse(await self._request("GET", "/v1/training-jobs", params=_list_params(state, limit, offset)),
+                      JobPage)
+
+    async def checkpoints(self, job_id: str) -> list[Checkpoint]:
+        return _parse(await self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), _Checkpoints).checkpoints
+
+    async def control(self, job_id: str, action: str) -> ControlAccepted:
+        return _parse(await self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlAccepted)
+
+    async def cancel(self, job_id: str) -> ControlAccepted:
+        return await self.control(job_id, "cancel")
+
+    async def artifacts(self, job_id: str) -> list[Artifact]:
+        return _parse(await self._request("GET", "/v1/registry/artifacts", params={"jobId": job_id}),
+                      _Artifacts).artifacts
+
+    async def datasets(self) -> list[Dataset]:
+        return _parse(await self._request("GET", "/v1/datasets"), _Datasets).datasets
+
+    async def health(self) -> dict[str, Any]:
+        return dict((await self._request("GET", "/healthz")).json())
+
+    async def get_json(self, path: str, *, params: Mapping[str, Any] | None = None) -> Any:
+        response = await self._request("GET", path, params=dict(params or {}))
+        if response.is_error:
+            raise error_for(response)
+        return response.json()
+
+
+class _Checkpoints(_In):
+    checkpoints: list[Checkpoint]
+
+
+class _Artifacts(_In):
+    artifacts: list[Artifact]
+
+
+class _Datasets(_In):
+    datasets: list[Dataset]

@@ -1,0 +1,93 @@
+"""Where the CLI finds the API and its token.
+
+Precedence: the flag (``--api-url`` / ``--token``), then the environment
+(``TRAINYARD_API_URL`` / ``TRAINYARD_TOKEN``, handled by typer), then the files the local
+stack writes (``.trainyard/api-url``, ``.trainyard/dev-token``, looked up from the working
+directory upwards), then the default URL ``http://127.0.0.1:8080`` (no default token).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainyard_common.errors import ConfigError
+
+DEFAULT_API_URL = "http://127.0.0.1:8080"
+STATE_DIR = ".trainyard"
+API_URL_FILE = "api-url"
+TOKEN_FILE = "dev-token"
+
+NO_TOKEN = (
+    "no API token: pass --token, set TRAINYARD_TOKEN, or run `make up` "
+    "(it writes a development token to .trainyard/dev-token)"
+)
+
+
+def find_state_dir(start: Path) -> Path | None:
+    """The nearest ``.trainyard/`` directory at or above ``start``."""
+    for directory in (start, *start.parents):
+        candidate = directory / STATE_DIR
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _read_first_line(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+def resolve_api_url(flag: str | None, start: Path) -> str:
+    """``flag`` (already merged with the environment by typer), else the stack's file, else the default."""
+    if flag:
+        return flag.rstrip("/")
+    state = find_state_dir(start)
+    from_file = _read_first_line(state / API_URL_FILE) if state else None
+    return (from_file or DEFAULT_API_URL).rstrip("/")
+
+
+def resolve_token(flag: str | None, start: Path) -> str | None:
+    if flag:
+        return flag.strip()
+    state = find_state_dir(start)
+    return _read_first_line(state / TOKEN_FILE) if state else None
+
+
+@dataclass
+class CliConfig:
+    """What the global options resolved to; the token is required only by API commands."""
+
+    api_url: str
+    token: str | None
+
+    def require_token(self) -> str:
+        if not self.token:
+            raise ConfigError(NO_TOKEN)
+        return self.token
+
+
+def load_spec(path: Path, stdin_text: str | None = None) -> dict[str, Any]:
+    """A spec file as a dict: JSON by ``.json``, YAML otherwise (``-`` reads ``stdin_text``)."""
+    if str(path) == "-":
+        text = stdin_text or ""
+    else:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the spec {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} must hold a mapping (the training spec), not {type(data).__name__}")
+    return dict(data)

@@ -1,0 +1,228 @@
+"""``trainyard``: submit and follow training jobs; ``trainyard dev …`` runs the local stack."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from trainyard_common.errors import ConfigError, TrainyardError
+
+from trainyard_cli.client import ApiClient, ApiSpecError
+from trainyard_cli.admin import admin_app
+from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
+from trainyard_cli.devstack import dev_app
+from trainyard_cli.follow import follow_job
+from trainyard_cli.render import (
+    artifacts_table,
+    checkpoints_table,
+    datasets_table,
+    field_problems,
+    job_detail,
+    jobs_table,
+    state_text,
+)
+
+app = typer.Typer(
+    name="trainyard",
+    help="Submit, watch and control LLM training jobs on trainyard.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+jobs_app = typer.Typer(help="List, inspect, follow and control jobs.", no_args_is_help=True)
+artifacts_app = typer.Typer(help="Registry artifacts (checkpoints, final models) with lineage.", no_args_is_help=True)
+datasets_app = typer.Typer(help="Datasets published to the registry.", no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
+app.add_typer(artifacts_app, name="artifacts")
+app.add_typer(datasets_app, name="datasets")
+app.add_typer(dev_app, name="dev")
+app.add_typer(admin_app, name="admin")
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="print the API's JSON instead of a table")]
+JobArg = Annotated[str, typer.Argument(help="job id (job-…)")]
+
+
+@app.callback()
+def _global_options(
+    ctx: typer.Context,
+    api_url: Annotated[str | None, typer.Option(
+        "--api-url", envvar="TRAINYARD_API_URL", show_default=False,
+        help="API base URL (default: the contents of .trainyard/api-url if present, else http://127.0.0.1:8080)")] = None,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="TRAINYARD_TOKEN", show_default=False,
+        help="API token (default: the contents of .trainyard/dev-token if present, which `make up` writes)")] = None,
+) -> None:
+    cwd = Path.cwd()
+    ctx.obj = CliConfig(api_url=resolve_api_url(api_url, cwd), token=resolve_token(token, cwd))
+
+
+@contextmanager
+def _api(ctx: typer.Context) -> Iterator[ApiClient]:
+    """An API client for the command; every trainyard error becomes a one-line message and exit 1."""
+    config: CliConfig = ctx.obj
+    try:
+        with ApiClient(config.api_url, config.require_token()) as client:
+            yield client
+    except ApiSpecError as exc:
+        err.print(field_problems(exc.problems), end="")
+        raise typer.Exit(1) from None
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        raise typer.Exit(2) from None
+    except TrainyardError as exc:
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+# ----------------------------------------------------------------------------- submit
+
+
+@app.command()
+def submit(
+    ctx: typer.Context,
+    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="the training spec, YAML or JSON (- reads stdin)")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="show progress until the job ends")] = False,
+    idempotency_key: Annotated[str | None, typer.Option(
+        "--idempotency-key", help="resubmitting with the same key returns the same job")] = None,
+) -> None:
+    """Submit a training job (prints the job id; with --follow, exits 0 only if it succeeds)."""
+    spec = _load(spec_file)
+    with _api(ctx) as client:
+        submitted = client.submit(spec, idempotency_key=idempotency_key)
+        out.print(f"submitted [bold]{submitted.job_id}[/] ({submitted.state}, {submitted.spec_hash})", highlight=False)
+        if follow:
+            raise typer.Exit(follow_job(client, submitted.job_id, console=err))
+
+
+def _load(spec_file: Path) -> dict[str, Any]:
+    try:
+        return load_spec(spec_file, sys.stdin.read() if str(spec_file) == "-" else None)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+@jobs_app.command("list")
+def jobs_list(
+    ctx: typer.Context,
+    state: Annotated[str | None, typer.Option(help="queued, running, paused, succeeded, failed or cancelled")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="how many")] = 20,
+    offset: Annotated[int, typer.Option(min=0, help="skip this many (newest first)")] = 0,
+    as_json: JsonFlag = False,
+) -> None:
+    """The tenant's jobs, newest first."""
+    with _api(ctx) as client:
+        page = client.list_jobs(state=state, limit=limit, offset=offset)
+    if as_json:
+        _print_json(page.model_dump(mode="json", by_alias=True))
+        return
+    out.print(jobs_table(page.jobs))
+    if page.next_offset is not None:
+        out.print(f"more: --offset {page.next_offset}", style="dim")
+
+
+@jobs_app.command("get")
+def jobs_get(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
+    """A job's state, progress, attempts and checkpoints."""
+    with _api(ctx) as client:
+        if as_json:
+            _print_json(client.get_json(f"/v1/training-jobs/{job_id}"))
+            return
+        job = client.get_job(job_id)
+    out.print(job_detail(job))
+
+
+@jobs_app.command("follow")
+def jobs_follow(
+    ctx: typer.Context,
+    job_id: JobArg,
+    timeout: Annotated[float | None, typer.Option(help="stop following after this many seconds")] = None,
+) -> None:
+    """Show a progress bar until the job ends (exit 0 if it succeeded)."""
+    with _api(ctx) as client:
+        raise typer.Exit(follow_job(client, job_id, console=err, timeout_s=timeout))
+
+
+def _control(ctx: typer.Context, job_id: str, action: str) -> None:
+    with _api(ctx) as client:
+        accepted = client.control(job_id, action)
+    text = state_text(accepted.state)
+    out.print(f"{action} requested for [bold]{accepted.job_id}[/] (state now: ", text, ")", sep="", highlight=False)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(ctx: typer.Context, job_id: JobArg) -> None:
+    """Cancel a job (a finished job cannot be cancelled)."""
+    _control(ctx, job_id, "cancel")
+
+
+@jobs_app.command("pause")
+def jobs_pause(ctx: typer.Context, job_id: JobArg) -> None:
+    """Ask the scheduler to pause a job (scheduler support may be pending)."""
+    _control(ctx, job_id, "pause")
+
+
+@jobs_app.command("resume")
+def jobs_resume(ctx: typer.Context, job_id: JobArg) -> None:
+    """Resume a paused job from its latest READY checkpoint."""
+    _control(ctx, job_id, "resume")
+
+
+@jobs_app.command("checkpoints")
+def jobs_checkpoints(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
+    """A job's checkpoints: state, global step, manifest and content hash."""
+    with _api(ctx) as client:
+        items = client.checkpoints(job_id)
+    if as_json:
+        _print_json([c.model_dump(mode="json", by_alias=True) for c in items])
+        return
+    out.print(checkpoints_table(items, title=f"checkpoints of {job_id}"))
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@artifacts_app.command("list")
+def artifacts_list(
+    ctx: typer.Context,
+    job: Annotated[str, typer.Option("--job", help="the job whose artifacts to list")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Artifacts a job produced, with lineage."""
+    with _api(ctx) as client:
+        if as_json:
+            _print_json(client.get_json("/v1/registry/artifacts", params={"jobId": job}))
+            return
+        items = client.artifacts(job)
+    out.print(artifacts_table(items))
+
+
+@datasets_app.command("list")
+def datasets_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Published dataset versions."""
+    with _api(ctx) as client:
+        items = client.datasets()
+    if as_json:
+        _print_json([d.model_dump(mode="json", by_alias=True) for d in items])
+        return
+    out.print(datasets_table(items))
+
+
+if __name__ == "__main__":
+    app()

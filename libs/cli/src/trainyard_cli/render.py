@@ -1,0 +1,157 @@
+"""rich renderables for the CLI. Pure: models in, tables and text out (printing is the caller's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from trainyard_cli.client import Artifact, Checkpoint, Dataset, Job, JobSummary
+
+STATE_STYLES = {
+    "queued": "yellow",
+    "running": "cyan",
+    "paused": "magenta",
+    "succeeded": "green",
+    "failed": "bold red",
+    "cancelled": "dim",
+    "READY": "green",
+    "PENDING": "yellow",
+    "FAILED": "bold red",
+}
+
+
+def state_text(state: str) -> Text:
+    return Text(state, style=STATE_STYLES.get(state, ""))
+
+
+def fmt_tokens(n: int | None) -> str:
+    """1234 → 1.2k, 3_400_000 → 3.4M."""
+    if n is None:
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def fmt_loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def fmt_rate(x: float | None) -> str:
+    """Tokens per second, short: 1234.5 → 1.2k."""
+    return "-" if x is None else fmt_tokens(round(x))
+
+
+def fmt_time(t: datetime | None) -> str:
+    """UTC, to the second: ``2024-05-01 12:00:03Z``."""
+    if t is None:
+        return "-"
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def fmt_step(step: int, max_steps: int | None) -> str:
+    return f"{step}/{max_steps}" if max_steps else str(step)
+
+
+def jobs_table(items: Sequence[JobSummary]) -> Table:
+    table = Table(title="training jobs", title_justify="left", header_style="bold")
+    for column in ("JOB", "NAME", "STATE", "STEP", "LOSS", "MODEL", "DATASET", "GPUS", "ATTEMPTS", "CREATED", "NOTE"):
+        table.add_column(column, no_wrap=column in ("JOB", "STATE", "STEP", "CREATED"))
+    for j in items:
+        table.add_row(
+            j.job_id, j.name or "-", state_text(j.state), fmt_step(j.global_step, j.max_steps),
+            fmt_loss(j.last_loss), j.model or "-", j.dataset or "-", str(j.gpu_count or "-"),
+            str(j.attempts), fmt_time(j.created_at), j.queued_reason or j.reason or "",
+        )
+    return table
+
+
+def checkpoints_table(items: Sequence[Checkpoint], title: str = "checkpoints") -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for column in ("CHECKPOINT", "STATE", "STEP", "ATTEMPT", "TOKENS", "CONTENT HASH", "MANIFEST", "READY AT"):
+        table.add_column(column, overflow="fold")
+    for c in items:
+        table.add_row(
+            c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
+            (c.content_hash or "-")[:19], c.manifest_uri or "-", fmt_time(c.ready_at),
+        )
+    return table
+
+
+def artifacts_table(items: Sequence[Artifact]) -> Table:
+    table = Table(title="artifacts", title_justify="left", header_style="bold")
+    for column in ("ARTIFACT", "TYPE", "STEP", "ATTEMPT", "HASH", "DATASET", "SPEC HASH", "URI"):
+        table.add_column(column, overflow="fold")
+    for a in items:
+        table.add_row(
+            a.artifact_id, a.type, str(a.global_step), str(a.producer_attempt), a.hash[:19],
+            str(a.lineage.get("dataset", "-")), str(a.lineage.get("specHash", "-"))[:19], a.uri,
+        )
+    return table
+
+
+def datasets_table(items: Sequence[Dataset]) -> Table:
+    table = Table(title="datasets", title_justify="left", header_style="bold")
+    for column in ("DATASET", "TOKENIZER", "TOKENS", "SHA256", "MANIFEST"):
+        table.add_column(column, overflow="fold")
+    for d in items:
+        table.add_row(f"{d.name}@{d.version}", d.tokenizer or "-", fmt_tokens(d.num_tokens), d.sha256[:16],
+                      d.manifest_uri)
+    return table
+
+
+def job_detail(job: Job) -> RenderableType:
+    """``jobs get``: a key/value summary, then attempts and checkpoints."""
+    p = job.progress
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    spec = job.spec
+    rows: list[tuple[str, str | Text]] = [
+        ("job", job.job_id),
+        ("name", job.name or "-"),
+        ("state", state_text(job.state)),
+        ("tenant", job.tenant or "-"),
+        ("model", str(spec.get("modelConfig", "-")) if isinstance(spec.get("modelConfig"), str) else "inline"),
+        ("dataset", str(spec.get("dataset", "-"))),
+        ("gpus", str(spec.get("resources", {}).get("gpuCount", "-"))),
+        ("spec hash", job.spec_hash),
+        ("step", fmt_step(p.global_step, p.max_steps)),
+        ("tokens", fmt_tokens(p.consumed_tokens)),
+        ("loss", fmt_loss(p.last_loss)),
+        ("tokens/s", fmt_rate(p.tokens_per_second)),
+        ("created", fmt_time(job.created_at)),
+        ("updated", fmt_time(job.updated_at)),
+    ]
+    if job.queued_reason:
+        rows.append(("waiting", job.queued_reason))
+    if job.reason:
+        rows.append(("reason", job.reason))
+    for key, value in rows:
+        facts.add_row(key, value)
+    parts: list[RenderableType] = [facts]
+    if job.attempts:
+        attempts = Table(title="attempts", title_justify="left", header_style="bold")
+        for column in ("ATTEMPT", "STATE", "NODES", "WORLD", "STARTED", "ENDED", "FAILURE"):
+            attempts.add_column(column)
+        for a in job.attempts:
+            attempts.add_row(str(a.attempt), state_text(a.state), ",".join(a.nodes) or "-", str(a.world_size or "-"),
+                             fmt_time(a.started_at), fmt_time(a.ended_at), a.failure_reason or "")
+        parts.append(attempts)
+    if job.checkpoints:
+        parts.append(checkpoints_table(job.checkpoints))
+    return Group(*parts)
+
+
+def field_problems(problems: Sequence[tuple[str, str]]) -> Text:
+    """A 422's problems, one per line: ``  training.globalBatchSize: must be a multiple …``."""
+    text = Text("the API rejected the spec:\n", style="bold red")
+    for field, message in problems:
+        text.append(f"  {field or '(spec)'}", style="bold")
+        text.append(f": {message}\n")
+    return text

@@ -1,0 +1,30 @@
+"""trainyard_api: the REST API (submission, auth, job read models, registry queries).
+
+``ApiServer(settings)`` runs it (uvicorn + ServiceRuntime in one process);
+``create_app(ApiContext(...))`` gives the bare FastAPI app (tests, embedding).
+"""
+
+from trainyard_api.app import ApiContext, create_app
+from trainyard_api.auth import issue_token
+from trainyard_api.jobs import JobService, new_job_id
+from trainyard_api.progress import ProgressProjector, advance_progress
+from trainyard_api.server import ApiServer, bind_socket
+from trainyard_api.settings import ApiSettings
+from trainyard_api.validation import FieldProblem, InvalidSpecError, check_references, field_errors
+
+__all__ = [
+    "ApiContext",
+    "ApiServer",
+    "ApiSettings",
+    "FieldProblem",
+    "InvalidSpecError",
+    "JobService",
+    "ProgressProjector",
+    "advance_progress",
+    "bind_socket",
+    "check_references",
+    "create_app",
+    "field_errors",
+    "issue_token",
+    "new_job_id",
+]

@@ -1,0 +1,308 @@
+"""The FastAPI application: routes, auth, error mapping, OpenAPI text.
+
+``create_app(context)`` builds the app over an :class:`ApiContext` (Redis-backed store,
+outbox, bus); the process wiring (uvicorn next to a ServiceRuntime) lives in ``server.py``.
+Errors from ``trainyard_common.errors`` map to HTTP: SpecError 422 (with every bad field),
+AuthError 401, NotFoundError 404, ConflictError 409, InfrastructureError 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from trainyard_common.bus import Bus
+from trainyard_common.errors import (
+    AuthError,
+    ConflictError,
+    InfrastructureError,
+    NotFoundError,
+    SpecError,
+    TrainyardError,
+)
+from trainyard_common.events import JobState
+from trainyard_common.outbox import Outbox
+from trainyard_common.records import DatasetRecord, TenantToken
+from trainyard_common.spec import TrainingSpec
+from trainyard_common.store import StateStore
+from trainyard_common.tracing import current_traceparent
+
+from trainyard_api.auth import authenticate
+from trainyard_api.jobs import JobService
+from trainyard_api.schemas import (
+    EXAMPLE_SPEC,
+    ArtifactList,
+    CheckpointList,
+    ControlResponse,
+    DatasetList,
+    ErrorMessage,
+    FieldErrors,
+    Health,
+    JobPage,
+    JobView,
+    SubmitResponse,
+)
+from trainyard_api.settings import ApiSettings
+from trainyard_api.telemetry import TelemetryMiddleware
+from trainyard_api.validation import InvalidSpecError, field_errors
+from trainyard_api.views import checkpoint_view
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Submit, watch and control LLM training jobs on trainyard.
+
+* A job is an immutable **TrainingSpec** (camelCase JSON, see `examples/tiny.yaml`).
+  `POST /v1/training-jobs` validates it, stores it and answers `202` with the job id and
+  the spec hash (sha256 of the canonical JSON, defaults filled in). A new configuration
+  is a new job: there is no PATCH.
+* Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`.
+  A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
+  writes a development token to `.trainyard/dev-token`.
+* Invalid input is a `422` whose `detail` lists every bad field by its dotted camelCase
+  path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`.
+"""
+
+TAGS = [
+    {"name": "jobs", "description": "Submit training jobs, follow their progress, cancel, pause and resume them."},
+    {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
+    {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
+    {"name": "operations", "description": "Health and Prometheus metrics; no authentication."},
+]
+
+_AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorMessage, "description": "missing or unknown bearer token"},
+}
+_JOB_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_AUTH_ERRORS,
+    404: {"model": ErrorMessage, "description": "no such job for this tenant"},
+}
+
+
+@dataclass
+class ApiContext:
+    """What the routes need from the process: state, the outbox, the bus (for health)."""
+
+    settings: ApiSettings
+    store: StateStore
+    outbox: Outbox
+    bus: Bus | None = None
+
+    @property
+    def jobs(self) -> JobService:
+        return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts)
+
+
+def _context(request: Request) -> ApiContext:
+    return request.app.state.context  # type: ignore[no-any-return]
+
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="an API token; the local stack writes one to `.trainyard/dev-token`",
+)
+
+
+async def _tenant(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> TenantToken:
+    header = f"Bearer {credentials.credentials}" if credentials else request.headers.get("authorization")
+    return await authenticate(_context(request).store, header)
+
+
+Ctx = Annotated[ApiContext, Depends(_context)]
+Tenant = Annotated[TenantToken, Depends(_tenant)]
+JobId = Annotated[str, Path(description="job id, `job-` + 12 hex", examples=["job-3f2a9c1b7e4d"])]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def _message(status: int, exc: TrainyardError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = field_errors(exc.errors())
+        return JSONResponse({"detail": [p.as_dict() for p in problems]}, status_code=422)
+
+    @app.exception_handler(SpecError)
+    async def _spec(_: Request, exc: SpecError) -> JSONResponse:
+        problems = exc.problems if isinstance(exc, InvalidSpecError) else None
+        detail = [p.as_dict() for p in problems] if problems else [{"field": exc.field, "message": exc.detail}]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(AuthError)
+    async def _auth(_: Request, exc: AuthError) -> JSONResponse:
+        return _message(401, exc, {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(NotFoundError)
+    async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
+        return _message(404, exc)
+
+    @app.exception_handler(ConflictError)
+    async def _conflict(_: Request, exc: ConflictError) -> JSONResponse:
+        return _message(409, exc)
+
+    @app.exception_handler(TrainyardError)
+    async def _other(_: Request, exc: TrainyardError) -> JSONResponse:
+        status = 503 if exc.retryable or isinstance(exc, InfrastructureError) else 400
+        log.warning("request failed: %r", exc)
+        return _message(status, exc, {"Retry-After": "1"} if status == 503 else None)
+
+    @app.exception_handler(RedisError)
+    async def _redis(_: Request, exc: RedisError) -> JSONResponse:
+        log.warning("redis unavailable: %r", exc)
+        return JSONResponse({"detail": "the state store (Redis) is unavailable; retry shortly"},
+                            status_code=503, headers={"Retry-After": "1"})
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _install_job_routes(app: FastAPI) -> None:
+    @app.post(
+        "/v1/training-jobs", status_code=202, response_model=SubmitResponse, tags=["jobs"],
+        summary="Submit a training job",
+        responses={**_AUTH_ERRORS,
+                   409: {"model": ErrorMessage, "description": "Idempotency-Key reused with a different spec"},
+                   422: {"model": FieldErrors, "description": "invalid spec, unknown model or dataset"}},
+    )
+    async def submit_job(
+        ctx: Ctx,
+        tenant: Tenant,
+        response: Response,
+        spec: Annotated[TrainingSpec, Body(openapi_examples={
+            "tiny": {"summary": "the tiny example (examples/tiny.yaml)", "value": EXAMPLE_SPEC},
+        })],
+        idempotency_key: Annotated[str | None, Header(
+            max_length=200, description="a retried POST with the same key returns the same job")] = None,
+    ) -> SubmitResponse:
+        """Validate the spec (structure, model catalog, dataset registry), store the job as
+        `queued` and announce it (JobSubmitted). A `gpuCount` larger than the cluster is
+        accepted: the job stays queued and `GET` says why (`queuedReason`)."""
+        job, created = await ctx.jobs.submit(
+            spec, tenant, idempotency_key=idempotency_key, traceparent=current_traceparent()
+        )
+        response.headers["Location"] = f"{ctx.settings.public_url}/v1/training-jobs/{job.job_id}"
+        if not created:
+            response.headers["Idempotent-Replayed"] = "true"
+        return SubmitResponse(job_id=job.job_id, state=job.state, spec_hash=job.spec_hash)
+
+    @app.get("/v1/training-jobs", response_model=JobPage, tags=["jobs"], summary="List the tenant's jobs",
+             responses=_AUTH_ERRORS)
+    async def list_jobs(
+        ctx: Ctx,
+        tenant: Tenant,
+        state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+        limit: Annotated[int | None, Query(gt=0, description="page size")] = None,
+        offset: Annotated[int, Query(ge=0, description="from `nextOffset` of the previous page")] = 0,
+    ) -> JobPage:
+        """Newest first."""
+        size = min(limit or ctx.settings.api_page_limit, ctx.settings.api_max_page_limit)
+        return await ctx.jobs.list(tenant, state=state, limit=size, offset=offset)
+
+    @app.get("/v1/training-jobs/{job_id}", response_model=JobView, tags=["jobs"], summary="Get a job",
+             responses=_JOB_ERRORS)
+    async def get_job(ctx: Ctx, tenant: Tenant, job_id: JobId) -> JobView:
+        """State, attempts, progress (global step, tokens, last loss, tokens/s), checkpoints
+        and, while queued, why it waits."""
+        return await ctx.jobs.view(tenant, job_id)
+
+    @app.get("/v1/training-jobs/{job_id}/checkpoints", response_model=CheckpointList, tags=["jobs"],
+             summary="List a job's checkpoints", responses=_JOB_ERRORS)
+    async def list_checkpoints(ctx: Ctx, tenant: Tenant, job_id: JobId) -> CheckpointList:
+        """Oldest first; a checkpoint is usable only when `state` is READY (every shard verified)."""
+        records = await ctx.jobs.checkpoints(tenant, job_id)
+        return CheckpointList(job_id=job_id, checkpoints=[checkpoint_view(c) for c in records])
+
+    for action, doc in (
+        ("cancel", "Stop the job; it ends `cancelled`. A finished job answers 409."),
+        ("pause", "Ask the scheduler to pause the job at its next checkpoint. The scheduler may not "
+                  "support pausing yet; the request is recorded as a JobControlRequested event."),
+        ("resume", "Resume a paused job from its latest READY checkpoint (scheduler support pending, "
+                   "as for pause)."),
+    ):
+        _add_control_route(app, action, doc)
+
+
+def _add_control_route(app: FastAPI, action: Literal["cancel", "pause", "resume"], doc: str) -> None:
+    async def control(ctx: Ctx, tenant: Tenant, job_id: JobId) -> ControlResponse:
+        return await ctx.jobs.control(tenant, job_id, action)
+
+    control.__doc__ = doc + " Answers 202 with the job's state at the time of the request."
+    app.post(
+        f"/v1/training-jobs/{{job_id}}/{action}", status_code=202, response_model=ControlResponse,
+        tags=["jobs"], summary=f"{action.capitalize()} a job", name=f"{action}_job",
+        responses={**_JOB_ERRORS, 409: {"model": ErrorMessage, "description": "not allowed in the job's state"}},
+    )(control)
+
+
+def _install_other_routes(app: FastAPI) -> None:
+    @app.get("/v1/registry/artifacts", response_model=ArtifactList, tags=["registry"],
+             summary="List a job's artifacts with lineage", responses=_JOB_ERRORS)
+    async def list_artifacts(
+        ctx: Ctx, tenant: Tenant,
+        job_id: Annotated[str, Query(alias="jobId", description="the job whose artifacts to list")],
+    ) -> ArtifactList:
+        """Checkpoint and final-model artifacts: spec hash, code revision, dataset manifest and hash,
+        tokenizer, producing attempt, content hash."""
+        return ArtifactList(job_id=job_id, artifacts=await ctx.jobs.artifacts(tenant, job_id))
+
+    @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"], summary="List datasets",
+             responses=_AUTH_ERRORS)
+    async def list_datasets(ctx: Ctx, tenant: Tenant) -> DatasetList:
+        return DatasetList(datasets=await ctx.jobs.datasets())
+
+    @app.get("/v1/datasets/{ref}", response_model=DatasetRecord, tags=["datasets"], summary="Get a dataset",
+             responses={**_AUTH_ERRORS, 404: {"model": ErrorMessage, "description": "not published"}})
+    async def get_dataset(
+        ctx: Ctx, tenant: Tenant,
+        ref: Annotated[str, Path(description="name@version", examples=["tinycorpus@v1"])],
+    ) -> DatasetRecord:
+        return await ctx.jobs.dataset(ref)
+
+    @app.get("/healthz", response_model=Health, tags=["operations"], summary="Liveness and readiness",
+             responses={503: {"model": Health, "description": "Redis or the broker is unavailable"}})
+    async def healthz(ctx: Ctx) -> JSONResponse:
+        """Redis answers PING and the broker connection is started."""
+        try:
+            redis_ok = bool(await ctx.store.redis.ping())
+            pending = await ctx.outbox.pending()
+        except (RedisError, OSError):
+            redis_ok, pending = False, None
+        broker_ok = ctx.bus is not None and ctx.bus.started
+        body = Health(status="ok" if redis_ok and broker_ok else "degraded", redis=redis_ok,
+                      broker=broker_ok, outbox_pending=pending)
+        return JSONResponse(body.model_dump(by_alias=True), status_code=200 if body.status == "ok" else 503)
+
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics",
+             response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(context: ApiContext) -> FastAPI:
+    """The REST API over ``context``."""
+    app = FastAPI(
+        title="trainyard API",
+        version="1.0.0",
+        description=DESCRIPTION,
+        openapi_tags=TAGS,
+    )
+    app.state.context = context
+    app.add_middleware(TelemetryMiddleware)
+    _install_error_handlers(app)
+    _install_job_routes(app)
+    _install_other_routes(app)
+    return app

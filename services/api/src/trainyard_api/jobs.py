@@ -1,0 +1,258 @@
+"""Job submission, control and read models: the thin I/O shell behind the routes.
+
+Decisions (job ids, which control actions a state allows, reference checks) are pure
+functions; :class:`JobService` loads, decides and writes. A job and its JobSubmitted are
+written in one Redis MULTI (the outbox relay publishes the event afterwards), so a job is
+never stored without its event nor announced without being stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+
+from opentelemetry import trace
+from prometheus_client import Counter
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, WatchError
+
+from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
+from trainyard_common.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
+from trainyard_common.outbox import Outbox
+from trainyard_common.records import (
+    ArtifactRecord,
+    CheckpointRecord,
+    DatasetRecord,
+    JobRecord,
+    Progress,
+    TenantToken,
+)
+from trainyard_common.spec import TrainingSpec
+from trainyard_common.store import Keys, StateStore
+from trainyard_common.tracing import current_traceparent, job_context
+
+from trainyard_api.schemas import ControlResponse, JobPage, JobView
+from trainyard_api.validation import InvalidSpecError, check_references
+from trainyard_api.views import job_summary, job_view
+
+_tracer = trace.get_tracer("trainyard.api")
+
+JOBS_SUBMITTED = Counter("trainyard_api_jobs_submitted_total", "jobs accepted by POST /v1/training-jobs")
+JOBS_REJECTED = Counter("trainyard_api_jobs_rejected_total", "submissions answered 422 after reference checks")
+CONTROL_REQUESTS = Counter("trainyard_api_control_requests_total", "accepted control requests", ["action"])
+
+CONTROL_ALLOWED: Mapping[str, frozenset[str]] = {
+    "cancel": frozenset({"queued", "running", "paused"}),
+    "pause": frozenset({"queued", "running"}),
+    "resume": frozenset({"paused"}),
+}
+
+
+# ----------------------------------------------------------------------------- pure decisions
+
+
+def new_job_id(tenant: str, idempotency_key: str | None = None) -> str:
+    """``job-`` + 12 hex: random, or derived from (tenant, Idempotency-Key) so a retry finds its job."""
+    if idempotency_key:
+        digest = hashlib.sha256(f"{tenant}\0{idempotency_key}".encode()).hexdigest()
+        return f"job-{digest[:12]}"
+    return f"job-{secrets.token_hex(6)}"
+
+
+def control_refusal(state: str, action: str) -> str | None:
+    """Why ``action`` is not allowed in ``state`` (None when it is)."""
+    if state in CONTROL_ALLOWED[action]:
+        return None
+    if state in TERMINAL_STATES:
+        return f"the job is already {state}; a finished job cannot be {_past(action)}"
+    allowed = ", ".join(sorted(CONTROL_ALLOWED[action]))
+    return f"cannot {action} a {state} job (allowed while {allowed})"
+
+
+def _past(action: str) -> str:
+    return {"cancel": "cancelled", "pause": "paused", "resume": "resumed"}[action]
+
+
+def new_job_record(
+    job_id: str, spec: TrainingSpec, token: TenantToken, *, traceparent: str | None,
+    max_attempts: int, now: datetime,
+) -> JobRecord:
+    return JobRecord(
+        job_id=job_id, tenant=token.tenant, spec=spec, spec_hash=spec.spec_hash(), state="queued",
+        priority=spec.priority, submitted_by=token.name, created_at=now, updated_at=now,
+        max_attempts=max_attempts, traceparent=traceparent,
+    )
+
+
+# ----------------------------------------------------------------------------- the shell
+
+
+class JobService:
+    """Everything the job routes do, scoped to the calling tenant."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        outbox: Outbox,
+        *,
+        max_attempts: int = 3,
+        catalog: Mapping[str, ModelConfig] = MODEL_CATALOG,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.store = store
+        self.redis: Redis = store.redis
+        self.outbox = outbox
+        self.max_attempts = max_attempts
+        self.catalog = catalog
+        self.clock = clock
+
+    # submit -------------------------------------------------------------------
+    async def submit(
+        self, spec: TrainingSpec, token: TenantToken, *, idempotency_key: str | None = None,
+        traceparent: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Validate references, store the job and stage JobSubmitted; (job, created).
+
+        With an Idempotency-Key a retried submission returns the job it created the first
+        time (created False); the same key with a different spec is a 409.
+        """
+        dataset = await self.store.get_dataset(spec.dataset)
+        problems = check_references(spec, catalog=self.catalog, dataset_known=dataset is not None)
+        if problems:
+            JOBS_REJECTED.inc()
+            raise InvalidSpecError(problems)
+        job = new_job_record(
+            new_job_id(token.tenant, idempotency_key), spec, token,
+            traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(),
+        )
+        existing = await self._create(job)
+        if existing is None:
+            JOBS_SUBMITTED.inc()
+            return job, True
+        if idempotency_key and existing.spec_hash == job.spec_hash:
+            return existing, False
+        if idempotency_key:
+            raise ConflictError(
+                f"Idempotency-Key {idempotency_key!r} was used before for job {existing.job_id} "
+                "with a different spec; use a new key for a new job"
+            )
+        raise StateStoreError("job id collision; retry the submission")  # 48 random bits: never in practice
+
+    async def _create(self, job: JobRecord) -> JobRecord | None:
+        """SET NX the record, index it and stage JobSubmitted in one MULTI; the existing record if taken."""
+        key = Keys.job(job.job_id)
+        score = job.created_at.timestamp()
+        event = JobSubmitted(
+            job_id=job.job_id, tenant=job.tenant, spec=job.spec, spec_hash=job.spec_hash,
+            submitted_by=job.submitted_by,
+        )
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(key)
+                        raw = await pipe.get(key)
+                        if raw:
+                            await pipe.unwatch()
+                            return JobRecord.model_validate_json(raw)
+                        pipe.multi()
+                        pipe.set(key, job.dumps(), nx=True)
+                        pipe.zadd(Keys.jobs, {job.job_id: score})
+                        pipe.zadd(Keys.tenant_jobs(job.tenant), {job.job_id: score})
+                        self.outbox.stage(pipe, event, traceparent=job.traceparent)
+                        await pipe.execute()
+                        return None
+                    except WatchError:
+                        continue
+        except RedisError as exc:
+            raise StateStoreError(f"cannot store job {job.job_id}: {exc!r}") from exc
+
+    # read ---------------------------------------------------------------------
+    async def get(self, token: TenantToken, job_id: str) -> JobRecord:
+        """The tenant's job; another tenant's job is as invisible as a missing one (404)."""
+        job = await self.store.get_job(job_id)
+        if job is None or job.tenant != token.tenant:
+            raise NotFoundError(f"no job {job_id!r} for tenant {token.tenant!r}")
+        return job
+
+    async def view(self, token: TenantToken, job_id: str) -> JobView:
+        job = await self.get(token, job_id)
+        progress = await self.store.get_progress(job_id)
+        checkpoints = await self.store.list_checkpoints(job_id)
+        return job_view(job, progress, checkpoints)
+
+    async def list(self, token: TenantToken, *, state: str | None, limit: int, offset: int) -> JobPage:
+        """Newest first; with a state filter the index is scanned until the page is full."""
+        items = []
+        cursor = offset
+        batch = limit if state is None else max(limit, 100)
+        while True:
+            ids = await self.store.list_job_ids(token.tenant, limit=batch, offset=cursor)
+            jobs, progress = await self._load(ids)
+            for i, job_id in enumerate(ids):
+                job = jobs.get(job_id)
+                if job is None or (state is not None and job.state != state):
+                    continue
+                items.append(job_summary(job, progress.get(job_id)))
+                if len(items) == limit:
+                    more = i + 1 < len(ids) or len(ids) == batch
+                    return JobPage(jobs=items, next_offset=cursor + i + 1 if more else None)
+            if len(ids) < batch:
+                return JobPage(jobs=items, next_offset=None)
+            cursor += len(ids)
+
+    async def _load(self, ids: Sequence[str]) -> tuple[dict[str, JobRecord], dict[str, Progress]]:
+        if not ids:
+            return {}, {}
+        raws = await self.redis.mget([Keys.job(j) for j in ids] + [Keys.progress(j) for j in ids])
+        jobs = {j: JobRecord.model_validate_json(r) for j, r in zip(ids, raws[: len(ids)]) if r}
+        progress = {j: Progress.model_validate_json(r) for j, r in zip(ids, raws[len(ids):]) if r}
+        return jobs, progress
+
+    async def checkpoints(self, token: TenantToken, job_id: str) -> list[CheckpointRecord]:
+        await self.get(token, job_id)
+        return await self.store.list_checkpoints(job_id)
+
+    async def artifacts(self, token: TenantToken, job_id: str) -> list[ArtifactRecord]:
+        await self.get(token, job_id)
+        return [a for a in await self.store.list_artifacts(job_id) if a.tenant == token.tenant]
+
+    async def dataset(self, ref: str) -> DatasetRecord:
+        record = await self.store.get_dataset(ref)
+        if record is None:
+            raise NotFoundError(
+                f"no dataset {ref!r} in the registry; `make data` (or `trainyard dev data`) "
+                "publishes the example tinycorpus@v1"
+            )
+        return record
+
+    async def datasets(self) -> list[DatasetRecord]:
+        return sorted(await self.store.list_datasets(), key=lambda d: (d.name, d.version))
+
+    # control ------------------------------------------------------------------
+    async def control(
+        self, token: TenantToken, job_id: str, action: str, reason: str | None = None
+    ) -> ControlResponse:
+        """Ask the scheduler to cancel, pause or resume: JobControlRequested via the outbox.
+
+        The request joins the job's trace (its span links to the HTTP request's span).
+        """
+        job = await self.get(token, job_id)
+        if refusal := control_refusal(job.state, action):
+            raise ConflictError(refusal)
+        event = JobControlRequested(
+            job_id=job.job_id, tenant=job.tenant, action=action,  # type: ignore[arg-type]
+            reason=reason or f"{action} requested by {token.name}",
+        )
+        request_span = trace.get_current_span().get_span_context()
+        links = [trace.Link(request_span)] if request_span.is_valid else []
+        with job_context(job.traceparent), _tracer.start_as_current_span(
+            f"job {action} requested", links=links,
+            attributes={"trainyard.job_id": job.job_id, "trainyard.action": action},
+        ):
+            await self.outbox.put(event, traceparent=current_traceparent())
+        CONTROL_REQUESTS.labels(action).inc()
+        return ControlResponse(job_id=job.job_id, action=action, state=job.state)  # type: ignore[arg-type]

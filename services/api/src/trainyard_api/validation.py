@@ -1,0 +1,237 @@
+"""Spec validation that speaks the wire format: every problem names its camelCase dotted field.
+
+Pure functions, no I/O. Two stages:
+
+1. :func:`field_errors` turns pydantic's errors (from ``TrainingSpec`` validation, or
+   FastAPI's ``RequestValidationError``) into ``FieldProblem(field, message)``: union
+   branch tags are removed, the branch the client obviously meant is kept, and a
+   model-level validator's message is pinned to the field it talks about.
+2. :func:`check_references` resolves what needs the catalog and the dataset registry
+   (the caller looks the dataset up and passes the answer in).
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+
+from trainyard_common.catalog import ModelConfig
+from trainyard_common.errors import SpecError
+from trainyard_common.spec import TrainingSpec
+
+# FastAPI prefixes a location with where the value came from; only the body is the spec.
+_SOURCES = ("body", "query", "path", "header", "cookie")
+_TYPE_ERROR = re.compile(r"^(\w+_type|\w+_parsing|is_instance_of|union_tag_invalid)$")
+_ROOT = "spec"
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    """One thing wrong with a request: ``field`` is a camelCase dotted path (``training.maxSteps``)."""
+
+    field: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"field": self.field, "message": self.message}
+
+
+class InvalidSpecError(SpecError):
+    """A spec with one or more problems; the API answers 422 listing all of them."""
+
+    def __init__(self, problems: Sequence[FieldProblem]) -> None:
+        first = problems[0] if problems else FieldProblem(_ROOT, "invalid spec")
+        super().__init__(first.field, first.message)
+        self.problems = list(problems) or [first]
+
+
+# ----------------------------------------------------------------------------- field paths
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (through unions, Optional, lists)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found.extend(_models_in(arg))
+    return found
+
+
+@cache
+def spec_field_paths(model: type[BaseModel] = TrainingSpec) -> tuple[str, ...]:
+    """Every camelCase dotted field path of ``model``, parents before children."""
+    paths: list[str] = []
+    for name, info in model.model_fields.items():
+        alias = info.alias or name
+        paths.append(alias)
+        for sub in _models_in(info.annotation):
+            paths.extend(f"{alias}.{child}" for child in spec_field_paths(sub))
+    return tuple(paths)
+
+
+def _is_branch_tag(part: Any) -> bool:
+    """pydantic names a union member in the location: ``str``, ``ModelConfig``, ``function-after[…]``."""
+    if not isinstance(part, str):
+        return False
+    return "[" in part or part[:1].isupper() or part in {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _format_path(parts: Iterable[Any]) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _locate_in_message(prefix: str, message: str) -> str:
+    """For a model-level error at ``prefix``: the field the message names first, else ``prefix``."""
+    start = f"{prefix}." if prefix else ""
+    candidates = [p[len(start):] for p in spec_field_paths() if p.startswith(start)]
+    best: tuple[int, int, str] | None = None
+    for rel in candidates:
+        match = re.search(rf"(?<![\w.]){re.escape(rel)}(?![\w])", message)
+        if match and (best is None or (match.start(), -len(rel)) < (best[0], best[1])):
+            best = (match.start(), -len(rel), rel)
+    if best is None:
+        return prefix or _ROOT
+    return f"{start}{best[2]}"
+
+
+def _clean_message(error: Mapping[str, Any]) -> str:
+    kind = error.get("type", "")
+    msg = str(error.get("msg", "invalid value"))
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "extra_forbidden":
+        return "unknown field: it is not part of the spec (check the spelling; fields are camelCase)"
+    if kind == "json_invalid":
+        return f"the body is not valid JSON: {error.get('ctx', {}).get('error', msg)}"
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def _split_location(loc: Sequence[Any]) -> tuple[list[Any], str | None, list[Any]]:
+    """(path before the first union tag, the tag, the path after it)."""
+    for i, part in enumerate(loc):
+        if _is_branch_tag(part):
+            return list(loc[:i]), str(part), list(loc[i + 1:])
+    return list(loc), None, []
+
+
+def _drop_mismatched_branches(errors: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """In a union, keep the branches whose type matched; if none did, keep one error per union."""
+    by_union: dict[tuple[Any, ...], dict[str, list[Mapping[str, Any]]]] = {}
+    for error in errors:
+        head, tag, _ = _split_location(tuple(error.get("loc", ())))
+        if tag is not None:
+            by_union.setdefault(tuple(head), {}).setdefault(tag, []).append(error)
+    kept: list[Mapping[str, Any]] = []
+    emitted: set[tuple[Any, ...]] = set()
+    for error in errors:
+        head, tag, rest = _split_location(tuple(error.get("loc", ())))
+        if tag is None:
+            kept.append(error)
+            continue
+        branches = by_union[tuple(head)]
+        matched = {t for t, errs in branches.items()
+                   if not all(_TYPE_ERROR.match(e.get("type", "")) and not _split_location(e["loc"])[2]
+                              for e in errs)}
+        if matched:
+            if tag in matched:
+                kept.append({**error, "loc": (*head, *rest)})
+        elif tuple(head) not in emitted:
+            emitted.add(tuple(head))
+            names = ", ".join(_branch_name(t) for t in branches)
+            kept.append({"type": "union_type", "loc": tuple(head),
+                         "msg": f"has the wrong type: expected one of {names}"})
+    return kept
+
+
+def _branch_name(tag: str) -> str:
+    if "[" in tag:  # function-after[validator(), ModelConfig]
+        return tag.rsplit(",", 1)[-1].strip(" ]") + " object"
+    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(tag, tag)
+
+
+def field_errors(errors: Sequence[Mapping[str, Any]]) -> list[FieldProblem]:
+    """pydantic / FastAPI validation errors → one ``FieldProblem`` per distinct problem.
+
+    Locations become camelCase dotted paths relative to the spec (``training.globalBatchSize``);
+    query or path parameters keep their source (``query.limit``).
+    """
+    problems: list[FieldProblem] = []
+    for error in _drop_mismatched_branches(list(errors)):
+        loc = list(error.get("loc", ()))
+        source = loc.pop(0) if loc and loc[0] in _SOURCES else "body"
+        if source != "body":
+            problems.append(FieldProblem(_format_path([source, *loc]), _clean_message(error)))
+            continue
+        if error.get("type") == "json_invalid":
+            problems.append(FieldProblem("body", _clean_message(error)))
+            continue
+        field = _format_path(loc)
+        if error.get("type") in ("value_error", "assertion_error"):
+            field = _locate_in_message(field, _clean_message(error))
+        problem = FieldProblem(field or _ROOT, _clean_message(error))
+        if problem not in problems:
+            problems.append(problem)
+    return problems
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def resolve_model_config(spec: TrainingSpec, catalog: Mapping[str, ModelConfig]) -> ModelConfig | None:
+    """The spec's model: inline, or looked up in ``catalog`` (None when the reference is unknown)."""
+    ref = spec.model_config_ref
+    return ref if isinstance(ref, ModelConfig) else catalog.get(ref)
+
+
+def check_references(
+    spec: TrainingSpec, *, catalog: Mapping[str, ModelConfig], dataset_known: bool
+) -> list[FieldProblem]:
+    """What a structurally valid spec can still get wrong: unknown model or dataset, a model
+    that cannot take the requested sequence length or tensor-parallel degree."""
+    problems: list[FieldProblem] = []
+    model = resolve_model_config(spec, catalog)
+    if model is None:
+        known = ", ".join(sorted(catalog)) or "(empty)"
+        problems.append(FieldProblem(
+            "modelConfig",
+            f"unknown model {spec.model_config_ref!r}: the model catalog has {known}; "
+            "or give the model inline as an object",
+        ))
+    else:
+        label = spec.model_config_ref if isinstance(spec.model_config_ref, str) else "the inline model"
+        if spec.training.sequence_length > model.max_seq_len:
+            problems.append(FieldProblem(
+                "training.sequenceLength",
+                f"sequenceLength ({spec.training.sequence_length}) exceeds maxSeqLen "
+                f"({model.max_seq_len}) of {label}",
+            ))
+        if model.n_heads % spec.parallelism.tensor:
+            problems.append(FieldProblem(
+                "parallelism.tensor",
+                f"tensor parallelism ({spec.parallelism.tensor}) must divide nHeads ({model.n_heads}) of {label}",
+            ))
+    if not dataset_known:
+        problems.append(FieldProblem(
+            "dataset",
+            f"unknown dataset {spec.dataset!r}: it is not in the dataset registry. Publish it first "
+            "(a DatasetVersionPublished event; `make data` or `trainyard dev data` builds and publishes "
+            "the example tinycorpus@v1); GET /v1/datasets lists what is published",
+        ))
+    return problems
+

@@ -1,0 +1,116 @@
+"""Spec problems → camelCase dotted field paths; reference checks against catalog and registry."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from trainyard_api.schemas import EXAMPLE_SPEC
+from trainyard_api.validation import FieldProblem, check_references, field_errors, spec_field_paths
+from trainyard_common.catalog import MODEL_CATALOG
+from trainyard_common.spec import TrainingSpec
+
+
+def spec_with(**changes: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(EXAMPLE_SPEC)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = spec
+        for p in parents:
+            node = node[p]
+        if value is ...:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return spec
+
+
+def problems_of(data: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(ValidationError) as info:
+        TrainingSpec.model_validate(data)
+    return {p.field: p.message for p in field_errors(info.value.errors())}
+
+
+INLINE = {"vocabSize": 1024, "nLayers": 2, "nHeads": 4, "dModel": 64, "maxSeqLen": 128}
+
+
+@pytest.mark.parametrize(("changes", "field", "says"), [
+    ({"training.globalBatchSize": 33}, "training.globalBatchSize", "multiple of"),
+    ({"resources.gpuCount": 3}, "parallelism", "resources.gpuCount"),
+    ({"resources.gpuCount": 0}, "resources.gpuCount", "greater than 0"),
+    ({"training.maxSteps": ...}, "training.maxSteps", "required"),
+    ({"training.lr": 0.1}, "training.lr", "unknown field"),
+    ({"checkpointPolicy.everyMinutes": 5}, "checkpointPolicy.everySteps", "exactly one"),
+    ({"modelConfig": "not a ref"}, "modelConfig", "name@version"),
+    ({"modelConfig": 7}, "modelConfig", "wrong type"),
+    ({"modelConfig": {**INLINE, "nHeads": 3}}, "modelConfig.dModel", "divisible by nHeads"),
+    ({"modelConfig": {**INLINE, "maxSeqLen": -1}}, "modelConfig.maxSeqLen", "greater than 0"),
+    ({"specVersion": "v2"}, "specVersion", "v1"),
+    ({"training.optimizer": {"name": "lion"}}, "training.optimizer.name", "adamw"),
+])
+def test_each_problem_names_its_camelcase_field(changes: dict, field: str, says: str) -> None:
+    found = problems_of(spec_with(**changes))
+    assert field in found, found
+    assert says in found[field]
+
+
+def test_every_problem_is_reported_at_once_and_union_noise_is_dropped() -> None:
+    found = problems_of(spec_with(**{
+        "resources.gpuCount": 0, "training.learningRate": "x", "modelConfig": {**INLINE, "bogus": 1},
+    }))
+    assert set(found) == {"resources.gpuCount", "training.learningRate", "modelConfig.bogus"}
+
+
+def test_fastapi_locations_are_relative_to_the_body() -> None:
+    errors = [
+        {"type": "missing", "loc": ("body", "training", "maxSteps"), "msg": "Field required"},
+        {"type": "greater_than", "loc": ("query", "limit"), "msg": "Input should be greater than 0"},
+        {"type": "json_invalid", "loc": ("body", 3), "msg": "JSON decode error", "ctx": {"error": "Expecting value"}},
+        {"type": "value_error", "loc": ("body",), "msg": "Value error, something vague"},
+    ]
+    assert field_errors(errors) == [
+        FieldProblem("training.maxSteps", "required field is missing"),
+        FieldProblem("query.limit", "Input should be greater than 0"),
+        FieldProblem("body", "the body is not valid JSON: Expecting value"),
+        FieldProblem("spec", "something vague"),
+    ]
+
+
+def test_field_paths_cover_nested_and_inline_model_fields() -> None:
+    paths = spec_field_paths()
+    for p in ("training.globalBatchSize", "training.lrSchedule.warmupSteps", "modelConfig.maxSeqLen",
+              "checkpointPolicy.everySteps", "resources.gpuCount"):
+        assert p in paths
+
+
+def spec(**changes: Any) -> TrainingSpec:
+    return TrainingSpec.model_validate(spec_with(**changes))
+
+
+def test_known_references_pass() -> None:
+    assert check_references(spec(), catalog=MODEL_CATALOG, dataset_known=True) == []
+
+
+def test_unknown_model_and_dataset_are_both_named() -> None:
+    problems = check_references(spec(modelConfig="gpt-huge@v9", dataset="nope@v1"),
+                                catalog=MODEL_CATALOG, dataset_known=False)
+    by_field = {p.field: p.message for p in problems}
+    assert "gpt-huge@v9" in by_field["modelConfig"] and "gpt-tiny@v1" in by_field["modelConfig"]
+    assert "nope@v1" in by_field["dataset"] and "make data" in by_field["dataset"]
+
+
+def test_sequence_length_must_fit_the_model() -> None:
+    problems = check_references(spec(modelConfig={**INLINE, "maxSeqLen": 32}),
+                                catalog=MODEL_CATALOG, dataset_known=True)
+    assert [p.field for p in problems] == ["training.sequenceLength"]
+    assert "maxSeqLen (32)" in problems[0].message
+
+
+def test_tensor_parallelism_must_divide_heads() -> None:
+    s = spec(**{"parallelism.data": 1, "parallelism.tensor": 3, "resources.gpuCount": 3,
+                "training.globalBatchSize": 24})
+    problems = check_references(s, catalog=MODEL_CATALOG, dataset_known=True)
+    assert [p.field for p in problems] == ["parallelism.tensor"]

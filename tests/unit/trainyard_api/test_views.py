@@ -1,0 +1,84 @@
+"""What clients see: camelCase response shapes built from the records."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from trainyard_api.app import ApiContext, create_app
+from trainyard_api.auth import bearer_token
+from trainyard_api.schemas import EXAMPLE_SPEC
+from trainyard_api.settings import ApiSettings
+from trainyard_api.views import job_summary, job_view
+from trainyard_common.errors import AuthError
+from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
+from trainyard_common.spec import TrainingSpec
+
+REPO = Path(__file__).resolve().parents[3]
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def job(**changes: object) -> JobRecord:
+    spec = TrainingSpec.model_validate(EXAMPLE_SPEC)
+    record = JobRecord(job_id="job-0123456789ab", tenant="t", spec=spec, spec_hash=spec.spec_hash(),
+                       submitted_by="alice", created_at=T0, updated_at=T0, queued_reason="needs 2 devices")
+    return record.model_copy(update=changes)
+
+
+def test_job_view_has_the_documented_camelcase_fields() -> None:
+    attempt = AttemptRecord(attempt=1, allocation_id="alloc-1", epoch=3, state="running", nodes=["node-0"],
+                            world_size=2, started_at=T0, placement_score=0.9)
+    ckpt = CheckpointRecord(job_id="job-0123456789ab", tenant="t", attempt=1, epoch=3, global_step=20,
+                            world_size=2, state="READY", manifest_uri="file:///m.json", content_hash="sha256:x")
+    progress = Progress(attempt=1, global_step=21, max_steps=40, consumed_tokens=43008, last_loss=2.5,
+                        tokens_per_second=1000.0)
+    body = job_view(job(state="running", attempts=[attempt]), progress, [ckpt]).model_dump(mode="json", by_alias=True)
+    assert {"jobId", "tenant", "name", "state", "specHash", "spec", "createdAt", "updatedAt", "reason",
+            "queuedReason", "attempts", "progress", "checkpoints"} <= set(body)
+    assert body["queuedReason"] is None  # only while queued
+    assert body["spec"]["training"]["globalBatchSize"] == 32
+    assert set(body["attempts"][0]) >= {"attempt", "allocationId", "epoch", "state", "nodes", "worldSize",
+                                        "startCheckpoint", "startedAt", "endedAt", "failureReason",
+                                        "placementScore"}
+    assert body["progress"] == {"globalStep": 21, "maxSteps": 40, "consumedTokens": 43008, "lastLoss": 2.5,
+                                "lr": None, "tokensPerSecond": 1000.0, "mfu": None, "attempt": 1,
+                                "updatedAt": None}
+    assert body["checkpoints"][0]["checkpointId"] == "step-000000020-a1"
+    assert body["checkpoints"][0]["manifestUri"] == "file:///m.json"
+
+
+def test_a_queued_job_says_why_and_takes_max_steps_from_the_spec() -> None:
+    body = job_view(job(), None, []).model_dump(by_alias=True)
+    assert body["queuedReason"] == "needs 2 devices"
+    assert body["progress"]["globalStep"] == 0 and body["progress"]["maxSteps"] == 40
+    row = job_summary(job(), None).model_dump(by_alias=True)
+    assert row["model"] == "gpt-tiny@v1" and row["gpuCount"] == 2 and row["queuedReason"] == "needs 2 devices"
+
+
+def test_example_spec_matches_examples_tiny_yaml() -> None:
+    assert yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text()) == EXAMPLE_SPEC
+
+
+def test_openapi_documents_every_route_with_tags_and_no_patch() -> None:
+    doc = create_app(ApiContext(ApiSettings(), None, None)).openapi()  # type: ignore[arg-type]
+    assert {"/v1/training-jobs", "/v1/training-jobs/{job_id}", "/v1/training-jobs/{job_id}/cancel",
+            "/v1/training-jobs/{job_id}/checkpoints", "/v1/registry/artifacts", "/healthz"} <= set(doc["paths"])
+    assert all("patch" not in ops for ops in doc["paths"].values())
+    post = doc["paths"]["/v1/training-jobs"]["post"]
+    assert post["tags"] == ["jobs"] and "202" in post["responses"] and "422" in post["responses"]
+    assert post["requestBody"]["content"]["application/json"]["examples"]["tiny"]["value"] == EXAMPLE_SPEC
+    assert "HTTPBearer" in doc["components"]["securitySchemes"]
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer  abc ") == "abc"
+    for bad in (None, "", "Basic abc", "Bearer "):
+        try:
+            bearer_token(bad)
+        except AuthError as exc:
+            assert "dev-token" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")

@@ -1,0 +1,87 @@
+"""The command line: parsing, rendering and error messages (no API needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from trainyard_cli.client import Checkpoint, JobSummary
+from trainyard_cli.main import app
+from trainyard_cli.render import checkpoints_table, field_problems, fmt_tokens, jobs_table
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.chdir(tmp_path)  # no .trainyard/ here
+    monkeypatch.delenv("TRAINYARD_TOKEN", raising=False)
+    monkeypatch.delenv("TRAINYARD_API_URL", raising=False)
+    return CliRunner()
+
+
+def test_help_lists_the_commands(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("submit", "jobs", "artifacts", "dev"):
+        assert command in result.output
+    result = runner.invoke(app, ["jobs", "--help"])
+    for command in ("list", "get", "cancel", "checkpoints", "follow"):
+        assert command in result.output
+
+
+def test_a_missing_token_is_one_line_saying_make_up(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["jobs", "list"])
+    assert result.exit_code == 2
+    assert "no API token" in result.output and "make up" in result.output
+
+
+def test_an_unreachable_api_is_one_line_saying_make_up(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--api-url", "http://127.0.0.1:1", "--token", "t", "jobs", "get", "job-1"])
+    assert result.exit_code == 1
+    assert "cannot reach the trainyard API at http://127.0.0.1:1" in result.output and "make up" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_submit_reports_an_unreadable_spec(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("a: [1,")
+    result = runner.invoke(app, ["--token", "t", "submit", "bad.yaml"])
+    assert result.exit_code == 2 and "not valid YAML" in result.output
+    result = runner.invoke(app, ["--token", "t", "submit", "nope.yaml"])
+    assert result.exit_code == 2 and "cannot read the spec" in result.output
+
+
+def test_artifacts_list_requires_a_job(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--token", "t", "artifacts", "list"])
+    assert result.exit_code == 2 and "--job" in result.output
+
+
+def render(renderable: object) -> str:
+    console = Console(record=True, width=250)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_tables_show_the_fields_that_matter() -> None:
+    rows = [JobSummary.model_validate({"jobId": "job-0123456789ab", "name": "tiny", "state": "queued",
+                                       "specHash": "sha256:x", "globalStep": 0, "maxSteps": 40,
+                                       "gpuCount": 64, "queuedReason": "needs 64 devices, cluster has 8"})]
+    text = render(jobs_table(rows))
+    assert "job-0123456789ab" in text and "0/40" in text and "needs 64 devices" in text
+    ckpt = Checkpoint.model_validate({"checkpointId": "step-000000020-a1", "state": "READY", "globalStep": 20,
+                                      "attempt": 1, "manifestUri": "file:///m.json", "contentHash": "sha256:abc"})
+    text = render(checkpoints_table([ckpt]))
+    assert "step-000000020-a1" in text and "READY" in text and "file:///m.json" in text
+
+
+def test_field_problems_print_one_line_each() -> None:
+    text = render(field_problems([("training.globalBatchSize", "must be a multiple of 16"),
+                                  ("dataset", "unknown dataset 'x@v1'")]))
+    assert "  training.globalBatchSize: must be a multiple of 16" in text
+    assert "  dataset: unknown dataset 'x@v1'" in text
+
+
+@pytest.mark.parametrize(("n", "text"), [(None, "-"), (999, "999"), (1500, "1.5k"), (3_400_000, "3.4M")])
+def test_token_counts_are_short(n: int | None, text: str) -> None:
+    assert fmt_tokens(n) == text
