@@ -1,0 +1,129 @@
+"""Training FLOPs, time to train, MFU, and the accelerators the planner knows.
+
+``training FLOPs ~ 6 N D`` (Kaplan et al. 2020: 2 FLOPs per parameter per token forward, 4
+backward). The attention-aware count per token is PaLM's (Chowdhery et al. 2022, Appendix B):
+``6N + 12 L H Q T`` with ``L`` layers, ``H`` heads of width ``Q`` (``H Q = d_model``) and sequence
+``T``; MFU = achieved tokens/s x that count / (devices x peak). Recomputation adds hardware FLOPs
+(the layers' forward again, about ``2N + 4LHQT`` per token, when full) but not model FLOPs, so MFU ignores it.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from trainyard_planner._private import GB, Model
+from trainyard_planner.layout import Recompute
+from trainyard_planner.model import Transformer
+
+SECONDS_PER_DAY = 86_400.0
+
+
+def training_flops(parameters: float, tokens: float) -> float:
+    """``6 N D``: 6 x 70e9 x 1e12 = 4.2e23."""
+    return 6.0 * parameters * tokens
+
+
+def attention_flops_per_token(model: Transformer) -> float:
+    """PaLM's ``12 L H Q T``: the score and value matmuls, forward and backward."""
+    return 12.0 * model.n_layers * model.attention_width * model.seq_len
+
+
+def model_flops_per_token(model: Transformer, *, attention: bool = True) -> float:
+    """``6N + 12 L H Q T`` (PaLM Appendix B), or ``6N`` without the attention term."""
+    return 6.0 * model.parameters + (attention_flops_per_token(model) if attention else 0.0)
+
+
+def hardware_flops_per_token(model: Transformer, recompute: Recompute | str = Recompute.NONE) -> float:
+    """Model FLOPs plus what recomputation runs again: every transformer layer's forward (full;
+    the output head is not recomputed) or the attention core's forward (selective)."""
+    recompute = Recompute(recompute)
+    flops = model_flops_per_token(model)
+    if recompute is Recompute.FULL:
+        layer_share = model.n_layers * model.parameters_per_layer / model.exact_parameters
+        flops += 2.0 * model.parameters * layer_share + attention_flops_per_token(model) / 3
+    elif recompute is Recompute.SELECTIVE:
+        flops += attention_flops_per_token(model) / 3
+    return flops
+
+
+class TrainingTime(Model):
+    flops: float
+    devices: int
+    peak_flops_per_device: float
+    mfu: float
+    seconds: float
+    days: float
+
+
+def training_time(flops: float, *, devices: int, peak_flops_per_device: float, mfu: float = 1.0) -> TrainingTime:
+    """``FLOPs / (devices x peak x MFU)``. With ``mfu=1`` the peak is what each device sustains:
+    4.2e23 / (256 x 3e14) = 5.47e6 s, about 63 days."""
+    if devices < 1 or peak_flops_per_device <= 0 or not 0 < mfu <= 1:
+        raise ValueError("devices must be >= 1, the peak positive and mfu in (0, 1]")
+    seconds = flops / (devices * peak_flops_per_device * mfu)
+    return TrainingTime(
+        flops=flops, devices=devices, peak_flops_per_device=peak_flops_per_device, mfu=mfu,
+        seconds=seconds, days=seconds / SECONDS_PER_DAY,
+    )
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, *, devices: int, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak."""
+    return tokens_per_second * flops_per_token / (devices * peak_flops_per_device)
+
+
+class DeviceSpec(Model):
+    """One accelerator type: dense bf16 peak, memory, and per-device link bandwidths (one direction)."""
+
+    name: str
+    peak_flops: float = Field(gt=0, description="dense bf16 FLOP/s")
+    memory_bytes: float = Field(gt=0)
+    nvlink_bandwidth: float = Field(gt=0, description="bytes/s per device inside the NVLink domain")
+    network_bandwidth: float = Field(gt=0, description="bytes/s per device across nodes (its NIC)")
+    nvlink_domain: int = Field(default=8, gt=0, description="devices per NVLink/NVSwitch domain")
+
+
+# Datasheet numbers: dense bf16 peak; NVLink 3 / 4 is 600 / 900 GB/s both directions together, so
+# 300 / 450 GB/s each way; one HDR (200 Gb/s) or NDR (400 Gb/s) InfiniBand NIC per GPU.
+DEVICES: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        DeviceSpec(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GB,
+                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB),
+        DeviceSpec(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GB,
+                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB),
+        DeviceSpec(name="h100-80gb", peak_flops=989e12, memory_bytes=80 * GB,
+                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB),
+        DeviceSpec(name="h200-141gb", peak_flops=989e12, memory_bytes=141 * GB,
+                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB),
+    )
+}
+_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    """Look up a device type (``h100-80gb``, ``a100``, ...); raises KeyError naming the known ones."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    try:
+        return DEVICES[key]
+    except KeyError:
+        known = ", ".join(sorted([*DEVICES, *_ALIASES]))
+        raise KeyError(f"unknown device type {name!r}; known: {known}") from None
+
+
+def cpu_device(
+    measured_peak_flops: float,
+    memory_bytes: float,
+    *,
+    name: str = "cpu",
+    memory_bandwidth: float = 10 * GB,
+    devices_per_node: int = 1,
+) -> DeviceSpec:
+    """A CPU "device" from a measured matmul peak (FLOP/s per rank); gloo ranks on one host talk
+    through shared memory, so both bandwidths default to a modest memory-copy rate."""
+    return DeviceSpec(
+        name=name, peak_flops=measured_peak_flops, memory_bytes=memory_bytes,
+        nvlink_bandwidth=memory_bandwidth, network_bandwidth=memory_bandwidth,
+        nvlink_domain=devices_per_node,
+    )

@@ -1,0 +1,76 @@
+"""A parallel layout: how one training step is split over devices.
+
+``world = dp x tp x pp`` and ``global batch = micro_batch x dp x microbatches`` (the seed's
+``micro_batch_per_gpu x data_parallel_size x gradient_accumulation_steps``). Ranks are ordered
+tensor-fastest, then data, then pipeline (Megatron-LM's order), which decides what link each
+group's collectives cross.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+from pydantic import Field
+
+from trainyard_planner._private import Model
+
+
+class ZeroStage(IntEnum):
+    """What the data-parallel ranks shard (Rajbhandari et al. 2019). FSDP FULL_SHARD is stage 3,
+    SHARD_GRAD_OP stage 2."""
+
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+FSDP = ZeroStage.PARAMETERS
+
+
+class Recompute(StrEnum):
+    """Activation recomputation (Korthikanti et al. 2022): none, selective (attention core) or full."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Schedule(StrEnum):
+    """Pipeline schedule (Narayanan et al. 2021)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Layout(Model):
+    dp: int = Field(default=1, gt=0, description="data-parallel degree")
+    tp: int = Field(default=1, gt=0, description="tensor-parallel degree")
+    pp: int = Field(default=1, gt=0, description="pipeline stages")
+    zero_stage: ZeroStage = ZeroStage.NONE
+    micro_batch: int = Field(default=1, gt=0, description="sequences per micro-batch per rank")
+    microbatches: int = Field(default=1, gt=0, description="micro-batches per step (gradient accumulation)")
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = Field(default=1, gt=0, description="model chunks per device (interleaved schedule)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch * self.dp * self.microbatches
+
+    @property
+    def interleaving(self) -> int:
+        """Model chunks per device that the schedule actually uses (1 unless interleaved)."""
+        return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``dp 8 tp 1 pp 1 zero 3 micro 2 recompute none``."""
+        return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {int(self.zero_stage)} "
+                f"micro {self.micro_batch} recompute {self.recompute.value}")

@@ -1,0 +1,112 @@
+"""Layout recommendation: feasible layouts ranked, every rejection explained in words."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainyard_common.catalog import MODEL_CATALOG
+from trainyard_planner import (
+    Layout,
+    Recompute,
+    Topology,
+    Transformer,
+    ZeroStage,
+    candidates,
+    check_fits,
+    device_spec,
+    recommend,
+)
+
+H100 = device_spec("h100-80gb")
+SEVEN_B = Transformer.from_parameters(7e9, seq_len=2048)
+
+
+def reasons_for(recommendation, **fields) -> list[list[str]]:
+    return [r.reasons for r in recommendation.rejected
+            if all(getattr(r.candidate, k) == v for k, v in fields.items())]
+
+
+def test_7b_on_8_h100_rejects_plain_dp_for_memory_and_accepts_a_sharded_layout() -> None:
+    """7B x 16 B = 112 GB of model states: plain DP over 8 x 80 GB cannot hold them; ZeRO can."""
+    result = recommend(SEVEN_B, H100, devices=8, global_batch=64)
+    plain = reasons_for(result, dp=8, tp=1, pp=1, zero_stage=ZeroStage.NONE)
+    assert plain and len(plain) == 4 * 3  # every micro-batch size and recompute mode
+    for reasons in plain:
+        assert len(reasons) == 1
+        assert reasons[0].startswith("needs ") and reasons[0].endswith(" GB per device, 80 GB available")
+        needed = float(reasons[0].split()[1])
+        assert needed > 112 / 0.85  # the states alone, with 15 % headroom
+    sharded = [e for e in result.accepted if e.layout.dp == 8 and e.layout.zero_stage > ZeroStage.NONE]
+    assert sharded
+    assert all(e.memory.required_bytes_per_device <= 80e9 for e in result.accepted)
+    assert result.best is not None and result.best.fits
+
+
+def test_every_candidate_is_accepted_or_explained() -> None:
+    result = recommend(SEVEN_B, H100, devices=8, global_batch=64)
+    assert len(result.accepted) + len(result.rejected) == len(list(candidates(8)))
+    assert all(r.reasons for r in result.rejected)
+
+
+def test_accepted_layouts_are_ranked_by_step_time() -> None:
+    result = recommend(SEVEN_B, H100, devices=16, global_batch=128)
+    times = [e.step_seconds for e in result.accepted]
+    assert times == sorted(times)
+
+
+def test_tensor_parallel_beyond_the_nvlink_domain_is_rejected() -> None:
+    result = recommend(SEVEN_B, H100, devices=16, global_batch=64, topology=Topology.for_device(H100))
+    for reasons in reasons_for(result, tp=16):
+        assert "tensor 16 exceeds the 8-device NVLink domain" in reasons
+
+
+def test_global_batch_must_split_into_micro_batches() -> None:
+    result = recommend(SEVEN_B, H100, devices=8, global_batch=512, micro_batches=(3,))
+    assert not result.accepted
+    assert any("global batch 512 not divisible by micro 3 × dp 8" in r for r in reasons_for(result, dp=8))
+
+
+def test_tensor_parallel_must_divide_heads() -> None:
+    gpt2 = Transformer.from_model_config(MODEL_CATALOG["gpt2-124m@v1"])  # 12 heads
+    result = recommend(gpt2, H100, devices=8, global_batch=64)
+    assert any("tensor 8 does not divide 12 attention heads" in r for r in reasons_for(result, tp=8))
+
+
+def test_pipeline_must_divide_layers() -> None:
+    model = Transformer(n_layers=6, d_model=512, n_heads=8, vocab_size=1000, seq_len=128)
+    result = recommend(model, H100, devices=8, global_batch=64)
+    assert any("6 layers not divisible by pipeline 4" in r for r in reasons_for(result, pp=4))
+    assert any("pipeline 8 exceeds 6 layers" in r for r in reasons_for(result, pp=8))
+
+
+def test_gpt3_175b_on_1024_a100s_picks_megatrons_layout() -> None:
+    """Narayanan et al. 2021 Table 1 trained GPT-3 175B (96 layers, h = 12288, 96 heads) on 1024
+    A100s with global batch 1536 as tensor 8 x pipeline 16 (x data 8). Ranked by estimated step
+    time, that layout (or one within 2 % of it) comes first, with tensor parallelism filling the
+    8-GPU NVLink node."""
+    gpt3 = Transformer(n_layers=96, d_model=12288, n_heads=96, vocab_size=51200, seq_len=2048)
+    result = recommend(gpt3, device_spec("a100-80gb"), devices=1024, global_batch=1536,
+                       micro_batches=(1, 2), recomputes=(Recompute.NONE, Recompute.SELECTIVE))
+    best = result.best
+    assert best is not None and best.layout.tp == 8
+    megatron = min(e.step_seconds for e in result.accepted if (e.layout.tp, e.layout.pp, e.layout.dp) == (8, 16, 8))
+    assert megatron <= best.step_seconds * 1.02
+
+
+def test_check_fits_speaks_like_recommend() -> None:
+    assert check_fits(SEVEN_B, Layout(dp=8, zero_stage=ZeroStage.PARAMETERS), H100) is None
+    reason = check_fits(SEVEN_B, Layout(dp=8), H100)
+    assert reason is not None and reason.endswith("GB per device, 80 GB available")
+
+
+def test_recommendation_serialises_to_camel_case() -> None:
+    wire = recommend(SEVEN_B, H100, devices=8, global_batch=64).wire()
+    assert {"accepted", "rejected"} <= set(wire)
+    assert "stepSeconds" in wire["accepted"][0]
+    assert "zeroStage" in wire["rejected"][0]["candidate"]
+
+
+@pytest.mark.parametrize("bad", [{"devices": 0, "global_batch": 8}, {"devices": 8, "global_batch": 0}])
+def test_rejects_nonsense(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        recommend(SEVEN_B, H100, **bad)

@@ -1,0 +1,68 @@
+"""One step's estimate, and the Lab's experiments: where the bottleneck moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainyard_planner import Bottleneck, Layout, LinkTier, Recompute, Topology, Transformer, device_spec, estimate_step
+
+H100 = device_spec("h100-80gb")
+MODEL = Transformer.from_parameters(7e9, seq_len=4096)
+GLOBAL_BATCH = 512
+
+
+def network(bandwidth: float) -> Topology:
+    """8-GPU NVLink nodes joined by a network of ``bandwidth`` bytes/s per GPU."""
+    return Topology.for_device(H100).model_copy(update={
+        "intra_rack": LinkTier(bandwidth=bandwidth, latency=8e-6),
+        "cross_rack": LinkTier(bandwidth=bandwidth, latency=15e-6),
+    })
+
+
+def step(devices: int, bandwidth: float, model: Transformer = MODEL, zero: int = 1):
+    layout = Layout(dp=devices, zero_stage=zero, microbatches=GLOBAL_BATCH // devices, recompute=Recompute.SELECTIVE)
+    return estimate_step(model, layout, H100, network(bandwidth))
+
+
+def test_step_is_compute_times_bubble_plus_exposed_comm() -> None:
+    layout = Layout(dp=2, tp=2, pp=2, microbatches=8, sequence_parallel=True)
+    estimate = estimate_step(MODEL, layout, H100, network(50e9))
+    assert estimate.bubble_ratio == pytest.approx(1 / 8)
+    assert estimate.step_seconds == pytest.approx(
+        estimate.compute_seconds * (1 + 1 / 8) + estimate.comm.total_seconds)
+    assert estimate.tokens_per_step == 2 * 8 * 4096
+    assert 0 < estimate.mfu < 0.5  # below the assumed 50 % matmul efficiency
+    assert "stepSeconds" in estimate.wire()
+
+
+def test_lab_more_nodes_on_a_fast_network_stays_compute_bound() -> None:
+    """Lab experiment 2 with a 50 GB/s-per-GPU fabric: 8 -> 128 GPUs scales nearly linearly."""
+    small, large = step(8, 50e9), step(128, 50e9)
+    assert large.bottleneck is Bottleneck.COMPUTE
+    assert small.step_seconds / large.step_seconds > 10
+
+
+def test_lab_more_nodes_on_a_slow_network_moves_the_bottleneck_to_the_interconnect() -> None:
+    """Lab experiment 2: add GPUs but lower the interconnect; theoretical compute keeps growing
+    while step time stops falling, and the communication-to-compute ratio passes 1."""
+    assert step(8, 2e9).bottleneck is Bottleneck.COMPUTE  # one node: NVLink only
+    mid, large = step(32, 2e9), step(128, 2e9)
+    assert large.compute_seconds == pytest.approx(mid.compute_seconds / 4)
+    assert mid.step_seconds / large.step_seconds < 1.5
+    assert large.bottleneck is Bottleneck.INTERCONNECT
+    assert large.comm_to_compute_ratio > 1
+
+
+def test_lab_a_bigger_model_on_the_same_gpus_runs_out_of_memory() -> None:
+    """Lab experiment 1: on 16 H100s with plain DDP, 1B fits and 13B does not."""
+    assert step(16, 50e9, Transformer.from_parameters(1e9, seq_len=4096), zero=0).bottleneck is Bottleneck.COMPUTE
+    big = step(16, 50e9, Transformer.from_parameters(13e9, seq_len=4096), zero=0)
+    assert big.bottleneck is Bottleneck.MEMORY
+    assert not big.fits
+
+
+def test_efficiency_and_overlap_are_validated() -> None:
+    with pytest.raises(ValueError):
+        estimate_step(MODEL, Layout(), H100, network(50e9), efficiency=0)
+    with pytest.raises(ValueError):
+        estimate_step(MODEL, Layout(), H100, network(50e9), dp_overlap=1.5)
