@@ -1,27 +1,39 @@
 """trainyard_common: the event contract, bus wiring, leases, tracing, settings and storage
-shared by every trainyard service and by the trainer."""
+shared by every trainyard service and by the trainer.
 
-from trainyard_common.bus import Bus, Deduper, ensure_topics
-from trainyard_common.errors import TrainyardError
-from trainyard_common.outbox import Outbox
-from trainyard_common.service import ServiceRuntime, configure_logging, run_main
-from trainyard_common.settings import ServiceSettings, load_settings
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore, connect_redis
+Exports are resolved lazily so a torch rank that only needs the event models does not pay
+for importing the broker client.
+"""
 
-__all__ = [
-    "Bus",
-    "Deduper",
-    "Keys",
-    "Outbox",
-    "ServiceRuntime",
-    "ServiceSettings",
-    "StateStore",
-    "TrainingSpec",
-    "TrainyardError",
-    "configure_logging",
-    "connect_redis",
-    "ensure_topics",
-    "load_settings",
-    "run_main",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Bus": "trainyard_common.bus",
+    "Deduper": "trainyard_common.bus",
+    "ensure_topics": "trainyard_common.bus",
+    "TrainyardError": "trainyard_common.errors",
+    "Outbox": "trainyard_common.outbox",
+    "ServiceRuntime": "trainyard_common.service",
+    "configure_logging": "trainyard_common.service",
+    "run_main": "trainyard_common.service",
+    "ServiceSettings": "trainyard_common.settings",
+    "load_settings": "trainyard_common.settings",
+    "settings_help": "trainyard_common.settings",
+    "TrainingSpec": "trainyard_common.spec",
+    "Keys": "trainyard_common.store",
+    "StateStore": "trainyard_common.store",
+    "connect_redis": "trainyard_common.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'trainyard_common' has no attribute {name!r}") from None
+    return getattr(importlib.import_module(module), name)

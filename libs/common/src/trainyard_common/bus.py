@@ -17,6 +17,7 @@ import asyncio
 import base64
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -118,6 +119,7 @@ class Bus:
             logger=logging.getLogger(f"faststream.{service_name}"),
         )
         self._started = False
+        self._groups: dict[str, _GroupRoute] = {}
         self.dead_lettered = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -128,6 +130,7 @@ class Bus:
     async def start(self) -> None:
         if self._started:
             return
+        self._register_subscribers()
         try:
             await self.broker.start()
         except (KafkaError, OSError) as exc:
@@ -193,93 +196,115 @@ class Bus:
         """Route each event of ``topic`` to the handler of its class; returns the group id.
 
         Events of classes without a handler are acknowledged and ignored: several event
-        types share a topic and each consumer takes the ones it needs.
+        types share a topic and each consumer takes the ones it needs. All topics of one
+        group are read by one consumer (one group join at start-up, not one per topic), so
+        call this before :meth:`start`.
         """
+        if self._started:
+            raise RuntimeError("subscribe before Bus.start()")
         group_id = group or f"{self.group_prefix}.{self.service_name}"
-        deduper = deduper_factory(group_id) if deduper_factory else None
-        dispatcher = _Dispatcher(self, topic, group_id, dict(handlers), deduper, max_backoff_s)
-
-        @self.broker.subscriber(
-            self.physical(topic),
-            group_id=group_id,
-            auto_offset_reset="earliest",
-            ack_policy=AckPolicy.NACK_ON_ERROR,
-            max_poll_interval_ms=600_000,
-        )
-        async def _on_message(message: KafkaMessage) -> None:
-            await dispatcher(message)
-
+        route = self._groups.setdefault(group_id, _GroupRoute())
+        if topic in route.handlers:
+            raise ValueError(f"{topic} is already routed for group {group_id}")
+        route.handlers[topic] = dict(handlers)
+        if deduper_factory is not None:
+            route.dedupers[topic] = deduper_factory(group_id)
+        route.max_backoff_s = max_backoff_s
         return group_id
+
+    def _register_subscribers(self) -> None:
+        for group_id, route in self._groups.items():
+            self.broker.subscriber(
+                *[self.physical(t) for t in route.handlers],
+                group_id=group_id,
+                auto_offset_reset="earliest",
+                ack_policy=AckPolicy.NACK_ON_ERROR,
+                max_poll_interval_ms=600_000,
+            )(_entry_point(_Dispatcher(self, group_id, route)))
+
+
+def _entry_point(dispatcher: _Dispatcher) -> Callable[[KafkaMessage], Awaitable[None]]:
+    """A faststream handler whose only parameter is the raw message (decoding is ours)."""
+
+    async def _on_message(message: KafkaMessage) -> None:
+        await dispatcher(message)
+
+    return _on_message
+
+
+@dataclass
+class _GroupRoute:
+    handlers: dict[str, dict[type[ev.Event], Handler]] = field(default_factory=dict)
+    dedupers: dict[str, Deduper] = field(default_factory=dict)
+    max_backoff_s: float = 10.0
 
 
 class _Dispatcher:
     """decode → dedupe → handler → mark seen; dead-letter or retry on failure."""
 
-    def __init__(
-        self,
-        bus: Bus,
-        topic: str,
-        group: str,
-        handlers: dict[type[ev.Event], Handler],
-        deduper: Deduper | None,
-        max_backoff_s: float,
-    ) -> None:
-        self.bus, self.topic, self.group = bus, topic, group
-        self.handlers, self.deduper, self.max_backoff_s = handlers, deduper, max_backoff_s
-        self._failures: dict[tuple[int, int], int] = {}
+    def __init__(self, bus: Bus, group: str, route: _GroupRoute) -> None:
+        self.bus, self.group, self.route = bus, group, route
+        self._failures: dict[tuple[str, int, int], int] = {}
+
+    def logical(self, physical: str) -> str:
+        ns = self.bus.namespace
+        return physical[len(ns):] if ns and physical.startswith(ns) else physical
 
     async def __call__(self, message: KafkaMessage) -> None:
         record = message.raw_message
+        topic = self.logical(record.topic)
         partition, offset = record.partition, record.offset
+        where = (topic, partition, offset)
         raw: bytes = record.value or b""
         headers = {k: (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in (record.headers or [])}
         parent = _PROPAGATOR.extract(headers)
         try:
-            event = ev.decode_event(self.topic, raw)
+            event = ev.decode_event(topic, raw)
         except (ValidationError, ValueError) as exc:
-            await self._dead_letter(record, f"invalid event: {_short(exc)}")
+            await self._dead_letter(record, topic, f"invalid event: {_short(exc)}")
             return
-        handler = self.handlers.get(type(event))
+        handler = self.route.handlers.get(topic, {}).get(type(event))
         if handler is None:
             return
         with _tracer.start_as_current_span(
-            f"{self.topic} process {event.event_type}",
+            f"{topic} process {event.event_type}",
             context=parent,
             kind=trace.SpanKind.CONSUMER,
             attributes={
                 "messaging.system": "kafka",
-                "messaging.destination.name": self.topic,
+                "messaging.destination.name": topic,
                 "messaging.consumer.group.name": self.group,
                 "messaging.kafka.offset": offset,
                 "trainyard.event_type": event.event_type,
                 "trainyard.event_id": str(event.event_id),
             },
         ) as span:
+            deduper = self.route.dedupers.get(topic)
             try:
-                if self.deduper and await self.deduper.seen(str(event.event_id)):
+                if deduper and await deduper.seen(str(event.event_id)):
                     span.set_attribute("trainyard.duplicate", True)
                     return
                 await handler(event)
-                if self.deduper:
-                    await self.deduper.mark(str(event.event_id))
-                self._failures.pop((partition, offset), None)
+                if deduper:
+                    await deduper.mark(str(event.event_id))
+                self._failures.pop(where, None)
             except Exception as exc:  # noqa: BLE001 - classified below, never lost
                 span.record_exception(exc)
                 if is_retryable(exc):
-                    n = self._failures.get((partition, offset), 0) + 1
-                    self._failures[(partition, offset)] = n
-                    delay = min(self.max_backoff_s, 0.2 * 2 ** min(n, 10))
+                    n = self._failures.get(where, 0) + 1
+                    self._failures[where] = n
+                    delay = min(self.route.max_backoff_s, 0.2 * 2 ** min(n, 10))
                     log.warning("%s: retryable error on %s@%s/%s (try %d, retry in %.1fs): %r",
-                                self.group, self.topic, partition, offset, n, delay, exc)
+                                self.group, topic, partition, offset, n, delay, exc)
                     await asyncio.sleep(delay)
                     raise NackMessage() from exc
                 log.exception("%s: handler failed for %s@%s/%s; dead-lettering", self.group,
-                              self.topic, partition, offset)
-                await self._dead_letter(record, f"handler error: {type(exc).__name__}: {_short(exc)}")
+                              topic, partition, offset)
+                await self._dead_letter(record, topic, f"handler error: {type(exc).__name__}: {_short(exc)}")
 
-    async def _dead_letter(self, record: Any, error: str) -> None:
+    async def _dead_letter(self, record: Any, topic: str, error: str) -> None:
         letter = ev.DeadLetter(
-            source_topic=self.topic,
+            source_topic=topic,
             partition=record.partition,
             offset=record.offset,
             consumer_group=self.group,

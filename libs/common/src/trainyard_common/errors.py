@@ -14,7 +14,8 @@
     │   └── StateStoreError
     ├── CheckpointError                 a checkpoint that cannot be written or restored
     │   └── CheckpointCorruptError      size or sha256 mismatch, missing shard or manifest
-    └── DataError                       a dataset shard that is missing or fails its sha256
+    ├── DataError                       a dataset shard that is missing or fails its sha256
+    └── NonFiniteError                  a NaN or Inf loss or gradient: the attempt stops, nothing is saved
 
 Library errors (aiokafka, redis, torch) are translated where they enter, `raise … from exc`.
 """
@@ -97,3 +98,7 @@ class CheckpointCorruptError(CheckpointError):
 
 class DataError(TrainyardError):
     """A dataset shard that is missing or fails its sha256."""
+
+
+class NonFiniteError(TrainyardError):
+    """A NaN or Inf loss or gradient norm; the attempt stops with reason "nan"."""

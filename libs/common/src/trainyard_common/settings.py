@@ -51,3 +51,14 @@ def load_settings(cls: type[S], **overrides: object) -> S:
             f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from exc
+
+
+def settings_help(cls: type[BaseSettings]) -> str:
+    """One line per variable: name, default and description — for a service's ``--help``."""
+    prefix = cls.model_config.get("env_prefix", "")
+    lines = []
+    for name, info in cls.model_fields.items():
+        default = "(required)" if info.is_required() else repr(info.default)
+        desc = f"  {info.description}" if info.description else ""
+        lines.append(f"  {prefix}{name.upper():<32} default {default}{desc}")
+    return "\n".join(lines)

@@ -34,6 +34,7 @@ class Keys:
     nodes = "ty:nodes"
     tokens = "ty:tokens"
     lease_audit = "ty:lease-audit"
+    pending_checkpoints = "ty:ckpt-pending"
 
     @staticmethod
     def job(job_id: str) -> str:
@@ -148,6 +149,10 @@ class StateStore:
         ready = [c for c in await self.list_checkpoints(job_id) if c.state == "READY"]
         return ready[-1] if ready else None
 
+    async def get_checkpoint(self, job_id: str, checkpoint_id: str) -> CheckpointRecord | None:
+        raw = await self.redis.hget(Keys.checkpoints(job_id), checkpoint_id)
+        return CheckpointRecord.model_validate_json(raw) if raw else None
+
     async def put_checkpoint(self, record: CheckpointRecord) -> None:
         await self.redis.hset(Keys.checkpoints(record.job_id), record.checkpoint_id, record.dumps())
 
@@ -166,6 +171,10 @@ class StateStore:
 
     async def put_dataset(self, record: DatasetRecord) -> None:
         await self.redis.hset(Keys.datasets, record.ref, record.dumps())
+
+    async def create_dataset(self, record: DatasetRecord) -> bool:
+        """Record a dataset version unless one is recorded already (first publish wins)."""
+        return bool(await self.redis.hsetnx(Keys.datasets, record.ref, record.dumps()))
 
     async def list_datasets(self) -> list[DatasetRecord]:
         return await self._hvals(Keys.datasets, DatasetRecord)

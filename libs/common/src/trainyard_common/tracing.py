@@ -14,17 +14,35 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
+
+
+class _PrivateIdGenerator(IdGenerator):
+    """Span and trace ids from the OS, never from Python's global ``random``.
+
+    The SDK's default draws from ``random``: a trainer that seeds it for reproducibility
+    would then repeat span ids across attempts, and tracing would disturb its random stream.
+    """
+
+    _random = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        return self._random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return self._random.getrandbits(128) or 1
 
 
 def exporter_configured(environ: Mapping[str, str] | None = None) -> bool:
@@ -42,7 +60,7 @@ def setup_tracing(service_name: str, *, instance_id: str | None = None) -> Trace
     attrs = {"service.name": service_name}
     if instance_id:
         attrs["service.instance.id"] = instance_id
-    provider = TracerProvider(resource=Resource.create(attrs))
+    provider = TracerProvider(resource=Resource.create(attrs), id_generator=_PrivateIdGenerator())
     if exporter_configured():
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -1,0 +1,131 @@
+"""``python -m trainyard_trainer`` / ``trainyard-train``: one torch rank of a trainyard job.
+
+Started by a node agent with the rank environment contract; trains to ``maxSteps``,
+checkpointing as the spec says, and reports StepMetrics / ShardWritten through its spool.
+
+SIGTERM keeps its default action (immediate death) on purpose: a rank spends its waits
+inside C++ collectives, where a Python handler would not run until the collective times
+out, so a handler would make revoked ranks linger. Nothing is lost: spool lines are
+fsynced as written and a checkpoint becomes visible only by an atomic rename.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from pydantic import ValidationError
+
+from trainyard_common import exitcodes
+from trainyard_common.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    SpecError,
+    TrainyardError,
+)
+from trainyard_common.events import GangAllocated
+from trainyard_common.settings import load_settings
+from trainyard_common.spool import SpoolWriter
+from trainyard_common.tracing import job_context, setup_tracing, shutdown_tracing
+
+from trainyard_trainer.runtime import configure_determinism, init_distributed, select_runtime, shutdown_distributed
+from trainyard_trainer.settings import RankSettings, describe_environment
+from trainyard_trainer.training import NonFiniteError, resolve_job, train
+
+log = logging.getLogger("trainyard_trainer")
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The rank exit code for an exception (see trainyard_common.exitcodes)."""
+    if isinstance(exc, NonFiniteError):
+        return exitcodes.NAN
+    if isinstance(exc, CheckpointError):
+        return exitcodes.CHECKPOINT
+    if isinstance(exc, DataError):
+        return exitcodes.DATA
+    if isinstance(exc, ConfigError | SpecError):
+        return exitcodes.CONFIG
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return exitcodes.OOM
+    return exitcodes.ERROR
+
+
+def read_allocation(settings: RankSettings) -> GangAllocated:
+    """The GangAllocated event the node agent wrote for this attempt (spec, start checkpoint)."""
+    try:
+        return GangAllocated.model_validate_json(settings.allocation_file.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} does not exist") from None
+    except ValidationError as exc:
+        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} is not a GangAllocated: {exc}") from exc
+
+
+def run_rank(settings: RankSettings) -> int:
+    """The whole life of one rank; returns its exit code."""
+    tracer = trace.get_tracer("trainyard_trainer")
+    with job_context(settings.traceparent), tracer.start_as_current_span(
+        f"train rank {settings.rank}",
+        attributes={"trainyard.job_id": settings.job_id, "trainyard.attempt": settings.attempt,
+                    "trainyard.rank": settings.rank, "trainyard.world_size": settings.world_size},
+    ) as span:
+        try:
+            allocation = read_allocation(settings)
+            runtime = select_runtime(settings)
+            configure_determinism(runtime, seed=allocation.spec.training.seed, rank=settings.rank,
+                                  deterministic=allocation.spec.training.deterministic)
+            job = resolve_job(settings, allocation, runtime)
+            init_distributed(settings, runtime)
+            with SpoolWriter(settings.events_file) as spool:
+                progress = train(job, spool)
+            log.info("done: step %d, %d tokens", progress.global_step, progress.consumed_tokens)
+            return exitcodes.OK
+        except Exception as exc:  # noqa: BLE001 - the process boundary: every error becomes an exit code
+            code = exit_code_for(exc)
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            span.set_attribute("trainyard.exit_code", code)
+            if isinstance(exc, TrainyardError):
+                log.error("%s: %s (exit %d, %s)", type(exc).__name__, exc, code, exitcodes.exit_reason(code))
+            else:
+                log.exception("unexpected error (exit %d)", code)
+            return code
+        finally:
+            shutdown_distributed()
+
+
+def _parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="trainyard-train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Environment (set by the node agent):\n" + describe_environment()
+        + "\n  OTEL_*                          OpenTelemetry export (OTLP), read by the SDK"
+        + "\n\nExit codes: 0 ok, 1 error, 2 config, 3 nan, 4 checkpoint, 5 data, 6 oom.",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    _parser().parse_args(argv)
+    try:
+        settings = load_settings(RankSettings)
+    except ConfigError as exc:
+        print(f"trainyard-train: {exc}", file=sys.stderr)
+        return exitcodes.CONFIG
+    sys.stdout.reconfigure(line_buffering=True)  # the node agent tails this into the rank log
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stdout,
+        format=f"%(asctime)s rank{settings.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    setup_tracing("trainyard-trainer", instance_id=f"{settings.job_id}/a{settings.attempt}/r{settings.rank}")
+    code = run_rank(settings)
+    shutdown_tracing()  # flush the rank's spans before the process ends
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

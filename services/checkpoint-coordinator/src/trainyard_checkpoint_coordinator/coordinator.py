@@ -1,0 +1,301 @@
+"""The coordinator's I/O shell: ShardWritten → shard hash in Redis → (all ranks) verified
+manifest on disk → READY record + CheckpointReady in one MULTI.
+
+State in Redis (the system of record):
+
+* ``Keys.shards(job, attempt, step)``  hash rank → :class:`ShardReport` JSON (HSETNX: the first
+  report of a rank wins; a different re-report fails the checkpoint);
+* ``Keys.checkpoints(job)``            hash checkpoint id → ``CheckpointRecord`` (PENDING → READY | FAILED);
+* :data:`PENDING_INDEX`               sorted set of pending checkpoints by creation time, for the timeout sweep.
+
+A settled record never changes again, so duplicates and re-deliveries (also of the final
+shard after READY) change nothing and publish nothing. A crash between writing the
+manifest and marking READY is repaired by the re-delivery of the shard (the offset is
+committed only after the handler returns) or, failing that, by the sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from opentelemetry import trace
+from redis.asyncio import Redis
+from redis.exceptions import WatchError
+
+from trainyard_common.errors import StateStoreError
+from trainyard_common.events import CHECKPOINTS, ShardWritten, utcnow
+from trainyard_common.manifest import (
+    CheckpointManifest,
+    ParallelLayout,
+    local_sha256,
+    local_stat_size,
+    verify_manifest,
+)
+from trainyard_common.outbox import Outbox
+from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_common.service import ServiceRuntime
+from trainyard_common.storage import atomic_write_bytes, uri_to_path
+from trainyard_common.store import Keys, StateStore
+from trainyard_common.tracing import job_context
+
+from trainyard_checkpoint_coordinator import metrics
+from trainyard_checkpoint_coordinator.assembly import (
+    CheckpointKey,
+    Complete,
+    JobDefaults,
+    Rejected,
+    ShardReport,
+    ShardVerdict,
+    Waiting,
+    assess,
+    checkpoint_key,
+    classify_shard,
+    describe_conflict,
+    pending_record,
+    settle_failed,
+    settle_ready,
+    settled_event,
+    timeout_reason,
+)
+from trainyard_checkpoint_coordinator.retention import retention_candidates
+from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("trainyard.checkpoint_coordinator")
+
+SERVICE_NAME = "checkpoint-coordinator"
+#: Sorted set of pending checkpoints (member: JSON [job, attempt, step]; score: creation time).
+PENDING_INDEX = Keys.pending_checkpoints
+
+Clock = Callable[[], datetime]
+Transition = Callable[[CheckpointRecord, int], CheckpointRecord]
+
+
+def _member(key: CheckpointKey) -> str:
+    return json.dumps([key.job_id, key.attempt, key.global_step])
+
+
+def _parse_member(member: str) -> CheckpointKey:
+    job_id, attempt, step = json.loads(member)
+    return CheckpointKey(job_id, int(attempt), int(step))
+
+
+class Coordinator:
+    """Collects shard reports and settles checkpoints. Handlers are idempotent."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        outbox: Outbox,
+        settings: CoordinatorSettings,
+        *,
+        clock: Clock = utcnow,
+    ) -> None:
+        self.redis = redis
+        self.store = StateStore(redis)
+        self.outbox = outbox
+        self.settings = settings
+        self.clock = clock
+
+    def install(self, runtime: ServiceRuntime) -> None:
+        """Subscribe to the checkpoints topic and register the timeout sweep."""
+        runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written}, deduper_factory=runtime.deduper)
+        runtime.add_loop("pending-sweep", self.sweep, every_s=self.settings.sweep_interval_s)
+
+    # ------------------------------------------------------------------ ShardWritten
+    async def on_shard_written(self, event: ShardWritten) -> None:
+        """Record one rank's shard; settle the checkpoint once every rank has reported."""
+        key = checkpoint_key(event)
+        report = ShardReport.from_event(event)
+        trace.get_current_span().set_attributes(
+            {"trainyard.job_id": key.job_id, "trainyard.attempt": key.attempt,
+             "trainyard.global_step": key.global_step, "trainyard.rank": report.rank}
+        )
+        verdict, existing = await self._classify(key, report)
+        if verdict is ShardVerdict.NEW and not await self._record_shard(key, report):
+            verdict, existing = await self._classify(key, report)  # another instance recorded it first
+        metrics.SHARDS.labels(verdict.value).inc()
+        if verdict is ShardVerdict.STALE:
+            log.warning("%s: ignoring rank %d's shard from fenced epoch %d (a zombie attempt)",
+                        key, report.rank, report.epoch)
+            return
+        if verdict is ShardVerdict.CONFLICT:
+            assert existing is not None
+            reason = describe_conflict(existing, report)
+            if not await self._fail(key, reason):
+                log.error("%s: %s; the checkpoint is settled already, left as it is", key, reason)
+            return
+        await self._settle(key)
+
+    async def _classify(self, key: CheckpointKey, report: ShardReport) -> tuple[ShardVerdict, ShardReport | None]:
+        raw_epoch, raw_existing = await asyncio.gather(
+            self.redis.get(Keys.epoch(key.job_id)),
+            self.redis.hget(Keys.shards(key.job_id, key.attempt, key.global_step), str(report.rank)),
+        )
+        existing = ShardReport.loads(raw_existing) if raw_existing else None
+        return classify_shard(report, current_epoch=int(raw_epoch or 0), existing=existing), existing
+
+    async def _record_shard(self, key: CheckpointKey, report: ShardReport) -> bool:
+        """Store the shard (first report wins) and, with the first shard, the PENDING record."""
+        now = self.clock()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(Keys.shards(key.job_id, key.attempt, key.global_step), str(report.rank), report.dumps())
+            pipe.hsetnx(Keys.checkpoints(key.job_id), key.checkpoint_id, pending_record(key, report, now=now).dumps())
+            pipe.zadd(PENDING_INDEX, {_member(key): now.timestamp()}, nx=True)
+            stored, _, _ = await pipe.execute()
+        return bool(stored)
+
+    # ------------------------------------------------------------------ settling
+    async def _settle(self, key: CheckpointKey, *, timed_out: bool = False) -> None:
+        """Assess the reports of a PENDING checkpoint and act: wait, fail, or finalize."""
+        record = await self._record(key)
+        if record is None or record.state != "PENDING":
+            return
+        raw_reports, raw_epoch, job = await asyncio.gather(
+            self.redis.hgetall(Keys.shards(key.job_id, key.attempt, key.global_step)),
+            self.redis.get(Keys.epoch(key.job_id)),
+            self.store.get_job(key.job_id),
+        )
+        reports = {int(rank): ShardReport.loads(raw) for rank, raw in raw_reports.items()}
+        outcome = assess(
+            key, reports, world_size=record.world_size, current_epoch=int(raw_epoch or 0),
+            created_at=self.clock(), defaults=_job_defaults(job),
+        )
+        match outcome:
+            case Waiting(missing=missing):
+                if timed_out:
+                    await self._fail(key, timeout_reason(missing, self.settings.shard_timeout_s))
+                else:
+                    log.debug("%s: waiting for ranks %s", key, list(missing))
+            case Rejected():
+                await self._fail(key, outcome.reason)
+            case Complete():
+                await self._finalize(key, outcome, job)
+
+    async def _finalize(self, key: CheckpointKey, complete: Complete, job: JobRecord | None) -> None:
+        """1. verify every file  2. write manifest.json atomically  3. READY + event in one MULTI."""
+        manifest = complete.manifest
+        started = time.perf_counter()
+        with _tracer.start_as_current_span(
+            "checkpoint verify", attributes={"trainyard.shards": len(manifest.shards),
+                                             "trainyard.extra_files": len(manifest.extra_files)}
+        ) as span:
+            problems = await asyncio.to_thread(_verify, manifest)  # hashing must not block the loop
+            span.set_attribute("trainyard.problems", len(problems))
+        metrics.VERIFY_SECONDS.observe(time.perf_counter() - started)
+        if problems:
+            await self._fail(key, "; ".join(problems))
+            return
+        path = uri_to_path(complete.manifest_uri)
+        with _tracer.start_as_current_span("checkpoint write manifest",
+                                           attributes={"trainyard.uri": complete.manifest_uri}):
+            await asyncio.to_thread(atomic_write_bytes, path, manifest.to_bytes())
+        now = self.clock()
+        record = await self._transition(
+            key, lambda rec, epoch: settle_ready(rec, complete, current_epoch=epoch, now=now)
+        )
+        if record is None:
+            return
+        if record.state != "READY":  # fenced between verification and READY: no manifest may stay
+            await asyncio.to_thread(path.unlink, missing_ok=True)
+            self._count_failed(key, record)
+            return
+        metrics.CHECKPOINTS.labels("ready").inc()
+        metrics.CHECKPOINT_BYTES.observe(
+            sum(s.size_bytes for s in manifest.shards) + sum(f.size_bytes for f in manifest.extra_files)
+        )
+        log.info("%s READY: %d shards, %s, manifest %s", key, len(manifest.shards),
+                 manifest.content_hash, complete.manifest_uri)
+        await self._maybe_retain(key.job_id, job)
+
+    async def _fail(self, key: CheckpointKey, reason: str) -> bool:
+        """Mark a PENDING checkpoint FAILED and announce it; False when it was settled already."""
+        record = await self._transition(key, lambda rec, _epoch: settle_failed(rec, reason))
+        if record is not None:
+            self._count_failed(key, record)
+        return record is not None
+
+    def _count_failed(self, key: CheckpointKey, record: CheckpointRecord) -> None:
+        metrics.CHECKPOINTS.labels("failed").inc()
+        log.warning("%s FAILED: %s", key, record.reason)
+
+    async def _transition(self, key: CheckpointKey, change: Transition) -> CheckpointRecord | None:
+        """Settle a PENDING record and stage its event atomically (WATCH on the record and the
+        job's fencing epoch). None when the record is missing or settled already."""
+        records_key, epoch_key = Keys.checkpoints(key.job_id), Keys.epoch(key.job_id)
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(records_key, epoch_key)
+                    raw = await pipe.hget(records_key, key.checkpoint_id)
+                    record = CheckpointRecord.model_validate_json(raw) if raw else None
+                    if record is None or record.state != "PENDING":
+                        return None
+                    settled = change(record, int(await pipe.get(epoch_key) or 0))
+                    pipe.multi()
+                    pipe.hset(records_key, key.checkpoint_id, settled.dumps())
+                    pipe.zrem(PENDING_INDEX, _member(key))
+                    self.outbox.stage(pipe, settled_event(settled))
+                    await pipe.execute()
+                    return settled
+                except WatchError:
+                    continue
+
+    async def _record(self, key: CheckpointKey) -> CheckpointRecord | None:
+        raw = await self.redis.hget(Keys.checkpoints(key.job_id), key.checkpoint_id)
+        return CheckpointRecord.model_validate_json(raw) if raw else None
+
+    async def _maybe_retain(self, job_id: str, job: JobRecord | None) -> None:
+        """Retention seam (keepLast): reports what GC would remove; deletes nothing yet."""
+        if job is None:
+            return
+        candidates = retention_candidates(await self.store.list_checkpoints(job_id),
+                                          job.spec.checkpoint_policy.keep_last)
+        if candidates:
+            log.debug("%s: retention would remove %s (not implemented yet)", job_id,
+                      [c.checkpoint_id for c in candidates])
+
+    # ------------------------------------------------------------------ timeout sweep
+    async def sweep(self) -> None:
+        """Settle checkpoints pending longer than ``shard_timeout_s``: finalize a complete one
+        (a crash left it behind), fail one still missing ranks."""
+        cutoff = self.clock().timestamp() - self.settings.shard_timeout_s
+        for member in await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff):
+            key = _parse_member(member)
+            record = await self._record(key)
+            if record is None or record.state != "PENDING":
+                await self.redis.zrem(PENDING_INDEX, member)
+                continue
+            job = await self.store.get_job(key.job_id)
+            with job_context(job.traceparent if job else None), _tracer.start_as_current_span(
+                "checkpoint timeout", attributes={"trainyard.job_id": key.job_id,
+                                                  "trainyard.checkpoint_id": key.checkpoint_id}
+            ):
+                await self._settle(key, timed_out=True)
+
+
+def _job_defaults(job: JobRecord | None) -> JobDefaults:
+    if job is None:
+        return JobDefaults()
+    p = job.spec.parallelism
+    return JobDefaults(spec_hash=job.spec_hash, parallelism=ParallelLayout(dp=p.data, tp=p.tensor, pp=p.pipeline))
+
+
+def _verify(manifest: CheckpointManifest) -> list[str]:
+    """verify_manifest against the local filesystem; unreadable locations are problems, not crashes."""
+    try:
+        return verify_manifest(manifest, stat_size=local_stat_size, file_sha256=local_sha256)
+    except (StateStoreError, PermissionError, IsADirectoryError) as exc:
+        return [f"cannot read the checkpoint files: {exc}"]
+
+
+def build_service(settings: CoordinatorSettings, *, clock: Clock = utcnow) -> ServiceRuntime:
+    """The coordinator wired into a :class:`ServiceRuntime` (not started)."""
+    runtime = ServiceRuntime(SERVICE_NAME, settings)
+    Coordinator(runtime.redis, runtime.outbox, settings, clock=clock).install(runtime)
+    return runtime

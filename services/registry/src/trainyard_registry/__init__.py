@@ -1,0 +1,28 @@
+"""trainyard registry: artifacts (checkpoints, final models) and their lineage.
+
+Pure record building is in :mod:`.lineage`; :class:`Registry` is the I/O shell;
+:func:`build_service` wires it into a ``ServiceRuntime``.
+"""
+
+from trainyard_registry.lineage import (
+    artifact_id,
+    build_lineage,
+    checkpoint_artifact,
+    dataset_conflict,
+    model_artifact,
+    model_config_ref,
+)
+from trainyard_registry.registry import Registry, build_service
+from trainyard_registry.settings import RegistrySettings
+
+__all__ = [
+    "Registry",
+    "RegistrySettings",
+    "artifact_id",
+    "build_lineage",
+    "build_service",
+    "checkpoint_artifact",
+    "dataset_conflict",
+    "model_artifact",
+    "model_config_ref",
+]

@@ -1,0 +1,179 @@
+"""Pure registry decisions: artifact ids, lineage, artifact and dataset records.
+
+No Redis, Kafka, clock or filesystem here; the shell (``registry.py``) loads the job,
+the dataset and the checkpoint record and passes them in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Literal
+
+from trainyard_common.events import CheckpointReady, DatasetVersionPublished
+from trainyard_common.records import (
+    ArtifactRecord,
+    CheckpointRecord,
+    DatasetRecord,
+    JobRecord,
+    Lineage,
+    checkpoint_id,
+)
+from trainyard_common.spec import TrainingSpec, canonical_json
+
+ArtifactType = Literal["checkpoint", "model"]
+
+
+def artifact_id(job_id: str, kind: ArtifactType, global_step: int, attempt: int) -> str:
+    """Deterministic, so a re-delivered event records nothing new: ``<job>/checkpoint/step-000000040-a1``."""
+    return f"{job_id}/{kind}/{checkpoint_id(global_step, attempt)}"
+
+
+def model_config_ref(spec: TrainingSpec) -> str:
+    """The catalog reference, or ``inline:sha256:…`` of an inline model configuration."""
+    ref = spec.model_config_ref
+    if isinstance(ref, str):
+        return ref
+    digest = hashlib.sha256(canonical_json(ref.model_dump(mode="json", by_alias=True))).hexdigest()
+    return f"inline:sha256:{digest}"
+
+
+def build_lineage(job: JobRecord, producer_attempt: int, dataset: DatasetRecord | None) -> Lineage:
+    """Where an artifact of ``job`` made by ``producer_attempt`` came from.
+
+    The parent checkpoint is the manifest that attempt started from (None for a fresh start).
+    """
+    attempt = next((a for a in job.attempts if a.attempt == producer_attempt), None)
+    start = attempt.start_checkpoint if attempt else None
+    return Lineage(
+        spec_hash=job.spec_hash,
+        code_revision=job.spec.code_revision,
+        dataset=job.spec.dataset,
+        dataset_manifest_uri=dataset.manifest_uri if dataset else None,
+        dataset_sha256=dataset.sha256 if dataset else None,
+        tokenizer=dataset.tokenizer if dataset else None,
+        model_config_ref=model_config_ref(job.spec),
+        parent_checkpoint=start.manifest_uri if start else None,
+    )
+
+
+def checkpoint_artifact(
+    job: JobRecord, ready: CheckpointReady, dataset: DatasetRecord | None, *, now: datetime
+) -> ArtifactRecord:
+    """The artifact of one READY checkpoint."""
+    return ArtifactRecord(
+        artifact_id=artifact_id(job.job_id, "checkpoint", ready.global_step, ready.attempt),
+        job_id=job.job_id,
+        tenant=job.tenant,
+        type="checkpoint",
+        uri=ready.manifest_uri,
+        hash=ready.content_hash,
+        producer_attempt=ready.attempt,
+        global_step=ready.global_step,
+        consumed_tokens=ready.consumed_tokens,
+        lineage=build_lineage(job, ready.attempt, dataset),
+        created_at=now,
+    )
+
+
+def model_artifact(
+    job: JobRecord, checkpoint: CheckpointRecord, dataset: DatasetRecord | None, *, now: datetime
+) -> ArtifactRecord:
+    """The final model of a succeeded job: its latest READY checkpoint."""
+    if checkpoint.state != "READY" or not checkpoint.manifest_uri or not checkpoint.content_hash:
+        raise ValueError(f"checkpoint {checkpoint.checkpoint_id} of {job.job_id} is not READY")
+    return ArtifactRecord(
+        artifact_id=artifact_id(job.job_id, "model", checkpoint.global_step, checkpoint.attempt),
+        job_id=job.job_id,
+        tenant=job.tenant,
+        type="model",
+        uri=checkpoint.manifest_uri,
+        hash=checkpoint.content_hash,
+        producer_attempt=checkpoint.attempt,
+        global_step=checkpoint.global_step,
+        consumed_tokens=checkpoint.consumed_tokens,
+        lineage=build_lineage(job, checkpoint.attempt, dataset),
+        created_at=now,
+    )
+
+
+def ready_mismatch(ready: CheckpointReady, record: CheckpointRecord | None) -> str | None:
+    """Why a CheckpointReady does not match the coordinator's record (None when it does).
+
+    The coordinator writes the READY record and stages the event in one MULTI, so a
+    CheckpointReady without a matching READY record did not come from it.
+    """
+    if record is None:
+        return "no checkpoint record exists for it"
+    if record.state != "READY":
+        return f"the checkpoint record is {record.state}"
+    if record.content_hash != ready.content_hash or record.manifest_uri != ready.manifest_uri:
+        return "its manifest or content hash differs from the READY checkpoint record"
+    if record.tenant != ready.tenant:
+        return "its tenant differs from the checkpoint record"
+    return None
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def dataset_record(event: DatasetVersionPublished, *, now: datetime) -> DatasetRecord:
+    return DatasetRecord(
+        name=event.name,
+        version=event.version,
+        manifest_uri=event.manifest_uri,
+        sha256=event.sha256,
+        tokenizer=event.tokenizer,
+        num_tokens=event.num_tokens,
+        published_at=now,
+    )
+
+
+def dataset_conflict(existing: DatasetRecord, new: DatasetRecord) -> str | None:
+    """Why ``new`` may not replace ``existing`` (None for an idempotent re-publish).
+
+    A dataset version is immutable: the same name@version with other content is refused.
+    """
+    if existing.sha256 != new.sha256:
+        return (
+            f"dataset {existing.ref} was published with sha256 {existing.sha256}; "
+            f"a re-publish with sha256 {new.sha256} is refused (a new version needs a new name@version)"
+        )
+    return None
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``name@version`` → (name, version)."""
+    name, _, version = ref.partition("@")
+    return name, version
+
+
+def tokenizer_ref(value: Any) -> str | None:
+    """The tokenizer named by a dataset manifest: a string, or an object with name/version/id."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, Mapping):
+        name, version = value.get("name"), value.get("version")
+        if isinstance(name, str) and name:
+            return f"{name}@{version}" if isinstance(version, (str, int)) and version != "" else name
+        if isinstance(value.get("id"), str):
+            return value["id"]
+    return None
+
+
+def dataset_from_manifest(
+    ref: str, manifest_uri: str, sha256: str, manifest: Mapping[str, Any], *, now: datetime
+) -> DatasetRecord:
+    """A dataset record read from the dataset's manifest on disk (no DatasetVersionPublished seen)."""
+    name, version = split_ref(ref)
+    num_tokens = manifest.get("numTokens", manifest.get("num_tokens"))
+    return DatasetRecord(
+        name=name,
+        version=version,
+        manifest_uri=manifest_uri,
+        sha256=sha256,
+        tokenizer=tokenizer_ref(manifest.get("tokenizer")),
+        num_tokens=num_tokens if isinstance(num_tokens, int) else None,
+        published_at=now,
+    )

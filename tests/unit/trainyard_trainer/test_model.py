@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_trainer.model import GPT, build_model
+
+
+@pytest.mark.parametrize("ref", sorted(MODEL_CATALOG))
+def test_parameter_count_matches_the_catalog_formula(ref: str) -> None:
+    config = MODEL_CATALOG[ref]
+    with torch.device("meta"):  # gpt-1b would need 5 GB of real memory
+        model = GPT(config)
+    assert model.num_parameters() == config.num_parameters
+
+
+def test_parameter_count_with_explicit_ffn_width() -> None:
+    config = ModelConfig(vocab_size=97, n_layers=3, n_heads=2, d_model=8, d_ff=20, max_seq_len=11)
+    assert GPT(config).num_parameters() == config.num_parameters
+
+
+def tiny() -> ModelConfig:
+    return ModelConfig(vocab_size=50, n_layers=2, n_heads=2, d_model=16, max_seq_len=12)
+
+
+def test_embeddings_are_tied() -> None:
+    model = GPT(tiny())
+    x = torch.randint(0, 50, (2, 5))
+    logits, _ = model(x)
+    assert logits.shape == (2, 5, 50)
+    expected = model.ln_f(model.blocks[1](model.blocks[0](model.wte(x) + model.wpe(torch.arange(5))))) @ model.wte.weight.T
+    torch.testing.assert_close(logits, expected)
+
+
+def test_attention_is_causal() -> None:
+    model = GPT(tiny()).eval()
+    x = torch.randint(0, 50, (1, 10))
+    y = x.clone()
+    y[0, 7:] = (y[0, 7:] + 1) % 50
+    with torch.no_grad():
+        a, _ = model(x)
+        b, _ = model(y)
+    torch.testing.assert_close(a[0, :7], b[0, :7])
+    assert not torch.allclose(a[0, 7:], b[0, 7:])
+
+
+def test_loss_starts_near_uniform_and_backpropagates() -> None:
+    model = build_model(tiny(), seed=0, device=torch.device("cpu"))
+    x = torch.randint(0, 50, (4, 12))
+    _, loss = model(x[:, :-1], x[:, 1:])
+    assert abs(loss.item() - torch.log(torch.tensor(50.0)).item()) < 0.3
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_build_model_is_seeded_and_leaves_the_global_generator_alone() -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = build_model(tiny(), seed=5, device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+    b = build_model(tiny(), seed=5, device=torch.device("cpu"))
+    c = build_model(tiny(), seed=6, device=torch.device("cpu"))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.wte.weight, c.wte.weight)
+
+
+def test_sequence_longer_than_the_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="maxSeqLen"):
+        GPT(tiny())(torch.zeros(1, 13, dtype=torch.long))

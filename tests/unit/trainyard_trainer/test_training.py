@@ -1,0 +1,115 @@
+"""One optimizer step in a one-rank world: accumulation, reporting, and NaN handling."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainyard_common.catalog import ModelConfig
+from trainyard_common.spec import LrSchedule, TrainingSpec
+from trainyard_trainer.model import build_model
+from trainyard_trainer.parallel import CollectiveTimer, apply_ddp
+from trainyard_trainer.runtime import Runtime
+from trainyard_trainer.schedule import build_lr_scheduler
+from trainyard_trainer.training import NonFiniteError, build_optimizer, train_step
+
+CPU = Runtime(torch.device("cpu"), "gloo", None)
+CONFIG = ModelConfig(vocab_size=30, n_layers=1, n_heads=2, d_model=8, max_seq_len=8)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spec(optimizer: str = "adamw") -> TrainingSpec:
+    return TrainingSpec.model_validate({
+        "specVersion": "v1", "modelConfig": "gpt-tiny@v1", "dataset": "d@v1", "codeRevision": "x",
+        "resources": {"gpuType": "cpu", "gpuCount": 1},
+        "training": {"sequenceLength": 7, "microBatchSize": 2, "globalBatchSize": 4, "learningRate": 0.01,
+                     "maxSteps": 3, "optimizer": {"name": optimizer, "weightDecay": 0.1}},
+    })
+
+
+def setup(optimizer: str = "adamw"):
+    timer = CollectiveTimer()
+    model = apply_ddp(build_model(CONFIG, seed=0, device=CPU.device), device=CPU.device, timer=timer)
+    opt = build_optimizer(model.module, spec(optimizer))
+    sched = build_lr_scheduler(opt, schedule=LrSchedule(warmup_steps=0), max_steps=3)
+    return model, opt, sched, timer
+
+
+def batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        w = torch.randint(0, 30, (2, 8), generator=g)
+        out.append((w[:, :-1], w[:, 1:]))
+    return out
+
+
+def test_weight_decay_only_on_matrices(world_of_one: None) -> None:
+    model, opt, _, _ = setup()
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    _, sgd, _, _ = setup("sgd")
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_step_reports_the_mean_loss_and_updates(world_of_one: None) -> None:
+    model, opt, sched, timer = setup()
+    data = batches()
+    with torch.no_grad():
+        expected = sum(model(x, y)[1] for x, y in data).item() / 2
+    before = model.module.wte.weight.detach().clone()
+    outcome = train_step(model, opt, sched, data, runtime=CPU, timer=timer, grad_clip=1.0, world_size=1)
+    assert outcome.loss == pytest.approx(expected, rel=1e-6)
+    assert outcome.lr == 0.01 and outcome.grad_norm > 0
+    assert outcome.times.compute > 0 and outcome.times.collective >= 0
+    assert not torch.equal(before, model.module.wte.weight)
+
+
+def test_accumulated_gradient_equals_the_full_batch_gradient(world_of_one: None) -> None:
+    model, opt, sched, timer = setup()
+    data = batches()
+    full_x = torch.cat([x for x, _ in data])
+    full_y = torch.cat([y for _, y in data])
+    reference = build_model(CONFIG, seed=0, device=CPU.device)
+    reference(full_x, full_y)[1].backward()
+    applied: dict[str, torch.Tensor] = {}  # the gradients the optimizer step sees
+    opt.register_step_pre_hook(lambda *_: applied.update(
+        {n: p.grad.clone() for n, p in model.module.named_parameters()}))
+    train_step(model, opt, sched, data, runtime=CPU, timer=timer, grad_clip=None, world_size=1)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(applied[name], q.grad, msg=name)
+
+
+def test_non_finite_loss_stops_before_the_update(world_of_one: None) -> None:
+    model, opt, sched, timer = setup()
+    with torch.no_grad():
+        model.module.ln_f.weight[0] = float("nan")
+    snapshot = {k: v.clone() for k, v in model.module.state_dict().items()}
+    with pytest.raises(NonFiniteError, match="not finite"):
+        train_step(model, opt, sched, batches(), runtime=CPU, timer=timer, grad_clip=1.0, world_size=1)
+    for k, v in model.module.state_dict().items():
+        assert torch.equal(v, snapshot[k]) or torch.isnan(v).any(), k
+    assert sched.last_epoch == 0 and not opt.state
+
+
+def test_time_based_checkpoints_follow_rank0s_clock(world_of_one: None) -> None:
+    from trainyard_trainer.checkpoint import CheckpointSchedule
+    from trainyard_trainer.training import _checkpoint_due
+
+    never = CheckpointSchedule(max_steps=10, every_minutes=1e6, last_save_at=float("inf"))
+    assert _checkpoint_due(never, 3, CPU) is False
+    assert _checkpoint_due(never, 10, CPU) is True  # maxSteps always saves, without a collective
+    overdue = CheckpointSchedule(max_steps=10, every_minutes=0.001, last_save_at=0.0)
+    assert _checkpoint_due(overdue, 3, CPU) is True
