@@ -181,9 +181,9 @@ def _print_outcome(client: ApiClient, job_id: str) -> None:
     manifest = uri_to_path(final.manifest_uri)
     console.print(f"[green]job {job_id} succeeded[/green]")
     console.print(f"READY checkpoint at step {final.global_step}: {manifest}")
-    console.print(manifest.read_text(), markup=False, highlight=False)
+    print(manifest.read_text(), flush=True)
     for art in client.artifacts(job_id):
         if art.type == "model":
             console.print(f"registry artifact [bold]{art.artifact_id}[/bold] ({art.type}) {art.uri}")
             console.print(f"  hash {art.hash}")
-            console.print(json.dumps(art.lineage, indent=2), markup=False, highlight=False)
+            print(json.dumps({"lineage": art.lineage}, indent=2), flush=True)
