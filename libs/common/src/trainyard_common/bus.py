@@ -102,8 +102,15 @@ class Bus:
     """Owns the broker connection. ``start()`` after subscribing; ``aclose()`` is idempotent."""
 
     def __init__(
-        self, bootstrap: str, *, service_name: str, group_prefix: str = "trainyard", topic_namespace: str = ""
+        self,
+        bootstrap: str,
+        *,
+        service_name: str,
+        group_prefix: str = "trainyard",
+        topic_namespace: str = "",
+        session_timeout_ms: int = 6000,
     ) -> None:
+        self.session_timeout_ms = session_timeout_ms
         self.service_name = service_name
         self.group_prefix = group_prefix
         self.bootstrap = bootstrap
@@ -119,6 +126,7 @@ class Bus:
             logger=logging.getLogger(f"faststream.{service_name}"),
         )
         self._started = False
+        self.stopping = False  # set while closing: retryable failures are not retried in-process then
         self._groups: dict[str, _GroupRoute] = {}
         self.dead_lettered = 0
 
@@ -138,6 +146,7 @@ class Bus:
         self._started = True
 
     async def aclose(self) -> None:
+        self.stopping = True
         if self._started:
             self._started = False
             await self.broker.stop()
@@ -220,6 +229,9 @@ class Bus:
                 auto_offset_reset="earliest",
                 ack_policy=AckPolicy.NACK_ON_ERROR,
                 max_poll_interval_ms=600_000,
+                # A group join takes about half the session timeout on the embedded broker.
+                session_timeout_ms=self.session_timeout_ms,
+                heartbeat_interval_ms=max(self.session_timeout_ms // 3, 500),
             )(_entry_point(_Dispatcher(self, group_id, route)))
 
 
@@ -290,6 +302,9 @@ class _Dispatcher:
                 self._failures.pop(where, None)
             except Exception as exc:  # noqa: BLE001 - classified below, never lost
                 span.record_exception(exc)
+                if is_retryable(exc) and self.bus.stopping:
+                    # Do not hold up shutdown: leave the message uncommitted; the group re-delivers it.
+                    raise NackMessage() from exc
                 if is_retryable(exc):
                     n = self._failures.get(where, 0) + 1
                     self._failures[where] = n

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.exceptions import RedisError
 
@@ -25,6 +26,8 @@ from trainyard_common.bus import Bus, Deduper, ensure_topics
 from trainyard_common.errors import StateStoreError, TrainyardError
 from trainyard_common.outbox import Outbox
 from trainyard_common.settings import ServiceSettings
+
+S = TypeVar("S", bound=ServiceSettings)
 from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_common.tracing import setup_tracing, shutdown_tracing
 
@@ -47,7 +50,7 @@ def configure_logging(level: str, service: str) -> None:
 class ServiceRuntime:
     """Redis + bus + outbox + loops for one service process."""
 
-    def __init__(self, name: str, settings: ServiceSettings) -> None:
+    def __init__(self, name: str, settings: ServiceSettings, *, outbox_name: str | None = None) -> None:
         self.name = name
         self.settings = settings
         self.instance = settings.instance_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -58,8 +61,11 @@ class ServiceRuntime:
             service_name=name,
             group_prefix=settings.group_prefix,
             topic_namespace=settings.topic_namespace,
+            session_timeout_ms=settings.consumer_session_timeout_ms,
         )
-        self.outbox = Outbox(self.redis, name)
+        # One outbox per writer identity: instances of a per-node service must not relay each other's.
+        self.outbox = Outbox(self.redis, outbox_name or name)
+        self._closers: list[Callable[[], Awaitable[None]]] = []
         self._loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -124,6 +130,10 @@ class ServiceRuntime:
                         self.name, name, failures, delay, exc, exc_info=level == logging.ERROR)
                 await asyncio.sleep(delay)
 
+    def add_closer(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` first when closing (before loops and the bus stop), e.g. to stop child processes."""
+        self._closers.append(fn)
+
     def request_stop(self) -> None:
         self._stopping.set()
 
@@ -143,6 +153,12 @@ class ServiceRuntime:
         if self._closed:
             return
         self._closed = True
+        self.bus.stopping = True
+        for closer in reversed(self._closers):
+            try:
+                await closer()
+            except Exception:  # noqa: BLE001 - closing goes on whatever one step does
+                log.exception("%s: closer %r failed", self.name, closer)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -160,6 +176,35 @@ class ServiceRuntime:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def service_main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    settings_cls: type[S],
+    serve: Callable[[S], Awaitable[None]],
+    service: str,
+) -> None:
+    """The ``main()`` of every service: ``--help`` lists the variables; settings are parsed once;
+    a bad variable or an unreachable dependency at start-up exits 2 with a message."""
+    import argparse
+
+    from trainyard_common.settings import load_settings, settings_help
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=settings_help(settings_cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = load_settings(settings_cls)
+    except TrainyardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    configure_logging(getattr(settings, "log_level", "INFO"), service)
+    run_main(lambda: serve(settings))
 
 
 def run_main(coro_factory: Callable[[], Awaitable[None]]) -> None:

@@ -34,6 +34,9 @@ class ServiceSettings(BaseSettings):
     log_level: str = "INFO"
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="Prometheus /metrics")
     health_interval_s: float = Field(default=2.0, gt=0)
+    consumer_session_timeout_ms: int = Field(
+        default=6000, ge=1000, description="Kafka consumer session timeout; a dead consumer's partitions move after it"
+    )
     reconcile_interval_s: float = Field(default=5.0, gt=0)
 
     @property
@@ -53,12 +56,22 @@ def load_settings(cls: type[S], **overrides: object) -> S:
         raise ConfigError(f"invalid configuration: {problems}") from exc
 
 
+
 def settings_help(cls: type[BaseSettings]) -> str:
-    """One line per variable: name, default and description — for a service's ``--help``."""
+    """Every variable of ``cls``: name, default and meaning — the body of a service's ``--help``."""
+    import textwrap
+
     prefix = cls.model_config.get("env_prefix", "")
-    lines = []
+    lines = ["configuration (environment variables):"]
     for name, info in cls.model_fields.items():
-        default = "(required)" if info.is_required() else repr(info.default)
-        desc = f"  {info.description}" if info.description else ""
-        lines.append(f"  {prefix}{name.upper():<32} default {default}{desc}")
+        default = "required" if info.is_required() else f"default: {info.get_default(call_default_factory=True)!s}"
+        lines.append(f"  {prefix}{name.upper()}  ({default})")
+        if info.description:
+            lines.extend(textwrap.wrap(info.description, 76, initial_indent="      ", subsequent_indent="      "))
+    lines += [
+        "  OTEL_EXPORTER_OTLP_ENDPOINT",
+        "      traces are exported there over OTLP (e.g. Jaeger) when set; other OTEL_* variables apply",
+        "",
+        "The service stops cleanly on SIGTERM or SIGINT.",
+    ]
     return "\n".join(lines)

@@ -8,23 +8,12 @@ import sys
 
 from trainyard_common.errors import TrainyardError
 from trainyard_common.service import configure_logging, run_main
-from trainyard_common.settings import load_settings
+from trainyard_common.settings import load_settings, settings_help
 from trainyard_common.store import StateStore, connect_redis
 
 from trainyard_api.auth import issue_token
 from trainyard_api.server import ApiServer
 from trainyard_api.settings import ApiSettings
-
-
-def settings_help(cls: type[ApiSettings] = ApiSettings) -> str:
-    """One line per TRAINYARD_* variable: name, default, description."""
-    lines = ["environment (TRAINYARD_*):"]
-    for name, field in cls.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        text = field.description or ""
-        lines.append(f"  TRAINYARD_{name.upper():<22} default {default!s:<28} {text}".rstrip())
-    lines.append("  OTEL_EXPORTER_OTLP_ENDPOINT        traces go there over OTLP when set (Jaeger ingests OTLP)")
-    return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
             "bus, the outbox relay, the StepMetrics progress consumer) in one process; SIGTERM stops "
             "both cleanly. OpenAPI docs at /docs."
         ),
-        epilog=settings_help(),
+        epilog=settings_help(ApiSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", metavar="{serve,token}")

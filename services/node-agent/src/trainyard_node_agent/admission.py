@@ -1,0 +1,98 @@
+"""Pure decisions of the node agent: is a GangAllocated ours and current, and what a rank's
+environment is (the rank contract of trainyard_trainer). No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
+
+
+@dataclass(frozen=True)
+class Launch:
+    share: NodeAssignment
+
+
+@dataclass(frozen=True)
+class Refuse:
+    reason: str
+
+
+def local_share(event: GangAllocated, node_id: str) -> NodeAssignment | None:
+    """This node's part of the gang, or None when the gang does not use this node."""
+    return next((n for n in event.nodes if n.node_id == node_id), None)
+
+
+def judge(event: GangAllocated, node_id: str, *, highest_epoch: int | None,
+          lease_holders: Mapping[int, Mapping[str, Any] | None]) -> Launch | Refuse | None:
+    """Launch, refuse (stale epoch or a device not leased to it), or None when not for this node.
+
+    ``highest_epoch``: the highest epoch this node has seen for the job. ``lease_holders``:
+    device index → the Redis lease holder (``{"allocationId", "epoch", …}``) or None.
+    """
+    share = local_share(event, node_id)
+    if share is None:
+        return None
+    if highest_epoch is not None and event.epoch < highest_epoch:
+        return Refuse(f"stale epoch {event.epoch}: epoch {highest_epoch} was already seen for job {event.job_id}")
+    for slot in share.ranks:
+        holder = lease_holders.get(slot.device_index)
+        if holder is None:
+            return Refuse(f"device {node_id}:{slot.device_index} is not leased (the allocation was released)")
+        if holder.get("allocationId") != event.allocation_id:
+            return Refuse(f"device {node_id}:{slot.device_index} is leased to {holder.get('allocationId')}")
+    return Launch(share)
+
+
+def pick_backend(setting: str, device_type: str, *, has_nvidia_smi: bool) -> str:
+    """gloo for CPU devices; nccl for accelerators when the NVIDIA driver is present."""
+    if setting != "auto":
+        return setting
+    return "nccl" if device_type != "cpu" and has_nvidia_smi else "gloo"
+
+
+def rank_env(
+    event: GangAllocated,
+    share: NodeAssignment,
+    slot: RankAssignment,
+    *,
+    base_env: Mapping[str, str],
+    backend: str,
+    artifact_root: Path,
+    allocation_file: Path,
+    events_file: Path,
+    traceparent: str | None,
+    cpu_threads: int | None = 1,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
+    ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the contract, which wins."""
+    env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
+    env.update(extra or {})
+    env.update({
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(event.world_size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(len(share.ranks)),
+        "MASTER_ADDR": event.master_addr,
+        "MASTER_PORT": str(event.master_port),
+        "TRAINYARD_BACKEND": backend,
+        "TRAINYARD_DEVICE_INDEX": str(slot.device_index),
+        "TRAINYARD_JOB_ID": event.job_id,
+        "TRAINYARD_TENANT": event.tenant,
+        "TRAINYARD_ATTEMPT": str(event.attempt),
+        "TRAINYARD_EPOCH": str(event.epoch),
+        "TRAINYARD_ALLOCATION_ID": event.allocation_id,
+        "TRAINYARD_ARTIFACT_ROOT": str(artifact_root),
+        "TRAINYARD_ALLOCATION_FILE": str(allocation_file),
+        "TRAINYARD_EVENTS_FILE": str(events_file),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if traceparent:
+        env["TRACEPARENT"] = traceparent
+    if cpu_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+    return env

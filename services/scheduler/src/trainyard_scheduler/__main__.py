@@ -1,0 +1,43 @@
+"""``python -m trainyard_scheduler`` / ``trainyard-scheduler``: run the scheduler until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from trainyard_common.service import ServiceRuntime, service_main
+
+from trainyard_scheduler.scheduler import Scheduler
+from trainyard_scheduler.settings import SchedulerSettings
+
+SUMMARY = (
+    "trainyard scheduler: builds the node inventory from NodeHeartbeat, places gangs of ranks "
+    "(whole gang or nothing; tensor-parallel groups inside one node), takes epoch-fenced device "
+    "leases in Redis, publishes GangAllocated, and drives job attempts to succeeded, failed or cancelled."
+)
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    """Run one scheduler until SIGTERM/SIGINT, then close cleanly."""
+    runtime = ServiceRuntime("scheduler", settings)
+    scheduler = Scheduler(runtime, settings)
+    scheduler.install()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runtime.start()
+        await stop.wait()
+    finally:
+        await scheduler.aclose()
+        await runtime.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    service_main(argv, prog="trainyard-scheduler", description=SUMMARY, settings_cls=SchedulerSettings,
+                 serve=serve, service="scheduler")
+
+
+if __name__ == "__main__":
+    main()

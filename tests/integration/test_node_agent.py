@@ -1,0 +1,170 @@
+"""The node agent and the scheduler as real processes (``python -m …``), against the real broker
+and Redis: a killed agent's leftover ranks are stopped and reported when it comes back, and
+SIGTERM stops an agent cleanly together with its ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import env_vars
+from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
+from trainyard_common.bus import Bus, ensure_topics
+from trainyard_common.events import GangAllocated, JobSubmitted, WorkerExited, WorkerStarted
+from trainyard_common.records import JobRecord
+from trainyard_common.store import Keys, StateStore, connect_redis
+
+class Services:
+    """Starts and stops service processes; whatever is still running at the end is killed."""
+
+    def __init__(self, env: dict[str, Any], log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, module: str, name: str, **settings: object) -> subprocess.Popen[bytes]:
+        own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in settings.items()}
+        environ = {**os.environ, **env_vars(self.env), **own}
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", module], env=environ, stdout=log,  # noqa: S603
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 30.0) -> int:
+        """The exit code; a process that does not stop in time fails the test with its log."""
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not stop within {timeout_s:.0f}s:\n{self.log(name)}") from None
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def services(env: dict[str, Any], tmp_path: Path) -> Iterator[Services]:
+    s = Services(env, tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is not running; only its parent (gone) could reap it.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+
+
+@pytest.mark.slow
+async def test_agent_restart_and_sigterm_stop_ranks_and_report_them(env: dict[str, Any], services: Services) -> None:
+    await ensure_topics(env["kafka_bootstrap"], partitions=env["topic_partitions"], namespace=env["topic_namespace"])
+    tap = EventTap(env["kafka_bootstrap"], env["topic_namespace"])
+    publisher = Bus(env["kafka_bootstrap"], service_name="test-publisher", topic_namespace=env["topic_namespace"])
+    redis = connect_redis(env["redis_url"])
+    store = StateStore(redis)
+    await tap.start()
+    await publisher.start()
+    try:
+        scheduler = services.start("trainyard_scheduler", "scheduler", tick_s=0.3, reconcile_interval_s=1.0,
+                                   retry_backoff_s=0.3)
+        agent_settings = {"node_id": "node-x", "device_count": 2, "heartbeat_s": 0.5, "kill_grace_s": 2,
+                          "rank_command": json.dumps([sys.executable, str(WORKLOAD)]), "spool_poll_s": 0.1}
+        agent = services.start("trainyard_node_agent", "agent-1", **agent_settings)
+
+        async def registered() -> bool:
+            return bool(await redis.hget(Keys.nodes, "node-x"))
+
+        logs = f"{services.log('scheduler')}\n{services.log('agent-1')}"
+        await poll(registered, f"node-x in the inventory; logs:\n{logs}", timeout_s=90)
+        artifact_root = Path(env["artifact_root"])
+        artifact_root.mkdir(parents=True, exist_ok=True)
+        forever = {"0": 300, "1": 300}
+        (artifact_root / "workload.json").write_text(json.dumps({"sturdy": {"sleep": {"1": forever, "2": forever}}}))
+        spec = make_spec(2)
+        assert await store.create_job(JobRecord(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
+        await publisher.publish(JobSubmitted(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
+
+        first = await tap.wait(WorkerStarted, 2, job_id="sturdy", attempt=1, timeout_s=90)
+        pids = [e.pid for e in first]
+        # kill -9 of the agent: its ranks live on (own session) ...
+        agent.kill()
+        agent.wait(10)
+        assert all(alive(p) for p in pids)
+        # ... until the agent comes back: it stops them and reports them lost.
+        agent = services.start("trainyard_node_agent", "agent-2", **agent_settings)
+        lost = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=1, timeout_s=90)
+        assert {(e.reason, e.exit_code) for e in lost} == {("lost", -9)}
+        await poll(_async(lambda: not any(alive(p) for p in pids)), "leftover ranks stopped")
+
+        # The scheduler retries on the same node with a higher epoch.
+        (second,) = await tap.wait(GangAllocated, job_id="sturdy", attempt=2, timeout_s=90)
+        assert second.epoch == 2
+        started = await tap.wait(WorkerStarted, 2, job_id="sturdy", attempt=2, timeout_s=90)
+        job = await store.get_job("sturdy")
+        assert job is not None and job.attempts[0].state == "failed"
+        assert (job.attempts[0].failure_reason or "").startswith("lost:")
+
+        # SIGTERM: the agent stops its ranks, reports them, and exits 0.
+        agent.send_signal(signal.SIGTERM)
+        assert services.wait(agent, "agent-2") == 0, services.log("agent-2")
+        killed = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=2, timeout_s=30)
+        assert {e.reason for e in killed} == {"killed"}
+        assert not any(alive(e.pid) for e in started)
+        # Its last heartbeat said the node is going away: the retry waits instead of landing there.
+        waiting = _async_job(store, lambda j: j.state == "queued" and "no healthy cpu" in (j.queued_reason or ""))
+        await poll(waiting, "the job to wait for a healthy node", timeout_s=30)
+
+        scheduler.send_signal(signal.SIGTERM)
+        assert services.wait(scheduler, "scheduler") == 0, services.log("scheduler")
+        assert await redis.get("ty:sched:leader") is None  # handed back on a clean stop
+    finally:
+        await tap.stop()
+        await publisher.aclose()
+        await redis.aclose()
+
+
+def _async_job(store: StateStore, predicate: Any) -> Any:
+    async def check() -> bool:
+        job = await store.get_job("sturdy")
+        return job is not None and predicate(job)
+
+    return check
+
+
+def _async(fn: Any) -> Any:
+    async def check() -> Any:
+        return fn()
+
+    return check
+
+
+def test_help_lists_the_settings() -> None:
+    for module, variable in (("trainyard_node_agent", "TRAINYARD_RANK_COMMAND"),
+                             ("trainyard_scheduler", "TRAINYARD_NODE_TIMEOUT_S")):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+        assert variable in out and "SIGTERM" in out
+    missing = subprocess.run([sys.executable, "-m", "trainyard_node_agent"], capture_output=True, text=True,
+                             timeout=60, env={k: v for k, v in os.environ.items() if k != "TRAINYARD_NODE_ID"})
+    assert missing.returncode == 2 and "TRAINYARD_NODE_ID" in missing.stderr
