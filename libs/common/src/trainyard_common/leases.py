@@ -20,6 +20,12 @@ from trainyard_common.store import Keys
 
 # KEYS: epoch, allocation, audit, lease...   ARGV: job, allocation, devices-json, ttl_ms
 _ACQUIRE = """
+local existing = redis.call('GET', KEYS[2])
+if existing then
+  local a = cjson.decode(existing)
+  if a.state == 'active' then return a.epoch end
+  return redis.error_reply('ALLOCATION_RELEASED ' .. ARGV[2])
+end
 for i = 4, #KEYS do
   local holder = redis.call('GET', KEYS[i])
   if holder then
@@ -28,12 +34,6 @@ for i = 4, #KEYS do
       return redis.error_reply('LEASE_CONFLICT ' .. KEYS[i] .. ' held by ' .. h.allocationId)
     end
   end
-end
-local existing = redis.call('GET', KEYS[2])
-if existing then
-  local a = cjson.decode(existing)
-  if a.state == 'active' then return a.epoch end
-  return redis.error_reply('ALLOCATION_RELEASED ' .. ARGV[2])
 end
 local epoch = redis.call('INCR', KEYS[1])
 local value = cjson.encode({jobId = ARGV[1], allocationId = ARGV[2], epoch = epoch})
