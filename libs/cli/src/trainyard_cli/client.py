@@ -73,6 +73,7 @@ class Submitted(_In):
     job_id: str
     state: str
     spec_hash: str
+    warnings: list[str] = []
 
 
 class ControlAccepted(_In):

@@ -19,6 +19,7 @@ from trainyard_cli.admin import admin_app
 from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
 from trainyard_cli.devstack import dev_app
 from trainyard_cli.follow import follow_job
+from trainyard_cli.plan import plan_app
 from trainyard_cli.render import (
     artifacts_table,
     checkpoints_table,
@@ -43,6 +44,7 @@ app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(dev_app, name="dev")
 app.add_typer(admin_app, name="admin")
+app.add_typer(plan_app, name="plan")
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -103,6 +105,8 @@ def submit(
     with _api(ctx) as client:
         submitted = client.submit(spec, idempotency_key=idempotency_key)
         out.print(f"submitted [bold]{submitted.job_id}[/] ({submitted.state}, {submitted.spec_hash})", highlight=False)
+        for warning in submitted.warnings:
+            err.print(f"[yellow]warning:[/] {warning}", highlight=False)
         if follow:
             raise typer.Exit(follow_job(client, submitted.job_id, console=err))
 

@@ -1,4 +1,4 @@
-"""trainyard_api: the REST API (submission, auth, job read models, registry queries).
+"""trainyard_api: the REST API (submission, auth, job read models, registry queries, capacity planning).
 
 ``ApiServer(settings)`` runs it (uvicorn + ServiceRuntime in one process);
 ``create_app(ApiContext(...))`` gives the bare FastAPI app (tests, embedding).
@@ -6,7 +6,8 @@
 
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.auth import issue_token
-from trainyard_api.jobs import JobService, new_job_id
+from trainyard_api.jobs import JobService, Submission, new_job_id
+from trainyard_api.planning import MemoryCheck, PlanRequest, PlanResponse, check_spec_memory, plan
 from trainyard_api.progress import ProgressProjector, advance_progress
 from trainyard_api.server import ApiServer, bind_socket
 from trainyard_api.settings import ApiSettings
@@ -19,12 +20,18 @@ __all__ = [
     "FieldProblem",
     "InvalidSpecError",
     "JobService",
+    "MemoryCheck",
+    "PlanRequest",
+    "PlanResponse",
     "ProgressProjector",
+    "Submission",
     "advance_progress",
     "bind_socket",
     "check_references",
+    "check_spec_memory",
     "create_app",
     "field_errors",
     "issue_token",
     "new_job_id",
+    "plan",
 ]

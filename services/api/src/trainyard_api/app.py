@@ -37,6 +37,7 @@ from trainyard_common.tracing import current_traceparent
 
 from trainyard_api.auth import authenticate
 from trainyard_api.jobs import JobService
+from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
     ArtifactList,
@@ -75,6 +76,8 @@ TAGS = [
     {"name": "jobs", "description": "Submit training jobs, follow their progress, cancel, pause and resume them."},
     {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
+    {"name": "planning", "description": "Capacity planning: memory per device, step time, communication, "
+                                        "pipeline bubble, checkpoint interval, ranked layouts."},
     {"name": "operations", "description": "Health and Prometheus metrics; no authentication."},
 ]
 
@@ -172,8 +175,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _install_job_routes(app: FastAPI) -> None:
     @app.post(
-        "/v1/training-jobs", status_code=202, response_model=SubmitResponse, tags=["jobs"],
-        summary="Submit a training job",
+        "/v1/training-jobs", status_code=202, response_model=SubmitResponse, response_model_exclude_none=True,
+        tags=["jobs"], summary="Submit a training job",
         responses={**_AUTH_ERRORS,
                    409: {"model": ErrorMessage, "description": "Idempotency-Key reused with a different spec"},
                    422: {"model": FieldErrors, "description": "invalid spec, unknown model or dataset"}},
@@ -188,16 +191,19 @@ def _install_job_routes(app: FastAPI) -> None:
         idempotency_key: Annotated[str | None, Header(
             max_length=200, description="a retried POST with the same key returns the same job")] = None,
     ) -> SubmitResponse:
-        """Validate the spec (structure, model catalog, dataset registry), store the job as
-        `queued` and announce it (JobSubmitted). A `gpuCount` larger than the cluster is
-        accepted: the job stays queued and `GET` says why (`queuedReason`)."""
-        job, created = await ctx.jobs.submit(
+        """Validate the spec (structure, model catalog, dataset registry, memory per device), store
+        the job as `queued` and announce it (JobSubmitted). A model that cannot fit one device of
+        `resources.gpuType` (as the trainer runs it: DDP, fp32 AdamW states) is a 422 naming
+        `modelConfig` and `resources.gpuType`; one that fits only inside the planner's 15 % headroom
+        is accepted with `warnings`. A `gpuCount` larger than the cluster is accepted: the job stays
+        queued and `GET` says why (`queuedReason`)."""
+        job, created, warnings = await ctx.jobs.submit(
             spec, tenant, idempotency_key=idempotency_key, traceparent=current_traceparent()
         )
         response.headers["Location"] = f"{ctx.settings.public_url}/v1/training-jobs/{job.job_id}"
         if not created:
             response.headers["Idempotent-Replayed"] = "true"
-        return SubmitResponse(job_id=job.job_id, state=job.state, spec_hash=job.spec_hash)
+        return SubmitResponse(job_id=job.job_id, state=job.state, spec_hash=job.spec_hash, warnings=warnings or None)
 
     @app.get("/v1/training-jobs", response_model=JobPage, tags=["jobs"], summary="List the tenant's jobs",
              responses=_AUTH_ERRORS)
@@ -246,6 +252,24 @@ def _add_control_route(app: FastAPI, action: Literal["cancel", "pause", "resume"
         tags=["jobs"], summary=f"{action.capitalize()} a job", name=f"{action}_job",
         responses={**_JOB_ERRORS, 409: {"model": ErrorMessage, "description": "not allowed in the job's state"}},
     )(control)
+
+
+def _install_plan_routes(app: FastAPI) -> None:
+    @app.post(
+        "/v1/plan", response_model=PlanResponse, response_model_exclude_none=True, tags=["planning"],
+        summary="Plan capacity for a model on a set of devices",
+        responses={**_AUTH_ERRORS, 422: {"model": FieldErrors, "description": "invalid input, named by field"}},
+    )
+    def plan_capacity(
+        _: Tenant,
+        request: Annotated[PlanRequest, Body(openapi_examples=PLAN_EXAMPLES)],
+    ) -> PlanResponse:
+        """Memory per device, step time, communication and bottleneck for a layout, or every
+        feasible layout ranked with each rejected one explained (`"layout": "recommend"`); time to
+        train from `tokens`; checkpoint size, write time and Young / Daly intervals from
+        `checkpoint`. The same arithmetic as `trainyard plan …` and the submission check. Pure
+        computation: nothing is stored."""
+        return plan(request)
 
 
 def _install_other_routes(app: FastAPI) -> None:
@@ -304,5 +328,6 @@ def create_app(context: ApiContext) -> FastAPI:
     app.add_middleware(TelemetryMiddleware)
     _install_error_handlers(app)
     _install_job_routes(app)
+    _install_plan_routes(app)
     _install_other_routes(app)
     return app

@@ -12,6 +12,7 @@ import hashlib
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import NamedTuple
 
 from opentelemetry import trace
 from prometheus_client import Counter
@@ -34,8 +35,9 @@ from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys, StateStore
 from trainyard_common.tracing import current_traceparent, job_context
 
+from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
-from trainyard_api.validation import InvalidSpecError, check_references
+from trainyard_api.validation import InvalidSpecError, check_references, resolve_model_config
 from trainyard_api.views import job_summary, job_view
 
 _tracer = trace.get_tracer("trainyard.api")
@@ -90,6 +92,15 @@ def new_job_record(
 # ----------------------------------------------------------------------------- the shell
 
 
+class Submission(NamedTuple):
+    """What :meth:`JobService.submit` did: the job, whether this call created it, and the
+    planner's warnings (a job that fits only inside the memory headroom)."""
+
+    job: JobRecord
+    created: bool
+    warnings: list[str]
+
+
 class JobService:
     """Everything the job routes do, scoped to the calling tenant."""
 
@@ -113,17 +124,24 @@ class JobService:
     async def submit(
         self, spec: TrainingSpec, token: TenantToken, *, idempotency_key: str | None = None,
         traceparent: str | None = None,
-    ) -> tuple[JobRecord, bool]:
-        """Validate references, store the job and stage JobSubmitted; (job, created).
+    ) -> Submission:
+        """Validate references and memory, store the job and stage JobSubmitted.
 
-        With an Idempotency-Key a retried submission returns the job it created the first
-        time (created False); the same key with a different spec is a 409.
+        A spec whose model cannot fit its device type's memory is rejected; one that fits only
+        inside the planner's headroom is accepted with a warning (see ``planning``). With an
+        Idempotency-Key a retried submission returns the job it created the first time
+        (created False); the same key with a different spec is a 409.
         """
         dataset = await self.store.get_dataset(spec.dataset)
         problems = check_references(spec, catalog=self.catalog, dataset_known=dataset is not None)
+        config = resolve_model_config(spec, self.catalog)
+        memory = check_spec_memory(spec, config) if config is not None else None
+        if memory is not None:
+            problems.extend(memory.problems)
         if problems:
             JOBS_REJECTED.inc()
             raise InvalidSpecError(problems)
+        warnings = memory.warnings if memory is not None else []
         job = new_job_record(
             new_job_id(token.tenant, idempotency_key), spec, token,
             traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(),
@@ -131,9 +149,9 @@ class JobService:
         existing = await self._create(job)
         if existing is None:
             JOBS_SUBMITTED.inc()
-            return job, True
+            return Submission(job, True, warnings)
         if idempotency_key and existing.spec_hash == job.spec_hash:
-            return existing, False
+            return Submission(existing, False, warnings)
         if idempotency_key:
             raise ConflictError(
                 f"Idempotency-Key {idempotency_key!r} was used before for job {existing.job_id} "

@@ -42,6 +42,9 @@ class SubmitResponse(_Out):
     job_id: str = Field(examples=["job-3f2a9c1b7e4d"])
     state: JobState = Field(examples=["queued"])
     spec_hash: str = Field(examples=["sha256:9b1c…"])
+    warnings: list[str] | None = Field(
+        default=None, description="present only when the planner has something to say, e.g. a model that "
+                                  "fits the device's memory only inside the 15 % headroom")
 
 
 class ControlResponse(_Out):

@@ -1,0 +1,452 @@
+"""Capacity planning over HTTP (``POST /v1/plan``) and the memory check at submission.
+
+Both are thin, pure translations around :mod:`trainyard_planner`: a request (or a TrainingSpec)
+becomes a Transformer, a Layout, a DeviceSpec and a Topology; the planner's answer goes back in
+camelCase. A ValueError or KeyError the planner raises becomes a 422 naming the request field.
+
+What the submission check assumes. The spec has no ZeRO or recomputation field, so it uses what
+the trainer runs by default (sharding and activation checkpointing are rank settings,
+``TRAINYARD_SHARDING`` / ``TRAINYARD_ACTIVATION_CHECKPOINTING``, which the API cannot see):
+
+- DDP over ``parallelism.data``: ZeRO stage 0, every rank holds all model states (with
+  ``parallelism.tensor > 1`` the trainer switches to FSDP, so there the check overestimates);
+- fp32 weights and gradients plus AdamW's two fp32 moments, 16 B per parameter (SGD with
+  momentum: 12 B). bf16 autocast on GPUs casts activations, not the stored weights;
+- no activation checkpointing; attention goes through torch's fused
+  ``scaled_dot_product_attention``, which keeps no sequence x sequence score matrix for the
+  backward pass: in Korthikanti et al.'s accounting that is the activation memory of *selective*
+  recomputation (the ``5as/h`` term vanishes), so the check uses ``Recompute.SELECTIVE``;
+- 16-bit activations (bf16 autocast), the planner's default.
+
+A spec whose layout needs more than the device's memory is a 422; one that fits only by eating
+into the planner's headroom (15 % for workspace, communication buffers and fragmentation) is
+accepted with a warning. ``cpu`` ranks share the host's memory, which the API does not know, so
+they are not checked; a device type the planner does not know is accepted with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_common.errors import SpecError
+from trainyard_common.spec import TrainingSpec
+from trainyard_planner import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_HEADROOM,
+    FP32_ADAM,
+    MIXED_PRECISION_ADAM,
+    BytesPerParameter,
+    CheckpointPlan,
+    DeviceSpec,
+    Layout,
+    LinkTier,
+    MemoryBreakdown,
+    Recompute,
+    RejectedLayout,
+    StepEstimate,
+    Topology,
+    TrainingTime,
+    Transformer,
+    ZeroStage,
+    attention_flops_per_token,
+    checkpoint_bytes,
+    device_spec,
+    estimate_memory,
+    estimate_step,
+    job_mtbf,
+    model_flops_per_token,
+    plan_checkpoint,
+    recommend,
+    training_flops,
+    training_time,
+)
+
+from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors
+
+T = TypeVar("T")
+
+DEFAULT_MFU = 0.4
+"""MFU assumed for time-to-train when no layout was estimated (large dense runs report 35-55 %)."""
+
+DEFAULT_DEVICE_MTBF_HOURS = 50_000.0
+"""Per-device MTBF when none is given: Llama 3 saw 419 unexpected interruptions in 54 days on
+16,384 H100s (Dubey et al. 2024, §3.3.4), one per ~3.1 h for the job, ~50,000 h per device."""
+
+SUBMISSION_RECOMPUTE = Recompute.SELECTIVE  # fused SDPA attention; see the module docstring
+PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
+_GB = 1e9
+
+
+# ----------------------------------------------------------------------------- wire models
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              protected_namespaces=())
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, protected_namespaces=())
+
+
+class ParameterCount(_In):
+    """A model known only by its size; a plausible GPT shape is derived for the activations."""
+
+    parameters: float = Field(gt=0, examples=[70e9])
+    seq_len: int = Field(default=2048, gt=0)
+    vocab_size: int = Field(default=32_000, gt=0)
+
+
+class PlanTopology(_In):
+    """The links the devices talk over; each bandwidth defaults to the device's datasheet figure."""
+
+    devices_per_node: int | None = Field(default=None, gt=0, description="default: the device's NVLink domain")
+    nodes_per_rack: int = Field(default=4, gt=0)
+    nvlink_bandwidth: float | None = Field(default=None, gt=0, description="bytes/s per device, one direction")
+    intra_rack_bandwidth: float | None = Field(default=None, gt=0, description="bytes/s per device (its NIC)")
+    cross_rack_bandwidth: float | None = Field(default=None, gt=0,
+                                               description="bytes/s per device; default: intraRackBandwidth")
+
+
+class PlanCheckpoint(_In):
+    """Checkpoint inputs: the size comes from the model, the rest from here."""
+
+    write_bandwidth: float = Field(gt=0, description="bytes/s the whole job writes at", examples=[10e9])
+    mtbf_seconds: float | None = Field(default=None, gt=0, description="the whole job's MTBF")
+    device_mtbf_hours: float | None = Field(
+        default=None, gt=0, description=f"one device's MTBF (job MTBF = this / devices); default "
+                                        f"{DEFAULT_DEVICE_MTBF_HOURS:.0f} h when mtbfSeconds is absent too")
+    keep_last: int = Field(default=3, gt=0)
+    jobs: int = Field(default=1, gt=0, description="jobs of this size sharing the storage")
+    interval_seconds: float | None = Field(default=None, gt=0, description="evaluate this interval; default Daly's")
+    restart_seconds: float = Field(default=0.0, ge=0)
+    size_bytes: float | None = Field(default=None, gt=0, description="override the size derived from the model")
+
+    @model_validator(mode="after")
+    def _one_mtbf(self) -> PlanCheckpoint:
+        if self.mtbf_seconds is not None and self.device_mtbf_hours is not None:
+            raise ValueError("give mtbfSeconds or deviceMtbfHours, not both")
+        return self
+
+
+class PlanRequest(_In):
+    """``POST /v1/plan``: the same inputs as ``trainyard plan …``."""
+
+    model: str | ModelConfig | ParameterCount = Field(
+        description="catalog reference name@version, an inline model (as in a spec), or {parameters: N}")
+    sequence_length: int | None = Field(default=None, gt=0, description="default: the model's maxSeqLen / seqLen")
+    layout: Layout | Literal["recommend"] | None = Field(
+        default=None, description='a layout {dp, tp, pp, zeroStage, microBatch, microbatches, …}, or "recommend"; '
+                                  "default: plain data parallelism over every device")
+    device: str | DeviceSpec = Field(default="h100-80gb", description="a known device type, or an inline spec")
+    devices: int | None = Field(default=None, gt=0, description="default: the layout's world size")
+    topology: PlanTopology = PlanTopology()
+    global_batch: int | None = Field(default=None, gt=0, description="sequences per step (needed to recommend)")
+    micro_batches: list[PositiveInt] = Field(default=[1, 2, 4, 8], min_length=1, description="micro-batch sizes to try")
+    precision: Literal["mixed", "fp32"] | BytesPerParameter = Field(
+        default="mixed", description='"mixed" (bf16 + fp32 Adam, 16 B), "fp32" (16 B), or bytes per kind')
+    headroom: float = Field(default=DEFAULT_HEADROOM, ge=0, lt=1)
+    efficiency: float = Field(default=DEFAULT_EFFICIENCY, gt=0, le=1, description="share of peak while computing")
+    dp_overlap: float = Field(default=0.0, ge=0, le=1, description="share of DP communication hidden by backward")
+    tokens: float | None = Field(default=None, gt=0, description="training tokens, for time to train")
+    mfu: float | None = Field(default=None, gt=0, le=1, description="default: the estimated layout's MFU")
+    checkpoint: PlanCheckpoint | None = None
+    limit: int = Field(default=10, gt=0, le=1000, description="layouts listed per kind when recommending")
+
+
+class ModelSummary(_Out):
+    source: str = Field(description="catalog reference, 'inline' or 'parameters'")
+    parameters: float
+    exact_parameters: int = Field(description="the parameter count of the shape used for activations")
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+
+
+class ComputeSummary(_Out):
+    model_flops_per_token: float = Field(description="6N + 12 L H Q T (PaLM appendix B)")
+    attention_flops_per_token: float
+    tokens_per_step: int | None
+    training_flops: float | None = Field(description="6 N D, with `tokens`")
+    training_time: TrainingTime | None
+
+
+class RecommendationView(_Out):
+    accepted_count: int
+    rejected_count: int
+    best: StepEstimate | None
+    accepted: list[StepEstimate] = Field(description="fastest first, at most `limit`")
+    rejected: list[RejectedLayout] = Field(description="in enumeration order (simplest first), at most `limit`")
+
+
+class PlanResponse(_Out):
+    model: ModelSummary
+    device: DeviceSpec
+    devices: int
+    topology: Topology
+    memory: MemoryBreakdown | None = Field(description="of the layout, or of the best recommended one")
+    step: StepEstimate | None = Field(description="the given layout's step (absent when recommending)")
+    recommendation: RecommendationView | None
+    compute: ComputeSummary
+    checkpoint: CheckpointPlan | None
+
+
+PLAN_EXAMPLES = {
+    "memory": {"summary": "the seed's 70B on one device (dp 1, ZeRO 0): 1.12 TB of model states",
+               "value": {"model": {"parameters": 70e9}, "layout": {"dp": 1, "zeroStage": 0}}},
+    "layout": {"summary": "gpt-1b on 8 H100s with ZeRO-3 and a checkpoint plan",
+               "value": {"model": "gpt-1b@v1", "device": "h100-80gb", "devices": 8,
+                         "layout": {"dp": 8, "zeroStage": 3, "microBatch": 4, "microbatches": 2},
+                         "tokens": 26e9, "checkpoint": {"writeBandwidth": 2e9}}},
+    "recommend": {"summary": "rank the layouts of a 70B model on 256 H100s for 1024 sequences per step",
+                  "value": {"model": {"parameters": 70e9}, "layout": "recommend", "device": "h100-80gb",
+                            "devices": 256, "globalBatch": 1024, "limit": 5}},
+}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@contextmanager
+def field_of(name: str) -> Iterator[None]:
+    """Planner errors inside the block become a 422 naming ``name`` (or its subfields)."""
+    try:
+        yield
+    except ValidationError as exc:
+        problems = [FieldProblem(f"{name}.{p.field}" if p.field != "spec" else name, p.message)
+                    for p in field_errors(exc.errors())]
+        raise InvalidSpecError(problems) from exc
+    except (ValueError, KeyError) as exc:
+        message = exc.args[0] if exc.args else str(exc)
+        raise SpecError(name, str(message)) from exc
+
+
+def _in(name: str, build: Callable[[], T]) -> T:
+    with field_of(name):
+        return build()
+
+
+# ----------------------------------------------------------------------------- translation
+
+
+def transformer_for(config: ModelConfig, seq_len: int | None = None) -> Transformer:
+    """The planner's shape of a catalog or inline model, keeping its exact parameter count
+    (learned positions count ``maxSeqLen`` rows even when a job trains on shorter sequences)."""
+    shape = Transformer.from_model_config(config, seq_len=seq_len)
+    return shape.model_copy(update={"declared_parameters": config.num_parameters})
+
+
+def resolve_transformer(request: PlanRequest, catalog: Mapping[str, ModelConfig]) -> tuple[Transformer, str]:
+    ref, seq_len = request.model, request.sequence_length
+    if isinstance(ref, ParameterCount):
+        return _in("model", lambda: Transformer.from_parameters(
+            ref.parameters, seq_len=seq_len or ref.seq_len, vocab_size=ref.vocab_size)), "parameters"
+    if isinstance(ref, str):
+        config = catalog.get(ref)
+        if config is None:
+            raise SpecError("model", f"unknown model {ref!r}: the catalog has {', '.join(sorted(catalog))}; "
+                                     "or give the model inline, or as {\"parameters\": N}")
+        source = ref
+    else:
+        config, source = ref, "inline"
+    if seq_len is not None and seq_len > config.max_seq_len:
+        raise SpecError("sequenceLength", f"sequenceLength ({seq_len}) exceeds maxSeqLen ({config.max_seq_len}) "
+                                          f"of {source}")
+    return _in("model", lambda: transformer_for(config, seq_len)), source
+
+
+def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    try:
+        return device_spec(device)
+    except KeyError as exc:
+        raise SpecError("device", f"{exc.args[0]}; or give the device inline: "
+                                  "{name, peakFlops, memoryBytes, nvlinkBandwidth, networkBandwidth}") from None
+
+
+def resolve_topology(topology: PlanTopology, device: DeviceSpec) -> Topology:
+    base = _in("topology", lambda: Topology.for_device(
+        device, devices_per_node=topology.devices_per_node, nodes_per_rack=topology.nodes_per_rack,
+        cross_rack_bandwidth=topology.cross_rack_bandwidth or topology.intra_rack_bandwidth))
+    overrides = {
+        name: LinkTier(bandwidth=bandwidth, latency=getattr(base, name).latency)
+        for name, bandwidth in (("nvlink", topology.nvlink_bandwidth), ("intra_rack", topology.intra_rack_bandwidth))
+        if bandwidth is not None
+    }
+    return base.model_copy(update=overrides)
+
+
+def summarize(model: Transformer, source: str) -> ModelSummary:
+    return ModelSummary(
+        source=source, parameters=model.parameters, exact_parameters=model.exact_parameters,
+        n_layers=model.n_layers, d_model=model.d_model, n_heads=model.n_heads, d_ff=model.ffn_width,
+        vocab_size=model.vocab_size, seq_len=model.seq_len,
+    )
+
+
+# ----------------------------------------------------------------------------- POST /v1/plan
+
+
+def plan(request: PlanRequest, catalog: Mapping[str, ModelConfig] = MODEL_CATALOG) -> PlanResponse:
+    """Everything the planner says about a request: memory, step, or ranked layouts; compute;
+    checkpoint. Pure; raises SpecError / InvalidSpecError naming the request field."""
+    # 1. model, device, precision, topology
+    model, source = resolve_transformer(request, catalog)
+    device = resolve_device(request.device)
+    bpp = request.precision if isinstance(request.precision, BytesPerParameter) else PRECISIONS[request.precision]
+    topology = resolve_topology(request.topology, device)
+    common = {"efficiency": request.efficiency, "dp_overlap": request.dp_overlap,
+              "bytes_per_parameter": bpp, "headroom": request.headroom}
+
+    # 2. one layout's step, or every layout ranked
+    step: StepEstimate | None = None
+    view: RecommendationView | None = None
+    if request.layout == "recommend":
+        devices, global_batch = request.devices or 1, request.global_batch
+        if global_batch is None:
+            raise SpecError("globalBatch", "required to recommend a layout (sequences per step)")
+        found = _in("layout", lambda: recommend(
+            model, device, devices, global_batch, topology=topology, micro_batches=request.micro_batches, **common))
+        view = RecommendationView(
+            accepted_count=len(found.accepted), rejected_count=len(found.rejected), best=found.best,
+            accepted=found.accepted[: request.limit], rejected=found.rejected[: request.limit],
+        )
+        chosen = found.best
+    else:
+        layout = request.layout or Layout(dp=request.devices or 1)
+        devices = _check_layout(layout, request)
+        step = _in("layout", lambda: estimate_step(model, layout, device, topology, **common))
+        chosen = step
+
+    # 3. compute and time to train
+    tokens_per_step = chosen.tokens_per_step if chosen else None
+    time_to_train = None
+    total_flops = None
+    if request.tokens is not None:
+        total_flops = training_flops(model.parameters, request.tokens)
+        mfu = request.mfu or (chosen.mfu if chosen else DEFAULT_MFU)
+        time_to_train = _in("mfu", lambda: training_time(
+            total_flops, devices=devices, peak_flops_per_device=device.peak_flops, mfu=min(1.0, mfu)))
+    compute = ComputeSummary(
+        model_flops_per_token=model_flops_per_token(model), attention_flops_per_token=attention_flops_per_token(model),
+        tokens_per_step=tokens_per_step, training_flops=total_flops, training_time=time_to_train,
+    )
+
+    # 4. checkpoint
+    checkpoint = None
+    if request.checkpoint is not None:
+        checkpoint = _plan_checkpoint(request.checkpoint, model, bpp, devices, chosen)
+
+    return PlanResponse(
+        model=summarize(model, source), device=device, devices=devices, topology=topology,
+        memory=chosen.memory if chosen else None, step=step, recommendation=view, compute=compute,
+        checkpoint=checkpoint,
+    )
+
+
+def _check_layout(layout: Layout, request: PlanRequest) -> int:
+    devices = request.devices or layout.world_size
+    if layout.world_size != devices:
+        raise SpecError("layout", f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size} "
+                                  f"must equal devices ({devices})")
+    if request.global_batch is not None and request.global_batch != layout.global_batch:
+        raise SpecError("globalBatch", f"globalBatch ({request.global_batch}) differs from the layout's "
+                                       f"microBatch x dp x microbatches = {layout.micro_batch} x {layout.dp} x "
+                                       f"{layout.microbatches} = {layout.global_batch}")
+    return devices
+
+
+def _plan_checkpoint(inputs: PlanCheckpoint, model: Transformer, bpp: BytesPerParameter, devices: int,
+                     chosen: StepEstimate | None) -> CheckpointPlan:
+    size = inputs.size_bytes or checkpoint_bytes(model.parameters, bpp)
+    mtbf = inputs.mtbf_seconds or job_mtbf((inputs.device_mtbf_hours or DEFAULT_DEVICE_MTBF_HOURS) * 3600, devices)
+    return _in("checkpoint", lambda: plan_checkpoint(
+        size, write_bandwidth=inputs.write_bandwidth, mtbf_seconds=mtbf, keep_last=inputs.keep_last,
+        jobs=inputs.jobs, interval_seconds=inputs.interval_seconds, restart_seconds=inputs.restart_seconds,
+        step_seconds=chosen.step_seconds if chosen else None))
+
+
+# ----------------------------------------------------------------------------- submission check
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """What the planner says about a spec: problems (422) or warnings (202), and the estimate."""
+
+    problems: list[FieldProblem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    memory: MemoryBreakdown | None = None
+
+
+def trainer_bytes_per_parameter(spec: TrainingSpec) -> BytesPerParameter:
+    """fp32 weights and gradients, plus AdamW's m and v (16 B) or SGD's momentum (12 B)."""
+    if spec.training.optimizer.name == "sgd":
+        return BytesPerParameter(weights=4, gradients=4, master_weights=0, optimizer_states=4)
+    return FP32_ADAM
+
+
+def trainer_layout(spec: TrainingSpec) -> Layout:
+    """The layout the trainer runs a spec with: DDP (ZeRO 0), fused attention, no checkpointing."""
+    p = spec.parallelism
+    return Layout(dp=p.data, tp=p.tensor, pp=p.pipeline, zero_stage=ZeroStage.NONE,
+                  micro_batch=spec.training.micro_batch_size, microbatches=spec.grad_accumulation,
+                  recompute=SUBMISSION_RECOMPUTE)
+
+
+def check_spec_memory(spec: TrainingSpec, config: ModelConfig, *, headroom: float = DEFAULT_HEADROOM) -> MemoryCheck:
+    """Reject a spec that cannot fit its device type's memory; warn when it eats the headroom."""
+    gpu_type = spec.resources.gpu_type
+    if gpu_type.strip().lower() == "cpu":
+        return MemoryCheck()
+    try:
+        device = device_spec(gpu_type)
+    except KeyError as exc:
+        return MemoryCheck(warnings=[f"memory not checked: {exc.args[0]}"])
+    with field_of("modelConfig"):
+        model = transformer_for(config, spec.training.sequence_length)
+        memory = estimate_memory(model, trainer_layout(spec), bytes_per_parameter=trainer_bytes_per_parameter(spec),
+                                 headroom=headroom)
+    available = device.memory_bytes
+    label = spec.model_config_ref if isinstance(spec.model_config_ref, str) else "the inline model"
+    if memory.used_bytes_per_device > available:
+        needs = _gb(memory.used_bytes_per_device)
+        return MemoryCheck(memory=memory, problems=[
+            FieldProblem("modelConfig", f"{label} does not fit one {device.name}: needs {needs} GB per device, "
+                                        f"{_gb(available)} GB available ({_parts(memory, spec)})"),
+            FieldProblem("resources.gpuType", f"{device.name} has {_gb(available)} GB per device and this job needs "
+                                              f"{needs} GB: choose a device type with more memory, a smaller model "
+                                              "or a smaller training.microBatchSize"),
+        ])
+    if not memory.fits(available):
+        return MemoryCheck(memory=memory, warnings=[
+            f"{label} needs {_gb(memory.used_bytes_per_device)} GB of the {_gb(available)} GB of one {device.name}, "
+            f"leaving less than the {headroom:.0%} headroom the planner keeps for workspace and fragmentation: "
+            f"it may run out of memory ({_parts(memory, spec)})"
+        ])
+    return MemoryCheck(memory=memory)
+
+
+def _parts(memory: MemoryBreakdown, spec: TrainingSpec) -> str:
+    t = spec.training
+    per_parameter = memory.model_states_bytes_per_device / memory.parameters_per_device
+    return (f"model states {_gb(memory.model_states_bytes_per_device)} GB: "
+            f"{memory.parameters_per_device / 1e9:.2f}B parameters x {per_parameter:.0f} B (fp32, "
+            f"{t.optimizer.name}) on every rank, as the trainer's DDP (ZeRO 0) keeps them; activations "
+            f"{_gb(memory.activations_bytes_per_device)} GB at microBatchSize {t.micro_batch_size} x "
+            f"sequenceLength {t.sequence_length}")
+
+
+def _gb(n_bytes: float) -> str:
+    value = round(n_bytes / _GB, 1)
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
