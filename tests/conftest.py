@@ -65,10 +65,11 @@ def unique() -> str:
 
 
 @pytest.fixture
-async def redis(redis_server_url: str) -> AsyncIterator[object]:
+async def redis(env: dict[str, object]) -> AsyncIterator[object]:
+    """An async client on this test's own (freshly flushed) Redis database."""
     from trainyard_common.store import connect_redis
 
-    client = connect_redis(redis_server_url)
+    client = connect_redis(str(env["redis_url"]))
     try:
         yield client
     finally:

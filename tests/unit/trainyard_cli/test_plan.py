@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
+from trainyard_cli import plan as plan_module
+from trainyard_cli.client import ApiClient
 from trainyard_cli.main import app
 from trainyard_common.catalog import MODEL_CATALOG
 
@@ -127,8 +130,81 @@ def test_bad_input_is_one_line_and_exit_2(runner: CliRunner, args: list[str], me
 def test_help_lists_every_plan_command_with_examples(runner: CliRunner) -> None:
     result = runner.invoke(app, ["plan", "--help"])
     assert result.exit_code == 0
-    for command in ("memory", "compute", "comm", "bubble", "checkpoint", "recommend"):
+    for command in ("memory", "compute", "comm", "bubble", "checkpoint", "recommend", "calibration"):
         assert command in result.output
     assert "trainyard plan memory --params 70e9" in result.output
     memory_help = runner.invoke(app, ["plan", "memory", "--help"]).output
     assert "--zero-stage" in memory_help and "1.12 TB" in memory_help
+
+
+# ----------------------------------------------------------------------------- calibration (asks the API)
+
+REPORT = {
+    "fittedAt": "2025-03-01T12:00:00Z", "minSamples": 3, "maxSamples": 200,
+    "assumptions": {"cpuPeakFlops": 1e10, "writeBandwidth": 5e8, "efficiency": 0.5, "deviceMtbfHours": 50000},
+    "devices": [{
+        "deviceType": "cpu",
+        "factors": {"deviceType": "cpu", "stepTimeFactor": 0.21, "stepTimeSamples": 9, "checkpointWriteFactor": 1.0,
+                    "checkpointWriteSamples": 0, "mtbfSeconds": 7200.0, "failureSamples": 3},
+        "effectiveEfficiency": 1.0, "effectiveWriteBandwidth": 5e8,
+        "kinds": [
+            {"kind": "step_time", "unit": "seconds", "storedSamples": 9, "fittedSamples": 9, "factor": 0.21,
+             "meanAbsErrorPct": 380.0, "calibratedMeanAbsErrorPct": 2.0,
+             "rows": [{"label": "gpt-tiny@v1", "jobId": "job-abc", "attempt": 1, "step": 12,
+                       "recordedAt": "2025-03-01T12:00:00Z", "measured": 0.05, "predicted": 0.24, "calibrated": 0.0504,
+                       "errorPct": 380.0, "calibratedErrorPct": 0.8},
+                      {"label": "another tenant's job (gpt-tiny@v1)", "jobId": None, "attempt": None, "step": 11,
+                       "recordedAt": "2025-03-01T12:00:00Z", "measured": 0.051, "predicted": 0.24,
+                       "calibrated": 0.0504, "errorPct": 370.6, "calibratedErrorPct": -1.2}]},
+            {"kind": "checkpoint_write", "unit": "seconds", "storedSamples": 0, "fittedSamples": 0, "factor": None,
+             "meanAbsErrorPct": None, "calibratedMeanAbsErrorPct": None, "rows": []},
+            {"kind": "failure_interval", "unit": "device-seconds", "storedSamples": 3, "fittedSamples": 3,
+             "mtbfSeconds": 7200.0, "meanAbsErrorPct": 99.0, "calibratedMeanAbsErrorPct": 40.0, "rows": []},
+        ],
+    }],
+}
+
+
+@pytest.fixture
+def api_requests(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
+    """``plan calibration`` talks to a fake API that answers REPORT; the requests it saw."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.headers.get("authorization") != "Bearer tok":
+            return httpx.Response(401, json={"detail": "unknown token"})
+        return httpx.Response(200, json=REPORT if "deviceType" not in request.url.params else {**REPORT, "devices": []})
+
+    monkeypatch.setattr(plan_module, "ApiClient",
+                        lambda url, token: ApiClient(url, token, transport=httpx.MockTransport(answer)))
+    return seen
+
+
+def test_calibration_asks_the_api_and_prints_its_json(runner: CliRunner, api_requests: list[httpx.Request]) -> None:
+    result = runner.invoke(app, ["--api-url", "http://api:9", "--token", "tok", "plan", "calibration", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == REPORT
+    (request,) = api_requests
+    assert request.url.path == "/v1/plan/calibration" and request.url.params["limit"] == "10"
+    assert request.url.host == "api"
+
+
+def test_calibration_tables_show_factors_and_predicted_vs_measured(
+    runner: CliRunner, api_requests: list[httpx.Request]
+) -> None:
+    result = runner.invoke(app, ["--token", "tok", "plan", "calibration"])
+    assert result.exit_code == 0, result.output
+    for text in ("cpu: calibration", "x 0.21", "9/9", "380 % → 2 %", "MTBF 2 h",
+                 "predicted vs measured", "job-abc #1", "another tenant", "+380 %", "50 ms"):
+        assert text in result.output, text
+    empty = runner.invoke(app, ["--token", "tok", "plan", "calibration", "--device", "a100", "--limit", "3"])
+    assert empty.exit_code == 0 and "nothing measured yet" in empty.output
+    assert api_requests[-1].url.params["deviceType"] == "a100" and api_requests[-1].url.params["limit"] == "3"
+
+
+def test_calibration_needs_a_token_and_a_reachable_api(runner: CliRunner, api_requests: list[httpx.Request]) -> None:
+    no_token = runner.invoke(app, ["plan", "calibration"])
+    assert no_token.exit_code == 2 and "no API token" in no_token.output and not api_requests
+    refused = runner.invoke(app, ["--token", "wrong", "plan", "calibration"])
+    assert refused.exit_code == 1 and "refused the token" in refused.output

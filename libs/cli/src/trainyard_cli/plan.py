@@ -3,12 +3,15 @@
 Runs :mod:`trainyard_planner` on this machine (no API, no token): ``memory``, ``compute``,
 ``comm``, ``bubble``, ``checkpoint`` and ``recommend``. Each prints a table for a human, or with
 ``--json`` the planner's camelCase result (the same objects ``POST /v1/plan`` answers with).
+``calibration`` is the exception: it asks the API (``GET /v1/plan/calibration``) what the platform
+measured per device type against what the planner predicted.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -20,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConfigError
+from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,
@@ -55,7 +58,8 @@ from trainyard_planner import (
     training_time,
 )
 
-from trainyard_cli.config import load_spec
+from trainyard_cli.client import ApiClient, ApiSpecError
+from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
 
 T = TypeVar("T")
 
@@ -65,7 +69,8 @@ plan_app = typer.Typer(
     epilog="Examples (each command's --help has more):\n\n"
            "trainyard plan memory --params 70e9 --dp 1 --zero-stage 0\n\n"
            "trainyard plan recommend --params 70e9 --devices 256 --global-batch 1024\n\n"
-           "trainyard plan checkpoint --size-gb 1000 --write-bandwidth 10",
+           "trainyard plan checkpoint --size-gb 1000 --write-bandwidth 10\n\n"
+           "trainyard plan calibration   (asks the API: measured vs predicted per device type)",
     no_args_is_help=True,
 )
 
@@ -635,3 +640,113 @@ def recommend_command(
         return Group(*parts)
 
     _emit(as_json, data, view)
+
+
+# ----------------------------------------------------------------------------- calibration (the API)
+
+KIND_TITLES = {"step_time": "step time", "checkpoint_write": "checkpoint stall",
+               "failure_interval": "failure interval"}
+
+
+@contextmanager
+def _api(ctx: typer.Context) -> Iterator[ApiClient]:
+    """A client from the global --api-url / --token (or the stack's files); errors are one line."""
+    config = ctx.find_object(CliConfig) or CliConfig(api_url=resolve_api_url(None, Path.cwd()),
+                                                     token=resolve_token(None, Path.cwd()))
+    try:
+        with ApiClient(config.api_url, config.require_token()) as client:
+            yield client
+    except ApiSpecError as exc:
+        _fail("; ".join(f"{f}: {m}" if f else m for f, m in exc.problems))
+    except ConfigError as exc:
+        _fail(exc.message)
+    except TrainyardError as exc:
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@plan_app.command("calibration")
+def calibration_command(
+    ctx: typer.Context,
+    device: Annotated[str | None, typer.Option("--device", show_default=False,
+                                               help="only this device type (cpu, h100-80gb, …)")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=0, max=1000,
+                                       help="rows per device type and kind, newest first")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="print the API's JSON instead of tables")] = False,
+) -> None:
+    """What the platform measured against what the planner predicted, per device type.
+
+    Unlike the other plan commands this asks the API (--api-url, --token): the
+    fitted factors (measured / predicted step time and checkpoint write time),
+    the measured MTBF, and the newest samples, each with the raw and the
+    calibrated prediction. POST /v1/plan applies the same factors.
+
+        trainyard plan calibration --device cpu
+    """
+    params: dict[str, Any] = {"limit": limit}
+    if device:
+        params["deviceType"] = device
+    with _api(ctx) as client:
+        data = client.get_json("/v1/plan/calibration", params=params)
+    _emit(as_json, lambda: data, lambda: calibration_view(data))
+
+
+def calibration_view(data: dict[str, Any]) -> RenderableType:
+    """Per device type: the factors, then predicted vs measured per kind."""
+    fitted = data.get("fittedAt")
+    parts: list[RenderableType] = [Text(
+        f"fitted {fitted or 'never (no refit yet)'}; a kind needs {data.get('minSamples')} samples, the newest "
+        f"{data.get('maxSamples')} are kept", style="dim")]
+    if not data.get("devices"):
+        parts.append(Text("nothing measured yet: samples come from running jobs' step metrics and failed attempts"))
+    for device in data.get("devices", []):
+        parts.append(_factors_table(device))
+        for kind in device.get("kinds", []):
+            if kind.get("rows"):
+                parts.append(_rows_table(device["deviceType"], kind))
+    return Group(*parts)
+
+
+def _factors_table(device: dict[str, Any]) -> Table:
+    table = Table(title=f"{device['deviceType']}: calibration", title_justify="left", box=box.SIMPLE_HEAD,
+                  caption="factor = measured / predicted; mean |error|: raw → calibrated predictions; a failure "
+                          "interval counts its duration x its devices",
+                  caption_justify="left")
+    for column in ("kind", "fitted/kept", "factor", "mean |error|", "implies"):
+        table.add_column(column, justify="left" if column in ("kind", "implies") else "right",
+                         no_wrap=column != "implies")
+    for kind in device.get("kinds", []):
+        name = kind["kind"]
+        if name == "failure_interval":
+            mtbf = kind.get("mtbfSeconds")
+            factor, implies = "", f"MTBF {fmt_seconds(mtbf)} per device" if mtbf else "-"
+        else:
+            factor = f"x {kind['factor']:.3g}" if kind.get("factor") is not None and kind["fittedSamples"] else "-"
+            implies = "-"
+            if kind["fittedSamples"] and name == "step_time" and device.get("effectiveEfficiency") is not None:
+                implies = f"{device['effectiveEfficiency']:.0%} of assumed peak"
+            elif kind["fittedSamples"] and name == "checkpoint_write" and device.get("effectiveWriteBandwidth"):
+                implies = f"{fmt_bytes(device['effectiveWriteBandwidth'])}/s"
+        errors = "-"
+        if kind.get("meanAbsErrorPct") is not None:
+            errors = f"{kind['meanAbsErrorPct']:.0f} % → {kind['calibratedMeanAbsErrorPct']:.0f} %"
+        table.add_row(KIND_TITLES.get(name, name), f"{kind['fittedSamples']}/{kind['storedSamples']}", factor,
+                      errors, implies)
+    return table
+
+
+def _rows_table(device_type: str, kind: dict[str, Any]) -> Table:
+    table = Table(title=f"{device_type}: {KIND_TITLES.get(kind['kind'], kind['kind'])}, predicted vs measured "
+                        f"(newest {len(kind['rows'])} of {kind['storedSamples']})",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("job", "step", "measured", "predicted", "error", "calibrated", "error "):
+        table.add_column(column, justify="left" if column == "job" else "right", no_wrap=column != "job")
+    for row in kind["rows"]:
+        job = row.get("jobId") or "another tenant"
+        if row.get("attempt") is not None:
+            job += f" #{row['attempt']}"
+        step = str(row["step"]) if row.get("step") is not None else "-"
+        table.add_row(job, step, fmt_seconds(row["measured"]), fmt_seconds(row["predicted"]),
+                      f"{row['errorPct']:+.0f} %", fmt_seconds(row["calibrated"]),
+                      f"{row['calibratedErrorPct']:+.0f} %")
+    return table

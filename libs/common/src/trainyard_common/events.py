@@ -125,6 +125,9 @@ class NodeHeartbeat(Event):
     healthy: bool = True
     running_allocations: list[str] = []
     seq: int = 0
+    network_tier: str | None = Field(
+        default=None, description="network block above the rack (pod / spine group); racks of one tier are closer"
+    )
 
 
 class NodeQuarantined(Event):
@@ -147,6 +150,25 @@ class NodeAssignment(_Wire):
     node_id: str
     host: str
     ranks: list[RankAssignment]
+
+
+class PlacementDetail(_Wire):
+    """How local a gang's placement is (the scheduler's placement score explained).
+
+    Links are the gang's communication pairs: TP ring neighbours, DP ring neighbours within a
+    pipeline stage, and adjacent pipeline stages; each is counted by the widest boundary it crosses.
+    """
+
+    mode: str = Field(default="pack", description="pack | rack | domain | spread[:N]")
+    nodes: int = 0
+    nvlink_domains: int = 0
+    racks: int = 0
+    network_tiers: int = 0
+    links: int = 0
+    cross_node_links: int = Field(default=0, description="links leaving an NVLink domain (over the NIC)")
+    cross_rack_links: int = 0
+    cross_tier_links: int = 0
+    tp_groups_split: int = Field(default=0, description="TP groups not inside one NVLink domain (0 by construction)")
 
 
 class CheckpointRef(_Wire):
@@ -172,6 +194,30 @@ class GangAllocated(Event):
     spec: TrainingSpec
     spec_hash: str
     placement_score: float | None = None
+    placement_detail: PlacementDetail | None = None
+    checkpoint_every_steps: int | None = Field(
+        default=None, gt=0,
+        description="checkpoint interval for this attempt when the spec says checkpointPolicy.auto "
+                    "(the coordinator's Young/Daly advice); overrides everySteps/everyMinutes",
+    )
+
+
+class CheckpointRequested(Event):
+    """The scheduler asks a running attempt to checkpoint soon (it is about to be preempted).
+
+    Additive: ranks that do not act on it still checkpoint every ``everySteps``; the scheduler
+    revokes the allocation once a newer checkpoint is READY or at ``deadline``, whichever is first.
+    """
+
+    topic: ClassVar[str] = ALLOCATIONS
+    event_type: Literal["CheckpointRequested"] = "CheckpointRequested"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    reason: str
+    requested_by: str | None = Field(default=None, description="the job the devices are wanted for")
+    deadline: datetime | None = None
 
 
 class AllocationRevoked(Event):
@@ -210,7 +256,10 @@ class WorkerExited(Event):
     node_id: str
     rank: int
     exit_code: int
-    reason: str = Field(description="ok | error | killed | nan | oom | revoked | lost")
+    reason: str = Field(
+        description="ok | error | config | nan | oom | checkpoint | data | nccl | hang | killed | "
+                    "signal-<n> | revoked | preempted | lost"
+    )
     detail: str | None = None
 
 
@@ -264,6 +313,10 @@ class ShardWritten(Event):
     consumed_samples: int = 0
     spec_hash: str | None = None
     parallelism: dict[str, int] = {}
+    write_seconds: float | None = Field(
+        default=None, ge=0, description="this rank's save, from its start to the durable rename"
+    )
+    stall_seconds: float | None = Field(default=None, ge=0, description="how long training waited for this save")
 
 
 class CheckpointReady(Event):
@@ -362,7 +415,7 @@ def _union(*classes: type[Event]) -> Any:
 TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
     NODES: (NodeHeartbeat, NodeQuarantined),
-    ALLOCATIONS: (GangAllocated, AllocationRevoked),
+    ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed),
     METRICS: (StepMetrics,),

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, utcnow
+from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail, utcnow
 from trainyard_common.spec import TrainingSpec
 
 
@@ -50,6 +50,12 @@ class AttemptRecord(Record):
     placement_score: float | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    placement_detail: PlacementDetail | None = None
+    preempted_by: str | None = Field(default=None, description="job this attempt is being preempted for")
+    preempt_requested_at: datetime | None = None
+    preempt_after_step: int | None = Field(
+        default=None, description="latest READY step when preemption was asked (-1: none); a newer one ends it"
+    )
 
 
 class JobRecord(Record):
@@ -64,6 +70,9 @@ class JobRecord(Record):
     updated_at: datetime = Field(default_factory=utcnow)
     reason: str | None = Field(default=None, description="why it failed or was cancelled")
     queued_reason: str | None = Field(default=None, description="why it waits, while queued")
+    queued_reason_kind: str | None = Field(
+        default=None, description="quota | capacity | topology | priority | preemption | backoff, while queued"
+    )
     attempts: list[AttemptRecord] = []
     max_attempts: int = 3
     traceparent: str | None = None
@@ -88,7 +97,8 @@ class Progress(Record):
     updated_at: datetime | None = None
 
 
-CheckpointState = Literal["PENDING", "READY", "FAILED"]
+CheckpointState = Literal["PENDING", "READY", "FAILED", "DELETED"]
+"""PENDING → READY | FAILED; READY → DELETED when retention removes it (its manifest first)."""
 
 
 class CheckpointRecord(Record):
@@ -105,6 +115,14 @@ class CheckpointRecord(Record):
     reason: str | None = None
     created_at: datetime = Field(default_factory=utcnow)
     ready_at: datetime | None = None
+    first_shard_at: datetime | None = Field(default=None, description="when the first rank wrote its shard report")
+    last_shard_at: datetime | None = Field(default=None, description="when the last rank wrote its shard report")
+    write_seconds: float | None = Field(
+        default=None, description="slowest rank's save time (start to durable rename), when the ranks report it"
+    )
+    deleted_at: datetime | None = Field(
+        default=None, description="when its files were removed (retention of a READY one, GC of a FAILED one)"
+    )
 
     @property
     def checkpoint_id(self) -> str:
@@ -163,6 +181,7 @@ class NodeRecord(Record):
     healthy: bool = True
     last_seen: datetime = Field(default_factory=utcnow)
     quarantined: str | None = None
+    network_tier: str | None = None
 
 
 class TenantToken(Record):

@@ -46,11 +46,21 @@ class CheckpointPolicy(_Wire):
     every_steps: int | None = Field(default=None, gt=0)
     every_minutes: float | None = Field(default=None, gt=0)
     keep_last: int = Field(default=3, gt=0, le=1000)
+    auto: bool = Field(
+        default=False,
+        # auto came later: leaving it out of the wire form when false keeps every earlier spec's hash.
+        exclude_if=lambda auto: not auto,
+        description="checkpoint at the Young/Daly interval the platform measures (write time, stall, "
+                    "MTBF); everySteps/everyMinutes, if given, is the interval until it has measured",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_interval(self) -> CheckpointPolicy:
-        if (self.every_steps is None) == (self.every_minutes is None):
-            raise ValueError("set exactly one of everySteps or everyMinutes")
+        both = self.every_steps is not None and self.every_minutes is not None
+        if self.auto and both:
+            raise ValueError("with auto, set at most one of everySteps or everyMinutes (the starting interval)")
+        if not self.auto and (self.every_steps is None) == (self.every_minutes is None):
+            raise ValueError("set exactly one of everySteps or everyMinutes, or auto: true")
         return self
 
 

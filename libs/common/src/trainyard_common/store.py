@@ -35,6 +35,10 @@ class Keys:
     tokens = "ty:tokens"
     lease_audit = "ty:lease-audit"
     pending_checkpoints = "ty:ckpt-pending"
+    queue_config = "ty:sched:queue-config"  # JSON QueueConfig (tenants, quotas, priority classes); wins over the file
+    calibration = "ty:calib:fit"  # JSON: the planner's fitted Calibration (to_dict) and when it was fitted (api)
+    calibration_devices = "ty:calib:devices"  # set: device types with calibration samples (api)
+    calibration_failures_seen = "ty:calib:failures-seen"  # zset job:attempt → ended at: failures sampled (api)
 
     @staticmethod
     def job(job_id: str) -> str:
@@ -55,6 +59,26 @@ class Keys:
     @staticmethod
     def shards(job_id: str, attempt: int, step: int) -> str:
         return f"ty:ckpt:{job_id}:shards:{attempt}:{step}"
+
+    @staticmethod
+    def checkpoint_advice(job_id: str) -> str:
+        """JSON: the coordinator's Young/Daly checkpoint-interval advice for the job."""
+        return f"ty:job:{job_id}:ckpt-advice"
+
+    @staticmethod
+    def checkpoint_timing(job_id: str) -> str:
+        """Hash: the coordinator's measurements (step time, per-step checkpoint stall)."""
+        return f"ty:ckpt:{job_id}:timing"
+
+    @staticmethod
+    def failure_stats(device_type: str) -> str:
+        """Hash: observed attempt failures and exposure (device-seconds) of one device type."""
+        return f"ty:failures:{device_type}"
+
+    @staticmethod
+    def calibration_samples(device_type: str, kind: str) -> str:
+        """List: the newest measured-vs-predicted samples of one device type and kind, newest first (api)."""
+        return f"ty:calib:samples:{device_type}:{kind}"
 
     @staticmethod
     def artifacts(job_id: str) -> str:

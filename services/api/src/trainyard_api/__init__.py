@@ -1,4 +1,5 @@
-"""trainyard_api: the REST API (submission, auth, job read models, registry queries, capacity planning).
+"""trainyard_api: the REST API (submission, auth, job read models, registry queries, capacity planning
+calibrated by the platform's measurements).
 
 ``ApiServer(settings)`` runs it (uvicorn + ServiceRuntime in one process);
 ``create_app(ApiContext(...))`` gives the bare FastAPI app (tests, embedding).
@@ -6,6 +7,7 @@
 
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.auth import issue_token
+from trainyard_api.calibrator import CalibrationStore, Calibrator
 from trainyard_api.jobs import JobService, Submission, new_job_id
 from trainyard_api.planning import MemoryCheck, PlanRequest, PlanResponse, check_spec_memory, plan
 from trainyard_api.progress import ProgressProjector, advance_progress
@@ -17,6 +19,8 @@ __all__ = [
     "ApiContext",
     "ApiServer",
     "ApiSettings",
+    "CalibrationStore",
+    "Calibrator",
     "FieldProblem",
     "InvalidSpecError",
     "JobService",

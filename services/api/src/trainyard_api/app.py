@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
+from starlette.concurrency import run_in_threadpool
 
 from trainyard_common.bus import Bus
 from trainyard_common.errors import (
@@ -36,8 +37,10 @@ from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
 
 from trainyard_api.auth import authenticate
+from trainyard_api.calibration import CalibrationReport, report
+from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.jobs import JobService
-from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, plan
+from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
     ArtifactList,
@@ -77,7 +80,8 @@ TAGS = [
     {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
     {"name": "planning", "description": "Capacity planning: memory per device, step time, communication, "
-                                        "pipeline bubble, checkpoint interval, ranked layouts."},
+                                        "pipeline bubble, checkpoint interval, ranked layouts; calibrated per "
+                                        "device type by what the platform measured."},
     {"name": "operations", "description": "Health and Prometheus metrics; no authentication."},
 ]
 
@@ -102,6 +106,11 @@ class ApiContext:
     @property
     def jobs(self) -> JobService:
         return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts)
+
+    @property
+    def calibrations(self) -> CalibrationStore:
+        """The planner's calibration samples and fit (written by the Calibrator of ``server.py``)."""
+        return CalibrationStore(self.store.redis, max_samples=self.settings.calibration_max_samples)
 
 
 def _context(request: Request) -> ApiContext:
@@ -260,16 +269,46 @@ def _install_plan_routes(app: FastAPI) -> None:
         summary="Plan capacity for a model on a set of devices",
         responses={**_AUTH_ERRORS, 422: {"model": FieldErrors, "description": "invalid input, named by field"}},
     )
-    def plan_capacity(
+    async def plan_capacity(
+        ctx: Ctx,
         _: Tenant,
         request: Annotated[PlanRequest, Body(openapi_examples=PLAN_EXAMPLES)],
     ) -> PlanResponse:
         """Memory per device, step time, communication and bottleneck for a layout, or every
         feasible layout ranked with each rejected one explained (`"layout": "recommend"`); time to
         train from `tokens`; checkpoint size, write time and Young / Daly intervals from
-        `checkpoint`. The same arithmetic as `trainyard plan …` and the submission check. Pure
-        computation: nothing is stored."""
-        return plan(request)
+        `checkpoint`. The same arithmetic as `trainyard plan …` and the submission check. When the
+        platform has measured the device type, `calibrated` adds the estimates corrected by its
+        measurements, and says which calibration (factors, sample counts) that was. Nothing is
+        stored."""
+        stored = await ctx.calibrations.load() if request.calibrate else None
+        return await run_in_threadpool(
+            plan, request, assumptions=ctx.settings.assumptions, calibration=stored.fitted if stored else None,
+            fitted_at=stored.fitted_at if stored else None)
+
+    @app.get(
+        "/v1/plan/calibration", response_model=CalibrationReport, tags=["planning"],
+        summary="The planner's calibration per device type: factors, and predicted vs measured",
+        responses=_AUTH_ERRORS,
+    )
+    async def plan_calibration(
+        ctx: Ctx,
+        tenant: Tenant,
+        device_type: Annotated[str | None, Query(alias="deviceType", description="only this device type")] = None,
+        limit: Annotated[int, Query(ge=0, le=1000, description="rows per device type and kind, newest first")] = 20,
+    ) -> CalibrationReport:
+        """Per device type: the fitted step-time and checkpoint-write factors (measured / predicted),
+        the measured MTBF per device, the samples behind each, and a predicted-vs-measured table
+        (measured, the raw prediction, the calibrated one, error %). Samples come from rank 0's
+        StepMetrics (step time without checkpoints, checkpoint stalls) and from failed attempts;
+        the fit is refreshed every `TRAINYARD_CALIBRATION_REFRESH_S`. Other tenants' samples count
+        and are shown without their job ids."""
+        store = ctx.calibrations
+        types = [device_type_of(device_type)] if device_type else None
+        measurements, stored = await store.measurements(types), await store.load()
+        s = ctx.settings
+        return report(measurements, stored, tenant=tenant.tenant, assumptions=s.assumptions, only=types,
+                      min_samples=s.calibration_min_samples, max_samples=s.calibration_max_samples, limit=limit)
 
 
 def _install_other_routes(app: FastAPI) -> None:

@@ -22,6 +22,14 @@ A spec whose layout needs more than the device's memory is a 422; one that fits 
 into the planner's headroom (15 % for workspace, communication buffers and fragmentation) is
 accepted with a warning. ``cpu`` ranks share the host's memory, which the API does not know, so
 they are not checked; a device type the planner does not know is accepted with a warning.
+
+Calibration. ``plan`` takes the platform's fitted :class:`~trainyard_planner.Calibration` (see
+:mod:`trainyard_api.calibration`); when it holds the request's device type, the answer keeps the
+raw estimates and adds ``calibrated``: the step time and checkpoint write time multiplied by the
+measured/predicted factors, time to train at the corrected MFU, the checkpoint plan at the
+effective write bandwidth (and at the measured MTBF when the request gave none), and which
+calibration that was (sample counts, factors, when it was fitted). ``cpu`` is a device type here
+too: :class:`Assumptions` describes it from a configured matmul peak, which calibration corrects.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -43,7 +52,9 @@ from trainyard_planner import (
     FP32_ADAM,
     MIXED_PRECISION_ADAM,
     BytesPerParameter,
+    Calibration,
     CheckpointPlan,
+    DeviceCalibration,
     DeviceSpec,
     Layout,
     LinkTier,
@@ -57,6 +68,7 @@ from trainyard_planner import (
     ZeroStage,
     attention_flops_per_token,
     checkpoint_bytes,
+    cpu_device,
     device_spec,
     estimate_memory,
     estimate_step,
@@ -79,9 +91,47 @@ DEFAULT_DEVICE_MTBF_HOURS = 50_000.0
 """Per-device MTBF when none is given: Llama 3 saw 419 unexpected interruptions in 54 days on
 16,384 H100s (Dubey et al. 2024, §3.3.4), one per ~3.1 h for the job, ~50,000 h per device."""
 
+DEFAULT_CPU_PEAK_FLOPS = 10e9
+"""FLOP/s one CPU rank is assumed to reach: a conservative figure for one thread of fp32 matmul on a
+current x86 core (AVX2 reaches several times more); calibration corrects it per platform."""
+
+DEFAULT_WRITE_BANDWIDTH = 500e6
+"""Bytes/s the platform's checkpoint predictions assume for the artifact store (a local SSD's
+fsync'd sequential rate, conservatively); calibration corrects it."""
+
 SUBMISSION_RECOMPUTE = Recompute.SELECTIVE  # fused SDPA attention; see the module docstring
 PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
 _GB = 1e9
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the platform assumes where neither a request nor a spec says: the ``cpu`` device
+    (a configured per-rank peak; ranks of one job share one host) and the checkpoint write bandwidth."""
+
+    cpu_peak_flops: float = DEFAULT_CPU_PEAK_FLOPS
+    cpu_memory_bytes: float = 16 * _GB
+    write_bandwidth: float = DEFAULT_WRITE_BANDWIDTH
+    efficiency: float = DEFAULT_EFFICIENCY
+
+    def device(self, name: str, *, devices: int = 1) -> DeviceSpec:
+        """The DeviceSpec of a device type; ``cpu`` from the assumed peak, with ``devices`` ranks on
+        one host (one shared-memory domain). Raises KeyError naming the known types."""
+        if device_type_of(name) == "cpu":
+            return cpu_device(self.cpu_peak_flops, self.cpu_memory_bytes, devices_per_node=devices)
+        return device_spec(name)
+
+
+def device_type_of(name: str) -> str:
+    """The canonical device type a calibration is kept under: ``h100`` → ``h100-80gb``, ``CPU`` → ``cpu``;
+    a type the planner does not know, lower-cased."""
+    key = name.strip().lower()
+    if key == "cpu":
+        return key
+    try:
+        return device_spec(key).name
+    except KeyError:
+        return key
 
 
 # ----------------------------------------------------------------------------- wire models
@@ -145,7 +195,9 @@ class PlanRequest(_In):
     layout: Layout | Literal["recommend"] | None = Field(
         default=None, description='a layout {dp, tp, pp, zeroStage, microBatch, microbatches, …}, or "recommend"; '
                                   "default: plain data parallelism over every device")
-    device: str | DeviceSpec = Field(default="h100-80gb", description="a known device type, or an inline spec")
+    device: str | DeviceSpec = Field(
+        default="h100-80gb", description="a known device type, cpu (a rank of the platform's CPU hosts, at the "
+                                         "configured peak), or an inline spec")
     devices: int | None = Field(default=None, gt=0, description="default: the layout's world size")
     topology: PlanTopology = PlanTopology()
     global_batch: int | None = Field(default=None, gt=0, description="sequences per step (needed to recommend)")
@@ -159,6 +211,8 @@ class PlanRequest(_In):
     mfu: float | None = Field(default=None, gt=0, le=1, description="default: the estimated layout's MFU")
     checkpoint: PlanCheckpoint | None = None
     limit: int = Field(default=10, gt=0, le=1000, description="layouts listed per kind when recommending")
+    calibrate: bool = Field(default=True, description="add estimates corrected by what the platform measured on "
+                                                      "this device type, when it has measured any")
 
 
 class ModelSummary(_Out):
@@ -189,6 +243,36 @@ class RecommendationView(_Out):
     rejected: list[RejectedLayout] = Field(description="in enumeration order (simplest first), at most `limit`")
 
 
+class AppliedCalibration(_Out):
+    """Which calibration corrected the estimates: the device type's fitted factors and sample counts."""
+
+    device_type: str
+    fitted_at: datetime | None = Field(default=None, description="when the platform last fitted it")
+    factors: DeviceCalibration = Field(description="measured/predicted factors, MTBF and the samples behind each")
+
+
+class CalibratedPlan(_Out):
+    """The raw estimates next to the same estimates corrected by what the platform measured."""
+
+    calibration: AppliedCalibration
+    raw_step_seconds: float | None = Field(default=None, description="the planner's step time (of the best "
+                                                                     "layout when recommending)")
+    calibrated_step_seconds: float | None = Field(default=None, description="raw x stepTimeFactor")
+    calibrated_tokens_per_second: float | None = None
+    calibrated_mfu: float | None = None
+    effective_efficiency: float | None = Field(
+        default=None, description="the share of the device's peak that reproduces the measured step times "
+                                  "(above 1: its peak figure is too low)")
+    training_time: TrainingTime | None = Field(default=None, description="at the calibrated MFU, with `tokens`")
+    raw_checkpoint_write_seconds: float | None = None
+    calibrated_checkpoint_write_seconds: float | None = Field(default=None,
+                                                              description="raw x checkpointWriteFactor")
+    checkpoint: CheckpointPlan | None = Field(
+        default=None, description="at the effective write bandwidth, and at the measured MTBF unless the request "
+                                  "gave one")
+    notes: list[str] = Field(default=[], description="what was corrected, by how much, from how many samples")
+
+
 class PlanResponse(_Out):
     model: ModelSummary
     device: DeviceSpec
@@ -199,6 +283,9 @@ class PlanResponse(_Out):
     recommendation: RecommendationView | None
     compute: ComputeSummary
     checkpoint: CheckpointPlan | None
+    calibrated: CalibratedPlan | None = Field(
+        default=None, description="the estimates corrected by the platform's measurements on this device type; "
+                                  "absent when it has none (see GET /v1/plan/calibration)")
 
 
 PLAN_EXAMPLES = {
@@ -265,13 +352,13 @@ def resolve_transformer(request: PlanRequest, catalog: Mapping[str, ModelConfig]
     return _in("model", lambda: transformer_for(config, seq_len)), source
 
 
-def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
+def resolve_device(device: str | DeviceSpec, assumptions: Assumptions | None = None, devices: int = 1) -> DeviceSpec:
     if isinstance(device, DeviceSpec):
         return device
     try:
-        return device_spec(device)
+        return (assumptions or Assumptions()).device(device, devices=devices)
     except KeyError as exc:
-        raise SpecError("device", f"{exc.args[0]}; or give the device inline: "
+        raise SpecError("device", f"{exc.args[0]}, cpu; or give the device inline: "
                                   "{name, peakFlops, memoryBytes, nvlinkBandwidth, networkBandwidth}") from None
 
 
@@ -298,12 +385,20 @@ def summarize(model: Transformer, source: str) -> ModelSummary:
 # ----------------------------------------------------------------------------- POST /v1/plan
 
 
-def plan(request: PlanRequest, catalog: Mapping[str, ModelConfig] = MODEL_CATALOG) -> PlanResponse:
+def plan(
+    request: PlanRequest,
+    catalog: Mapping[str, ModelConfig] = MODEL_CATALOG,
+    *,
+    assumptions: Assumptions | None = None,
+    calibration: Calibration | None = None,
+    fitted_at: datetime | None = None,
+) -> PlanResponse:
     """Everything the planner says about a request: memory, step, or ranked layouts; compute;
-    checkpoint. Pure; raises SpecError / InvalidSpecError naming the request field."""
+    checkpoint; and, with the platform's ``calibration`` for the device type, the same corrected.
+    Pure; raises SpecError / InvalidSpecError naming the request field."""
     # 1. model, device, precision, topology
     model, source = resolve_transformer(request, catalog)
-    device = resolve_device(request.device)
+    device = resolve_device(request.device, assumptions, _world_size(request))
     bpp = request.precision if isinstance(request.precision, BytesPerParameter) else PRECISIONS[request.precision]
     topology = resolve_topology(request.topology, device)
     common = {"efficiency": request.efficiency, "dp_overlap": request.dp_overlap,
@@ -348,11 +443,95 @@ def plan(request: PlanRequest, catalog: Mapping[str, ModelConfig] = MODEL_CATALO
     if request.checkpoint is not None:
         checkpoint = _plan_checkpoint(request.checkpoint, model, bpp, devices, chosen)
 
+    # 5. the same, corrected by what the platform measured on this device type
+    calibrated = None
+    measured = calibration.devices.get(device_type_of(device.name)) if calibration and request.calibrate else None
+    if measured is not None:
+        calibrated = calibrate_plan(request, measured, fitted_at=fitted_at, model=model, bpp=bpp, device=device,
+                                    devices=devices, chosen=chosen, checkpoint=checkpoint)
+
     return PlanResponse(
         model=summarize(model, source), device=device, devices=devices, topology=topology,
         memory=chosen.memory if chosen else None, step=step, recommendation=view, compute=compute,
-        checkpoint=checkpoint,
+        checkpoint=checkpoint, calibrated=calibrated,
     )
+
+
+def _world_size(request: PlanRequest) -> int:
+    if request.devices:
+        return request.devices
+    return request.layout.world_size if isinstance(request.layout, Layout) else 1
+
+
+def calibrate_plan(
+    request: PlanRequest,
+    measured: DeviceCalibration,
+    *,
+    fitted_at: datetime | None,
+    model: Transformer,
+    bpp: BytesPerParameter,
+    device: DeviceSpec,
+    devices: int,
+    chosen: StepEstimate | None,
+    checkpoint: CheckpointPlan | None,
+) -> CalibratedPlan:
+    """The plan's estimates multiplied by the device type's measured/predicted factors."""
+    notes: list[str] = []
+    fields: dict[str, Any] = {}
+    # step time, and time to train at the MFU it implies
+    if chosen is not None:
+        factor = measured.step_time_factor
+        fields.update(
+            raw_step_seconds=chosen.step_seconds, calibrated_step_seconds=chosen.step_seconds * factor,
+            calibrated_tokens_per_second=chosen.tokens_per_second / factor, calibrated_mfu=chosen.mfu / factor,
+            effective_efficiency=request.efficiency / factor,
+        )
+        notes.append(_factor_note("step time", factor, measured.step_time_samples, measured.device_type))
+        if request.efficiency / factor > 1:
+            notes.append(f"the measured steps imply {request.efficiency / factor:.2f} x the peak assumed for "
+                         f"{device.name}: that figure is too low (for cpu: TRAINYARD_CPU_PEAK_FLOPS)")
+        if request.tokens is not None and request.mfu is None:
+            flops = training_flops(model.parameters, request.tokens)
+            raw = _in("mfu", lambda: training_time(
+                flops, devices=devices, peak_flops_per_device=device.peak_flops, mfu=min(1.0, chosen.mfu)))
+            fields["training_time"] = raw.model_copy(update={
+                "mfu": raw.mfu / factor, "seconds": raw.seconds * factor, "days": raw.days * factor})
+        elif request.tokens is not None:
+            notes.append("time to train: the request's mfu is kept (calibration corrects the planner's estimate, "
+                         "not a given figure)")
+    # checkpoint write time at the effective bandwidth, the interval at the measured MTBF
+    inputs = request.checkpoint
+    if inputs is not None and checkpoint is not None:
+        factor = measured.checkpoint_write_factor
+        fields.update(raw_checkpoint_write_seconds=checkpoint.write_seconds,
+                      calibrated_checkpoint_write_seconds=checkpoint.write_seconds * factor)
+        notes.append(_factor_note("checkpoint write", factor, measured.checkpoint_write_samples,
+                                  measured.device_type))
+        update: dict[str, Any] = {"write_bandwidth": measured.effective_bandwidth(inputs.write_bandwidth)}
+        if inputs.mtbf_seconds is None and inputs.device_mtbf_hours is None and measured.mtbf_seconds is not None:
+            update["device_mtbf_hours"] = measured.mtbf_seconds / 3600
+            notes.append(f"MTBF: measured {measured.mtbf_seconds / 3600:.3g} device-hours between failures over "
+                         f"{measured.failure_samples} failed attempts, "
+                         f"{job_mtbf(measured.mtbf_seconds, devices) / 3600:.3g} h for {devices} devices")
+        elif measured.mtbf_seconds is not None:
+            notes.append("MTBF: the request's is kept")
+        calibrated_step = _step_copy(chosen, fields.get("calibrated_step_seconds"))
+        fields["checkpoint"] = _plan_checkpoint(inputs.model_copy(update=update), model, bpp, devices,
+                                                calibrated_step)
+    applied = AppliedCalibration(device_type=measured.device_type, fitted_at=fitted_at, factors=measured)
+    return CalibratedPlan(calibration=applied, notes=notes, **fields)
+
+
+def _step_copy(step: StepEstimate | None, seconds: float | None) -> StepEstimate | None:
+    if step is None or seconds is None:
+        return step
+    return step.model_copy(update={"step_seconds": seconds})
+
+
+def _factor_note(what: str, factor: float, samples: int, device_type: str) -> str:
+    if samples == 0:
+        return f"{what}: not measured on {device_type} yet, left as predicted"
+    return f"{what} x {factor:.3g} (measured / predicted, {samples} samples on {device_type})"
 
 
 def _check_layout(layout: Layout, request: PlanRequest) -> int:

@@ -3,6 +3,10 @@
 Progress only moves forward. Order is (attempt, step): a newer attempt replaces an older
 one even at a lower step (it resumed from a checkpoint), and within an attempt a step
 that is not newer is a duplicate or a late delivery and is ignored.
+
+With a :class:`~trainyard_api.calibrator.Calibrator`, the step's calibration samples (step time,
+checkpoint stall) are pushed in the same transaction as the progress, so a redelivered or stale
+StepMetrics, which moves nothing, samples nothing either.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 from redis.asyncio import Redis
@@ -18,6 +23,10 @@ from redis.exceptions import WatchError
 from trainyard_common.events import StepMetrics, utcnow
 from trainyard_common.records import Progress
 from trainyard_common.store import Keys
+
+if TYPE_CHECKING:
+    from trainyard_api.calibration import Measurement
+    from trainyard_api.calibrator import Calibrator
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +63,34 @@ class ProgressProjector:
     """Applies StepMetrics to Redis with an optimistic transaction (WATCH), so two API
     replicas racing on the same job never move progress backwards."""
 
-    def __init__(self, redis: Redis, *, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(self, redis: Redis, *, clock: Callable[[], datetime] = utcnow,
+                 calibrator: Calibrator | None = None) -> None:
         self.redis = redis
         self.clock = clock
+        self.calibrator = calibrator
 
     async def on_step_metrics(self, m: StepMetrics) -> None:
         """Bus handler for ``trainyard.metrics``."""
         if m.rank != 0:
             STEP_METRICS.labels("other_rank").inc()
             return
-        applied = await self.apply(m)
+        samples = await self._samples(m)
+        applied = await self.apply(m, samples)
         STEP_METRICS.labels("applied" if applied else "stale").inc()
+        if applied and samples and self.calibrator is not None:
+            self.calibrator.recorded(samples)
 
-    async def apply(self, m: StepMetrics) -> bool:
-        """True when ``m`` moved the job's progress forward."""
+    async def _samples(self, m: StepMetrics) -> list[Measurement]:
+        if self.calibrator is None:
+            return []
+        try:
+            return await self.calibrator.measurements_for(m)
+        except Exception:  # noqa: BLE001 - calibration is a by-product: never hold progress back for it
+            log.exception("no calibration samples from step %d of %s", m.step, m.job_id)
+            return []
+
+    async def apply(self, m: StepMetrics, samples: list[Measurement] | None = None) -> bool:
+        """True when ``m`` moved the job's progress forward (and ``samples`` were recorded with it)."""
         key = Keys.progress(m.job_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -81,6 +104,8 @@ class ProgressProjector:
                         return False
                     pipe.multi()
                     pipe.set(key, new.dumps())
+                    if samples and self.calibrator is not None:
+                        self.calibrator.queue(pipe, samples)
                     await pipe.execute()
                     return True
                 except WatchError:

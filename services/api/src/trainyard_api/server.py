@@ -1,7 +1,8 @@
 """One API process: uvicorn serving the FastAPI app next to a ServiceRuntime.
 
 The runtime brings Redis, the bus, the outbox relay (which publishes JobSubmitted and
-JobControlRequested) and the progress consumer on ``trainyard.metrics``. The listening
+JobControlRequested), the progress consumer on ``trainyard.metrics`` (which also samples the
+planner's calibration) and the calibration refit loop. The listening
 socket is bound before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
 """
@@ -22,6 +23,7 @@ from trainyard_common.events import METRICS, StepMetrics
 from trainyard_common.service import ServiceRuntime
 
 from trainyard_api.app import ApiContext, create_app
+from trainyard_api.calibrator import Calibrator
 from trainyard_api.progress import ProgressProjector
 from trainyard_api.settings import ApiSettings
 
@@ -60,8 +62,10 @@ class ApiServer:
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self.runtime = ServiceRuntime("api", settings)
-        self.projector = ProgressProjector(self.runtime.redis)
+        self.calibrator = Calibrator(self.runtime.store, settings)
+        self.projector = ProgressProjector(self.runtime.redis, calibrator=self.calibrator)
         self.runtime.bus.subscribe(METRICS, {StepMetrics: self.projector.on_step_metrics})
+        self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
         self.app = create_app(self.context)
         self._server: _EmbeddedServer | None = None

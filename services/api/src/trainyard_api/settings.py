@@ -1,10 +1,22 @@
-"""The API's settings: the shared ``ServiceSettings`` plus where to listen and how to page."""
+"""The API's settings: the shared ``ServiceSettings`` plus where to listen, how to page, and what
+the planner's calibration assumes and keeps."""
 
 from __future__ import annotations
+
+import os
 
 from pydantic import AliasChoices, Field
 
 from trainyard_common.settings import ServiceSettings
+
+from trainyard_api.planning import DEFAULT_CPU_PEAK_FLOPS, DEFAULT_WRITE_BANDWIDTH, Assumptions
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
 
 
 class ApiSettings(ServiceSettings):
@@ -22,6 +34,34 @@ class ApiSettings(ServiceSettings):
     api_max_page_limit: int = Field(default=500, gt=0, description="largest page a client may ask for")
     api_max_attempts: int = Field(default=3, gt=0, le=100, description="attempt budget of a new job")
     api_access_log: bool = Field(default=False, description="log every HTTP request (uvicorn access log)")
+
+    cpu_peak_flops: float = Field(
+        default=DEFAULT_CPU_PEAK_FLOPS, gt=0,
+        description="FLOP/s the planner assumes for one CPU rank (device type cpu); deliberately conservative: "
+                    "calibration corrects it from measured steps")
+    cpu_memory_bytes: float = Field(default_factory=_host_memory_bytes, gt=0,
+                                    description="memory of a cpu device for planning (default: this host's)")
+    calibration_write_bandwidth: float = Field(
+        default=DEFAULT_WRITE_BANDWIDTH, gt=0,
+        description="bytes/s checkpoint predictions assume for the artifact store; calibration corrects it from "
+                    "measured checkpoint stalls")
+    calibration_refresh_s: float = Field(default=30.0, gt=0, description="how often the calibration is refitted")
+    calibration_max_samples: int = Field(default=200, gt=0,
+                                         description="samples kept per device type and kind (the newest)")
+    calibration_min_samples: int = Field(default=3, gt=0,
+                                         description="samples a kind needs before its factor is fitted")
+    calibration_warmup_steps: int = Field(default=2, ge=0,
+                                          description="first steps of an attempt never sampled (warm-up)")
+    calibration_sample_every: int = Field(default=5, gt=0,
+                                          description="sample every n-th step time of an attempt")
+    calibration_scan_jobs: int = Field(default=1000, gt=0,
+                                       description="newest jobs searched for failed attempts at each refit")
+
+    @property
+    def assumptions(self) -> Assumptions:
+        """What the planner assumes for this platform where a request or a spec says nothing."""
+        return Assumptions(cpu_peak_flops=self.cpu_peak_flops, cpu_memory_bytes=self.cpu_memory_bytes,
+                           write_bandwidth=self.calibration_write_bandwidth)
 
     @property
     def public_url(self) -> str:
