@@ -1,9 +1,20 @@
-"""Real torch ranks (``python -m trainyard_trainer``, gloo, 2 processes) on a real dataset.
+"""Real torch ranks (``python -m trainyard_trainer``, gloo) on a real dataset: resume, fallback, elasticity.
 
-One uninterrupted run writes checkpoints at steps 3 and 6; a second attempt resumes from the
-step-3 checkpoint (its manifest written the way the coordinator writes it) and must end with
-exactly the same bits; a corrupted shard must be refused with exit code CHECKPOINT.
-No broker or Redis is involved: ranks hand events to their spool files.
+One uninterrupted 2-rank run writes checkpoints at steps 2, 4 and 6 (asynchronously, the
+default). Against it:
+
+- a second attempt resumed from step 2 ends bitwise identical (parameters, optimizer state,
+  schedule, sampler, counters, every rank's RNG), with the LR schedule and the token count
+  continuing where they were;
+- an attempt whose start checkpoint (step 4) has a corrupted shard refuses it, falls back to
+  the previous READY checkpoint (step 2; a directory without a manifest is passed over) and
+  still ends bitwise identical; with no checkpoint that verifies it exits CHECKPOINT;
+- 2 ranks -> 1 rank -> 2 ranks (elastic) ends within float tolerance of the uninterrupted run
+  (bitwise is not expected: the gradient reduction order changes with the DP size), with the
+  same loss at every step and the sampler positions continuing exactly: nothing skipped or repeated.
+
+Manifests are written the way the checkpoint coordinator writes them. No broker or Redis is
+involved: ranks hand events to their spool files.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from tests.support.otlp import OtlpSink
 
 WORLD = 2
 MAX_STEPS = 6
-EVERY = 3
+EVERY = 2
 TENANT = "acme"
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -68,6 +79,7 @@ class RunResult:
     codes: list[int]
     logs: list[str]
     events: list[list[dict[str, Any]]]  # per rank: spool records
+    record: dict[str, Any] | None = None  # rank 0's run-record.json
 
     def of(self, cls: type) -> list[Any]:
         name = cls.model_fields["event_type"].default
@@ -75,26 +87,27 @@ class RunResult:
 
 
 def run_attempt(
-    root: Path, job_id: str, attempt: int, start: CheckpointRef | None = None, otlp_endpoint: str | None = None
+    root: Path, job_id: str, attempt: int, start: CheckpointRef | None = None, otlp_endpoint: str | None = None,
+    *, world: int = WORLD, spec: TrainingSpec | None = None, env: dict[str, str] | None = None,
 ) -> RunResult:
-    """Launch WORLD rank processes with the node agent's env contract and wait for them."""
-    spec = small_spec()
+    """Launch ``world`` rank processes with the node agent's env contract and wait for them."""
+    spec = spec or small_spec()
     layout = ArtifactLayout(root)
     port = free_port()
     allocation = GangAllocated(
         job_id=job_id, tenant=TENANT, attempt=attempt, allocation_id=f"alloc-{attempt}", epoch=attempt,
-        world_size=WORLD, master_addr="127.0.0.1", master_port=port, start_checkpoint=start,
+        world_size=world, master_addr="127.0.0.1", master_port=port, start_checkpoint=start,
         nodes=[NodeAssignment(node_id="n0", host="localhost",
-                              ranks=[RankAssignment(rank=r, local_rank=r, device_index=r) for r in range(WORLD)])],
+                              ranks=[RankAssignment(rank=r, local_rank=r, device_index=r) for r in range(world)])],
         spec=spec, spec_hash=spec.spec_hash(),
     )
     alloc_file = layout.attempt_dir(TENANT, job_id, attempt) / "allocation.json"
     atomic_write_bytes(alloc_file, allocation.to_bytes())
     procs, logs = [], []
-    for rank in range(WORLD):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OTEL_"))}
-        env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD),
+    for rank in range(world):
+        rank_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OTEL_"))}
+        rank_env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRAINYARD_BACKEND": "gloo",
             "TRAINYARD_DEVICE_INDEX": str(rank), "TRAINYARD_JOB_ID": job_id, "TRAINYARD_TENANT": TENANT,
             "TRAINYARD_ATTEMPT": str(attempt), "TRAINYARD_EPOCH": str(attempt),
@@ -102,15 +115,18 @@ def run_attempt(
             "TRAINYARD_ALLOCATION_FILE": str(alloc_file),
             "TRAINYARD_EVENTS_FILE": str(layout.rank_events(TENANT, job_id, attempt, rank)),
             "TRAINYARD_COLLECTIVE_TIMEOUT_S": "120", "TRACEPARENT": TRACEPARENT,
+            # a fixed figure: no rank spends its time on a CPU matmul probe (tested in the unit tests)
+            "TRAINYARD_PEAK_FLOPS": "1e11",
         })
+        rank_env.update(env or {})
         if otlp_endpoint:
-            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+            rank_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
         else:
-            env["OTEL_TRACES_EXPORTER"] = "none"
+            rank_env["OTEL_TRACES_EXPORTER"] = "none"
         log_path = layout.rank_log(TENANT, job_id, attempt, rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "trainyard_trainer"], env=env,
+            procs.append(subprocess.Popen([sys.executable, "-m", "trainyard_trainer"], env=rank_env,
                                           stdout=log, stderr=subprocess.STDOUT))
         logs.append(log_path)
     codes = []
@@ -122,11 +138,13 @@ def run_attempt(
             if p.poll() is None:
                 p.kill()
     events = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = layout.rank_events(TENANT, job_id, attempt, rank)
         lines = path.read_text().splitlines() if path.exists() else []
         events.append([json.loads(line) for line in lines])
-    return RunResult(codes=codes, logs=[p.read_text() for p in logs], events=events)
+    record_path = layout.attempt_dir(TENANT, job_id, attempt) / "run-record.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    return RunResult(codes=codes, logs=[p.read_text() for p in logs], events=events, record=record)
 
 
 def shards_of(result: RunResult, step: int) -> list[ShardWritten]:
@@ -179,6 +197,30 @@ def assert_bitwise_equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def copy_checkpoint(layout: ArtifactLayout, source: Path, job_id: str, shards: list[ShardWritten]) -> Path:
+    """A READY copy of a checkpoint under another job (its manifest rewritten for the copy's paths)."""
+    copy = layout.checkpoints_dir(TENANT, job_id) / source.name
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("manifest.json"))
+    moved = [
+        s.model_copy(update={
+            "job_id": job_id, "uri": path_to_uri(copy / uri_to_path(s.uri).name),
+            "extra_files": [f.model_copy(update={"uri": path_to_uri(copy / ".metadata")}) for f in s.extra_files],
+        })
+        for s in shards
+    ]
+    return write_manifest(moved)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    path.write_bytes(bytes(data))
+
+
+def losses(result: RunResult) -> dict[int, float]:
+    return {m.step: m.loss for m in result.of(StepMetrics) if m.rank == 0}
+
+
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -201,13 +243,20 @@ def first_run(root: Path, sink: OtlpSink) -> RunResult:
     return run_attempt(root, "job-a", attempt=1, otlp_endpoint=sink.endpoint)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(root: Path, first_run: RunResult, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    assert first_run.codes == [0] * WORLD, "\n".join(first_run.logs)
+    directory = ArtifactLayout(root).checkpoint_dir(TENANT, "job-a", 1, MAX_STEPS)
+    return load_whole(directory, tmp_path_factory.mktemp("whole"))
+
+
 # ----------------------------------------------------------------------------- tests
 
 
 def test_uninterrupted_run_checkpoints_and_reports(root: Path, first_run: RunResult) -> None:
     assert first_run.codes == [0] * WORLD, "\n".join(first_run.logs)
     layout = ArtifactLayout(root)
-    for step in (EVERY, MAX_STEPS):
+    for step in range(EVERY, MAX_STEPS + 1, EVERY):
         directory = layout.checkpoint_dir(TENANT, "job-a", 1, step)
         assert directory.is_dir() and not directory.with_name(directory.name + ".tmp").exists()
         shards = shards_of(first_run, step)
@@ -229,12 +278,40 @@ def test_uninterrupted_run_checkpoints_and_reports(root: Path, first_run: RunRes
         assert [m.step for m in mine] == list(range(1, MAX_STEPS + 1))
         assert all(m.max_steps == MAX_STEPS and m.loss > 0 and m.step_seconds > 0 for m in mine)
         assert [m.consumed_tokens for m in mine] == [s * 16 * 32 for s in range(1, MAX_STEPS + 1)]
-        assert mine[EVERY - 1].checkpoint_seconds > 0 and mine[0].checkpoint_seconds == 0
+        assert all(m.compute_seconds > 0 and m.collective_seconds > 0 and m.data_wait_seconds >= 0 for m in mine)
+        assert all(m.tokens_per_second == pytest.approx(512 / m.step_seconds) for m in mine)
+        # MFU with the PaLM count against the fixed peak the test sets (1e11 FLOP/s per device)
+        flops = 6 * 169_728 + 12 * 2 * 64 * 32
+        assert all(m.mfu == pytest.approx(flops * m.tokens_per_second / (WORLD * 1e11)) for m in mine)
+        # an async save stalls its step a little (staging); the final one waits until it is durable
+        assert mine[EVERY - 1].checkpoint_seconds > 0 and mine[-1].checkpoint_seconds > 0
     # The loss is the global-batch mean: every rank reports the same number.
-    by_step = {}
+    by_step: dict[int, set[float]] = {}
     for m in metrics:
         by_step.setdefault(m.step, set()).add(m.loss)
-    assert all(len(losses) == 1 for losses in by_step.values())
+    assert all(len(values) == 1 for values in by_step.values())
+
+
+def test_run_record(first_run: RunResult) -> None:
+    record = first_run.record
+    assert record is not None and record["status"] == "succeeded" and record["exitCode"] == 0
+    assert record["environment"]["hostnames"] == [socket.gethostname()] * WORLD
+    assert record["environment"]["torch"] == torch.__version__ and record["environment"]["codeRevision"] == "test"
+    assert record["environment"]["python"] == sys.version.split()[0]
+    assert record["batch"] == {
+        "microBatchSize": 4, "dataParallel": 2, "gradAccumulation": 2, "globalBatchSize": 16, "sequenceLength": 32,
+        "tokensPerStep": 512, "specDataParallel": 2,
+        "statement": "micro batch 4 x data-parallel 2 x gradient accumulation 2 = global batch 16 sequences "
+                     "(512 tokens per optimizer step)",
+    }
+    assert record["parallelism"]["sharding"] == "ddp" and record["parallelism"]["checkpointMode"] == "async"
+    assert record["restore"]["manifestUri"] is None and record["restore"]["rng"] == "fresh"
+    assert record["progress"] == {"startStep": 0, "globalStep": 6, "consumedTokens": 6 * 512, "consumedSamples": 96,
+                                  "tokensThisAttempt": 6 * 512, "samplerStartPosition": 0, "samplerPosition": 96}
+    assert [step for step, _ in record["lossCurve"]] == list(range(1, MAX_STEPS + 1))
+    assert [c["globalStep"] for c in record["checkpoints"]] == [2, 4, 6]
+    assert all(c["stallSeconds"] < c["writeSeconds"] for c in record["checkpoints"])
+    assert record["throughput"]["peakFlopsPerDevice"] == 1e11 and 0 < record["throughput"]["meanMfu"] < 1
 
 
 def test_ranks_trace_into_the_jobs_trace(first_run: RunResult, sink: OtlpSink) -> None:
@@ -245,56 +322,132 @@ def test_ranks_trace_into_the_jobs_trace(first_run: RunResult, sink: OtlpSink) -
     assert set(ranks) == {f"train rank {r}" for r in range(WORLD)}
     assert all(s.trace_id == trace_id and s.parent_span_id == parent_id for s in ranks.values())
     saves = [s for s in spans if s.name == "checkpoint save"]
-    assert len(saves) == WORLD * 2  # steps 3 and 6
+    assert len(saves) == WORLD * 3  # steps 2, 4 and 6
     assert {s.parent_span_id for s in saves} == {s.span_id for s in ranks.values()}
     # each ShardWritten spool line carries the traceparent of the span that saved it
     records = [r for rank in first_run.events for r in rank if r["payload"]["eventType"] == "ShardWritten"]
-    assert len(records) == WORLD * 2
+    assert len(records) == WORLD * 3
     assert {r["traceparent"].split("-")[2] for r in records} == {s.span_id for s in saves}
     assert all(r["traceparent"].split("-")[1] == trace_id for r in records)
 
 
-def test_resume_from_step3_is_bitwise_identical(root: Path, first_run: RunResult, tmp_path: Path) -> None:
-    assert first_run.codes == [0] * WORLD
+def test_resume_from_step2_is_bitwise_identical(
+    root: Path, first_run: RunResult, uninterrupted: dict[str, Any], tmp_path: Path
+) -> None:
     manifest = write_manifest(shards_of(first_run, EVERY))
     resumed = run_attempt(root, "job-a", attempt=2, start=ref_for(manifest))
     assert resumed.codes == [0] * WORLD, "\n".join(resumed.logs)
-    assert [m.step for m in resumed.of(StepMetrics) if m.rank == 0] == list(range(EVERY + 1, MAX_STEPS + 1))
+    mine = sorted((m for m in resumed.of(StepMetrics) if m.rank == 0), key=lambda m: m.step)
+    before = {m.step: m for m in first_run.of(StepMetrics) if m.rank == 0}
+    assert [m.step for m in mine] == list(range(EVERY + 1, MAX_STEPS + 1))
+    # the LR schedule, the loss and the token count continue exactly where they were
+    assert [(m.lr, m.loss, m.consumed_tokens) for m in mine] == [
+        (before[m.step].lr, before[m.step].loss, before[m.step].consumed_tokens) for m in mine]
     assert "resumed from" in resumed.logs[0]
+    record = resumed.record
+    assert record["restore"]["manifestUri"] == path_to_uri(manifest) and record["restore"]["rng"] == "restored"
+    assert record["progress"]["consumedTokens"] == MAX_STEPS * 512  # not counted twice
+    assert record["progress"]["tokensThisAttempt"] == (MAX_STEPS - EVERY) * 512
 
     layout = ArtifactLayout(root)
-    uninterrupted = load_whole(layout.checkpoint_dir(TENANT, "job-a", 1, MAX_STEPS), tmp_path)
     after_resume = load_whole(layout.checkpoint_dir(TENANT, "job-a", 2, MAX_STEPS), tmp_path)
     assert set(uninterrupted) == {"model", "optimizer", "lr_scheduler", "sampler", "progress", "rng"}
     assert uninterrupted["progress"]["global_step"] == MAX_STEPS
     assert set(uninterrupted["rng"]) == {f"rank_{r}" for r in range(WORLD)}
+    moments = [k for k in uninterrupted["optimizer"] if k.startswith("state.") and k.endswith(".exp_avg_sq")]
+    assert len(moments) == len(uninterrupted["model"])  # Adam's moments of every parameter are compared too
     assert_bitwise_equal(uninterrupted, after_resume)
-    # and it trained: the step-6 weights differ from the step-3 ones
-    at3 = load_whole(layout.checkpoint_dir(TENANT, "job-a", 1, EVERY), tmp_path)
-    assert not torch.equal(at3["model"]["wte.weight"], uninterrupted["model"]["wte.weight"])
+    # and it trained: the step-6 weights differ from the step-2 ones
+    at2 = load_whole(layout.checkpoint_dir(TENANT, "job-a", 1, EVERY), tmp_path)
+    assert not torch.equal(at2["model"]["wte.weight"], uninterrupted["model"]["wte.weight"])
 
 
-def test_corrupted_shard_is_refused(root: Path, first_run: RunResult) -> None:
-    assert first_run.codes == [0] * WORLD
+def test_corrupted_start_checkpoint_falls_back_to_the_previous_ready_one(
+    root: Path, first_run: RunResult, uninterrupted: dict[str, Any], tmp_path: Path
+) -> None:
     layout = ArtifactLayout(root)
-    source = layout.checkpoint_dir(TENANT, "job-a", 1, EVERY)
-    copy = layout.checkpoint_dir(TENANT, "job-c", 1, EVERY)
-    shutil.copytree(source, copy)
-    shards = [
-        s.model_copy(update={
-            "job_id": "job-c", "uri": path_to_uri(copy / uri_to_path(s.uri).name),
-            "extra_files": [f.model_copy(update={"uri": path_to_uri(copy / ".metadata")}) for f in s.extra_files],
-        })
-        for s in shards_of(first_run, EVERY)
-    ]
-    manifest = write_manifest(shards)
-    shard1 = copy / "__1_0.distcp"
-    data = bytearray(shard1.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size, different content
-    shard1.write_bytes(bytes(data))
+    at2 = copy_checkpoint(layout, layout.checkpoint_dir(TENANT, "job-a", 1, 2), "job-c", shards_of(first_run, 2))
+    at4 = copy_checkpoint(layout, layout.checkpoint_dir(TENANT, "job-a", 1, 4), "job-c", shards_of(first_run, 4))
+    # a newer-looking directory without a manifest (an unfinished save) is never a candidate
+    shutil.copytree(layout.checkpoint_dir(TENANT, "job-a", 1, 4), layout.checkpoint_dir(TENANT, "job-c", 1, 3),
+                    ignore=shutil.ignore_patterns("manifest.json"))
+    flip_a_byte(at4.parent / "__1_0.distcp")
 
-    result = run_attempt(root, "job-c", attempt=2, start=ref_for(manifest))
-    assert result.codes == [exitcodes.CHECKPOINT] * WORLD, "\n".join(result.logs)
-    assert all("CheckpointCorruptError" in log and "rank 1 shard sha256" in log for log in result.logs)
-    assert not layout.checkpoint_dir(TENANT, "job-c", 2, MAX_STEPS).exists()
+    result = run_attempt(root, "job-c", attempt=2, start=ref_for(at4))
+    assert result.codes == [0] * WORLD, "\n".join(result.logs)
+    restore = result.record["restore"]
+    assert restore["manifestUri"] == path_to_uri(at2) and restore["globalStep"] == 2
+    assert restore["requestedManifestUri"] == path_to_uri(at4)
+    assert [r["manifestUri"] for r in restore["refused"]] == [path_to_uri(at4)]
+    assert "rank 1 shard sha256" in restore["refused"][0]["problems"][0]
+    assert "fell back to the previous READY checkpoint, step 2" in restore["reason"]
+    for log in result.logs:
+        assert "refusing checkpoint step 4" in log and "fell back" in log
+    assert [m.step for m in result.of(StepMetrics) if m.rank == 0] == [3, 4, 5, 6]
+    final = load_whole(layout.checkpoint_dir(TENANT, "job-c", 2, MAX_STEPS), tmp_path)
+    assert_bitwise_equal(uninterrupted, final)
+
+
+def test_no_checkpoint_verifies_exits_checkpoint(root: Path, first_run: RunResult) -> None:
+    layout = ArtifactLayout(root)
+    only = copy_checkpoint(layout, layout.checkpoint_dir(TENANT, "job-a", 1, 2), "job-d", shards_of(first_run, 2))
+    flip_a_byte(only.parent / ".metadata")
+    # one rank is enough to show the refusal (and elastic: this checkpoint was written by two)
+    result = run_attempt(root, "job-d", attempt=2, start=ref_for(only), world=1)
+    assert result.codes == [exitcodes.CHECKPOINT], "\n".join(result.logs)
+    assert "NoVerifiedCheckpointError" in result.logs[0] and "shared file .metadata sha256" in result.logs[0]
+    assert not layout.checkpoint_dir(TENANT, "job-d", 2, MAX_STEPS).exists()
     assert not any(r["payload"]["eventType"] == "ShardWritten" for rank in result.events for r in rank)
+    record = result.record
+    assert (record["status"], record["exitCode"]) == ("failed", exitcodes.CHECKPOINT)
+    assert record["restore"]["manifestUri"] is None and record["restore"]["requestedManifestUri"] == path_to_uri(only)
+    assert [r["globalStep"] for r in record["restore"]["refused"]] == [2]
+    assert "no checkpoint of this job verifies" in record["error"]
+
+
+def test_elastic_resume_2_to_1_to_2_ranks(
+    root: Path, first_run: RunResult, uninterrupted: dict[str, Any], tmp_path: Path
+) -> None:
+    layout = ArtifactLayout(root)
+    at2 = write_manifest(shards_of(first_run, 2))
+    # attempt 3: one rank (accumulation 4 instead of 2), synchronous checkpoints
+    one = run_attempt(root, "job-a", attempt=3, start=ref_for(at2), world=1,
+                      env={"TRAINYARD_CHECKPOINT_MODE": "sync"})
+    assert one.codes == [0], "\n".join(one.logs)
+    batch = one.record["batch"]
+    assert (batch["dataParallel"], batch["gradAccumulation"], batch["specDataParallel"]) == (1, 4, 2)
+    assert "the spec asked for parallelism.data 2" in batch["statement"]
+    assert one.record["restore"]["worldSize"] == 2 and one.record["restore"]["rng"].startswith("reseeded")
+    assert one.record["parallelism"]["checkpointMode"] == "sync"
+    # attempt 4: two ranks again, from the one-rank checkpoint at step 4
+    at4 = write_manifest(shards_of(one, 4))
+    two = run_attempt(root, "job-a", attempt=4, start=ref_for(at4))
+    assert two.codes == [0] * WORLD, "\n".join(two.logs)
+
+    # the data position continues exactly: no sample skipped or repeated
+    assert (one.record["progress"]["samplerStartPosition"], two.record["progress"]["samplerStartPosition"]) == (32, 64)
+    assert two.record["progress"]["samplerPosition"] == uninterrupted["sampler"]["position"] == 96
+    assert two.record["progress"]["consumedTokens"] == MAX_STEPS * 512
+    # the same samples in every step give the same loss at every step (to float tolerance)
+    reference = losses(first_run)
+    assert (sorted(losses(one)), sorted(losses(two))) == ([3, 4, 5, 6], [5, 6])
+    for run in (one, two):
+        for step, loss in losses(run).items():
+            assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+    final = load_whole(layout.checkpoint_dir(TENANT, "job-a", 4, MAX_STEPS), tmp_path)
+    assert final["progress"] == uninterrupted["progress"] and final["sampler"] == uninterrupted["sampler"]
+    assert final["lr_scheduler"]["last_epoch"] == uninterrupted["lr_scheduler"]["last_epoch"] == MAX_STEPS
+    for part in ("model", "optimizer"):
+        flat_a, flat_b = flatten(uninterrupted[part]), flatten(final[part])
+        assert flat_a.keys() == flat_b.keys()
+        for key, value in flat_a.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(flat_b[key], value, rtol=1e-4, atol=1e-6, msg=f"{part}.{key}")
+            else:
+                assert flat_b[key] == value, f"{part}.{key}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}

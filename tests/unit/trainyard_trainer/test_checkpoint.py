@@ -12,8 +12,9 @@ from trainyard_common.errors import CheckpointCorruptError, CheckpointError
 from trainyard_common.events import CheckpointRef
 from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
 from trainyard_common.spec import LrSchedule
-from trainyard_common.storage import atomic_write_bytes, path_to_uri
+from trainyard_common.storage import atomic_write_bytes, path_to_uri, sha256_file
 from trainyard_trainer.checkpoint import (
+    Checkpointer,
     CheckpointSchedule,
     check_restorable,
     load_checkpoint,
@@ -46,7 +47,7 @@ def manifest(world: int = 2, spec_hash: str | None = "sha256:a") -> CheckpointMa
 
 def test_check_restorable() -> None:
     assert check_restorable(manifest(), world_size=2, spec_hash="sha256:a") == []
-    assert "elastic resume" in check_restorable(manifest(), world_size=4, spec_hash="sha256:a")[0]
+    assert check_restorable(manifest(), world_size=4, spec_hash="sha256:a") == []  # elastic: DCP reshards
     assert "spec hash" in check_restorable(manifest(), world_size=2, spec_hash="sha256:b")[0]
 
 
@@ -151,3 +152,89 @@ def test_corrupt_or_mismatched_checkpoints_are_refused(world_of_one: None, tmp_p
     m = read_checkpoint_manifest(CheckpointRef(manifest_uri=uri, global_step=2, attempt=1))
     with pytest.raises(CheckpointCorruptError, match="shared file .metadata has"):
         verified_checkpoint_dir(m, uri)
+
+
+# ----------------------------------------------------------------------------- async saving (a world of one)
+
+
+def agree_alone(values: list[int]) -> list[int]:
+    return list(values)
+
+
+def test_async_save_is_reported_only_once_durable_and_holds_the_state_of_its_step(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    state, model, opt, sampler, progress = make_state(seed=1)
+    step(model, opt, state["lr_scheduler"], sampler, progress)
+    expected = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    reported = []
+    group = dist.new_group(backend="gloo")
+    checkpointer = Checkpointer(rank=0, mode="async", barrier=dist.barrier, agree=agree_alone, group=group)
+    directory = tmp_path / "step-1"
+    stall = checkpointer.save(state, directory, reported.append)
+    assert stall > 0 and checkpointer.pending is not None
+    # training goes on at once; its optimizer update waits for the copy, and the copy is what gets written
+    x = torch.randint(0, 40, (2, 8))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    stall += checkpointer.before_update()
+    assert checkpointer.pending.staged.is_set() and checkpointer.before_update() == 0.0
+    opt.step()
+    opt.zero_grad()
+    assert reported == []  # reported from a step boundary (poll), never from the writer thread
+    while checkpointer.pending is not None:
+        checkpointer.poll()
+    checkpointer.close()
+
+    (saved,) = reported
+    assert directory.is_dir() and not (tmp_path / "step-1.tmp").exists()
+    assert saved.shard.uri == path_to_uri(directory / "__0_0.distcp") and saved.seconds >= stall
+    assert saved.stall == pytest.approx(stall)
+    assert saved.shard.sha256 == sha256_file(directory / "__0_0.distcp")
+    assert [f.uri for f in saved.extra_files] == [path_to_uri(directory / ".metadata")]
+    fresh, fresh_model, _, fresh_sampler, fresh_progress = make_state(seed=2)
+    load_checkpoint(fresh, directory)
+    assert fresh_progress.global_step == 1 and fresh_sampler.position == 4
+    for name, p in fresh_model.module.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_a_new_save_waits_for_the_pending_one_and_sync_mode_reports_inside_save(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    state, model, opt, sampler, progress = make_state(seed=1)
+    group = dist.new_group(backend="gloo")
+    steps_reported: list[str] = []
+    checkpointer = Checkpointer(rank=0, mode="async", barrier=dist.barrier, agree=agree_alone, group=group)
+    checkpointer.save(state, tmp_path / "a", lambda s: steps_reported.append(s.directory.name))
+    checkpointer.save(state, tmp_path / "b", lambda s: steps_reported.append(s.directory.name))
+    assert steps_reported == ["a"]
+    checkpointer.wait()
+    assert steps_reported == ["a", "b"] and checkpointer.pending is None
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpointer.save(state, tmp_path / "a")
+    checkpointer.close()
+
+    sync = Checkpointer(rank=0, mode="sync", barrier=dist.barrier, agree=agree_alone)
+    sync.save(state, tmp_path / "c", lambda s: steps_reported.append(s.directory.name))
+    assert steps_reported[-1] == "c" and sync.pending is None and sync.poll() == 0.0
+
+
+def test_a_failed_background_save_is_a_checkpoint_error_at_the_next_boundary(
+    world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainyard_trainer.checkpoint as module
+
+    state, *_ = make_state(seed=1)
+    group = dist.new_group(backend="gloo")
+
+    def no_shard(directory: Path, rank: int) -> Path:
+        raise CheckpointError("disk vanished")
+
+    monkeypatch.setattr(module, "_own_shard", no_shard)
+    checkpointer = Checkpointer(rank=0, mode="async", barrier=dist.barrier, agree=agree_alone, group=group)
+    reported: list[object] = []
+    checkpointer.save(state, tmp_path / "x", reported.append)
+    with pytest.raises(CheckpointError, match="background save .* failed on this rank: disk vanished"):
+        checkpointer.wait()
+    assert reported == [] and not (tmp_path / "x").exists()
+    checkpointer.close()

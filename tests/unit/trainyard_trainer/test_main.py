@@ -100,12 +100,35 @@ CPU = Runtime(torch.device("cpu"), "gloo", None)
 def test_resolve_job_accepts_a_consistent_allocation() -> None:
     job = resolve_job(settings(), allocation(spec()), CPU)
     assert job.model_config.d_model == 64 and job.dp == 2 and job.tokens_per_step == 8 * 64
+    assert job.batch is not None and job.batch.grad_accumulation == 2
+
+
+def test_resolve_job_takes_the_dp_size_from_the_world() -> None:
+    """Elastic: a world of 4 for a spec written for 2 keeps the global batch with less accumulation."""
+    s = settings().model_copy(update={"world_size": 4})
+    job = resolve_job(s, allocation(spec(), world_size=4), CPU)
+    assert (job.dp, job.batch.grad_accumulation, job.batch.spec_dp) == (4, 1, 2)
+    assert "the spec asked for parallelism.data 2" in job.batch.statement()
+
+
+def test_resolve_job_refuses_a_world_that_cannot_keep_the_global_batch() -> None:
+    s = settings().model_copy(update={"world_size": 3})
+    with pytest.raises(ConfigError, match="globalBatchSize 8 is not a multiple of microBatchSize 2 x data-parallel "
+                                          "size 3 = 6"):
+        resolve_job(s, allocation(spec(), world_size=3), CPU)
+
+
+def test_resolve_job_reads_the_parallel_settings() -> None:
+    s = settings().model_copy(update={"local_world_size": 2, "sharding": "zero2", "activation_checkpointing": True})
+    job = resolve_job(s, allocation(spec(parallelism={"data": 1, "tensor": 2})), CPU)
+    assert (job.plan.dp, job.plan.tp, job.plan.pp, job.plan.sharding) == (1, 2, 1, "zero2")
+    assert job.plan.activation_checkpointing
 
 
 @pytest.mark.parametrize(("alloc", "message"), [
     (allocation(spec(), attempt=3), "attempt 3"),
     (allocation(spec(), world_size=4), "world size 4"),
-    (allocation(spec(parallelism={"data": 1, "tensor": 2}), world_size=2), "tensor and pipeline"),
+    (allocation(spec(parallelism={"data": 1, "tensor": 2}), world_size=2), "inside one node"),
     (allocation(spec(model="gpt-huge@v9")), "unknown model"),
     (allocation(spec(sequenceLength=256)), "maxSeqLen 128"),
 ])

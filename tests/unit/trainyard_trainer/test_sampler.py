@@ -100,3 +100,57 @@ def test_loader_yields_shifted_targets_and_advances() -> None:
     inputs, targets = batches[0]
     assert inputs.shape == targets.shape == (2, 4)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_batch_layout_states_what_it_runs() -> None:
+    from trainyard_trainer.sampler import batch_layout
+
+    same = batch_layout(global_batch=16, micro_batch=4, dp=2, spec_dp=2, sequence_length=32)
+    assert same.grad_accumulation == 2 and same.tokens_per_step == 512
+    assert same.statement() == ("micro batch 4 x data-parallel 2 x gradient accumulation 2 = global batch 16 "
+                                "sequences (512 tokens per optimizer step)")
+    fewer = batch_layout(global_batch=16, micro_batch=4, dp=1, spec_dp=2, sequence_length=32)
+    assert fewer.grad_accumulation == 4
+    assert "the spec asked for parallelism.data 2 (accumulation 2): this attempt runs data-parallel 1 with " \
+           "accumulation 4" in fewer.statement()
+
+
+def test_batch_layout_refuses_with_the_numbers() -> None:
+    from trainyard_common.errors import ConfigError
+    from trainyard_trainer.sampler import batch_layout
+
+    with pytest.raises(ConfigError, match="globalBatchSize 16 is not a multiple of microBatchSize 4 x "
+                                          "data-parallel size 3 = 12"):
+        batch_layout(global_batch=16, micro_batch=4, dp=3, spec_dp=2, sequence_length=8)
+
+
+def test_micro_batches_and_their_seeds_do_not_depend_on_the_number_of_ranks() -> None:
+    """A micro batch holds the same rows whatever dp is, so its dropout seed can be the data's."""
+    from trainyard_trainer.sampler import micro_batch_seed
+
+    def micro_batches(dp: int) -> dict[int, list[int]]:
+        out = {}
+        for rank in range(dp):
+            s = sampler(dp, rank, micro=4)
+            for k, ids in enumerate(s.step_sample_ids()):
+                out[sample_position(s.position, k, rank, 0, micro_batch=4, dp=dp)] = ids
+        return out
+
+    assert micro_batches(1) == micro_batches(2) == micro_batches(4)
+    assert len({micro_batch_seed(7, p) for p in micro_batches(1)}) == 8
+    assert micro_batch_seed(7, 4) != micro_batch_seed(8, 4)
+
+
+class _Windows:
+    def windows(self, ids):
+        return np.array([[i] * 5 for i in ids], dtype=np.int64)
+
+
+def test_loader_reports_the_positions_it_read() -> None:
+    s = sampler(2, 1, micro=4)
+    loader = BatchLoader(_Windows(), s, torch.device("cpu"))
+    batches = loader.next_step()
+    assert loader.last_start == 0 and loader.last_positions == [4, 12, 20, 28]  # (k*2 + 1)*4
+    assert len(batches) == 4 and s.position == 32
+    loader.next_step()
+    assert loader.last_start == 32 and loader.last_positions[0] == 36

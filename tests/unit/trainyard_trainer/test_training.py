@@ -113,3 +113,18 @@ def test_time_based_checkpoints_follow_rank0s_clock(world_of_one: None) -> None:
     assert _checkpoint_due(never, 10, CPU) is True  # maxSteps always saves, without a collective
     overdue = CheckpointSchedule(max_steps=10, every_minutes=0.001, last_save_at=0.0)
     assert _checkpoint_due(overdue, 3, CPU) is True
+
+
+def test_dropout_follows_the_micro_batch_seeds_not_the_rank_stream(world_of_one: None) -> None:
+    config = ModelConfig(vocab_size=30, n_layers=1, n_heads=2, d_model=8, max_seq_len=8, dropout=0.3)
+
+    def one_step(seeds: list[int], noise: int) -> float:
+        timer = CollectiveTimer()
+        model = apply_ddp(build_model(config, seed=0, device=CPU.device), device=CPU.device, timer=timer)
+        opt = build_optimizer(model.module, spec())
+        sched = build_lr_scheduler(opt, schedule=LrSchedule(warmup_steps=0), max_steps=3)
+        torch.manual_seed(noise)  # whatever the rank's own stream is
+        return train_step(model, opt, sched, batches(), runtime=CPU, timer=timer, grad_clip=1.0, seeds=seeds).loss
+
+    assert one_step([11, 12], noise=1) == one_step([11, 12], noise=2)
+    assert one_step([11, 12], noise=1) != one_step([11, 13], noise=1)

@@ -1,7 +1,16 @@
 """trainyard_trainer: what runs inside each torch rank — data, model, parallelism, the
 training loop, checkpoint I/O and metrics — plus the ``trainyard-data`` dataset builder."""
 
-from trainyard_trainer.checkpoint import CheckpointSchedule, SavedShard, save_checkpoint
+from trainyard_trainer.checkpoint import (
+    Candidate,
+    Checkpointer,
+    CheckpointSchedule,
+    RestoreChoice,
+    SavedShard,
+    choose_checkpoint,
+    find_ready_checkpoints,
+    save_checkpoint,
+)
 from trainyard_trainer.data import (
     STDLIB_SOURCES,
     DatasetManifest,
@@ -12,36 +21,72 @@ from trainyard_trainer.data import (
     prepare_dataset,
     verify_dataset,
 )
+from trainyard_trainer.metrics import DEVICE_PEAK_FLOPS, PeakFlops, device_peak_flops, flops_per_token, mfu
 from trainyard_trainer.model import GPT, build_model
-from trainyard_trainer.parallel import CollectiveTimer, apply_ddp
-from trainyard_trainer.sampler import GlobalSampler, sample_position
+from trainyard_trainer.parallel import (
+    CollectiveTimer,
+    ParallelModel,
+    ParallelPlan,
+    apply_activation_checkpointing,
+    apply_ddp,
+    apply_fsdp,
+    apply_tp,
+    clip_grad_norm,
+    parallelize,
+    resolve_plan,
+)
+from trainyard_trainer.runrecord import RUN_RECORD_FILE, RunRecord
+from trainyard_trainer.sampler import BatchLayout, GlobalSampler, batch_layout, micro_batch_seed, sample_position
 from trainyard_trainer.schedule import build_lr_scheduler, lr_multiplier
 from trainyard_trainer.settings import RankSettings
 from trainyard_trainer.state import ModelState, OptimizerState, Progress, RngState, checkpoint_state
 
 __all__ = [
+    "DEVICE_PEAK_FLOPS",
     "GPT",
+    "RUN_RECORD_FILE",
     "STDLIB_SOURCES",
+    "BatchLayout",
+    "Candidate",
     "CheckpointSchedule",
+    "Checkpointer",
     "CollectiveTimer",
     "DatasetManifest",
     "GlobalSampler",
     "ModelState",
     "OptimizerState",
+    "ParallelModel",
+    "ParallelPlan",
+    "PeakFlops",
     "Progress",
     "RankSettings",
+    "RestoreChoice",
     "RngState",
+    "RunRecord",
     "SavedShard",
     "ShardInfo",
     "TokenDataset",
     "TokenizerInfo",
+    "apply_activation_checkpointing",
     "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "batch_layout",
     "build_lr_scheduler",
     "build_model",
     "checkpoint_state",
+    "choose_checkpoint",
+    "clip_grad_norm",
+    "device_peak_flops",
+    "find_ready_checkpoints",
+    "flops_per_token",
     "load_dataset_manifest",
     "lr_multiplier",
+    "mfu",
+    "micro_batch_seed",
+    "parallelize",
     "prepare_dataset",
+    "resolve_plan",
     "sample_position",
     "save_checkpoint",
     "verify_dataset",

@@ -15,44 +15,23 @@ import argparse
 import logging
 import sys
 
-import torch
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from pydantic import ValidationError
 
 from trainyard_common import exitcodes
-from trainyard_common.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    SpecError,
-    TrainyardError,
-)
+from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_common.events import GangAllocated
 from trainyard_common.settings import load_settings
 from trainyard_common.spool import SpoolWriter
 from trainyard_common.tracing import job_context, setup_tracing, shutdown_tracing
 
+from trainyard_trainer.exits import exit_code_for
 from trainyard_trainer.runtime import configure_determinism, init_distributed, select_runtime, shutdown_distributed
 from trainyard_trainer.settings import RankSettings, describe_environment
-from trainyard_trainer.training import NonFiniteError, resolve_job, train
+from trainyard_trainer.training import resolve_job, train
 
 log = logging.getLogger("trainyard_trainer")
-
-
-def exit_code_for(exc: BaseException) -> int:
-    """The rank exit code for an exception (see trainyard_common.exitcodes)."""
-    if isinstance(exc, NonFiniteError):
-        return exitcodes.NAN
-    if isinstance(exc, CheckpointError):
-        return exitcodes.CHECKPOINT
-    if isinstance(exc, DataError):
-        return exitcodes.DATA
-    if isinstance(exc, ConfigError | SpecError):
-        return exitcodes.CONFIG
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return exitcodes.OOM
-    return exitcodes.ERROR
 
 
 def read_allocation(settings: RankSettings) -> GangAllocated:

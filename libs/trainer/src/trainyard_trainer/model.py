@@ -17,22 +17,29 @@ from trainyard_common.catalog import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention with a fused, head-major QKV projection.
+
+    ``qkv``'s output rows are laid out head by head (``[q_0 k_0 v_0 | q_1 k_1 v_1 | …]``), so a
+    column-wise tensor-parallel split of ``qkv`` hands each rank whole heads, and the number of
+    heads a rank computes is read from the width it actually holds (``n_heads / tp`` under TP).
+    """
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        self.head_dim = config.d_model // config.n_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out = nn.Linear(config.d_model, config.d_model)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, seq, self.n_heads, width // self.n_heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # local heads under tensor parallelism
+        q, k, v = qkv.view(batch, seq, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.out(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.out(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
 
 
 class MLP(nn.Module):

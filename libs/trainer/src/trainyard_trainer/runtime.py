@@ -21,6 +21,16 @@ class Runtime:
     backend: str
     autocast_dtype: torch.dtype | None  # None: full fp32
 
+    @property
+    def precision(self) -> str:
+        """``bf16-autocast`` or ``fp32``: what the run record and the MFU table call it."""
+        return "fp32" if self.autocast_dtype is None else f"{str(self.autocast_dtype).removeprefix('torch.')}-autocast"
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA runs ahead of the host; timing needs this)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -28,20 +38,37 @@ class Runtime:
 
 
 def select_runtime(settings: RankSettings) -> Runtime:
-    """nccl + CUDA (bf16 autocast where supported) when a GPU is visible, else gloo + CPU fp32."""
+    """nccl + CUDA when a GPU is visible, else gloo + CPU; autocast as ``TRAINYARD_AUTOCAST`` says.
+
+    ``auto`` is bf16 on a CUDA device that supports it and fp32 on CPU (CPU bf16 autocast works
+    and is deterministic, but is slower than fp32 on most CPUs; ask for it with ``bf16``).
+    """
     cuda = torch.cuda.is_available()
     if settings.backend == "nccl" and not cuda:
         raise ConfigError("TRAINYARD_BACKEND=nccl but no CUDA device is visible to this process")
     if not cuda or settings.backend == "gloo":
-        return Runtime(torch.device("cpu"), "gloo", None)
-    count = torch.cuda.device_count()
-    # A node agent that narrows CUDA_VISIBLE_DEVICES to this rank's device leaves one visible.
-    index = 0 if count == 1 else (settings.device_index if settings.device_index is not None else settings.local_rank)
-    if index >= count:
-        raise ConfigError(f"device index {index} but only {count} CUDA devices are visible")
-    torch.cuda.set_device(index)
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return Runtime(torch.device("cuda", index), "nccl", dtype)
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        count = torch.cuda.device_count()
+        # A node agent that narrows CUDA_VISIBLE_DEVICES to this rank's device leaves one visible.
+        index = 0 if count == 1 else (settings.device_index if settings.device_index is not None else settings.local_rank)
+        if index >= count:
+            raise ConfigError(f"device index {index} but only {count} CUDA devices are visible")
+        torch.cuda.set_device(index)
+        device, backend = torch.device("cuda", index), "nccl"
+    return Runtime(device, backend, autocast_dtype(settings.autocast, device))
+
+
+def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``TRAINYARD_AUTOCAST`` (auto | bf16 | off) on ``device``."""
+    if choice == "off":
+        return None
+    bf16_ok = device.type == "cpu" or torch.cuda.is_bf16_supported()
+    if choice == "bf16":
+        if not bf16_ok:
+            raise ConfigError(f"TRAINYARD_AUTOCAST=bf16 but {torch.cuda.get_device_name(device)} has no bf16 support")
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" and bf16_ok else None
 
 
 def configure_determinism(runtime: Runtime, *, seed: int, rank: int, deterministic: bool) -> None:
@@ -79,6 +106,15 @@ def init_distributed(settings: RankSettings, runtime: Runtime) -> None:
         timeout=timedelta(seconds=settings.collective_timeout_s),
         device_id=runtime.device if runtime.device.type == "cuda" else None,
     )
+
+
+def new_cpu_group() -> dist.ProcessGroup:
+    """A gloo group over the whole world, for CPU-side agreement and background checkpoint I/O.
+
+    Collectives on one group must be issued in the same order on every rank, so work that runs
+    on another thread (``dcp.async_save``) or on CPU tensors beside NCCL gets a group of its own.
+    """
+    return dist.new_group(backend="gloo")
 
 
 def shutdown_distributed() -> None:

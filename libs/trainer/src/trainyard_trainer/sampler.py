@@ -23,12 +23,13 @@ different number of ranks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from trainyard_common.errors import DataError
+from trainyard_common.errors import ConfigError, DataError
 
 
 def sample_position(start: int, micro_step: int, dp_rank: int, row: int, *, micro_batch: int, dp: int) -> int:
@@ -39,6 +40,60 @@ def sample_position(start: int, micro_step: int, dp_rank: int, row: int, *, micr
 def micro_batch_positions(start: int, micro_step: int, dp_rank: int, *, micro_batch: int, dp: int) -> range:
     first = sample_position(start, micro_step, dp_rank, 0, micro_batch=micro_batch, dp=dp)
     return range(first, first + micro_batch)
+
+
+def micro_batch_seed(seed: int, position: int) -> int:
+    """The RNG seed of the micro batch whose first row is global position ``position``.
+
+    Dropout draws from a generator reseeded per micro batch from the data, not from the rank:
+    a micro batch holds the same rows whatever the number of ranks (``micro_batch`` is fixed), so
+    its dropout masks are too, and a resume on a different DP size, TP peers (which must agree
+    on the masks of replicated activations) and recomputed checkpointed activations all see the
+    same randomness.
+    """
+    return (seed * 0x9E3779B1 + position) % (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """``global batch = micro batch x data-parallel size x gradient accumulation``, for one attempt."""
+
+    global_batch: int
+    micro_batch: int
+    dp: int
+    spec_dp: int
+    sequence_length: int
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.sequence_length
+
+    def statement(self) -> str:
+        """What this attempt runs, in words; says so when the DP size is not the spec's."""
+        text = (f"micro batch {self.micro_batch} x data-parallel {self.dp} x gradient accumulation "
+                f"{self.grad_accumulation} = global batch {self.global_batch} sequences "
+                f"({self.tokens_per_step} tokens per optimizer step)")
+        if self.dp != self.spec_dp:
+            spec_accumulation = self.global_batch // (self.micro_batch * self.spec_dp)
+            text += (f"; the spec asked for parallelism.data {self.spec_dp} (accumulation {spec_accumulation}): "
+                     f"this attempt runs data-parallel {self.dp} with accumulation {self.grad_accumulation}, so the "
+                     "global batch, the data order and the optimisation semantics are the same")
+        return text
+
+
+def batch_layout(*, global_batch: int, micro_batch: int, dp: int, spec_dp: int, sequence_length: int) -> BatchLayout:
+    """The layout for ``dp`` ranks; ConfigError spelling out the numbers when it does not divide."""
+    if global_batch % (micro_batch * dp):
+        raise ConfigError(
+            f"training.globalBatchSize {global_batch} is not a multiple of microBatchSize {micro_batch} x "
+            f"data-parallel size {dp} = {micro_batch * dp}: this attempt cannot keep the spec's global batch"
+        )
+    return BatchLayout(global_batch=global_batch, micro_batch=micro_batch, dp=dp, spec_dp=spec_dp,
+                       sequence_length=sequence_length)
 
 
 class SampleOrder:
@@ -109,19 +164,31 @@ class GlobalSampler:
 
 
 class BatchLoader:
-    """Reads this rank's micro batches for one optimizer step as ``(inputs, targets)`` tensors."""
+    """Reads this rank's micro batches for one optimizer step as ``(inputs, targets)`` tensors.
+
+    After :meth:`next_step`, ``last_positions`` holds the global position of each micro batch's
+    first row (the key of :func:`micro_batch_seed`) and ``last_start`` the step's first position.
+    """
 
     def __init__(self, dataset: Any, sampler: GlobalSampler, device: torch.device) -> None:
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
+        self.last_positions: list[int] = []
+        self.last_start = sampler.position
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.sampler
+        self.last_start = s.position
+        self.last_positions = [
+            sample_position(s.position, k, s.dp_rank, 0, micro_batch=s.micro_batch, dp=s.dp)
+            for k in range(s.grad_accumulation)
+        ]
         batches = []
-        for ids in self.sampler.step_sample_ids():
+        for ids in s.step_sample_ids():
             windows = torch.from_numpy(self.dataset.windows(ids))
             if self.device.type == "cuda":
                 windows = windows.pin_memory().to(self.device, non_blocking=True)
             batches.append((windows[:, :-1], windows[:, 1:]))
-        self.sampler.advance()
+        s.advance()
         return batches

@@ -52,6 +52,27 @@ class RankSettings(BaseSettings):
         description="a collective that takes longer fails the rank instead of hanging",
     )
     log_level: str = Field(default="INFO", validation_alias="TRAINYARD_LOG_LEVEL")
+    # How to train (until the spec has fields for these: see the README, "Parallel modes").
+    sharding: Literal["ddp", "zero1", "zero2", "fsdp"] = Field(
+        default="ddp", validation_alias="TRAINYARD_SHARDING",
+        description="data-parallel sharding: ddp, zero1 (optimizer state), zero2 (+ gradients), fsdp (ZeRO-3)",
+    )
+    activation_checkpointing: bool = Field(
+        default=False, validation_alias="TRAINYARD_ACTIVATION_CHECKPOINTING",
+        description="recompute each transformer block's activations in the backward pass",
+    )
+    autocast: Literal["auto", "bf16", "off"] = Field(
+        default="auto", validation_alias="TRAINYARD_AUTOCAST",
+        description="bf16 autocast; auto = bf16 on CUDA devices that support it, fp32 on CPU",
+    )
+    checkpoint_mode: Literal["async", "sync"] = Field(
+        default="async", validation_alias="TRAINYARD_CHECKPOINT_MODE",
+        description="async: shards are written while training continues; sync: training waits",
+    )
+    peak_flops: float | None = Field(
+        default=None, gt=0, validation_alias="TRAINYARD_PEAK_FLOPS",
+        description="peak FLOP/s of one device for MFU; default from the device table or a CPU matmul probe",
+    )
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> RankSettings:

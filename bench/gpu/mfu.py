@@ -1,0 +1,79 @@
+"""MFU of the trainyard trainer on one GPU: gpt-1b@v1 (~1.3B parameters), bf16 autocast.
+
+Launches one ``python -m trainyard_trainer`` rank with the node agent's environment contract
+(nccl, the GPU's bf16 peak from the trainer's device table) and reports the steady-state MFU the
+trainer itself computes (PaLM FLOPs per token x tokens/s / peak), from its StepMetrics and run
+record. Target: >= 0.50 on an H100/H200.
+
+    python bench/gpu/mfu.py [--steps 20] [--micro-batch 8] [--accumulation 2] [--seq 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_overhead"))
+import run as overhead  # noqa: E402  (bench/trainer_overhead/run.py: the rank launcher)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--model", default="gpt-1b@v1")
+    parser.add_argument("--sharding", default="ddp", help="TRAINYARD_SHARDING for the rank (ddp, fsdp, …)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a smoke run of this script (use a small --model and --seq)")
+    args = parser.parse_args()
+
+    import torch
+
+    from trainyard_common.catalog import resolve_model
+    from trainyard_common.storage import ArtifactLayout
+    from trainyard_trainer.data import prepare_dataset
+    from trainyard_trainer.metrics import flops_per_token
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark needs a GPU")
+    root = Path(tempfile.mkdtemp(prefix="mfu-bench-")) / "artifacts"
+    try:
+        prepare_dataset(root, "tinycorpus", "v1")  # ~1M tokens: enough windows of 2049 for 20 steps
+        config = resolve_model(args.model)
+        ns = argparse.Namespace(
+            steps=args.steps, device=args.device, model_json=config.model_dump(by_alias=True),
+            batch={"sequenceLength": args.seq, "microBatchSize": args.micro_batch,
+                   "globalBatchSize": args.micro_batch * args.accumulation},
+        )
+        overhead.EXTRA_ENV = {"TRAINYARD_PEAK_FLOPS": None, "TRAINYARD_SHARDING": args.sharding,
+                              "TRAINYARD_LOG_LEVEL": "INFO"}
+        ends = overhead.run_trainer(ns, root, 1, 0)
+        layout = ArtifactLayout(root)
+        record = json.loads((layout.attempt_dir("bench", "bench-1-0", 1) / "run-record.json").read_text())
+        events = [json.loads(line)["payload"] for line in
+                  layout.rank_events("bench", "bench-1-0", 1, 0).read_text().splitlines()]
+        steps = [e for e in events if e["eventType"] == "StepMetrics"][overhead.WARMUP:-1]
+        tokens = ns.batch["globalBatchSize"] * args.seq
+        steady = overhead.steady_tokens_per_second(ends, tokens)
+        peak = record["throughput"]["peakFlopsPerDevice"]
+        fpt = flops_per_token(config, args.seq)
+        print(f"{args.model}: {config.num_parameters / 1e9:.2f}B parameters, {fpt / 1e9:.2f} GFLOP/token (PaLM), "
+              f"batch {args.micro_batch} x {args.accumulation} x {args.seq} tokens, {record['parallelism']['precision']}, "
+              f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'} peak {peak / 1e12:.0f} TFLOP/s ({record['throughput']['peakFlopsSource']})")
+        print(f"  step {statistics.median(e['stepSeconds'] for e in steps):.3f} s, "
+              f"{steady:,.0f} tokens/s steady, trainer-reported MFU per step "
+              f"{[round(e['mfu'], 3) for e in steps]}")
+        print(f"MFU (steady state, wall clock between steps) = {fpt * steady / peak:.3f}   (target >= 0.50)")
+    finally:
+        shutil.rmtree(root.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
