@@ -46,6 +46,10 @@ class CheckpointPolicy(_Wire):
     every_steps: int | None = Field(default=None, gt=0)
     every_minutes: float | None = Field(default=None, gt=0)
     keep_last: int = Field(default=3, gt=0, le=1000)
+    mode: Literal["async", "sync"] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="async (default): training continues while shards are written; sync: it waits",
+    )
     auto: bool = Field(
         default=False,
         # auto came later: leaving it out of the wire form when false keeps every earlier spec's hash.
@@ -89,6 +93,18 @@ class Training(_Wire):
     max_steps: int = Field(gt=0, le=10_000_000)
     grad_clip: float | None = Field(default=1.0, gt=0)
     deterministic: bool = True
+    # Added after v1 shipped: left out of the wire form when unset, so earlier specs keep their hash.
+    sharding: Literal["ddp", "zero1", "zero2", "fsdp"] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="data-parallel sharding: ddp (default), zero1, zero2, fsdp (ZeRO-3)",
+    )
+    activation_checkpointing: bool | None = Field(
+        default=None, exclude_if=lambda v: v is None, description="recompute each block's activations in backward"
+    )
+    precision: Literal["auto", "bf16", "fp32"] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="auto: bf16 autocast on CUDA devices that support it, fp32 on CPU",
+    )
 
 
 class TrainingSpec(_Wire):

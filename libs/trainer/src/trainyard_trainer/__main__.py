@@ -20,6 +20,7 @@ from opentelemetry.trace import Status, StatusCode
 from pydantic import ValidationError
 
 from trainyard_common import exitcodes
+from trainyard_common.spec import TrainingSpec
 from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_common.events import GangAllocated
 from trainyard_common.settings import load_settings
@@ -44,6 +45,19 @@ def read_allocation(settings: RankSettings) -> GangAllocated:
         raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} is not a GangAllocated: {exc}") from exc
 
 
+def apply_spec_choices(settings: RankSettings, spec: TrainingSpec) -> RankSettings:
+    """The spec's sharding, activation checkpointing, precision and checkpoint mode, where it sets
+    them, win over the rank's environment (which supplies the defaults)."""
+    t, c = spec.training, spec.checkpoint_policy
+    chosen = {
+        "sharding": t.sharding,
+        "activation_checkpointing": t.activation_checkpointing,
+        "autocast": {"fp32": "off"}.get(t.precision, t.precision) if t.precision else None,
+        "checkpoint_mode": c.mode,
+    }
+    return settings.model_copy(update={k: v for k, v in chosen.items() if v is not None})
+
+
 def run_rank(settings: RankSettings) -> int:
     """The whole life of one rank; returns its exit code."""
     tracer = trace.get_tracer("trainyard_trainer")
@@ -54,6 +68,7 @@ def run_rank(settings: RankSettings) -> int:
     ) as span:
         try:
             allocation = read_allocation(settings)
+            settings = apply_spec_choices(settings, allocation.spec)
             runtime = select_runtime(settings)
             configure_determinism(runtime, seed=allocation.spec.training.seed, rank=settings.rank,
                                   deterministic=allocation.spec.training.deterministic)
