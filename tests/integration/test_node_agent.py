@@ -1,14 +1,17 @@
 """The node agent and the scheduler as real processes (``python -m …``), against the real broker
-and Redis: a killed agent's leftover ranks are stopped and reported when it comes back, and
-SIGTERM stops an agent cleanly together with its ranks."""
+and Redis: a killed agent's ranks keep running and the restarted agent adopts them (their exit
+status comes from the launcher's exit file), ranks that died with no record are reported lost,
+and SIGTERM stops an agent cleanly together with its ranks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from tests.conftest import env_vars
 from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
 from trainyard_common.bus import Bus, ensure_topics
 from trainyard_common.events import GangAllocated, JobSubmitted, WorkerExited, WorkerStarted
+from trainyard_node_agent import AgentKeys
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
 
@@ -44,11 +48,13 @@ class Services:
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # a node agent logs where its tasks wait
+            time.sleep(2)
             raise AssertionError(f"{name} did not stop within {timeout_s:.0f}s:\n{self.log(name)}") from None
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        return path.read_text(errors="replace")[-12000:] if path.exists() else ""
 
     def stop_all(self) -> None:
         for proc in self.procs:
@@ -77,7 +83,9 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-async def test_agent_restart_and_sigterm_stop_ranks_and_report_them(env: dict[str, Any], services: Services) -> None:
+async def test_restarted_agent_adopts_running_ranks_reports_lost_ones_and_sigterm_stops_them(
+    env: dict[str, Any], services: Services
+) -> None:
     await ensure_topics(env["kafka_bootstrap"], partitions=env["topic_partitions"], namespace=env["topic_namespace"])
     tap = EventTap(env["kafka_bootstrap"], env["topic_namespace"])
     publisher = Bus(env["kafka_bootstrap"], service_name="test-publisher", topic_namespace=env["topic_namespace"])
@@ -100,40 +108,62 @@ async def test_agent_restart_and_sigterm_stop_ranks_and_report_them(env: dict[st
         artifact_root = Path(env["artifact_root"])
         artifact_root.mkdir(parents=True, exist_ok=True)
         forever = {"0": 300, "1": 300}
-        (artifact_root / "workload.json").write_text(json.dumps({"sturdy": {"sleep": {"1": forever, "2": forever}}}))
+        (artifact_root / "workload.json").write_text(
+            json.dumps({"sturdy": {"sleep": {"1": forever, "2": forever, "3": forever}}}))
         spec = make_spec(2)
         assert await store.create_job(JobRecord(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
         await publisher.publish(JobSubmitted(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 
         first = await tap.wait(WorkerStarted, 2, job_id="sturdy", attempt=1, timeout_s=90)
-        pids = [e.pid for e in first]
-        # kill -9 of the agent: its ranks live on (own session) ...
+        pids = {e.rank: e.pid for e in first}
+        assert all(_is_workload(p) for p in pids.values()), "WorkerStarted names the rank itself, not its launcher"
+        # 1. kill -9 of the agent: its ranks live on (own session) ...
         agent.kill()
         agent.wait(10)
-        assert all(alive(p) for p in pids)
-        # ... until the agent comes back: it stops them and reports them lost.
+        assert all(alive(p) for p in pids.values())
+        old = await _boots(redis, first)
+        assert len(old) == 2
+        # ... and the next agent adopts them instead of killing them.
         agent = services.start("trainyard_node_agent", "agent-2", **agent_settings)
-        lost = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=1, timeout_s=90)
-        assert {(e.reason, e.exit_code) for e in lost} == {("lost", -9)}
-        await poll(_async(lambda: not any(alive(p) for p in pids)), "leftover ranks stopped")
+        await poll(_adopted_by_a_new_boot(redis, first, old), "the restarted agent to adopt both ranks", timeout_s=90)
+        await asyncio.sleep(2.0)
+        assert all(alive(p) for p in pids.values()), services.log("agent-2")
+        assert tap.events(WorkerExited, job_id="sturdy") == []
+        job = await store.get_job("sturdy")
+        assert job is not None and job.attempts[-1].attempt == 1 and job.attempts[-1].state == "running"
 
-        # The scheduler retries on the same node with a higher epoch.
+        # 2. an adopted rank dies: its exit status comes from the launcher's exit file, not "lost"
+        os.kill(pids[0], signal.SIGKILL)
+        (killed,) = await tap.wait(WorkerExited, job_id="sturdy", attempt=1, rank=0, timeout_s=60)
+        assert (killed.exit_code, killed.reason) == (-9, "killed"), killed
+        (revoked,) = await tap.wait(WorkerExited, job_id="sturdy", attempt=1, rank=1, timeout_s=60)
+        assert revoked.reason == "revoked"
+        await poll(_async(lambda: not any(alive(p) for p in pids.values())), "attempt 1's ranks gone")
+
+        # 3. the agent and the whole rank process groups die together: no exit status anywhere → lost
         (second,) = await tap.wait(GangAllocated, job_id="sturdy", attempt=2, timeout_s=90)
         assert second.epoch == 2
         started = await tap.wait(WorkerStarted, 2, job_id="sturdy", attempt=2, timeout_s=90)
+        agent.kill()
+        agent.wait(10)
+        for e in started:
+            os.killpg(os.getpgid(e.pid), signal.SIGKILL)
+        await poll(_async(lambda: not any(alive(e.pid) for e in started)), "attempt 2's ranks killed")
+        agent = services.start("trainyard_node_agent", "agent-3", **agent_settings)
+        lost = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=2, timeout_s=90)
+        assert {(e.reason, e.exit_code) for e in lost} == {("lost", -9)}, lost
+        failed = _async_job(store, lambda j: len(j.attempts) > 1 and j.attempts[1].state == "failed")
+        await poll(failed, "the scheduler to fail attempt 2", timeout_s=30)
         job = await store.get_job("sturdy")
-        assert job is not None and job.attempts[0].state == "failed"
-        assert (job.attempts[0].failure_reason or "").startswith("lost:")
+        assert job is not None and (job.attempts[1].failure_reason or "").startswith("lost:"), job.attempts[1]
 
-        # SIGTERM: the agent stops its ranks, reports them, and exits 0.
+        # 4. SIGTERM: the agent stops its ranks, reports them, and exits 0.
+        third = await tap.wait(WorkerStarted, 2, job_id="sturdy", attempt=3, timeout_s=90)
         agent.send_signal(signal.SIGTERM)
-        assert services.wait(agent, "agent-2") == 0, services.log("agent-2")
-        killed = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=2, timeout_s=30)
-        assert {e.reason for e in killed} == {"killed"}
-        assert not any(alive(e.pid) for e in started)
-        # Its last heartbeat said the node is going away: the retry waits instead of landing there.
-        waiting = _async_job(store, lambda j: j.state == "queued" and "no healthy cpu" in (j.queued_reason or ""))
-        await poll(waiting, "the job to wait for a healthy node", timeout_s=30)
+        assert services.wait(agent, "agent-3") == 0, services.log("agent-3")
+        stopped = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=3, timeout_s=30)
+        assert {e.reason for e in stopped} == {"killed"}
+        assert not any(alive(e.pid) for e in third)
 
         scheduler.send_signal(signal.SIGTERM)
         assert services.wait(scheduler, "scheduler") == 0, services.log("scheduler")
@@ -142,6 +172,25 @@ async def test_agent_restart_and_sigterm_stop_ranks_and_report_them(env: dict[st
         await tap.stop()
         await publisher.aclose()
         await redis.aclose()
+
+
+def _is_workload(pid: int) -> bool:
+    return str(WORKLOAD) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+
+
+async def _boots(redis: Any, started: list[WorkerStarted]) -> dict[str, str]:
+    """The agent incarnation that holds each started rank in its table (rank key → boot id)."""
+    raw = await redis.hgetall(AgentKeys("node-x").ranks)
+    keys = [f"{e.allocation_id}/{e.rank}" for e in started]
+    return {k: json.loads(raw[k])["boot"] for k in keys if k in raw}
+
+
+def _adopted_by_a_new_boot(redis: Any, started: list[WorkerStarted], old: dict[str, str]) -> Any:
+    async def check() -> bool:
+        now = await _boots(redis, started)
+        return len(now) == len(started) and all(now[k] != old.get(k) for k in now)
+
+    return check
 
 
 def _async_job(store: StateStore, predicate: Any) -> Any:

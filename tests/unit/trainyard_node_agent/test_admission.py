@@ -97,3 +97,13 @@ def test_settings_accept_a_json_list_or_a_shell_string(monkeypatch: pytest.Monke
     shell = NodeAgentSettings(node_id="n", rank_command="python 'my w.py' -v")
     assert shell.rank_command == ["python", "my w.py", "-v"]
     assert NodeAgentSettings(node_id="n").rank_command[1:] == ["-m", "trainyard_trainer"]
+
+
+def test_interpreter_env_is_the_shared_part_of_every_rank_env() -> None:
+    from trainyard_node_agent.admission import interpreter_env
+
+    base = {"PATH": "/bin", "TRAINYARD_REDIS_URL": "redis://secret", "TRACEPARENT": "00-x", "HOME": "/root"}
+    env = interpreter_env(base, cpu_threads=1, extra={"TRAINYARD_SHARDING": "fsdp"})
+    assert env == {"PATH": "/bin", "HOME": "/root", "TRAINYARD_SHARDING": "fsdp", "PYTHONUNBUFFERED": "1",
+                   "OMP_NUM_THREADS": "1"}
+    assert "OMP_NUM_THREADS" not in interpreter_env(base, cpu_threads=None)

@@ -1,7 +1,9 @@
-"""trainyard checkpoint coordinator: shard reports → verified manifest → READY.
+"""trainyard checkpoint coordinator: shard reports → verified manifest → READY; retention and
+garbage collection; Young/Daly checkpoint-interval advice.
 
-The pure protocol decisions are in :mod:`.assembly`; :class:`Coordinator` is the I/O shell;
-:func:`build_service` wires it into a ``ServiceRuntime``.
+The pure decisions are in :mod:`.assembly` (the protocol), :mod:`.retention` (what to remove) and
+:mod:`.advice` (the interval); :class:`Coordinator`, :class:`GarbageCollector` and
+:class:`Measurements` are the I/O shells; :func:`build_service` wires them into a ``ServiceRuntime``.
 """
 
 from trainyard_checkpoint_coordinator.assembly import (
@@ -18,24 +20,38 @@ from trainyard_checkpoint_coordinator.assembly import (
     classify_shard,
 )
 from trainyard_checkpoint_coordinator.coordinator import PENDING_INDEX, Coordinator, build_service
-from trainyard_checkpoint_coordinator.retention import retention_candidates
+from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, device_mtbf
+from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
+from trainyard_checkpoint_coordinator.measurements import Measurements
+from trainyard_checkpoint_coordinator.retention import Collect, Retire, Sweep, plan_gc, retention_candidates
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 
 __all__ = [
+    "JOBS_INDEX",
     "MANIFEST_NAME",
     "PENDING_INDEX",
+    "CheckpointAdvice",
     "CheckpointKey",
+    "Collect",
     "Complete",
     "Coordinator",
     "CoordinatorSettings",
+    "FailureStats",
+    "GarbageCollector",
+    "Measurements",
+    "Retire",
+    "Sweep",
     "JobDefaults",
     "Rejected",
     "ShardReport",
     "ShardVerdict",
     "Waiting",
+    "advise",
     "assess",
     "build_manifest",
     "build_service",
     "classify_shard",
+    "device_mtbf",
+    "plan_gc",
     "retention_candidates",
 ]

@@ -320,8 +320,27 @@ def timeout_reason(missing: tuple[int, ...], timeout_s: float) -> str:
 # --------------------------------------------------------------------------- record transitions
 
 
+@dataclass(frozen=True)
+class ShardTiming:
+    """When the ranks wrote their shard reports, and the slowest rank's save time (if reported)."""
+
+    first_at: datetime | None = None
+    last_at: datetime | None = None
+    write_seconds: float | None = None
+
+    @classmethod
+    def of(cls, reports: Mapping[int, tuple[datetime, float | None]]) -> ShardTiming:
+        """From rank -> (report time, the rank's write seconds or None)."""
+        if not reports:
+            return cls()
+        times = [at for at, _ in reports.values()]
+        writes = [w for _, w in reports.values() if w is not None]
+        return cls(min(times), max(times), max(writes) if writes else None)
+
+
 def settle_ready(
-    record: CheckpointRecord, complete: Complete, *, current_epoch: int, now: datetime
+    record: CheckpointRecord, complete: Complete, *, current_epoch: int, now: datetime,
+    timing: ShardTiming = ShardTiming(),
 ) -> CheckpointRecord:
     """The record once its verified manifest is on disk: READY, or FAILED when a newer
     fencing epoch was granted meanwhile (a zombie attempt never produces READY)."""
@@ -338,6 +357,9 @@ def settle_ready(
             "consumed_tokens": manifest.consumed_tokens,
             "reason": None,
             "ready_at": now,
+            "first_shard_at": timing.first_at,
+            "last_shard_at": timing.last_at,
+            "write_seconds": timing.write_seconds,
         }
     )
 

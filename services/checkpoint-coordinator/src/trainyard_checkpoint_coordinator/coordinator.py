@@ -6,7 +6,13 @@ State in Redis (the system of record):
 * ``Keys.shards(job, attempt, step)``  hash rank → :class:`ShardReport` JSON (HSETNX: the first
   report of a rank wins; a different re-report fails the checkpoint);
 * ``Keys.checkpoints(job)``            hash checkpoint id → ``CheckpointRecord`` (PENDING → READY | FAILED);
-* :data:`PENDING_INDEX`               sorted set of pending checkpoints by creation time, for the timeout sweep.
+* :data:`PENDING_INDEX`               sorted set of pending checkpoints by creation time, for the timeout sweep;
+* ``<shards key>:timing``             hash rank → {at, writeSeconds} of each report (for the interval advice);
+* :data:`JOBS_INDEX`                  jobs with checkpoints, for garbage collection and the advice.
+
+Besides the protocol it garbage-collects (``collector.py``: retention of READY checkpoints, files
+of FAILED ones, stale temporary directories) and measures (``measurements.py``: stall, step time,
+failures per device type → Young/Daly interval advice in ``ty:job:<id>:ckpt-advice``).
 
 A settled record never changes again, so duplicates and re-deliveries (also of the final
 shard after READY) change nothing and publish nothing. A crash between writing the
@@ -28,7 +34,7 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from trainyard_common.errors import StateStoreError
-from trainyard_common.events import CHECKPOINTS, ShardWritten, utcnow
+from trainyard_common.events import CHECKPOINTS, METRICS, WORKERS, ShardWritten, StepMetrics, WorkerExited, utcnow
 from trainyard_common.manifest import (
     CheckpointManifest,
     ParallelLayout,
@@ -50,6 +56,7 @@ from trainyard_checkpoint_coordinator.assembly import (
     JobDefaults,
     Rejected,
     ShardReport,
+    ShardTiming,
     ShardVerdict,
     Waiting,
     assess,
@@ -62,7 +69,8 @@ from trainyard_checkpoint_coordinator.assembly import (
     settled_event,
     timeout_reason,
 )
-from trainyard_checkpoint_coordinator.retention import retention_candidates
+from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
+from trainyard_checkpoint_coordinator.measurements import Measurements
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -101,11 +109,20 @@ class Coordinator:
         self.outbox = outbox
         self.settings = settings
         self.clock = clock
+        self.collector = GarbageCollector(redis, settings, clock=clock)
+        self.measurements = Measurements(redis, settings, clock=clock)
 
     def install(self, runtime: ServiceRuntime) -> None:
-        """Subscribe to the checkpoints topic and register the timeout sweep."""
-        runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written}, deduper_factory=runtime.deduper)
+        """Subscribe (checkpoints; metrics and worker exits for the advice) and register the loops."""
+        group = f"{self.settings.group_prefix}.{SERVICE_NAME}"
+        runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written}, group=group,
+                              deduper_factory=runtime.deduper)
+        # Measurements are idempotent on their own (max, once per attempt); no per-event dedupe records.
+        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=group)
+        runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=group)
         runtime.add_loop("pending-sweep", self.sweep, every_s=self.settings.sweep_interval_s)
+        runtime.add_loop("garbage-collection", self.collector.collect, every_s=self.settings.gc_interval_s)
+        runtime.add_loop("interval-advice", self.measurements.advise_all, every_s=self.settings.advice_interval_s)
 
     # ------------------------------------------------------------------ ShardWritten
     async def on_shard_written(self, event: ShardWritten) -> None:
@@ -117,7 +134,7 @@ class Coordinator:
              "trainyard.global_step": key.global_step, "trainyard.rank": report.rank}
         )
         verdict, existing = await self._classify(key, report)
-        if verdict is ShardVerdict.NEW and not await self._record_shard(key, report):
+        if verdict is ShardVerdict.NEW and not await self._record_shard(key, report, event):
             verdict, existing = await self._classify(key, report)  # another instance recorded it first
         metrics.SHARDS.labels(verdict.value).inc()
         if verdict is ShardVerdict.STALE:
@@ -140,15 +157,27 @@ class Coordinator:
         existing = ShardReport.loads(raw_existing) if raw_existing else None
         return classify_shard(report, current_epoch=int(raw_epoch or 0), existing=existing), existing
 
-    async def _record_shard(self, key: CheckpointKey, report: ShardReport) -> bool:
+    async def _record_shard(self, key: CheckpointKey, report: ShardReport, event: ShardWritten) -> bool:
         """Store the shard (first report wins) and, with the first shard, the PENDING record."""
         now = self.clock()
+        shards = Keys.shards(key.job_id, key.attempt, key.global_step)
+        timing = json.dumps({"at": event.occurred_at.isoformat(), "writeSeconds": event.write_seconds})
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(Keys.shards(key.job_id, key.attempt, key.global_step), str(report.rank), report.dumps())
+            pipe.hsetnx(shards, str(report.rank), report.dumps())
+            pipe.hsetnx(f"{shards}:timing", str(report.rank), timing)
             pipe.hsetnx(Keys.checkpoints(key.job_id), key.checkpoint_id, pending_record(key, report, now=now).dumps())
             pipe.zadd(PENDING_INDEX, {_member(key): now.timestamp()}, nx=True)
-            stored, _, _ = await pipe.execute()
+            pipe.zadd(JOBS_INDEX, {key.job_id: now.timestamp()})
+            stored, *_ = await pipe.execute()
         return bool(stored)
+
+    async def _timing(self, key: CheckpointKey) -> ShardTiming:
+        raw = await self.redis.hgetall(f"{Keys.shards(key.job_id, key.attempt, key.global_step)}:timing")
+        reports: dict[int, tuple[datetime, float | None]] = {}
+        for rank, text in raw.items():
+            entry = json.loads(text)
+            reports[int(rank)] = (datetime.fromisoformat(entry["at"]), entry.get("writeSeconds"))
+        return ShardTiming.of(reports)
 
     # ------------------------------------------------------------------ settling
     async def _settle(self, key: CheckpointKey, *, timed_out: bool = False) -> None:
@@ -196,8 +225,9 @@ class Coordinator:
                                            attributes={"trainyard.uri": complete.manifest_uri}):
             await asyncio.to_thread(atomic_write_bytes, path, manifest.to_bytes())
         now = self.clock()
+        timing = await self._timing(key)
         record = await self._transition(
-            key, lambda rec, epoch: settle_ready(rec, complete, current_epoch=epoch, now=now)
+            key, lambda rec, epoch: settle_ready(rec, complete, current_epoch=epoch, now=now, timing=timing)
         )
         if record is None:
             return
@@ -211,7 +241,7 @@ class Coordinator:
         )
         log.info("%s READY: %d shards, %s, manifest %s", key, len(manifest.shards),
                  manifest.content_hash, complete.manifest_uri)
-        await self._maybe_retain(key.job_id, job)
+        await self._after_ready(key.job_id)
 
     async def _fail(self, key: CheckpointKey, reason: str) -> bool:
         """Mark a PENDING checkpoint FAILED and announce it; False when it was settled already."""
@@ -250,15 +280,13 @@ class Coordinator:
         raw = await self.redis.hget(Keys.checkpoints(key.job_id), key.checkpoint_id)
         return CheckpointRecord.model_validate_json(raw) if raw else None
 
-    async def _maybe_retain(self, job_id: str, job: JobRecord | None) -> None:
-        """Retention seam (keepLast): reports what GC would remove; deletes nothing yet."""
-        if job is None:
-            return
-        candidates = retention_candidates(await self.store.list_checkpoints(job_id),
-                                          job.spec.checkpoint_policy.keep_last)
-        if candidates:
-            log.debug("%s: retention would remove %s (not implemented yet)", job_id,
-                      [c.checkpoint_id for c in candidates])
+    async def _after_ready(self, job_id: str) -> None:
+        """Retention and a fresh interval advice; their failures never undo the READY."""
+        try:
+            await self.collector.collect_job(job_id)
+            await self.measurements.advise(job_id)
+        except Exception as exc:  # noqa: BLE001 - the periodic loops retry
+            log.warning("%s: retention or advice after READY failed (the loops retry): %r", job_id, exc)
 
     # ------------------------------------------------------------------ timeout sweep
     async def sweep(self) -> None:

@@ -18,3 +18,8 @@ CHECKPOINT_BYTES = Histogram(
     "trainyard_checkpoint_bytes", "Size of READY checkpoints (all shards and shared files)",
     buckets=(1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13),
 )
+GC = Counter(
+    "trainyard_checkpoint_gc_total",
+    "Checkpoint files removed: retired (READY beyond keepLast), collected (FAILED), swept (abandoned dirs)",
+    ["action"],
+)

@@ -6,15 +6,33 @@ from pydantic import Field
 
 from trainyard_common.settings import ServiceSettings
 
+from trainyard_checkpoint_coordinator.advice import PRIOR_DEVICE_MTBF_S
+
 
 class CoordinatorSettings(ServiceSettings):
-    """Where the broker, Redis and artifacts are, plus how long shards may take."""
+    """Where the broker, Redis and artifacts are, how long shards may take, and housekeeping."""
 
     shard_timeout_s: float = Field(
         default=900.0,
         gt=0,
-        description="a checkpoint whose shards have not all arrived after this many seconds becomes FAILED",
+        description="a checkpoint whose shards have not all arrived after this many seconds becomes FAILED; "
+                    "an abandoned checkpoint directory or .tmp of an ended attempt is removed once this old",
     )
     sweep_interval_s: float = Field(
         default=10.0, gt=0, description="how often pending checkpoints are checked for the timeout"
+    )
+    gc_interval_s: float = Field(
+        default=30.0, gt=0,
+        description="how often retention (keepLast) and garbage collection of failed/abandoned checkpoints run",
+    )
+    advice_interval_s: float = Field(
+        default=15.0, gt=0, description="how often each running job's checkpoint-interval advice is refreshed"
+    )
+    advice_window: int = Field(
+        default=5, gt=0, description="the advice uses the median over this many most recent READY checkpoints"
+    )
+    prior_device_mtbf_s: float = Field(
+        default=PRIOR_DEVICE_MTBF_S, gt=0,
+        description="device MTBF assumed until a device type has failed once (default: Llama 3's 466 "
+                    "interruptions in 54 days on 16,384 GPUs)",
     )

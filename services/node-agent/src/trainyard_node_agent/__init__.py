@@ -1,21 +1,41 @@
 """trainyard node agent: heartbeats a node's devices, launches and watches the torch ranks a
-GangAllocated assigns to it, relays their event spools and stops them on revocation.
+GangAllocated assigns to it, relays their event spools, classifies how they end, kills hung
+attempts, stops them on revocation, and adopts them again after its own restart.
 
-Pure decisions live in :mod:`admission` (fencing, the rank environment); :class:`NodeAgent`
-is the I/O shell.
+Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`classify` (why a
+rank ended), :mod:`watchdog` (hang detection) and :mod:`confirmation` (when an announced event was
+applied); :class:`NodeAgent` is the I/O shell. Ranks start under :mod:`launcher` (cold) or in a
+warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
 """
 
-from trainyard_node_agent.admission import Launch, Refuse, judge, pick_backend, rank_env
-from trainyard_node_agent.agent import AgentKeys, NodeAgent
+from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
+from trainyard_node_agent.agent import AgentKeys, NodeAgent, exit_file_for
+from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.confirmation import Announcement, verdict
+from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
+from trainyard_node_agent.warmpool import WarmPool
+from trainyard_node_agent.watchdog import Hung, RankProgress, find_hangs
 
 __all__ = [
     "AgentKeys",
+    "Announcement",
+    "ExitFacts",
+    "Hung",
     "Launch",
+    "LocalState",
     "NodeAgent",
     "NodeAgentSettings",
+    "RankProgress",
     "Refuse",
+    "WarmPool",
+    "classify_exit",
+    "exit_file_for",
+    "find_hangs",
+    "interpreter_env",
     "judge",
+    "merge_tables",
     "pick_backend",
     "rank_env",
+    "verdict",
 ]

@@ -8,6 +8,10 @@ import os
 import signal
 from collections.abc import Mapping
 
+from redis.exceptions import RedisError
+
+from trainyard_common.bus import ensure_topics
+from trainyard_common.errors import TrainyardError
 from trainyard_common.service import ServiceRuntime, service_main
 
 from trainyard_node_agent.agent import NodeAgent
@@ -18,7 +22,9 @@ log = logging.getLogger("trainyard_node_agent")
 SUMMARY = (
     "trainyard node agent: reports this node's devices (NodeHeartbeat), launches one process per "
     "local rank of each GangAllocated naming this node (refusing stale epochs), captures rank logs, "
-    "relays rank events, reports WorkerStarted / WorkerExited, and kills ranks on AllocationRevoked. "
+    "relays rank events, reports WorkerStarted / WorkerExited (with a classified reason), kills ranks on "
+    "AllocationRevoked, on a lost device lease, and all ranks of an attempt that stops making progress "
+    "(hang). A restarted agent adopts the ranks that still run instead of killing them. "
     "On SIGTERM it stops its ranks (SIGTERM, SIGKILL after the grace) and exits."
 )
 
@@ -32,16 +38,65 @@ async def serve(settings: NodeAgentSettings, base_env: Mapping[str, str]) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     try:
         await agent.prepare()
+        if not await wait_for_dependencies(runtime, settings, stop):
+            return
         await runtime.start()
         await agent.start()
         await stop.wait()
     finally:
         await agent.aclose()
         log.info("closing the broker and Redis connections")
-        await runtime.aclose()
+        await close_runtime(runtime)
         log.info("closed")
+
+
+async def close_runtime(runtime: ServiceRuntime, timeout_s: float = 20.0) -> None:
+    """``runtime.aclose()``, bounded: on Python 3.11 ``asyncio.wait_for`` can swallow a cancellation
+    that races its wake-up (CPython gh-86296), which leaves the outbox relay running and aclose waiting
+    for it forever; cancelling what is left once more ends it."""
+    closing = asyncio.ensure_future(runtime.aclose())
+    done, _ = await asyncio.wait({closing}, timeout=timeout_s)
+    if done:
+        closing.result()
+        return
+    stuck = [t for t in asyncio.all_tasks() if t is not closing and t is not asyncio.current_task()]
+    log.error("closing took over %.0fs; cancelling %d task(s) again", timeout_s, len(stuck))
+    for task in stuck:
+        task.cancel()
+    await asyncio.wait({closing}, timeout=10.0)
+
+
+def dump_tasks() -> None:
+    """SIGUSR1: log where every asyncio task of the agent is waiting (for a stuck agent)."""
+    import io
+
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(limit=8, file=out)
+        log.warning("task %s:\n%s", task.get_name(), out.getvalue())
+
+
+async def wait_for_dependencies(runtime: ServiceRuntime, settings: NodeAgentSettings, stop: asyncio.Event) -> bool:
+    """Wait until Redis and the broker answer (ranks adopted meanwhile keep running); False if stopped."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(runtime.redis.ping(), 5.0)
+            await ensure_topics(settings.kafka_bootstrap, partitions=settings.topic_partitions,
+                                replication=settings.topic_replication, namespace=settings.topic_namespace,
+                                timeout_s=10.0)
+            return True
+        except (RedisError, OSError, asyncio.TimeoutError, TrainyardError) as exc:
+            log.warning("waiting for Redis and the broker: %r; retry in %.1fs", exc, delay)
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+        delay = min(delay * 2, 5.0)
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,6 +54,18 @@ def pick_backend(setting: str, device_type: str, *, has_nvidia_smi: bool) -> str
     return "nccl" if device_type != "cpu" and has_nvidia_smi else "gloo"
 
 
+def interpreter_env(base_env: Mapping[str, str], *, cpu_threads: int | None = 1,
+                    extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What every rank's environment shares (the agent's own minus its settings, plus the operator's
+    extras): the environment a warm interpreter imports torch in, before it knows its rank."""
+    env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
+    env.update(extra or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+    return env
+
+
 def rank_env(
     event: GangAllocated,
     share: NodeAssignment,

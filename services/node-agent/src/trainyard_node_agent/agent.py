@@ -1,10 +1,24 @@
 """The node agent: heartbeats this node's inventory, launches the ranks a GangAllocated
-assigns to it, relays their event spools, reports their exits, and stops them when the
-allocation is revoked or the agent itself stops.
+assigns to it, relays their event spools, watches them (exits, hangs, lost leases), reports how
+they ended, and stops them when the allocation is revoked or the agent itself stops.
 
 Fencing: an allocation is launched only if its epoch is not older than the highest this
 node has seen for the job (kept in Redis, so it survives restarts) and every device it
-names is leased to it right now; each allocation id is launched at most once.
+names is leased to it right now; each allocation id is launched at most once. While ranks
+run, their devices must stay leased to their allocation: a rank whose lease is gone (the
+scheduler ended the attempt and the AllocationRevoked never arrived) is stopped.
+
+Failure handling:
+
+* a rank's exit is classified (:mod:`classify`: nan, oom, nccl, hang, exit code, …);
+* hang: an attempt whose rank here wrote no event for ``hang_timeout_s`` has all its ranks
+  here killed at once (SIGKILL works on stopped processes too) and reported as ``hang``;
+* control-plane outage: ranks run in their own session under a launcher that records their
+  exit status, so a restarted agent *adopts* ranks that still run (pid + start time checked
+  against reuse) instead of killing them, relays their spools from the persisted offsets, and
+  reads their exit status from the launcher's exit file. The rank table lives in Redis and in
+  a node-local file (used when Redis is down at start-up). While the broker or Redis is away,
+  events wait in the spools and the outbox, heartbeats resume when they return.
 
 Order: a rank's spool is drained completely before its WorkerExited is staged, so a
 final ShardWritten or StepMetrics never arrives after the exit that follows it.
@@ -14,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import shutil
@@ -21,11 +36,16 @@ import signal
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from trainyard_common.events import (
     ALL_TOPICS,
     ALLOCATIONS,
+    CHECKPOINTS,
+    Event,
     AllocationRevoked,
     DeadLetter,
     DeviceInfo,
@@ -34,19 +54,25 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.exitcodes import exit_reason
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spool import SpoolReader
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
+from trainyard_common.records import checkpoint_id
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
 
 from trainyard_node_agent import ranks as rp
-from trainyard_node_agent.admission import Launch, Refuse, judge, pick_backend, rank_env
+from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
+from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.confirmation import Announcement, verdict
+from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
+from trainyard_node_agent.warmpool import WarmPool
+from trainyard_node_agent.watchdog import RankProgress, find_hangs
 
 log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
+LOST_EXIT_CODE = -9
 
 
 class AgentKeys:
@@ -58,10 +84,16 @@ class AgentKeys:
         self.launched = f"{base}:launched"  # allocation ids ever launched here
         self.ranks = f"{base}:ranks"  # "<allocation>/<rank>" -> RankProcess.persisted()
         self.refused = f"{base}:refused"  # recent refusals, newest first (JSON)
+        self.unconfirmed = f"{base}:unconfirmed"  # event id -> Announcement not yet seen applied (JSON)
+
+
+def exit_file_for(layout: ArtifactLayout, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
+    """``<attempt dir>/exit/rank-<r>.json``: where the launcher records how the rank ended."""
+    return layout.attempt_dir(tenant, job_id, attempt) / "exit" / f"rank-{rank}.json"
 
 
 class NodeAgent:
-    """Wires the handlers and the heartbeat onto a :class:`ServiceRuntime`."""
+    """Wires the handlers, the heartbeat and the watchdogs onto a :class:`ServiceRuntime`."""
 
     def __init__(self, runtime: ServiceRuntime, settings: NodeAgentSettings, *,
                  base_env: Mapping[str, str]) -> None:
@@ -76,42 +108,109 @@ class NodeAgent:
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
         self.boot_id = uuid.uuid4().hex
         self.ranks: dict[str, rp.RankProcess] = {}
+        self.local = LocalState(settings.agent_state_path)
         self._seq = 0
         self._closing = False
+        self._serving = False
         self._background: set[asyncio.Task[None]] = set()
-        self._leftovers: dict[str, dict[str, Any]] = {}
+        self._unreported: dict[str, rp.RankProcess] = {}  # ended while no agent watched them
+        self._announced: dict[str, Announcement] = {}  # published, not yet seen applied
+        self.pool = WarmPool(
+            settings.warm_ranks, settings.warm_module,
+            interpreter_env(self.base_env, cpu_threads=self._cpu_threads, extra=settings.rank_env),
+            settings.agent_state_path.parent / "warm.log",
+        ) if settings.warm_ranks > 0 else None
+
+    @property
+    def _cpu_threads(self) -> int | None:
+        return 1 if self.settings.device_type == "cpu" else None
 
     def install(self) -> None:
-        """Subscribe (a group of its own: every agent sees every allocation) and heartbeat."""
+        """Subscribe (a group of its own: every agent sees every allocation), heartbeat, watchdogs."""
         self.runtime.bus.subscribe(
             ALLOCATIONS,
             {GangAllocated: self.on_gang_allocated, AllocationRevoked: self.on_allocation_revoked},
             group=self.group, deduper_factory=self.runtime.deduper,
         )
         self.runtime.add_loop("heartbeat", self.heartbeat, self.settings.heartbeat_s)
+        self.runtime.add_loop("hang-watchdog", self.check_hangs,
+                              min(1.0, self.settings.hang_timeout_s / 4, self.settings.first_step_timeout_s / 4))
+        self.runtime.add_loop("lease-check", self.check_leases, self.settings.lease_check_s)
+        self.runtime.add_loop("local-state", self._flush_local_state, 1.0)
+        self.runtime.add_loop("confirmations", self.confirm_announcements, self.settings.confirm_interval_s)
 
     async def prepare(self) -> None:
-        """Before ``runtime.start()``: kill the ranks an earlier incarnation of this agent left
-        running, so they never overlap with ranks launched for new allocations."""
-        self._leftovers = await self._kill_leftovers()
+        """Before ``runtime.start()`` (Redis and the broker may still be down): adopt the ranks an
+        earlier incarnation of this agent left running; note the ones that ended meanwhile."""
+        local = self.local.load()
+        shared: dict[str, Any] | None = None
+        try:
+            raw = await asyncio.wait_for(self.redis.hgetall(self.keys.ranks), 5.0)
+            shared = {k: json.loads(v) for k, v in raw.items()}
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("Redis is unreachable at start-up (%r): using the local rank table %s",
+                        exc, self.local.path)
+        try:
+            raw = await asyncio.wait_for(self.redis.hgetall(self.keys.unconfirmed), 5.0)
+            now = time.monotonic()
+            for text in raw.values():
+                a = Announcement(**json.loads(text))
+                a.first_at, a.last_at = now, now
+                self._announced[a.event_id] = a
+        except (RedisError, OSError, asyncio.TimeoutError, TypeError, ValueError):
+            pass
+        for key, entry in merge_tables(*(t for t in (shared, local) if t is not None)).items():
+            if entry.get("boot") == self.boot_id:
+                continue
+            rank = rp.RankProcess.from_persisted(entry)
+            running = rank.pgid > 1 and rp.same_process(rank.pgid, rank.start_ticks) and rp.alive(rank.pgid, rank.pgid)
+            if shared is not None and key not in shared and not running:
+                continue  # reported and forgotten already; only the local copy lagged behind
+            if running:
+                rank.adopted = True
+                rank.last_progress = time.monotonic()
+                rank.spool_size = rp.spool_size(rank.spool.path)
+                self.ranks[key] = rank
+                log.warning("adopting rank %d of job %s attempt %d (pid %d), still running since the last agent",
+                            rank.rank, rank.job_id, rank.attempt, rank.pid)
+            else:
+                self._unreported[key] = rank
+        self._save_local(force=True)
 
     async def start(self) -> None:
-        """After ``runtime.start()``: relay the leftovers' spools and report them lost."""
-        for key, entry in self._leftovers.items():
-            await self._report_leftover(key, entry)
-        self._leftovers = {}
+        """After ``runtime.start()``: watch the adopted ranks; report the ones that ended unwatched."""
+        for rank in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
+            rank.last_progress = time.monotonic()
+            rank.spool_size = rp.spool_size(rank.spool.path)
+        self._serving = True
+        if self.pool is not None:
+            self.pool.fill()
+        for rank in list(self.ranks.values()):
+            if rank.adopted and rank.watcher is None:
+                await self._persist(rank)
+                rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
+        for key, rank in list(self._unreported.items()):
+            await self._report_unwatched(key, rank)
 
     async def aclose(self) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL after the grace), report the exits, flush."""
+        """Stop every rank (SIGTERM, then SIGKILL after the grace), report the exits, flush.
+
+        An agent that never finished starting leaves the ranks alone: the next one adopts them.
+        """
         if self._closing:
             return
         self._closing = True
+        if not self._serving:
+            self._save_local(force=True)
+            log.info("node agent %s stopped before serving; its ranks keep running", self.settings.node_id)
+            return
         try:  # tell the scheduler first, so nothing new is placed here
             await self.heartbeat()
         except Exception as exc:  # noqa: BLE001 - best effort; the heartbeat timeout says the same
             log.warning("could not send the final heartbeat: %r", exc)
         live = [r for r in self.ranks.values() if r.running]
         for rank in live:
+            rank.killed_by_agent = True
             rank.stop_detail = rank.stop_detail or "the node agent stopped"
         if live:
             log.info("stopping %d rank(s) before shutdown", len(live))
@@ -122,6 +221,9 @@ class NodeAgent:
         for task in self._background:
             task.cancel()
         await self._flush_outbox(timeout_s=5.0)
+        if self.pool is not None:
+            await self.pool.aclose()
+        self._save_local(force=True)
         log.info("node agent %s stopped", self.settings.node_id)
 
     # ------------------------------------------------------------------ heartbeat
@@ -130,6 +232,7 @@ class NodeAgent:
         self._seq += 1
         return NodeHeartbeat(
             node_id=s.node_id, host=s.host, rack=s.rack, nvlink_domain=s.nvlink_domain,
+            network_tier=s.network_tier,
             devices=[DeviceInfo(index=i, type=s.device_type, memory_bytes=s.device_memory_bytes)
                      for i in range(s.device_count)],
             running_allocations=sorted({r.allocation_id for r in self.ranks.values() if r.running}),
@@ -176,10 +279,15 @@ class NodeAgent:
         log.info("revoking allocation %s (%s): stopping %d rank(s)", event.allocation_id, event.reason,
                  sum(r.running for r in targets))
         for rank in targets:
-            rank.revoked = True
-            rank.stop_detail = event.reason
-            if rank.running:
-                self._in_background(rp.stop(rank, self.settings.kill_grace_s))
+            self._revoke(rank, event.reason)
+
+    def _revoke(self, rank: rp.RankProcess, why: str) -> None:
+        if rank.revoked or rank.hang_detail is not None:
+            return
+        rank.revoked = True
+        rank.stop_detail = why
+        if rank.running:
+            self._in_background(rp.stop(rank, self.settings.kill_grace_s))
 
     async def _lease_holders(self, indices: list[int]) -> dict[int, dict[str, Any] | None]:
         keys = [Keys.lease(self.settings.node_id, i) for i in indices]
@@ -196,6 +304,7 @@ class NodeAgent:
             pipe.ltrim(self.keys.refused, 0, _REFUSALS_KEPT - 1)
             await pipe.execute()
 
+
     async def _launch(self, event: GangAllocated, decision: Launch) -> None:
         share = decision.share
         traceparent = current_traceparent()
@@ -209,54 +318,110 @@ class NodeAgent:
             env = rank_env(
                 event, share, slot, base_env=self.base_env, backend=self.backend,
                 artifact_root=self.layout.root, allocation_file=allocation_file, events_file=events_file,
-                traceparent=traceparent, cpu_threads=1 if self.settings.device_type == "cpu" else None,
-                extra=self.settings.rank_env,
+                traceparent=traceparent, cpu_threads=self._cpu_threads, extra=self.settings.rank_env,
             )
             rank = rp.RankProcess(
                 job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
                 allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
                 pid=0, log_path=log_path, spool=SpoolReader(events_file), traceparent=traceparent,
+                exit_file=exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank),
+                device_index=slot.device_index,
             )
             try:
-                rank.process = await rp.spawn(self.settings.rank_command, env, log_path)
+                rank.process = await self._start_rank(env, log_path, rank.exit_file)
             except OSError as exc:
                 log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
-                await self._report_exit(rank, 127, "error", f"cannot start {self.settings.rank_command[0]}: {exc}")
+                await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
                 continue
-            rank.pid = rank.process.pid
+            rank.pgid = rank.process.pid
+            rank.start_ticks = rp.start_ticks(rank.pgid)
+            rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
+            rank.pid = await rp.rank_pid(rank.exit_file, rank.process) or rank.pgid
+            rank.last_progress = time.monotonic()
             self.ranks[rank.key] = rank
-            await self.redis.hset(self.keys.ranks, rank.key, json.dumps(rank.persisted(self.boot_id)))
-            await self.runtime.outbox.put(
-                WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
-                              epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
-                              log_uri=path_to_uri(log_path)),
-                traceparent=traceparent,
-            )
+            await self._persist(rank, force_local=True)
+            started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
+                                    epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
+                                    log_uri=path_to_uri(log_path))
+            await self.runtime.outbox.put(started, traceparent=traceparent)
+            await self._track(started, "started", rank, traceparent)
             rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
         log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s)",
                  [s.rank for s in share.ranks], event.job_id, event.attempt, event.allocation_id,
                  event.epoch, self.backend)
 
+    async def _start_rank(self, env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
+        """In a warm interpreter when one is ready, else cold under the launcher."""
+        warm = self.pool.take() if self.pool is not None else None
+        if warm is not None:
+            rp.clear_exit_files(exit_file)
+            try:
+                await WarmPool.launch(warm, env=env, log_path=log_path, exit_file=exit_file)
+                return warm
+            except (OSError, ConnectionError) as exc:
+                log.warning("a warm interpreter failed to take the rank (%r); starting it cold", exc)
+                with contextlib.suppress(ProcessLookupError):
+                    warm.kill()
+        return await rp.spawn(self.settings.rank_command, env, log_path, exit_file)
+
     # ------------------------------------------------------------------ watching ranks
     async def _watch(self, rank: rp.RankProcess) -> None:
-        """Relay the spool while the rank runs; after it exits, drain it, then report the exit."""
-        assert rank.process is not None
+        """Relay the spool while the rank runs; after it ends, drain it, then report how it ended."""
         try:
             while True:
-                exited = await rp.wait_exited(rank.process, self.settings.spool_poll_s)
+                ended = await self._wait_a_little(rank)
+                self._note_progress(rank)
                 await self._relay(rank, quiet=True)
-                if exited:
+                if ended:
                     break
             await self._drain(rank)
-            code = rank.process.returncode
-            assert code is not None
-            reason = "revoked" if rank.revoked else exit_reason(code)
-            await self._report_exit(rank, code, reason, rank.stop_detail)
-            await self.redis.hdel(self.keys.ranks, rank.key)
+            code, reason, detail = self._how_it_ended(rank)
+            await self._report_exit(rank, code, reason, detail)
+            rp.signal_group(rank.pgid, signal.SIGKILL)  # whatever the rank left in its group
+            await self._forget(rank)
         except Exception:  # noqa: BLE001 - a watcher must not vanish silently
             log.exception("watching rank %s failed", rank.key)
         finally:
             self.ranks.pop(rank.key, None)
+
+    async def _wait_a_little(self, rank: rp.RankProcess) -> bool:
+        """Up to one spool poll; True once the rank has ended."""
+        if rank.process is not None:
+            return await rp.wait_exited(rank.process, self.settings.spool_poll_s)
+        await asyncio.sleep(self.settings.spool_poll_s)
+        if not rp.same_process(rank.pgid, rank.start_ticks):
+            rank.gone = True
+        return rank.gone
+
+    def _note_progress(self, rank: rp.RankProcess) -> None:
+        size = rp.spool_size(rank.spool.path)
+        if size > rank.spool_size:
+            rank.spool_size = size
+            rank.last_progress = time.monotonic()
+            rank.progressed = True
+
+    def _how_it_ended(self, rank: rp.RankProcess) -> tuple[int, str, str | None]:
+        """(exit code, reason, detail) from the exit file, the process and the log."""
+        recorded = rp.read_exit_file(rank.exit_file)
+        stopped_by_us = rank.revoked or rank.hang_detail is not None or rank.killed_by_agent
+        lost = None
+        if recorded is not None:
+            code = recorded
+        elif rank.process is not None and rank.process.returncode is not None:
+            code = rank.process.returncode
+        else:
+            code = LOST_EXIT_CODE
+            if not stopped_by_us:
+                lost = "the rank ended while this node agent was not its parent, and no exit status was recorded"
+        now_ooms = rp.oom_kills(None) if rank.oom_kills_at_start is not None else None
+        ooms = max((now_ooms or 0) - (rank.oom_kills_at_start or 0), 0) if now_ooms is not None else 0
+        reason, detail = classify_exit(ExitFacts(
+            exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",
+            revoked=rank.stop_detail if rank.revoked else None, hang=rank.hang_detail, lost=lost, oom_kills=ooms,
+        ))
+        if detail is None and rank.killed_by_agent:
+            detail = rank.stop_detail
+        return code, reason, detail
 
     async def _relay(self, rank: rp.RankProcess, *, quiet: bool = False) -> int:
         """Publish the spool lines written since the last call; returns how many."""
@@ -266,12 +431,17 @@ class NodeAgent:
                 await self._publish_spooled(rank, offset, record)
                 rank.spool.offset = offset
                 published += 1
+            if rank.relay_failing:
+                log.info("relaying the spool of rank %s works again", rank.key)
+                rank.relay_failing = False
         except Exception as exc:
             if not quiet:
                 raise
-            log.warning("relaying the spool of rank %s: %r (retrying)", rank.key, exc)
+            if not rank.relay_failing:  # once per outage, not once per poll
+                log.warning("relaying the spool of rank %s: %r (events wait in the spool; retrying)", rank.key, exc)
+            rank.relay_failing = True
         if published:
-            await self.redis.hset(self.keys.ranks, rank.key, json.dumps(rank.persisted(self.boot_id)))
+            await self._persist(rank)
         return published
 
     async def _publish_spooled(self, rank: rp.RankProcess, offset: int, record: dict[str, Any]) -> None:
@@ -284,10 +454,16 @@ class NodeAgent:
                 error="unreadable spool line" if "corrupt" in record else f"spool line for unknown topic {topic!r}",
             ), traceparent=rank.traceparent)
             return
-        await self.runtime.bus.publish_raw_traced(
-            topic, json.dumps(payload, separators=(",", ":")).encode(), key=record.get("key"),
-            traceparent=record.get("traceparent") or rank.traceparent,
-        )
+        body = json.dumps(payload, separators=(",", ":"))
+        traceparent = record.get("traceparent") or rank.traceparent
+        await self.runtime.bus.publish_raw_traced(topic, body.encode(), key=record.get("key"), traceparent=traceparent)
+        if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and "eventId" in payload:
+            await self._remember(Announcement(
+                event_id=str(payload["eventId"]), kind="shard", topic=topic, key=str(record.get("key") or rank.job_id),
+                payload=body, traceparent=traceparent, job_id=rank.job_id, attempt=int(payload.get("attempt", 0)),
+                allocation_id=rank.allocation_id, rank=int(payload.get("rank", rank.rank)),
+                step=int(payload.get("globalStep", 0)),
+            ))
 
     async def _drain(self, rank: rp.RankProcess) -> None:
         """Relay until the spool is empty; retry while the broker is away (bounded when closing)."""
@@ -325,37 +501,122 @@ class NodeAgent:
                 log.warning("recording the exit of %s failed: %r; retry in %.1fs", rank.key, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        log.info("rank %d of %s exited with %d (%s)", rank.rank, rank.allocation_id, code, reason)
+        await self._track(event, "exited", rank, rank.traceparent)
+        log.info("rank %d of %s exited with %d (%s%s)", rank.rank, rank.allocation_id, code, reason,
+                 f": {detail}" if detail else "")
 
-    # ------------------------------------------------------------------ restarts
-    async def _kill_leftovers(self) -> dict[str, dict[str, Any]]:
-        """SIGKILL the process groups of ranks recorded by an earlier incarnation; returns their records."""
-        leftovers: dict[str, dict[str, Any]] = {}
-        for key, raw in (await self.redis.hgetall(self.keys.ranks)).items():
-            entry = json.loads(raw)
-            if entry.get("boot") == self.boot_id:
+    # ------------------------------------------------------------------ watchdogs
+    async def check_hangs(self) -> None:
+        """Stop every rank here of an attempt that made no progress within the hang timeout."""
+        if not self._serving:
+            return
+        now = time.monotonic()
+        watched = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
+        progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.last_progress, r.progressed,
+                                 rp.proc_state(r.pid)) for r in watched]
+        for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
+                               first_step_timeout_s=self.settings.first_step_timeout_s):
+            targets = [r for r in watched if r.allocation_id == hung.allocation_id]
+            log.error("allocation %s is hung (%s): killing its %d rank(s) here", hung.allocation_id, hung.detail,
+                      len(targets))
+            for rank in targets:
+                rank.hang_detail = hung.detail
+                self._in_background(rp.stop(rank, 0))
+
+    async def check_leases(self) -> None:
+        """Stop running ranks whose allocation no longer holds their device lease."""
+        running = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
+        if not running:
+            return
+        holders = await self._lease_holders(sorted({r.device_index for r in running}))
+        for rank in running:
+            holder = holders.get(rank.device_index)
+            if holder is None or holder.get("allocationId") != rank.allocation_id:
+                now_held = f"is leased to {holder.get('allocationId')}" if holder else "is no longer leased"
+                why = (f"device {self.settings.node_id}:{rank.device_index} {now_held}: allocation "
+                       f"{rank.allocation_id} was released (its revocation did not reach this agent)")
+                log.warning("stopping rank %s: %s", rank.key, why)
+                self._revoke(rank, why)
+
+    # ------------------------------------------------------------------ end-to-end confirmation
+    async def _track(self, event: Event, kind: str, rank: rp.RankProcess, traceparent: str | None) -> None:
+        await self._remember(Announcement(
+            event_id=str(event.event_id), kind=kind, topic=event.topic, key=event.key(),  # type: ignore[arg-type]
+            payload=event.to_bytes().decode(), traceparent=traceparent, job_id=rank.job_id, attempt=rank.attempt,
+            allocation_id=rank.allocation_id, rank=rank.rank,
+        ))
+
+    async def _remember(self, a: Announcement) -> None:
+        a.first_at = a.last_at = time.monotonic()
+        self._announced[a.event_id] = a
+        try:
+            await self.redis.hset(self.keys.unconfirmed, a.event_id, json.dumps(a.__dict__))
+        except (RedisError, OSError):
+            pass  # kept in memory; only a restart during the same outage would forget it
+
+    async def confirm_announcements(self) -> None:
+        """Drop what Redis shows applied (or moot); publish the rest again."""
+        now = time.monotonic()
+        due = [a for a in list(self._announced.values()) if now - a.last_at >= self.settings.confirm_after_s]
+        jobs: dict[str, Any] = {}
+        for a in due:
+            if a.job_id not in jobs:
+                jobs[a.job_id] = await self.runtime.store.get_job(a.job_id)
+            recorded, state = False, None
+            if a.kind == "shard" and a.step is not None:
+                recorded = bool(await self.redis.hexists(Keys.shards(a.job_id, a.attempt, a.step), str(a.rank)))
+                raw = await self.redis.hget(Keys.checkpoints(a.job_id), checkpoint_id(a.step, a.attempt))
+                state = json.loads(raw).get("state") if raw else None
+            outcome = verdict(a, jobs[a.job_id], shard_recorded=recorded, checkpoint_state=state)
+            if outcome == "pending" and now - a.first_at > self.settings.confirm_max_age_s:
+                log.error("giving up on %s %s of %s rank %d: never applied", a.kind, a.event_id, a.job_id, a.rank)
+                outcome = "moot"
+            if outcome != "pending":
+                self._announced.pop(a.event_id, None)
+                await self.redis.hdel(self.keys.unconfirmed, a.event_id)
                 continue
-            leftovers[key] = entry
-            pid, pgid = int(entry["pid"]), int(entry["pgid"])
-            if rp.alive(pid, pgid):
-                log.warning("stopping rank %s (pid %d) left behind by an earlier agent", key, pid)
-                rp.signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(rp.alive(int(e["pid"]), int(e["pgid"])) for e in leftovers.values()):
-            await asyncio.sleep(0.05)
-        return leftovers
+            await self.runtime.bus.publish_raw_traced(a.topic, a.payload.encode(), key=a.key,
+                                                      traceparent=a.traceparent)
+            a.last_at, a.republished = time.monotonic(), a.republished + 1
+            log.warning("published %s of job %s attempt %d rank %d%s again: not applied after %.0fs "
+                        "(lost with the broker?)", a.kind, a.job_id, a.attempt, a.rank,
+                        f" step {a.step}" if a.step is not None else "", now - a.first_at)
 
-    async def _report_leftover(self, key: str, entry: dict[str, Any]) -> None:
-        tenant, job_id, attempt, rank_no = entry["tenant"], entry["jobId"], int(entry["attempt"]), int(entry["rank"])
-        rank = rp.RankProcess(
-            job_id=job_id, tenant=tenant, attempt=attempt, allocation_id=entry["allocationId"],
-            epoch=int(entry["epoch"]), rank=rank_no, local_rank=0, pid=int(entry["pid"]),
-            log_path=self.layout.rank_log(tenant, job_id, attempt, rank_no),
-            spool=SpoolReader(entry["spool"], int(entry.get("offset", 0))), traceparent=entry.get("traceparent"),
-        )
+    # ------------------------------------------------------------------ persistence and restarts
+    async def _persist(self, rank: rp.RankProcess, *, force_local: bool = False) -> None:
+        """Record the rank (and its spool offset) in Redis and in the node-local table."""
+        try:
+            await self.redis.hset(self.keys.ranks, rank.key, json.dumps(rank.persisted(self.boot_id)))
+        except (RedisError, OSError) as exc:
+            log.debug("could not record rank %s in Redis: %r (the local table has it)", rank.key, exc)
+        self._save_local(force=force_local)
+
+    async def _forget(self, rank: rp.RankProcess) -> None:
+        self._unreported.pop(rank.key, None)
+        try:
+            await self.redis.hdel(self.keys.ranks, rank.key)
+        except (RedisError, OSError) as exc:  # a later agent reports it again: a harmless duplicate
+            log.warning("could not remove rank %s from Redis: %r", rank.key, exc)
+        self.ranks.pop(rank.key, None)
+        self._save_local(force=True)
+
+    def _save_local(self, *, force: bool = False) -> None:
+        table = {k: r.persisted(self.boot_id) for k, r in {**self._unreported, **self.ranks}.items()}
+        self.local.save(table, force=force)
+
+    async def _flush_local_state(self) -> None:
+        if self.local.dirty:
+            self._save_local(force=True)
+
+    async def _report_unwatched(self, key: str, rank: rp.RankProcess) -> None:
+        """A rank that ended while no agent watched it: relay the rest of its spool, report its exit
+        (from the launcher's exit file; ``lost`` without one)."""
         await self._drain(rank)
-        await self._report_exit(rank, -9, "lost", "the node agent restarted; the rank it left behind was stopped")
-        await self.redis.hdel(self.keys.ranks, key)
+        code, reason, detail = self._how_it_ended(rank)
+        if reason != "lost":
+            detail = (detail + "; " if detail else "") + "it ended while its node agent was down"
+        await self._report_exit(rank, code, reason, detail)
+        await self._forget(rank)
 
     # ------------------------------------------------------------------ helpers
     def _in_background(self, coro: Any) -> None:

@@ -1,13 +1,21 @@
-"""Rank processes: spawn one in its own session (so its whole process group can be
-signalled), wait for it, stop it with SIGTERM then SIGKILL."""
+"""Rank processes: spawn one (through :mod:`launcher`) in its own session, so its whole process
+group can be signalled; wait for it, stop it (SIGTERM, then SIGKILL), or, after an agent
+restart, adopt it and watch it through ``/proc`` and its exit file.
+
+The process group leader is the launcher (``pgid``); ``pid`` is the rank itself (what
+WorkerStarted reports, what an operator would signal).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +23,16 @@ from typing import Any
 
 from trainyard_common.spool import SpoolReader
 
+from trainyard_node_agent import launcher
+from trainyard_node_agent.classify import parse_oom_kills
+
+LAUNCHER = Path(launcher.__file__).resolve()
+LOG_TAIL_BYTES = 16 * 1024
+
 
 @dataclass
 class RankProcess:
-    """One rank this agent launched, and what it knows about it."""
+    """One rank this agent launched or adopted, and what it knows about it."""
 
     job_id: str
     tenant: str
@@ -27,13 +41,26 @@ class RankProcess:
     epoch: int
     rank: int
     local_rank: int
-    pid: int
+    pid: int  # the rank (the launcher's child); the launcher's pid until known
     log_path: Path
     spool: SpoolReader
     traceparent: str | None
-    process: asyncio.subprocess.Process | None = None
+    exit_file: Path
+    device_index: int = 0
+    pgid: int = 0  # the launcher: leader of the rank's process group
+    start_ticks: int | None = None  # the launcher's start time (/proc), against pid reuse
+    process: asyncio.subprocess.Process | None = None  # None when adopted (not our child)
+    adopted: bool = False
+    gone: bool = False  # an adopted rank's group leader has vanished
     revoked: bool = False
+    killed_by_agent: bool = False  # stopped because the agent itself stopped
     stop_detail: str | None = None
+    hang_detail: str | None = None
+    oom_kills_at_start: int | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+    spool_size: int = 0
+    progressed: bool = False
+    relay_failing: bool = False
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -42,26 +69,73 @@ class RankProcess:
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
+        if self.process is not None:
+            return self.process.returncode is None
+        return self.adopted and not self.gone
 
     def persisted(self, boot_id: str) -> dict[str, Any]:
-        """What survives an agent restart (so a new agent can stop and report leftovers)."""
+        """What survives an agent restart (so a new agent can adopt the rank, or report it)."""
         return {
             "jobId": self.job_id, "tenant": self.tenant, "attempt": self.attempt,
             "allocationId": self.allocation_id, "epoch": self.epoch, "rank": self.rank,
-            "pid": self.pid, "pgid": self.pid, "spool": str(self.spool.path), "offset": self.spool.offset,
-            "traceparent": self.traceparent, "boot": boot_id,
+            "localRank": self.local_rank, "deviceIndex": self.device_index,
+            "pid": self.pid, "pgid": self.pgid, "startTicks": self.start_ticks,
+            "spool": str(self.spool.path), "offset": self.spool.offset, "log": str(self.log_path),
+            "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
+            "progressed": self.progressed,
         }
 
+    @classmethod
+    def from_persisted(cls, entry: Mapping[str, Any]) -> RankProcess:
+        return cls(
+            job_id=entry["jobId"], tenant=entry["tenant"], attempt=int(entry["attempt"]),
+            allocation_id=entry["allocationId"], epoch=int(entry["epoch"]), rank=int(entry["rank"]),
+            local_rank=int(entry.get("localRank", 0)), pid=int(entry["pid"]), log_path=Path(entry.get("log", "")),
+            spool=SpoolReader(entry["spool"], int(entry.get("offset", 0))), traceparent=entry.get("traceparent"),
+            exit_file=Path(entry.get("exitFile", "")), device_index=int(entry.get("deviceIndex", 0)),
+            pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
+            progressed=bool(entry.get("progressed", False)),
+        )
 
-async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path) -> asyncio.subprocess.Process:
-    """Start ``command`` in a new session with stdout and stderr appended to ``log_path``."""
+
+async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
+                exit_file: Path) -> asyncio.subprocess.Process:
+    """Start ``command`` under the launcher, in a new session, stdout+stderr appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    clear_exit_files(exit_file)
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return await asyncio.create_subprocess_exec(
-            *command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            sys.executable, str(LAUNCHER), str(exit_file), "--", *command, env=dict(env),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+
+
+def clear_exit_files(exit_file: Path) -> None:
+    """Remove what an earlier launch of the same rank left (never the case for a new attempt)."""
+    exit_file.parent.mkdir(parents=True, exist_ok=True)
+    for stale in (exit_file, Path(launcher.pid_file_for(str(exit_file)))):
+        stale.unlink(missing_ok=True)
+
+
+async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout_s: float = 5.0) -> int | None:
+    """The rank's pid as the launcher wrote it; None if the launcher ended or was slow."""
+    pid_file = Path(launcher.pid_file_for(str(exit_file)))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return int(pid_file.read_text().strip())
+        if process.returncode is not None:
+            return None
+        await asyncio.sleep(0.01)
+    return None
+
+
+def read_exit_file(path: Path) -> int | None:
+    """The exit code the launcher recorded, or None."""
+    try:
+        return int(json.loads(path.read_text())["exitCode"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def wait_exited(process: asyncio.subprocess.Process, timeout_s: float) -> bool:
@@ -87,22 +161,104 @@ def signal_group(pgid: int, sig: signal.Signals) -> bool:
 
 
 async def stop(rank: RankProcess, grace_s: float) -> None:
-    """SIGTERM the rank's process group, SIGKILL whatever is left after ``grace_s``."""
-    process = rank.process
-    if process is None:
+    """SIGTERM the rank's process group, SIGKILL whatever is left after ``grace_s`` (at once if 0)."""
+    if rank.running and grace_s > 0:
+        signal_group(rank.pgid, signal.SIGTERM)
+        await _wait_until_ended(rank, grace_s)
+    # SIGKILL works on stopped processes too; children that outlive the rank (dataloader workers, …) go too.
+    signal_group(rank.pgid, signal.SIGKILL)
+    await _wait_until_ended(rank, 5.0)
+
+
+async def _wait_until_ended(rank: RankProcess, timeout_s: float) -> None:
+    if rank.process is not None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(rank.process.wait(), timeout_s)
         return
-    if process.returncode is None:
-        signal_group(rank.pid, signal.SIGTERM)
-        await wait_exited(process, grace_s)
-    # Children that outlive the rank (dataloader workers, …) go too.
-    signal_group(rank.pid, signal.SIGKILL)
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(process.wait(), 5.0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and same_process(rank.pgid, rank.start_ticks):
+        await asyncio.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- /proc
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, process group, start time in clock ticks) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()
+    # after "pid (comm)": state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime priority nice num_threads itrealvalue starttime …
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def start_ticks(pid: int) -> int | None:
+    stat = proc_stat(pid)
+    return stat[2] if stat else None
+
+
+def proc_state(pid: int) -> str | None:
+    stat = proc_stat(pid)
+    return stat[0] if stat else None
+
+
+def same_process(pid: int, ticks: int | None) -> bool:
+    """Whether ``pid`` is still the process we knew (not reused, not a zombie)."""
+    stat = proc_stat(pid)
+    if stat is None or stat[0] in ("Z", "X"):
+        return False
+    return ticks is None or stat[2] == ticks
 
 
 def alive(pid: int, pgid: int) -> bool:
-    """Whether ``pid`` still runs in process group ``pgid`` (a restarted agent's leftover)."""
+    """Whether ``pid`` still runs in process group ``pgid``."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X") and stat[1] == pgid
+
+
+def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of a rank log (for the failure classification)."""
     try:
-        return os.getpgid(pid) == pgid
-    except (ProcessLookupError, PermissionError):
-        return False
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(size - limit, 0))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def spool_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def oom_kills(pid: int | None = None) -> int | None:
+    """The kernel OOM-kill counter of ``pid``'s memory cgroup (v2 or v1), best effort; None if unknown."""
+    base = Path("/sys/fs/cgroup")
+    for candidate in _cgroup_files(base, pid or os.getpid()):
+        with contextlib.suppress(OSError):
+            count = parse_oom_kills(candidate.read_text())
+            if count is not None:
+                return count
+    return None
+
+
+def _cgroup_files(base: Path, pid: int) -> list[Path]:
+    files = []
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if hierarchy == "0":
+                files.append(base / rel / "memory.events")
+            elif "memory" in controllers.split(","):
+                files.append(base / "memory" / rel / "memory.oom_control")
+    files += [base / "memory.events", base / "memory" / "memory.oom_control"]
+    return files

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -22,7 +23,14 @@ class NodeAgentSettings(ServiceSettings):
     device_type: str = Field(default="cpu", min_length=1, description="device type, matched to resources.gpuType")
     device_memory_bytes: int = Field(default=16 * 2**30, ge=0, description="memory per device (reported)")
     rack: str | None = Field(default=None, description="rack, for topology-aware placement")
-    nvlink_domain: str | None = Field(default=None, description="high-bandwidth domain of the devices")
+    nvlink_domain: str | None = Field(
+        default=None,
+        description="NVLink / NVSwitch domain of the devices: unset = this node alone; the same name on "
+                    "several nodes = one multi-node domain (NVL72-class); tensor-parallel groups stay inside one",
+    )
+    network_tier: str | None = Field(
+        default=None, description="network block above the rack (pod / spine group), for topology-aware placement"
+    )
     heartbeat_s: float = Field(default=2.0, gt=0, description="seconds between NodeHeartbeats")
     rank_command: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [sys.executable, "-m", "trainyard_trainer"],
@@ -39,6 +47,46 @@ class NodeAgentSettings(ServiceSettings):
         description="torch.distributed backend; auto: nccl when nvidia-smi exists and devices are not cpu",
     )
     spool_poll_s: float = Field(default=0.25, gt=0, description="how often rank event spools are relayed")
+    hang_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="an attempt whose rank here wrote no event (StepMetrics, ShardWritten) for this long is "
+                    "hung: all its ranks on this node are killed and reported with reason 'hang'",
+    )
+    first_step_timeout_s: float = Field(
+        default=900.0, gt=0,
+        description="the same, before a rank's first event (start-up, rendezvous and restore take longer)",
+    )
+    lease_check_s: float = Field(
+        default=5.0, gt=0,
+        description="how often running ranks are checked against their device leases in Redis; a rank whose "
+                    "allocation no longer holds its device is stopped (a revocation that never arrived)",
+    )
+    confirm_interval_s: float = Field(
+        default=5.0, gt=0,
+        description="how often announced events (WorkerStarted, WorkerExited, ShardWritten) are checked against "
+                    "Redis for having been applied, and published again if not (a broker can lose messages)",
+    )
+    confirm_after_s: float = Field(default=10.0, gt=0, description="how long an announcement may take to be applied")
+    confirm_max_age_s: float = Field(default=3600.0, gt=0, description="after this, an announcement is given up")
+    warm_ranks: int = Field(
+        default=0, ge=0, le=1024,
+        description="interpreters kept ready with the trainer already imported (a new attempt's ranks start "
+                    "in one instead of a cold python: seconds faster); 0 = off. Each holds the memory of an "
+                    "imported torch",
+    )
+    warm_module: str = Field(
+        default="trainyard_trainer.__main__",
+        description="the module a warm interpreter imports in advance; its main() is the rank",
+    )
+    agent_state_file: Path | None = Field(
+        default=None,
+        description="node-local copy of the rank table, read at start-up when Redis is down "
+                    "(default: <artifact_root>/nodes/<node_id>/agent-ranks.json)",
+    )
+
+    @property
+    def agent_state_path(self) -> Path:
+        return self.agent_state_file or self.artifact_root_abs / "nodes" / self.node_id / "agent-ranks.json"
 
     @field_validator("rank_command", mode="before")
     @classmethod

@@ -1,0 +1,178 @@
+"""Recovery time after kill -9 of a rank, on the local stack (a benchmark: it prints figures, never fails).
+
+    python bench/recovery/run.py [--kills 12] [--every 10] [--backoff 0.5] [--warm 2] [--json results.json]
+
+One 2-rank job (the chaos suite's small GPT, async checkpoints every ``--every`` steps) runs on the
+local stack (LocalStack: broker, Redis, the services, 2 node agents; free ports, a temporary
+directory). At a random moment of each attempt a random rank is killed with SIGKILL; measured per
+kill, from the ranks' spools, the launcher's files, the rank logs and the job record:
+
+    kill → failed      the node agent reaps the rank, WorkerExited reaches the scheduler, the attempt fails
+    failed → placed    retry back-off and the next scheduling tick (a new allocation and epoch)
+    placed → spawned   GangAllocated reaches the node agents, which start the ranks
+    spawned → ready    interpreter and torch import, rendezvous, model and data set-up (first log line)
+    ready → step       restore (verify every shard's sha256, load) and the first training step
+    total              kill → first completed step of the next attempt (the target: <= 5 s)
+
+and the lost work: steps between the furthest step of the killed attempt and the step the next one
+resumed from, as a fraction of the checkpoint interval. Baseline, measured in the same run: the
+cold start of the first attempt (placement → first step).
+
+A second run does the same with ``--warm`` interpreters per node agent kept ready with the trainer
+imported (``TRAINYARD_WARM_RANKS``): the ranks of a new attempt start in one of them instead of a
+cold python; the ratio of the medians is printed (the cold run is the baseline).
+
+The scheduler's retry back-off doubles with every failed attempt of a job (``2 s · 2^(n-1)``, capped
+at 60 s by default), which would dominate after a few kills; the run sets ``--backoff`` (default
+0.5 s) and ``--backoff-max`` (default 1 s) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.chaos.harness import TENANT, ChaosRig, chaos_spec  # noqa: E402
+
+
+def first_log_time(path: Path) -> float | None:
+    """The timestamp of a rank log's first trainer line (logging is configured after the imports)."""
+    try:
+        for line in path.read_text(errors="replace").splitlines():
+            if " rank" in line and line[:4].isdigit():
+                return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except OSError:
+        return None
+    return None
+
+
+def measure(rig: ChaosRig, job_id: str, attempt: int) -> dict[str, float | None]:
+    """Timestamps of attempt ``attempt`` (placed, spawned, ready, first step), from durable traces."""
+    record = rig.job(job_id)
+    placed = next((a.started_at.timestamp() for a in record.attempts if a.attempt == attempt), None) if record else None
+    attempt_dir = rig.layout.attempt_dir(TENANT, job_id, attempt)
+    pid_files = list((attempt_dir / "exit").glob("rank-*.pid"))
+    spawned = min((p.stat().st_mtime for p in pid_files), default=None)
+    ready = [t for p in (attempt_dir / "logs").glob("rank-*.log") if (t := first_log_time(p)) is not None]
+    stamps = [datetime.fromisoformat(p["occurredAt"]).timestamp()
+              for lines in rig.spool_events(job_id, attempt).values() for p in lines
+              if p.get("eventType") == "StepMetrics"]
+    return {"placed": placed, "spawned": spawned, "ready": max(ready) if ready else None,
+            "step": min(stamps) if stamps else None}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def span(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def run(args: argparse.Namespace, warm: int) -> dict[str, Any]:
+    state = Path(tempfile.mkdtemp(prefix="trainyard-bench-recovery-")) / ".trainyard"
+    env = {"TRAINYARD_API_MAX_ATTEMPTS": str(args.kills + 5), "TRAINYARD_RETRY_BACKOFF_S": str(args.backoff),
+           "TRAINYARD_RETRY_BACKOFF_MAX_S": str(args.backoff_max), "TRAINYARD_WARM_RANKS": str(warm)}
+    rows: list[dict[str, Any]] = []
+    with ChaosRig.running(state, seed=args.seed, extra_env=env, say=lambda m: None) as rig:
+        job_id = rig.submit(chaos_spec(max_steps=1_000_000, every=args.every, name="bench-recovery"))
+        attempt, _ = rig.wait_running(job_id, steps_past_start=1, timeout_s=300)
+        cold = measure(rig, job_id, attempt)
+        for n in range(args.kills):
+            rig.wait_advance(job_id, rig.rng.randint(1, args.every + 2))
+            fault = rig.kill_rank(job_id)
+            if fault is None:
+                continue
+            killed_attempt = int(fault.target.split()[1])
+            nxt, _ = rig.wait_running(job_id, steps_past_start=1, after_attempt=killed_attempt, timeout_s=300)
+            record = rig.job(job_id)
+            assert record is not None
+            failed = next(a for a in record.attempts if a.attempt == killed_attempt)
+            resumed = next(a for a in record.attempts if a.attempt == nxt)
+            last = max(rig.attempt_steps(job_id, killed_attempt), default=0)
+            start = resumed.start_checkpoint.global_step if resumed.start_checkpoint else 0
+            t = measure(rig, job_id, nxt)
+            row = {
+                "kill": n + 1, "attempt": killed_attempt,
+                "kill_to_failed": span(fault.at, failed.ended_at.timestamp() if failed.ended_at else None),
+                "failed_to_placed": span(failed.ended_at.timestamp() if failed.ended_at else None, t["placed"]),
+                "placed_to_spawned": span(t["placed"], t["spawned"]),
+                "spawned_to_ready": span(t["spawned"], t["ready"]),
+                "ready_to_step": span(t["ready"], t["step"]),
+                "total": span(fault.at, t["step"]),
+                "lost_steps": last - start, "lost_fraction": (last - start) / args.every,
+                "reason": failed.failure_reason,
+            }
+            rows.append(row)
+            print(f"kill {n + 1:2d}: total {row['total']:.2f}s  lost {row['lost_steps']} steps "
+                  f"({row['lost_fraction']:.2f} of the interval)", flush=True)
+        with rig.client() as client:
+            client.post(f"/v1/training-jobs/{job_id}/cancel")
+    return {"rows": rows, "cold": cold, "settings": {**vars(args), "warm": warm}}
+
+
+def report(result: dict[str, Any]) -> float | None:
+    rows, cold, s = result["rows"], result["cold"], result["settings"]
+    if not rows:
+        print("no kill was measured")
+        return None
+    how = f"{s['warm']} warm interpreters per node" if s["warm"] else "cold start (a new python per rank)"
+    print(f"\nrecovery after kill -9 of a rank, {how}: {len(rows)} kills, 2 ranks, checkpoint every {s['every']} "
+          f"steps (async), retry back-off {s['backoff']} s (max {s['backoff_max']} s)")
+    print(f"{'phase':<22}{'median':>9}{'p95':>9}{'max':>9}")
+    for key in ("kill_to_failed", "failed_to_placed", "placed_to_spawned", "spawned_to_ready", "ready_to_step",
+                "total"):
+        values = [r[key] for r in rows if r[key] is not None]
+        if values:
+            print(f"{key.replace('_', ' '):<22}{statistics.median(values):>8.2f}s{percentile(values, 0.95):>8.2f}s"
+                  f"{max(values):>8.2f}s")
+    totals = [r["total"] for r in rows if r["total"] is not None]
+    cold_start = span(cold["placed"], cold["step"])
+    if cold_start:
+        print(f"baseline: cold start of the first attempt (placed → first step) {cold_start:.2f}s; "
+              f"recovery median / cold start = {statistics.median(totals) / cold_start:.2f}")
+    target = sum(t <= 5.0 for t in totals)
+    print(f"target <= 5 s: {target} of {len(totals)} recoveries")
+    fractions = [r["lost_fraction"] for r in rows]
+    print(f"lost work: median {statistics.median(fractions):.2f}, max {max(fractions):.2f} of the interval "
+          f"(> 1 only while an asynchronous save was in flight: {sum(f > 1 for f in fractions)} of {len(fractions)})")
+    return statistics.median(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--every", type=int, default=10, help="checkpoint interval in steps")
+    parser.add_argument("--backoff", type=float, default=0.5, help="scheduler retry back-off (s)")
+    parser.add_argument("--backoff-max", type=float, default=1.0, help="its cap (s)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--warm", type=int, default=2,
+                        help="warm interpreters per node agent for the second run (0: cold start only)")
+    parser.add_argument("--json", type=Path, help="write the measurements here")
+    args = parser.parse_args()
+    started = time.monotonic()
+    results = [run(args, warm=0)] + ([run(args, warm=args.warm)] if args.warm else [])
+    medians = [report(r) for r in results]
+    if len(medians) == 2 and all(medians):
+        print(f"\nwarm / cold median recovery: {medians[1] / medians[0]:.2f} "  # type: ignore[operator]
+              f"({medians[1]:.2f}s vs {medians[0]:.2f}s)")
+    print(f"({time.monotonic() - started:.0f}s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

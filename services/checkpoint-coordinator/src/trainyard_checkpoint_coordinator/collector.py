@@ -1,0 +1,179 @@
+"""Garbage collection of checkpoint files: the I/O shell around :func:`retention.plan_gc`.
+
+For each job in :data:`JOBS_INDEX` (jobs that reported a shard): load its records, attempts and
+checkpoint directories, plan, apply. Every step is idempotent, so the loop finishes whatever a
+crash interrupted. A READY checkpoint is retired in the order that keeps readers safe: the
+manifest goes first (the checkpoint is no longer loadable), then the record becomes DELETED,
+then the shards go, then ``deletedAt`` is stamped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from redis.asyncio import Redis
+from redis.exceptions import WatchError
+
+from trainyard_common.events import TERMINAL_STATES, utcnow
+from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_common.storage import ArtifactLayout, fsync_dir, uri_to_path
+from trainyard_common.store import Keys, StateStore
+
+from trainyard_checkpoint_coordinator import metrics
+from trainyard_checkpoint_coordinator.assembly import MANIFEST_NAME
+from trainyard_checkpoint_coordinator.retention import Collect, DirectoryInfo, GcAction, Retire, Sweep, plan_gc
+from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+#: Sorted set of job ids that have checkpoints (score: last shard report), for GC and advice.
+JOBS_INDEX = "ty:ckpt:jobs"
+
+Clock = Callable[[], datetime]
+RecordChange = Callable[[CheckpointRecord], CheckpointRecord | None]
+
+
+def list_directories(checkpoints_dir: Path, now: float) -> list[DirectoryInfo]:
+    """The job's checkpoint directories with their age (seconds since their last change)."""
+    try:
+        entries = list(checkpoints_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            if entry.is_dir():
+                found.append(DirectoryInfo(entry.name, max(now - entry.stat().st_mtime, 0.0)))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+    return found
+
+
+class GarbageCollector:
+    """Applies retention (``keepLast``) and removes the files of FAILED and abandoned checkpoints."""
+
+    def __init__(self, redis: Redis, settings: CoordinatorSettings, *, clock: Clock = utcnow) -> None:
+        self.redis = redis
+        self.store = StateStore(redis)
+        self.settings = settings
+        self.layout = ArtifactLayout(settings.artifact_root)
+        self.clock = clock
+
+    async def collect(self) -> None:
+        """One pass over every job with checkpoints."""
+        for job_id in await self.redis.zrange(JOBS_INDEX, 0, -1):
+            try:
+                await self.collect_job(job_id)
+            except OSError as exc:  # one job's unreadable directory does not stop the others
+                log.warning("%s: garbage collection failed: %r", job_id, exc)
+
+    async def collect_job(self, job_id: str) -> list[GcAction]:
+        """Plan and apply garbage collection for one job; returns what was done."""
+        job = await self.store.get_job(job_id)
+        records = await self.store.list_checkpoints(job_id)
+        tenant = job.tenant if job else (records[0].tenant if records else None)
+        if tenant is None:
+            await self.redis.zrem(JOBS_INDEX, job_id)
+            return []
+        root = self.layout.checkpoints_dir(tenant, job_id)
+        directories = await asyncio.to_thread(list_directories, root, self.clock().timestamp())
+        actions = plan_gc(
+            records, directories,
+            # Without its job record the spec is unknown: remove no READY checkpoint.
+            keep_last=job.spec.checkpoint_policy.keep_last if job else 10**9,
+            attempts=job.attempts if job else [],
+            stale_after_s=self.settings.shard_timeout_s,
+        )
+        for action in actions:
+            await self._apply(action, root)
+        if not actions and self._finished(job):
+            await self.redis.zrem(JOBS_INDEX, job_id)
+        return actions
+
+    def _finished(self, job: JobRecord | None) -> bool:
+        """Terminal long enough that no leftover of it can still be in the making."""
+        if job is None or job.state not in TERMINAL_STATES:
+            return False
+        return (self.clock() - job.updated_at).total_seconds() > self.settings.shard_timeout_s
+
+    # ------------------------------------------------------------------ actions
+    async def _apply(self, action: GcAction, root: Path) -> None:
+        match action:
+            case Retire(record=record, reason=reason):
+                await self._retire(record, reason, root)
+            case Collect(record=record, reason=reason):
+                directory = self._directory(record, root)
+                await asyncio.to_thread(_remove_tree, directory, root)
+                await asyncio.to_thread(_remove_tree, directory.with_name(directory.name + ".tmp"), root)
+                await self._change(record, lambda r: r.model_copy(update={"deleted_at": self.clock()})
+                                   if r.deleted_at is None else None)
+                metrics.GC.labels("collected").inc()
+                log.info("%s/%s: removed its files (%s)", record.job_id, record.checkpoint_id, reason)
+            case Sweep(name=name, reason=reason):
+                await asyncio.to_thread(_remove_tree, root / name, root)
+                metrics.GC.labels("swept").inc()
+                log.info("removed %s: %s", root / name, reason)
+
+    async def _retire(self, record: CheckpointRecord, reason: str, root: Path) -> None:
+        directory = self._directory(record, root)
+        # 1. the manifest: from now on no restore can choose it
+        await asyncio.to_thread(_unlink_durably, directory / MANIFEST_NAME)
+        # 2. the record stops being READY
+        retired = await self._change(
+            record, lambda r: r.model_copy(update={"state": "DELETED", "reason": reason})
+            if r.state == "READY" else None,
+        )
+        if retired is None:
+            return
+        # 3. the shards  4. the stamp
+        await asyncio.to_thread(_remove_tree, directory, root)
+        await self._change(retired, lambda r: r.model_copy(update={"deleted_at": self.clock()})
+                           if r.deleted_at is None else None)
+        metrics.GC.labels("retired").inc()
+        log.info("%s/%s: deleted (%s)", record.job_id, record.checkpoint_id, reason)
+
+    def _directory(self, record: CheckpointRecord, root: Path) -> Path:
+        if record.manifest_uri:
+            return uri_to_path(record.manifest_uri).parent
+        return self.layout.checkpoint_dir(record.tenant, record.job_id, record.attempt, record.global_step)
+
+    async def _change(self, record: CheckpointRecord, change: RecordChange) -> CheckpointRecord | None:
+        """Rewrite one record (WATCHed); ``change`` returns None to leave it as it is."""
+        key = Keys.checkpoints(record.job_id)
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.hget(key, record.checkpoint_id)
+                    if raw is None:
+                        return None
+                    changed = change(CheckpointRecord.model_validate_json(raw))
+                    if changed is None:
+                        return None
+                    pipe.multi()
+                    pipe.hset(key, record.checkpoint_id, changed.dumps())
+                    await pipe.execute()
+                    return changed
+                except WatchError:
+                    continue
+
+
+def _unlink_durably(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+
+
+def _remove_tree(path: Path, root: Path) -> None:
+    """rm -r ``path``, which must lie inside ``root`` (the job's checkpoints directory)."""
+    if root.resolve() not in path.resolve().parents:
+        log.error("refusing to remove %s: not inside %s", path, root)
+        return
+    shutil.rmtree(path, ignore_errors=True)

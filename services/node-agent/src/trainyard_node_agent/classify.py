@@ -1,0 +1,94 @@
+"""Why a rank ended: the ``reason`` of its WorkerExited, from what the node agent knows. Pure.
+
+Order of evidence: the agent's own decision (it revoked the rank, or stopped it as hung); the
+trainer's exit code (``trainyard_common.exitcodes``: 3 nan, 6 oom, 2 config, 4 checkpoint,
+5 data); a SIGKILL while the cgroup's OOM-kill counter went up (the kernel OOM killer, best
+effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
+errors, collective timeouts); otherwise what the exit code says (error, killed, signal-<n>).
+
+Reasons: ok | error | config | nan | oom | checkpoint | data | nccl | hang | killed |
+signal-<n> | revoked | preempted | lost.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from trainyard_common.exitcodes import exit_reason
+
+# Checked in this order: an OOM often mentions CUDA, a collective timeout often mentions NCCL.
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError", "Cannot allocate memory",
+               "std::bad_alloc", "Out of memory")
+HANG_MARKERS = ("Watchdog caught collective operation timeout", "collective operation timeout",
+                "Timed out waiting", "ProcessGroupGloo::recv timed out", "Socket Timeout", "DistNetworkError: timed out")
+NCCL_MARKERS = ("NCCL error", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError", "ncclRemoteError",
+                "ncclInvalidUsage", "NCCL WARN", "CUDA error", "cudaError", "CUBLAS_STATUS", "uncorrectable ECC",
+                "ECC error", "Xid", "illegal memory access", "device-side assert")
+_EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*")
+_DETAIL_CHARS = 300
+
+
+@dataclass(frozen=True)
+class ExitFacts:
+    """Everything the agent knows about one ended rank."""
+
+    exit_code: int
+    log_tail: str = ""
+    revoked: str | None = None  # the revocation's reason, when the agent stopped it for that
+    hang: str | None = None  # why the agent stopped it as hung
+    lost: str | None = None  # the rank vanished and nobody recorded how it ended
+    oom_kills: int = 0  # kernel OOM kills in its cgroup while it ran
+
+
+def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
+    """(reason, detail) of an ended rank."""
+    if facts.lost is not None:
+        return "lost", facts.lost
+    if facts.revoked is not None:
+        return ("preempted" if "preempt" in facts.revoked.lower() else "revoked"), facts.revoked
+    if facts.hang is not None:
+        return "hang", facts.hang
+    code = facts.exit_code
+    if code == 0:
+        return "ok", None
+    named = exit_reason(code)
+    if named in ("nan", "oom", "config", "checkpoint", "data"):
+        return named, last_error_line(facts.log_tail)
+    if code == -signal.SIGKILL and facts.oom_kills > 0:
+        return "oom", f"killed by the kernel OOM killer ({facts.oom_kills} OOM kill(s) in its cgroup while it ran)"
+    for reason, markers in (("oom", OOM_MARKERS), ("hang", HANG_MARKERS), ("nccl", NCCL_MARKERS)):
+        if line := marker_line(facts.log_tail, markers):
+            return reason, line
+    return named, last_error_line(facts.log_tail)
+
+
+def marker_line(text: str, markers: tuple[str, ...]) -> str | None:
+    """The last line of ``text`` containing one of ``markers`` (trimmed), or None."""
+    for line in reversed(text.splitlines()):
+        if any(m in line for m in markers):
+            return _trim(line)
+    return None
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line that looks like an exception (``SomethingError: …``), for the detail."""
+    for line in reversed(text.splitlines()):
+        if _EXCEPTION_LINE.match(line):
+            return _trim(line)
+    return None
+
+
+def parse_oom_kills(text: str) -> int | None:
+    """The ``oom_kill`` counter of a cgroup ``memory.events`` (v2) or ``memory.oom_control`` (v1)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _trim(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= _DETAIL_CHARS else line[: _DETAIL_CHARS - 1] + "…"

@@ -1,0 +1,70 @@
+"""The rank launcher: ``python launcher.py <exit-file> -- <command…>``. Standard library only.
+
+It runs the rank's command as its child, writes the child's pid beside the exit file
+(``rank-<r>.pid``) as soon as it runs, waits for it, and writes its exit status to
+``<attempt dir>/exit/rank-<r>.json`` (``{"exitCode": n, "pid": p, "writer": "launcher"}``,
+negative n = killed by signal -n) before exiting with the same status. Why: a node agent that
+restarts while ranks run adopts them instead of killing them, but they are no longer its
+children, so it cannot wait() for them; it reads the exit file instead.
+
+SIGTERM, SIGINT and SIGHUP get a no-op handler here (not SIG_IGN, which the child would
+inherit): the node agent signals the whole process group, so the rank receives them directly,
+and the launcher must outlive the rank to record how it ended. SIGKILL ends both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def pid_file_for(exit_file: str) -> str:
+    """``…/rank-3.json`` → ``…/rank-3.pid``."""
+    return exit_file[: -len(".json")] + ".pid" if exit_file.endswith(".json") else exit_file + ".pid"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: launcher.py <exit-file> -- <command…>", file=sys.stderr)
+        return 2
+    exit_file, command = argv[0], argv[2:]
+    os.makedirs(os.path.dirname(os.path.abspath(exit_file)), exist_ok=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+    try:
+        child = subprocess.Popen(command)  # noqa: S603 - the node agent's configured rank command
+    except OSError as exc:
+        print(f"launcher: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
+        _write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher",
+                                                 "error": str(exc)}))
+        return 127
+    _write_atomically(pid_file_for(exit_file), str(child.pid))
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries already
+            continue
+    _write_atomically(exit_file, json.dumps({"exitCode": code, "pid": child.pid, "writer": "launcher"}))
+    if code < 0:  # die the way the child died, so a waiting parent sees the same status
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

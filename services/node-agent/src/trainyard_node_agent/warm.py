@@ -1,0 +1,98 @@
+"""A warm rank interpreter: ``python warm.py <module>`` (what ``TRAINYARD_WARM_RANKS`` keeps ready).
+
+Most of a new attempt's start-up is the rank importing Python, torch and the trainer. A warm
+interpreter has done that already: it imports ``<module>`` (default ``trainyard_trainer.__main__``),
+prints ``ready`` on stdout, and waits for one launch on stdin, a JSON line::
+
+    {"env": {...}, "log": "<rank log>", "exitFile": "<attempt>/exit/rank-<r>.json", "argv0": "trainyard-train"}
+
+Then it becomes what :mod:`launcher` is for a cold start: its output goes to the rank log, it forks
+the rank (which runs ``<module>.main()`` with the rank's environment), writes the rank's pid beside
+the exit file, waits for it and records its exit status, and exits the same way. EOF on stdin
+before a launch means the agent no longer needs it: it exits 0.
+
+Variables read while importing (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``…) come from the
+interpreter's own environment, which the agent sets like a rank's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _run_rank(module: object, argv0: str) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    sys.argv = [argv0]
+    try:
+        code = module.main()  # type: ignore[attr-defined]
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - the process boundary
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - nothing left to report it to
+            pass
+    return code if isinstance(code, int) else (0 if code is None else 1)
+
+
+def main(argv: list[str]) -> int:
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # run as a script: our sibling modules must not shadow top-level names
+    module = importlib.import_module(argv[0] if argv else "trainyard_trainer.__main__")
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    launch = json.loads(line)
+    log = os.open(launch["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    exit_file = launch["exitFile"]
+    os.makedirs(os.path.dirname(exit_file), exist_ok=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # outlive the rank to record its end
+        signal.signal(sig, lambda *_: None)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(_run_rank(module, launch.get("argv0", "trainyard-train")))
+    _write_atomically(exit_file[: -len(".json")] + ".pid", str(pid))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries already
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    _write_atomically(exit_file, json.dumps({"exitCode": code, "pid": pid, "writer": "warm-launcher"}))
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""A pool of warm rank interpreters (:mod:`warm`), kept full in the background.
+
+``take()`` hands out one that has finished importing, or None (the caller then starts the rank
+cold: a launch never waits for the pool). Each interpreter runs in its own session, so once it
+becomes a rank it is signalled, watched and adopted exactly like a cold-started one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from trainyard_node_agent import warm
+
+log = logging.getLogger(__name__)
+WARM = Path(warm.__file__).resolve()
+
+
+class WarmPool:
+    def __init__(self, size: int, module: str, env: Mapping[str, str], log_path: Path) -> None:
+        self.size = size
+        self.module = module
+        self.env = dict(env)
+        self.log_path = log_path
+        self._ready: list[asyncio.subprocess.Process] = []
+        self._starting: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def fill(self) -> None:
+        """Start interpreters until ``size`` are ready or starting."""
+        while not self._closed and len(self._ready) + len(self._starting) < self.size:
+            task = asyncio.create_task(self._start_one())
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
+
+    async def _start_one(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(self.log_path, "ab") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, str(WARM), self.module, env=self.env, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                )
+            assert proc.stdout is not None
+            line = await proc.stdout.readline()
+        except (OSError, asyncio.CancelledError) as exc:
+            log.warning("could not start a warm interpreter: %r", exc)
+            return
+        if line.strip() != b"ready" or self._closed:
+            log.warning("a warm interpreter did not become ready (see %s)", self.log_path)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            return
+        self._ready.append(proc)
+
+    def take(self) -> asyncio.subprocess.Process | None:
+        """A ready interpreter (and a replacement starts), or None."""
+        while self._ready:
+            proc = self._ready.pop(0)
+            if proc.returncode is None:
+                self.fill()
+                return proc
+        self.fill()
+        return None
+
+    @staticmethod
+    async def launch(proc: asyncio.subprocess.Process, *, env: Mapping[str, str], log_path: Path,
+                     exit_file: Path) -> None:
+        """Turn a ready interpreter into the rank."""
+        assert proc.stdin is not None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        exit_file.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"env": dict(env), "log": str(log_path), "exitFile": str(exit_file)}) + "\n"
+        proc.stdin.write(line.encode())
+        await proc.stdin.drain()
+        proc.stdin.close()
+
+    async def aclose(self) -> None:
+        """EOF to the idle ones (they exit 0); kill what does not go."""
+        self._closed = True
+        for task in list(self._starting):
+            task.cancel()
+        idle, self._ready = self._ready, []
+        for proc in idle:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in idle:
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()

@@ -1,0 +1,231 @@
+"""The invariants of DESIGN.md §6 as pure checks over a recorded history.
+
+Each check takes plain data (records read from Redis, the lease audit stream, per-attempt step
+summaries from the rank spools, tensors) and returns its violations as sentences; an empty list
+means the invariant held. File access for checkpoint verification is injected. Nothing here
+talks to Redis, the broker or the clock, so every check is unit-tested with histories that
+violate it (tests/chaos/test_invariants.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainyard_common.events import TERMINAL_STATES
+from trainyard_common.manifest import CheckpointManifest, verify_manifest
+from trainyard_common.records import CheckpointRecord, JobRecord
+
+# ----------------------------------------------------------------------------- 2. every job ends
+
+
+def check_terminal(jobs: Iterable[JobRecord]) -> list[str]:
+    """Every job is SUCCEEDED, FAILED with a reason, or CANCELLED."""
+    problems = []
+    for job in jobs:
+        if job.state not in TERMINAL_STATES:
+            problems.append(f"job {job.job_id} is {job.state}, not terminal ({job.queued_reason or job.reason})")
+        elif job.state == "failed" and not job.reason:
+            problems.append(f"job {job.job_id} failed without a reason")
+    return problems
+
+
+# ----------------------------------------------------------------------------- 1. no double booking
+
+
+@dataclass(frozen=True)
+class LeaseOp:
+    """One entry of ``ty:lease-audit``: a grant or a release of an allocation's devices."""
+
+    op: str  # grant | release
+    job_id: str
+    allocation_id: str
+    epoch: int
+    devices: tuple[str, ...]
+
+    @classmethod
+    def from_stream(cls, fields: Mapping[str, str]) -> LeaseOp:
+        return cls(fields["op"], fields["job"], fields["allocation"], int(fields["epoch"]),
+                   tuple(json.loads(fields["devices"])))
+
+
+def check_no_double_booking(audit: Sequence[LeaseOp]) -> list[str]:
+    """Replay the audit log: no device is granted while another live allocation holds it, and each
+    job's epochs only grow from one grant to the next."""
+    holder: dict[str, str] = {}
+    live: dict[str, LeaseOp] = {}
+    last_epoch: dict[str, int] = {}
+    problems = []
+    for n, op in enumerate(audit):
+        if op.op == "grant":
+            for device in op.devices:
+                other = holder.get(device)
+                if other is not None and other != op.allocation_id:
+                    problems.append(f"#{n}: device {device} granted to {op.allocation_id} while {other} holds it")
+            if op.epoch <= last_epoch.get(op.job_id, 0):
+                problems.append(f"#{n}: job {op.job_id} granted epoch {op.epoch} after epoch {last_epoch[op.job_id]}")
+            last_epoch[op.job_id] = max(op.epoch, last_epoch.get(op.job_id, 0))
+            for device in op.devices:
+                holder[device] = op.allocation_id
+            live[op.allocation_id] = op
+        elif op.op == "release":
+            for device in op.devices:
+                if holder.get(device) == op.allocation_id:
+                    del holder[device]
+            live.pop(op.allocation_id, None)
+        else:
+            problems.append(f"#{n}: unknown lease operation {op.op!r}")
+    return problems
+
+
+def check_leases_released(audit: Sequence[LeaseOp], jobs: Iterable[JobRecord]) -> list[str]:
+    """Once every job is terminal, none of their allocations still holds a device."""
+    done = {j.job_id for j in jobs if j.state in TERMINAL_STATES}
+    held: dict[str, LeaseOp] = {}
+    for op in audit:
+        if op.op == "grant":
+            held[op.allocation_id] = op
+        elif op.op == "release":
+            held.pop(op.allocation_id, None)
+    return [f"allocation {a} of finished job {op.job_id} still holds {', '.join(op.devices)}"
+            for a, op in sorted(held.items()) if op.job_id in done]
+
+
+# ----------------------------------------------------------------------------- fencing
+
+
+def check_fencing(jobs: Iterable[JobRecord], checkpoints: Mapping[str, Sequence[CheckpointRecord]]) -> list[str]:
+    """A READY checkpoint carries the epoch of the attempt that wrote it, and attempts' epochs grow:
+    no zombie attempt produced a READY checkpoint."""
+    problems = []
+    for job in jobs:
+        epochs = {a.attempt: a.epoch for a in job.attempts}
+        ordered = [a.epoch for a in job.attempts]
+        if any(b <= a for a, b in zip(ordered, ordered[1:], strict=False)):
+            problems.append(f"job {job.job_id}: attempt epochs do not grow: {ordered}")
+        for c in checkpoints.get(job.job_id, []):
+            if c.state == "READY" and epochs.get(c.attempt) != c.epoch:
+                problems.append(f"job {job.job_id}: READY {c.checkpoint_id} has epoch {c.epoch}, "
+                                f"its attempt has {epochs.get(c.attempt)}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- 3. READY is complete
+
+
+def check_ready_checkpoints(
+    checkpoints: Iterable[CheckpointRecord],
+    *,
+    read_manifest: Callable[[str], bytes | None],
+    stat_size: Callable[[str], int | None],
+    file_sha256: Callable[[str], str],
+) -> list[str]:
+    """Every READY checkpoint has its manifest, which matches the record and verifies file by file."""
+    problems = []
+    for c in checkpoints:
+        if c.state != "READY":
+            continue
+        where = f"{c.job_id}/{c.checkpoint_id}"
+        raw = read_manifest(c.manifest_uri) if c.manifest_uri else None
+        if raw is None:
+            problems.append(f"{where} is READY but its manifest is missing ({c.manifest_uri})")
+            continue
+        try:
+            manifest = CheckpointManifest.model_validate_json(raw)
+        except ValueError as exc:
+            problems.append(f"{where}: unreadable manifest: {exc}")
+            continue
+        if (manifest.global_step, manifest.attempt, manifest.content_hash) != (c.global_step, c.attempt, c.content_hash):
+            problems.append(f"{where}: manifest says step {manifest.global_step} attempt {manifest.attempt} "
+                            f"{manifest.content_hash}, the record {c.global_step} {c.attempt} {c.content_hash}")
+        problems += [f"{where}: {p}" for p in verify_manifest(manifest, stat_size=stat_size, file_sha256=file_sha256)]
+    return problems
+
+
+# ----------------------------------------------------------------------------- 4. resume point, lost work
+
+
+@dataclass(frozen=True)
+class AttemptSteps:
+    """What one attempt did, from its ranks' spools and its record."""
+
+    attempt: int
+    state: str  # the attempt record's state
+    start_step: int  # the step it resumed from (0: from scratch)
+    last_step: int | None  # the highest step any of its ranks completed (None: none)
+    async_lag: int = 0  # the most steps a checkpoint of this attempt took to become durable
+
+
+def check_lost_work(job_id: str, attempts: Sequence[AttemptSteps], interval: int, *, slack: int = 0) -> list[str]:
+    """After each failed attempt, the next resumes no more than ``interval + slack`` steps behind the
+    furthest step the failed one completed."""
+    problems = []
+    ordered = sorted(attempts, key=lambda a: a.attempt)
+    for failed, nxt in zip(ordered, ordered[1:], strict=False):
+        if failed.state != "failed" or failed.last_step is None:
+            continue
+        lost = failed.last_step - nxt.start_step
+        if lost > interval + slack:
+            problems.append(f"job {job_id}: attempt {failed.attempt} reached step {failed.last_step}, attempt "
+                            f"{nxt.attempt} resumed at {nxt.start_step}: {lost} steps lost > interval {interval}"
+                            + (f" + {slack}" if slack else ""))
+        if nxt.start_step > failed.last_step:
+            problems.append(f"job {job_id}: attempt {nxt.attempt} resumed at {nxt.start_step}, beyond the "
+                            f"{failed.last_step} steps attempt {failed.attempt} completed")
+    return problems
+
+
+def check_resumed_from_latest_ready(job: JobRecord, checkpoints: Sequence[CheckpointRecord], *,
+                                    margin_s: float = 1.0) -> list[str]:
+    """Each attempt started from the newest checkpoint that was READY when it was placed (``margin_s``
+    earlier: the coordinator stamps ``readyAt`` a moment before its write lands)."""
+    problems = []
+    ever_ready = [c for c in checkpoints if c.ready_at is not None]
+    for a in job.attempts:
+        before = [c for c in ever_ready
+                  if c.ready_at is not None and (a.started_at - c.ready_at).total_seconds() > margin_s]
+        newest = max((c.global_step for c in before), default=0)
+        start = a.start_checkpoint.global_step if a.start_checkpoint else 0
+        if start < newest:
+            problems.append(f"job {job.job_id}: attempt {a.attempt} started from step {start}, but step {newest} "
+                            f"was READY before it was placed")
+    return problems
+
+
+# ----------------------------------------------------------------------------- 5. bitwise identical
+
+
+def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two loaded checkpoint states differ (tensors bit for bit); empty when identical."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{path}: a tensor on one side only"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        raw_a, raw_b = (t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        return [] if torch.equal(raw_a, raw_b) else [f"{path}: tensors differ"]
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        problems = [f"{path}.{k}: present on one side only" for k in sorted(set(a) ^ set(b), key=str)]
+        for k in sorted(set(a) & set(b), key=str):
+            problems += compare_states(a[k], b[k], f"{path}.{k}")
+        return problems
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} vs {len(b)} items"]
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in compare_states(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def check_bitwise_identical(reference: Mapping[str, Any], resumed: Mapping[str, Any],
+                            keys: Sequence[str] = ("model", "optimizer")) -> list[str]:
+    """The model and optimizer of the resumed run equal the uninterrupted run's, bit for bit."""
+    problems = [f"{k}: missing from the {'reference' if k not in reference else 'resumed'} checkpoint"
+                for k in keys if k not in reference or k not in resumed]
+    for k in keys:
+        if k in reference and k in resumed:
+            problems += compare_states(reference[k], resumed[k], k)
+    return problems

@@ -1,0 +1,192 @@
+"""One chaos run: a reference job and faulted jobs of the same spec on the local stack, faults at
+random moments, then every invariant checked over the recorded history (:class:`ChaosReport`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tests.chaos import invariants as inv
+from tests.chaos.harness import SERVICES, ChaosRig, chaos_spec
+from trainyard_common.events import TERMINAL_STATES
+from trainyard_common.manifest import local_sha256, local_stat_size
+from trainyard_common.storage import uri_to_path
+
+#: Fault kinds a plan is made of. "services" kills every service (and a node agent) in one wave.
+KINDS = ("rank", "hang", "agent", "services", "redis", "broker", *(f"service:{s}" for s in SERVICES))
+
+
+@dataclass
+class ChaosReport:
+    faults: dict[str, int] = field(default_factory=dict)  # kills of each kind
+    checks: dict[str, int] = field(default_factory=dict)  # how many things each invariant looked at
+    violations: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)  # findings that are not violations
+    jobs: dict[str, str] = field(default_factory=dict)  # job id -> final state
+    recovery_s: list[float] = field(default_factory=list)  # rank kill -> next attempt's first step
+    lost_steps: list[tuple[int, int]] = field(default_factory=list)  # (lost steps, interval) per failure
+    seconds: float = 0.0
+
+    @property
+    def violation_count(self) -> int:
+        return sum(len(v) for v in self.violations.values())
+
+    def summary(self) -> str:
+        faults = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
+        checks = ", ".join(f"{k} {n}" for k, n in sorted(self.checks.items()))
+        lines = [f"chaos: {sum(self.faults.values())} faults ({faults}) in {self.seconds:.0f}s",
+                 f"  jobs: {dict(Counter(self.jobs.values()))}",
+                 f"  invariant checks: {checks}",
+                 f"  violations: {self.violation_count}"]
+        lines += [f"    {k}: {v}" for k, vs in self.violations.items() for v in vs]
+        if self.recovery_s:
+            lines.append(f"  rank kill -> next attempt's first step: {', '.join(f'{s:.1f}s' for s in self.recovery_s)}")
+        if self.lost_steps:
+            lines.append(f"  lost work per failure (steps/interval): {self.lost_steps}")
+        lines += [f"  note {k}: {v}" for k, vs in self.notes.items() for v in vs]
+        return "\n".join(lines)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2, default=str))
+
+
+def run_chaos(rig: ChaosRig, plan: list[str], *, max_steps: int, every: int, tmp: Path,
+              terminal_timeout_s: float = 300.0) -> ChaosReport:
+    """Inject ``plan`` (fault kinds, in order, each at a random moment) into running jobs; check everything."""
+    started = time.monotonic()
+    spec = chaos_spec(max_steps=max_steps, every=every)
+    reference = rig.submit({**spec, "name": "reference"})
+    current = rig.submit({**spec, "name": "chaos-1"})
+    faulted = [current]
+    report = ChaosReport()
+    for kind in plan:
+        fault = None
+        for _ in range(3):  # the job may finish under our feet: then the next one takes the fault
+            current = _running_job(rig, current, faulted, spec)
+            rig.wait_running(current, steps_past_start=1)
+            # a random moment: a random number of steps further, anywhere in a checkpoint interval
+            rig.wait_advance(current, rig.rng.randint(1, every + 2))
+            attempt_before, _ = rig.progress(current)
+            if (fault := _inject(rig, kind, current)) is not None:
+                break
+        if fault is None:
+            continue
+        if kind in ("rank", "hang"):
+            attempt, _ = rig.wait_running(current, steps_past_start=1, after_attempt=attempt_before)
+            first = _first_step_at(rig, current, attempt)
+            if first is not None and kind == "rank":
+                report.recovery_s.append(first - fault.at)
+        else:
+            time.sleep(rig.rng.uniform(0.0, 3.0))  # an outage of random length
+            rig.restart_dead()
+            rig.wait_advance(current, 2)
+    records = rig.wait_terminal(rig.jobs, terminal_timeout_s)
+    report.seconds = time.monotonic() - started
+    report.faults = dict(Counter(f"service:{f.target}" if f.kind == "service" else f.kind for f in rig.faults))
+    check_everything(rig, report, reference=reference, faulted=faulted, max_steps=max_steps, every=every,
+                     tmp=tmp, records_seen=records)
+    return report
+
+
+def _running_job(rig: ChaosRig, current: str, faulted: list[str], spec: dict[str, Any]) -> str:
+    """The faulted job, or a fresh one when it has finished (faults need a running job)."""
+    record = rig.job(current)
+    if record is not None and record.state in TERMINAL_STATES:
+        current = rig.submit({**spec, "name": f"chaos-{len(faulted) + 1}"})
+        faulted.append(current)
+    return current
+
+
+def _inject(rig: ChaosRig, kind: str, job_id: str) -> Any:
+    if kind == "rank":
+        return rig.kill_rank(job_id)
+    if kind == "hang":
+        return rig.kill_rank(job_id, stop=True)
+    if kind == "agent":
+        return rig.kill_agent_of(job_id)
+    if kind == "redis":
+        return rig.kill_component("redis", "redis")
+    if kind == "broker":
+        return rig.kill_component("broker", "broker")
+    if kind == "services":  # every service and one node agent, in random order, within a second or two
+        names = [*SERVICES]
+        rig.rng.shuffle(names)
+        fault = rig.kill_agent_of(job_id)
+        for name in names:
+            time.sleep(rig.rng.uniform(0.0, 0.5))
+            fault = rig.kill_component(name, "service")
+        return fault
+    if kind.startswith("service:"):
+        return rig.kill_component(kind.split(":", 1)[1], "service")
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def _first_step_at(rig: ChaosRig, job_id: str, attempt: int) -> float | None:
+    stamps = [datetime.fromisoformat(p["occurredAt"]).timestamp()
+              for lines in rig.spool_events(job_id, attempt).values() for p in lines
+              if p.get("eventType") == "StepMetrics"]
+    return min(stamps) if stamps else None
+
+
+def check_everything(rig: ChaosRig, report: ChaosReport, *, reference: str, faulted: list[str], max_steps: int,
+                     every: int, tmp: Path, records_seen: dict[str, Any]) -> None:
+    """Every invariant of DESIGN.md §6 over the run's history; results go into ``report``."""
+    jobs, checkpoints, audit = rig.history()
+    report.jobs = {j: r.state for j, r in jobs.items()}
+
+    def record(name: str, checked: int, problems: list[str]) -> None:
+        report.checks[name] = report.checks.get(name, 0) + checked
+        if problems:
+            report.violations.setdefault(name, []).extend(problems)
+
+    record("terminal", len(rig.jobs), inv.check_terminal(jobs.values())
+           + [f"job {j} has no record" for j in rig.jobs if j not in jobs])
+    record("no-double-booking", len(audit), inv.check_no_double_booking(audit))
+    record("leases-released", len(audit), inv.check_leases_released(audit, jobs.values()))
+    record("fencing", sum(len(c) for c in checkpoints.values()), inv.check_fencing(jobs.values(), checkpoints))
+    all_ready = [c for cs in checkpoints.values() for c in cs if c.state == "READY"]
+
+    def read(uri: str) -> bytes | None:
+        try:
+            return uri_to_path(uri).read_bytes()
+        except OSError:
+            return None
+
+    record("ready-verified", len(all_ready), inv.check_ready_checkpoints(
+        all_ready, read_manifest=read, stat_size=local_stat_size, file_sha256=local_sha256))
+    strict: list[str] = []
+    for job in jobs.values():
+        summaries = rig.attempt_summaries(job)
+        record("resumed-from-latest-ready", len(job.attempts),
+               inv.check_resumed_from_latest_ready(job, checkpoints.get(job.job_id, [])))
+        pairs = [(a, b) for a, b in zip(summaries, summaries[1:], strict=False) if a.state == "failed"]
+        for failed, nxt in pairs:
+            if failed.last_step is not None:
+                report.lost_steps.append((failed.last_step - nxt.start_step, every))
+            # an async save in flight at the failure can add its lag: the bound is interval + lag
+            record("lost-work", 1, inv.check_lost_work(job.job_id, [failed, nxt], every, slack=failed.async_lag))
+            strict += inv.check_lost_work(job.job_id, [failed, nxt], every)
+    if strict:
+        report.notes["lost-work > one interval (async save in flight)"] = strict
+    ref = jobs.get(reference)
+    if ref is None or ref.state != "succeeded":
+        record("bitwise-identical", 1, [f"the reference job {reference} did not succeed: "
+                                        f"{ref.state if ref else 'missing'} {ref.reason if ref else ''}"])
+        return
+    ref_state = rig.final_state(reference, checkpoints[reference], max_steps, tmp)
+    for job_id in faulted:
+        job = jobs.get(job_id)
+        if job is None or job.state != "succeeded":
+            record("bitwise-identical", 1, [f"faulted job {job_id} did not succeed: {job.state if job else '?'} "
+                                            f"{job.reason if job else ''}"])
+            continue
+        state = rig.final_state(job_id, checkpoints[job_id], max_steps, tmp)
+        record("bitwise-identical", 1, [f"{job_id}: {p}" for p in inv.check_bitwise_identical(ref_state, state)])
+        if len(job.attempts) > 1:
+            report.notes.setdefault("resumed jobs compared bitwise", []).append(
+                f"{job_id}: {len(job.attempts)} attempts ({', '.join(a.failure_reason or a.state for a in job.attempts)})")

@@ -1,0 +1,36 @@
+"""The rank launcher records how its child ended, including death by signal, and passes it on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from trainyard_node_agent.ranks import LAUNCHER, read_exit_file
+
+
+def launch(tmp_path: Path, code: str) -> tuple[int, Path]:
+    exit_file = tmp_path / "exit" / "rank-0.json"
+    proc = subprocess.run([sys.executable, str(LAUNCHER), str(exit_file), "--", sys.executable, "-c", code],
+                          timeout=60, capture_output=True)
+    return proc.returncode, exit_file
+
+
+def test_exit_code_is_recorded_and_returned(tmp_path: Path) -> None:
+    code, exit_file = launch(tmp_path, "import sys; sys.exit(3)")
+    assert code == 3 and read_exit_file(exit_file) == 3
+    record = json.loads(exit_file.read_text())
+    assert record["writer"] == "launcher" and record["pid"] == int((tmp_path / "exit" / "rank-0.pid").read_text())
+
+
+def test_death_by_signal_is_recorded_and_the_launcher_dies_the_same_way(tmp_path: Path) -> None:
+    code, exit_file = launch(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert code == -signal.SIGKILL and read_exit_file(exit_file) == -signal.SIGKILL
+
+
+def test_sigterm_reaches_the_rank_with_its_default_action(tmp_path: Path) -> None:
+    # the launcher's own no-op handler must not be inherited as "ignored"
+    code, exit_file = launch(tmp_path, "import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)")
+    assert read_exit_file(exit_file) == -signal.SIGTERM and code == -signal.SIGTERM
