@@ -236,6 +236,7 @@ async def stack(stack_env: dict[str, Any]) -> AsyncIterator[Stack]:
     agents: dict[str, NodeAgent] = {}
     for node in ("node-a", "node-b"):
         settings = NodeAgentSettings(**env, node_id=node, device_count=4, heartbeat_s=0.5, kill_grace_s=3.0,
+                                     rack="rack-1", network_tier="pod-1", nvlink_domain=f"{node}-nvl",
                                      rank_command=[sys.executable, str(WORKLOAD)], instance_id=f"agent-{node}",
                                      spool_poll_s=0.1)
         runtime = ServiceRuntime("node-agent", settings)
@@ -269,6 +270,10 @@ async def cluster_ready(s: Stack) -> None:
         return len(nodes) == 2
 
     await poll(both_nodes, "both node agents in the inventory")
+    # The topology the agents report is what the scheduler places by.
+    for record in await s.scheduler.available_nodes(utcnow()):
+        assert (record.rack, record.network_tier, record.nvlink_domain) == ("rack-1", "pod-1", f"{record.node_id}-nvl")
+        assert len(record.devices) == 4 and record.devices[0].memory_bytes > 0
 
 
 # ----------------------------------------------------------------------------- tests
@@ -328,7 +333,8 @@ async def test_gang_runs_to_success_while_bad_input_is_contained(stack: Stack) -
     assert letters[0].consumer_group.endswith(".scheduler") and "invalid event" in letters[0].error
     big = await s.wait_job("too-big", lambda j: bool(j.queued_reason), "a queued reason")
     assert big.state == "queued" and not big.attempts
-    assert big.queued_reason == "needs 16 cpu devices; the cluster has 8 healthy cpu devices on 2 nodes"
+    assert big.queued_reason == "capacity: needs 16 cpu devices; the cluster has 8 healthy cpu devices on 2 nodes"
+    assert big.queued_reason_kind == "capacity"
     assert not s.tap.events(GangAllocated, job_id="too-big")
 
 

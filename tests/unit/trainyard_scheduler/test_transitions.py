@@ -9,6 +9,7 @@ import pytest
 from trainyard_common.events import (
     AllocationRevoked,
     CheckpointRef,
+    CheckpointRequested,
     DeviceInfo,
     GangAllocated,
     JobStateChanged,
@@ -270,3 +271,79 @@ def test_reconcile_times_out_a_gang_that_only_partly_started() -> None:
     outcome = tr.check_attempt(job, now=at(61), **kw)
     assert outcome.job.current.failure_reason.startswith("start-timeout: 1 of 2 ranks started")
     assert tr.check_attempt(running(admitted(new_job())), now=at(61), **kw).changed is False
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def preempted(job: JobRecord, *, ready_step: int | None = 10, now: float = 100) -> tr.Outcome:
+    return tr.request_preemption(job, by="urgent", reason="preempted for urgent (lower priority)",
+                                 latest_ready_step=ready_step, grace_s=60, now=at(now))
+
+
+def test_admit_records_the_placement_detail() -> None:
+    job = admitted(new_job())
+    assert job.current.placement_detail is not None and job.current.placement_detail.nodes == 1
+
+
+def test_preemption_asks_for_a_checkpoint_first() -> None:
+    job = running(admitted(new_job()))
+    outcome = preempted(job)
+    (event,) = outcome.events
+    assert isinstance(event, CheckpointRequested)
+    assert (event.requested_by, event.epoch, event.deadline) == ("urgent", 1, at(160))
+    current = outcome.job.current
+    assert (current.preempted_by, current.preempt_after_step, current.state) == ("urgent", 10, "running")
+    assert outcome.release is None and outcome.job.state == "running"
+    assert preempted(outcome.job).changed is False  # asked once
+    assert tr.request_preemption(new_job(), by="x", reason="r", latest_ready_step=None, grace_s=1,
+                                 now=T0).changed is False  # nothing live
+
+
+@pytest.mark.parametrize(("ready_step", "now", "revoked", "how"), [
+    (10, 120, False, None),  # no newer checkpoint, grace not over
+    (20, 120, True, "the checkpoint at step 20 is READY"),
+    (10, 161, True, "no new checkpoint within 60s; it resumes from the last READY one"),
+])
+def test_preemption_ends_at_a_newer_checkpoint_or_the_deadline(ready_step: int, now: float, revoked: bool,
+                                                               how: str | None) -> None:
+    job = preempted(running(admitted(new_job()))).job
+    outcome = tr.check_preemption(job, latest_ready_step=ready_step, preemptor_waiting=True, grace_s=60, now=at(now))
+    assert outcome.changed is revoked
+    if not revoked:
+        return
+    assert outcome.job.state == "queued" and states(outcome) == ["queued"]
+    assert outcome.job.current.state == "revoked" and tr.failures(outcome.job) == 0  # not a failure
+    assert outcome.job.current.failure_reason == f"preempted by urgent: {how}"
+    assert outcome.job.queued_reason_kind == "priority" and "preempted by urgent" in outcome.job.queued_reason
+    revocations = [e for e in outcome.events if isinstance(e, AllocationRevoked)]
+    assert len(revocations) == 1 and revocations[0].reason == "preempted by urgent"
+    assert outcome.release is not None and tr.is_pending(outcome.job)
+
+
+def test_preemption_is_withdrawn_when_the_preemptor_no_longer_waits() -> None:
+    job = preempted(running(admitted(new_job()))).job
+    outcome = tr.check_preemption(job, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(500))
+    assert outcome.changed and outcome.events == [] and outcome.release is None
+    assert outcome.job.current.preempted_by is None and outcome.job.current.state == "running"
+
+
+def test_waiting_reason_carries_its_kind() -> None:
+    first = tr.note_waiting(new_job(), "quota: tenant t1 holds 8", "quota")
+    assert (first.job.queued_reason_kind, first.changed) == ("quota", True)
+    assert tr.note_waiting(first.job, "quota: tenant t1 holds 8", "quota").changed is False
+    assert tr.note_waiting(first.job, "quota: tenant t1 holds 8", "capacity").changed is True
+
+
+def test_ranks_that_answer_the_checkpoint_request_end_the_attempt_without_a_failure() -> None:
+    job = preempted(running(admitted(new_job()))).job
+    outcome = tr.worker_exited(job, exited(job, 0, code=143, reason="preempted"), final_ready=False,
+                               policy=POLICY, now=at(130))
+    assert outcome.job.state == "queued" and outcome.job.current.state == "revoked"
+    assert outcome.job.current.failure_reason == "preempted by urgent: its ranks checkpointed and stopped"
+    assert tr.failures(outcome.job) == 0 and outcome.release is not None
+    # a "preempted" exit nobody asked for (e.g. a spot reclaim) is an ordinary retryable failure
+    plain = running(admitted(new_job()))
+    failed = tr.worker_exited(plain, exited(plain, 0, code=143, reason="preempted"), final_ready=False,
+                              policy=POLICY, now=at(5))
+    assert failed.job.state == "queued" and failed.job.current.state == "failed"

@@ -1,9 +1,12 @@
-"""trainyard scheduler: node inventory, gang placement, epoch-fenced leases and job attempts.
+"""trainyard scheduler: inventory, topology-aware gang placement, queues with quotas, priorities,
+fair sharing, backfill and preemption, epoch-fenced leases and a fenced leader lease.
 
-The decisions are pure (:mod:`placement`, :mod:`planner`, :mod:`transitions`); the
-:class:`Scheduler` shell applies them against Redis and the event bus.
+The decisions are pure (:mod:`placement`, :mod:`planner`, :mod:`transitions`, :mod:`policy`); the
+:class:`Scheduler` shell applies them against Redis and the event bus; :mod:`simulation` drives
+the same pure code in a discrete-event simulator (``bench/scheduler/run.py``).
 """
 
+from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import (
     ClusterSnapshot,
     GangRequest,
@@ -12,9 +15,20 @@ from trainyard_scheduler.placement import (
     Placement,
     RankSlot,
     Unschedulable,
+    parse_topology,
     place,
 )
-from trainyard_scheduler.planner import Admit, Decision, PendingJob, Wait, plan
+from trainyard_scheduler.planner import (
+    Admit,
+    Decision,
+    PendingJob,
+    PlanStats,
+    Preempt,
+    RunningJob,
+    Wait,
+    plan,
+)
+from trainyard_scheduler.policy import QueueConfig, parse_queue_config
 from trainyard_scheduler.scheduler import Scheduler, SchedulerKeys
 from trainyard_scheduler.settings import SchedulerSettings
 
@@ -22,17 +36,26 @@ __all__ = [
     "Admit",
     "ClusterSnapshot",
     "Decision",
+    "FencedLeases",
     "GangRequest",
+    "LeaderKeys",
+    "Leadership",
     "NodeShare",
     "NodeView",
     "PendingJob",
+    "PlanStats",
     "Placement",
+    "Preempt",
+    "QueueConfig",
     "RankSlot",
+    "RunningJob",
     "Scheduler",
     "SchedulerKeys",
     "SchedulerSettings",
     "Unschedulable",
     "Wait",
+    "parse_queue_config",
+    "parse_topology",
     "place",
     "plan",
 ]

@@ -11,9 +11,13 @@ from trainyard_scheduler.scheduler import Scheduler
 from trainyard_scheduler.settings import SchedulerSettings
 
 SUMMARY = (
-    "trainyard scheduler: builds the node inventory from NodeHeartbeat, places gangs of ranks "
-    "(whole gang or nothing; tensor-parallel groups inside one node), takes epoch-fenced device "
-    "leases in Redis, publishes GangAllocated, and drives job attempts to succeeded, failed or cancelled."
+    "trainyard scheduler: builds the node inventory (device type, count, memory, rack, NVLink domain, "
+    "network tier) from NodeHeartbeat; queues jobs with per-tenant quotas (guaranteed + borrowable), "
+    "priority classes, fair sharing, aging, backfill and checkpoint-first preemption; places whole gangs "
+    "topology-aware (TP groups inside one NVLink domain, the fewest racks); takes epoch-fenced device "
+    "leases in Redis; publishes GangAllocated; and drives job attempts to succeeded, failed or cancelled. "
+    "Several instances may run: one leads (a fenced leader lease), the others stand by. "
+    "Topology and queue configuration: services/scheduler/README.md."
 )
 
 

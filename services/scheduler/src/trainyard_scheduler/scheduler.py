@@ -1,20 +1,29 @@
 """The scheduler's I/O shell: events in, a Redis snapshot, a pure decision, the result applied.
 
-* NODES    NodeHeartbeat → NodeRecord upsert (inventory); NodeQuarantined → node excluded.
+* NODES    NodeHeartbeat → NodeRecord upsert (inventory) + renewal of the node's lease TTLs;
+           NodeQuarantined → node excluded.
 * JOBS     JobSubmitted → JobRecord created if absent; JobControlRequested → cancel/pause/resume.
 * WORKERS  WorkerStarted / WorkerExited → attempt and job transitions.
-* CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY.
-* tick     1. leader lock  2. reconcile (when due)  3. snapshot  4. plan  5. admit / note waits.
+* CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
+           preemption waiting for a checkpoint.
+* tick     1. leader lease (fenced, epoch)  2. reconcile (when due)  3. preemptions in progress
+           4. snapshot  5. plan  6. admit / preempt / note waits.
 
-Every change to a job goes through :meth:`Scheduler._mutate`: WATCH the job key, decide with
-a pure function from :mod:`trainyard_scheduler.transitions`, write the record and stage its
-events in one MULTI (outbox), then release leases. A concurrent writer makes the MULTI fail
-and the decision is taken again on fresh state, so handlers, the tick and a second
-scheduler instance never lose each other's updates.
+Every change to a job goes through :meth:`Scheduler._mutate`: WATCH the job key, decide with a
+pure function from :mod:`trainyard_scheduler.transitions`, write the record and stage its events
+in one MULTI (outbox), then release leases. A concurrent writer makes the MULTI fail and the
+decision is taken again on fresh state.
+
+Two instances may run: both consume the events (one consumer group; handlers apply facts and
+are safe from any instance), only the leader runs the tick. Everything the tick writes is
+fenced by the leader epoch — device grants inside the Lua script, job records by WATCHing the
+epoch key — so a paused or partitioned former leader cannot double-book a device or overwrite
+a decision of its successor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -22,11 +31,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from opentelemetry import trace
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, FencingError, LeaseConflictError
+from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError
 from trainyard_common.events import (
     CHECKPOINTS,
     JOBS,
@@ -44,31 +54,25 @@ from trainyard_common.events import (
     WorkerStarted,
     utcnow,
 )
-from trainyard_common.leases import Device, LeaseManager
+from trainyard_common.leases import Device
 from trainyard_common.records import CheckpointRecord, JobRecord, NodeRecord
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import transitions as tr
+from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
-from trainyard_scheduler.planner import Admit, PendingJob, Wait, plan
+from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, plan
+from trainyard_scheduler.policy import QueueConfig, parse_queue_config
 from trainyard_scheduler.settings import SchedulerSettings
+from trainyard_scheduler.sizing import min_device_memory
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.scheduler")
 
 Clock = Callable[[], datetime]
-Decide = Callable[[JobRecord, bool], tr.Outcome]
 
-_LEAD = """
-local cur = redis.call('GET', KEYS[1])
-if (not cur) or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
 _DISCOVERY_WINDOW_S = 3600.0
 _MGET_CHUNK = 500
 
@@ -78,7 +82,20 @@ class SchedulerKeys:
 
     active = "ty:sched:active"  # ids of jobs not yet terminal
     port = "ty:sched:rdzv-port"  # rendezvous port counter
-    leader = "ty:sched:leader"  # instance id of the scheduler that runs the tick
+    leader = LeaderKeys.leader  # "<epoch> <instance>" of the scheduler that runs the tick
+    leader_epoch = LeaderKeys.epoch  # incremented at every takeover
+    queue_config = Keys.queue_config
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Durable facts a transition may need besides the job record (read under the same WATCH)."""
+
+    final_ready: bool = False
+    latest_ready_step: int | None = None
+
+
+Decide = Callable[[JobRecord, Facts], tr.Outcome]
 
 
 @dataclass
@@ -96,13 +113,28 @@ def _trace_id(traceparent: str | None) -> str | None:
     return parts[1] if len(parts) >= 3 else None
 
 
-def final_checkpoint_ready(job: JobRecord, raw_records: list[str]) -> bool:
-    """Whether a READY checkpoint at (or past) ``maxSteps`` is among the raw CheckpointRecords."""
+def checkpoint_facts(job: JobRecord, raw_records: list[str]) -> Facts:
+    """Whether a READY checkpoint at ``maxSteps`` exists, and the latest READY step."""
+    final, latest = False, None
     for raw in raw_records:
         record = CheckpointRecord.model_validate_json(raw)
-        if record.state == "READY" and tr.is_final_step(job, record.global_step):
-            return True
-    return False
+        if record.state != "READY":
+            continue
+        latest = record.global_step if latest is None else max(latest, record.global_step)
+        final = final or tr.is_final_step(job, record.global_step)
+    return Facts(final, latest)
+
+
+def final_checkpoint_ready(job: JobRecord, raw_records: list[str]) -> bool:
+    """Whether a READY checkpoint at (or past) ``maxSteps`` is among the raw CheckpointRecords."""
+    return checkpoint_facts(job, raw_records).final_ready
+
+
+def attempt_devices(job: JobRecord) -> list[Device]:
+    current = job.current
+    if current is None:
+        return []
+    return [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in current.devices)]
 
 
 class Scheduler:
@@ -114,12 +146,19 @@ class Scheduler:
         self.redis = runtime.redis
         self.store = runtime.store
         self.clock = clock
-        self.leases = LeaseManager(runtime.redis)
+        self.leadership = Leadership(runtime.redis, runtime.instance,
+                                     ttl_s=max(settings.leader_ttl_s, 2 * settings.tick_s))
+        self.leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
         self.policy = tr.RetryPolicy(settings.retry_backoff_s, settings.retry_backoff_max_s)
         self.deadlines = tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s)
-        self._lead = runtime.redis.register_script(_LEAD)
+        self.queue = QueueConfig()
+        self._queue_source: str | None = None
+        self._leading: int | None = None
         self._next_reconcile: datetime | None = None
+        self._next_config: datetime | None = None
         self._discovered_all = False
+        self._jobs_cache: dict[str, tuple[str, JobRecord]] = {}
+        self._memory: dict[str, int] = {}
 
     def install(self) -> None:
         """Subscribe to the topics and register the tick; call before ``runtime.start()``."""
@@ -135,12 +174,18 @@ class Scheduler:
                                     CheckpointFailed: self.on_checkpoint_failed},
                       group=group, deduper_factory=dedupe)
         self.runtime.add_loop("tick", self.tick, self.settings.tick_s)
+        # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
+        self.runtime.add_loop("leader", self.lead, self.leadership.ttl_ms / 3000)
 
     async def aclose(self) -> None:
-        """Give up the leader lock so a successor does not wait for it to expire."""
+        """Give up the leader lease so a standby does not wait for it to expire."""
         with contextlib.suppress(Exception):
-            if await self.redis.get(SchedulerKeys.leader) == self.runtime.instance:
-                await self.redis.delete(SchedulerKeys.leader)
+            await self.leadership.resign()
+
+    @property
+    def leader_epoch(self) -> int | None:
+        """The leader epoch while this instance leads."""
+        return self._leading
 
     # ------------------------------------------------------------------ inventory
     async def on_heartbeat(self, event: NodeHeartbeat) -> None:
@@ -151,10 +196,11 @@ class Scheduler:
             return  # an older heartbeat delivered late
         record = NodeRecord(
             node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
-            devices=event.devices, healthy=event.healthy, last_seen=seen,
+            network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
             quarantined=previous.quarantined if previous else None,
         )
         await self.store.put_node(record)
+        await self.leases.renew_node(event.node_id, [d.index for d in event.devices])
 
     async def on_quarantined(self, event: NodeQuarantined) -> None:
         raw = await self.redis.hget(Keys.nodes, event.node_id)
@@ -169,6 +215,10 @@ class Scheduler:
         horizon = now - timedelta(seconds=self.settings.node_timeout_s)
         return [n for n in await self.store.list_nodes()
                 if n.healthy and not n.quarantined and n.last_seen >= horizon]
+
+    async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
+        """Seam for node reputation (issue 6): higher = used last among equal choices. None yet."""
+        return {}
 
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
@@ -189,7 +239,7 @@ class Scheduler:
                  event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
 
     async def on_control(self, event: JobControlRequested) -> None:
-        def decide(job: JobRecord, _: bool) -> tr.Outcome:
+        def decide(job: JobRecord, _: Facts) -> tr.Outcome:
             if job.tenant != event.tenant:
                 return tr.unchanged(job, f"{event.action} from tenant {event.tenant!r} ignored: not the owner")
             return tr.request_control(job, event.action, event.reason, self.clock())
@@ -204,96 +254,224 @@ class Scheduler:
                            label="worker started")
 
     async def on_worker_exited(self, event: WorkerExited) -> None:
-        def decide(job: JobRecord, final_ready: bool) -> tr.Outcome:
-            return tr.worker_exited(job, event, final_ready=final_ready, policy=self.policy, now=self.clock())
+        def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
+            return tr.worker_exited(job, event, final_ready=facts.final_ready, policy=self.policy, now=self.clock())
 
         await self._mutate(event.job_id, decide, need_checkpoints=True, label="worker exited")
 
     async def on_checkpoint_ready(self, event: CheckpointReady) -> None:
-        await self._mutate(
-            event.job_id, lambda job, _: tr.checkpoint_ready(job, global_step=event.global_step, now=self.clock()),
-            label="checkpoint ready",
-        )
+        preemptor_waiting = await self._preemptor_waiting(event.job_id)
+
+        def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
+            outcome = tr.checkpoint_ready(job, global_step=event.global_step, now=self.clock())
+            current = job.current
+            if outcome.changed or current is None or current.preempted_by is None:
+                return outcome
+            latest = facts.latest_ready_step
+            if event.attempt == current.attempt:
+                latest = max(latest or 0, event.global_step)
+            return tr.check_preemption(job, latest_ready_step=latest, preemptor_waiting=preemptor_waiting,
+                                       grace_s=self.queue.preemption.checkpoint_grace_seconds, now=self.clock())
+
+        await self._mutate(event.job_id, decide, need_checkpoints=True, label="checkpoint ready")
 
     async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
-        def decide(job: JobRecord, _: bool) -> tr.Outcome:
+        def decide(job: JobRecord, _: Facts) -> tr.Outcome:
             return tr.checkpoint_failed(job, global_step=event.global_step, reason=event.reason,
                                         policy=self.policy, now=self.clock())
 
         await self._mutate(event.job_id, decide, label="checkpoint failed")
 
+    async def _preemptor_waiting(self, job_id: str) -> bool:
+        job = await self.store.get_job(job_id)
+        by = job.current.preempted_by if job and job.current else None
+        if by is None:
+            return False
+        preemptor = await self.store.get_job(by)
+        return preemptor is not None and tr.is_pending(preemptor)
+
     # ------------------------------------------------------------------ the tick
+    async def lead(self) -> int | None:
+        """Take or renew the fenced leader lease; returns the leader epoch while this instance leads."""
+        epoch = await self.leadership.maintain()
+        if epoch is None:
+            if self._leading is not None:
+                log.warning("no longer the scheduling leader (epoch %d); standing by", self._leading)
+            self._leading = None
+        elif epoch != self._leading:
+            log.info("scheduling leader now (leader epoch %d, instance %s)", epoch, self.runtime.instance)
+            self._leading = epoch
+            self._next_reconcile = None  # a new leader repairs first (orphans of its predecessor)
+        return self._leading
+
     async def tick(self) -> None:
-        """One scheduling pass; only the leader schedules."""
-        ttl_ms = int(max(self.settings.leader_ttl_s, 3 * self.settings.tick_s) * 1000)
-        if not int(await self._lead(keys=[SchedulerKeys.leader], args=[self.runtime.instance, ttl_ms])):
+        """One scheduling pass; only the leader schedules, and every write it makes is fenced."""
+        epoch = await self.lead()
+        if epoch is None:
+            now = self.clock()
+            if self._next_config is None or now >= self._next_config:  # standbys apply the policy too
+                await self.load_queue_config()
+                self._next_config = now + timedelta(seconds=self.settings.reconcile_interval_s)
             return
+        try:
+            await self.schedule(epoch)
+        except FencingError as exc:
+            log.warning("a newer scheduler leads (%s); standing by", exc)
+            self._leading = None
+            self.leadership.epoch = None
+
+    async def schedule(self, epoch: int) -> None:
+        """Phases 2–6 of the tick (see the module docstring), as leader ``epoch``."""
         now = self.clock()
         if self._next_reconcile is None or now >= self._next_reconcile:
-            await self.reconcile(now)
+            await self.reconcile(now, epoch)
             self._next_reconcile = now + timedelta(seconds=self.settings.reconcile_interval_s)
-        # 1. snapshot: available nodes, held leases, active jobs
+        jobs = {j.job_id: j for j in await self.active_jobs()}
+        await self._advance_preemptions(jobs, epoch)
         nodes = await self.available_nodes(now)
         held = await self.held_allocations()
-        jobs = {j.job_id: j for j in await self.active_jobs()}
-        leased: dict[str, list[int]] = {}
+        leased: dict[str, set[int]] = {}
         for allocation in held.values():
             for device in allocation.devices:
-                leased.setdefault(device.node_id, []).append(device.index)
-        snapshot = ClusterSnapshot.build(nodes, leased)
-        # 2. pending jobs, 3. decisions
-        pending = [self._pending(j) for j in jobs.values() if tr.is_pending(j)]
-        decisions = plan(snapshot, pending, now)
-        # 4. apply
+                leased.setdefault(device.node_id, set()).add(device.index)
+        running = [r for j in jobs.values() if (r := self._running(j)) is not None]
+        for r in running:  # a live attempt's devices stay taken even if a lease key expired
+            for device in r.devices:
+                leased.setdefault(device.node_id, set()).add(device.index)
+        snapshot = ClusterSnapshot.build(nodes, leased, penalties=await self.node_penalties(nodes))
+        pending = [self._pending(j, running) for j in jobs.values() if tr.is_pending(j)]
+        decisions = plan(snapshot, pending, now, running=running, policy=self.queue)
+        await self._apply(decisions, jobs, epoch)
+
+    async def _apply(self, decisions: list, jobs: dict[str, JobRecord], epoch: int) -> None:
+        notes = 0
         for decision in decisions:
             try:
                 if isinstance(decision, Admit):
-                    await self._admit(decision.job_id, decision.placement)
+                    await self._admit(decision.job_id, decision.placement, epoch)
+                elif isinstance(decision, Preempt):
+                    for victim in decision.victims:
+                        await self._ask_to_checkpoint(victim, decision, epoch)
                 elif isinstance(decision, Wait) and decision.reason is not None:
-                    if jobs[decision.job_id].queued_reason != decision.reason:
-                        reason = decision.reason
-                        await self._mutate(decision.job_id, lambda j, _: tr.note_waiting(j, reason),
-                                           label="waiting")
+                    job = jobs[decision.job_id]
+                    if (job.queued_reason, job.queued_reason_kind) == (decision.reason, decision.kind):
+                        continue
+                    if notes >= self.settings.max_wait_notes:
+                        continue
+                    notes += 1
+                    reason, kind = decision.reason, decision.kind
+                    await self._mutate(decision.job_id, lambda j, _, r=reason, k=kind: tr.note_waiting(j, r, k),
+                                       label="waiting", fence=epoch)
             except LeaseConflictError as exc:
                 log.info("placement of %s raced another allocation, retrying next tick: %s", decision.job_id, exc)
 
-    def _pending(self, job: JobRecord) -> PendingJob:
+    def _priority(self, job: JobRecord) -> int:
+        return self.queue.priority(job.tenant, job.priority)
+
+    def _running(self, job: JobRecord) -> RunningJob | None:
+        current = job.current
+        if not tr.is_live(current):
+            return None
+        assert current is not None
+        priority = self._priority(job)
+        aged = priority + self.queue.boost((current.started_at - job.created_at).total_seconds())
+        return RunningJob(job_id=job.job_id, tenant=job.tenant, priority=priority,
+                          gpu_type=job.spec.resources.gpu_type, devices=tuple(attempt_devices(job)),
+                          started_at=current.started_at, preempted_by=current.preempted_by, admitted_priority=aged)
+
+    def _pending(self, job: JobRecord, running: list[RunningJob]) -> PendingJob:
+        if job.spec_hash not in self._memory:
+            if len(self._memory) > 10_000:
+                self._memory.clear()
+            self._memory[job.spec_hash] = min_device_memory(job.spec)
         return PendingJob(
-            job_id=job.job_id, request=GangRequest.from_spec(job.spec), submitted_at=job.created_at,
-            priority=job.priority, not_before=tr.retry_not_before(job, self.policy),
+            job_id=job.job_id,
+            request=GangRequest.from_spec(job.spec, min_memory_bytes=self._memory[job.spec_hash]),
+            submitted_at=job.created_at, priority=self._priority(job),
+            not_before=tr.retry_not_before(job, self.policy), tenant=job.tenant,
+            preempting=tuple(r.job_id for r in running if r.preempted_by == job.job_id),
         )
 
-    async def _admit(self, job_id: str, placement: Placement) -> None:
-        """Reserve (leases, Lua), persist (attempt + GangAllocated in one MULTI), undo on conflict."""
+    async def _admit(self, job_id: str, placement: Placement, epoch: int) -> None:
+        """Reserve (leases, fenced Lua), persist (attempt + GangAllocated in one fenced MULTI), undo on conflict."""
         devices = placement.devices()
         async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(Keys.job(job_id))
+            await pipe.watch(Keys.job(job_id), SchedulerKeys.leader_epoch)
             raw = await pipe.get(Keys.job(job_id))
             job = JobRecord.model_validate_json(raw) if raw else None
             if job is None or not tr.is_pending(job):
                 return
+            await self._check_epoch(pipe, epoch)
             number = len(job.attempts) + 1
             allocation_id = f"{job_id}-a{number}-{uuid.uuid4().hex[:8]}"
             start = await self._start_checkpoint(job_id)
-            epoch = await self.leases.acquire(job_id, allocation_id, devices)
+            every = await self._advised_interval(job)
+            lease_epoch = await self.leases.acquire(epoch, job_id, allocation_id, devices)
             try:
+                if self.settings.admit_pause_s:
+                    await asyncio.sleep(self.settings.admit_pause_s)
                 port = await self._next_port()
                 with self._job_span(job, "scheduler.place"):
-                    outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=epoch,
-                                       master_port=port, start_checkpoint=start, now=self.clock())
+                    outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
+                                       master_port=port, start_checkpoint=start, now=self.clock(),
+                                       checkpoint_every_steps=every)
                     if not outcome.changed:
                         raise WatchError(outcome.note or "job changed")
                     self._stage(pipe, job_id, outcome)
                     await pipe.execute()
             except WatchError:
-                await self._release(allocation_id, epoch, devices)
-                log.info("job %s changed while being placed; placement undone", job_id)
+                await self._release(allocation_id, lease_epoch, devices)
+                log.info("job %s or the leader changed while it was being placed; placement undone", job_id)
                 return
             except BaseException:
-                await self._release(allocation_id, epoch, devices)
+                await self._release(allocation_id, lease_epoch, devices)
                 raise
-        log.info("job %s: %s (allocation %s, epoch %d, world %d, score %.2f)", job_id, outcome.note,
-                 allocation_id, epoch, placement.world_size, placement.score)
+        detail = placement.detail
+        log.info("job %s: %s (allocation %s, epoch %d, world %d, score %.2f, %s)", job_id, outcome.note,
+                 allocation_id, lease_epoch, placement.world_size, placement.score,
+                 f"{detail.nodes} nodes / {detail.racks} racks / {detail.cross_rack_links} cross-rack links"
+                 if detail else "")
+
+    async def _ask_to_checkpoint(self, victim: str, decision: Preempt, epoch: int) -> None:
+        latest = await self.store.latest_ready_checkpoint(victim)
+        grace = self.queue.preemption.checkpoint_grace_seconds
+
+        def decide(job: JobRecord, _: Facts) -> tr.Outcome:
+            return tr.request_preemption(job, by=decision.job_id, reason=decision.reason,
+                                         latest_ready_step=latest.global_step if latest else None,
+                                         grace_s=grace, now=self.clock())
+
+        await self._mutate(victim, decide, label="preempt", fence=epoch)
+
+    async def _advance_preemptions(self, jobs: dict[str, JobRecord], epoch: int) -> None:
+        """Revoke victims whose checkpoint is READY or whose grace ran out; withdraw needless ones."""
+        grace = self.queue.preemption.checkpoint_grace_seconds
+        for job in list(jobs.values()):
+            current = job.current
+            if current is None or current.preempted_by is None or not tr.is_live(current):
+                continue
+            preemptor = jobs.get(current.preempted_by)
+            waiting = preemptor is not None and tr.is_pending(preemptor)
+
+            def decide(j: JobRecord, facts: Facts, w: bool = waiting) -> tr.Outcome:
+                return tr.check_preemption(j, latest_ready_step=facts.latest_ready_step, preemptor_waiting=w,
+                                           grace_s=grace, now=self.clock())
+
+            outcome = await self._mutate(job.job_id, decide, need_checkpoints=True, label="preemption",
+                                         fence=epoch)
+            if outcome is not None and outcome.changed:
+                jobs[job.job_id] = outcome.job
+
+    async def _advised_interval(self, job: JobRecord) -> int | None:
+        """With ``checkpointPolicy.auto``: the coordinator's Young/Daly interval in steps, once it has one."""
+        if not getattr(job.spec.checkpoint_policy, "auto", False):
+            return None
+        raw = await self.redis.get(Keys.checkpoint_advice(job.job_id))
+        try:
+            steps = json.loads(raw).get("intervalSteps") if raw else None
+        except (ValueError, AttributeError):
+            return None
+        return int(steps) if isinstance(steps, int | float) and steps >= 1 else None
 
     async def _start_checkpoint(self, job_id: str) -> CheckpointRef | None:
         latest = await self.store.latest_ready_checkpoint(job_id)
@@ -308,26 +486,62 @@ class Scheduler:
         return low + (n - 1) % (high - low + 1)
 
     # ------------------------------------------------------------------ reconcile
-    async def reconcile(self, now: datetime) -> None:
-        """Repair from durable state: discover jobs, check live attempts, release orphan leases."""
+    async def reconcile(self, now: datetime, epoch: int) -> None:
+        """Repair from durable state: config, job discovery, live attempts, orphan and expired leases."""
+        await self.load_queue_config()
         await self._discover_jobs(now)
         available = frozenset(n.node_id for n in await self.available_nodes(now))
-        for job in await self.active_jobs():
+        jobs = await self.active_jobs()
+        for job in jobs:
             current = job.current
             if current is None or not (tr.is_live(current) or current.state == "succeeded"):
                 continue
 
-            def decide(j: JobRecord, final_ready: bool) -> tr.Outcome:
-                return tr.check_attempt(j, available_nodes=available, final_ready=final_ready,
+            def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
+                return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
                                         deadlines=self.deadlines, policy=self.policy, now=self.clock())
 
-            await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile")
-        for allocation in (await self.held_allocations()).values():
+            await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
+        held = await self.held_allocations()
+        for allocation in held.values():
             job = await self.store.get_job(allocation.job_id)
             current = job.current if job else None
             if current is None or current.allocation_id != allocation.allocation_id or not tr.is_live(current):
-                await self._release(allocation.allocation_id, allocation.epoch, allocation.devices)
+                await self._release(allocation.allocation_id, allocation.epoch, allocation.devices, fence=epoch)
                 log.warning("released orphan allocation %s of job %s", allocation.allocation_id, allocation.job_id)
+        for job in await self.active_jobs():
+            current = job.current
+            if not tr.is_live(current) or current is None:
+                continue
+            have = len(held[current.allocation_id].devices) if current.allocation_id in held else 0
+            if have < len(current.devices):
+                restored, conflicts = await self.leases.restore(epoch, current.allocation_id, current.epoch,
+                                                                attempt_devices(job))
+                log.warning("job %s: restored %d expired lease(s) of allocation %s%s", job.job_id, restored,
+                            current.allocation_id, f" ({conflicts} held by others!)" if conflicts else "")
+
+    async def load_queue_config(self) -> None:
+        """The queue policy from Redis (wins) or the file; a bad one is logged and the last good kept."""
+        text, source = await self.redis.get(SchedulerKeys.queue_config), f"redis {SchedulerKeys.queue_config}"
+        if text is None and self.settings.queue_config is not None:
+            path = Path(self.settings.queue_config)
+            try:
+                text, source = path.read_text(), str(path)
+            except OSError as exc:
+                log.error("cannot read the queue config %s: %r", path, exc)
+                return
+        if text is None:
+            self.queue, self._queue_source = QueueConfig(), None
+            return
+        try:
+            config = parse_queue_config(text, source=source)
+        except ConfigError as exc:
+            log.error("keeping the previous queue config: %s", exc)
+            return
+        if config != self.queue or source != self._queue_source:
+            log.info("queue config from %s: %d tenant(s), %d priority class(es)", source, len(config.tenants),
+                     len(config.priority_classes))
+        self.queue, self._queue_source = config, source
 
     async def _discover_jobs(self, now: datetime) -> None:
         """Jobs the API stored whose JobSubmitted never reached us still get scheduled."""
@@ -347,12 +561,24 @@ class Scheduler:
         self._discovered_all = True
 
     async def active_jobs(self) -> list[JobRecord]:
-        """Non-terminal jobs (terminal or vanished ids are pruned from the active set)."""
+        """Non-terminal jobs (terminal or vanished ids are pruned from the active set).
+
+        Records are parsed again only when their JSON changed since the last call.
+        """
         ids = sorted(await self.redis.smembers(SchedulerKeys.active))
         jobs: list[JobRecord] = []
+        cache: dict[str, tuple[str, JobRecord]] = {}
         for start in range(0, len(ids), _MGET_CHUNK):
-            jobs += await self.store.get_jobs(ids[start:start + _MGET_CHUNK])
-        live = [j for j in jobs if j.state not in TERMINAL_STATES]
+            chunk = ids[start:start + _MGET_CHUNK]
+            for job_id, raw in zip(chunk, await self.redis.mget([Keys.job(i) for i in chunk]), strict=True):
+                if not raw:
+                    continue
+                hit = self._jobs_cache.get(job_id)
+                record = hit[1] if hit and hit[0] == raw else JobRecord.model_validate_json(raw)
+                cache[job_id] = (raw, record)
+                jobs.append(record)
+        self._jobs_cache = cache
+        live = [j for j in jobs if j.state not in TERMINAL_STATES]  # transitions never mutate their input
         gone = set(ids) - {j.job_id for j in live}
         if gone:
             await self.redis.srem(SchedulerKeys.active, *gone)
@@ -375,19 +601,31 @@ class Scheduler:
         return held
 
     # ------------------------------------------------------------------ applying a transition
+    async def _check_epoch(self, pipe: object, epoch: int) -> None:
+        current = await pipe.get(SchedulerKeys.leader_epoch)  # type: ignore[attr-defined]
+        if int(current or 0) != epoch:
+            raise FencingError(f"STALE_LEADER epoch {epoch}, current {current}")
+
     async def _mutate(self, job_id: str, decide: Decide, *, need_checkpoints: bool = False,
-                      label: str = "update") -> tr.Outcome | None:
-        """Optimistic read-decide-write of one job (see the module docstring); None if unknown."""
+                      label: str = "update", fence: int | None = None) -> tr.Outcome | None:
+        """Optimistic read-decide-write of one job (see the module docstring); None if unknown.
+
+        ``fence``: the leader epoch this write is made under; the write fails with FencingError
+        once another scheduler has taken over.
+        """
         key, ckpt_key = Keys.job(job_id), Keys.checkpoints(job_id)
+        watched = [key] + ([ckpt_key] if need_checkpoints else []) + ([SchedulerKeys.leader_epoch] if fence else [])
         for _ in range(100):
             async with self.redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(*((key, ckpt_key) if need_checkpoints else (key,)))
+                await pipe.watch(*watched)
                 raw = await pipe.get(key)
                 if raw is None:
                     return None
+                if fence:
+                    await self._check_epoch(pipe, fence)
                 job = JobRecord.model_validate_json(raw)
-                final_ready = need_checkpoints and final_checkpoint_ready(job, await pipe.hvals(ckpt_key))
-                outcome = decide(job, final_ready)
+                facts = checkpoint_facts(job, await pipe.hvals(ckpt_key)) if need_checkpoints else Facts()
+                outcome = decide(job, facts)
                 if not outcome.changed:
                     if outcome.note:
                         log.debug("job %s (%s): %s", job_id, label, outcome.note)
@@ -418,11 +656,14 @@ class Scheduler:
         else:
             pipe.sadd(SchedulerKeys.active, job_id)  # type: ignore[attr-defined]
 
-    async def _release(self, allocation_id: str, epoch: int, devices: list[Device]) -> None:
+    async def _release(self, allocation_id: str, epoch: int, devices: list[Device], *,
+                       fence: int | None = None) -> None:
         devices = [Device(d.node_id, int(d.index)) for d in devices]
         try:
-            await self.leases.release(allocation_id, epoch, devices)
+            await self.leases.release(allocation_id, epoch, devices, leader_epoch=fence)
         except FencingError as exc:
+            if fence is not None and "STALE_LEADER" in str(exc):
+                raise
             log.warning("release of %s refused: %s", allocation_id, exc)
 
     @contextlib.contextmanager

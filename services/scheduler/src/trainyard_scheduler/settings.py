@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from trainyard_common.settings import ServiceSettings
@@ -11,7 +13,9 @@ class SchedulerSettings(ServiceSettings):
     """What the scheduler needs beyond the common settings."""
 
     node_timeout_s: float = Field(
-        default=15.0, gt=0, description="a node is available while its last heartbeat is younger than this"
+        default=15.0, gt=0,
+        description="a node is available while its last heartbeat is younger than this; after it, the node's "
+                    "allocations are revoked and their jobs requeued",
     )
     tick_s: float = Field(default=1.0, gt=0, description="seconds between scheduling passes")
     rendezvous_port_min: int = Field(default=29400, gt=1024, lt=65536,
@@ -28,11 +32,32 @@ class SchedulerSettings(ServiceSettings):
         default=300.0, gt=0,
         description="after every rank exited 0, how long to wait for the READY checkpoint at maxSteps",
     )
-    leader_ttl_s: float = Field(default=5.0, gt=0,
-                                description="lease of the scheduling leader lock (one active scheduler)")
+    leader_ttl_s: float = Field(
+        default=3.0, gt=0,
+        description="TTL of the fenced leader lease; a standby scheduler takes over within about this long "
+                    "after the leader stops renewing it (each takeover increments the leader epoch)",
+    )
+    lease_ttl_s: float = Field(
+        default=60.0, ge=0,
+        description="TTL of device leases, renewed by every NodeHeartbeat of the node (0 = no expiry); "
+                    "must exceed node_timeout_s",
+    )
+    queue_config: Path | None = Field(
+        default=None,
+        description="YAML/JSON file with tenants, quotas, priority classes, aging and preemption "
+                    "(see services/scheduler/README.md); the Redis key ty:sched:queue-config wins when set",
+    )
+    max_wait_notes: int = Field(default=500, gt=0,
+                                description="queued-reason updates written per scheduling pass at most")
+    admit_pause_s: float = Field(
+        default=0.0, ge=0,
+        description="fault injection for tests only: pause between taking a gang's leases and recording it",
+    )
 
     @model_validator(mode="after")
-    def _port_range(self) -> SchedulerSettings:
+    def _consistent(self) -> SchedulerSettings:
         if self.rendezvous_port_min > self.rendezvous_port_max:
             raise ValueError("rendezvous_port_min must not exceed rendezvous_port_max")
+        if self.lease_ttl_s and self.lease_ttl_s <= self.node_timeout_s:
+            raise ValueError("lease_ttl_s must exceed node_timeout_s (or be 0)")
         return self

@@ -15,7 +15,13 @@ Job states::
 
 Attempt states: starting → running → succeeded | failed | revoked. An attempt is *live*
 (holds leases, has ranks) while starting or running. Only failed attempts count against
-``JobRecord.max_attempts``; attempts revoked by pause or cancel do not.
+``JobRecord.max_attempts``; attempts revoked by pause, cancel or preemption do not.
+
+Preemption: ``request_preemption`` marks the victim's live attempt (``preempted_by``) and asks
+it to checkpoint (CheckpointRequested); ``check_preemption`` revokes it once a checkpoint newer
+than the one READY at the request is READY, or the grace period is over — or withdraws the
+request when the preemptor no longer waits. The job goes back to queued and its next attempt
+resumes from the latest READY checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from trainyard_common.events import (
     TERMINAL_STATES,
     AllocationRevoked,
     CheckpointRef,
+    CheckpointRequested,
     Event,
     GangAllocated,
     JobState,
@@ -41,7 +48,7 @@ from trainyard_scheduler.placement import Placement
 
 LIVE_ATTEMPT_STATES = frozenset({"starting", "running"})
 # Failures the scheduler itself diagnoses are worth another attempt, like a crashed rank.
-RETRYABLE = RETRYABLE_REASONS | {"revoked", "start-timeout", "checkpoint-missing", "signal"}
+RETRYABLE = RETRYABLE_REASONS | {"revoked", "start-timeout", "checkpoint-missing", "signal", "preempted"}
 
 
 @dataclass
@@ -110,8 +117,12 @@ def admit(
     master_port: int,
     start_checkpoint: CheckpointRef | None,
     now: datetime,
+    checkpoint_every_steps: int | None = None,
 ) -> Outcome:
-    """A new attempt on ``placement``: the record gains an AttemptRecord; GangAllocated goes out."""
+    """A new attempt on ``placement``: the record gains an AttemptRecord; GangAllocated goes out.
+
+    ``checkpoint_every_steps``: the coordinator's advised interval, for a spec with ``checkpointPolicy.auto``.
+    """
     if not is_pending(job):
         return unchanged(job, "no longer pending")
     number = len(job.attempts) + 1
@@ -128,9 +139,11 @@ def admit(
         master_addr=placement.master_addr,
         master_port=master_port,
     )
+    attempt.placement_detail = placement.detail
     new = job.model_copy(deep=True)
     new.attempts.append(attempt)
     new.queued_reason = None
+    new.queued_reason_kind = None
     new.updated_at = now
     event = GangAllocated(
         job_id=job.job_id,
@@ -146,16 +159,82 @@ def admit(
         spec=job.spec,
         spec_hash=job.spec_hash,
         placement_score=placement.score,
+        placement_detail=placement.detail,
+        checkpoint_every_steps=checkpoint_every_steps,
     )
     return Outcome(new, [event], note=f"attempt {number} placed on {', '.join(attempt.nodes)}")
 
 
-def note_waiting(job: JobRecord, reason: str) -> Outcome:
+def note_waiting(job: JobRecord, reason: str, kind: str | None = None) -> Outcome:
     """Record why a queued job waits (shown by GET while queued)."""
-    if job.state != "queued" or job.queued_reason == reason:
+    if job.state != "queued" or (job.queued_reason == reason and job.queued_reason_kind == kind):
         return unchanged(job)
-    new = job.model_copy(update={"queued_reason": reason})
+    new = job.model_copy(update={"queued_reason": reason, "queued_reason_kind": kind})
     return Outcome(new)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def request_preemption(job: JobRecord, *, by: str, reason: str, latest_ready_step: int | None,
+                       grace_s: float, now: datetime) -> Outcome:
+    """Mark the live attempt as preempted for ``by`` and ask its ranks for a checkpoint."""
+    current = job.current
+    if job.state in TERMINAL_STATES or not is_live(current):
+        return unchanged(job, "nothing live to preempt")
+    assert current is not None
+    if current.preempted_by is not None:
+        return unchanged(job, f"already being preempted for {current.preempted_by}")
+    new = job.model_copy(deep=True)
+    attempt = new.attempts[-1]
+    attempt.preempted_by = by
+    attempt.preempt_requested_at = now
+    attempt.preempt_after_step = -1 if latest_ready_step is None else latest_ready_step
+    new.updated_at = now
+    event = CheckpointRequested(
+        job_id=job.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id, epoch=attempt.epoch,
+        reason=reason, requested_by=by, deadline=now + timedelta(seconds=grace_s),
+    )
+    return Outcome(new, [event], note=f"attempt {attempt.attempt} asked to checkpoint: {reason}")
+
+
+def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor_waiting: bool,
+                     grace_s: float, now: datetime) -> Outcome:
+    """Finish (revoke), or withdraw, a preemption in progress; unchanged while it may still checkpoint."""
+    current = job.current
+    if job.state in TERMINAL_STATES or not is_live(current) or current is None or current.preempted_by is None:
+        return unchanged(job)
+    by = current.preempted_by
+    new = job.model_copy(deep=True)
+    attempt = new.attempts[-1]
+    new.updated_at = now
+    if not preemptor_waiting:
+        attempt.preempted_by = attempt.preempt_requested_at = attempt.preempt_after_step = None
+        return Outcome(new, note=f"preemption for {by} withdrawn: it no longer waits")
+    newer = latest_ready_step is not None and latest_ready_step > (current.preempt_after_step or -1)
+    asked = current.preempt_requested_at or now
+    if not newer and (now - asked).total_seconds() < grace_s:
+        return unchanged(job)
+    how = (f"the checkpoint at step {latest_ready_step} is READY" if newer
+           else f"no new checkpoint within {grace_s:.0f}s; it resumes from the last READY one")
+    return _revoke_preempted(new, by, how, now)
+
+
+def _revoke_preempted(new: JobRecord, by: str, how: str, now: datetime) -> Outcome:
+    """End the live attempt of ``new`` (a private copy) for preemptor ``by``; the job queues again."""
+    attempt = new.attempts[-1]
+    new.updated_at = now
+    events: list[Event] = []
+    attempt.state = "revoked"
+    attempt.ended_at = now
+    attempt.failure_reason = f"preempted by {by}: {how}"
+    events.append(AllocationRevoked(job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id,
+                                    epoch=attempt.epoch, reason=f"preempted by {by}"))
+    why = f"preempted by {by} ({how})"
+    _set_state(new, "queued", events, reason=why)
+    new.queued_reason = f"{why}; the next attempt resumes from the latest READY checkpoint"
+    new.queued_reason_kind = "priority"
+    return Outcome(new, events, release=attempt, note=why)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -201,6 +280,9 @@ def worker_exited(
     new.updated_at = now
     if not is_live(current) or job.state in TERMINAL_STATES:
         return Outcome(new, note="exit recorded for an ended attempt")
+    if event.exit_code != 0 and event.reason == "preempted" and current.preempted_by is not None:
+        # The ranks answered CheckpointRequested: they checkpointed and stopped. Not a failure.
+        return _revoke_preempted(new, current.preempted_by, "its ranks checkpointed and stopped", now)
     if event.exit_code != 0:
         detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
         if event.detail:
@@ -408,6 +490,7 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
             f"{why}; attempt {attempt.attempt + 1} resumes from the latest READY checkpoint"
             + (f" after {not_before.isoformat(timespec='seconds')}" if not_before else "")
         )
+        job.queued_reason_kind = "backoff"
         _set_state(job, "queued", events, reason=why)
         return Outcome(job, events, release=released, note=why)
     budget = "" if reason in RETRYABLE else "; not retryable"

@@ -1,0 +1,30 @@
+"""Device memory a spec needs at the very least (pure; trainyard_planner's memory model).
+
+The scheduler refuses a device type only when the gang cannot fit it however it is run: the
+estimate assumes the most memory-frugal layout the trainer could use for the spec's dp × tp × pp
+(ZeRO-3 / FSDP across the data-parallel ranks, full activation recomputation, no headroom).
+Choosing a good layout is the planning endpoint's job, not the scheduler's.
+"""
+
+from __future__ import annotations
+
+from trainyard_common.catalog import ModelConfig, resolve_model
+from trainyard_common.spec import TrainingSpec
+
+
+def min_device_memory(spec: TrainingSpec) -> int:
+    """Bytes per device below which the gang can never run; 0 when it cannot be estimated."""
+    try:
+        from trainyard_planner import FSDP, Layout, Recompute, Transformer, ZeroStage, estimate_memory
+
+        ref = spec.model_config_ref
+        config = ref if isinstance(ref, ModelConfig) else resolve_model(ref)
+        model = Transformer.from_model_config(config, seq_len=spec.training.sequence_length)
+        p = spec.parallelism
+        layout = Layout(dp=p.data, tp=p.tensor, pp=p.pipeline,
+                        zero_stage=FSDP if p.data > 1 else ZeroStage.NONE,
+                        micro_batch=spec.training.micro_batch_size, microbatches=spec.grad_accumulation,
+                        recompute=Recompute.FULL)
+        return int(estimate_memory(model, layout, headroom=0.0).required_bytes_per_device)
+    except Exception:  # noqa: BLE001 - an estimate we cannot make never blocks a job
+        return 0

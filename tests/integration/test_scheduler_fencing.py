@@ -1,0 +1,144 @@
+"""The fenced leader lease and the fenced device-lease scripts, against the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from trainyard_common.errors import FencingError, LeaseConflictError
+from trainyard_common.leases import Device
+from trainyard_common.store import Keys, connect_redis
+from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
+
+D = [Device("n1", 0), Device("n1", 1)]
+
+
+@pytest.fixture
+async def redis(env: dict[str, Any]) -> Any:
+    client = connect_redis(env["redis_url"])
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_leadership_moves_with_an_increasing_epoch(redis: Any) -> None:
+    a = Leadership(redis, "a", ttl_s=0.3)
+    b = Leadership(redis, "b", ttl_s=0.3)
+    assert await a.maintain() == 1
+    assert await b.maintain() is None
+    assert await a.maintain() == 1  # renewal keeps the epoch
+    await asyncio.sleep(0.45)  # a stops renewing (paused, partitioned, dead)
+    assert await b.maintain() == 2
+    assert await a.maintain() is None and a.epoch is None
+    assert await Leadership(redis, "a", ttl_s=0.3).current() == (2, "b")
+    await a.resign()  # not the holder: changes nothing
+    assert await redis.get(LeaderKeys.leader) == "2 b"
+    await b.resign()
+    assert await redis.get(LeaderKeys.leader) is None
+    assert await a.maintain() == 3  # the epoch never goes back
+
+
+async def test_a_restarted_instance_with_the_same_id_takes_over_at_once(redis: Any) -> None:
+    first = Leadership(redis, "sched", ttl_s=30)
+    assert await first.maintain() == 1
+    again = Leadership(redis, "sched", ttl_s=30)  # same instance id after a restart: no wait for the TTL
+    assert await again.maintain() == 2
+    with pytest.raises(FencingError, match="STALE_LEADER"):  # the old incarnation's writes are fenced
+        await FencedLeases(redis).acquire(1, "j", "j-a1", D)
+
+
+async def test_grants_need_the_current_leader_epoch(redis: Any) -> None:
+    leases = FencedLeases(redis)
+    leader = Leadership(redis, "a", ttl_s=30)
+    epoch = await leader.maintain()
+    assert epoch == 1
+    assert await leases.acquire(epoch, "j1", "j1-a1", D) == 1
+    assert await leases.acquire(epoch, "j1", "j1-a1", D) == 1  # idempotent
+    with pytest.raises(LeaseConflictError):
+        await leases.acquire(epoch, "j2", "j2-a1", [Device("n1", 1), Device("n1", 2)])
+    assert await redis.get(Keys.lease("n1", 2)) is None  # all or nothing
+    await redis.delete(LeaderKeys.leader)
+    assert await Leadership(redis, "b", ttl_s=30).maintain() == 2
+    with pytest.raises(FencingError, match="STALE_LEADER"):
+        await leases.acquire(epoch, "j3", "j3-a1", [Device("n2", 0)])
+    assert await redis.get(Keys.lease("n2", 0)) is None
+    with pytest.raises(FencingError, match="STALE_LEADER"):
+        await leases.release("j1-a1", 1, D, leader_epoch=epoch)
+    assert await leases.release("j1-a1", 1, D) == 2  # a fact-driven release needs no leadership
+    audit = [f for _, f in await redis.xrange(Keys.lease_audit)]
+    assert [(f["op"], f["allocation"]) for f in audit] == [("grant", "j1-a1"), ("release", "j1-a1")]
+    assert audit[0]["leader"] == "1"
+
+
+async def test_lease_ttls_are_renewed_and_restored(redis: Any) -> None:
+    leases = FencedLeases(redis, ttl_ms=400)
+    epoch = await Leadership(redis, "a", ttl_s=30).maintain()
+    assert epoch is not None
+    job_epoch = await leases.acquire(epoch, "j1", "j1-a1", D)
+    assert 0 < await redis.pttl(Keys.lease("n1", 0)) <= 400
+    for _ in range(3):  # heartbeats keep them alive past the TTL
+        await asyncio.sleep(0.2)
+        assert await leases.renew_node("n1", [0, 1, 2]) == 2
+    assert await redis.get(Keys.lease("n1", 0)) is not None
+    await asyncio.sleep(0.5)  # no heartbeat: they expire
+    assert await redis.get(Keys.lease("n1", 0)) is None
+    assert await leases.restore(epoch, "j1-a1", job_epoch, D) == (2, 0)
+    holder = json.loads(await redis.get(Keys.lease("n1", 1)))
+    assert holder == {"jobId": "j1", "allocationId": "j1-a1", "epoch": job_epoch}
+    assert await leases.restore(epoch, "j1-a1", job_epoch, D) == (0, 0)
+    await leases.release("j1-a1", job_epoch, D)
+    assert await leases.restore(epoch, "j1-a1", job_epoch, D) == (0, 0)  # released stays released
+    ops = [f["op"] for _, f in await redis.xrange(Keys.lease_audit)]
+    assert ops == ["grant", "restore", "release"]
+
+
+async def test_queue_config_comes_from_redis_first_then_the_file(redis: Any, env: dict[str, Any],
+                                                                 tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from trainyard_common.outbox import Outbox
+    from trainyard_common.store import StateStore
+    from trainyard_scheduler import Scheduler, SchedulerSettings
+
+    path = tmp_path / "queue.yaml"
+    path.write_text("tenants: {a: {quotas: {cpu: {guaranteed: 4, borrowLimit: 0}}}}\n")
+    runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("a", "cpu") == 4
+    await redis.set(Keys.queue_config, json.dumps({"tenants": {"a": {"quotas": {"cpu": {"guaranteed": 8,
+                                                                                         "borrowLimit": 0}}}}}))
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("a", "cpu") == 8  # Redis wins
+    await redis.set(Keys.queue_config, "tenants: [broken")
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("a", "cpu") == 8  # a bad document keeps the last good one
+    await redis.delete(Keys.queue_config)
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("a", "cpu") == 4  # back to the file
+
+
+async def test_an_auto_checkpoint_policy_gets_the_advised_interval(redis: Any, env: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    from tests.integration.test_scheduler_stack import make_spec
+    from trainyard_common.outbox import Outbox
+    from trainyard_common.records import JobRecord
+    from trainyard_common.store import StateStore
+    from trainyard_scheduler import Scheduler, SchedulerSettings
+
+    runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"]))  # type: ignore[arg-type]
+    wire = make_spec(2).wire()
+    wire["checkpointPolicy"] = {"auto": True}
+    auto = make_spec(2).model_validate(wire)
+    job = JobRecord(job_id="j", tenant="t", spec=auto, spec_hash=auto.spec_hash())
+    assert await scheduler._advised_interval(job) is None  # no advice yet: the spec's interval
+    await redis.set(Keys.checkpoint_advice("j"), json.dumps({"jobId": "j", "intervalSteps": 37}))
+    assert await scheduler._advised_interval(job) == 37
+    fixed = job.model_copy(update={"spec": make_spec(2)})
+    assert await scheduler._advised_interval(fixed) is None  # only with auto

@@ -1,0 +1,69 @@
+"""The queue policy file: YAML or JSON, camelCase, defaults, errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainyard_common.errors import ConfigError
+from trainyard_scheduler.policy import UNLIMITED, QueueConfig, dump_queue_config, parse_queue_config
+
+YAML = """
+priorityClasses:
+  - {name: low, value: -100}
+  - {name: normal, value: 0}
+  - {name: urgent, value: 500}
+tenants:
+  research:
+    cohort: lab
+    weight: 2
+    maxPriority: 100
+    quotas:
+      h100-80gb: {guaranteed: 512, borrowLimit: 256}
+      "*": {guaranteed: 0}
+defaultTenant:
+  quotas: {"*": {guaranteed: 8, borrowLimit: 0}}
+cohorts:
+  lab: {limits: {h100-80gb: 1024}}
+aging: {everySeconds: 600, step: 5, maxBoost: 50}
+preemption: {checkpointGraceSeconds: 120, maxPerPass: 1}
+backfill: false
+"""
+
+
+def test_yaml_round_trip_and_lookups() -> None:
+    config = parse_queue_config(YAML)
+    assert config.guaranteed("research", "h100-80gb") == 512
+    assert config.cap("research", "h100-80gb") == 768
+    assert config.cap("research", "a100") == UNLIMITED  # guaranteed 0, no borrow limit
+    assert config.guaranteed("research", "a100") == 0
+    assert (config.guaranteed("someone", "h100-80gb"), config.cap("someone", "h100-80gb")) == (8, 8)
+    assert config.cohort_limit("lab", "h100-80gb") == 1024 and config.cohort_limit("lab", "cpu") == UNLIMITED
+    assert config.cohort_limit("default", "h100-80gb") == UNLIMITED
+    assert config.priority("research", 900) == 100 and config.priority("other", 900) == 900
+    assert [config.class_of(p) for p in (-500, -100, 0, 499, 500, 1000)] == \
+        ["low", "low", "normal", "normal", "urgent", "urgent"]
+    assert [config.boost(s) for s in (0, 599, 600, 1800, 10**6)] == [0, 0, 5, 15, 50]
+    assert config.preemption.checkpoint_grace_seconds == 120 and config.preemption.enabled
+    assert config.backfill is False and config.tenant("research").weight == 2
+    assert parse_queue_config(dump_queue_config(config)) == config  # what the Redis key holds
+
+
+def test_empty_means_defaults_unlimited() -> None:
+    for text in ("", "{}", "null"):
+        config = parse_queue_config(text)
+        assert config == QueueConfig()
+        assert config.cap("anyone", "h100") == UNLIMITED
+        assert config.class_of(0) == "normal" and config.class_of(1000) == "critical"
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("tenants: {a: {weight: 0}}", "tenants.a.weight"),
+    ("tenants: {a: {quotas: {h100: {guaranteed: -1}}}}", "tenants.a.quotas.h100.guaranteed"),
+    ("surprise: 1", "surprise"),
+    ("- just\n- a list", "expected a mapping"),
+    ("tenants: [unclosed", "not valid YAML/JSON"),
+])
+def test_bad_config_names_the_field(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match="queue config") as info:
+        parse_queue_config(text)
+    assert fragment in str(info.value)

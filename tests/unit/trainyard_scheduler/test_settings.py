@@ -1,0 +1,28 @@
+"""Scheduler settings: defaults that make HA work, and combinations that cannot."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from trainyard_scheduler.settings import SchedulerSettings
+
+
+def test_defaults_let_a_standby_take_over_within_seconds() -> None:
+    settings = SchedulerSettings()
+    assert settings.leader_ttl_s <= 5 and settings.tick_s <= 1
+    assert settings.lease_ttl_s > settings.node_timeout_s  # leases outlive the node timeout
+    assert settings.queue_config is None and settings.admit_pause_s == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    {"lease_ttl_s": 10, "node_timeout_s": 15},
+    {"rendezvous_port_min": 30000, "rendezvous_port_max": 29999},
+])
+def test_impossible_combinations_are_refused(overrides: dict[str, float]) -> None:
+    with pytest.raises(ValidationError):
+        SchedulerSettings(**overrides)
+
+
+def test_lease_ttl_zero_means_no_expiry() -> None:
+    assert SchedulerSettings(lease_ttl_s=0).lease_ttl_s == 0
