@@ -72,9 +72,11 @@ class Outbox:
                     backoff = 0.2
                     continue
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (gh-86296)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), idle_poll_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(idle_poll_s):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
             except asyncio.CancelledError:
                 raise

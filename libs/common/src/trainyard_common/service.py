@@ -161,8 +161,10 @@ class ServiceRuntime:
                 log.exception("%s: closer %r failed", self.name, closer)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.bus.aclose()
+        await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), 10.0, f"{self.name} loops")
+        # faststream's stop waits for in-flight handlers; a stuck one must not hang shutdown
+        # (its message stays uncommitted and is re-delivered: at-least-once holds).
+        await _bounded(self.bus.aclose(), 15.0, f"{self.name} broker connection")
         try:
             await self.redis.delete(Keys.health(self.name, self.instance))
         except (RedisError, OSError):
@@ -176,6 +178,14 @@ class ServiceRuntime:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _bounded(aw: Awaitable[object], timeout_s: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await aw
+    except TimeoutError:
+        log.warning("closing %s took over %.0fs; abandoned", what, timeout_s)
 
 
 def service_main(
