@@ -131,10 +131,27 @@ class NodeHeartbeat(Event):
 
 
 class NodeQuarantined(Event):
+    """A node the scheduler stops placing on: repeated failures or straggling (or an admin)."""
+
     topic: ClassVar[str] = NODES
     event_type: Literal["NodeQuarantined"] = "NodeQuarantined"
     node_id: str
     reason: str
+    score: float | None = Field(default=None, description="the node's decayed failure score when quarantined")
+    until: datetime | None = Field(
+        default=None, description="when it returns on its own if nothing new happens (None: only an admin clears it)"
+    )
+    by: str | None = Field(default=None, description="who quarantined it: 'reputation' or an admin's name")
+
+
+class NodeReinstated(Event):
+    """A quarantined node is placeable again: an admin cleared it, or its score decayed."""
+
+    topic: ClassVar[str] = NODES
+    event_type: Literal["NodeReinstated"] = "NodeReinstated"
+    node_id: str
+    reason: str
+    by: str | None = None
 
 
 # ----------------------------------------------------------------------------- allocations
@@ -261,6 +278,9 @@ class WorkerExited(Event):
                     "signal-<n> | revoked | preempted | lost"
     )
     detail: str | None = None
+    global_step: int | None = Field(
+        default=None, description="the last global step the rank completed (or failed at, for nan), when known"
+    )
 
 
 class AttemptEnded(Event):
@@ -281,7 +301,12 @@ class StragglerDetected(Event):
     attempt: int
     rank: int
     node_id: str
-    slowdown: float
+    slowdown: float = Field(description="the rank's compute time ÷ the median rank's, over the window")
+    compute_seconds: float | None = Field(default=None, description="the rank's median compute time per step")
+    median_compute_seconds: float | None = Field(default=None, description="median over all ranks")
+    window_steps: int | None = None
+    from_step: int | None = None
+    to_step: int | None = None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -341,6 +366,23 @@ class CheckpointFailed(Event):
     attempt: int
     global_step: int
     reason: str
+
+
+class CheckpointRefused(Event):
+    """A rank's restore verification refused a READY checkpoint (missing or corrupt shard).
+
+    The coordinator marks it FAILED with the problems, so no later attempt is handed it again.
+    """
+
+    topic: ClassVar[str] = CHECKPOINTS
+    event_type: Literal["CheckpointRefused"] = "CheckpointRefused"
+    job_id: str
+    tenant: str
+    attempt: int = Field(description="the attempt that refused it")
+    manifest_uri: str
+    global_step: int
+    checkpoint_attempt: int | None = Field(default=None, description="the attempt that wrote it")
+    problems: list[str] = []
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -414,10 +456,10 @@ def _union(*classes: type[Event]) -> Any:
 
 TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
-    NODES: (NodeHeartbeat, NodeQuarantined),
+    NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated),
     ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected),
-    CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed),
+    CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
     METRICS: (StepMetrics,),
     DATASETS: (DatasetVersionPublished,),
     DEADLETTER: (DeadLetter,),

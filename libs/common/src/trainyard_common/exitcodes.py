@@ -11,10 +11,11 @@ NAN = 3
 CHECKPOINT = 4
 DATA = 5
 OOM = 6
+PREEMPTED = 7  # checkpointed on request (CheckpointRequested: preemption or pause) and stopped
 
 _REASONS = {OK: "ok", ERROR: "error", CONFIG: "config", NAN: "nan", CHECKPOINT: "checkpoint",
-            DATA: "data", OOM: "oom"}
-RETRYABLE_REASONS = frozenset({"error", "killed", "lost", "oom", "hang"})
+            DATA: "data", OOM: "oom", PREEMPTED: "preempted"}
+RETRYABLE_REASONS = frozenset({"error", "killed", "lost", "oom", "hang", "nccl", "preempted"})
 
 
 def exit_reason(code: int) -> str:
