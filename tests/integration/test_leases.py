@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from trainyard_common.errors import FencingError, LeaseConflictError
-from trainyard_common.leases import Device, LeaseManager
+from trainyard_common.leases import Device, LeaderFence, LeaseManager
 from trainyard_common.store import Keys
 
 
@@ -67,3 +67,18 @@ async def test_concurrent_gangs_never_share_a_device(leases: LeaseManager) -> No
     assert won and len(held) == len(set(held))
     audit = await leases.redis.xrange(Keys.lease_audit)
     assert len([e for _, e in audit if e["op"] == "grant"]) == len(won)
+
+
+async def test_a_leader_fence_is_checked_in_the_same_script(leases: LeaseManager) -> None:
+    fence_key = "ty:test:leader-epoch"
+    await leases.redis.set(fence_key, 3)
+    epoch = await leases.acquire("job-a", "alloc-1", D[:2], fence=LeaderFence(fence_key, 3))
+    with pytest.raises(FencingError, match="STALE_LEADER epoch 2, current 3"):
+        await leases.acquire("job-b", "alloc-2", D[2:], fence=LeaderFence(fence_key, 2))
+    assert await leases.holder(D[2]) is None  # nothing granted under the stale fence
+    with pytest.raises(FencingError, match="STALE_LEADER"):
+        await leases.release("alloc-1", epoch, D[:2], fence=LeaderFence(fence_key, 2))
+    assert (await leases.holder(D[0]))["allocationId"] == "alloc-1"
+    assert await leases.release("alloc-1", epoch, D[:2], fence=LeaderFence(fence_key, 3)) == 2
+    audit = [f for _, f in await leases.redis.xrange(Keys.lease_audit)]
+    assert [(f["op"], f.get("leader")) for f in audit] == [("grant", "3"), ("release", None)]
