@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail, utcnow
+from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, NodeAssignment, PlacementDetail, utcnow
 from trainyard_common.spec import TrainingSpec
 
 
@@ -55,6 +55,18 @@ class AttemptRecord(Record):
     preempt_requested_at: datetime | None = None
     preempt_after_step: int | None = Field(
         default=None, description="latest READY step when preemption was asked (-1: none); a newer one ends it"
+    )
+    # checkpoint-then-stop (pause uses preempt_requested_at / preempt_after_step too; JobRecord.control says which)
+    ranks_stopped_at: datetime | None = Field(
+        default=None, description="when a rank exited 'preempted' (checkpointed on request); waiting for READY"
+    )
+    assignments: list[NodeAssignment] = Field(default=[], description="node → ranks, as in GangAllocated")
+    checkpoint_every_steps: int | None = Field(default=None, description="as in GangAllocated")
+    republished: int = Field(default=0, description="times GangAllocated was published again (ranks not started)")
+    republished_at: datetime | None = None
+    nan_step: int | None = Field(default=None, description="global step of a NaN failure, when known")
+    ready_step_at_end: int | None = Field(
+        default=None, description="latest READY step when the attempt ended (progress = newer than its start)"
     )
 
 
@@ -156,6 +168,10 @@ class ArtifactRecord(Record):
     consumed_tokens: int = 0
     lineage: Lineage
     created_at: datetime = Field(default_factory=utcnow)
+    retired_at: datetime | None = Field(
+        default=None, description="when its checkpoint stopped being loadable (deleted by retention, refused at restore)"
+    )
+    retired_reason: str | None = Field(default=None, description="why it was retired")
 
 
 class DatasetRecord(Record):

@@ -39,6 +39,14 @@ class Keys:
     calibration = "ty:calib:fit"  # JSON: the planner's fitted Calibration (to_dict) and when it was fitted (api)
     calibration_devices = "ty:calib:devices"  # set: device types with calibration samples (api)
     calibration_failures_seen = "ty:calib:failures-seen"  # zset job:attempt → ended at: failures sampled (api)
+    # hash node id → JSON {"score", "at"}: the node's failure score, halving every half-life from "at" (scheduler)
+    node_reputation = "ty:sched:node-reputation"
+    # hash node id → JSON {"reason", "by", "score", "until", "at"}: nodes not placed on. The scheduler writes it
+    # from NodeQuarantined (its own, by="reputation", or an admin's) and deletes it on NodeReinstated — the API
+    # clears a node by publishing NodeReinstated(by=<admin>) on trainyard.nodes.
+    node_quarantine = "ty:sched:node-quarantine"
+    checkpoint_jobs = "ty:ckpt:jobs"  # zset: jobs the coordinator's GC still looks at (its JOBS_INDEX)
+    registry_live = "ty:registry:live"  # zset: jobs with artifacts not yet retired (registry's retire sweep)
 
     @staticmethod
     def job(job_id: str) -> str:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointFailed, CheckpointReady, FileDigest, ShardWritten
+from trainyard_common.events import CheckpointFailed, CheckpointReady, CheckpointRefused, FileDigest, ShardWritten
 from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
 from trainyard_common.records import CheckpointRecord, checkpoint_id
 
@@ -366,6 +366,25 @@ def settle_ready(
 
 def settle_failed(record: CheckpointRecord, reason: str) -> CheckpointRecord:
     return record.model_copy(update={"state": "FAILED", "reason": reason})
+
+
+REFUSED_PREFIX = "refused at restore by attempt"
+
+
+def refusal_reason(event: CheckpointRefused) -> str:
+    """``refused at restore by attempt N: <problems>``, the FAILED record's reason."""
+    problems = "; ".join(event.problems) or "restore verification failed"
+    return f"{REFUSED_PREFIX} {event.attempt}: {problems}"
+
+
+def settle_refused(record: CheckpointRecord, event: CheckpointRefused) -> CheckpointRecord | None:
+    """The record once a restoring attempt refused it: FAILED with the problems, or None when
+    nothing changes (settled FAILED/DELETED already, or the refusal names another manifest)."""
+    if record.state not in ("READY", "PENDING"):
+        return None
+    if record.manifest_uri is not None and record.manifest_uri != event.manifest_uri:
+        return None
+    return record.model_copy(update={"state": "FAILED", "reason": refusal_reason(event)})
 
 
 def settled_event(record: CheckpointRecord) -> CheckpointReady | CheckpointFailed:

@@ -5,7 +5,8 @@ State in Redis (the system of record):
 
 * ``Keys.shards(job, attempt, step)``  hash rank → :class:`ShardReport` JSON (HSETNX: the first
   report of a rank wins; a different re-report fails the checkpoint);
-* ``Keys.checkpoints(job)``            hash checkpoint id → ``CheckpointRecord`` (PENDING → READY | FAILED);
+* ``Keys.checkpoints(job)``            hash checkpoint id → ``CheckpointRecord`` (PENDING → READY | FAILED;
+                                      READY → FAILED when a restoring attempt refuses it: CheckpointRefused);
 * :data:`PENDING_INDEX`               sorted set of pending checkpoints by creation time, for the timeout sweep;
 * ``<shards key>:timing``             hash rank → {at, writeSeconds} of each report (for the interval advice);
 * :data:`JOBS_INDEX`                  jobs with checkpoints, for garbage collection and the advice.
@@ -34,7 +35,16 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from trainyard_common.errors import StateStoreError
-from trainyard_common.events import CHECKPOINTS, METRICS, WORKERS, ShardWritten, StepMetrics, WorkerExited, utcnow
+from trainyard_common.events import (
+    CHECKPOINTS,
+    METRICS,
+    WORKERS,
+    CheckpointRefused,
+    ShardWritten,
+    StepMetrics,
+    WorkerExited,
+    utcnow,
+)
 from trainyard_common.manifest import (
     CheckpointManifest,
     ParallelLayout,
@@ -43,7 +53,7 @@ from trainyard_common.manifest import (
     verify_manifest,
 )
 from trainyard_common.outbox import Outbox
-from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.storage import atomic_write_bytes, uri_to_path
 from trainyard_common.store import Keys, StateStore
@@ -66,6 +76,7 @@ from trainyard_checkpoint_coordinator.assembly import (
     pending_record,
     settle_failed,
     settle_ready,
+    settle_refused,
     settled_event,
     timeout_reason,
 )
@@ -115,8 +126,9 @@ class Coordinator:
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe (checkpoints; metrics and worker exits for the advice) and register the loops."""
         group = f"{self.settings.group_prefix}.{SERVICE_NAME}"
-        runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written}, group=group,
-                              deduper_factory=runtime.deduper)
+        runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written,
+                                            CheckpointRefused: self.on_checkpoint_refused},
+                              group=group, deduper_factory=runtime.deduper)
         # Measurements are idempotent on their own (max, once per attempt); no per-event dedupe records.
         runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=group)
         runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=group)
@@ -178,6 +190,60 @@ class Coordinator:
             entry = json.loads(text)
             reports[int(rank)] = (datetime.fromisoformat(entry["at"]), entry.get("writeSeconds"))
         return ShardTiming.of(reports)
+
+    # ------------------------------------------------------------------ CheckpointRefused
+    async def on_checkpoint_refused(self, event: CheckpointRefused) -> None:
+        """A restoring attempt refused a checkpoint: mark it FAILED so no attempt is handed it again.
+
+        Idempotent: a settled FAILED/DELETED record, or one naming another manifest, stays as it
+        is. No CheckpointFailed is published (the CheckpointRefused on the topic is the news);
+        the garbage collector removes the files of the FAILED checkpoint later.
+        """
+        trace.get_current_span().set_attributes(
+            {"trainyard.job_id": event.job_id, "trainyard.global_step": event.global_step,
+             "trainyard.attempt": event.attempt})
+        record_id = await self._refused_id(event)
+        if record_id is None:
+            log.warning("%s: attempt %d refused %s, which has no checkpoint record; nothing to mark",
+                        event.job_id, event.attempt, event.manifest_uri)
+            return
+        refused = await self._change(event.job_id, record_id, lambda rec: settle_refused(rec, event))
+        if refused is None:
+            log.info("%s/%s: refusal by attempt %d changes nothing (settled already)",
+                     event.job_id, record_id, event.attempt)
+            return
+        metrics.CHECKPOINTS.labels("refused").inc()
+        log.warning("%s/%s FAILED: %s", event.job_id, record_id, refused.reason)
+
+    async def _refused_id(self, event: CheckpointRefused) -> str | None:
+        """The refused record's id: from (step, writing attempt), else found by its manifest."""
+        if event.checkpoint_attempt is not None:
+            return checkpoint_id(event.global_step, event.checkpoint_attempt)
+        for record in await self.store.list_checkpoints(event.job_id):
+            if record.manifest_uri == event.manifest_uri and record.global_step == event.global_step:
+                return record.checkpoint_id
+        return None
+
+    async def _change(
+        self, job_id: str, record_id: str, change: Callable[[CheckpointRecord], CheckpointRecord | None]
+    ) -> CheckpointRecord | None:
+        """Rewrite one record under WATCH (and drop it from the pending index); None: unchanged."""
+        records_key = Keys.checkpoints(job_id)
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(records_key)
+                    raw = await pipe.hget(records_key, record_id)
+                    changed = change(CheckpointRecord.model_validate_json(raw)) if raw else None
+                    if changed is None:
+                        return None
+                    pipe.multi()
+                    pipe.hset(records_key, record_id, changed.dumps())
+                    pipe.zrem(PENDING_INDEX, _member(CheckpointKey(job_id, changed.attempt, changed.global_step)))
+                    await pipe.execute()
+                    return changed
+                except WatchError:
+                    continue
 
     # ------------------------------------------------------------------ settling
     async def _settle(self, key: CheckpointKey, *, timed_out: bool = False) -> None:

@@ -7,7 +7,7 @@ the dataset and the checkpoint record and passes them in.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
@@ -113,6 +113,54 @@ def ready_mismatch(ready: CheckpointReady, record: CheckpointRecord | None) -> s
     if record.tenant != ready.tenant:
         return "its tenant differs from the checkpoint record"
     return None
+
+
+# --------------------------------------------------------------------------- retirement
+
+
+def retired_since_ready(ready: CheckpointReady, record: CheckpointRecord | None) -> str | None:
+    """Why a CheckpointReady names a checkpoint that was READY and is retired since (None otherwise).
+
+    Retention DELETEs READY checkpoints and a restoring attempt may refuse one (FAILED); both keep
+    the manifest and content hash of the READY record, so a late CheckpointReady that matches them
+    is genuine but describes a checkpoint no longer loadable. A FAILED record that never was READY
+    has no content hash and does not match: that event stays a mismatch.
+    """
+    if record is None or record.state not in ("DELETED", "FAILED"):
+        return None
+    if record.content_hash != ready.content_hash or record.manifest_uri != ready.manifest_uri:
+        return None
+    if record.tenant != ready.tenant:
+        return None
+    return retirement_reason(record)
+
+
+def retirement_reason(record: CheckpointRecord) -> str:
+    what = "deleted by retention" if record.state == "DELETED" else "failed"
+    return f"checkpoint {record.checkpoint_id} {what}: {record.reason}" if record.reason else \
+        f"checkpoint {record.checkpoint_id} {what}"
+
+
+def retire(artifact: ArtifactRecord, reason: str, *, now: datetime) -> ArtifactRecord | None:
+    """The artifact marked retired; None when it is retired already (idempotent)."""
+    if artifact.retired_at is not None:
+        return None
+    return artifact.model_copy(update={"retired_at": now, "retired_reason": reason})
+
+
+def retirements(
+    artifacts: Sequence[ArtifactRecord], records: Sequence[CheckpointRecord], *, now: datetime
+) -> list[ArtifactRecord]:
+    """Artifacts (checkpoint or model) whose checkpoint record is DELETED or FAILED, marked retired."""
+    by_id = {r.checkpoint_id: r for r in records}
+    retired = []
+    for artifact in artifacts:
+        record = by_id.get(checkpoint_id(artifact.global_step, artifact.producer_attempt))
+        if record is None or record.state not in ("DELETED", "FAILED") or record.manifest_uri != artifact.uri:
+            continue
+        if (changed := retire(artifact, retirement_reason(record), now=now)) is not None:
+            retired.append(changed)
+    return retired
 
 
 # --------------------------------------------------------------------------- datasets

@@ -2,7 +2,11 @@
 
 * DATASETS / DatasetVersionPublished → ``DatasetRecord`` (first publish wins; a different
   sha256 for the same name@version is refused and dead-lettered);
-* CHECKPOINTS / CheckpointReady → ``ArtifactRecord`` type "checkpoint";
+* CHECKPOINTS / CheckpointReady → ``ArtifactRecord`` type "checkpoint" (one for a checkpoint that was
+  READY and is DELETED or refused since is recorded already retired, never dead-lettered);
+* CHECKPOINTS / CheckpointRefused → that checkpoint's artifact is marked retired;
+* a periodic retire sweep marks retired the artifacts whose checkpoint retention has DELETED
+  (jobs with live artifacts are indexed in ``Keys.registry_live``);
 * JOBS / JobStateChanged(succeeded) → ``ArtifactRecord`` type "model" (latest READY checkpoint).
 
 Artifact ids are deterministic and written with HSETNX, so re-deliveries are no-ops.
@@ -23,13 +27,16 @@ from typing import Any
 
 from opentelemetry import trace
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from trainyard_common.errors import ConflictError, NotFoundError
 from trainyard_common.events import (
     CHECKPOINTS,
     DATASETS,
     JOBS,
+    TERMINAL_STATES,
     CheckpointReady,
+    CheckpointRefused,
     DatasetVersionPublished,
     JobStateChanged,
     utcnow,
@@ -46,6 +53,9 @@ from trainyard_registry.lineage import (
     dataset_record,
     model_artifact,
     ready_mismatch,
+    retire,
+    retired_since_ready,
+    retirements,
     split_ref,
 )
 from trainyard_registry.settings import RegistrySettings
@@ -86,16 +96,19 @@ class Registry:
         self.layout = ArtifactLayout(settings.artifact_root_abs)
         self.clock = clock
         self._tries = _MissingTries(settings.missing_retry_limit)
+        self.retire_interval_s = settings.retire_interval_s
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe to datasets, checkpoints and jobs (one consumer group, one consumer)."""
         routes = (
             (DATASETS, {DatasetVersionPublished: self.on_dataset_published}),
-            (CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready}),
+            (CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready,
+                           CheckpointRefused: self.on_checkpoint_refused}),
             (JOBS, {JobStateChanged: self.on_job_state_changed}),
         )
         for topic, handlers in routes:
             runtime.bus.subscribe(topic, handlers, deduper_factory=runtime.deduper)
+        runtime.add_loop("retire-sweep", self.retire_sweep, every_s=self.retire_interval_s)
 
     # ------------------------------------------------------------------ datasets
     async def on_dataset_published(self, event: DatasetVersionPublished) -> None:
@@ -116,6 +129,15 @@ class Registry:
         job = await self._job(str(event.event_id), event.job_id)
         raw = await self.redis.hget(Keys.checkpoints(event.job_id), checkpoint_id(event.global_step, event.attempt))
         record = CheckpointRecord.model_validate_json(raw) if raw else None
+        if job.tenant == event.tenant and (retired := retired_since_ready(event, record)):
+            # A late event for a checkpoint deleted or refused since: lineage kept, marked retired.
+            artifact = checkpoint_artifact(job, event, await self._dataset(job.spec.dataset), now=self.clock())
+            artifact = retire(artifact, retired, now=self.clock()) or artifact
+            if not await self.store.put_artifact(artifact):
+                await self._retire_artifact(job.job_id, artifact.artifact_id, retired)
+            log.info("CheckpointReady for retired %s recorded as retired: %s", artifact.artifact_id, retired)
+            self._tries.done(str(event.event_id))
+            return
         if (problem := ready_mismatch(event, record)) or job.tenant != event.tenant:
             raise ConflictError(
                 f"CheckpointReady for {event.job_id} step {event.global_step} attempt {event.attempt} refused: "
@@ -124,6 +146,54 @@ class Registry:
         artifact = checkpoint_artifact(job, event, await self._dataset(job.spec.dataset), now=self.clock())
         await self._put(artifact)
         self._tries.done(str(event.event_id))
+
+    async def on_checkpoint_refused(self, event: CheckpointRefused) -> None:
+        """A restoring attempt refused a checkpoint: its artifacts are retired (idempotent)."""
+        _annotate(event.job_id)
+        reason = f"refused at restore by attempt {event.attempt}: {'; '.join(event.problems) or 'verification failed'}"
+        artifacts = [a for a in await self.store.list_artifacts(event.job_id)
+                     if a.uri == event.manifest_uri and a.tenant == event.tenant]
+        if not artifacts:
+            log.info("%s: refused %s has no artifact (yet); a late CheckpointReady is recorded retired",
+                     event.job_id, event.manifest_uri)
+        for artifact in artifacts:
+            await self._retire_artifact(event.job_id, artifact.artifact_id, reason)
+
+    async def retire_sweep(self) -> None:
+        """Mark retired the artifacts whose checkpoint record is DELETED (retention) or FAILED."""
+        for job_id in await self.redis.zrange(Keys.registry_live, 0, -1):
+            artifacts = await self.store.list_artifacts(job_id)
+            records = await self.store.list_checkpoints(job_id)
+            for changed in retirements(artifacts, records, now=self.clock()):
+                await self._retire_artifact(job_id, changed.artifact_id, changed.retired_reason or "retired")
+            if await self._settled(job_id, artifacts):
+                await self.redis.zrem(Keys.registry_live, job_id)
+
+    async def _settled(self, job_id: str, artifacts: list[ArtifactRecord]) -> bool:
+        """Nothing more to retire: no artifact is live, or the job ended and its GC is done."""
+        if all(a.retired_at is not None for a in await self.store.list_artifacts(job_id)):
+            return True
+        job = await self.store.get_job(job_id)
+        gc_pending = await self.redis.zscore(Keys.checkpoint_jobs, job_id) is not None
+        return job is not None and job.state in TERMINAL_STATES and not gc_pending
+
+    async def _retire_artifact(self, job_id: str, artifact_id: str, reason: str) -> ArtifactRecord | None:
+        key = Keys.artifacts(job_id)
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.hget(key, artifact_id)
+                    changed = retire(ArtifactRecord.model_validate_json(raw), reason, now=self.clock()) if raw else None
+                    if changed is None:
+                        return None
+                    pipe.multi()
+                    pipe.hset(key, artifact_id, changed.dumps())
+                    await pipe.execute()
+                    log.info("artifact %s retired: %s", artifact_id, reason)
+                    return changed
+                except WatchError:
+                    continue
 
     # ------------------------------------------------------------------ jobs
     async def on_job_state_changed(self, event: JobStateChanged) -> None:
@@ -149,6 +219,7 @@ class Registry:
         return job
 
     async def _put(self, artifact: ArtifactRecord) -> None:
+        await self.redis.zadd(Keys.registry_live, {artifact.job_id: self.clock().timestamp()})
         if await self.store.put_artifact(artifact):
             log.info("artifact %s recorded: %s %s", artifact.artifact_id, artifact.uri, artifact.hash)
         else:

@@ -18,3 +18,7 @@ class RegistrySettings(ServiceSettings):
             "retried (with back-off up to 10 s) before it is dead-lettered"
         ),
     )
+    retire_interval_s: float = Field(
+        default=15.0, gt=0,
+        description="how often artifacts whose checkpoint was deleted by retention or refused are marked retired",
+    )
