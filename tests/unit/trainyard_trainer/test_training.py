@@ -104,15 +104,20 @@ def test_non_finite_loss_stops_before_the_update(world_of_one: None) -> None:
     assert sched.last_epoch == 0 and not opt.state
 
 
-def test_time_based_checkpoints_follow_rank0s_clock(world_of_one: None) -> None:
-    from trainyard_trainer.checkpoint import CheckpointSchedule
-    from trainyard_trainer.training import _checkpoint_due
+def test_time_based_checkpoints_are_agreed_at_the_step_boundary(world_of_one: None, tmp_path: Path) -> None:
+    from trainyard_trainer.checkpoint import Checkpointer, CheckpointSchedule
+    from trainyard_trainer.preemption import CheckpointRequest
+    from trainyard_trainer.training import Context, agree_at_boundary
 
+    ctx = Context(rank=0, world_size=1)
+    checkpointer = Checkpointer(rank=0, mode="sync", barrier=lambda: None, agree=ctx.agree)
+    request = CheckpointRequest(tmp_path / "none.json", allocation_id="a", epoch=1)
     never = CheckpointSchedule(max_steps=10, every_minutes=1e6, last_save_at=float("inf"))
-    assert _checkpoint_due(never, 3, CPU) is False
-    assert _checkpoint_due(never, 10, CPU) is True  # maxSteps always saves, without a collective
+    assert agree_at_boundary(ctx, never, checkpointer, request, 3).due is False
+    assert agree_at_boundary(ctx, never, checkpointer, request, 10).due is True  # maxSteps always saves
     overdue = CheckpointSchedule(max_steps=10, every_minutes=0.001, last_save_at=0.0)
-    assert _checkpoint_due(overdue, 3, CPU) is True
+    boundary = agree_at_boundary(ctx, overdue, checkpointer, request, 3)
+    assert boundary.due is True and boundary.requested is False and boundary.save_done is True
 
 
 def test_dropout_follows_the_micro_batch_seeds_not_the_rank_stream(world_of_one: None) -> None:

@@ -3,6 +3,10 @@
 Started by a node agent with the rank environment contract; trains to ``maxSteps``,
 checkpointing as the spec says, and reports StepMetrics / ShardWritten through its spool.
 
+SIGUSR1 asks the rank to checkpoint and stop (see :mod:`trainyard_trainer.preemption`): its
+handler only sets a flag, read at the next step boundary; the ranks then save that step
+together and exit 7 (preempted).
+
 SIGTERM keeps its default action (immediate death) on purpose: a rank spends its waits
 inside C++ collectives, where a Python handler would not run until the collective times
 out, so a handler would make revoked ranks linger. Nothing is lost: spool lines are
@@ -25,9 +29,11 @@ from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_common.events import GangAllocated
 from trainyard_common.settings import load_settings
 from trainyard_common.spool import SpoolWriter
+from trainyard_common.storage import ArtifactLayout
 from trainyard_common.tracing import job_context, setup_tracing, shutdown_tracing
 
-from trainyard_trainer.exits import exit_code_for
+from trainyard_trainer.exits import RankEnd, exit_code_for
+from trainyard_trainer.preemption import CHECKPOINT_REQUEST_FILE, CheckpointRequest, StoppedOnRequest
 from trainyard_trainer.runtime import configure_determinism, init_distributed, select_runtime, shutdown_distributed
 from trainyard_trainer.settings import RankSettings, describe_environment
 from trainyard_trainer.training import resolve_job, train
@@ -58,9 +64,32 @@ def apply_spec_choices(settings: RankSettings, spec: TrainingSpec) -> RankSettin
     return settings.model_copy(update={k: v for k, v in chosen.items() if v is not None})
 
 
+def checkpoint_request(settings: RankSettings) -> CheckpointRequest:
+    """This rank's checkpoint request (SIGUSR1 or the request file), its signal handler installed."""
+    path = settings.checkpoint_request_file or (
+        ArtifactLayout(settings.artifact_root).attempt_dir(settings.tenant, settings.job_id, settings.attempt)
+        / CHECKPOINT_REQUEST_FILE)
+    return CheckpointRequest(path, allocation_id=settings.allocation_id, epoch=settings.epoch).install()
+
+
 def run_rank(settings: RankSettings) -> int:
-    """The whole life of one rank; returns its exit code."""
+    """The whole life of one rank; returns its exit code (and writes the exit note, when asked)."""
+    end = RankEnd()
+    code, error = exitcodes.ERROR, None
+    try:
+        code, error = _run_rank(settings, end)
+    finally:
+        if settings.exit_note_file is not None:
+            try:
+                end.write(settings.exit_note_file, code=code, error=error)
+            except OSError as exc:
+                log.warning("could not write the exit note %s: %r", settings.exit_note_file, exc)
+    return code
+
+
+def _run_rank(settings: RankSettings, end: RankEnd) -> tuple[int, str | None]:
     tracer = trace.get_tracer("trainyard_trainer")
+    request = checkpoint_request(settings)
     with job_context(settings.traceparent), tracer.start_as_current_span(
         f"train rank {settings.rank}",
         attributes={"trainyard.job_id": settings.job_id, "trainyard.attempt": settings.attempt,
@@ -75,9 +104,15 @@ def run_rank(settings: RankSettings) -> int:
             job = resolve_job(settings, allocation, runtime)
             init_distributed(settings, runtime)
             with SpoolWriter(settings.events_file) as spool:
-                progress = train(job, spool)
+                progress = train(job, spool, request=request, end=end)
             log.info("done: step %d, %d tokens", progress.global_step, progress.consumed_tokens)
-            return exitcodes.OK
+            return exitcodes.OK, None
+        except StoppedOnRequest as exc:
+            code = exit_code_for(exc)
+            span.set_attribute("trainyard.exit_code", code)
+            span.set_attribute("trainyard.stopped_at_step", exc.global_step)
+            log.warning("%s (exit %d, %s)", exc, code, exitcodes.exit_reason(code))
+            return code, None
         except Exception as exc:  # noqa: BLE001 - the process boundary: every error becomes an exit code
             code = exit_code_for(exc)
             span.record_exception(exc)
@@ -87,8 +122,8 @@ def run_rank(settings: RankSettings) -> int:
                 log.error("%s: %s (exit %d, %s)", type(exc).__name__, exc, code, exitcodes.exit_reason(code))
             else:
                 log.exception("unexpected error (exit %d)", code)
-            return code
-        finally:
+            return code, f"{type(exc).__name__}: {exc}"
+        finally:  # the SIGUSR1 handler stays: a late request must not kill a rank that is ending anyway
             shutdown_distributed()
 
 
@@ -99,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Environment (set by the node agent):\n" + describe_environment()
         + "\n  OTEL_*                          OpenTelemetry export (OTLP), read by the SDK"
-        + "\n\nExit codes: 0 ok, 1 error, 2 config, 3 nan, 4 checkpoint, 5 data, 6 oom.",
+        + "\n\nExit codes: 0 ok, 1 error, 2 config, 3 nan, 4 checkpoint, 5 data, 6 oom, 7 preempted "
+        + "(checkpointed on request and stopped).",
     )
 
 

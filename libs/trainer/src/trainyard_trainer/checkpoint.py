@@ -272,6 +272,7 @@ class Refusal:
     manifest_uri: str
     global_step: int | None
     problems: list[str]
+    attempt: int | None = None  # the attempt that wrote it
 
 
 class NoVerifiedCheckpointError(CheckpointCorruptError):
@@ -343,7 +344,7 @@ def choose_checkpoint(
     if not problems:
         return RestoreChoice(requested, f"the allocation's start checkpoint (step {requested.global_step}) verified",
                              requested=requested)
-    refused = [Refusal(requested.manifest_uri, requested.global_step, problems)]
+    refused = [Refusal(requested.manifest_uri, requested.global_step, problems, requested.attempt)]
     limit = requested.global_step
     for candidate in available:
         if candidate.manifest_uri == requested.manifest_uri:
@@ -358,7 +359,7 @@ def choose_checkpoint(
             if len(refused) > 1:
                 reason += f" ({len(refused) - 1} more refused on the way)"
             return RestoreChoice(candidate, reason, requested=requested, refused=refused)
-        refused.append(Refusal(candidate.manifest_uri, candidate.global_step, problems))
+        refused.append(Refusal(candidate.manifest_uri, candidate.global_step, problems, candidate.attempt))
     raise NoVerifiedCheckpointError(refused)
 
 
@@ -526,6 +527,22 @@ class Checkpointer:
         done, failed = self._agree_on(self.pending)
         if done:
             self._complete(failed)
+        return self.clock() - started
+
+    def local_status(self) -> tuple[bool, bool, bool]:
+        """(a save is pending, its write is not done here, it failed here): for an agreement the
+        caller folds into its own collective (then :meth:`settle` with the agreed answer)."""
+        if self.pending is None:
+            return False, False, False
+        future = self.pending.future
+        return True, not future.done(), future.done() and future.exception() is not None
+
+    def settle(self, *, all_done: bool, any_failed: bool) -> float:
+        """:meth:`poll` with the agreement already made by the caller (every rank calls it alike)."""
+        if self.pending is None or not all_done:
+            return 0.0
+        started = self.clock()
+        self._complete(any_failed)
         return self.clock() - started
 
     def wait(self) -> float:

@@ -94,6 +94,22 @@ class CheckpointRecord(_Wire):
     shard_bytes: int | None = None
 
 
+class CheckpointPolicyRecord(_Wire):
+    """When this attempt saves: the spec's policy, or the coordinator's advice (``checkpointPolicy.auto``)."""
+
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    source: str = Field(description="spec | auto: the allocation's checkpointEverySteps (Young/Daly advice)")
+
+
+class StopRecord(_Wire):
+    """A stop on request (CheckpointRequested): at which step, and whether this attempt saved it."""
+
+    global_step: int
+    saved: bool
+    signalled: bool = Field(description="the request came as a signal (else as the request file)")
+
+
 class ProgressRecord(_Wire):
     start_step: int
     global_step: int
@@ -124,9 +140,12 @@ class RunRecord(_Wire):
     model: str
     num_parameters: int
     dataset: str
-    status: str = "running"  # running | succeeded | failed
+    status: str = "running"  # running | succeeded | failed | preempted
     exit_code: int | None = None
     error: str | None = None
+    failed_step: int | None = Field(default=None, description="the global step that failed (a NaN), when known")
+    stopped: StopRecord | None = None
+    checkpoint_policy: CheckpointPolicyRecord | None = None
     started_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
     environment: Environment

@@ -51,6 +51,15 @@ class RankSettings(BaseSettings):
         default=600.0, gt=0, validation_alias="TRAINYARD_COLLECTIVE_TIMEOUT_S",
         description="a collective that takes longer fails the rank instead of hanging",
     )
+    checkpoint_request_file: Path | None = Field(
+        default=None, validation_alias="TRAINYARD_CHECKPOINT_REQUEST_FILE",
+        description="where the node agent writes a checkpoint request (CheckpointRequested); SIGUSR1 says the "
+                    "same sooner. Default: checkpoint-request.json in the attempt directory",
+    )
+    exit_note_file: Path | None = Field(
+        default=None, validation_alias="TRAINYARD_EXIT_NOTE_FILE",
+        description="where the rank writes how it ended (exit code, last or failing global step) for the agent",
+    )
     log_level: str = Field(default="INFO", validation_alias="TRAINYARD_LOG_LEVEL")
     # How to train (until the spec has fields for these: see the README, "Parallel modes").
     sharding: Literal["ddp", "zero1", "zero2", "fsdp"] = Field(

@@ -3,8 +3,11 @@
 ``train(job, spool)`` runs in phases: 0. the distributed context (mesh, a gloo control
 group, every rank's host) 1. data 2. model, parallelism, optimizer, schedule 3. restore from
 the start checkpoint, verified, with fallback to an earlier READY one 4. peak FLOP/s and the
-run record 5. steps, each followed by a checkpoint when due and a StepMetrics event. Errors
-leave as exceptions of trainyard's tree; ``__main__`` turns them into exit codes.
+run record 5. steps, each followed by one agreement of all ranks (checkpoint due? requested? the pending
+save done?), a checkpoint when due or requested, and a StepMetrics event; asked to checkpoint
+(:mod:`preemption`), the ranks save that step, wait until it is durable and stop with
+:class:`StoppedOnRequest` (exit 7). Errors leave as exceptions of trainyard's tree;
+``__main__`` turns them into exit codes.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from trainyard_common.catalog import ModelConfig, resolve_model
 from trainyard_common.errors import CheckpointError, ConfigError, DataError, NonFiniteError
-from trainyard_common.events import GangAllocated, ShardWritten, StepMetrics
+from trainyard_common.events import CheckpointRefused, GangAllocated, ShardWritten, StepMetrics
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.spool import SpoolWriter
 from trainyard_common.storage import ArtifactLayout
@@ -36,6 +40,7 @@ from trainyard_trainer.checkpoint import (
     CheckpointSchedule,
     NoVerifiedCheckpointError,
     RestoreChoice,
+    Refusal,
     SavedShard,
     check_restorable,
     checkpoint_dir_of,
@@ -46,7 +51,7 @@ from trainyard_trainer.checkpoint import (
     verify_files_shared,
 )
 from trainyard_trainer.data import MANIFEST_FILE, TokenDataset
-from trainyard_trainer.exits import exit_code_for
+from trainyard_trainer.exits import RankEnd, exit_code_for
 from trainyard_trainer.metrics import PeakFlops, device_peak_flops, flops_per_token, mfu
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import (
@@ -58,9 +63,19 @@ from trainyard_trainer.parallel import (
     resolve_plan,
 )
 from trainyard_trainer.pipeline import lm_loss
+from trainyard_trainer.preemption import (
+    CHECKPOINT_REQUEST_FILE,
+    Boundary,
+    CheckpointRequest,
+    StoppedOnRequest,
+    agreed,
+    boundary_flags,
+    plan_boundary,
+)
 from trainyard_trainer.runrecord import (
     RUN_RECORD_FILE,
     BatchRecord,
+    CheckpointPolicyRecord,
     CheckpointRecord,
     Environment,
     ParallelRecord,
@@ -68,6 +83,7 @@ from trainyard_trainer.runrecord import (
     RefusedCheckpoint,
     RestoreRecord,
     RunRecord,
+    StopRecord,
     ThroughputRecord,
     local_environment,
 )
@@ -290,10 +306,17 @@ class Context:
 
     def agree(self, values: list[int]) -> list[int]:
         """Element-wise sum of ``values`` over all ranks."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over all ranks (any rank's "yes" is everyone's)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: list[int], op: Any) -> list[int]:
         if self.world_size == 1:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, group=self.control)
+        dist.all_reduce(tensor, op=op, group=self.control)
         return [int(v) for v in tensor.tolist()]
 
     def gather(self, obj: Any) -> list[Any]:
@@ -315,8 +338,12 @@ def open_context(job: Job) -> Context:
 # ----------------------------------------------------------------------------- restore
 
 
-def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: ArtifactLayout) -> RestoreRecord:
-    """Verify and load the start checkpoint, or fall back to the newest earlier READY one."""
+def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: ArtifactLayout,
+            spool: SpoolWriter | None = None) -> RestoreRecord:
+    """Verify and load the start checkpoint, or fall back to the newest earlier READY one.
+
+    Rank 0 spools a CheckpointRefused for every READY checkpoint it refused (the coordinator
+    marks it FAILED), whether or not an earlier one then verified."""
     settings = job.settings
     started = time.perf_counter()
     ref = job.allocation.start_checkpoint
@@ -335,7 +362,14 @@ def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: Artifact
         return verify_files_shared(candidate.manifest, rank=ctx.rank, world_size=ctx.world_size,
                                    gather=ctx.gather if ctx.world_size > 1 else None)
 
-    choice: RestoreChoice = choose_checkpoint(requested, available, verify)
+    try:
+        choice: RestoreChoice = choose_checkpoint(requested, available, verify)
+    except NoVerifiedCheckpointError as exc:
+        if spool is not None and ctx.rank == 0:
+            report_refusals(job, spool, exc.refused)
+        raise
+    if spool is not None and ctx.rank == 0:
+        report_refusals(job, spool, choice.refused)
     for refusal in choice.refused:
         log.error("refusing checkpoint step %s (%s): %s", refusal.global_step, refusal.manifest_uri,
                   "; ".join(refusal.problems))
@@ -366,6 +400,21 @@ def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: Artifact
         "restore: %s; resumed from %s at step %d (%d tokens consumed)",
         choice.reason, choice.candidate.manifest_uri, progress.global_step, progress.consumed_tokens)
     return record
+
+
+def report_refusals(job: Job, spool: SpoolWriter, refused: list[Refusal]) -> int:
+    """Spool one CheckpointRefused per refused checkpoint whose step is known; returns how many."""
+    settings, sent = job.settings, 0
+    for r in refused:
+        if r.global_step is None:  # a manifest that does not parse names no step; the coordinator cannot match it
+            log.warning("not reporting refused checkpoint %s: its step is unknown", r.manifest_uri)
+            continue
+        spool.write(CheckpointRefused(
+            job_id=settings.job_id, tenant=settings.tenant, attempt=settings.attempt, manifest_uri=r.manifest_uri,
+            global_step=r.global_step, checkpoint_attempt=r.attempt, problems=list(r.problems),
+        ), traceparent=current_traceparent())
+        sent += 1
+    return sent
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -424,6 +473,7 @@ class Reporter:
                     extra_files=saved.extra_files, consumed_tokens=tokens, consumed_samples=samples,
                     spec_hash=job.allocation.spec_hash,
                     parallelism={"dp": job.plan.dp, "tp": job.plan.tp, "pp": job.plan.pp},
+                    write_seconds=max(saved.seconds, 0.0), stall_seconds=max(_stall_of(saved), 0.0),
                 ),
                 traceparent=current_traceparent(),
             )
@@ -432,11 +482,12 @@ class Reporter:
         if self.record is not None:
             self.record.checkpoints.append(CheckpointRecord(
                 global_step=step, directory=str(saved.directory), mode=settings.checkpoint_mode,
-                stall_seconds=saved.seconds if saved.stall is None else saved.stall, write_seconds=saved.seconds,
+                stall_seconds=_stall_of(saved), write_seconds=saved.seconds,
                 shard_bytes=saved.shard.size_bytes,
             ))
 
-    def flush(self, *, status: str | None = None, exit_code: int | None = None, error: str | None = None) -> None:
+    def flush(self, *, status: str | None = None, exit_code: int | None = None, error: str | None = None,
+              **fields: Any) -> None:
         """Rewrite the run record (rank 0) with the live counters."""
         if self.record is None:
             return
@@ -461,12 +512,21 @@ class Reporter:
             r.exit_code = exit_code
         if error:
             r.error = error
+        for name, value in fields.items():  # failed_step, stopped: RunRecord fields set once at the end
+            setattr(r, name, value)
         r.write(self.record_path)
 
 
-def train(job: Job, spool: SpoolWriter) -> Progress:
-    """Train from the start checkpoint (or step 0) to ``maxSteps``; returns the final counters."""
+def train(job: Job, spool: SpoolWriter, *, request: CheckpointRequest | None = None,
+          end: RankEnd | None = None) -> Progress:
+    """Train from the start checkpoint (or step 0) to ``maxSteps``; returns the final counters.
+
+    ``request`` says whether this rank was asked to checkpoint and stop (default: the request
+    file only, no signal handler); ``end.global_step`` follows the last completed step (the
+    failing one after a NaN), for the exit note.
+    """
     settings, spec, runtime, plan = job.settings, job.spec, job.runtime, job.plan
+    end = end if end is not None else RankEnd()
     training = spec.training
     rank, world = settings.rank, settings.world_size
     batch = job.batch or batch_layout(global_batch=training.global_batch_size, micro_batch=training.micro_batch_size,
@@ -525,7 +585,7 @@ def train(job: Job, spool: SpoolWriter) -> Progress:
 
     # 4. restore, and the run record saying from what and why
     try:
-        restored = restore(job, state, ctx, layout)
+        restored = restore(job, state, ctx, layout, spool)
     except NoVerifiedCheckpointError as exc:
         failed = new_record(RestoreRecord(
             manifest_uri=None, reason=str(exc), requested_manifest_uri=job.allocation.start_checkpoint.manifest_uri
@@ -536,17 +596,22 @@ def train(job: Job, spool: SpoolWriter) -> Progress:
         _flush_failure(Reporter(job, spool, failed, record_path, peak, fpt, progress, sampler), exc)
         raise
     loader.last_start = sampler.position
+    end.global_step = progress.global_step
     reporter = Reporter(job, spool, new_record(restored), record_path, peak, fpt, progress, sampler)
+    policy = checkpoint_policy(job)
+    if reporter.record is not None:
+        reporter.record.checkpoint_policy = policy
     reporter.flush()
 
     # 5. steps
-    policy = spec.checkpoint_policy
-    schedule = CheckpointSchedule(
-        max_steps=training.max_steps, every_steps=policy.every_steps, every_minutes=policy.every_minutes,
-        last_save_at=time.monotonic(),
-    )
+    schedule = CheckpointSchedule(max_steps=training.max_steps, every_steps=policy.every_steps,
+                                  every_minutes=policy.every_minutes, last_save_at=time.monotonic())
     checkpointer = Checkpointer(rank=rank, mode=settings.checkpoint_mode, barrier=ctx.barrier, agree=ctx.agree,
                                 group=ctx.background, device=runtime.device)
+    if request is None:
+        request = CheckpointRequest(checkpoint_request_file(job, layout), allocation_id=settings.allocation_id,
+                                    epoch=settings.epoch)
+    last_saved = progress.global_step if restored.manifest_uri is not None else None
     dropout = job.model_config.dropout > 0
     pm.module.train()
     try:
@@ -559,27 +624,48 @@ def train(job: Job, spool: SpoolWriter) -> Progress:
                                  world_size=world, seeds=seeds, before_update=checkpointer.before_update)
             outcome.times.data_wait = data_wait
             progress.advance(samples=training.global_batch_size, tokens=job.tokens_per_step)
-            stall = outcome.times.checkpoint + checkpointer.poll()
-            if _checkpoint_due(schedule, progress.global_step, runtime):
+            step = end.global_step = progress.global_step
+            boundary = agree_at_boundary(ctx, schedule, checkpointer, request, step)
+            stall = outcome.times.checkpoint
+            stall += checkpointer.settle(all_done=boundary.save_done, any_failed=boundary.save_failed)
+            decided = plan_boundary(step=step, max_steps=training.max_steps, due=boundary.due,
+                                    requested=boundary.requested, last_saved_step=last_saved)
+            if decided.stop:
+                log.warning("checkpoint requested%s: %s step %d, then stopping",
+                            " (signal)" if request.signalled else "", "saving" if decided.save else "already saved",
+                            step)
+            if decided.save:
                 stall += _save(job, checkpointer, state, progress, layout, reporter)
                 schedule.saved(time.monotonic())
-                if progress.global_step >= training.max_steps:
-                    stall += checkpointer.wait()
+                last_saved = step
+            if decided.stop or (decided.save and step >= training.max_steps):
+                stall += checkpointer.wait()  # durable, and its ShardWritten spooled
             outcome.times.checkpoint = stall
             reporter.step(outcome, time.perf_counter() - step_started)
+            if decided.stop:
+                raise StoppedOnRequest(step, saved=decided.save)
         checkpointer.wait()
     except BaseException as exc:
         checkpointer.close()
-        _flush_failure(reporter, exc)
+        if isinstance(exc, NonFiniteError):
+            end.global_step = progress.global_step + 1  # the step whose loss or gradient was not finite
+        _flush_failure(reporter, exc, end=end, signalled=request.signalled)
         raise
     checkpointer.close()
     reporter.flush(status="succeeded", exit_code=0)
     return progress
 
 
-def _flush_failure(reporter: Reporter, exc: BaseException) -> None:
+def _flush_failure(reporter: Reporter, exc: BaseException, *, end: RankEnd | None = None,
+                   signalled: bool = False) -> None:
     try:
-        reporter.flush(status="failed", exit_code=exit_code_for(exc), error=f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, StoppedOnRequest):
+            reporter.flush(status="preempted", exit_code=exit_code_for(exc),
+                           stopped=StopRecord(global_step=exc.global_step, saved=exc.saved, signalled=signalled))
+            return
+        failed_step = end.global_step if end is not None and isinstance(exc, NonFiniteError) else None
+        reporter.flush(status="failed", exit_code=exit_code_for(exc), error=f"{type(exc).__name__}: {exc}",
+                       failed_step=failed_step)
     except Exception:  # noqa: BLE001 - the original error matters more than the record
         log.exception("could not write the run record after a failure")
 
@@ -634,13 +720,38 @@ def _initial_record(job: Job, batch: BatchLayout, environments: list[dict[str, A
     )
 
 
-def _checkpoint_due(schedule: CheckpointSchedule, step: int, runtime: Runtime) -> bool:
-    due = schedule.due(step, time.monotonic())
-    if not schedule.needs_agreement or step >= schedule.max_steps:
-        return due
-    flag = torch.tensor([1 if due else 0], device=runtime.device)
-    dist.broadcast(flag, src=0)  # rank 0's clock decides for everyone
-    return bool(flag.item())
+def checkpoint_policy(job: Job) -> CheckpointPolicyRecord:
+    """When this attempt saves: the allocation's ``checkpointEverySteps`` (``checkpointPolicy.auto``:
+    the coordinator's Young/Daly advice) overrides the spec's ``everySteps`` / ``everyMinutes``."""
+    spec_policy, advised = job.spec.checkpoint_policy, job.allocation.checkpoint_every_steps
+    if advised is not None:
+        log.info("checkpoint every %d steps: the platform's advice for checkpointPolicy.auto (the spec says "
+                 "everySteps=%s everyMinutes=%s)", advised, spec_policy.every_steps, spec_policy.every_minutes)
+        return CheckpointPolicyRecord(every_steps=advised, every_minutes=None,
+                                      source="auto: the allocation's checkpointEverySteps (Young/Daly advice)")
+    return CheckpointPolicyRecord(every_steps=spec_policy.every_steps, every_minutes=spec_policy.every_minutes,
+                                  source="spec")
+
+
+def checkpoint_request_file(job: Job, layout: ArtifactLayout) -> Path:
+    """Where the node agent writes a checkpoint request for this attempt."""
+    settings = job.settings
+    return settings.checkpoint_request_file or (
+        layout.attempt_dir(settings.tenant, settings.job_id, settings.attempt) / CHECKPOINT_REQUEST_FILE)
+
+
+def agree_at_boundary(ctx: Context, schedule: CheckpointSchedule, checkpointer: Checkpointer,
+                      request: CheckpointRequest, step: int) -> Boundary:
+    """The step's one collective (world > 1): MAX over ranks of [save due, requested, the pending
+    save not done, it failed]. Any rank's clock or request makes everyone save at this step."""
+    pending, not_done, failed = checkpointer.local_status()
+    flags = boundary_flags(due=schedule.due(step, time.monotonic()), requested=request.requested(),
+                           pending=pending, not_done=not_done, failed=failed)
+    return agreed(ctx.agree_max(flags))
+
+
+def _stall_of(saved: SavedShard) -> float:
+    return saved.seconds if saved.stall is None else saved.stall
 
 
 def _save(
