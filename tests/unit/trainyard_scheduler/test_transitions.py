@@ -64,12 +64,13 @@ def started(job: JobRecord, rank: int) -> WorkerStarted:
                          node_id="n1", rank=rank, pid=100 + rank, log_uri="file:///log")
 
 
-def exited(job: JobRecord, rank: int, code: int = 0, reason: str = "ok", *, epoch: int | None = None) -> WorkerExited:
+def exited(job: JobRecord, rank: int, code: int = 0, reason: str = "ok", *, epoch: int | None = None,
+           step: int | None = None) -> WorkerExited:
     a = job.current
     assert a is not None
     return WorkerExited(job_id=job.job_id, attempt=a.attempt, allocation_id=a.allocation_id,
                         epoch=a.epoch if epoch is None else epoch, node_id="n1", rank=rank, exit_code=code,
-                        reason=reason)
+                        reason=reason, global_step=step)
 
 
 def running(job: JobRecord) -> JobRecord:
@@ -156,16 +157,18 @@ def test_back_off_doubles_and_the_budget_ends_in_failure() -> None:
                                    policy=POLICY, now=at(attempt * 100 + 50))
         job = outcome.job
         assert job.state == expect_state
-    assert job.reason.startswith("killed: rank 0 on n1 exited with code -9 (attempt 2, 2 of 2 failed)")
+    assert job.reason.startswith("killed: rank 0 on n1 exited with code -9 (attempt 2, 2 of 2 failed in a row")
     assert not tr.is_pending(job)
 
 
-def test_non_retryable_reason_fails_at_once() -> None:
+@pytest.mark.parametrize(("reason", "code"), [("config", 2), ("data", 5), ("checkpoint", 4)])
+def test_spec_errors_fail_at_once(reason: str, code: int) -> None:
     job = running(admitted(new_job()))
-    outcome = tr.worker_exited(job, exited(job, 0, code=3, reason="nan"), final_ready=False, policy=POLICY,
+    outcome = tr.worker_exited(job, exited(job, 0, code=code, reason=reason), final_ready=False, policy=POLICY,
                                now=at(5))
     assert outcome.job.state == "failed" and states(outcome) == ["failed"]
-    assert outcome.job.reason.startswith("nan:") and "not retryable" in outcome.job.reason
+    assert outcome.job.reason.startswith(f"{reason}:") and "not retryable" in outcome.job.reason
+    assert outcome.release is not None
 
 
 def test_stale_epoch_and_stale_attempt_events_are_ignored() -> None:
@@ -186,7 +189,7 @@ def test_duplicate_exit_is_a_no_op() -> None:
     ("queued", "cancel", "cancelled", False),
     ("starting", "cancel", "cancelled", True),
     ("running", "cancel", "cancelled", True),
-    ("running", "pause", "paused", True),
+    ("starting", "pause", "paused", True),  # no rank runs yet: nothing to checkpoint, paused at once
     ("queued", "pause", "paused", False),
 ])
 def test_control(setup: str, action: str, state: str, revokes: bool) -> None:
@@ -205,14 +208,85 @@ def test_control(setup: str, action: str, state: str, revokes: bool) -> None:
 
 def test_pause_then_resume_requeues_without_spending_an_attempt() -> None:
     job = running(admitted(new_job()))
-    paused = tr.request_control(job, "pause", None, at(5)).job
-    assert paused.current.state == "revoked" and tr.failures(paused) == 0
+    asked = tr.request_control(job, "pause", None, at(5), latest_ready_step=None, grace_s=30)
+    paused = tr.check_preemption(asked.job, latest_ready_step=10, preemptor_waiting=False, grace_s=60,
+                                 now=at(8), pause_grace_s=30).job
+    assert paused.state == "paused" and paused.current.state == "revoked" and tr.failures(paused) == 0
     assert tr.request_control(paused, "pause", None, at(6)).changed is False
     resumed = tr.request_control(paused, "resume", None, at(7))
     assert resumed.job.state == "queued" and states(resumed) == ["queued"]
     assert tr.is_pending(resumed.job) and tr.retry_not_before(resumed.job, POLICY) is None
     again = admitted(resumed.job, epoch=2)
     assert again.current.attempt == 2
+
+
+def test_pause_of_running_ranks_asks_for_a_checkpoint_first() -> None:
+    job = running(admitted(new_job()))
+    outcome = tr.request_control(job, "pause", None, at(5), latest_ready_step=10, grace_s=30)
+    (event,) = outcome.events
+    assert isinstance(event, CheckpointRequested)
+    assert (event.reason, event.requested_by, event.deadline) == ("pause requested", None, at(35))
+    assert outcome.job.state == "running" and outcome.job.control == "pause" and outcome.release is None
+    assert (outcome.job.current.preempt_after_step, outcome.job.current.state) == (10, "running")
+    assert tr.request_control(outcome.job, "pause", None, at(6)).changed is False  # asked once
+    assert tr.is_stopping(outcome.job)
+
+
+@pytest.mark.parametrize(("ready_step", "now", "paused", "how"), [
+    (10, 20, False, None),  # the checkpoint at the request is not newer; grace not over
+    (None, 20, False, None),
+    (12, 20, True, "the checkpoint at step 12 is READY"),
+    (10, 36, True, "no new checkpoint within 30s; it resumes from the last READY one"),
+])
+def test_pause_ends_at_a_newer_checkpoint_or_the_grace(ready_step: int | None, now: float, paused: bool,
+                                                       how: str | None) -> None:
+    job = tr.request_control(running(admitted(new_job())), "pause", None, at(5), latest_ready_step=10,
+                             grace_s=30).job
+    outcome = tr.check_preemption(job, latest_ready_step=ready_step, preemptor_waiting=False, grace_s=600,
+                                  now=at(now), pause_grace_s=30)
+    assert outcome.changed is paused
+    if not paused:
+        return
+    assert outcome.job.state == "paused" and states(outcome) == ["paused"] and outcome.job.control is None
+    assert outcome.job.current.state == "revoked" and outcome.release is not None
+    assert [e.reason for e in outcome.events if isinstance(e, AllocationRevoked)] == ["paused"]
+    assert outcome.job.attempts[-1].ready_step_at_end == ready_step
+    assert not tr.is_pending(outcome.job)  # paused, not queued: nothing is placed until resume
+
+
+def test_ranks_that_stop_for_a_pause_wait_for_their_checkpoint_to_be_ready() -> None:
+    job = tr.request_control(running(admitted(new_job())), "pause", None, at(5), latest_ready_step=10,
+                             grace_s=30).job
+    first = tr.worker_exited(job, exited(job, 0, code=7, reason="preempted", step=14), final_ready=False,
+                             policy=POLICY, now=at(9), latest_ready_step=10)
+    assert first.changed and first.release is None and first.job.state == "running"
+    assert first.job.current.state == "running" and first.job.current.ranks_stopped_at == at(9)
+    assert first.job.current.preempt_after_step == 13  # wait for the checkpoint at step 14, not an older one
+    # A READY checkpoint newer than the request but older than the one the ranks wrote is not enough.
+    assert tr.check_preemption(first.job, latest_ready_step=12, preemptor_waiting=False, grace_s=60,
+                               now=at(10), pause_grace_s=30).changed is False
+    second = tr.worker_exited(first.job, exited(first.job, 1, code=7, reason="preempted", step=14),
+                              final_ready=False, policy=POLICY, now=at(10), latest_ready_step=14)
+    assert second.job.state == "paused" and second.job.current.state == "revoked" and tr.failures(second.job) == 0
+    assert second.release is not None and states(second) == ["paused"]
+
+
+def test_resume_withdraws_a_pause_in_progress_and_cancel_stops_at_once() -> None:
+    job = tr.request_control(running(admitted(new_job())), "pause", None, at(5), grace_s=30).job
+    resumed = tr.request_control(job, "resume", None, at(6))
+    assert resumed.changed and resumed.job.control is None and resumed.job.state == "running"
+    assert not tr.is_stopping(resumed.job)
+    cancelled = tr.request_control(job, "cancel", "enough", at(6))
+    assert cancelled.job.state == "cancelled" and cancelled.job.control is None
+    assert cancelled.release is not None and cancelled.job.current.state == "revoked"
+
+
+def test_a_failure_while_pausing_pauses_instead_of_requeueing() -> None:
+    job = tr.request_control(running(admitted(new_job())), "pause", None, at(5), grace_s=30).job
+    outcome = tr.worker_exited(job, exited(job, 1, code=1, reason="error"), final_ready=False, policy=POLICY,
+                               now=at(8))
+    assert outcome.job.state == "paused" and outcome.job.current.state == "failed" and outcome.release is not None
+    assert outcome.job.control is None and tr.failures(outcome.job) == 1
 
 
 def test_control_of_a_terminal_job_is_ignored() -> None:
@@ -335,15 +409,146 @@ def test_waiting_reason_carries_its_kind() -> None:
     assert tr.note_waiting(first.job, "quota: tenant t1 holds 8", "capacity").changed is True
 
 
-def test_ranks_that_answer_the_checkpoint_request_end_the_attempt_without_a_failure() -> None:
+def test_ranks_that_answer_the_checkpoint_request_end_the_attempt_once_it_is_ready() -> None:
     job = preempted(running(admitted(new_job()))).job
-    outcome = tr.worker_exited(job, exited(job, 0, code=143, reason="preempted"), final_ready=False,
-                               policy=POLICY, now=at(130))
-    assert outcome.job.state == "queued" and outcome.job.current.state == "revoked"
-    assert outcome.job.current.failure_reason == "preempted by urgent: its ranks checkpointed and stopped"
-    assert tr.failures(outcome.job) == 0 and outcome.release is not None
-    # a "preempted" exit nobody asked for (e.g. a spot reclaim) is an ordinary retryable failure
+    outcome = tr.worker_exited(job, exited(job, 0, code=7, reason="preempted", step=15), final_ready=False,
+                               policy=POLICY, now=at(130), latest_ready_step=10)
+    assert outcome.job.state == "running" and outcome.job.current.state == "running" and outcome.release is None
+    # the rest of the gang is torn down by its agent: still no failure while the stop completes
+    torn = tr.worker_exited(outcome.job, exited(outcome.job, 1, code=-15, reason="killed"), final_ready=False,
+                            policy=POLICY, now=at(131), latest_ready_step=10)
+    assert torn.job.current.state == "running" and tr.failures(torn.job) == 0
+    done = tr.check_preemption(torn.job, latest_ready_step=15, preemptor_waiting=True, grace_s=60, now=at(132))
+    assert done.job.state == "queued" and done.job.current.state == "revoked"
+    assert done.job.current.failure_reason == "preempted by urgent: the checkpoint at step 15 is READY"
+    assert tr.failures(done.job) == 0 and done.release is not None
+    # the preemptor stopped waiting meanwhile: ranks that already stopped cannot be withdrawn
+    late = tr.check_preemption(torn.job, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(200))
+    assert late.job.state == "queued" and "no new checkpoint within 60s" in (late.job.current.failure_reason or "")
+
+
+def test_ranks_that_stop_unasked_end_as_a_stop_not_a_failure() -> None:
     plain = running(admitted(new_job()))
-    failed = tr.worker_exited(plain, exited(plain, 0, code=143, reason="preempted"), final_ready=False,
-                              policy=POLICY, now=at(5))
-    assert failed.job.state == "queued" and failed.job.current.state == "failed"
+    waiting = tr.worker_exited(plain, exited(plain, 0, code=7, reason="preempted", step=8), final_ready=False,
+                               policy=POLICY, now=at(5), latest_ready_step=None)
+    assert waiting.job.current.state == "running" and waiting.release is None
+    ended = tr.worker_exited(waiting.job, exited(waiting.job, 1, code=7, reason="preempted", step=8),
+                             final_ready=False, policy=POLICY, now=at(6), latest_ready_step=8)
+    assert ended.job.state == "queued" and ended.job.current.state == "revoked" and tr.failures(ended.job) == 0
+    assert ended.job.queued_reason_kind == "preemption"
+    # without a step, there is nothing to wait for
+    quick = tr.worker_exited(plain, exited(plain, 0, code=7, reason="preempted"), final_ready=False,
+                             policy=POLICY, now=at(5))
+    assert quick.job.state == "queued" and quick.release is not None
+
+
+# ----------------------------------------------------------------------------- retry policy
+
+
+def fail(job: JobRecord, *, at_s: float, reason: str = "error", code: int = 1, step: int | None = None,
+         ready: int | None = None, policy: tr.RetryPolicy = POLICY) -> tr.Outcome:
+    return tr.worker_exited(job, exited(job, 0, code=code, reason=reason, step=step), final_ready=False,
+                            policy=policy, now=at(at_s), latest_ready_step=ready)
+
+
+def checkpoint(step: int, attempt: int = 1) -> CheckpointRef:
+    return CheckpointRef(manifest_uri=f"file:///c/{step}", global_step=step, attempt=attempt)
+
+
+def test_nan_retries_once_per_step_and_fails_when_it_repeats_at_the_same_step() -> None:
+    job = running(admitted(new_job(max_attempts=5)))
+    first = fail(job, at_s=5, reason="nan", code=3, step=42, ready=40)
+    assert first.job.state == "queued" and first.job.current.nan_step == 42
+    assert "first time" in (first.job.current.failure_reason or "")
+    second = running(admitted(first.job, epoch=2, now=10, start=checkpoint(40)))
+    elsewhere = fail(second, at_s=15, reason="nan", code=3, step=47, ready=40)
+    assert elsewhere.job.state == "queued"  # a NaN at another step is retried too
+    third = running(admitted(elsewhere.job, epoch=3, now=20, start=checkpoint(40)))
+    again = fail(third, at_s=25, reason="nan", code=3, step=42, ready=40)
+    assert again.job.state == "failed" and "as in an earlier attempt" in (again.job.reason or "")
+    assert "not retryable" in (again.job.reason or "")
+
+
+def test_nan_at_an_unknown_step_is_retried_once() -> None:
+    job = running(admitted(new_job(max_attempts=5)))
+    first = fail(job, at_s=5, reason="nan", code=3)
+    assert first.job.state == "queued"
+    second = fail(running(admitted(first.job, epoch=2, now=10)), at_s=15, reason="nan", code=3)
+    assert second.job.state == "failed"
+
+
+def test_progress_resets_the_back_off_and_the_budget() -> None:
+    """A long job failing every few hours but checkpointing in between never runs out of attempts."""
+    job = new_job(max_attempts=2)
+    ready = -1
+    for n in range(1, 8):
+        start = checkpoint(ready) if ready >= 0 else None
+        job = running(admitted(job, epoch=n, now=n * 10_000, start=start))
+        ready += 100  # this attempt wrote a newer READY checkpoint before it failed
+        outcome = fail(job, at_s=n * 10_000 + 9_000, ready=ready)
+        job = outcome.job
+        assert job.state == "queued" and tr.failures_since_progress(job) == 1
+        assert tr.retry_not_before(job, POLICY) == at(n * 10_000 + 9_000 + 2.0)  # base back-off every time
+    assert tr.failures(job) == 7
+
+
+def test_failures_without_progress_double_the_back_off_and_spend_the_budget() -> None:
+    job = new_job(max_attempts=3)
+    job = fail(running(admitted(job, epoch=1, now=0)), at_s=10, ready=50).job  # progress: 50 > nothing
+    assert tr.failures_since_progress(job) == 1
+    job = fail(running(admitted(job, epoch=2, now=20, start=checkpoint(50))), at_s=30, ready=50).job
+    assert tr.failures_since_progress(job) == 2 and tr.retry_not_before(job, POLICY) == at(34)
+    job = fail(running(admitted(job, epoch=3, now=40, start=checkpoint(50))), at_s=50, ready=50).job
+    assert job.state == "failed" and "3 of 3 failed in a row without a new READY checkpoint" in (job.reason or "")
+
+
+def test_an_optional_total_cap_ends_even_a_progressing_job() -> None:
+    capped = tr.RetryPolicy(backoff_s=1, max_backoff_s=1, max_total_failures=2)
+    job = fail(running(admitted(new_job(), epoch=1)), at_s=10, ready=10, policy=capped).job
+    assert job.state == "queued"
+    job = fail(running(admitted(job, epoch=2, now=20, start=checkpoint(10))), at_s=30, ready=20, policy=capped).job
+    assert job.state == "failed" and "the cap is 2" in (job.reason or "")
+
+
+def test_a_failure_blames_the_node_of_the_failing_rank_only() -> None:
+    job = running(admitted(new_job()))
+    outcome = fail(job, at_s=5, reason="nccl", code=1)
+    assert outcome.blame == [("n1", "nccl")] and outcome.job.state == "queued"
+    # the gang's other ranks, torn down afterwards, blame nobody
+    rest = tr.worker_exited(outcome.job, exited(job, 1, code=-15, reason="revoked"), final_ready=False,
+                            policy=POLICY, now=at(6))
+    assert rest.blame == []
+    lost = tr.check_attempt(job, available_nodes=frozenset(), final_ready=False, deadlines=DEADLINES,
+                            policy=POLICY, now=at(5))
+    assert lost.blame == [("n1", "lost")]
+
+
+# ----------------------------------------------------------------------------- lost GangAllocated
+
+
+def test_a_gang_whose_ranks_never_started_is_published_again_a_few_times() -> None:
+    deadlines = tr.Deadlines(start_timeout_s=120, final_checkpoint_timeout_s=120, republish_after_s=15,
+                             republish_max=2)
+    job = admitted(new_job())
+    available = frozenset({"n1"})
+
+    def check(j: JobRecord, t: float) -> tr.Outcome:
+        return tr.check_attempt(j, available_nodes=available, final_ready=False, deadlines=deadlines,
+                                policy=POLICY, now=at(t))
+
+    assert check(job, 10).changed is False  # too early
+    first = check(job, 16)
+    (event,) = first.events
+    original = job.current
+    assert isinstance(event, GangAllocated)
+    assert (event.allocation_id, event.epoch, event.attempt) == (original.allocation_id, original.epoch, 1)
+    assert [(n.node_id, [r.rank for r in n.ranks]) for n in event.nodes] == [("n1", [0, 1])]
+    assert first.job.current.republished == 1 and first.job.current.republished_at == at(16)
+    assert check(first.job, 20).changed is False  # spaced by republish_after_s
+    second = check(first.job, 32)
+    assert second.job.current.republished == 2
+    assert check(second.job, 100).changed is False  # at most republish_max times
+    started_all = running(job)
+    assert check(started_all, 50).changed is False  # every rank started: nothing to do
+    timed_out = check(second.job, 121)
+    assert timed_out.job.state == "queued" and timed_out.blame == [("n1", "start-timeout")]

@@ -2,26 +2,49 @@
 
 Each function takes the current :class:`JobRecord` (never mutated) and what happened, and
 returns an :class:`Outcome`: the new record, the events to publish with it (staged in the
-same Redis MULTI through the outbox) and the attempt whose device leases to release
-afterwards. No Redis, Kafka or clock inside: ``now`` is passed in.
+same Redis MULTI through the outbox), the attempt whose device leases to release
+afterwards, and the nodes to blame for a failure (node reputation). No Redis, Kafka or
+clock inside: ``now`` is passed in.
 
 Job states::
 
     queued ──(WorkerStarted)──> running ──(all ranks exit 0 + READY ckpt at maxSteps)──> succeeded
       ^  │                         │
-      │  └──────(pause)──> paused <┘ (pause revokes the attempt; resume → queued)
-      └── attempt failed, retryable, attempts left (back-off, resume from latest READY)
-    any non-terminal ──(cancel)──> cancelled;   attempt failed, no attempts left ──> failed
+      │  └──(pause)──> paused <────┘ pause: checkpoint first, then revoke (below); resume → queued
+      └── attempt failed, retryable, budget left (back-off, resume from latest READY)
+    any non-terminal ──(cancel)──> cancelled (revoked at once; READY checkpoints are kept);
+    attempt failed, not retryable or budget spent ──> failed
 
 Attempt states: starting → running → succeeded | failed | revoked. An attempt is *live*
-(holds leases, has ranks) while starting or running. Only failed attempts count against
-``JobRecord.max_attempts``; attempts revoked by pause, cancel or preemption do not.
+(holds leases, has ranks) while starting or running. Attempts revoked by pause, cancel or
+preemption never count as failures.
 
-Preemption: ``request_preemption`` marks the victim's live attempt (``preempted_by``) and asks
-it to checkpoint (CheckpointRequested); ``check_preemption`` revokes it once a checkpoint newer
-than the one READY at the request is READY, or the grace period is over — or withdraws the
-request when the preemptor no longer waits. The job goes back to queued and its next attempt
-resumes from the latest READY checkpoint.
+Checkpoint, then stop (pause and preemption). ``request_control(pause)`` on a job whose ranks
+run sets ``job.control = "pause"``, records on the attempt when it asked and the latest READY
+step then (``preempt_requested_at`` / ``preempt_after_step``, shared with preemption) and stages
+CheckpointRequested; ``request_preemption`` does the same with ``preempted_by``. The attempt is
+revoked (leases released) by :func:`check_preemption` once a READY checkpoint newer than that
+step exists, or when the grace period is over (the next attempt then resumes from the last
+READY one). Ranks that answer the request checkpoint and exit with reason ``preempted``: that
+is no failure, and the revocation still waits until their checkpoint is READY (or the grace
+ends) so the next attempt does not start from an older one. The job then becomes ``paused``
+(pause) or ``queued`` (preemption); pause wins when both are in progress. A job with no running
+rank pauses at once.
+
+Retry policy (``_fail_attempt``):
+
+* Retryable reasons (``RETRYABLE``): crashed, killed, lost or hung ranks, OOM, NCCL errors,
+  start time-outs, a missing final checkpoint. Spec errors (``config``, ``data``) and failed
+  checkpoint I/O of a rank (``checkpoint``) fail the job at once.
+* ``nan`` retries from the latest READY checkpoint, unless an earlier attempt already hit NaN at
+  the same global step (``WorkerExited.global_step``, kept as ``AttemptRecord.nan_step``): a
+  deterministic NaN would only repeat. A NaN at an unknown step is retried once.
+* Failures count *since progress*: an attempt made progress when a READY checkpoint newer than
+  the one it started from existed when it ended. The streak of failed attempts since (and
+  including) the last one that made progress drives both the back-off (``backoff_s`` doubling to
+  ``max_backoff_s``) and the budget: the job fails once ``JobRecord.max_attempts`` failures in a
+  row made no progress — a week-long job that fails every few hours but checkpoints in between
+  never runs out. ``RetryPolicy.max_total_failures`` optionally caps all failures of a job.
 """
 
 from __future__ import annotations
@@ -53,25 +76,36 @@ RETRYABLE = RETRYABLE_REASONS | {"revoked", "start-timeout", "checkpoint-missing
 
 @dataclass
 class Outcome:
-    """The result of one transition. ``changed`` False: nothing to write."""
+    """The result of one transition. ``changed`` False: nothing to write.
+
+    ``blame``: (node id, reason) of the nodes a failed attempt is attributed to (node reputation).
+    """
 
     job: JobRecord
     events: list[Event] = field(default_factory=list)
     release: AttemptRecord | None = None
     changed: bool = True
     note: str | None = None
+    blame: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """Back-off and budget of retries (see the module docstring)."""
+
     backoff_s: float = 2.0
     max_backoff_s: float = 60.0
+    max_total_failures: int | None = None
 
 
 @dataclass(frozen=True)
 class Deadlines:
+    """Reconcile deadlines; ``republish_after_s`` None: a lost GangAllocated is not published again."""
+
     start_timeout_s: float = 120.0
     final_checkpoint_timeout_s: float = 300.0
+    republish_after_s: float | None = None
+    republish_max: int = 0
 
 
 def unchanged(job: JobRecord, note: str | None = None) -> Outcome:
@@ -89,15 +123,33 @@ def is_pending(job: JobRecord) -> bool:
 
 
 def failures(job: JobRecord) -> int:
+    """Every failed attempt of the job."""
     return sum(1 for a in job.attempts if a.state == "failed")
 
 
+def made_progress(attempt: AttemptRecord) -> bool:
+    """Whether a READY checkpoint newer than the attempt's start existed when it ended."""
+    start = attempt.start_checkpoint.global_step if attempt.start_checkpoint else -1
+    return attempt.ready_step_at_end is not None and attempt.ready_step_at_end > start
+
+
+def failures_since_progress(job: JobRecord) -> int:
+    """Failed attempts since (and including) the last attempt that made progress."""
+    streak = 0
+    for attempt in reversed(job.attempts):
+        if attempt.state == "failed":
+            streak += 1
+        if attempt.state in ("failed", "succeeded", "revoked") and made_progress(attempt):
+            break
+    return streak
+
+
 def retry_not_before(job: JobRecord, policy: RetryPolicy) -> datetime | None:
-    """When the next attempt may start: exponential back-off after a failed attempt."""
+    """When the next attempt may start: exponential back-off in the failures since progress."""
     current = job.current
     if current is None or current.state != "failed" or current.ended_at is None:
         return None
-    delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** max(failures(job) - 1, 0))
+    delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** max(failures_since_progress(job) - 1, 0))
     return current.ended_at + timedelta(seconds=delay)
 
 
@@ -140,29 +192,45 @@ def admit(
         master_port=master_port,
     )
     attempt.placement_detail = placement.detail
+    attempt.assignments = placement.assignments()
+    attempt.checkpoint_every_steps = checkpoint_every_steps
     new = job.model_copy(deep=True)
     new.attempts.append(attempt)
     new.queued_reason = None
     new.queued_reason_kind = None
     new.updated_at = now
-    event = GangAllocated(
+    return Outcome(new, [gang_allocated(new, attempt)], note=f"attempt {number} placed on {', '.join(attempt.nodes)}")
+
+
+def gang_allocated(job: JobRecord, attempt: AttemptRecord) -> GangAllocated:
+    """The GangAllocated of ``attempt`` (again: same allocation id and epoch; agents dedupe by allocation)."""
+    return GangAllocated(
         job_id=job.job_id,
         tenant=job.tenant,
-        attempt=number,
-        allocation_id=allocation_id,
-        epoch=epoch,
-        world_size=placement.world_size,
-        nodes=placement.assignments(),
-        master_addr=placement.master_addr,
-        master_port=master_port,
-        start_checkpoint=start_checkpoint,
+        attempt=attempt.attempt,
+        allocation_id=attempt.allocation_id,
+        epoch=attempt.epoch,
+        world_size=attempt.world_size,
+        nodes=attempt.assignments,
+        master_addr=attempt.master_addr or "127.0.0.1",
+        master_port=attempt.master_port or 29400,
+        start_checkpoint=attempt.start_checkpoint,
         spec=job.spec,
         spec_hash=job.spec_hash,
-        placement_score=placement.score,
-        placement_detail=placement.detail,
-        checkpoint_every_steps=checkpoint_every_steps,
+        placement_score=attempt.placement_score,
+        placement_detail=attempt.placement_detail,
+        checkpoint_every_steps=attempt.checkpoint_every_steps,
     )
-    return Outcome(new, [event], note=f"attempt {number} placed on {', '.join(attempt.nodes)}")
+
+
+def rank_nodes(attempt: AttemptRecord) -> dict[int, str]:
+    """rank → node id of an attempt (empty for attempts recorded before assignments were kept)."""
+    return {r.rank: n.node_id for n in attempt.assignments for r in n.ranks}
+
+
+def _nodes_without_started_ranks(attempt: AttemptRecord) -> list[str]:
+    started = set(attempt.started_ranks)
+    return [n.node_id for n in attempt.assignments if n.ranks and not any(r.rank in started for r in n.ranks)]
 
 
 def note_waiting(job: JobRecord, reason: str, kind: str | None = None) -> Outcome:
@@ -173,7 +241,7 @@ def note_waiting(job: JobRecord, reason: str, kind: str | None = None) -> Outcom
     return Outcome(new)
 
 
-# ----------------------------------------------------------------------------- preemption
+# ----------------------------------------------------------------------------- checkpoint, then stop
 
 
 def request_preemption(job: JobRecord, *, by: str, reason: str, latest_ready_step: int | None,
@@ -185,55 +253,103 @@ def request_preemption(job: JobRecord, *, by: str, reason: str, latest_ready_ste
     assert current is not None
     if current.preempted_by is not None:
         return unchanged(job, f"already being preempted for {current.preempted_by}")
+    if job.control == "pause" or current.ranks_stopped_at is not None:
+        return unchanged(job, "already stopping")
     new = job.model_copy(deep=True)
     attempt = new.attempts[-1]
     attempt.preempted_by = by
-    attempt.preempt_requested_at = now
-    attempt.preempt_after_step = -1 if latest_ready_step is None else latest_ready_step
     new.updated_at = now
-    event = CheckpointRequested(
-        job_id=job.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id, epoch=attempt.epoch,
-        reason=reason, requested_by=by, deadline=now + timedelta(seconds=grace_s),
-    )
+    event = _ask_for_checkpoint(new, reason=reason, by=by, latest_ready_step=latest_ready_step,
+                                grace_s=grace_s, now=now)
     return Outcome(new, [event], note=f"attempt {attempt.attempt} asked to checkpoint: {reason}")
 
 
-def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor_waiting: bool,
-                     grace_s: float, now: datetime) -> Outcome:
-    """Finish (revoke), or withdraw, a preemption in progress; unchanged while it may still checkpoint."""
+def is_stopping(job: JobRecord) -> bool:
+    """A live attempt asked to checkpoint and stop (pause or preemption), or whose ranks stopped so."""
     current = job.current
-    if job.state in TERMINAL_STATES or not is_live(current) or current is None or current.preempted_by is None:
+    return is_live(current) and current is not None and (
+        job.control == "pause" or current.preempted_by is not None or current.ranks_stopped_at is not None)
+
+
+def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor_waiting: bool,
+                     grace_s: float, now: datetime, pause_grace_s: float | None = None) -> Outcome:
+    """Finish (revoke) a pause or preemption in progress, or withdraw a needless preemption.
+
+    Unchanged while the ranks may still write their checkpoint: the stop ends once a READY
+    checkpoint newer than the one at the request exists, or ``grace_s`` (``pause_grace_s`` for a
+    pause) after the request — or after the ranks stopped, for ranks that stopped unasked.
+    """
+    current = job.current
+    if job.state in TERMINAL_STATES or current is None or not is_stopping(job):
         return unchanged(job)
-    by = current.preempted_by
+    pausing = job.control == "pause"
+    stopped = current.ranks_stopped_at is not None
     new = job.model_copy(deep=True)
     attempt = new.attempts[-1]
     new.updated_at = now
-    if not preemptor_waiting:
+    if current.preempted_by is not None and not pausing and not stopped and not preemptor_waiting:
+        by = current.preempted_by
         attempt.preempted_by = attempt.preempt_requested_at = attempt.preempt_after_step = None
         return Outcome(new, note=f"preemption for {by} withdrawn: it no longer waits")
-    newer = latest_ready_step is not None and latest_ready_step > (current.preempt_after_step or -1)
-    asked = current.preempt_requested_at or now
-    if not newer and (now - asked).total_seconds() < grace_s:
+    after = -1 if current.preempt_after_step is None else current.preempt_after_step
+    newer = latest_ready_step is not None and latest_ready_step > after
+    since = current.preempt_requested_at or current.ranks_stopped_at or now
+    grace = pause_grace_s if pausing and pause_grace_s is not None else grace_s
+    if not newer and (now - since).total_seconds() < grace:
         return unchanged(job)
     how = (f"the checkpoint at step {latest_ready_step} is READY" if newer
-           else f"no new checkpoint within {grace_s:.0f}s; it resumes from the last READY one")
+           else f"no new checkpoint within {grace:.0f}s; it resumes from the last READY one")
+    return _end_stop(new, how, latest_ready_step, now)
+
+
+def _ask_for_checkpoint(new: JobRecord, *, reason: str, by: str | None, latest_ready_step: int | None,
+                        grace_s: float, now: datetime) -> CheckpointRequested:
+    """Record the request on the live attempt of ``new`` (a private copy); the event to stage."""
+    attempt = new.attempts[-1]
+    attempt.preempt_requested_at = now
+    attempt.preempt_after_step = -1 if latest_ready_step is None else latest_ready_step
+    return CheckpointRequested(
+        job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id, epoch=attempt.epoch,
+        reason=reason, requested_by=by, deadline=now + timedelta(seconds=grace_s),
+    )
+
+
+def _end_stop(new: JobRecord, how: str, latest_ready_step: int | None, now: datetime) -> Outcome:
+    """Revoke the stopping attempt of ``new`` (a private copy): paused for a pause, else queued."""
+    attempt = new.attempts[-1]
+    attempt.ready_step_at_end = latest_ready_step
+    if new.control == "pause":
+        return _finish_pause(new, how, now)
+    by = attempt.preempted_by
     return _revoke_preempted(new, by, how, now)
 
 
-def _revoke_preempted(new: JobRecord, by: str, how: str, now: datetime) -> Outcome:
+def _finish_pause(new: JobRecord, how: str, now: datetime) -> Outcome:
+    events: list[Event] = []
+    released = _revoke_live(new, "paused", events, now)
+    new.control = None
+    why = f"paused ({how})" if released is not None else "paused"
+    _set_state(new, "paused", events, reason=why)
+    new.queued_reason = new.queued_reason_kind = None
+    new.updated_at = now
+    return Outcome(new, events, release=released, note=why)
+
+
+def _revoke_preempted(new: JobRecord, by: str | None, how: str, now: datetime) -> Outcome:
     """End the live attempt of ``new`` (a private copy) for preemptor ``by``; the job queues again."""
     attempt = new.attempts[-1]
     new.updated_at = now
     events: list[Event] = []
+    who = f"preempted by {by}" if by else "stopped by its ranks"
     attempt.state = "revoked"
     attempt.ended_at = now
-    attempt.failure_reason = f"preempted by {by}: {how}"
+    attempt.failure_reason = f"{who}: {how}"
     events.append(AllocationRevoked(job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id,
-                                    epoch=attempt.epoch, reason=f"preempted by {by}"))
-    why = f"preempted by {by} ({how})"
+                                    epoch=attempt.epoch, reason=who))
+    why = f"{who} ({how})"
     _set_state(new, "queued", events, reason=why)
     new.queued_reason = f"{why}; the next attempt resumes from the latest READY checkpoint"
-    new.queued_reason_kind = "priority"
+    new.queued_reason_kind = "priority" if by else "preemption"
     return Outcome(new, events, release=attempt, note=why)
 
 
@@ -261,11 +377,15 @@ def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outco
 
 
 def worker_exited(
-    job: JobRecord, event: WorkerExited, *, final_ready: bool, policy: RetryPolicy, now: datetime
+    job: JobRecord, event: WorkerExited, *, final_ready: bool, policy: RetryPolicy, now: datetime,
+    latest_ready_step: int | None = None,
 ) -> Outcome:
     """Record a rank's exit; a non-zero exit fails the attempt; all zero completes it.
 
     ``final_ready``: a READY checkpoint at ``maxSteps`` exists (then completion = success).
+    ``latest_ready_step``: the latest READY step of the job (progress, and the end of a stop).
+    A rank that exits ``preempted`` checkpointed on request: the attempt ends once that
+    checkpoint is READY (see the module docstring), never as a failure.
     """
     current = job.current
     if not _is_current(current, event.allocation_id, event.epoch):
@@ -280,14 +400,22 @@ def worker_exited(
     new.updated_at = now
     if not is_live(current) or job.state in TERMINAL_STATES:
         return Outcome(new, note="exit recorded for an ended attempt")
-    if event.exit_code != 0 and event.reason == "preempted" and current.preempted_by is not None:
-        # The ranks answered CheckpointRequested: they checkpointed and stopped. Not a failure.
-        return _revoke_preempted(new, current.preempted_by, "its ranks checkpointed and stopped", now)
+    if event.exit_code != 0 and (event.reason == "preempted" or attempt.ranks_stopped_at is not None):
+        return _ranks_stopping(new, event, latest_ready_step, now)
     if event.exit_code != 0:
+        reason = _classify(event.reason, event.exit_code)
         detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
         if event.detail:
             detail += f": {event.detail}"
-        return _fail_attempt(new, _classify(event.reason, event.exit_code), detail, policy, now)
+        retryable = reason in RETRYABLE
+        if reason == "nan":
+            retryable = not _nan_repeats(new, event.global_step)
+            attempt.nan_step = event.global_step
+            at = "an unknown step" if event.global_step is None else f"step {event.global_step}"
+            detail += (f" (NaN at {at}, " + ("first time: retried from the latest READY checkpoint)" if retryable
+                                             else "as in an earlier attempt: it would only repeat)"))
+        return _fail_attempt(new, reason, detail, policy, now, latest_ready_step=latest_ready_step,
+                             retryable=retryable, blame=[(event.node_id, reason)])
     ranks_ok = len(attempt.exited_ranks) >= attempt.world_size and all(
         code == 0 for code in attempt.exited_ranks.values()
     )
@@ -295,10 +423,28 @@ def worker_exited(
         return Outcome(new)
     attempt.state = "succeeded"
     attempt.ended_at = now
+    attempt.ready_step_at_end = latest_ready_step
     events: list[Event] = []
     if final_ready:
         _set_state(new, "succeeded", events, reason=None)
     return Outcome(new, events, release=attempt, note=f"attempt {attempt.attempt} completed")
+
+
+def _ranks_stopping(new: JobRecord, event: WorkerExited, latest_ready_step: int | None, now: datetime) -> Outcome:
+    """A rank checkpointed and stopped (or exited while its gang stops): end the stop once READY."""
+    attempt = new.attempts[-1]
+    if attempt.ranks_stopped_at is None:
+        attempt.ranks_stopped_at = now
+    if event.reason == "preempted" and event.global_step is not None:
+        # Its checkpoint is at (or after) the step it completed: wait for that one, not an older one.
+        after = -1 if attempt.preempt_after_step is None else attempt.preempt_after_step
+        attempt.preempt_after_step = max(after, event.global_step - 1)
+    if attempt.preempt_after_step is None:
+        return _end_stop(new, "its ranks checkpointed and stopped", latest_ready_step, now)
+    if latest_ready_step is not None and latest_ready_step > attempt.preempt_after_step:
+        return _end_stop(new, f"its ranks stopped and the checkpoint at step {latest_ready_step} is READY",
+                         latest_ready_step, now)
+    return Outcome(new, note=f"rank {event.rank} stopped ({event.reason}); waiting for its checkpoint to be READY")
 
 
 def checkpoint_ready(job: JobRecord, *, global_step: int, now: datetime) -> Outcome:
@@ -316,7 +462,7 @@ def checkpoint_ready(job: JobRecord, *, global_step: int, now: datetime) -> Outc
 
 
 def checkpoint_failed(job: JobRecord, *, global_step: int, reason: str, policy: RetryPolicy,
-                      now: datetime) -> Outcome:
+                      now: datetime, latest_ready_step: int | None = None) -> Outcome:
     """The final checkpoint of a completed attempt failed: retry from the latest READY one.
 
     A failed intermediate checkpoint changes nothing: the attempt trains on and writes the next.
@@ -327,37 +473,63 @@ def checkpoint_failed(job: JobRecord, *, global_step: int, reason: str, policy: 
     if current is None or current.state != "succeeded":
         return unchanged(job)
     detail = f"the checkpoint at step {global_step} failed: {reason}"
-    return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now)
+    return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now,
+                         latest_ready_step=latest_ready_step)
 
 
 # ----------------------------------------------------------------------------- control
 
 
-def request_control(job: JobRecord, action: str, reason: str | None, now: datetime) -> Outcome:
-    """cancel: from any non-terminal state; pause: queued/running; resume: paused → queued."""
+def request_control(job: JobRecord, action: str, reason: str | None, now: datetime, *,
+                    latest_ready_step: int | None = None, grace_s: float = 300.0) -> Outcome:
+    """cancel: from any non-terminal state, at once; pause: queued/running; resume: paused → queued.
+
+    A pause of a job whose ranks run asks them for a checkpoint first (``grace_s`` to write it;
+    ``latest_ready_step``: the latest READY step now) and ends in :func:`check_preemption`.
+    Resume while that pause is still in progress withdraws it.
+    """
     if job.state in TERMINAL_STATES:
         return unchanged(job, f"{action} ignored: job is {job.state}")
     if action == "resume":
-        if job.state != "paused":
-            return unchanged(job, f"resume ignored: job is {job.state}")
-        new = job.model_copy(deep=True)
-        new.updated_at = now
-        events: list[Event] = []
-        _set_state(new, "queued", events, reason=reason or "resumed")
-        new.queued_reason = "resumed; waiting for placement"
-        return Outcome(new, events)
-    if action == "pause" and job.state == "paused":
-        return unchanged(job, "already paused")
+        return _resume(job, reason, now)
+    if action == "pause" and (job.state == "paused" or job.control == "pause"):
+        return unchanged(job, "already paused" if job.state == "paused" else "already pausing")
     if action not in ("cancel", "pause"):
         return unchanged(job, f"unknown action {action!r}")
     new = job.model_copy(deep=True)
     new.updated_at = now
+    current = new.current
+    if action == "pause" and is_live(current) and current is not None and current.started_ranks:
+        new.control = "pause"
+        events: list[Event] = []
+        asked = current.preempt_requested_at is not None or current.ranks_stopped_at is not None
+        if not asked:  # a preemption in progress asked already
+            events.append(_ask_for_checkpoint(new, reason="pause requested", by=None,
+                                              latest_ready_step=latest_ready_step, grace_s=grace_s, now=now))
+        return Outcome(new, events, note=f"pause requested: attempt {current.attempt} checkpoints first")
     events = []
     released = _revoke_live(new, "cancelled" if action == "cancel" else "paused", events, now)
     target: JobState = "cancelled" if action == "cancel" else "paused"
+    new.control = None
     _set_state(new, target, events, reason=reason or f"{target} by request")
     new.queued_reason = None
     return Outcome(new, events, release=released)
+
+
+def _resume(job: JobRecord, reason: str | None, now: datetime) -> Outcome:
+    if job.control == "pause" and job.state != "paused":
+        new = job.model_copy(deep=True)
+        new.control = None
+        new.updated_at = now
+        return Outcome(new, note="pause withdrawn by resume")
+    if job.state != "paused":
+        return unchanged(job, f"resume ignored: job is {job.state}")
+    new = job.model_copy(deep=True)
+    new.updated_at = now
+    events: list[Event] = []
+    _set_state(new, "queued", events, reason=reason or "resumed")
+    new.queued_reason = "resumed; waiting for placement (from the latest READY checkpoint)"
+    return Outcome(new, events)
 
 
 # ----------------------------------------------------------------------------- reconcile
@@ -371,12 +543,15 @@ def check_attempt(
     deadlines: Deadlines,
     policy: RetryPolicy,
     now: datetime,
+    latest_ready_step: int | None = None,
 ) -> Outcome:
     """Periodic liveness check of the current attempt, from durable state only.
 
     Ranks that never start, a node that stops heart-beating, and a completed attempt whose
     final checkpoint never turns READY all fail the attempt (and so retry it); a completed
     attempt whose final checkpoint is READY (its CheckpointReady was lost) succeeds the job.
+    Before the start time-out, an attempt whose ranks have not all started gets its
+    GangAllocated published again (``deadlines.republish_*``): the broker may have lost it.
     """
     current = job.current
     if current is None or job.state in TERMINAL_STATES or job.state == "paused":
@@ -385,13 +560,16 @@ def check_attempt(
         lost = [n for n in current.nodes if n not in available_nodes]
         if lost:
             detail = f"node {', '.join(lost)} stopped sending heartbeats"
-            return _fail_attempt(job.model_copy(deep=True), "lost", detail, policy, now)
+            return _fail_attempt(job.model_copy(deep=True), "lost", detail, policy, now,
+                                 latest_ready_step=latest_ready_step, blame=[(n, "lost") for n in lost])
         age = (now - current.started_at).total_seconds()
         if len(current.started_ranks) < current.world_size and age > deadlines.start_timeout_s:
             started = len(current.started_ranks)
             detail = f"{started} of {current.world_size} ranks started within {deadlines.start_timeout_s:.0f}s"
-            return _fail_attempt(job.model_copy(deep=True), "start-timeout", detail, policy, now)
-        return unchanged(job)
+            blame = [(n, "start-timeout") for n in _nodes_without_started_ranks(current)]
+            return _fail_attempt(job.model_copy(deep=True), "start-timeout", detail, policy, now,
+                                 latest_ready_step=latest_ready_step, blame=blame)
+        return _maybe_republish(job, deadlines, now)
     if current.state == "succeeded" and job.state == "running":
         if final_ready:
             new = job.model_copy(deep=True)
@@ -403,8 +581,31 @@ def check_attempt(
         if waited > deadlines.final_checkpoint_timeout_s:
             detail = (f"every rank exited 0 but no READY checkpoint at step {job.spec.training.max_steps} "
                       f"appeared within {deadlines.final_checkpoint_timeout_s:.0f}s")
-            return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now)
+            return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now,
+                                 latest_ready_step=latest_ready_step)
     return unchanged(job)
+
+
+def _maybe_republish(job: JobRecord, deadlines: Deadlines, now: datetime) -> Outcome:
+    """GangAllocated again (same allocation and epoch) for a live attempt whose ranks have not all started."""
+    current = job.current
+    assert current is not None
+    if (deadlines.republish_after_s is None or current.republished >= deadlines.republish_max
+            or len(current.started_ranks) >= current.world_size or not current.assignments):
+        return unchanged(job)
+    since = current.republished_at or current.started_at
+    if (now - since).total_seconds() < deadlines.republish_after_s:
+        return unchanged(job)
+    new = job.model_copy(deep=True)
+    attempt = new.attempts[-1]
+    attempt.republished += 1
+    attempt.republished_at = now
+    new.updated_at = now
+    started = len(current.started_ranks)
+    return Outcome(new, [gang_allocated(new, attempt)],
+                   note=f"{started} of {attempt.world_size} ranks started after {(now - since).total_seconds():.0f}s; "
+                        f"GangAllocated {attempt.allocation_id} published again ({attempt.republished} of "
+                        f"{deadlines.republish_max})")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -418,6 +619,14 @@ def _classify(reason: str, exit_code: int) -> str:
     if reason and reason != "ok":
         return "signal" if reason.startswith("signal-") else reason
     return "error" if exit_code else "ok"
+
+
+def _nan_repeats(job: JobRecord, step: int | None) -> bool:
+    """Whether an earlier attempt of ``job`` hit NaN at ``step`` (any NaN, when the step is unknown)."""
+    earlier = [a for a in job.attempts[:-1] if a.state == "failed" and (a.failure_reason or "").startswith("nan:")]
+    if step is None:
+        return bool(earlier)
+    return any(a.nan_step == step for a in earlier)
 
 
 def _set_state(job: JobRecord, state: JobState, events: list[Event], *, reason: str | None) -> None:
@@ -462,8 +671,14 @@ def _revoke_live(job: JobRecord, why: str, events: list[Event], now: datetime) -
     return current
 
 
-def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, now: datetime) -> Outcome:
-    """Fail the current attempt of ``job`` (a private copy, changed in place); retry or fail the job."""
+def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, now: datetime, *,
+                  latest_ready_step: int | None = None, retryable: bool | None = None,
+                  blame: list[tuple[str, str]] | None = None) -> Outcome:
+    """Fail the current attempt of ``job`` (a private copy, changed in place); retry or fail the job.
+
+    The retry policy is the module docstring's; a job being paused becomes ``paused`` instead of
+    ``queued``.
+    """
     attempt = job.attempts[-1]
     events: list[Event] = []
     released = None
@@ -481,20 +696,35 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
     attempt.state = "failed"
     attempt.ended_at = now
     attempt.failure_reason = f"{reason}: {detail}"
+    attempt.ready_step_at_end = latest_ready_step
     job.updated_at = now
-    used = failures(job)
-    if reason in RETRYABLE and used < job.max_attempts:
-        not_before = retry_not_before(job, policy)
+    blamed = list(blame or [])
+    retryable = reason in RETRYABLE if retryable is None else retryable
+    streak, total = failures_since_progress(job), failures(job)
+    capped = policy.max_total_failures is not None and total >= policy.max_total_failures
+    if retryable and streak < job.max_attempts and not capped:
         why = f"attempt {attempt.attempt} failed ({reason}: {detail})"
+        if job.control == "pause":
+            job.control = None
+            job.queued_reason = job.queued_reason_kind = None
+            _set_state(job, "paused", events, reason=f"{why}; paused as requested")
+            return Outcome(job, events, release=released, note=f"{why}; paused", blame=blamed)
+        not_before = retry_not_before(job, policy)
         job.queued_reason = (
             f"{why}; attempt {attempt.attempt + 1} resumes from the latest READY checkpoint"
             + (f" after {not_before.isoformat(timespec='seconds')}" if not_before else "")
         )
         job.queued_reason_kind = "backoff"
         _set_state(job, "queued", events, reason=why)
-        return Outcome(job, events, release=released, note=why)
-    budget = "" if reason in RETRYABLE else "; not retryable"
-    why = f"{reason}: {detail} (attempt {attempt.attempt}, {used} of {job.max_attempts} failed{budget})"
+        return Outcome(job, events, release=released, note=why, blame=blamed)
+    if not retryable:
+        budget = f"{total} failed; not retryable"
+    elif capped:
+        budget = f"{total} failed in all, the cap is {policy.max_total_failures}"
+    else:
+        budget = f"{streak} of {job.max_attempts} failed in a row without a new READY checkpoint"
+    why = f"{reason}: {detail} (attempt {attempt.attempt}, {budget})"
     job.queued_reason = None
+    job.control = None
     _set_state(job, "failed", events, reason=why)
-    return Outcome(job, events, release=released, note=f"job failed: {why}")
+    return Outcome(job, events, release=released, note=f"job failed: {why}", blame=blamed)
