@@ -1,0 +1,194 @@
+"""Node health, as pure decisions: straggler detection from per-rank step metrics, and a decaying
+failure score per node that quarantines a node and lets it back.
+
+* :class:`StragglerDetector` — per attempt, steps are grouped in windows of ``window_steps``;
+  for each window every rank's median ``compute_seconds`` (time before the collective, so the
+  wait for a slow peer is not in it) is compared with the median rank's (the lower median, so
+  that with two ranks the slow one is compared with the fast one). A rank slower by
+  ``factor`` or more for ``consecutive`` windows in a row is a straggler: one
+  :class:`Straggler` is reported, and its count starts again (a rank that stays slow is
+  reported every ``consecutive`` windows). A window is judged once a step ``lag_steps`` past
+  its end has been seen, so ranks reporting a little late still count. Memory: a few windows
+  per job, at most ``max_jobs`` jobs (least recently seen dropped).
+* Reputation — a node's score halves every ``half_life_s``; an attempt failure attributed to
+  the node adds :meth:`ReputationPolicy.weight` of its reason, a straggler report adds
+  ``straggler_weight``. At ``quarantine_at`` or more the node is quarantined (no new
+  placements) until its decayed score falls under ``reinstate_below`` — :func:`quarantine_until`
+  says when, if nothing new happens — or an admin reinstates it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from trainyard_common.errors import ConfigError
+
+# ----------------------------------------------------------------------------- stragglers
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    window_steps: int = 20
+    factor: float = 1.3
+    consecutive: int = 3
+    lag_steps: int = 2
+    min_ranks: int = 2
+    max_jobs: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or self.consecutive < 1 or self.factor <= 1.0 or self.min_ranks < 2:
+            raise ConfigError("straggler policy: window_steps and consecutive must be >= 1, factor > 1, "
+                              f"min_ranks >= 2 (got {self})")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    job_id: str
+    attempt: int
+    rank: int
+    slowdown: float
+    compute_seconds: float
+    median_compute_seconds: float
+    window_steps: int
+    from_step: int
+    to_step: int
+
+
+@dataclass
+class _AttemptWindows:
+    attempt: int
+    windows: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # window → rank → samples
+    streak: dict[int, int] = field(default_factory=dict)  # rank → consecutive slow windows
+    judged: int = -1  # highest window judged
+
+
+class StragglerDetector:
+    """Feed it StepMetrics fields with :meth:`observe`; it returns the stragglers it finds."""
+
+    def __init__(self, policy: StragglerPolicy | None = None) -> None:
+        self.policy = policy or StragglerPolicy()
+        self._jobs: OrderedDict[str, _AttemptWindows] = OrderedDict()
+
+    def observe(self, job_id: str, attempt: int, rank: int, step: int, compute_seconds: float) -> list[Straggler]:
+        state = self._state(job_id, attempt)
+        if state is None or compute_seconds <= 0 or not math.isfinite(compute_seconds):
+            return []
+        w = self.policy.window_steps
+        window = step // w
+        if window > state.judged:
+            state.windows.setdefault(window, {}).setdefault(rank, []).append(compute_seconds)
+        found: list[Straggler] = []
+        for done in sorted(k for k in state.windows if (k + 1) * w + self.policy.lag_steps <= step):
+            found += self._judge(job_id, state, done, state.windows.pop(done))
+            state.judged = max(state.judged, done)
+        return found
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def _state(self, job_id: str, attempt: int) -> _AttemptWindows | None:
+        state = self._jobs.get(job_id)
+        if state is not None and attempt < state.attempt:
+            return None  # a late metric of an older attempt
+        if state is None or attempt > state.attempt:
+            state = _AttemptWindows(attempt)
+            self._jobs[job_id] = state
+            while len(self._jobs) > self.policy.max_jobs:
+                self._jobs.popitem(last=False)
+        self._jobs.move_to_end(job_id)
+        return state
+
+    def _judge(self, job_id: str, state: _AttemptWindows, window: int,
+               samples: dict[int, list[float]]) -> list[Straggler]:
+        if len(samples) < self.policy.min_ranks:
+            return []
+        per_rank = {rank: statistics.median(values) for rank, values in samples.items()}
+        reference = statistics.median_low(per_rank.values())
+        if reference <= 0:
+            return []
+        w = self.policy.window_steps
+        found = []
+        for rank, value in sorted(per_rank.items()):
+            slowdown = value / reference
+            if slowdown < self.policy.factor:
+                state.streak[rank] = 0
+                continue
+            state.streak[rank] = state.streak.get(rank, 0) + 1
+            if state.streak[rank] >= self.policy.consecutive:
+                state.streak[rank] = 0
+                first = window - self.policy.consecutive + 1
+                found.append(Straggler(job_id, state.attempt, rank, round(slowdown, 3), value, reference,
+                                       w * self.policy.consecutive, first * w, (window + 1) * w - 1))
+        return found
+
+
+# ----------------------------------------------------------------------------- reputation
+
+# Failure reasons that say something about the node (not the code, the spec or the data).
+NODE_REASONS: dict[str, float] = {
+    "lost": 1.0, "hang": 1.0, "nccl": 1.0, "signal": 1.0, "oom": 0.5, "killed": 0.5, "start-timeout": 0.5,
+}
+
+
+@dataclass(frozen=True)
+class ReputationPolicy:
+    half_life_s: float = 6 * 3600.0
+    quarantine_at: float = 3.0
+    reinstate_below: float = 1.0
+    straggler_weight: float = 1.0
+    weights: dict[str, float] = field(default_factory=lambda: dict(NODE_REASONS))
+
+    def __post_init__(self) -> None:
+        if self.half_life_s <= 0 or not 0 < self.reinstate_below < self.quarantine_at:
+            raise ConfigError("reputation policy: half_life_s must be > 0 and 0 < reinstate_below < quarantine_at "
+                              f"(got half_life_s={self.half_life_s}, reinstate_below={self.reinstate_below}, "
+                              f"quarantine_at={self.quarantine_at})")
+
+    def weight(self, reason: str) -> float:
+        """What a failure for ``reason`` adds to the node's score (0: not the node's fault)."""
+        return self.weights.get("signal" if reason.startswith("signal") else reason, 0.0)
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    score: float
+    at: datetime
+
+    def to_dict(self) -> dict[str, object]:
+        return {"score": self.score, "at": self.at.isoformat()}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, object]) -> NodeScore:
+        return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])))  # type: ignore[arg-type]
+
+
+def decayed(score: NodeScore | None, now: datetime, policy: ReputationPolicy) -> float:
+    """The score at ``now``: halved every half-life since it was written."""
+    if score is None:
+        return 0.0
+    elapsed = max((now - score.at).total_seconds(), 0.0)
+    return score.score * 0.5 ** (elapsed / policy.half_life_s)
+
+
+def add(score: NodeScore | None, weight: float, now: datetime, policy: ReputationPolicy) -> NodeScore:
+    return NodeScore(decayed(score, now, policy) + weight, now)
+
+
+def quarantine_until(score: float, now: datetime, policy: ReputationPolicy) -> datetime:
+    """When ``score`` (at ``now``) will have decayed under ``reinstate_below``, if nothing is added."""
+    if score < policy.reinstate_below:
+        return now
+    return now + timedelta(seconds=policy.half_life_s * math.log2(score / policy.reinstate_below))
+
+
+def should_quarantine(score: float, quarantined: bool, policy: ReputationPolicy) -> bool:
+    return not quarantined and score >= policy.quarantine_at
+
+
+def should_reinstate(score: float, quarantined_by: str | None, policy: ReputationPolicy) -> bool:
+    """Only quarantines the reputation made end on their own; an admin's waits for an admin."""
+    return quarantined_by == "reputation" and score < policy.reinstate_below
