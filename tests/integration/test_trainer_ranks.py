@@ -25,7 +25,9 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import signal
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from trainyard_common import exitcodes
-from trainyard_common.events import CheckpointRef, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_common.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
 from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
@@ -89,8 +91,10 @@ class RunResult:
 def run_attempt(
     root: Path, job_id: str, attempt: int, start: CheckpointRef | None = None, otlp_endpoint: str | None = None,
     *, world: int = WORLD, spec: TrainingSpec | None = None, env: dict[str, str] | None = None,
+    during: Callable[[list[subprocess.Popen[bytes]], ArtifactLayout], None] | None = None,
 ) -> RunResult:
-    """Launch ``world`` rank processes with the node agent's env contract and wait for them."""
+    """Launch ``world`` rank processes with the node agent's env contract and wait for them
+    (``during(procs, layout)`` runs once they are all started)."""
     spec = spec or small_spec()
     layout = ArtifactLayout(root)
     port = free_port()
@@ -117,6 +121,7 @@ def run_attempt(
             "TRAINYARD_COLLECTIVE_TIMEOUT_S": "120", "TRACEPARENT": TRACEPARENT,
             # a fixed figure: no rank spends its time on a CPU matmul probe (tested in the unit tests)
             "TRAINYARD_PEAK_FLOPS": "1e11",
+            "TRAINYARD_EXIT_NOTE_FILE": str(exit_note(layout, job_id, attempt, rank)),
         })
         rank_env.update(env or {})
         if otlp_endpoint:
@@ -131,6 +136,8 @@ def run_attempt(
         logs.append(log_path)
     codes = []
     try:
+        if during is not None:
+            during(procs, layout)
         for p in procs:
             codes.append(p.wait(timeout=300))
     finally:
@@ -145,6 +152,10 @@ def run_attempt(
     record_path = layout.attempt_dir(TENANT, job_id, attempt) / "run-record.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
     return RunResult(codes=codes, logs=[p.read_text() for p in logs], events=events, record=record)
+
+
+def exit_note(layout: ArtifactLayout, job_id: str, attempt: int, rank: int) -> Path:
+    return layout.attempt_dir(TENANT, job_id, attempt) / "exit" / f"rank-{rank}.note.json"
 
 
 def shards_of(result: RunResult, step: int) -> list[ShardWritten]:
@@ -267,6 +278,8 @@ def test_uninterrupted_run_checkpoints_and_reports(root: Path, first_run: RunRes
             assert path.stat().st_size == s.size_bytes and sha256_file(path) == s.sha256
             assert (s.world_size, s.consumed_samples, s.parallelism) == (WORLD, step * 16, {"dp": 2, "tp": 1, "pp": 1})
             assert s.consumed_tokens == step * 16 * 32 and s.spec_hash == small_spec().spec_hash()
+            assert s.write_seconds is not None and s.stall_seconds is not None
+            assert s.write_seconds >= 0 and 0 <= s.stall_seconds <= s.write_seconds
         (meta,) = shards[0].extra_files
         assert uri_to_path(meta.uri) == directory / ".metadata" and sha256_file(directory / ".metadata") == meta.sha256
         assert shards[1].extra_files == []
@@ -311,6 +324,7 @@ def test_run_record(first_run: RunResult) -> None:
     assert [step for step, _ in record["lossCurve"]] == list(range(1, MAX_STEPS + 1))
     assert [c["globalStep"] for c in record["checkpoints"]] == [2, 4, 6]
     assert all(c["stallSeconds"] < c["writeSeconds"] for c in record["checkpoints"])
+    assert record["checkpointPolicy"] == {"everySteps": EVERY, "everyMinutes": None, "source": "spec"}
     assert record["throughput"]["peakFlopsPerDevice"] == 1e11 and 0 < record["throughput"]["meanMfu"] < 1
 
 
@@ -381,6 +395,12 @@ def test_corrupted_start_checkpoint_falls_back_to_the_previous_ready_one(
     assert [r["manifestUri"] for r in restore["refused"]] == [path_to_uri(at4)]
     assert "rank 1 shard sha256" in restore["refused"][0]["problems"][0]
     assert "fell back to the previous READY checkpoint, step 2" in restore["reason"]
+    # rank 0 reports the refusal, for the coordinator to mark that checkpoint FAILED
+    (refusal,) = result.of(CheckpointRefused)
+    assert (refusal.manifest_uri, refusal.global_step, refusal.attempt, refusal.checkpoint_attempt) == (
+        path_to_uri(at4), 4, 2, 1)
+    assert "rank 1 shard sha256" in refusal.problems[0]
+    assert not any(r["payload"]["eventType"] == "CheckpointRefused" for r in result.events[1])
     for log in result.logs:
         assert "refusing checkpoint step 4" in log and "fell back" in log
     assert [m.step for m in result.of(StepMetrics) if m.rank == 0] == [3, 4, 5, 6]
@@ -402,6 +422,7 @@ def test_no_checkpoint_verifies_exits_checkpoint(root: Path, first_run: RunResul
     assert (record["status"], record["exitCode"]) == ("failed", exitcodes.CHECKPOINT)
     assert record["restore"]["manifestUri"] is None and record["restore"]["requestedManifestUri"] == path_to_uri(only)
     assert [r["globalStep"] for r in record["restore"]["refused"]] == [2]
+    assert [e.global_step for e in result.of(CheckpointRefused)] == [2]
     assert "no checkpoint of this job verifies" in record["error"]
 
 
@@ -451,3 +472,94 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): tree}
+
+
+# ----------------------------------------------------------------------------- checkpoint on request, then stop
+
+PREEMPT_MAX = 24
+
+
+def preempt_spec() -> TrainingSpec:
+    """More steps, no scheduled save before maxSteps: a checkpoint mid-run can only come from a request."""
+    data = small_spec().model_dump(by_alias=True, mode="json")
+    data["training"]["maxSteps"] = PREEMPT_MAX
+    data["checkpointPolicy"] = {"everySteps": 1000}
+    return TrainingSpec.model_validate(data)
+
+
+def wait_for_step(layout: ArtifactLayout, job_id: str, attempt: int, step: int,
+                  procs: list[subprocess.Popen[bytes]]) -> None:
+    path = layout.rank_events(TENANT, job_id, attempt, 0)
+    deadline = time.monotonic() + 300  # generous: ranks start slowly on a loaded machine
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return  # let the assertions on the exit codes say what happened
+        lines = path.read_text().splitlines() if path.exists() else []
+        steps = [json.loads(line)["payload"].get("step") for line in lines]
+        if any(isinstance(s, int) and s >= step for s in steps):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"rank 0 of {job_id} attempt {attempt} never reached step {step}")
+
+
+def assert_stopped_together(layout: ArtifactLayout, result: RunResult, job_id: str, attempt: int) -> int:
+    """Both ranks exited 7 after the same step, whose checkpoint is durable on every rank; that step."""
+    assert result.codes == [exitcodes.PREEMPTED] * WORLD, "\n".join(result.logs)
+    last = {rank: max(m.step for m in result.of(StepMetrics) if m.rank == rank) for rank in range(WORLD)}
+    step = last[0]
+    assert last == {r: step for r in range(WORLD)} and step < PREEMPT_MAX
+    shards = shards_of(result, step)
+    assert [s.rank for s in shards] == list(range(WORLD)), "every rank's ShardWritten is in its spool"
+    directory = layout.checkpoint_dir(TENANT, job_id, attempt, step)
+    for s in shards:
+        path = uri_to_path(s.uri)
+        assert path.parent == directory and path.stat().st_size == s.size_bytes and sha256_file(path) == s.sha256
+        assert s.write_seconds is not None and s.write_seconds >= 0
+        assert s.stall_seconds is not None and s.stall_seconds >= 0
+    assert {s.global_step for s in result.of(ShardWritten)} == {step}, "nothing saved but the requested step"
+    record = result.record
+    assert record is not None and (record["status"], record["exitCode"]) == ("preempted", 7)
+    assert record["stopped"]["globalStep"] == step and record["stopped"]["saved"] is True
+    assert record["progress"]["globalStep"] == step
+    for rank in range(WORLD):
+        note = json.loads(exit_note(layout, job_id, attempt, rank).read_text())
+        assert (note["exitCode"], note["reason"], note["globalStep"]) == (7, "preempted", step)
+    return step
+
+
+def test_a_requested_checkpoint_stops_every_rank_at_the_same_step_and_resumes(root: Path) -> None:
+    layout = ArtifactLayout(root)
+    spec, job = preempt_spec(), "job-p"
+
+    def signal_rank_1(procs: list[subprocess.Popen[bytes]], layout: ArtifactLayout) -> None:
+        wait_for_step(layout, job, 1, 2, procs)
+        procs[1].send_signal(signal.SIGUSR1)  # only rank 1 is asked: the agreement carries it to rank 0
+
+    first = run_attempt(root, job, attempt=1, spec=spec, during=signal_rank_1)
+    step1 = assert_stopped_together(layout, first, job, 1)
+    assert first.record["stopped"]["signalled"] is False  # rank 0 learnt it from rank 1, through the all-reduce
+    assert "checkpoint requested (signal)" in first.logs[1]
+
+    # attempt 2 resumes from it; this time the request comes as the node agent's request file
+    at1 = write_manifest(shards_of(first, step1))
+
+    def request_file(procs: list[subprocess.Popen[bytes]], layout: ArtifactLayout) -> None:
+        wait_for_step(layout, job, 2, step1 + 2, procs)
+        atomic_write_bytes(layout.attempt_dir(TENANT, job, 2) / "checkpoint-request.json", json.dumps(
+            {"allocationId": "alloc-2", "epoch": 2, "reason": "pause"}).encode())
+
+    second = run_attempt(root, job, attempt=2, start=ref_for(at1), spec=spec, during=request_file)
+    step2 = assert_stopped_together(layout, second, job, 2)
+    assert step2 > step1 and second.record["restore"]["globalStep"] == step1
+
+    # attempt 3 runs to maxSteps; the sampler positions chain without a gap or a repeat
+    third = run_attempt(root, job, attempt=3, start=ref_for(write_manifest(shards_of(second, step2))), spec=spec)
+    assert third.codes == [0] * WORLD, "\n".join(third.logs)
+    chain = [first.record["progress"], second.record["progress"], third.record["progress"]]
+    assert chain[0]["samplerStartPosition"] == 0
+    for before, after in zip(chain, chain[1:]):
+        assert after["startStep"] == before["globalStep"]
+        assert after["samplerStartPosition"] == before["samplerPosition"]
+    assert chain[2]["globalStep"] == PREEMPT_MAX and chain[2]["samplerPosition"] == PREEMPT_MAX * 16
+    steps = sorted(m.step for r in (first, second, third) for m in r.of(StepMetrics) if m.rank == 0)
+    assert steps == list(range(1, PREEMPT_MAX + 1)), "every step trained exactly once"
