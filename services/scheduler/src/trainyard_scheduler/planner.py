@@ -223,7 +223,9 @@ class _Pass:
         for r in running:
             if r.job_id not in self.busy:
                 self.lowest[r.gpu_type] = min(self.lowest.get(r.gpu_type, r.shield), r.shield)
-        self.reserved: dict[str, Reservation] = {}
+        self.reserved: dict[str, Reservation] = {}  # the first reservation per device type (named in reasons)
+        self.reservations: dict[str, int] = {}
+        self.backfill_until: dict[str, datetime | None] = {}  # earliest reserved start; None = no backfill past
         self.phantoms: list[tuple[str, list[Device]]] = []
         self.phantom_count: dict[str, int] = {}
         self.searches = 0
@@ -379,8 +381,9 @@ class _Pass:
         if not held or self.snapshot.free_count(kind) + held < job.request.gpu_count:
             return False
         holder = self.reserved.get(kind)
+        until = self.backfill_until.get(kind)
         ends = (self.now + timedelta(seconds=job.expected_duration_s)) if job.expected_duration_s else None
-        if holder and holder.start and ends and ends <= holder.start:
+        if until is not None and ends is not None and ends <= until:
             placed = self._place_ignoring_reservations(job)
             if placed is not None:
                 self._admit(job, placed, backfill=True)
@@ -414,7 +417,7 @@ class _Pass:
     def _wait_for_capacity(self, job: PendingJob, result: Unschedulable) -> None:
         kind = job.request.gpu_type
         reason = result.message
-        if self.policy.backfill and kind not in self.reserved:
+        if self.policy.backfill and self.reservations.get(kind, 0) < self.policy.reservations:
             reservation = self._reserve(job)
             if reservation is not None:
                 reason += f"; next in line for {kind}: free devices in {reservation.where} are held for it"
@@ -432,18 +435,32 @@ class _Pass:
         if unit is None:
             return None
         take = min(agg.cap[level][unit], need)
+        start, freed = self._expected_start(request.gpu_type, level, unit, need - take, request.tensor)
+        if start is not None:  # EASY's "extra" devices: what the head will not need at its start stays free
+            tp = max(1, request.tensor)
+            take = min(take, -(-max(0, need - freed) // tp) * tp)
         pieces: list[tuple[int, int]] = []
         if take > 0:
             fill(snap, agg, level, unit, take, pieces)
         held = [Device(snap.node_id(n), i) for n, c in pieces for i in snap.free[n][request.gpu_type][:c]]
         where = self._unit_name(level, unit)
-        reservation = Reservation(job.job_id, request.gpu_type, tuple(held),
-                                  self._expected_start(request.gpu_type, level, unit, need - take), where)
+        reservation = Reservation(job.job_id, request.gpu_type, tuple(held), start, where)
         self._hold(request.gpu_type, held)
-        self.reserved[request.gpu_type] = reservation
+        self._note_reservation(reservation)
         if self.stats is not None:
             self.stats.reservations.append(reservation)
         return reservation
+
+    def _note_reservation(self, reservation: Reservation) -> None:
+        kind = reservation.gpu_type
+        self.reserved.setdefault(kind, reservation)
+        self.reservations[kind] = self.reservations.get(kind, 0) + 1
+        if self.reservations[kind] == 1:
+            self.backfill_until[kind] = reservation.start
+        else:
+            until = self.backfill_until.get(kind)
+            self.backfill_until[kind] = None if until is None or reservation.start is None else min(
+                until, reservation.start)
 
     def _soonest_unit(self, kind: str, agg: object, level: int, need: int) -> int | None:
         """The unit of ``level`` where the head can start soonest: by the running jobs' expected ends
@@ -493,10 +510,12 @@ class _Pass:
         name = {TIER: snap.tier_names, RACK: snap.rack_names, DOMAIN: snap.dom_names}[level][unit]
         return f"{LEVEL_NAMES[level]} {name or '(default)'}"
 
-    def _expected_start(self, kind: str, level: int, unit: int, missing: int) -> datetime | None:
-        """When enough running jobs in the unit end to free ``missing`` more devices (if all say when)."""
+    def _expected_start(self, kind: str, level: int, unit: int, missing: int,
+                        tp: int = 1) -> tuple[datetime | None, int]:
+        """When enough running jobs in the unit end to free ``missing`` more devices (if all say when),
+        and how many devices (in whole groups of ``tp``) all the jobs ending by then free."""
         if missing <= 0:
-            return self.now
+            return self.now, 0
         ends: list[tuple[datetime, int]] = []
         for r in self.running.values():
             if r.gpu_type != kind:
@@ -504,14 +523,19 @@ class _Pass:
             held = r.units(self.snapshot, level).get(unit, 0) if level != CLUSTER else r.size
             if held:
                 if r.expected_end is None:
-                    return None
-                ends.append((r.expected_end, held))
+                    return None, 0
+                ends.append((r.expected_end, held // tp * tp if tp > 1 else held))
+        ends.sort()
         freed = 0
-        for end, held in sorted(ends):
+        for i, (end, held) in enumerate(ends):
             freed += held
             if freed >= missing:
-                return max(end, self.now)
-        return None
+                for later, more in ends[i + 1:]:  # jobs ending at the same moment free theirs too
+                    if later > end:
+                        break
+                    freed += more
+                return max(end, self.now), freed
+        return None, 0
 
     # ---------------------------------------------------------------- preemption
     def _in_progress(self, job: PendingJob) -> bool:
@@ -538,9 +562,8 @@ class _Pass:
             theirs = {(d.node_id, d.index) for d in freed}
             held = [d for d in target.devices() if (d.node_id, d.index) not in theirs]
             self._hold(kind, held)
-            if kind not in self.reserved:
-                self.reserved[kind] = Reservation(job.job_id, kind, tuple(held), None,
-                                                  "the devices of the jobs it preempts")
+            self._note_reservation(Reservation(job.job_id, kind, tuple(held), None,
+                                               "the devices of the jobs it preempts"))
 
     def _maybe_preempt(self, job: PendingJob, over: str | None) -> bool:
         cfg = self.policy.preemption

@@ -106,6 +106,9 @@ class QueueConfig(_Cfg):
     aging: AgingConfig = AgingConfig()
     preemption: PreemptionConfig = PreemptionConfig()
     backfill: bool = True
+    reservations: int = Field(
+        default=1, ge=1, le=64,
+        description="blocked jobs per device type, in queue order, whose start is protected by a reservation")
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name, self.default_tenant)

@@ -253,7 +253,7 @@ class Simulator:
                  policy: QueueConfig | None = None, name: str = "topology-aware", tick_s: float = 300.0,
                  tp_split_slowdown: float = 1.0, cross_rack_slowdown: float = 0.25,
                  cross_tier_slowdown: float = 0.5, checkpoint_write_s: float = 60.0, revoke_pass_s: float = 5.0,
-                 check: bool = False,
+                 react: bool = True, check: bool = False,
                  timer: Callable[[], float] = time.perf_counter) -> None:
         self.cluster, self.trace, self.placer = cluster, trace, placer
         self.policy = policy or default_policy(cluster, trace.tenants)
@@ -261,6 +261,7 @@ class Simulator:
         self.slow = (tp_split_slowdown, cross_rack_slowdown, cross_tier_slowdown)
         self.checkpoint_write_s = checkpoint_write_s
         self.revoke_pass_s = revoke_pass_s
+        self.react = react
         self.check = check
         self.timer = timer
         self.report = SimReport(name)
@@ -342,6 +343,7 @@ class Simulator:
         self._end_attempt(job_id)
         self.report.finished += 1
         self._dirty = True
+        self._pass_soon()
 
     def _on_fail(self, node_id: str, _: int) -> None:
         if node_id in self.down:
@@ -364,6 +366,7 @@ class Simulator:
         self.down.discard(node_id)
         self.snapshot.set_available(node_id, True)
         self._dirty = True
+        self._pass_soon()
 
     def _on_preempted(self, job_id: str, _: int) -> None:
         r = self.running.get(job_id)
@@ -382,7 +385,13 @@ class Simulator:
         self._requeue(job)
         self.preempting.get(preemptor, set()).discard(job_id)
         self._dirty = True
-        if not self.preempting.get(preemptor) and self._soon < self.now:  # free now: a pass soon, not next tick
+        if not self.preempting.get(preemptor):  # free now: a pass soon, not next tick
+            self._pass_soon()
+
+    def _pass_soon(self) -> None:
+        """The shell passes every second: devices freed now are offered within ``revoke_pass_s``, not at
+        the next (coarse) simulated tick."""
+        if self.react and self._soon < self.now:
             self._soon = self.now + self.revoke_pass_s
             self._push(self._soon, "tick", "")
 
