@@ -59,3 +59,23 @@ def test_a_long_run_on_a_bigger_cluster() -> None:
     report = sim.run()
     sim.check_no_job_lost()
     assert report.tp_in_domain == report.tp_groups
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_against_first_fit_on_the_same_trace_useful_utilisation_is_higher(seed: int) -> None:
+    """Deterministic (fixed seed, simulated time): the comparison the benchmark prints, on a small cluster."""
+    cluster, trace = small(seed=seed)
+    ours = Simulator(cluster, trace, tick_s=300.0).run()
+    theirs = Simulator(cluster, trace, tick_s=300.0, placer=first_fit, name="first fit").run()
+    assert ours.goodput > theirs.goodput
+    assert ours.tp_in_domain == ours.tp_groups and theirs.tp_in_domain < theirs.tp_groups
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_devices_freed_between_ticks_are_offered_at_once(seed: int) -> None:
+    """The shell passes every second; the simulator passes soon after a completion, not at the next tick."""
+    cluster, trace = small(seed=seed)
+    coarse = Simulator(cluster, trace, tick_s=300.0, react=False).run()
+    prompt = Simulator(cluster, trace, tick_s=300.0).run()
+    assert prompt.passes > coarse.passes
+    assert prompt.utilisation > coarse.utilisation

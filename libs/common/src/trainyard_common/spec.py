@@ -30,6 +30,13 @@ class Resources(_Wire):
     gpu_type: str = Field(min_length=1, max_length=64, description="device type, e.g. h100-80gb or cpu")
     gpu_count: int = Field(gt=0, le=65_536)
     topology: str | None = Field(default=None, max_length=64)
+    expected_duration_minutes: float | None = Field(
+        default=None, gt=0, le=525_600,
+        # came later: left out of the wire form when unset, so every earlier spec keeps its hash
+        exclude_if=lambda v: v is None,
+        description="the job's expected run time; used only by backfill (a job may start on devices held "
+                    "for the head of the queue if it ends before the head's reserved start)",
+    )
 
 
 class Parallelism(_Wire):

@@ -166,6 +166,11 @@ class PlanStats:
     preemption_searches: int = 0
 
 
+def expected_duration_s(minutes: float | None) -> float | None:
+    """``resources.expectedDurationMinutes`` in seconds (None: unknown, never backfilled past a reservation)."""
+    return None if minutes is None else minutes * 60.0
+
+
 def effective_priority(job: PendingJob, policy: QueueConfig, now: datetime) -> int:
     """Base priority plus the aging boost for the time it has waited."""
     return job.priority + policy.boost((now - job.submitted_at).total_seconds())
@@ -778,6 +783,7 @@ __all__ = [
     "RunningJob",
     "Wait",
     "effective_priority",
+    "expected_duration_s",
     "fits_after_freeing",
     "order",
     "plan",
