@@ -23,6 +23,7 @@ GLOO_PEER_LOG = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:5
     (ExitFacts(2), "config", None),
     (ExitFacts(4), "checkpoint", None),
     (ExitFacts(5), "data", None),
+    (ExitFacts(7, "RuntimeError: ignored"), "preempted", "checkpointed on request"),  # exit 7: not a failure
     (ExitFacts(1, NCCL_LOG), "nccl", "NCCL error"),
     (ExitFacts(-6, NCCL_LOG), "nccl", "NCCL error"),  # an abort after an NCCL error
     (ExitFacts(1, CUDA_OOM_LOG), "oom", "CUDA out of memory"),  # OOM wins over "CUDA error"

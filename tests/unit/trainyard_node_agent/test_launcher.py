@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainyard_node_agent.ranks import LAUNCHER, read_exit_file
+from trainyard_node_agent.ranks import LAUNCHER, note_file_for, read_exit_file, read_note_step
 
 
 def launch(tmp_path: Path, code: str) -> tuple[int, Path]:
@@ -34,3 +34,27 @@ def test_sigterm_reaches_the_rank_with_its_default_action(tmp_path: Path) -> Non
     # the launcher's own no-op handler must not be inherited as "ignored"
     code, exit_file = launch(tmp_path, "import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)")
     assert read_exit_file(exit_file) == -signal.SIGTERM and code == -signal.SIGTERM
+
+
+def test_a_checkpoint_request_signal_neither_kills_the_launcher_nor_a_rank_that_has_no_handler_yet(
+    tmp_path: Path
+) -> None:
+    # the whole process group gets SIGUSR1; before the trainer installs its handler it is ignored
+    exit_file = tmp_path / "exit" / "rank-0.json"
+    code = ("import os, signal, sys; os.killpg(os.getpgrp(), signal.SIGUSR1); "
+            "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(7)); os.kill(os.getpid(), signal.SIGUSR1)")
+    proc = subprocess.run([sys.executable, str(LAUNCHER), str(exit_file), "--", sys.executable, "-c", code],
+                          timeout=60, capture_output=True, start_new_session=True)  # a group of its own, like a rank's
+    assert proc.returncode == 7 and read_exit_file(exit_file) == 7
+
+
+def test_the_exit_note_beside_the_exit_file(tmp_path: Path) -> None:
+    exit_file = tmp_path / "exit" / "rank-3.json"
+    note = note_file_for(exit_file)
+    assert note == tmp_path / "exit" / "rank-3.note.json"
+    assert read_note_step(note) is None
+    note.parent.mkdir(parents=True)
+    note.write_text(json.dumps({"exitCode": 3, "globalStep": 12}))
+    assert read_note_step(note) == 12
+    note.write_text(json.dumps({"globalStep": "12"}))
+    assert read_note_step(note) is None

@@ -27,3 +27,10 @@ def test_before_the_first_event_the_longer_limit_applies() -> None:
 def test_nothing_is_hung_at_the_limit() -> None:
     assert find_hangs([rank("a", 0, 30.0)], timeout_s=30, first_step_timeout_s=600) == []
     assert find_hangs([], timeout_s=30, first_step_timeout_s=600) == []
+
+
+def test_a_rank_saving_on_request_is_not_hung_until_the_deadline() -> None:
+    saving = RankProgress("a", 0, 1000, 500.0, True, "S", saving_on_request=True)
+    assert find_hangs([saving, rank("a", 1, 1.0)], timeout_s=30, first_step_timeout_s=600) == []
+    past_deadline = RankProgress("a", 0, 1000, 500.0, True, "S", saving_on_request=False)
+    assert [h.allocation_id for h in find_hangs([past_deadline], timeout_s=30, first_step_timeout_s=600)] == ["a"]

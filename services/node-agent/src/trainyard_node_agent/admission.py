@@ -79,6 +79,8 @@ def rank_env(
     traceparent: str | None,
     cpu_threads: int | None = 1,
     extra: Mapping[str, str] | None = None,
+    checkpoint_request_file: Path | None = None,
+    exit_note_file: Path | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the contract, which wins."""
@@ -103,6 +105,10 @@ def rank_env(
         "TRAINYARD_EVENTS_FILE": str(events_file),
         "PYTHONUNBUFFERED": "1",
     })
+    if checkpoint_request_file is not None:
+        env["TRAINYARD_CHECKPOINT_REQUEST_FILE"] = str(checkpoint_request_file)
+    if exit_note_file is not None:
+        env["TRAINYARD_EXIT_NOTE_FILE"] = str(exit_note_file)
     if traceparent:
         env["TRACEPARENT"] = traceparent
     if cpu_threads is not None:

@@ -8,6 +8,13 @@ names is leased to it right now; each allocation id is launched at most once. Wh
 run, their devices must stay leased to their allocation: a rank whose lease is gone (the
 scheduler ended the attempt and the AllocationRevoked never arrived) is stopped.
 
+Checkpoint on request (preemption, pause): a CheckpointRequested for an allocation with ranks
+running here, and an epoch not older than theirs, is written to the attempt directory
+(``checkpoint-request.json``: it outlives this agent and a signal sent too early) and signalled
+(SIGUSR1 to each rank's process group; the launcher ignores it, the trainer sets a flag). The
+ranks agree at the next step boundary, save that step, and exit 7, reported as ``preempted``.
+Until the request's deadline the hang watchdog leaves them alone. Duplicates are no-ops.
+
 Failure handling:
 
 * a rank's exit is classified (:mod:`classify`: nan, oom, nccl, hang, exit code, …);
@@ -47,9 +54,11 @@ from trainyard_common.events import (
     CHECKPOINTS,
     Event,
     AllocationRevoked,
+    CheckpointRequested,
     DeadLetter,
     DeviceInfo,
     GangAllocated,
+    METRICS,
     NodeHeartbeat,
     WorkerExited,
     WorkerStarted,
@@ -73,6 +82,7 @@ from trainyard_node_agent.watchdog import RankProgress, find_hangs
 log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
 LOST_EXIT_CODE = -9
+CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"  # in the attempt directory; read by trainyard_trainer
 
 
 class AgentKeys:
@@ -90,6 +100,18 @@ class AgentKeys:
 def exit_file_for(layout: ArtifactLayout, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
     """``<attempt dir>/exit/rank-<r>.json``: where the launcher records how the rank ended."""
     return layout.attempt_dir(tenant, job_id, attempt) / "exit" / f"rank-{rank}.json"
+
+
+def checkpoint_request_file(layout: ArtifactLayout, tenant: str, job_id: str, attempt: int) -> Path:
+    """``<attempt dir>/checkpoint-request.json``: the CheckpointRequested the ranks of the attempt read."""
+    return layout.attempt_dir(tenant, job_id, attempt) / CHECKPOINT_REQUEST_FILE
+
+
+def last_step_of(rank: rp.RankProcess) -> int | None:
+    """The step WorkerExited reports: the trainer's exit note (its last step, the failing one after a
+    NaN, the one it checkpointed at when asked to stop), else the last StepMetrics relayed."""
+    noted = rp.read_note_step(rank.note_file)
+    return noted if noted is not None else rank.last_step
 
 
 class NodeAgent:
@@ -129,7 +151,8 @@ class NodeAgent:
         """Subscribe (a group of its own: every agent sees every allocation), heartbeat, watchdogs."""
         self.runtime.bus.subscribe(
             ALLOCATIONS,
-            {GangAllocated: self.on_gang_allocated, AllocationRevoked: self.on_allocation_revoked},
+            {GangAllocated: self.on_gang_allocated, AllocationRevoked: self.on_allocation_revoked,
+             CheckpointRequested: self.on_checkpoint_requested},
             group=self.group, deduper_factory=self.runtime.deduper,
         )
         self.runtime.add_loop("heartbeat", self.heartbeat, self.settings.heartbeat_s)
@@ -281,6 +304,33 @@ class NodeAgent:
         for rank in targets:
             self._revoke(rank, event.reason)
 
+    async def on_checkpoint_requested(self, event: CheckpointRequested) -> None:
+        """Ask this allocation's ranks here to checkpoint and stop: request file, then SIGUSR1."""
+        targets = [r for r in self.ranks.values() if r.allocation_id == event.allocation_id and r.running]
+        if not targets:
+            return
+        if event.epoch < targets[0].epoch:
+            log.warning("ignoring checkpoint request for %s with stale epoch %d < %d", event.allocation_id,
+                        event.epoch, targets[0].epoch)
+            return
+        fresh = [r for r in targets if r.checkpoint_requested_epoch is None]
+        if not fresh:
+            log.info("checkpoint request for %s already delivered; ignoring the duplicate", event.allocation_id)
+            return
+        first = fresh[0]
+        request_file = checkpoint_request_file(self.layout, first.tenant, first.job_id, first.attempt)
+        atomic_write_bytes(request_file, event.to_bytes())
+        now, wall = time.monotonic(), time.time()
+        grace = (event.deadline.timestamp() - wall) if event.deadline else self.settings.hang_timeout_s
+        for rank in fresh:
+            rank.checkpoint_requested_epoch = event.epoch
+            rank.checkpoint_deadline = now + max(grace, 0.0)
+            rank.last_progress = now  # a fresh hang window once the deadline has passed
+            delivered = rp.signal_group(rank.pgid, signal.SIGUSR1)
+            log.info("checkpoint requested for rank %d of %s (%s%s): %s", rank.rank, event.allocation_id,
+                     event.reason, f", for {event.requested_by}" if event.requested_by else "",
+                     "signalled" if delivered else "request file only (the process group is gone)")
+
     def _revoke(self, rank: rp.RankProcess, why: str) -> None:
         if rank.revoked or rank.hang_detail is not None:
             return
@@ -319,6 +369,10 @@ class NodeAgent:
                 event, share, slot, base_env=self.base_env, backend=self.backend,
                 artifact_root=self.layout.root, allocation_file=allocation_file, events_file=events_file,
                 traceparent=traceparent, cpu_threads=self._cpu_threads, extra=self.settings.rank_env,
+                checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
+                                                                event.attempt),
+                exit_note_file=rp.note_file_for(
+                    exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank)),
             )
             rank = rp.RankProcess(
                 job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
@@ -456,6 +510,8 @@ class NodeAgent:
             return
         body = json.dumps(payload, separators=(",", ":"))
         traceparent = record.get("traceparent") or rank.traceparent
+        if topic == METRICS and payload.get("eventType") == "StepMetrics" and isinstance(payload.get("step"), int):
+            rank.last_step = payload["step"]
         await self.runtime.bus.publish_raw_traced(topic, body.encode(), key=record.get("key"), traceparent=traceparent)
         if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and "eventId" in payload:
             await self._remember(Announcement(
@@ -488,6 +544,7 @@ class NodeAgent:
         event = WorkerExited(
             job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id, epoch=rank.epoch,
             node_id=self.settings.node_id, rank=rank.rank, exit_code=code, reason=reason, detail=detail,
+            global_step=last_step_of(rank),
         )
         delay = 0.2
         while True:
@@ -513,7 +570,9 @@ class NodeAgent:
         now = time.monotonic()
         watched = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
         progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.last_progress, r.progressed,
-                                 rp.proc_state(r.pid)) for r in watched]
+                                 rp.proc_state(r.pid),
+                                 saving_on_request=r.checkpoint_deadline is not None and now < r.checkpoint_deadline)
+                    for r in watched]
         for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
                                first_step_timeout_s=self.settings.first_step_timeout_s):
             targets = [r for r in watched if r.allocation_id == hung.allocation_id]

@@ -2,7 +2,7 @@
 
 Order of evidence: the agent's own decision (it revoked the rank, or stopped it as hung); the
 trainer's exit code (``trainyard_common.exitcodes``: 3 nan, 6 oom, 2 config, 4 checkpoint,
-5 data); a SIGKILL while the cgroup's OOM-kill counter went up (the kernel OOM killer, best
+5 data, 7 preempted: it checkpointed on request and stopped); a SIGKILL while the cgroup's OOM-kill counter went up (the kernel OOM killer, best
 effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
 errors, collective timeouts); otherwise what the exit code says (error, killed, signal-<n>).
 
@@ -54,6 +54,8 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
     if code == 0:
         return "ok", None
     named = exit_reason(code)
+    if named == "preempted":
+        return named, "checkpointed on request and stopped"
     if named in ("nan", "oom", "config", "checkpoint", "data"):
         return named, last_error_line(facts.log_tail)
     if code == -signal.SIGKILL and facts.oom_kills > 0:

@@ -7,6 +7,10 @@ negative n = killed by signal -n) before exiting with the same status. Why: a no
 restarts while ranks run adopts them instead of killing them, but they are no longer its
 children, so it cannot wait() for them; it reads the exit file instead.
 
+SIGUSR1 (a checkpoint request, see ``trainyard_trainer.preemption``) is ignored here, and the
+child inherits that until the trainer installs its handler: a request that arrives while the rank
+is still importing must not kill it (the request file the agent writes covers that window).
+
 SIGTERM, SIGINT and SIGHUP get a no-op handler here (not SIG_IGN, which the child would
 inherit): the node agent signals the whole process group, so the rank receives them directly,
 and the launcher must outlive the rank to record how it ended. SIGKILL ends both.
@@ -43,6 +47,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(exit_file)), exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: None)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         child = subprocess.Popen(command)  # noqa: S603 - the node agent's configured rank command
     except OSError as exc:

@@ -61,6 +61,9 @@ class RankProcess:
     spool_size: int = 0
     progressed: bool = False
     relay_failing: bool = False
+    last_step: int | None = None  # the step of the last StepMetrics relayed
+    checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
+    checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -82,7 +85,7 @@ class RankProcess:
             "pid": self.pid, "pgid": self.pgid, "startTicks": self.start_ticks,
             "spool": str(self.spool.path), "offset": self.spool.offset, "log": str(self.log_path),
             "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
-            "progressed": self.progressed,
+            "progressed": self.progressed, "lastStep": self.last_step,
         }
 
     @classmethod
@@ -95,7 +98,12 @@ class RankProcess:
             exit_file=Path(entry.get("exitFile", "")), device_index=int(entry.get("deviceIndex", 0)),
             pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
             progressed=bool(entry.get("progressed", False)),
+            last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
         )
+
+    @property
+    def note_file(self) -> Path:
+        return note_file_for(self.exit_file)
 
 
 async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
@@ -110,10 +118,24 @@ async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
         )
 
 
+def note_file_for(exit_file: Path) -> Path:
+    """``…/rank-3.json`` → ``…/rank-3.note.json``: where the trainer notes how it ended (its last step)."""
+    return exit_file.with_name(exit_file.stem + ".note.json") if exit_file.name else exit_file
+
+
+def read_note_step(path: Path) -> int | None:
+    """The ``globalStep`` of a trainer's exit note, or None."""
+    try:
+        step = json.loads(path.read_text()).get("globalStep")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and step >= 0 else None
+
+
 def clear_exit_files(exit_file: Path) -> None:
     """Remove what an earlier launch of the same rank left (never the case for a new attempt)."""
     exit_file.parent.mkdir(parents=True, exist_ok=True)
-    for stale in (exit_file, Path(launcher.pid_file_for(str(exit_file)))):
+    for stale in (exit_file, Path(launcher.pid_file_for(str(exit_file))), note_file_for(exit_file)):
         stale.unlink(missing_ok=True)
 
 

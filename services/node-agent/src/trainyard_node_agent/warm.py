@@ -54,6 +54,7 @@ def _run_rank(module: object, argv0: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a checkpoint request is the rank's business (see launcher)
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # run as a script: our sibling modules must not shadow top-level names
     module = importlib.import_module(argv[0] if argv else "trainyard_trainer.__main__")

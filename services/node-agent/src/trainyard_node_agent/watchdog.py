@@ -7,6 +7,9 @@ restore take longer than a step). Then the agent stops *all* its ranks of that a
 instead of leaving the healthy ones to wait out their collective timeout; the scheduler revokes
 the ranks on other nodes and starts a new attempt.
 
+A rank asked to checkpoint and stop (CheckpointRequested) is not late while it saves: until the
+request's deadline its silence is the save, not a hang.
+
 The detail names the ranks that made no progress, and which of them are stopped (state ``T``:
 SIGSTOP or a debugger), since a stopped process is the usual culprit.
 """
@@ -27,6 +30,7 @@ class RankProgress:
     since_progress_s: float  # seconds since its spool last grew (or since it was launched)
     has_progressed: bool  # it wrote at least one event
     state: str | None = None  # /proc state letter (R, S, D, T, t, Z…), None if unknown
+    saving_on_request: bool = False  # asked to checkpoint and stop, and the request's deadline is ahead
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ def find_hangs(ranks: Iterable[RankProgress], *, timeout_s: float, first_step_ti
 
 
 def _late(r: RankProgress, timeout_s: float, first_step_timeout_s: float) -> bool:
+    if r.saving_on_request:
+        return False
     return r.since_progress_s > (timeout_s if r.has_progressed else first_step_timeout_s)
 
 
