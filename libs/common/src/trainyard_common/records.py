@@ -203,4 +203,5 @@ class NodeRecord(Record):
 class TenantToken(Record):
     tenant: str
     name: str = "default"
+    admin: bool = Field(default=False, description="may use the /v1/admin routes (nodes) and see every tenant")
     created_at: datetime = Field(default_factory=utcnow)

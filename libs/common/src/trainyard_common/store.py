@@ -89,6 +89,28 @@ class Keys:
         return f"ty:calib:samples:{device_type}:{kind}"
 
     @staticmethod
+    def attempt_steps(job_id: str, attempt: int) -> str:
+        """Hash: rank 0's step timing of one attempt (first/last step and when, work and stall sums) (api)."""
+        return f"ty:job:{job_id}:steps:{attempt}"
+
+    @staticmethod
+    def attempt_step_points(job_id: str, attempt: int) -> str:
+        """Sorted set: step → cumulative work seconds of the attempt, its newest steps only (api)."""
+        return f"ty:job:{job_id}:steps:{attempt}:cum"
+
+    @staticmethod
+    def rank_timing(job_id: str, attempt: int) -> str:
+        """Hash: rank → JSON of its latest StepMetrics timing breakdown (api)."""
+        return f"ty:job:{job_id}:ranks:{attempt}"
+
+    @staticmethod
+    def stragglers(job_id: str) -> str:
+        """List: the job's StragglerDetected events (JSON), newest first, capped (api)."""
+        return f"ty:job:{job_id}:stragglers"
+
+    goodput_final = "ty:goodput:final"  # hash job id → JSON {tenant, ledger}: ledgers of finished jobs (api)
+
+    @staticmethod
     def artifacts(job_id: str) -> str:
         return f"ty:artifacts:{job_id}"
 
@@ -219,8 +241,9 @@ class StateStore:
         await self.redis.hset(Keys.nodes, record.node_id, record.dumps())
 
     # tenants ----------------------------------------------------------------
-    async def add_token(self, token: str, tenant: str, name: str = "default") -> None:
-        await self.redis.hset(Keys.tokens, hash_token(token), TenantToken(tenant=tenant, name=name).dumps())
+    async def add_token(self, token: str, tenant: str, name: str = "default", *, admin: bool = False) -> None:
+        record = TenantToken(tenant=tenant, name=name, admin=admin)
+        await self.redis.hset(Keys.tokens, hash_token(token), record.dumps())
 
     async def tenant_for_token(self, token: str) -> TenantToken | None:
         raw = await self.redis.hget(Keys.tokens, hash_token(token))

@@ -36,7 +36,9 @@ from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
 
-from trainyard_api.auth import authenticate
+from trainyard_api.accounting import GoodputAccountant
+from trainyard_api.admin import AdminService
+from trainyard_api.auth import NotAdminError, authenticate, require_admin
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.jobs import JobService
@@ -50,14 +52,18 @@ from trainyard_api.schemas import (
     ErrorMessage,
     FieldErrors,
     Health,
+    GoodputReport,
     JobPage,
     JobView,
+    NodeList,
+    ReinstateResponse,
     SubmitResponse,
 )
 from trainyard_api.settings import ApiSettings
 from trainyard_api.telemetry import TelemetryMiddleware
 from trainyard_api.validation import InvalidSpecError, field_errors
-from trainyard_api.views import checkpoint_view
+from trainyard_api.steptiming import StepTimingStore
+from trainyard_api.views import checkpoint_view, goodput_view
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,8 @@ Submit, watch and control LLM training jobs on trainyard.
 * Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`.
   A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
   writes a development token to `.trainyard/dev-token`.
+* Admin routes (`/v1/admin/…`) need a token created with `trainyard admin create-token --admin`; other
+  tokens get `403`.
 * Invalid input is a `422` whose `detail` lists every bad field by its dotted camelCase
   path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`.
 """
@@ -82,7 +90,12 @@ TAGS = [
     {"name": "planning", "description": "Capacity planning: memory per device, step time, communication, "
                                         "pipeline bubble, checkpoint interval, ranked layouts; calibrated per "
                                         "device type by what the platform measured."},
-    {"name": "operations", "description": "Health and Prometheus metrics; no authentication."},
+    {"name": "goodput", "description": "Allocated vs productive vs wasted device-time (lost work, launch and "
+                                       "restore, checkpoint stalls, hangs, idle), per tenant."},
+    {"name": "admin", "description": "Operator routes (admin tokens only): node inventory, quarantine and "
+                                     "reputation; reinstating a quarantined node."},
+    {"name": "operations", "description": "Health and Prometheus metrics (including "
+                                          "`trainyard_goodput_device_seconds{tenant,kind}`); no authentication."},
 ]
 
 _AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -108,6 +121,14 @@ class ApiContext:
         return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts)
 
     @property
+    def admin(self) -> AdminService:
+        return AdminService(self.store, self.outbox)
+
+    @property
+    def accounting(self) -> GoodputAccountant:
+        return GoodputAccountant(self.store, StepTimingStore(self.store.redis))
+
+    @property
     def calibrations(self) -> CalibrationStore:
         """The planner's calibration samples and fit (written by the Calibrator of ``server.py``)."""
         return CalibrationStore(self.store.redis, max_samples=self.settings.calibration_max_samples)
@@ -131,8 +152,13 @@ async def _tenant(
     return await authenticate(_context(request).store, header)
 
 
+async def _admin(token: Annotated[TenantToken, Depends(_tenant)]) -> TenantToken:
+    return require_admin(token)
+
+
 Ctx = Annotated[ApiContext, Depends(_context)]
 Tenant = Annotated[TenantToken, Depends(_tenant)]
+Admin = Annotated[TenantToken, Depends(_admin)]
 JobId = Annotated[str, Path(description="job id, `job-` + 12 hex", examples=["job-3f2a9c1b7e4d"])]
 
 
@@ -153,6 +179,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         problems = exc.problems if isinstance(exc, InvalidSpecError) else None
         detail = [p.as_dict() for p in problems] if problems else [{"field": exc.field, "message": exc.detail}]
         return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(NotAdminError)
+    async def _forbidden(_: Request, exc: NotAdminError) -> JSONResponse:
+        return _message(403, exc)
 
     @app.exception_handler(AuthError)
     async def _auth(_: Request, exc: AuthError) -> JSONResponse:
@@ -230,8 +260,12 @@ def _install_job_routes(app: FastAPI) -> None:
     @app.get("/v1/training-jobs/{job_id}", response_model=JobView, tags=["jobs"], summary="Get a job",
              responses=_JOB_ERRORS)
     async def get_job(ctx: Ctx, tenant: Tenant, job_id: JobId) -> JobView:
-        """State, attempts, progress (global step, tokens, last loss, tokens/s), checkpoints
-        and, while queued, why it waits."""
+        """State, attempts (with placement score and detail), progress (global step, tokens, last loss,
+        tokens/s), checkpoints (READY, FAILED with the reason — also a checkpoint refused at restore —
+        and DELETED by retention, with write time), while queued why it waits (`queuedReason`,
+        `queuedReasonKind`), the coordinator's `checkpointAdvice` (Young/Daly interval, method, inputs),
+        the `goodput` ledger, each rank's latest timing breakdown (`rankTiming`: compute, collective,
+        data-wait, checkpoint seconds, MFU) and `stragglers`."""
         return await ctx.jobs.view(tenant, job_id)
 
     @app.get("/v1/training-jobs/{job_id}/checkpoints", response_model=CheckpointList, tags=["jobs"],
@@ -243,10 +277,11 @@ def _install_job_routes(app: FastAPI) -> None:
 
     for action, doc in (
         ("cancel", "Stop the job; it ends `cancelled`. A finished job answers 409."),
-        ("pause", "Ask the scheduler to pause the job at its next checkpoint. The scheduler may not "
-                  "support pausing yet; the request is recorded as a JobControlRequested event."),
-        ("resume", "Resume a paused job from its latest READY checkpoint (scheduler support pending, "
-                   "as for pause)."),
+        ("pause", "Pause the job: the scheduler asks its ranks for a checkpoint (CheckpointRequested), "
+                  "waits for it to become READY, then releases the gang; the job is `paused` and holds no "
+                  "devices. A queued job is paused at once. Published as a JobControlRequested event."),
+        ("resume", "Resume a paused job: it queues again and its next attempt starts from the latest READY "
+                   "checkpoint (the one the pause wrote)."),
     ):
         _add_control_route(app, action, doc)
 
@@ -311,6 +346,50 @@ def _install_plan_routes(app: FastAPI) -> None:
                       min_samples=s.calibration_min_samples, max_samples=s.calibration_max_samples, limit=limit)
 
 
+def _install_goodput_and_admin_routes(app: FastAPI) -> None:
+    @app.get("/v1/goodput", response_model=GoodputReport, response_model_exclude_none=True, tags=["goodput"],
+             summary="The tenant's goodput ledger",
+             responses={**_AUTH_ERRORS, 403: {"model": ErrorMessage, "description": "all=true without an admin token"}})
+    async def get_goodput(
+        ctx: Ctx, tenant: Tenant,
+        all_tenants: Annotated[bool, Query(alias="all", description="every tenant's ledger (admins only)")] = False,
+    ) -> GoodputReport:
+        """Device-seconds summed over the caller's jobs: allocated, productive (steps a READY
+        checkpoint or the final model saved), in flight, and wasted by cause (lostWork, launchRestore,
+        checkpointStall, hang, idle; they add up to allocated exactly). Computed from the attempts,
+        the checkpoint records and rank 0's step timing at request time; the Prometheus gauges are
+        refreshed every `TRAINYARD_GOODPUT_REFRESH_S`."""
+        accounting = ctx.accounting
+        ledger, jobs = await accounting.tenant(tenant.tenant)
+        others = None
+        if all_tenants:
+            require_admin(tenant)
+            others = {name: goodput_view(v) for name, v in (await accounting.all_tenants()).items()}
+        return GoodputReport(tenant=tenant.tenant, jobs=jobs, ledger=goodput_view(ledger), tenants=others)
+
+    admin_errors: dict[int | str, dict[str, Any]] = {
+        **_AUTH_ERRORS, 403: {"model": ErrorMessage, "description": "the token is not an admin token"}}
+
+    @app.get("/v1/admin/nodes", response_model=NodeList, tags=["admin"], summary="List nodes",
+             responses=admin_errors)
+    async def list_nodes(ctx: Ctx, _: Admin) -> NodeList:
+        """Every node the scheduler knows: devices, rack, NVLink domain, network tier, health, last
+        heartbeat, quarantine (reason, by, score, until) and the decaying reputation score (null
+        when none is recorded)."""
+        return NodeList(nodes=await ctx.admin.nodes())
+
+    @app.post("/v1/admin/nodes/{node_id}/reinstate", status_code=202, response_model=ReinstateResponse,
+              tags=["admin"], summary="Reinstate a quarantined node",
+              responses={**admin_errors, 404: {"model": ErrorMessage, "description": "no such node"}})
+    async def reinstate_node(
+        ctx: Ctx, admin: Admin,
+        node_id: Annotated[str, Path(description="the node id", examples=["node-a"])],
+    ) -> ReinstateResponse:
+        """Publish NodeReinstated (`by` = the admin token's name); the scheduler clears the
+        quarantine and places on the node again."""
+        return await ctx.admin.reinstate(admin, node_id)
+
+
 def _install_other_routes(app: FastAPI) -> None:
     @app.get("/v1/registry/artifacts", response_model=ArtifactList, tags=["registry"],
              summary="List a job's artifacts with lineage", responses=_JOB_ERRORS)
@@ -368,5 +447,6 @@ def create_app(context: ApiContext) -> FastAPI:
     _install_error_handlers(app)
     _install_job_routes(app)
     _install_plan_routes(app)
+    _install_goodput_and_admin_routes(app)
     _install_other_routes(app)
     return app

@@ -15,6 +15,20 @@ HOW_TO_GET_A_TOKEN = (
 )
 
 
+class NotAdminError(AuthError):
+    """A valid token without admin rights on an admin route (HTTP 403)."""
+
+
+def require_admin(token: TenantToken) -> TenantToken:
+    """``token`` when it is an admin token; NotAdminError otherwise."""
+    if not token.admin:
+        raise NotAdminError(
+            f"token {token.name!r} of tenant {token.tenant!r} is not an admin token; an operator issues one "
+            "with `trainyard admin create-token --tenant <tenant> --admin`"
+        )
+    return token
+
+
 def bearer_token(authorization: str | None) -> str:
     """The token of an ``Authorization: Bearer …`` header; AuthError when absent or malformed."""
     if not authorization:
@@ -39,8 +53,9 @@ def new_token() -> str:
     return "ty_" + secrets.token_urlsafe(32)
 
 
-async def issue_token(store: StateStore, tenant: str, name: str = "default", token: str | None = None) -> str:
+async def issue_token(store: StateStore, tenant: str, name: str = "default", token: str | None = None,
+                      *, admin: bool = False) -> str:
     """Register ``token`` (or a new random one) for ``tenant``; returns the plain token."""
     token = token or new_token()
-    await store.add_token(token, tenant, name)
+    await store.add_token(token, tenant, name, admin=admin)
     return token

@@ -9,6 +9,8 @@ never stored without its event nor announced without being stored.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -35,11 +37,14 @@ from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys, StateStore
 from trainyard_common.tracing import current_traceparent, job_context
 
+from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
+from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.validation import InvalidSpecError, check_references, resolve_model_config
-from trainyard_api.views import job_summary, job_view
+from trainyard_api.views import JobExtras, job_summary, job_view
 
+log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.api")
 
 JOBS_SUBMITTED = Counter("trainyard_api_jobs_submitted_total", "jobs accepted by POST /v1/training-jobs")
@@ -119,6 +124,8 @@ class JobService:
         self.max_attempts = max_attempts
         self.catalog = catalog
         self.clock = clock
+        self.timing = StepTimingStore(self.redis)
+        self.accounting = GoodputAccountant(store, self.timing, clock=clock)
 
     # submit -------------------------------------------------------------------
     async def submit(
@@ -200,7 +207,24 @@ class JobService:
         job = await self.get(token, job_id)
         progress = await self.store.get_progress(job_id)
         checkpoints = await self.store.list_checkpoints(job_id)
-        return job_view(job, progress, checkpoints)
+        return job_view(job, progress, checkpoints, await self._extras(job))
+
+    async def _extras(self, job: JobRecord) -> JobExtras:
+        """Advice (coordinator), goodput, per-rank timing of the current attempt, stragglers."""
+        raw_advice = await self.redis.get(Keys.checkpoint_advice(job.job_id))
+        advice = None
+        if raw_advice:
+            try:
+                advice = json.loads(raw_advice)
+            except json.JSONDecodeError:
+                log.warning("%s: unreadable checkpoint advice in Redis; not shown", job.job_id)
+        current = job.current
+        return JobExtras(
+            advice=advice if isinstance(advice, dict) else None,
+            goodput=await self.accounting.job(job),
+            ranks=await self.timing.ranks(job.job_id, current.attempt) if current else {},
+            stragglers=await self.timing.stragglers(job.job_id),
+        )
 
     async def list(self, token: TenantToken, *, state: str | None, limit: int, offset: int) -> JobPage:
         """Newest first; with a state filter the index is scanned until the page is full."""

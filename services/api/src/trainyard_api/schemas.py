@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointRef, JobState
+from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail
 from trainyard_common.records import ArtifactRecord, CheckpointState, DatasetRecord
 from trainyard_common.spec import TrainingSpec
 
@@ -66,6 +66,9 @@ class AttemptView(_Out):
     ended_at: datetime | None
     failure_reason: str | None
     placement_score: float | None
+    placement_detail: PlacementDetail | None = Field(
+        default=None, description="how local the gang's placement is: domains, racks, tiers and the links "
+                                  "crossing them (the placement score explained)")
 
 
 class ProgressView(_Out):
@@ -92,6 +95,76 @@ class CheckpointView(_Out):
     reason: str | None
     created_at: datetime
     ready_at: datetime | None
+    write_seconds: float | None = Field(default=None, description="slowest rank's save time, when reported")
+    deleted_at: datetime | None = Field(
+        default=None, description="when its files were removed (retention of a READY one: state DELETED; "
+                                  "garbage collection of a FAILED one)")
+
+
+class GoodputView(_Out):
+    """Where allocated device-time went (device-seconds = seconds × world size, summed over attempts)."""
+
+    allocated_device_seconds: float = Field(description="Σ attempts (end or now − start) × world size")
+    productive_device_seconds: float = Field(
+        description="step time of steps a READY checkpoint saved, or every step of the attempt that succeeded")
+    wasted_device_seconds: float = Field(description="lostWork + launchRestore + checkpointStall + hang + idle")
+    in_flight_device_seconds: float = Field(
+        description="step time of a running attempt after its last READY checkpoint (neither saved nor lost yet)")
+    goodput: float | None = Field(description="productive ÷ allocated; null before anything was allocated")
+    wasted: dict[str, float] = Field(
+        description="wasted device-seconds by cause: lostWork (steps after the last READY checkpoint of an attempt "
+                    "that ended without success), launchRestore (attempt start → its first step), checkpointStall "
+                    "(training waiting for saves), hang (last step → end of an attempt ended by hang detection), "
+                    "idle (the rest; the parts add up to allocated exactly)",
+        examples=[{"lostWork": 40.0, "launchRestore": 12.5, "checkpointStall": 3.1, "hang": 0.0, "idle": 2.4}])
+
+
+class CheckpointAdviceView(_Out):
+    """The checkpoint coordinator's Young/Daly advice for the job (refreshed after each READY)."""
+
+    interval_steps: int | None = Field(description="the advised interval in steps")
+    interval_seconds: float | None = Field(description="the advised interval in seconds")
+    method: Literal["daly", "young"] | None = Field(description="which formula gave the interval")
+    current_interval_steps: int | None = Field(description="the spec's interval, for comparison")
+    current_wasted_fraction: float | None = Field(description="expected waste at the current interval")
+    advised_wasted_fraction: float | None = Field(description="expected waste at the advised interval")
+    auto: bool = Field(description="the job follows the advice (checkpointPolicy.mode auto)")
+    inputs: dict[str, Any] = Field(
+        description="what it was computed from: checkpointCostSeconds (and costSource), stepSeconds, jobMtbfSeconds "
+                    "(and mtbfSource), devices, failures, exposureDeviceSeconds, youngIntervalSeconds, "
+                    "dalyIntervalSeconds")
+    note: str | None = None
+    updated_at: datetime | None = None
+
+
+class RankTimingView(_Out):
+    """One rank's latest step of the current attempt, from its StepMetrics."""
+
+    rank: int
+    step: int
+    at: datetime | None = None
+    step_seconds: float
+    compute_seconds: float
+    collective_seconds: float
+    data_wait_seconds: float
+    checkpoint_seconds: float
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+
+
+class StragglerView(_Out):
+    """A StragglerDetected report: a rank much slower than the median rank over a window of steps."""
+
+    attempt: int
+    rank: int
+    node_id: str
+    slowdown: float = Field(description="the rank's compute time ÷ the median rank's")
+    compute_seconds: float | None = None
+    median_compute_seconds: float | None = None
+    window_steps: int | None = None
+    from_step: int | None = None
+    to_step: int | None = None
+    occurred_at: datetime | None = None
 
 
 class JobView(_Out):
@@ -110,6 +183,15 @@ class JobView(_Out):
     max_attempts: int
     progress: ProgressView
     checkpoints: list[CheckpointView]
+    queued_reason_kind: str | None = Field(
+        default=None, description="quota | capacity | topology | priority | preemption | backoff (only while queued)")
+    checkpoint_advice: CheckpointAdviceView | None = Field(
+        default=None, description="Young/Daly checkpoint interval advice, once the coordinator has computed one")
+    goodput: GoodputView | None = Field(default=None, description="the job's goodput ledger")
+    rank_timing: list[RankTimingView] = Field(
+        default=[], description="per rank of the current attempt: its latest compute / collective / data-wait / "
+                                "checkpoint seconds and MFU")
+    stragglers: list[StragglerView] = Field(default=[], description="the job's straggler reports, newest first")
 
 
 class JobSummary(_Out):
@@ -154,6 +236,48 @@ class Health(_Out):
     redis: bool
     broker: bool
     outbox_pending: int | None = None
+
+
+class GoodputReport(_Out):
+    tenant: str = Field(description="the caller's tenant")
+    jobs: int = Field(description="jobs summed")
+    ledger: GoodputView
+    tenants: dict[str, GoodputView] | None = Field(
+        default=None, description="every tenant's ledger (admins, with ?all=true)")
+
+
+class NodeQuarantineView(_Out):
+    reason: str | None = None
+    by: str | None = Field(default=None, description="'reputation' (the scheduler) or an admin's name")
+    score: float | None = None
+    until: datetime | None = Field(default=None, description="when it returns on its own (null: only an admin)")
+    at: datetime | None = None
+
+
+class NodeView(_Out):
+    node_id: str
+    host: str
+    rack: str | None
+    nvlink_domain: str | None
+    network_tier: str | None
+    devices: list[DeviceInfo]
+    healthy: bool
+    last_seen: datetime
+    quarantined: bool
+    quarantine: NodeQuarantineView | None = Field(default=None, description="why and until when, when quarantined")
+    reputation_score: float | None = Field(
+        default=None, description="the scheduler's decaying failure score as last stored (null: none recorded)")
+    reputation_at: datetime | None = Field(default=None, description="when that score was stored (it decays since)")
+
+
+class NodeList(_Out):
+    nodes: list[NodeView]
+
+
+class ReinstateResponse(_Out):
+    node_id: str
+    accepted: bool = True
+    by: str = Field(description="the admin token's name, recorded in NodeReinstated.by")
 
 
 class FieldErrorItem(_Out):

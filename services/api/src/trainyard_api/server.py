@@ -1,8 +1,9 @@
 """One API process: uvicorn serving the FastAPI app next to a ServiceRuntime.
 
 The runtime brings Redis, the bus, the outbox relay (which publishes JobSubmitted and
-JobControlRequested), the progress consumer on ``trainyard.metrics`` (which also samples the
-planner's calibration) and the calibration refit loop. The listening
+JobControlRequested, NodeReinstated), the consumer of ``trainyard.metrics`` (progress, which also
+samples the planner's calibration; per-rank timing; rank 0's step ledger for goodput), the consumer
+of StragglerDetected on ``trainyard.workers``, the calibration refit loop and the goodput gauges loop. The listening
 socket is bound before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
 """
@@ -19,13 +20,15 @@ from collections.abc import Iterator
 import uvicorn
 
 from trainyard_common.errors import ConfigError, InfrastructureError
-from trainyard_common.events import METRICS, StepMetrics
+from trainyard_common.events import METRICS, WORKERS, StepMetrics, StragglerDetected
 from trainyard_common.service import ServiceRuntime
 
+from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.calibrator import Calibrator
 from trainyard_api.progress import ProgressProjector
 from trainyard_api.settings import ApiSettings
+from trainyard_api.steptiming import StepTimingStore
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,12 @@ class ApiServer:
         self.runtime = ServiceRuntime("api", settings)
         self.calibrator = Calibrator(self.runtime.store, settings)
         self.projector = ProgressProjector(self.runtime.redis, calibrator=self.calibrator)
-        self.runtime.bus.subscribe(METRICS, {StepMetrics: self.projector.on_step_metrics})
+        self.timing = StepTimingStore(self.runtime.redis, max_points=settings.goodput_max_points)
+        self.accounting = GoodputAccountant(self.runtime.store, self.timing)
+        self.runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics})
+        self.runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler})
         self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
+        self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
         self.app = create_app(self.context)
         self._server: _EmbeddedServer | None = None
@@ -73,6 +80,11 @@ class ApiServer:
         self._stop = asyncio.Event()
         self._closed = False
         self.port: int | None = None
+
+    async def on_step_metrics(self, m: StepMetrics) -> None:
+        """Every rank's timing breakdown and rank 0's step ledger, then rank 0's progress."""
+        await self.timing.on_step_metrics(m)
+        await self.projector.on_step_metrics(m)
 
     @property
     def url(self) -> str:

@@ -57,6 +57,12 @@ class ApiSettings(ServiceSettings):
     calibration_scan_jobs: int = Field(default=1000, gt=0,
                                        description="newest jobs searched for failed attempts at each refit")
 
+    goodput_refresh_s: float = Field(default=30.0, gt=0,
+                                     description="how often the trainyard_goodput_device_seconds gauges are refreshed")
+    goodput_max_points: int = Field(
+        default=4096, gt=1, description="newest steps per attempt whose cumulative step time is kept (older steps "
+                                        "are interpolated); bounds the goodput read model's memory per attempt")
+
     @property
     def assumptions(self) -> Assumptions:
         """What the planner assumes for this platform where a request or a spec says nothing."""

@@ -2,17 +2,76 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
 
+from trainyard_api.goodput import WASTE_KINDS, Ledger
 from trainyard_api.schemas import (
     AttemptView,
+    CheckpointAdviceView,
     CheckpointView,
+    GoodputView,
     JobSummary,
     JobView,
     ProgressView,
+    RankTimingView,
+    StragglerView,
 )
+
+_ADVICE_INPUTS = ("checkpointCostSeconds", "costSource", "writeSeconds", "stallSeconds", "stepSeconds", "devices",
+                  "deviceType", "failures", "exposureDeviceSeconds", "deviceMtbfSeconds", "jobMtbfSeconds",
+                  "mtbfSource", "youngIntervalSeconds", "dalyIntervalSeconds", "measuredCheckpoints")
+
+
+@dataclass
+class JobExtras:
+    """What a job view shows besides the records: read models of other services and the ledger."""
+
+    advice: Mapping[str, Any] | None = None
+    goodput: Ledger | None = None
+    ranks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    stragglers: Sequence[Mapping[str, Any]] = ()
+
+
+def goodput_view(ledger: Ledger) -> GoodputView:
+    s = ledger.seconds()
+    return GoodputView(
+        allocated_device_seconds=s["allocated"], productive_device_seconds=s["productive"],
+        wasted_device_seconds=s["wasted"], in_flight_device_seconds=s["inFlight"], goodput=ledger.goodput,
+        wasted={k: s[k] for k in WASTE_KINDS},
+    )
+
+
+def advice_view(advice: Mapping[str, Any]) -> CheckpointAdviceView:
+    """The coordinator's stored advice (camelCase JSON) as the job view shows it."""
+    interval = advice.get("intervalSeconds")
+    method = None
+    if interval is not None:
+        for name in ("daly", "young"):
+            value = advice.get(f"{name}IntervalSeconds")
+            if value is not None and math.isclose(value, interval, rel_tol=1e-9):
+                method = name
+                break
+    return CheckpointAdviceView(
+        interval_steps=advice.get("intervalSteps"), interval_seconds=interval, method=method,
+        current_interval_steps=advice.get("currentIntervalSteps"),
+        current_wasted_fraction=advice.get("currentWastedFraction"),
+        advised_wasted_fraction=advice.get("advisedWastedFraction"), auto=bool(advice.get("auto", False)),
+        inputs={k: advice[k] for k in _ADVICE_INPUTS if k in advice}, note=advice.get("note"),
+        updated_at=advice.get("updatedAt"),
+    )
+
+
+def rank_timing_views(ranks: Mapping[int, Mapping[str, Any]]) -> list[RankTimingView]:
+    return [RankTimingView.model_validate({**breakdown, "rank": rank}) for rank, breakdown in sorted(ranks.items())]
+
+
+def straggler_views(reports: Sequence[Mapping[str, Any]]) -> list[StragglerView]:
+    return [StragglerView.model_validate(r) for r in reports]
 
 
 def attempt_view(a: AttemptRecord) -> AttemptView:
@@ -20,7 +79,7 @@ def attempt_view(a: AttemptRecord) -> AttemptView:
         attempt=a.attempt, allocation_id=a.allocation_id, epoch=a.epoch, state=a.state,
         nodes=list(a.nodes), world_size=a.world_size, start_checkpoint=a.start_checkpoint,
         started_at=a.started_at, ended_at=a.ended_at, failure_reason=a.failure_reason,
-        placement_score=a.placement_score,
+        placement_score=a.placement_score, placement_detail=a.placement_detail,
     )
 
 
@@ -45,13 +104,16 @@ def checkpoint_view(c: CheckpointRecord) -> CheckpointView:
         checkpoint_id=c.checkpoint_id, state=c.state, global_step=c.global_step, attempt=c.attempt,
         world_size=c.world_size, manifest_uri=c.manifest_uri, content_hash=c.content_hash,
         consumed_tokens=c.consumed_tokens, reason=c.reason, created_at=c.created_at, ready_at=c.ready_at,
+        write_seconds=c.write_seconds, deleted_at=c.deleted_at,
     )
 
 
 def job_view(
-    job: JobRecord, progress: Progress | None, checkpoints: Sequence[CheckpointRecord]
+    job: JobRecord, progress: Progress | None, checkpoints: Sequence[CheckpointRecord],
+    extras: JobExtras | None = None,
 ) -> JobView:
     """The full job document of ``GET /v1/training-jobs/{id}``."""
+    x = extras or JobExtras()
     return JobView(
         job_id=job.job_id,
         tenant=job.tenant,
@@ -68,6 +130,11 @@ def job_view(
         max_attempts=job.max_attempts,
         progress=progress_view(job, progress),
         checkpoints=[checkpoint_view(c) for c in checkpoints],
+        queued_reason_kind=job.queued_reason_kind if job.state == "queued" else None,
+        checkpoint_advice=advice_view(x.advice) if x.advice else None,
+        goodput=goodput_view(x.goodput) if x.goodput is not None else None,
+        rank_timing=rank_timing_views(x.ranks),
+        stragglers=straggler_views(x.stragglers),
     )
 
 
