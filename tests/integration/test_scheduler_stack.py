@@ -27,6 +27,7 @@ from trainyard_common.events import (
     JOBS,
     AllocationRevoked,
     CheckpointReady,
+    CheckpointRequested,
     DeadLetter,
     Event,
     GangAllocated,
@@ -390,17 +391,25 @@ async def test_pause_resume_and_cancel_stop_running_ranks(stack: Stack) -> None:
     # A redelivered GangAllocated (new event id, same allocation) never launches twice.
     await s.publisher.publish(first.model_copy(update={"event_id": uuid.uuid4()}))
 
+    # Pause asks the ranks for a checkpoint first; the attempt keeps its devices until one is READY.
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="pause"))
+    (asked,) = await s.tap.wait(CheckpointRequested, job_id="long", attempt=1)
+    assert asked.reason == "pause requested" and asked.allocation_id == first.allocation_id
+    job = await s.wait_job("long", lambda j: j.control == "pause", "pausing")
+    assert job.state == "running" and job.attempts[0].state == "running" and await s.held()
+    assert not s.tap.events(WorkerExited, job_id="long", attempt=1)
+    await s.finish_checkpoint("long", step=1, attempt=1)  # what the ranks would write when asked
     exits = await s.tap.wait(WorkerExited, 2, job_id="long", attempt=1)
     assert {e.reason for e in exits} == {"revoked"}
     assert len(s.tap.events(WorkerStarted, job_id="long", attempt=1)) == 2
     job = await s.wait_job("long", lambda j: j.state == "paused", "paused")
-    assert job.attempts[0].state == "revoked"
+    assert job.attempts[0].state == "revoked" and job.control is None
     assert await poll(lambda: _no_leases(s), "leases released on pause")
 
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="resume"))
     (second,) = await s.tap.wait(GangAllocated, job_id="long", attempt=2)
     assert second.epoch > first.epoch
+    assert second.start_checkpoint is not None and second.start_checkpoint.global_step == 1  # from the pause
     await s.tap.wait(WorkerStarted, 2, job_id="long", attempt=2)
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="other", action="cancel"))  # not the owner
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="cancel", reason="enough"))

@@ -18,6 +18,9 @@ def test_defaults_let_a_standby_take_over_within_seconds() -> None:
 @pytest.mark.parametrize("overrides", [
     {"lease_ttl_s": 10, "node_timeout_s": 15},
     {"rendezvous_port_min": 30000, "rendezvous_port_max": 29999},
+    {"republish_after_s": 120, "start_timeout_s": 120},  # re-publishing must come before the start time-out
+    {"quarantine_score": 1.0, "reinstate_score": 2.0},
+    {"straggler_factor": 1.0},
 ])
 def test_impossible_combinations_are_refused(overrides: dict[str, float]) -> None:
     with pytest.raises(ValidationError):
@@ -26,3 +29,10 @@ def test_impossible_combinations_are_refused(overrides: dict[str, float]) -> Non
 
 def test_lease_ttl_zero_means_no_expiry() -> None:
     assert SchedulerSettings(lease_ttl_s=0).lease_ttl_s == 0
+
+
+def test_failure_handling_defaults() -> None:
+    settings = SchedulerSettings()
+    assert settings.republish_after_s < settings.start_timeout_s and settings.republish_max >= 1
+    assert settings.max_total_failures is None  # only failures without progress are budgeted by default
+    assert settings.reinstate_score < settings.quarantine_score and settings.pause_grace_s > 0

@@ -1,13 +1,22 @@
 """The scheduler's I/O shell: events in, a Redis snapshot, a pure decision, the result applied.
 
 * NODES    NodeHeartbeat → NodeRecord upsert (inventory) + renewal of the node's lease TTLs;
-           NodeQuarantined → node excluded.
+           NodeQuarantined / NodeReinstated from an admin → node excluded / placeable again.
 * JOBS     JobSubmitted → JobRecord created if absent; JobControlRequested → cancel/pause/resume.
-* WORKERS  WorkerStarted / WorkerExited → attempt and job transitions.
+* WORKERS  WorkerStarted / WorkerExited → attempt and job transitions; a failure blames its node.
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
-           preemption waiting for a checkpoint.
-* tick     1. leader lease (fenced, epoch)  2. reconcile (when due)  3. preemptions in progress
-           4. snapshot  5. plan  6. admit / preempt / note waits.
+           pause or preemption waiting for a checkpoint.
+* METRICS  StepMetrics (own consumer group) → straggler detection → StragglerDetected + blame.
+* tick     1. leader lease (fenced, epoch)  2. reconcile (when due: attempts, leases, node
+           reinstatement)  3. pauses and preemptions in progress  4. snapshot  5. plan
+           6. admit / preempt / note waits.
+
+Node reputation (:mod:`trainyard_scheduler.health`): ``Keys.node_reputation`` holds each node's
+decaying failure score; failures attributed to a node (Outcome.blame) and straggler reports add
+to it; at ``quarantine_score`` the node gets an entry in ``Keys.node_quarantine`` (no more
+placements) and NodeQuarantined(by="reputation") goes out; the leader reinstates it
+(NodeReinstated) once the score decays under ``reinstate_score``. An admin quarantines or clears
+a node by publishing NodeQuarantined / NodeReinstated with ``by`` = their name.
 
 Every change to a job goes through :meth:`Scheduler._mutate`: WATCH the job key, decide with a
 pure function from :mod:`trainyard_scheduler.transitions`, write the record and stage its events
@@ -40,6 +49,7 @@ from trainyard_common.errors import ConfigError, ConflictError, FencingError, Le
 from trainyard_common.events import (
     CHECKPOINTS,
     JOBS,
+    METRICS,
     NODES,
     TERMINAL_STATES,
     WORKERS,
@@ -50,6 +60,9 @@ from trainyard_common.events import (
     JobSubmitted,
     NodeHeartbeat,
     NodeQuarantined,
+    NodeReinstated,
+    StepMetrics,
+    StragglerDetected,
     WorkerExited,
     WorkerStarted,
     utcnow,
@@ -60,6 +73,7 @@ from trainyard_common.service import ServiceRuntime
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent, job_context
 
+from trainyard_scheduler import health
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
@@ -149,8 +163,17 @@ class Scheduler:
         self.leadership = Leadership(runtime.redis, runtime.instance,
                                      ttl_s=max(settings.leader_ttl_s, 2 * settings.tick_s))
         self.leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
-        self.policy = tr.RetryPolicy(settings.retry_backoff_s, settings.retry_backoff_max_s)
-        self.deadlines = tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s)
+        self.policy = tr.RetryPolicy(settings.retry_backoff_s, settings.retry_backoff_max_s,
+                                     settings.max_total_failures)
+        self.deadlines = tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s,
+                                      republish_after_s=settings.republish_after_s,
+                                      republish_max=settings.republish_max)
+        self.reputation = health.ReputationPolicy(half_life_s=settings.reputation_half_life_s,
+                                                  quarantine_at=settings.quarantine_score,
+                                                  reinstate_below=settings.reinstate_score)
+        self.stragglers = health.StragglerDetector(health.StragglerPolicy(
+            window_steps=settings.straggler_window_steps, factor=settings.straggler_factor,
+            consecutive=settings.straggler_windows))
         self.queue = QueueConfig()
         self._queue_source: str | None = None
         self._leading: int | None = None
@@ -165,7 +188,8 @@ class Scheduler:
         bus, dedupe = self.runtime.bus, self.runtime.deduper
         # One consumer group for every topic (the bus reads them with one consumer).
         group = f"{self.settings.group_prefix}.scheduler"
-        bus.subscribe(NODES, {NodeHeartbeat: self.on_heartbeat, NodeQuarantined: self.on_quarantined}, group=group)
+        bus.subscribe(NODES, {NodeHeartbeat: self.on_heartbeat, NodeQuarantined: self.on_quarantined,
+                              NodeReinstated: self.on_reinstated}, group=group)
         bus.subscribe(JOBS, {JobSubmitted: self.on_job_submitted, JobControlRequested: self.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited},
@@ -173,6 +197,9 @@ class Scheduler:
         bus.subscribe(CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready,
                                     CheckpointFailed: self.on_checkpoint_failed},
                       group=group, deduper_factory=dedupe)
+        if self.settings.straggler_detection:
+            # Its own group: the per-step firehose never delays job events, and costs one dict update each.
+            bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, group=f"{group}-metrics")
         self.runtime.add_loop("tick", self.tick, self.settings.tick_s)
         # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
         self.runtime.add_loop("leader", self.lead, self.leadership.ttl_ms / 3000)
@@ -194,31 +221,160 @@ class Scheduler:
         previous = NodeRecord.model_validate_json(raw) if raw else None
         if previous and previous.last_seen > seen:
             return  # an older heartbeat delivered late
+        quarantine = await self.redis.hget(Keys.node_quarantine, event.node_id)
         record = NodeRecord(
             node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
             network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
-            quarantined=previous.quarantined if previous else None,
+            quarantined=json.loads(quarantine)["reason"] if quarantine else None,
         )
         await self.store.put_node(record)
         await self.leases.renew_node(event.node_id, [d.index for d in event.devices])
 
     async def on_quarantined(self, event: NodeQuarantined) -> None:
-        raw = await self.redis.hget(Keys.nodes, event.node_id)
+        """An admin's quarantine is recorded; the reputation's own was written before it was published."""
+        if event.by != "reputation":
+            entry = {"reason": event.reason, "by": event.by or "admin", "score": event.score,
+                     "until": event.until.isoformat() if event.until else None, "at": event.occurred_at.isoformat()}
+            await self.redis.hset(Keys.node_quarantine, event.node_id, json.dumps(entry))
+        await self._show_quarantine(event.node_id, event.reason)
+        log.warning("node %s quarantined by %s: %s", event.node_id, event.by or "admin", event.reason)
+
+    async def on_reinstated(self, event: NodeReinstated) -> None:
+        """An admin's clear (``by`` not "reputation") ends any quarantine and resets the node's score."""
+        if event.by == "reputation":
+            return  # written before it was published
+        await self.clear_quarantine(event.node_id, by=event.by or "admin", reason=event.reason, publish=False)
+
+    async def clear_quarantine(self, node_id: str, *, by: str, reason: str, publish: bool = True) -> bool:
+        """Admin clear: the node is placeable again and its score starts from zero; False if it was not quarantined.
+
+        ``publish``: also publish NodeReinstated (not when called for one).
+        """
+        was = await self.redis.hget(Keys.node_quarantine, node_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.multi()
+            pipe.hdel(Keys.node_quarantine, node_id)
+            pipe.hdel(Keys.node_reputation, node_id)
+            if publish:
+                self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=reason, by=by))
+            await pipe.execute()
+        await self._show_quarantine(node_id, None)
+        log.warning("node %s reinstated by %s: %s", node_id, by, reason)
+        return was is not None
+
+    async def _show_quarantine(self, node_id: str, reason: str | None) -> None:
+        """Mirror into the NodeRecord (what GET /nodes shows); placement reads ``Keys.node_quarantine``."""
+        raw = await self.redis.hget(Keys.nodes, node_id)
         if raw:
             record = NodeRecord.model_validate_json(raw)
-            record.quarantined = event.reason
-            await self.store.put_node(record)
-        log.warning("node %s quarantined: %s", event.node_id, event.reason)
+            if record.quarantined != reason:
+                record.quarantined = reason
+                await self.store.put_node(record)
 
-    async def available_nodes(self, now: datetime) -> list[NodeRecord]:
-        """Nodes that heart-beat within ``node_timeout_s``, are healthy and not quarantined."""
+    async def blame_node(self, node_id: str, reason: str, weight: float, *,
+                         events: tuple[StragglerDetected, ...] = ()) -> float:
+        """Add ``weight`` to the node's decaying score (with ``events`` in the same MULTI); quarantine it
+        at the threshold. Returns the new score."""
+        now = self.clock()
+        for _ in range(50):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(Keys.node_reputation, Keys.node_quarantine)
+                raw = await pipe.hget(Keys.node_reputation, node_id)
+                quarantined = await pipe.hget(Keys.node_quarantine, node_id) is not None
+                score = health.add(health.NodeScore.from_dict(json.loads(raw)) if raw else None, weight, now,
+                                   self.reputation)
+                staged: list = list(events)
+                pipe.multi()
+                pipe.hset(Keys.node_reputation, node_id, json.dumps(score.to_dict()))
+                quarantine = health.should_quarantine(score.score, quarantined, self.reputation)
+                if quarantine:
+                    until = health.quarantine_until(score.score, now, self.reputation)
+                    why = (f"failure score {score.score:.2f} reached {self.reputation.quarantine_at:g} "
+                           f"(latest: {reason})")
+                    pipe.hset(Keys.node_quarantine, node_id, json.dumps({
+                        "reason": why, "by": "reputation", "score": score.score, "until": until.isoformat(),
+                        "at": now.isoformat()}))
+                    staged.append(NodeQuarantined(node_id=node_id, reason=why, score=round(score.score, 3),
+                                                  until=until, by="reputation"))
+                for event in staged:
+                    self.runtime.outbox.stage(pipe, event)
+                try:
+                    await pipe.execute()
+                except WatchError:
+                    continue
+            if quarantine:
+                await self._show_quarantine(node_id, why)
+                log.warning("node %s quarantined: %s", node_id, why)
+            return score.score
+        raise ConflictError(f"node {node_id}: too many concurrent score updates", retryable=True)
+
+    async def _reinstate_recovered(self, now: datetime) -> None:
+        """Quarantines of the reputation whose score decayed under ``reinstate_score`` end (leader only)."""
+        entries = await self.redis.hgetall(Keys.node_quarantine)
+        for node_id, raw in entries.items():
+            entry = json.loads(raw)
+            score_raw = await self.redis.hget(Keys.node_reputation, node_id)
+            score = health.decayed(health.NodeScore.from_dict(json.loads(score_raw)) if score_raw else None,
+                                   now, self.reputation)
+            if not health.should_reinstate(score, entry.get("by"), self.reputation):
+                continue
+            why = f"failure score decayed to {score:.2f}, under {self.reputation.reinstate_below:g}"
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(Keys.node_quarantine)
+                if await pipe.hget(Keys.node_quarantine, node_id) != raw:
+                    continue
+                pipe.multi()
+                pipe.hdel(Keys.node_quarantine, node_id)
+                self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=why, by="reputation"))
+                try:
+                    await pipe.execute()
+                except WatchError:
+                    continue
+            await self._show_quarantine(node_id, None)
+            log.info("node %s reinstated: %s", node_id, why)
+
+    async def quarantined_nodes(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_quarantine)).items()}
+
+    async def available_nodes(self, now: datetime, *, include_quarantined: bool = False) -> list[NodeRecord]:
+        """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) not quarantined."""
         horizon = now - timedelta(seconds=self.settings.node_timeout_s)
-        return [n for n in await self.store.list_nodes()
-                if n.healthy and not n.quarantined and n.last_seen >= horizon]
+        live = [n for n in await self.store.list_nodes() if n.healthy and n.last_seen >= horizon]
+        if include_quarantined:
+            return live
+        quarantined = set(await self.redis.hkeys(Keys.node_quarantine))
+        return [n for n in live if not n.quarantined and n.node_id not in quarantined]
 
     async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
-        """Seam for node reputation (issue 6): higher = used last among equal choices. None yet."""
-        return {}
+        """Each node's decayed failure score: higher = used last among equal choices."""
+        now = self.clock()
+        raw = await self.redis.hgetall(Keys.node_reputation)
+        scores = {n: health.decayed(health.NodeScore.from_dict(json.loads(v)), now, self.reputation)
+                  for n, v in raw.items()}
+        return {n: round(v, 3) for n, v in scores.items() if v >= 0.01}
+
+    # ------------------------------------------------------------------ stragglers
+    async def on_step_metrics(self, event: StepMetrics) -> None:
+        for found in self.stragglers.observe(event.job_id, event.attempt, event.rank, event.step,
+                                             event.compute_seconds):
+            await self._report_straggler(found)
+
+    async def _report_straggler(self, found: health.Straggler) -> None:
+        job = await self.store.get_job(found.job_id)
+        attempt = next((a for a in job.attempts if a.attempt == found.attempt), None) if job else None
+        node_id = tr.rank_nodes(attempt).get(found.rank) if attempt else None
+        if node_id is None:
+            log.warning("straggler rank %d of %s attempt %d: its node is unknown; not reported", found.rank,
+                        found.job_id, found.attempt)
+            return
+        event = StragglerDetected(
+            job_id=found.job_id, attempt=found.attempt, rank=found.rank, node_id=node_id, slowdown=found.slowdown,
+            compute_seconds=found.compute_seconds, median_compute_seconds=found.median_compute_seconds,
+            window_steps=found.window_steps, from_step=found.from_step, to_step=found.to_step)
+        score = await self.blame_node(node_id, "straggler", self.reputation.straggler_weight, events=(event,))
+        log.warning("job %s attempt %d: rank %d on %s is a straggler (%.2fx the median rank over steps %d-%d); "
+                    "node score %.2f", found.job_id, found.attempt, found.rank, node_id, found.slowdown,
+                    found.from_step, found.to_step, score)
 
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
@@ -239,12 +395,13 @@ class Scheduler:
                  event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
 
     async def on_control(self, event: JobControlRequested) -> None:
-        def decide(job: JobRecord, _: Facts) -> tr.Outcome:
+        def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
             if job.tenant != event.tenant:
                 return tr.unchanged(job, f"{event.action} from tenant {event.tenant!r} ignored: not the owner")
-            return tr.request_control(job, event.action, event.reason, self.clock())
+            return tr.request_control(job, event.action, event.reason, self.clock(),
+                                      latest_ready_step=facts.latest_ready_step, grace_s=self.settings.pause_grace_s)
 
-        outcome = await self._mutate(event.job_id, decide, label=f"control {event.action}")
+        outcome = await self._mutate(event.job_id, decide, need_checkpoints=True, label=f"control {event.action}")
         if outcome is None:
             log.warning("%s for unknown job %s ignored", event.action, event.job_id)
 
@@ -255,7 +412,8 @@ class Scheduler:
 
     async def on_worker_exited(self, event: WorkerExited) -> None:
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
-            return tr.worker_exited(job, event, final_ready=facts.final_ready, policy=self.policy, now=self.clock())
+            return tr.worker_exited(job, event, final_ready=facts.final_ready, policy=self.policy, now=self.clock(),
+                                    latest_ready_step=facts.latest_ready_step)
 
         await self._mutate(event.job_id, decide, need_checkpoints=True, label="worker exited")
 
@@ -265,22 +423,23 @@ class Scheduler:
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
             outcome = tr.checkpoint_ready(job, global_step=event.global_step, now=self.clock())
             current = job.current
-            if outcome.changed or current is None or current.preempted_by is None:
+            if outcome.changed or current is None or not tr.is_stopping(job):
                 return outcome
             latest = facts.latest_ready_step
             if event.attempt == current.attempt:
                 latest = max(latest or 0, event.global_step)
             return tr.check_preemption(job, latest_ready_step=latest, preemptor_waiting=preemptor_waiting,
-                                       grace_s=self.queue.preemption.checkpoint_grace_seconds, now=self.clock())
+                                       grace_s=self.queue.preemption.checkpoint_grace_seconds, now=self.clock(),
+                                       pause_grace_s=self.settings.pause_grace_s)
 
         await self._mutate(event.job_id, decide, need_checkpoints=True, label="checkpoint ready")
 
     async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
-        def decide(job: JobRecord, _: Facts) -> tr.Outcome:
+        def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
             return tr.checkpoint_failed(job, global_step=event.global_step, reason=event.reason,
-                                        policy=self.policy, now=self.clock())
+                                        policy=self.policy, now=self.clock(), latest_ready_step=facts.latest_ready_step)
 
-        await self._mutate(event.job_id, decide, label="checkpoint failed")
+        await self._mutate(event.job_id, decide, need_checkpoints=True, label="checkpoint failed")
 
     async def _preemptor_waiting(self, job_id: str) -> bool:
         job = await self.store.get_job(job_id)
@@ -444,18 +603,19 @@ class Scheduler:
         await self._mutate(victim, decide, label="preempt", fence=epoch)
 
     async def _advance_preemptions(self, jobs: dict[str, JobRecord], epoch: int) -> None:
-        """Revoke victims whose checkpoint is READY or whose grace ran out; withdraw needless ones."""
+        """Revoke pausing or preempted attempts whose checkpoint is READY or whose grace ran out;
+        withdraw needless preemptions."""
         grace = self.queue.preemption.checkpoint_grace_seconds
         for job in list(jobs.values()):
             current = job.current
-            if current is None or current.preempted_by is None or not tr.is_live(current):
+            if current is None or not tr.is_stopping(job):
                 continue
-            preemptor = jobs.get(current.preempted_by)
+            preemptor = jobs.get(current.preempted_by) if current.preempted_by else None
             waiting = preemptor is not None and tr.is_pending(preemptor)
 
             def decide(j: JobRecord, facts: Facts, w: bool = waiting) -> tr.Outcome:
                 return tr.check_preemption(j, latest_ready_step=facts.latest_ready_step, preemptor_waiting=w,
-                                           grace_s=grace, now=self.clock())
+                                           grace_s=grace, now=self.clock(), pause_grace_s=self.settings.pause_grace_s)
 
             outcome = await self._mutate(job.job_id, decide, need_checkpoints=True, label="preemption",
                                          fence=epoch)
@@ -490,7 +650,9 @@ class Scheduler:
         """Repair from durable state: config, job discovery, live attempts, orphan and expired leases."""
         await self.load_queue_config()
         await self._discover_jobs(now)
-        available = frozenset(n.node_id for n in await self.available_nodes(now))
+        await self._reinstate_recovered(now)
+        # Liveness, not placeability: a quarantined node's running attempts run on.
+        available = frozenset(n.node_id for n in await self.available_nodes(now, include_quarantined=True))
         jobs = await self.active_jobs()
         for job in jobs:
             current = job.current
@@ -499,7 +661,8 @@ class Scheduler:
 
             def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
                 return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
-                                        deadlines=self.deadlines, policy=self.policy, now=self.clock())
+                                        deadlines=self.deadlines, policy=self.policy, now=self.clock(),
+                                        latest_ready_step=facts.latest_ready_step)
 
             await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
         held = await self.held_allocations()
@@ -641,6 +804,10 @@ class Scheduler:
             if outcome.release is not None:
                 a = outcome.release
                 await self._release(a.allocation_id, a.epoch, [Device(*d.rsplit(":", 1)) for d in a.devices])
+            for node_id, reason in outcome.blame:
+                weight = self.reputation.weight(reason)
+                if weight > 0:
+                    await self.blame_node(node_id, reason, weight)
             return outcome
         raise ConflictError(f"job {job_id}: too many concurrent updates", retryable=True)
 

@@ -42,6 +42,41 @@ class SchedulerSettings(ServiceSettings):
         description="TTL of device leases, renewed by every NodeHeartbeat of the node (0 = no expiry); "
                     "must exceed node_timeout_s",
     )
+    pause_grace_s: float = Field(
+        default=300.0, gt=0,
+        description="a pause asks the ranks for a checkpoint first; after this long without a new READY one the "
+                    "attempt is revoked anyway and resumes later from the last READY checkpoint",
+    )
+    max_total_failures: int | None = Field(
+        default=None, gt=0,
+        description="optional cap on all failed attempts of a job; max_attempts counts only failures in a row "
+                    "without a new READY checkpoint",
+    )
+    republish_after_s: float = Field(
+        default=15.0, gt=0,
+        description="an attempt whose ranks have not all started after this long gets its GangAllocated "
+                    "published again (same allocation and epoch; the broker may have lost it)",
+    )
+    republish_max: int = Field(default=3, ge=0, description="times a GangAllocated is published again at most")
+    straggler_detection: bool = Field(default=True, description="consume StepMetrics to find straggler ranks")
+    straggler_window_steps: int = Field(default=20, ge=1, description="steps per straggler window")
+    straggler_factor: float = Field(
+        default=1.3, gt=1.0, description="a rank whose median compute time per step exceeds the median rank's by "
+                                         "this factor is slow in that window",
+    )
+    straggler_windows: int = Field(default=3, ge=1,
+                                   description="slow windows in a row before StragglerDetected is published")
+    reputation_half_life_s: float = Field(
+        default=6 * 3600.0, gt=0, description="a node's failure score halves every this many seconds",
+    )
+    quarantine_score: float = Field(
+        default=3.0, gt=0,
+        description="a node whose failure score reaches this is quarantined (each node-attributed failure adds "
+                    "0.5-1, each straggler report 1)",
+    )
+    reinstate_score: float = Field(
+        default=1.0, gt=0, description="a node quarantined by its score returns when the score decays below this",
+    )
     queue_config: Path | None = Field(
         default=None,
         description="YAML/JSON file with tenants, quotas, priority classes, aging and preemption "
@@ -60,4 +95,8 @@ class SchedulerSettings(ServiceSettings):
             raise ValueError("rendezvous_port_min must not exceed rendezvous_port_max")
         if self.lease_ttl_s and self.lease_ttl_s <= self.node_timeout_s:
             raise ValueError("lease_ttl_s must exceed node_timeout_s (or be 0)")
+        if self.republish_after_s >= self.start_timeout_s:
+            raise ValueError("republish_after_s must be shorter than start_timeout_s")
+        if self.reinstate_score >= self.quarantine_score:
+            raise ValueError("reinstate_score must be lower than quarantine_score")
         return self
