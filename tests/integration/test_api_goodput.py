@@ -4,14 +4,17 @@ node publishes NodeReinstated through the outbox."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from trainyard_api import ApiServer, ApiSettings
+from trainyard_cli.main import app as cli
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, NodeRecord
@@ -162,3 +165,15 @@ async def test_admin_lists_nodes_with_quarantine_and_reinstates_through_the_outb
     record = await find_record(env, ev.NODES, lambda r: event_of(r, ev.NodeReinstated, node_id="node-a"))
     event = ev.decode_event(ev.NODES, record.value)
     assert isinstance(event, ev.NodeReinstated) and event.by == "olga" and "olga" in event.reason
+
+    # the CLI: `trainyard admin nodes list|reinstate`
+    def run(token: str, *args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli, ["--api-url", api.url, "--token", token, "admin", "nodes", *args])
+        return result.exit_code, result.output
+
+    code, out = await asyncio.to_thread(run, ADMIN, "list")
+    assert code == 0 and "node-a" in out and "reputation" in out and "3.20" in out
+    code, out = await asyncio.to_thread(run, ADMIN, "reinstate", "node-b")
+    assert code == 0 and "node-b reinstated by olga" in out
+    code, out = await asyncio.to_thread(run, TOKEN_A, "list")
+    assert code == 1 and "not an admin token" in out

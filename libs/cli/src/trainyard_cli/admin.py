@@ -12,9 +12,12 @@ from trainyard_common.settings import ServiceSettings, load_settings
 from trainyard_common.store import StateStore, connect_redis
 
 admin_app = typer.Typer(
-    help="Tenant administration: API tokens. Talks to Redis directly (TRAINYARD_REDIS_URL).",
+    help="Administration: API tokens (Redis directly, TRAINYARD_REDIS_URL); nodes (the API, admin token).",
     no_args_is_help=True,
 )
+nodes_app = typer.Typer(help="Nodes: inventory, quarantine, reputation; reinstate (needs an admin token).",
+                        no_args_is_help=True)
+admin_app.add_typer(nodes_app, name="nodes")
 console = Console(stderr=True)
 
 
@@ -22,6 +25,7 @@ console = Console(stderr=True)
 def create_token(
     tenant: str = typer.Option(..., "--tenant", help="the tenant the token acts for"),
     name: str = typer.Option("default", "--name", help="a label for the token (shown as submittedBy)"),
+    admin: bool = typer.Option(False, "--admin", help="an admin token: /v1/admin routes and every tenant's goodput"),
 ) -> None:
     """Create an API token for TENANT and print it once (only its sha256 is stored)."""
     settings = load_settings(ServiceSettings)
@@ -30,10 +34,34 @@ def create_token(
     async def store() -> None:
         redis = connect_redis(settings.redis_url)
         try:
-            await StateStore(redis).add_token(token, tenant, name=name)
+            await StateStore(redis).add_token(token, tenant, name=name, admin=admin)
         finally:
             await redis.aclose()
 
     asyncio.run(store())
     console.print(f"token for tenant [bold]{tenant}[/bold] ({name}); it is not shown again:")
     print(token)
+
+
+@nodes_app.command("list")
+def nodes_list(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="print the API's JSON")) -> None:
+    """Every node: devices, health, quarantine (reason, by) and reputation score."""
+    from trainyard_cli.main import _api, _print_json, out
+    from trainyard_cli.render import nodes_table
+
+    with _api(ctx) as client:
+        body = client.get_json("/v1/admin/nodes")
+    if as_json:
+        _print_json(body)
+    else:
+        out.print(nodes_table(body["nodes"]))
+
+
+@nodes_app.command("reinstate")
+def nodes_reinstate(ctx: typer.Context, node_id: str = typer.Argument(..., help="the node id")) -> None:
+    """Clear a node's quarantine (publishes NodeReinstated with your token's name)."""
+    from trainyard_cli.main import _api, out
+
+    with _api(ctx) as client:
+        body = client.post_json(f"/v1/admin/nodes/{node_id}/reinstate")
+    out.print(f"node {body['nodeId']} reinstated by {body['by']} (the scheduler places on it again)")

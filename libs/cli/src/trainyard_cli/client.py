@@ -131,6 +131,10 @@ class Job(_In):
     attempts: list[Attempt] = []
     progress: JobProgress = JobProgress()
     checkpoints: list[Checkpoint] = []
+    queued_reason_kind: str | None = None
+    goodput: dict[str, Any] | None = None
+    checkpoint_advice: dict[str, Any] | None = None
+    stragglers: list[dict[str, Any]] = []
 
     @property
     def terminal(self) -> bool:
@@ -298,6 +302,13 @@ class ApiClient:
     def get_json(self, path: str, *, params: Mapping[str, Any] | None = None) -> Any:
         """The raw JSON of a GET (for ``--json`` output)."""
         response = self._request("GET", path, params=dict(params or {}))
+        if response.is_error:
+            raise error_for(response)
+        return response.json()
+
+    def post_json(self, path: str) -> Any:
+        """The JSON answer of a body-less POST (admin actions)."""
+        response = self._request("POST", path)
         if response.is_error:
             raise error_for(response)
         return response.json()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -21,6 +22,7 @@ STATE_STYLES = {
     "READY": "green",
     "PENDING": "yellow",
     "FAILED": "bold red",
+    "DELETED": "dim",
 }
 
 
@@ -129,7 +131,15 @@ def job_detail(job: Job) -> RenderableType:
         ("updated", fmt_time(job.updated_at)),
     ]
     if job.queued_reason:
-        rows.append(("waiting", job.queued_reason))
+        kind = f" ({job.queued_reason_kind})" if job.queued_reason_kind else ""
+        rows.append(("waiting", job.queued_reason + kind))
+    if job.goodput:
+        rows.append(("goodput", fmt_goodput(job.goodput)))
+    if job.checkpoint_advice:
+        rows.append(("ckpt advice", fmt_advice(job.checkpoint_advice)))
+    for s in job.stragglers[:3]:
+        rows.append(("straggler", f"attempt {s.get('attempt')} rank {s.get('rank')} on {s.get('nodeId')}: "
+                                  f"{s.get('slowdown', 0):.2f}x the median compute time"))
     if job.reason:
         rows.append(("reason", job.reason))
     for key, value in rows:
@@ -146,6 +156,38 @@ def job_detail(job: Job) -> RenderableType:
     if job.checkpoints:
         parts.append(checkpoints_table(job.checkpoints))
     return Group(*parts)
+
+
+def fmt_goodput(g: Mapping[str, Any]) -> str:
+    """``62% of 1.2e+03 device-s productive; wasted: lostWork 40, launchRestore 12 …``"""
+    share = g.get("goodput")
+    head = f"{share:.0%}" if isinstance(share, (int, float)) else "-"
+    wasted = ", ".join(f"{k} {v:.0f}" for k, v in (g.get("wasted") or {}).items() if v)
+    return (f"{head} of {g.get('allocatedDeviceSeconds', 0):.0f} device-s productive"
+            f"{'; wasted: ' + wasted if wasted else ''}")
+
+
+def fmt_advice(a: Mapping[str, Any]) -> str:
+    """``every 37 steps (daly; now 20)``"""
+    steps = a.get("intervalSteps")
+    head = f"every {steps} steps" if steps else "no advice yet"
+    method = a.get("method") or "-"
+    current = a.get("currentIntervalSteps")
+    return f"{head} ({method}{f'; now {current}' if current else ''}){' auto' if a.get('auto') else ''}"
+
+
+def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
+    """``admin nodes list``."""
+    table = Table(header_style="bold")
+    for column in ("NODE", "HOST", "RACK", "DEVICES", "HEALTHY", "QUARANTINE", "SCORE"):
+        table.add_column(column, overflow="fold")
+    for n in nodes:
+        q = n.get("quarantine") or {}
+        quarantine = f"{q.get('reason') or 'yes'} (by {q.get('by') or '-'})" if n.get("quarantined") else "-"
+        score = n.get("reputationScore")
+        table.add_row(n["nodeId"], n.get("host", "-"), n.get("rack") or "-", str(len(n.get("devices", []))),
+                      "yes" if n.get("healthy") else "no", quarantine, f"{score:.2f}" if score is not None else "-")
+    return table
 
 
 def field_problems(problems: Sequence[tuple[str, str]]) -> Text:

@@ -198,7 +198,7 @@ class LocalStack:
             self.token_file.chmod(0o600)
         redis = connect_redis(self.redis_url)
         try:
-            await StateStore(redis).add_token(token, DEV_TENANT, name="dev")
+            await StateStore(redis).add_token(token, DEV_TENANT, name="dev", admin=True)
         finally:
             await redis.aclose()
         return token
