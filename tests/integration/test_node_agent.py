@@ -72,6 +72,38 @@ def services(env: dict[str, Any], tmp_path: Path) -> Iterator[Services]:
         s.stop_all()
 
 
+def reap_rank_groups(artifact_root: Path) -> list[int]:
+    """Kill the process group of every rank launched under ``artifact_root`` that still runs (an agent
+    killed by a test leaves its ranks running: they live in sessions of their own). Returns the groups.
+
+    A rank's pid is in ``<attempt>/exit/rank-<r>.pid``; its group leader is its launcher (or warm
+    interpreter), which is checked by name so a reused pid is never signalled."""
+    reaped = []
+    for pid_file in Path(artifact_root).glob("tenants/*/jobs/*/attempts/*/exit/rank-*.pid"):
+        try:
+            pgid = os.getpgid(int(pid_file.read_text().strip()))
+            leader = Path(f"/proc/{pgid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"launcher.py" not in leader and b"warm.py" not in leader:
+            continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        reaped.append(pgid)
+    return reaped
+
+
+@pytest.fixture(autouse=True)
+def reap_ranks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that has an artifact root: no rank (or its launcher) outlives it."""
+    root = Path(request.getfixturevalue("env")["artifact_root"]) if "env" in request.fixturenames else None
+    yield
+    if root is not None:
+        reap_rank_groups(root)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import textwrap
+from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,21 +20,24 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_node_agent import Services, alive
+from tests.integration.test_node_agent import Services, alive, reap_ranks  # noqa: F401 - reap_ranks: autouse
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
 from trainyard_cli import infra
 from trainyard_common.bus import Bus, ensure_topics
 from trainyard_common.events import (
+    CheckpointRequested,
     GangAllocated,
     NodeAssignment,
     NodeHeartbeat,
     RankAssignment,
+    ShardWritten,
     StepMetrics,
     WorkerExited,
     WorkerStarted,
 )
 from trainyard_common.leases import Device, LeaseManager
 from trainyard_common.records import AttemptRecord, JobRecord
+from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import StateStore, connect_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -60,6 +64,8 @@ with open(env["TRAINYARD_EVENTS_FILE"], "a") as spool:
         spool.flush(); os.fsync(spool.fileno())
         if "exitAfter" in mine and time.monotonic() - start > mine["exitAfter"]:
             print(mine.get("say", ""), flush=True)
+            if "noteStep" in mine:  # what the trainer notes: the step that failed
+                Path(env["TRAINYARD_EXIT_NOTE_FILE"]).write_text(json.dumps({"globalStep": mine["noteStep"]}))
             sys.exit(mine["code"])
         time.sleep(0.2)
 """
@@ -74,12 +80,13 @@ class Rig:
     redis: Any
     agent_settings: dict[str, object]
 
-    async def gang(self, job_id: str, *, world: int = 2, attempt: int = 1) -> GangAllocated:
+    async def gang(self, job_id: str, *, world: int = 2, attempt: int = 1,
+                   spec: TrainingSpec | None = None) -> GangAllocated:
         """Lease devices 0..world-1 of the node and publish the GangAllocated (playing the scheduler)."""
         allocation_id = f"{job_id}-a{attempt}"
         devices = [Device(NODE, i) for i in range(world)]
         epoch = await LeaseManager(self.redis).acquire(job_id, allocation_id, devices)
-        spec = make_spec(world)
+        spec = spec or make_spec(world)
         event = GangAllocated(
             job_id=job_id, tenant="t1", attempt=attempt, allocation_id=allocation_id, epoch=epoch, world_size=world,
             nodes=[NodeAssignment(node_id=NODE, host="127.0.0.1",
@@ -150,7 +157,7 @@ async def test_a_rank_whose_lease_is_gone_is_stopped_as_revoked(rig: Rig) -> Non
 
 async def test_exits_are_classified_from_exit_code_and_log(rig: Rig) -> None:
     rig.plan({"classified": {
-        "0": {"exitAfter": 0.5, "code": 3, "say": "NonFiniteError: loss is nan at step 3"},
+        "0": {"exitAfter": 0.5, "code": 3, "say": "NonFiniteError: loss is nan at step 3", "noteStep": 99},
         "1": {"exitAfter": 0.5, "code": 1,
               "say": "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1595, unhandled system error"},
     }})
@@ -160,6 +167,13 @@ async def test_exits_are_classified_from_exit_code_and_log(rig: Rig) -> None:
     exits = {e.rank: e for e in await rig.tap.wait(WorkerExited, 2, job_id="classified", timeout_s=60)}
     assert (exits[0].exit_code, exits[0].reason) == (3, "nan") and "nan at step 3" in (exits[0].detail or "")
     assert (exits[1].exit_code, exits[1].reason) == (1, "nccl") and "NCCL error" in (exits[1].detail or "")
+    # the step: the trainer's exit note (the failing step of a NaN), else the last StepMetrics relayed
+    assert exits[0].global_step == 99
+    last = exits[1].global_step
+    assert last is not None and last >= 1
+    await rig.tap.wait(StepMetrics, job_id="classified", rank=1, step=last, timeout_s=30)
+    await asyncio.sleep(1.0)  # the exit follows the spool: no later step may show up
+    assert max(m.step for m in rig.tap.events(StepMetrics, job_id="classified", rank=1)) == last
 
 
 async def test_announcements_are_published_again_until_redis_shows_them_applied(rig: Rig) -> None:
@@ -289,3 +303,43 @@ def _async(fn: Any) -> Any:
         return fn()
 
     return check
+
+
+async def test_a_checkpoint_request_stops_real_ranks_as_preempted_at_one_step(rig: Rig) -> None:
+    """CheckpointRequested on the broker → the agent writes the request file and signals the ranks (real
+    trainers, under the launcher) → they save one step together and exit 7 → WorkerExited(preempted)
+    with that step. A stale epoch is ignored, a duplicate is a no-op, and saving is not a hang."""
+    from tests.integration.test_trainer_ranks import preempt_spec
+    from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+
+    root = Path(rig.env["artifact_root"])
+    prepare_dataset(root, "tinycorpus", "v1", sources=STDLIB_SOURCES[:6])
+    data = preempt_spec().model_dump(by_alias=True, mode="json")
+    data["training"]["maxSteps"] = 500  # it cannot finish before the request
+    spec = TrainingSpec.model_validate(data)
+    rig.services.start("trainyard_node_agent", "agent", **{
+        **rig.agent_settings, "rank_command": json.dumps([sys.executable, "-m", "trainyard_trainer"]),
+        "rank_env": json.dumps({"TRAINYARD_PEAK_FLOPS": "1e11"}), "hang_timeout_s": 120, "first_step_timeout_s": 300})
+    await heartbeat_after(rig.tap)
+    gang = await rig.gang("preempt", spec=spec)
+    await rig.tap.wait(StepMetrics, 2, job_id="preempt", timeout_s=300)
+
+    def request(epoch: int) -> CheckpointRequested:
+        return CheckpointRequested(job_id="preempt", attempt=1, allocation_id=gang.allocation_id, epoch=epoch,
+                                   reason="preempted by job urgent", requested_by="urgent",
+                                   deadline=datetime.now(UTC) + timedelta(seconds=120))
+
+    await rig.publisher.publish(request(gang.epoch - 1))
+    await poll(_logged(rig.services, "agent", "with stale epoch"), "the stale request ignored")
+    await rig.publisher.publish(request(gang.epoch))
+    await rig.publisher.publish(request(gang.epoch))
+    exits = {e.rank: e for e in await rig.tap.wait(WorkerExited, 2, job_id="preempt", timeout_s=300)}
+    assert {(e.exit_code, e.reason) for e in exits.values()} == {(7, "preempted")}, exits
+    step = exits[0].global_step
+    assert step is not None and exits[1].global_step == step and step < 500
+    shards = rig.tap.events(ShardWritten, job_id="preempt")
+    assert sorted((s.rank, s.global_step) for s in shards) == [(0, step), (1, step)]
+    request_file = root / "tenants/t1/jobs/preempt/attempts/1/checkpoint-request.json"
+    assert CheckpointRequested.model_validate_json(request_file.read_bytes()).epoch == gang.epoch
+    log = rig.services.log("agent")
+    assert "already delivered; ignoring the duplicate" in log and "is hung" not in log
