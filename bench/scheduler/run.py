@@ -74,6 +74,11 @@ def waits(r: SimReport, cls: str) -> str:
     return f"{mean:.2f} h ({len(v)}/{len(v) + r.still_waiting.get(cls, 0)})"
 
 
+def all_waits(r: SimReport, cls: str) -> str:
+    v = r.censored_waits.get(cls, [])
+    return f"{sum(v) / len(v) / 3600 if v else 0.0:.2f} h"
+
+
 def latency_of(r: SimReport, values: list[float]) -> str:
     return f"{ms(r.pct(values, 0.5))} / {ms(r.pct(values, 0.99))}"
 
@@ -107,6 +112,9 @@ def report(ours: SimReport, ff: SimReport, cluster: ClusterShape, trace: TraceSh
     print(row("fragmentation (free devices stranded)", f"{ours.fragmentation:.3f}", f"{ff.fragmentation:.3f}"))
     for cls in CLASSES:
         print(row(f"mean wait {cls} (started/arrived)", waits(ours, cls), waits(ff, cls)))
+    for cls in CLASSES:
+        print(row(f"mean wait {cls}, all arrived", all_waits(ours, cls), all_waits(ff, cls),
+                  "(still waiting: until the horizon)" if cls == CLASSES[0] else ""))
     print(row("jobs started / finished", f"{ours.started} / {ours.finished}", f"{ff.started} / {ff.finished}"))
     print(row("preemptions / backfills", f"{ours.preemptions} / {ours.backfills}",
               f"{ff.preemptions} / {ff.backfills}"))

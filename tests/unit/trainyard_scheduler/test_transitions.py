@@ -552,3 +552,14 @@ def test_a_gang_whose_ranks_never_started_is_published_again_a_few_times() -> No
     assert check(started_all, 50).changed is False  # every rank started: nothing to do
     timed_out = check(second.job, 121)
     assert timed_out.job.state == "queued" and timed_out.blame == [("n1", "start-timeout")]
+
+
+def test_backfill_duration_is_the_spec_estimate_scaled_to_what_is_left() -> None:
+    from trainyard_scheduler.scheduler import _remaining_seconds
+
+    assert _remaining_seconds(new_job()) is None  # no estimate: never backfilled past a reservation
+    spec = SPEC.model_copy(update={"resources": SPEC.resources.model_copy(update={"expected_duration_minutes": 10})})
+    job = JobRecord(job_id="j2", tenant="t1", spec=spec, spec_hash=spec.spec_hash(), created_at=T0)
+    assert _remaining_seconds(job) == 600.0
+    resumed = admitted(job, start=CheckpointRef(manifest_uri="file:///m", global_step=15, attempt=1))
+    assert _remaining_seconds(resumed) == pytest.approx(150.0)  # 5 of 20 steps left

@@ -77,7 +77,7 @@ from trainyard_scheduler import health
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
-from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, plan
+from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
 from trainyard_scheduler.policy import QueueConfig, parse_queue_config
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.sizing import min_device_memory
@@ -149,6 +149,17 @@ def attempt_devices(job: JobRecord) -> list[Device]:
     if current is None:
         return []
     return [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in current.devices)]
+
+
+def _remaining_seconds(job: JobRecord) -> float | None:
+    """The spec's ``expectedDurationMinutes`` scaled to what is left after the last attempt's start
+    checkpoint (backfill only; None: unknown, so never backfilled past a reservation)."""
+    total = expected_duration_s(job.spec.resources.expected_duration_minutes)
+    if total is None:
+        return None
+    current, max_steps = job.current, job.spec.training.max_steps
+    done = current.start_checkpoint.global_step if current and current.start_checkpoint else 0
+    return total * max(0.0, 1.0 - done / max_steps) if max_steps else total
 
 
 class Scheduler:
@@ -534,9 +545,11 @@ class Scheduler:
         assert current is not None
         priority = self._priority(job)
         aged = priority + self.queue.boost((current.started_at - job.created_at).total_seconds())
+        remaining = _remaining_seconds(job)
         return RunningJob(job_id=job.job_id, tenant=job.tenant, priority=priority,
                           gpu_type=job.spec.resources.gpu_type, devices=tuple(attempt_devices(job)),
-                          started_at=current.started_at, preempted_by=current.preempted_by, admitted_priority=aged)
+                          started_at=current.started_at, preempted_by=current.preempted_by, admitted_priority=aged,
+                          expected_end=current.started_at + timedelta(seconds=remaining) if remaining else None)
 
     def _pending(self, job: JobRecord, running: list[RunningJob]) -> PendingJob:
         if job.spec_hash not in self._memory:
@@ -549,6 +562,7 @@ class Scheduler:
             submitted_at=job.created_at, priority=self._priority(job),
             not_before=tr.retry_not_before(job, self.policy), tenant=job.tenant,
             preempting=tuple(r.job_id for r in running if r.preempted_by == job.job_id),
+            expected_duration_s=_remaining_seconds(job),
         )
 
     async def _admit(self, job_id: str, placement: Placement, epoch: int) -> None:

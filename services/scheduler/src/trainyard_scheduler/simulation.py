@@ -227,6 +227,9 @@ class SimReport:
     mean_racks_multi_rack: float = 0.0
     waits: dict[str, list[float]] = field(default_factory=dict)
     still_waiting: dict[str, int] = field(default_factory=dict)
+    censored_waits: dict[str, list[float]] = field(default_factory=dict)
+    """Per class: the wait of every arrived job — until its first start, or until the horizon for
+    one still waiting. Unlike ``waits`` it does not reward leaving hard jobs queued."""
     started: int = 0
     finished: int = 0
     preemptions: int = 0
@@ -529,8 +532,10 @@ class Simulator:
             cls = self.policy.class_of(job.priority)
             if job.first_start is not None:
                 rep.waits.setdefault(cls, []).append(job.first_start - job.arrival)
+                rep.censored_waits.setdefault(cls, []).append(job.first_start - job.arrival)
             else:
                 rep.still_waiting[cls] = rep.still_waiting.get(cls, 0) + 1
+                rep.censored_waits.setdefault(cls, []).append(span - job.arrival)
         rep.wall_s = wall_s
 
     def check_no_job_lost(self) -> None:
