@@ -35,6 +35,7 @@ from trainyard_trainer.parallel import (
     parallelize,
     resolve_plan,
 )
+from trainyard_trainer.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
 from trainyard_trainer.runrecord import RUN_RECORD_FILE, RunRecord
 from trainyard_trainer.sampler import BatchLayout, GlobalSampler, batch_layout, micro_batch_seed, sample_position
 from trainyard_trainer.schedule import build_lr_scheduler, lr_multiplier
@@ -42,16 +43,15 @@ from trainyard_trainer.settings import RankSettings
 from trainyard_trainer.state import ModelState, OptimizerState, Progress, RngState, checkpoint_state
 
 __all__ = [
-    "DEVICE_PEAK_FLOPS",
-    "GPT",
-    "RUN_RECORD_FILE",
-    "STDLIB_SOURCES",
     "BatchLayout",
     "Candidate",
+    "CheckpointRequest",
     "CheckpointSchedule",
     "Checkpointer",
     "CollectiveTimer",
+    "DEVICE_PEAK_FLOPS",
     "DatasetManifest",
+    "GPT",
     "GlobalSampler",
     "ModelState",
     "OptimizerState",
@@ -59,12 +59,15 @@ __all__ = [
     "ParallelPlan",
     "PeakFlops",
     "Progress",
+    "RUN_RECORD_FILE",
     "RankSettings",
     "RestoreChoice",
     "RngState",
     "RunRecord",
+    "STDLIB_SOURCES",
     "SavedShard",
     "ShardInfo",
+    "StoppedOnRequest",
     "TokenDataset",
     "TokenizerInfo",
     "apply_activation_checkpointing",
@@ -85,6 +88,7 @@ __all__ = [
     "mfu",
     "micro_batch_seed",
     "parallelize",
+    "plan_boundary",
     "prepare_dataset",
     "resolve_plan",
     "sample_position",
