@@ -220,3 +220,89 @@ def test_bad_specs_are_refused_with_the_field_named(stack: LocalStack, dataset: 
         assert resp.status_code == 422 and "gpt-huge@v9" in resp.text
         resp = client.post("/v1/training-jobs", json={**spec, "dataset": "nosuch@v1"})
         assert resp.status_code == 422 and "nosuch@v1" in resp.text
+
+
+def _long_spec(max_steps: int, every: int) -> dict:
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec["name"] = f"pausable-{max_steps}"
+    spec["training"]["maxSteps"] = max_steps
+    spec["checkpointPolicy"] = {"everySteps": every, "keepLast": 5}
+    return spec
+
+
+def _wait_for_step(client: httpx.Client, job_id: str, step: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job: dict = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
+        if (job.get("progress") or {}).get("globalStep", 0) >= step or job["state"] in {"failed", "succeeded"}:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} did not reach step {step} in {timeout_s}s: {json.dumps(job)[:2000]}")
+
+
+def _checkpoints(client: httpx.Client, job_id: str) -> list[dict]:
+    body = client.get(f"/v1/training-jobs/{job_id}/checkpoints").raise_for_status().json()
+    return body.get("checkpoints", body) if isinstance(body, dict) else body
+
+
+def test_pause_checkpoints_releases_and_resume_continues(stack: LocalStack, dataset: str) -> None:
+    """pause = checkpoint at an agreed step, then release the gang (state paused); resume = a new
+    attempt from exactly that checkpoint, which trains on to maxSteps."""
+    max_steps, every = 600, 5000  # no scheduled checkpoint before the end: the pause makes the only one
+    with client_for(stack) as client:
+        job_id = client.post("/v1/training-jobs", json=_long_spec(max_steps, every)).raise_for_status().json()["jobId"]
+        running = _wait_for_step(client, job_id, 5, timeout_s=180)
+        assert running["state"] == "running", json.dumps(running)[:2000]
+
+        assert client.post(f"/v1/training-jobs/{job_id}/pause").status_code == 202
+        paused = wait_for_state(client, job_id, {"paused", "failed", "succeeded", "cancelled"}, timeout_s=120)
+        assert paused["state"] == "paused", json.dumps(paused)[:3000]
+        first = paused["attempts"][0]
+        assert first["state"] == "revoked" and first["endedAt"], first  # the gang is released
+        ready = [c for c in _checkpoints(client, job_id) if c["state"] == "READY"]
+        assert len(ready) == 1, ready  # the checkpoint the pause asked for
+        pause_step = ready[0]["globalStep"]
+        assert 5 <= pause_step < max_steps and pause_step % every != 0
+
+        time.sleep(2.0)  # paused stays paused: no new attempt is placed
+        still = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
+        assert still["state"] == "paused" and len(still["attempts"]) == 1
+
+        assert client.post(f"/v1/training-jobs/{job_id}/resume").status_code == 202
+        done = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=400)
+        assert done["state"] == "succeeded", json.dumps(done)[:3000]
+        second = done["attempts"][1]
+        assert second["startCheckpoint"]["globalStep"] == pause_step
+        assert done["progress"]["globalStep"] == max_steps
+        assert done["progress"]["consumedTokens"] == max_steps * 32 * 64  # nothing trained twice or skipped
+
+        # -- goodput: two attempts of 2 devices; everything allocated is productive or wasted by a cause
+        ledger = done["goodput"]
+        parts = ledger["productiveDeviceSeconds"] + ledger["inFlightDeviceSeconds"] + sum(ledger["wasted"].values())
+        assert ledger["allocatedDeviceSeconds"] == pytest.approx(parts, abs=1e-3)
+        assert ledger["inFlightDeviceSeconds"] == 0  # succeeded: nothing is in flight
+        assert 0 < ledger["goodput"] < 1 and ledger["wasted"]["launchRestore"] > 0
+        assert ledger["wasted"]["lostWork"] == pytest.approx(0, abs=1e-6)  # the pause saved its last step
+        tenant = client.get("/v1/goodput").raise_for_status().json()
+        assert tenant["ledger"]["allocatedDeviceSeconds"] >= ledger["allocatedDeviceSeconds"]
+
+
+def test_cancel_stops_now_and_keeps_ready_checkpoints(stack: LocalStack, dataset: str) -> None:
+    with client_for(stack) as client:
+        job_id = client.post("/v1/training-jobs", json=_long_spec(2000, 10)).raise_for_status().json()["jobId"]
+        _wait_for_step(client, job_id, 12, timeout_s=180)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(c["state"] == "READY" for c in _checkpoints(client, job_id)):
+            time.sleep(0.5)
+        assert client.post(f"/v1/training-jobs/{job_id}/cancel").status_code == 202
+        done = wait_for_state(client, job_id, {"cancelled", "failed", "succeeded"}, timeout_s=60)
+        assert done["state"] == "cancelled", json.dumps(done)[:2000]
+        assert done["attempts"][-1]["state"] == "revoked"
+        time.sleep(3.0)  # whatever was in flight settles; nothing deletes READY checkpoints on cancel
+        ready = [c for c in _checkpoints(client, job_id) if c["state"] == "READY"]
+        assert ready, _checkpoints(client, job_id)
+        for c in ready:
+            manifest = json.loads(uri_to_path(c["manifestUri"]).read_text())
+            for shard in manifest["shards"]:
+                assert sha256_file(uri_to_path(shard["uri"])) == shard["sha256"]
