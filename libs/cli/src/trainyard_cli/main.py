@@ -178,7 +178,7 @@ def jobs_cancel(ctx: typer.Context, job_id: JobArg) -> None:
 
 @jobs_app.command("pause")
 def jobs_pause(ctx: typer.Context, job_id: JobArg) -> None:
-    """Ask the scheduler to pause a job (scheduler support may be pending)."""
+    """Pause a job: its ranks checkpoint at the next step they agree on, then the gang is released."""
     _control(ctx, job_id, "pause")
 
 
