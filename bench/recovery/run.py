@@ -20,7 +20,10 @@ cold start of the first attempt (placement → first step).
 
 A second run does the same with ``--warm`` interpreters per node agent kept ready with the trainer
 imported (``TRAINYARD_WARM_RANKS``): the ranks of a new attempt start in one of them instead of a
-cold python; the ratio of the medians is printed (the cold run is the baseline).
+cold python; the ratio of the medians is printed (the cold run is the baseline). Each attempt runs
+``--settle`` seconds (15) before its kill window opens: real failures are hours apart, and the
+agents refill their pools only once a new attempt's ranks have made progress (importing torch
+beside a starting rank would slow it down); ``--settle 0`` kills back to back.
 
 The scheduler's retry back-off doubles with every failed attempt of a job (``2 s · 2^(n-1)``, capped
 at 60 s by default), which would dominate after a few kills; the run sets ``--backoff`` (default
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace, warm: int) -> dict[str, Any]:
         attempt, _ = rig.wait_running(job_id, steps_past_start=1, timeout_s=300)
         cold = measure(rig, job_id, attempt)
         for n in range(args.kills):
+            time.sleep(args.settle)  # failures hours apart, not seconds: the warm pool has refilled
             rig.wait_advance(job_id, rig.rng.randint(1, args.every + 2))
             fault = rig.kill_rank(job_id)
             if fault is None:
@@ -161,6 +165,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--warm", type=int, default=2,
                         help="warm interpreters per node agent for the second run (0: cold start only)")
+    parser.add_argument("--settle", type=float, default=15.0,
+                        help="seconds each attempt runs before its kill window opens (real failures are hours "
+                             "apart; the node agents refill their warm pools once the ranks have made progress; "
+                             "0: back-to-back kills, a stress test of the refill)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     args = parser.parse_args()
     started = time.monotonic()

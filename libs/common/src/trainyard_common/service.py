@@ -12,6 +12,7 @@ Redis. Background loops log and back off; one failure never kills them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -66,7 +67,7 @@ class ServiceRuntime:
         # One outbox per writer identity: instances of a per-node service must not relay each other's.
         self.outbox = Outbox(self.redis, outbox_name or name)
         self._closers: list[Callable[[], Awaitable[None]]] = []
-        self._loops: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
+        self._loops: list[tuple[str, Callable[[], Awaitable[None]], float, asyncio.Event | None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._closed = False
@@ -75,9 +76,11 @@ class ServiceRuntime:
     def deduper(self, group: str) -> Deduper:
         return Deduper(self.redis, group)
 
-    def add_loop(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
-        """Run ``fn`` every ``every_s`` seconds once started."""
-        self._loops.append((name, fn, every_s))
+    def add_loop(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float, *,
+                 wake: asyncio.Event | None = None) -> None:
+        """Run ``fn`` every ``every_s`` seconds once started — or as soon as ``wake`` is set
+        (it is cleared before each run, so a wake-up during a run causes one more run)."""
+        self._loops.append((name, fn, every_s, wake))
 
     async def start(self) -> None:
         if self._started:
@@ -102,8 +105,8 @@ class ServiceRuntime:
             start_http_server(self.settings.metrics_port)
         self._spawn("outbox-relay", self.outbox.relay_forever(self.bus))
         self._spawn("health", self._periodic("health", self._beacon, self.settings.health_interval_s))
-        for name, fn, every_s in self._loops:
-            self._spawn(name, self._periodic(name, fn, every_s))
+        for name, fn, every_s, wake in self._loops:
+            self._spawn(name, self._periodic(name, fn, every_s, wake))
         log.info("%s started (instance %s)", self.name, self.instance)
 
     def _spawn(self, name: str, coro: Awaitable[None]) -> None:
@@ -113,13 +116,21 @@ class ServiceRuntime:
         ttl = max(int(self.settings.health_interval_s * 5), 5)
         await self.redis.set(Keys.health(self.name, self.instance), str(os.getpid()), ex=ttl)
 
-    async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float) -> None:
+    async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float,
+                        wake: asyncio.Event | None = None) -> None:
         failures = 0
         while True:
             try:
+                if wake is not None:
+                    wake.clear()
                 await fn()
                 failures = 0
-                await asyncio.sleep(every_s)
+                if wake is None:
+                    await asyncio.sleep(every_s)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(every_s):
+                            await wake.wait()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - loops back off, never die

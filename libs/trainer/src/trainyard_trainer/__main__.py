@@ -139,6 +139,22 @@ def _parser() -> argparse.ArgumentParser:
     )
 
 
+def prewarm() -> None:
+    """Import what a rank otherwise imports lazily on its way to the first step (about 2 s of
+    CPU time: ``torch.use_deterministic_algorithms`` pulls in inductor's config, the optimizer
+    wrapping pulls in ``torch.distributed.optim``). A warm interpreter (the node agent's
+    ``TRAINYARD_WARM_RANKS``) calls this before it waits for a launch; a cold rank pays it anyway."""
+    import importlib
+
+    for name in ("torch._inductor.config", "torch.distributed.optim", "torch.distributed.device_mesh",
+                 "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                 "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional extra that is not installed: the rank imports it if it needs it
+            log.debug("prewarm: %s not importable", name)
+
+
 def main(argv: list[str] | None = None) -> int:
     _parser().parse_args(argv)
     try:

@@ -161,6 +161,8 @@ class NodeAgent:
         self.runtime.add_loop("lease-check", self.check_leases, self.settings.lease_check_s)
         self.runtime.add_loop("local-state", self._flush_local_state, 1.0)
         self.runtime.add_loop("confirmations", self.confirm_announcements, self.settings.confirm_interval_s)
+        if self.pool is not None:
+            self.runtime.add_loop("warm-pool", self.refill_pool, 0.5)
 
     async def prepare(self) -> None:
         """Before ``runtime.start()`` (Redis and the broker may still be down): adopt the ranks an
@@ -338,6 +340,15 @@ class NodeAgent:
         rank.stop_detail = why
         if rank.running:
             self._in_background(rp.stop(rank, self.settings.kill_grace_s))
+
+    async def refill_pool(self) -> None:
+        """Top the warm pool up, but not while a rank of this node is still starting (it would
+        compete for the CPU with the very start-up the pool is meant to shorten)."""
+        if self.pool is None or not self._serving:
+            return
+        if any(r.running and not r.progressed for r in self.ranks.values()):
+            return
+        self.pool.fill()
 
     async def _lease_holders(self, indices: list[int]) -> dict[int, dict[str, Any] | None]:
         keys = [Keys.lease(self.settings.node_id, i) for i in indices]

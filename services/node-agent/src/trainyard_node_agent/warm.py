@@ -2,6 +2,7 @@
 
 Most of a new attempt's start-up is the rank importing Python, torch and the trainer. A warm
 interpreter has done that already: it imports ``<module>`` (default ``trainyard_trainer.__main__``),
+calls its ``prewarm()`` if it has one (lazy imports a rank would make before its first step),
 prints ``ready`` on stdout, and waits for one launch on stdin, a JSON line::
 
     {"env": {...}, "log": "<rank log>", "exitFile": "<attempt>/exit/rank-<r>.json", "argv0": "trainyard-train"}
@@ -58,6 +59,9 @@ def main(argv: list[str]) -> int:
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # run as a script: our sibling modules must not shadow top-level names
     module = importlib.import_module(argv[0] if argv else "trainyard_trainer.__main__")
+    prewarm = getattr(module, "prewarm", None)
+    if callable(prewarm):  # what the rank would import lazily on its way to the first step
+        prewarm()
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     line = sys.stdin.readline()

@@ -1,7 +1,10 @@
 """A pool of warm rank interpreters (:mod:`warm`), kept full in the background.
 
-``take()`` hands out one that has finished importing, or None (the caller then starts the rank
-cold: a launch never waits for the pool). Each interpreter runs in its own session, so once it
+``take()`` hands out one that has finished importing; else the one that has been importing the
+longest (the launch line waits in its stdin: it is never slower than a cold start, which would
+import from scratch); else None (the caller then starts the rank cold). ``take()`` does not refill: importing torch costs
+seconds of CPU, and refilling while a new attempt's ranks start would slow exactly the start-up
+the pool is for. The agent calls ``fill()`` once its ranks have made their first progress. Each interpreter runs in its own session, so once it
 becomes a rank it is signalled, watched and adopted exactly like a cold-started one.
 """
 
@@ -29,6 +32,7 @@ class WarmPool:
         self.env = dict(env)
         self.log_path = log_path
         self._ready: list[asyncio.subprocess.Process] = []
+        self._importing: list[asyncio.subprocess.Process] = []  # started, not ready yet, oldest first
         self._starting: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -52,10 +56,14 @@ class WarmPool:
                     stdout=subprocess.PIPE, stderr=err, start_new_session=True,
                 )
             assert proc.stdout is not None
+            self._importing.append(proc)
             line = await proc.stdout.readline()
         except (OSError, asyncio.CancelledError) as exc:
             log.warning("could not start a warm interpreter: %r", exc)
             return
+        if proc not in self._importing:
+            return  # taken while it was still importing: it is a rank now
+        self._importing.remove(proc)
         if line.strip() != b"ready" or self._closed:
             log.warning("a warm interpreter did not become ready (see %s)", self.log_path)
             with contextlib.suppress(ProcessLookupError):
@@ -65,13 +73,13 @@ class WarmPool:
         self._ready.append(proc)
 
     def take(self) -> asyncio.subprocess.Process | None:
-        """A ready interpreter (and a replacement starts), or None."""
-        while self._ready:
-            proc = self._ready.pop(0)
-            if proc.returncode is None:
-                self.fill()
-                return proc
-        self.fill()
+        """A ready interpreter, else the oldest still importing, or None (no replacement starts
+        here: see ``fill``)."""
+        for queue in (self._ready, self._importing):
+            while queue:
+                proc = queue.pop(0)
+                if proc.returncode is None:
+                    return proc
         return None
 
     @staticmethod
@@ -91,7 +99,8 @@ class WarmPool:
         self._closed = True
         for task in list(self._starting):
             task.cancel()
-        idle, self._ready = self._ready, []
+        idle, self._ready = self._ready + self._importing, []
+        self._importing = []
         for proc in idle:
             if proc.stdin is not None:
                 proc.stdin.close()

@@ -192,6 +192,7 @@ class Scheduler:
         self._next_config: datetime | None = None
         self._discovered_all = False
         self._jobs_cache: dict[str, tuple[str, JobRecord]] = {}
+        self._wake = asyncio.Event()  # set: run the tick now, not at the next tick_s
         self._memory: dict[str, int] = {}
 
     def install(self) -> None:
@@ -211,7 +212,7 @@ class Scheduler:
         if self.settings.straggler_detection:
             # Its own group: the per-step firehose never delays job events, and costs one dict update each.
             bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, group=f"{group}-metrics")
-        self.runtime.add_loop("tick", self.tick, self.settings.tick_s)
+        self.runtime.add_loop("tick", self.tick, self.settings.tick_s, wake=self._wake)
         # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
         self.runtime.add_loop("leader", self.lead, self.leadership.ttl_ms / 3000)
 
@@ -219,6 +220,15 @@ class Scheduler:
         """Give up the leader lease so a standby does not wait for it to expire."""
         with contextlib.suppress(Exception):
             await self.leadership.resign()
+
+    def wake_at(self, when: datetime | None) -> None:
+        """Run the next scheduling pass at ``when`` (None: now) instead of waiting for ``tick_s``:
+        a requeued attempt is placed as soon as its back-off ends, a new job as soon as it arrives."""
+        delay = 0.0 if when is None else (when - self.clock()).total_seconds()
+        if delay <= 0:
+            self._wake.set()
+        else:
+            asyncio.get_running_loop().call_later(min(delay, 3600.0), self._wake.set)
 
     @property
     def leader_epoch(self) -> int | None:
@@ -401,6 +411,8 @@ class Scheduler:
                         event.job_id, event.spec_hash, existing.spec_hash)
         if existing and existing.state not in TERMINAL_STATES:
             await self.redis.sadd(SchedulerKeys.active, event.job_id)
+            if created:
+                self.wake_at(None)
         log.info("job %s %s (tenant %s, %d %s devices)", event.job_id,
                  "created from JobSubmitted" if created else "already known",
                  event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
@@ -818,6 +830,10 @@ class Scheduler:
             if outcome.release is not None:
                 a = outcome.release
                 await self._release(a.allocation_id, a.epoch, [Device(*d.rsplit(":", 1)) for d in a.devices])
+            if tr.is_pending(outcome.job) and not tr.is_pending(job):  # requeued or resumed: place it ASAP
+                self.wake_at(tr.retry_not_before(outcome.job, self.policy))
+            elif outcome.release is not None:  # devices came free for whoever waits
+                self.wake_at(None)
             for node_id, reason in outcome.blame:
                 weight = self.reputation.weight(reason)
                 if weight > 0:
