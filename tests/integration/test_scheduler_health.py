@@ -253,3 +253,25 @@ async def _no_leases(r: Rig) -> bool:
 async def _running(r: Rig, job_id: str) -> JobRecord | None:
     job = await r.store.get_job(job_id)
     return job if job is not None and job.state == "running" else None
+
+
+async def test_auto_checkpoint_policy_hands_the_advised_interval_to_the_next_attempt(rig: Rig) -> None:
+    """checkpointPolicy.auto: no advice yet → the spec's starting interval (None on the wire); once
+    the coordinator has stored its Young/Daly advice, the next attempt's GangAllocated carries it."""
+    r = rig
+    for job_id in ("wide", "lost-gang"):
+        await r.bus.publish(JobControlRequested(job_id=job_id, tenant="t1", action="cancel"))
+    await poll(lambda: _no_leases(r), "the devices of earlier tests released", WAIT_S)
+    base = make_spec(2, max_steps=100)
+    policy = base.checkpoint_policy.model_copy(update={"auto": True, "every_steps": 50})
+    spec = base.model_copy(update={"checkpoint_policy": policy})
+    await r.submit("auto", spec, max_attempts=5)
+    (first,) = await r.tap.wait(GangAllocated, job_id="auto", attempt=1, timeout_s=WAIT_S)
+    assert first.checkpoint_every_steps is None  # nothing measured yet: the trainer uses everySteps 50
+
+    await r.redis.set(Keys.checkpoint_advice("auto"), '{"intervalSteps": 7, "intervalSeconds": 12.5}')
+    await r.start_ranks(first)
+    await r.fail_rank(first, first.nodes[0].node_id, "error")
+    (second,) = await r.tap.wait(GangAllocated, job_id="auto", attempt=2, timeout_s=WAIT_S)
+    assert second.checkpoint_every_steps == 7
+    await r.bus.publish(JobControlRequested(job_id="auto", tenant="t1", action="cancel"))
