@@ -110,8 +110,11 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # A zombie is not running; only its parent (gone) could reap it.
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # it ended (and was reaped) since os.kill
+        return False
+    return not stat.split(") ", 1)[1].startswith("Z")
 
 
 @pytest.mark.slow
