@@ -275,3 +275,42 @@ async def test_auto_checkpoint_policy_hands_the_advised_interval_to_the_next_att
     (second,) = await r.tap.wait(GangAllocated, job_id="auto", attempt=2, timeout_s=WAIT_S)
     assert second.checkpoint_every_steps == 7
     await r.bus.publish(JobControlRequested(job_id="auto", tenant="t1", action="cancel"))
+
+
+async def test_init_from_starts_the_first_attempt_from_the_parent_jobs_ready_checkpoint(rig: Rig) -> None:
+    """A new configuration is a new job linked to the old one: before the child has a READY
+    checkpoint of its own, its attempts start from the parent's (the trainer takes the weights);
+    a parent checkpoint that is gone fails the child with the reason instead of silently starting
+    from scratch."""
+    from trainyard_common.records import CheckpointRecord
+    from trainyard_common.spec import InitFrom
+
+    r = rig
+    await poll(lambda: _no_leases(r), "the devices of earlier tests released", WAIT_S)
+    parent_spec = make_spec(2)
+    parent = JobRecord(job_id="parent", tenant="t1", spec=parent_spec, spec_hash=parent_spec.spec_hash(),
+                       state="succeeded")
+    assert await r.store.create_job(parent)
+    for step, state in ((10, "READY"), (20, "READY"), (30, "FAILED")):
+        await r.store.put_checkpoint(CheckpointRecord(
+            job_id="parent", tenant="t1", attempt=1, epoch=1, global_step=step, world_size=2, state=state,
+            manifest_uri=f"file:///ckpt/parent/step-{step}/manifest.json", content_hash=f"sha256:{step}"))
+
+    child = make_spec(2).model_copy(update={"init_from": InitFrom(job_id="parent")})
+    await r.submit("child", child)
+    (gang,) = await r.tap.wait(GangAllocated, job_id="child", attempt=1, timeout_s=WAIT_S)
+    assert gang.start_checkpoint is not None and gang.start_checkpoint.global_step == 20  # latest READY
+    assert gang.start_checkpoint.manifest_uri == "file:///ckpt/parent/step-20/manifest.json"
+    await r.bus.publish(JobControlRequested(job_id="child", tenant="t1", action="cancel"))
+    await poll(lambda: _no_leases(r), "child's devices released", WAIT_S)
+
+    gone = make_spec(2).model_copy(update={"init_from": InitFrom(job_id="parent", global_step=30)})
+    await r.submit("orphan", gone)
+    failed = await poll(lambda: _in_state(r, "orphan", "failed"), "orphan failed", WAIT_S)
+    assert "initFrom: job parent has no READY checkpoint at step 30" in (failed.reason or ""), failed.reason
+    assert failed.attempts == []
+
+
+async def _in_state(r: Rig, job_id: str, state: str) -> JobRecord | None:
+    job = await r.store.get_job(job_id)
+    return job if job is not None and job.state == state else None

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainyard_common import exitcodes
 from trainyard_common.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
 from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
-from trainyard_common.spec import TrainingSpec
+from trainyard_common.spec import InitFrom, TrainingSpec
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
 from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
 from tests.support.otlp import OtlpSink
@@ -563,3 +563,31 @@ def test_a_requested_checkpoint_stops_every_rank_at_the_same_step_and_resumes(ro
     assert chain[2]["globalStep"] == PREEMPT_MAX and chain[2]["samplerPosition"] == PREEMPT_MAX * 16
     steps = sorted(m.step for r in (first, second, third) for m in r.of(StepMetrics) if m.rank == 0)
     assert steps == list(range(1, PREEMPT_MAX + 1)), "every step trained exactly once"
+
+
+def test_init_from_another_job_takes_its_weights_and_starts_everything_else_fresh(
+    root: Path, first_run: RunResult, uninterrupted: dict[str, Any], tmp_path: Path
+) -> None:
+    """A new configuration is a new job linked to the old one: ``initFrom`` loads only the model
+    weights of job-a's final checkpoint; steps, schedule, optimizer and data position start at 0."""
+    manifest = write_manifest(shards_of(first_run, MAX_STEPS))
+    base = small_spec()
+    training = base.training.model_copy(update={"learning_rate": 1e-9, "max_steps": EVERY})  # ~frozen weights
+    spec = base.model_copy(update={"training": training, "init_from": InitFrom(job_id="job-a")})
+    child = run_attempt(root, "job-child", attempt=1, start=ref_for(manifest), spec=spec)
+    assert child.codes == [0] * WORLD, "\n".join(child.logs)
+    assert "initialised from job job-a step 6" in child.record["restore"]["reason"]
+    steps = sorted(m.step for m in child.of(StepMetrics) if m.rank == 0)
+    assert steps == list(range(1, EVERY + 1))  # its own step counter
+    saved = load_whole(ArtifactLayout(root).checkpoint_dir(TENANT, "job-child", 1, EVERY), tmp_path)
+    assert saved["progress"]["global_step"] == EVERY and saved["sampler"]["position"] == EVERY * 16
+    for name, weight in uninterrupted["model"].items():  # job-a's trained weights, not a fresh init
+        assert torch.allclose(saved["model"][name], weight, atol=1e-5), name
+    at2 = load_whole(ArtifactLayout(root).checkpoint_dir(TENANT, "job-a", 1, EVERY), tmp_path)
+    assert not torch.allclose(saved["model"]["wte.weight"], at2["model"]["wte.weight"], atol=1e-5)
+
+    # a model of another shape cannot take those weights: exit 4 with the reason
+    other = spec.model_copy(update={"model_config_ref": base.model_config_ref.model_copy(update={"d_model": 32})})
+    refused = run_attempt(root, "job-child-2", attempt=1, start=ref_for(manifest), spec=other)
+    assert refused.codes == [exitcodes.CHECKPOINT] * WORLD, "\n".join(refused.logs)
+    assert "initFrom: cannot load the weights of job job-a" in refused.logs[0]

@@ -114,3 +114,26 @@ def test_tensor_parallelism_must_divide_heads() -> None:
                 "training.globalBatchSize": 24})
     problems = check_references(s, catalog=MODEL_CATALOG, dataset_known=True)
     assert [p.field for p in problems] == ["parallelism.tensor"]
+
+
+@pytest.mark.parametrize(("init", "known", "steps", "field"), [
+    (None, False, [], None),
+    ({"jobId": "job-a"}, True, [20, 40], None),
+    ({"jobId": "job-a", "globalStep": 20}, True, [20, 40], None),
+    ({"jobId": "job-x"}, False, [], "initFrom.jobId"),
+    ({"jobId": "job-a"}, True, [], "initFrom.jobId"),
+    ({"jobId": "job-a", "globalStep": 30}, True, [20, 40], "initFrom.globalStep"),
+])
+def test_init_from_names_a_job_of_the_tenant_with_a_ready_checkpoint(
+    init: dict[str, Any] | None, known: bool, steps: list[int], field: str | None
+) -> None:
+    from trainyard_api.validation import check_init_from
+
+    data = copy.deepcopy(EXAMPLE_SPEC)
+    if init is not None:
+        data["initFrom"] = init
+    spec = TrainingSpec.model_validate(data)
+    problems = check_init_from(spec, parent_known=known, ready_steps=steps)
+    assert [p.field for p in problems] == ([field] if field else [])
+    if field == "initFrom.globalStep":
+        assert "READY steps: 20, 40" in problems[0].message

@@ -114,6 +114,16 @@ class Training(_Wire):
     )
 
 
+class InitFrom(_Wire):
+    """Start a new job from another job's READY checkpoint: a new configuration is a new job,
+    linked to the old one (there is no PATCH). Only the model weights are taken; the optimizer,
+    schedule, data position and step counter start fresh under the new spec."""
+
+    job_id: str = Field(min_length=1, max_length=128, description="the earlier job (same tenant)")
+    global_step: int | None = Field(
+        default=None, ge=0, description="its READY checkpoint at this step; unset: its latest READY one")
+
+
 class TrainingSpec(_Wire):
     """What a researcher submits. Immutable: a new configuration is a new job."""
 
@@ -130,6 +140,10 @@ class TrainingSpec(_Wire):
     training: Training
     name: str | None = Field(default=None, max_length=128)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    init_from: InitFrom | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="initialise the model from another job's READY checkpoint (weights only)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSpec:

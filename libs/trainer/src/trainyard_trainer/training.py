@@ -352,7 +352,8 @@ def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: Artifact
 
     def verify(candidate: Candidate) -> list[str]:
         assert candidate.manifest is not None
-        problems = check_restorable(candidate.manifest, spec_hash=job.allocation.spec_hash)
+        foreign = candidate.manifest.job_id != settings.job_id  # initFrom: another job's weights
+        problems = check_restorable(candidate.manifest, spec_hash=None if foreign else job.allocation.spec_hash)
         try:
             checkpoint_dir_of(candidate.manifest, candidate.manifest_uri)
         except CheckpointError as exc:
@@ -384,6 +385,8 @@ def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: Artifact
     manifest = choice.candidate.manifest
     assert manifest is not None
     directory = checkpoint_dir_of(manifest, choice.candidate.manifest_uri)
+    if manifest.job_id != settings.job_id:
+        return _init_from(job, state, manifest, directory, choice.candidate.manifest_uri, record, started)
     same_world = manifest.world_size == settings.world_size
     to_load = dict(state) if same_world else {k: v for k, v in state.items() if k != "rng"}
     load_checkpoint(to_load, directory)
@@ -399,6 +402,27 @@ def restore(job: Job, state: dict[str, Stateful], ctx: Context, layout: Artifact
     (log.warning if choice.fell_back else log.info)(
         "restore: %s; resumed from %s at step %d (%d tokens consumed)",
         choice.reason, choice.candidate.manifest_uri, progress.global_step, progress.consumed_tokens)
+    return record
+
+
+def _init_from(job: Job, state: dict[str, Stateful], manifest: Any, directory: Any, manifest_uri: str,
+               record: RestoreRecord, started: float) -> RestoreRecord:
+    """``initFrom``: load only the model weights of another job's checkpoint; the optimizer,
+    schedule, sampler, RNG and counters start fresh under this job's spec. A model of another
+    shape fails the load (CheckpointError: exit 4, the job fails with the reason)."""
+    try:
+        load_checkpoint({"model": state["model"]}, directory)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"initFrom: cannot load the weights of job {manifest.job_id} step {manifest.global_step} "
+            f"({manifest_uri}) into this model: {exc}") from exc
+    record.manifest_uri = manifest_uri
+    record.global_step = 0
+    record.world_size = manifest.world_size
+    record.reason = (f"initialised from job {manifest.job_id} step {manifest.global_step} (weights only; "
+                     "optimizer, schedule, data position and step counter start fresh)")
+    record.seconds = time.perf_counter() - started
+    log.info("restore: %s", record.reason)
     return record
 
 

@@ -41,7 +41,7 @@ from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
 from trainyard_api.steptiming import StepTimingStore
-from trainyard_api.validation import InvalidSpecError, check_references, resolve_model_config
+from trainyard_api.validation import InvalidSpecError, check_init_from, check_references, resolve_model_config
 from trainyard_api.views import JobExtras, job_summary, job_view
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,12 @@ class JobService:
         """
         dataset = await self.store.get_dataset(spec.dataset)
         problems = check_references(spec, catalog=self.catalog, dataset_known=dataset is not None)
+        if spec.init_from is not None:
+            parent = await self.store.get_job(spec.init_from.job_id)
+            known = parent is not None and parent.tenant == token.tenant
+            ready = [c.global_step for c in await self.store.list_checkpoints(spec.init_from.job_id)
+                     if c.state == "READY"] if known else []
+            problems.extend(check_init_from(spec, parent_known=known, ready_steps=ready))
         config = resolve_model_config(spec, self.catalog)
         memory = check_spec_memory(spec, config) if config is not None else None
         if memory is not None:

@@ -199,6 +199,24 @@ def resolve_model_config(spec: TrainingSpec, catalog: Mapping[str, ModelConfig])
     return ref if isinstance(ref, ModelConfig) else catalog.get(ref)
 
 
+def check_init_from(spec: TrainingSpec, *, parent_known: bool, ready_steps: Sequence[int]) -> list[FieldProblem]:
+    """``initFrom`` must name a job of the caller's tenant with a READY checkpoint (at ``globalStep``
+    when given). ``parent_known``: the job exists for this tenant; ``ready_steps``: its READY steps."""
+    init = spec.init_from
+    if init is None:
+        return []
+    if not parent_known:
+        return [FieldProblem("initFrom.jobId", f"unknown job {init.job_id!r}: initFrom names an earlier job "
+                                               "of your tenant (GET /v1/training-jobs lists them)")]
+    if not ready_steps:
+        return [FieldProblem("initFrom.jobId", f"job {init.job_id!r} has no READY checkpoint to start from yet")]
+    if init.global_step is not None and init.global_step not in ready_steps:
+        steps = ", ".join(str(s) for s in sorted(ready_steps)[-10:])
+        return [FieldProblem("initFrom.globalStep", f"job {init.job_id!r} has no READY checkpoint at step "
+                                                    f"{init.global_step}; READY steps: {steps}")]
+    return []
+
+
 def check_references(
     spec: TrainingSpec, *, catalog: Mapping[str, ModelConfig], dataset_known: bool
 ) -> list[FieldProblem]:

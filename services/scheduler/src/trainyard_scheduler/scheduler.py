@@ -589,7 +589,15 @@ class Scheduler:
             await self._check_epoch(pipe, epoch)
             number = len(job.attempts) + 1
             allocation_id = f"{job_id}-a{number}-{uuid.uuid4().hex[:8]}"
-            start = await self._start_checkpoint(job_id)
+            try:
+                start = await self._start_checkpoint(job)
+            except ConfigError as exc:
+                outcome = tr.fail_unstartable(job, str(exc), self.clock())
+                self._stage(pipe, job_id, outcome)
+                with contextlib.suppress(WatchError):  # changed meanwhile: decided again next tick
+                    await pipe.execute()
+                    log.warning("job %s cannot start: %s", job_id, exc)
+                return
             every = await self._advised_interval(job)
             lease_epoch = await self.leases.acquire(epoch, job_id, allocation_id, devices)
             try:
@@ -659,12 +667,26 @@ class Scheduler:
             return None
         return int(steps) if isinstance(steps, int | float) and steps >= 1 else None
 
-    async def _start_checkpoint(self, job_id: str) -> CheckpointRef | None:
-        latest = await self.store.latest_ready_checkpoint(job_id)
-        if latest is None or not latest.manifest_uri:
+    async def _start_checkpoint(self, job: JobRecord) -> CheckpointRef | None:
+        """The job's latest READY checkpoint; before it has one, the ``initFrom`` job's checkpoint
+        (the trainer then takes only its weights). ConfigError: ``initFrom`` names none READY."""
+        latest = await self.store.latest_ready_checkpoint(job.job_id)
+        if latest is not None and latest.manifest_uri:
+            return CheckpointRef(manifest_uri=latest.manifest_uri, global_step=latest.global_step,
+                                 attempt=latest.attempt, content_hash=latest.content_hash)
+        init = job.spec.init_from
+        if init is None:
             return None
-        return CheckpointRef(manifest_uri=latest.manifest_uri, global_step=latest.global_step,
-                             attempt=latest.attempt, content_hash=latest.content_hash)
+        parent = await self.store.get_job(init.job_id)
+        ready = [c for c in await self.store.list_checkpoints(init.job_id)
+                 if c.state == "READY" and c.manifest_uri and (init.global_step is None
+                                                              or c.global_step == init.global_step)]
+        if parent is None or parent.tenant != job.tenant or not ready:
+            at = "" if init.global_step is None else f" at step {init.global_step}"
+            raise ConfigError(f"initFrom: job {init.job_id} has no READY checkpoint{at} (any more)")
+        chosen = ready[-1]
+        return CheckpointRef(manifest_uri=chosen.manifest_uri or "", global_step=chosen.global_step,
+                             attempt=chosen.attempt, content_hash=chosen.content_hash)
 
     async def _next_port(self) -> int:
         low, high = self.settings.rendezvous_port_min, self.settings.rendezvous_port_max

@@ -233,6 +233,18 @@ def _nodes_without_started_ranks(attempt: AttemptRecord) -> list[str]:
     return [n.node_id for n in attempt.assignments if n.ranks and not any(r.rank in started for r in n.ranks)]
 
 
+def fail_unstartable(job: JobRecord, reason: str, now: datetime) -> Outcome:
+    """A queued job that can never start as specified (e.g. ``initFrom`` names no READY checkpoint)."""
+    if job.state in TERMINAL_STATES or is_live(job.current):
+        return unchanged(job)
+    new = job.model_copy(deep=True)
+    new.updated_at = now
+    new.queued_reason = new.queued_reason_kind = None
+    events: list[Event] = []
+    _set_state(new, "failed", events, reason=f"config: {reason} (not retryable)")
+    return Outcome(new, events, note=f"job failed: {reason}")
+
+
 def note_waiting(job: JobRecord, reason: str, kind: str | None = None) -> Outcome:
     """Record why a queued job waits (shown by GET while queued)."""
     if job.state != "queued" or (job.queued_reason == reason and job.queued_reason_kind == kind):
