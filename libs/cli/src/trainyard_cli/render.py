@@ -73,15 +73,20 @@ def jobs_table(items: Sequence[JobSummary]) -> Table:
     return table
 
 
-def checkpoints_table(items: Sequence[Checkpoint], title: str = "checkpoints") -> Table:
+def checkpoints_table(items: Sequence[Checkpoint], title: str = "checkpoints", *, manifests: bool = True) -> Table:
+    """``manifests=False`` (inside a job's view) leaves the long manifest URIs to ``jobs checkpoints``."""
     table = Table(title=title, title_justify="left", header_style="bold")
-    for column in ("CHECKPOINT", "STATE", "STEP", "ATTEMPT", "TOKENS", "CONTENT HASH", "MANIFEST", "READY AT"):
+    columns = ["CHECKPOINT", "STATE", "STEP", "ATTEMPT", "TOKENS", "CONTENT HASH", "MANIFEST", "READY AT"]
+    if not manifests:
+        columns.remove("MANIFEST")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for c in items:
-        table.add_row(
-            c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
-            (c.content_hash or "-")[:19], c.manifest_uri or "-", fmt_time(c.ready_at),
-        )
+        row = [c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
+               (c.content_hash or "-")[:19], c.manifest_uri or "-", fmt_time(c.ready_at)]
+        if not manifests:
+            row.pop(6)
+        table.add_row(*row)
     return table
 
 
@@ -154,7 +159,8 @@ def job_detail(job: Job) -> RenderableType:
                              fmt_time(a.started_at), fmt_time(a.ended_at), a.failure_reason or "")
         parts.append(attempts)
     if job.checkpoints:
-        parts.append(checkpoints_table(job.checkpoints))
+        parts.append(checkpoints_table(job.checkpoints, "checkpoints (manifests: trainyard jobs checkpoints <job>)",
+                                       manifests=False))
     return Group(*parts)
 
 
