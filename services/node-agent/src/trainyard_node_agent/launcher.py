@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -52,18 +52,24 @@ def main(argv: list[str]) -> int:
         child = subprocess.Popen(command)  # noqa: S603 - the node agent's configured rank command
     except OSError as exc:
         print(f"launcher: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
-        _write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher",
+        write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher",
                                                  "error": str(exc)}))
         return 127
-    _write_atomically(pid_file_for(exit_file), str(child.pid))
+    write_atomically(pid_file_for(exit_file), str(child.pid))
     while True:
         try:
             code = child.wait()
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries already
             continue
-    _write_atomically(exit_file, json.dumps({"exitCode": code, "pid": child.pid, "writer": "launcher"}))
-    if code < 0:  # die the way the child died, so a waiting parent sees the same status
+    return record_exit(exit_file, code, child.pid, writer="launcher")
+
+
+def record_exit(exit_file: str, code: int, pid: int, *, writer: str) -> int:
+    """Write the rank's exit status to ``exit_file``, then end the same way (negative = that signal),
+    so a waiting parent sees the rank's status too. Shared with :mod:`warm`."""
+    write_atomically(exit_file, json.dumps({"exitCode": code, "pid": pid, "writer": writer}))
+    if code < 0:  # die the way the child died
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

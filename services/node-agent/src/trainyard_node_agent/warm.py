@@ -19,20 +19,27 @@ interpreter's own environment, which the agent sets like a rank's.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import signal
 import sys
 import traceback
+from pathlib import Path
+from types import ModuleType
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def _load_launcher() -> ModuleType:
+    """The sibling :mod:`launcher` (the exit-file protocol), loaded by path under a private name:
+    this runs as a script, and importing the package would pull in the whole agent."""
+    spec = importlib.util.spec_from_file_location("_trainyard_launcher", Path(__file__).with_name("launcher.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launcher = _load_launcher()
 
 
 def _run_rank(module: object, argv0: str) -> int:
@@ -82,21 +89,14 @@ def main(argv: list[str]) -> int:
     pid = os.fork()
     if pid == 0:
         os._exit(_run_rank(module, launch.get("argv0", "trainyard-train")))
-    _write_atomically(exit_file[: -len(".json")] + ".pid", str(pid))
+    launcher.write_atomically(launcher.pid_file_for(exit_file), str(pid))
     while True:
         try:
             _, status = os.waitpid(pid, 0)
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries already
             continue
-    code = os.waitstatus_to_exitcode(status)
-    _write_atomically(exit_file, json.dumps({"exitCode": code, "pid": pid, "writer": "warm-launcher"}))
-    if code < 0:
-        if -code not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        return 128 - code
-    return code
+    return launcher.record_exit(exit_file, os.waitstatus_to_exitcode(status), pid, writer="warm-launcher")
 
 
 if __name__ == "__main__":
