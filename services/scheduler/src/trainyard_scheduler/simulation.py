@@ -163,41 +163,29 @@ def default_policy(cluster: ClusterShape, tenants: int) -> QueueConfig:
 
 def first_fit(snapshot: ClusterSnapshot, request: GangRequest) -> Placement | Unschedulable:
     """The naive baseline: nodes in id order, free devices taken as found, topology ignored."""
-    if never := impossible(snapshot, request):
-        return never
-    kind, need = request.gpu_type, request.gpu_count
-    free = snapshot.free_count(kind)
-    if free < need:
-        return Unschedulable(f"waiting for {need} free {kind} devices ({free} free)")
-    pieces: list[tuple[int, int]] = []
-    remaining = need
-    for n in range(snapshot.node_count()):
-        if not snapshot.available[n]:
-            continue
-        have = len(snapshot.free[n].get(kind, ()))
-        if have:
-            take = min(have, remaining)
-            pieces.append((n, take))
-            remaining -= take
-            if not remaining:
-                break
-    return build_placement(snapshot, request, pieces)
+    return _first_fit(snapshot, request, group=1)
 
 
 def first_fit_whole_groups(snapshot: ClusterSnapshot, request: GangRequest) -> Placement | Unschedulable:
     """First fit that still keeps every TP group on one node (what the trainer needs), nothing more."""
+    return _first_fit(snapshot, request, group=request.tensor)
+
+
+def _first_fit(snapshot: ClusterSnapshot, request: GangRequest, *, group: int) -> Placement | Unschedulable:
+    """Nodes in id order, taking their free devices in whole groups of ``group``."""
     if never := impossible(snapshot, request):
         return never
-    kind, need, tp = request.gpu_type, request.gpu_count, request.tensor
-    free = snapshot.free_count(kind, tp)
+    kind, need = request.gpu_type, request.gpu_count
+    free = snapshot.free_count(kind, group)
     if free < need:
-        return Unschedulable(f"waiting for {need} free {kind} devices in groups of {tp} ({free} usable)")
+        groups = f" in groups of {group}" if group > 1 else ""
+        return Unschedulable(f"waiting for {need} free {kind} devices{groups} ({free} usable)")
     pieces: list[tuple[int, int]] = []
     remaining = need
     for n in range(snapshot.node_count()):
         if not snapshot.available[n]:
             continue
-        have = len(snapshot.free[n].get(kind, ())) // tp * tp
+        have = len(snapshot.free[n].get(kind, ())) // group * group
         if have:
             take = min(have, remaining)
             pieces.append((n, take))
