@@ -39,6 +39,7 @@ from trainyard_common.leases import Device, LeaseManager
 from trainyard_common.records import AttemptRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import StateStore, connect_redis
+from trainyard_node_agent.agent import AgentKeys
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NODE = "node-f"
@@ -195,10 +196,17 @@ async def test_announcements_are_published_again_until_redis_shows_them_applied(
     # the scheduler applies them: the agent stops publishing
     job.attempts[0].started_ranks = [0, 1]
     await StateStore(rig.redis).put_job(job)
-    await asyncio.sleep(2.5)
-    settled = _copies(rig.tap, "unheard")
-    await asyncio.sleep(3.0)
-    assert _copies(rig.tap, "unheard") == settled
+    unconfirmed = AgentKeys(NODE).unconfirmed
+
+    async def dropped() -> bool:  # what the agent still waits for, durably (it survives restarts)
+        waiting = [json.loads(v) for v in (await rig.redis.hgetall(unconfirmed)).values()]
+        return not [a for a in waiting if a["job_id"] == "unheard"]
+
+    await poll(dropped, "the agent to drop the announcements it saw applied")
+    settled = rig.services.log("agent").count("published started of job unheard")
+    await asyncio.sleep(3.0)  # several confirmation rounds (0.5 s apart): none publishes again
+    assert rig.services.log("agent").count("published started of job unheard") == settled
+    assert len(_copies(rig.tap, "unheard")) == 2
 
 
 def _copies(tap: EventTap, job_id: str) -> dict[str, int]:

@@ -1,8 +1,8 @@
-"""Two scheduler processes against the real broker and Redis: the leader is killed with SIGKILL in
-the middle of an allocation (leases granted, attempt not yet recorded), the standby takes over
-within a few seconds, releases the orphan and places the job; then the new leader is paused
-(SIGSTOP) mid-allocation, a third instance takes over, and the old leader's write, once it
-resumes, is refused. No device is ever double-booked (checked on the lease audit stream)."""
+"""Scheduler processes against the real broker and Redis: the leader is killed with SIGKILL in the
+middle of an allocation (leases granted, attempt not yet recorded), a standby takes over, releases
+the orphan and places the job; then the leader is paused (SIGSTOP) mid-allocation, another instance
+takes over, and the old leader's write, once it resumes, is refused. No device is ever double-booked
+(checked on the lease audit stream)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import SchedulerKeys
 
 NODES = ("n0", "n1", "n2")
-SCHEDULER = {"tick_s": 0.3, "leader_ttl_s": 1.5, "reconcile_interval_s": 1.0, "node_timeout_s": 30,
-             "lease_ttl_s": 120, "admit_pause_s": 2.0, "start_timeout_s": 600}
+# admit_pause_s holds each placement between its lease grant and its attempt record, so the test can act
+# in that window even on a loaded host
+SCHEDULER = {"tick_s": 0.3, "leader_ttl_s": 3.0, "reconcile_interval_s": 1.0, "node_timeout_s": 30,
+             "lease_ttl_s": 120, "admit_pause_s": 4.0, "start_timeout_s": 600}
 
 
 class Processes:
@@ -121,9 +123,13 @@ def replay_audit(entries: list[tuple[str, dict[str, str]]]) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 async def test_failover_mid_allocation_never_double_books(env: dict[str, Any], processes: Processes,
                                                           bus: Bus) -> None:
+    """Which instance leads at any moment is up to timing (a loaded host may let a lease lapse and
+    hand leadership on); what the platform promises is checked instead: leader epochs only grow,
+    every grant was made under the then-current leader epoch, a grant whose leader died or was
+    paused is released and never announced, each job gets one attempt, and no device is booked twice."""
     redis = connect_redis(env["redis_url"])
     store = StateStore(redis)
     tap = EventTap(env["kafka_bootstrap"], env["topic_namespace"])
@@ -135,54 +141,71 @@ async def test_failover_mid_allocation_never_double_books(env: dict[str, Any], p
         assert await store.create_job(JobRecord(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
         await bus.publish(JobSubmitted(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 
+    async def standing_by(name: str) -> None:
+        await poll(lambda: redis.exists(Keys.health("scheduler", name)), f"{name} started", 90)
+
     try:
-        a = processes.start("sched-a")
+        processes.start("sched-a")
         first = await poll(lambda: leader(redis), "a leader", timeout_s=60)
-        assert first == (1, "sched-a")
-        b = processes.start("sched-b")
-        await poll(lambda: redis.exists(Keys.health("scheduler", "sched-b")), "sched-b started (standing by)", 90)
+        processes.start("sched-b")
+        await standing_by("sched-b")
 
         # 1. kill -9 of the leader between its lease grant and the attempt record
         await submit("j1")
-        orphan = await poll(lambda: mid_allocation(store, redis, "j1"), "sched-a granting j1's leases", 60)
-        a.kill()
+        orphan = await poll(lambda: mid_allocation(store, redis, "j1"), "j1's leases granted", 60)
+        granter = granter_of(processes, int(orphan["leader"]))
+        processes.procs[granter].kill()
         killed_at = time.monotonic()
-        second = await poll(lambda: _led_by(redis, "sched-b"), f"takeover; logs:\n{processes.logs()}", 60)
+        second = await poll(lambda: _newer_leader(redis, int(orphan["leader"])),
+                            f"takeover after kill -9 of {granter}; logs:\n{processes.logs()}", 60)
         takeover_s = time.monotonic() - killed_at
-        assert second[0] > first[0]
+        assert second[0] > first[0] and second[1] != granter
         j1 = await _placed(store, "j1")
+        assert [a.allocation_id for a in j1.attempts] == [j1.attempts[0].allocation_id]
         assert j1.attempts[0].allocation_id != orphan["allocation"] and j1.attempts[0].epoch >= 2
         print(f"takeover by the standby {takeover_s:.1f}s after kill -9 of the leader (leader TTL "
               f"{SCHEDULER['leader_ttl_s']}s)")
 
-        # 2. a paused (SIGSTOP) leader mid-allocation; a fresh instance takes over; the old one resumes
+        # 2. a paused (SIGSTOP) leader mid-allocation; another instance takes over; the old one resumes
         processes.start("sched-c")
-        await poll(lambda: redis.exists(Keys.health("scheduler", "sched-c")), "sched-c started (standing by)", 90)
+        await standing_by("sched-c")
         await submit("j2")
-        stale = await poll(lambda: mid_allocation(store, redis, "j2"), "sched-b granting j2's leases", 60)
-        b.send_signal(signal.SIGSTOP)
-        third = await poll(lambda: _led_by(redis, "sched-c"), f"takeover by sched-c; logs:\n{processes.logs()}", 60)
-        assert third[0] > second[0]
+        stale = await poll(lambda: mid_allocation(store, redis, "j2"), "j2's leases granted", 60)
+        paused = granter_of(processes, int(stale["leader"]))
+        undone_before = _placement_undone(processes, paused, "j2")
+        processes.procs[paused].send_signal(signal.SIGSTOP)
+        third = await poll(lambda: _newer_leader(redis, int(stale["leader"])),
+                           f"takeover from the paused {paused}; logs:\n{processes.logs()}", 60)
         j2 = await _placed(store, "j2")
-        b.send_signal(signal.SIGCONT)
-        await asyncio.sleep(4)  # the old leader finishes its write... which the epoch check refuses
+        processes.procs[paused].send_signal(signal.SIGCONT)
+        # the resumed instance finishes its placement; the leader-epoch check refuses the write
+        async def refused() -> bool:
+            return _placement_undone(processes, paused, "j2") > undone_before
+
+        await poll(refused, f"{paused} to find its placement of j2 refused; logs:\n{processes.logs()}", 60)
         j2 = await store.get_job("j2")
         assert j2 is not None and [a.allocation_id for a in j2.attempts] == [j2.attempts[0].allocation_id]
         assert j2.attempts[0].allocation_id != stale["allocation"]
-        assert (await leader(redis)) == third  # b stands by
+        now = await leader(redis)
+        assert now is not None and now[0] >= third[0] > second[0]  # leader epochs never go back
 
-        # 3. the invariants
-        audit = await redis.xrange(Keys.lease_audit)
+        # 3. the invariants, on the lease audit stream
+        async def orphans_released() -> list[tuple[str, dict[str, str]]] | None:
+            entries = await redis.xrange(Keys.lease_audit)
+            released = {f["allocation"] for _, f in entries if f["op"] == "release"}
+            return entries if {orphan["allocation"], stale["allocation"]} <= released else None
+
+        audit = await poll(orphans_released, "the orphaned grants released", 60)
         held = replay_audit(audit)
-        released = {f["allocation"] for _, f in audit if f["op"] == "release"}
-        assert {orphan["allocation"], stale["allocation"]} <= released
+        grants = [int(f["leader"]) for _, f in audit if f["op"] == "grant"]
+        assert grants == sorted(grants), f"a grant under an older leader epoch after a newer one: {grants}"
+        j1, j2 = await store.get_job("j1"), await store.get_job("j2")
+        assert j1 is not None and j2 is not None
         live = {a.allocation_id for j in (j1, j2) for a in j.attempts if a.state in ("starting", "running")}
         assert set(held.values()) == live
         published = {e.allocation_id for e in tap.events(GangAllocated)}
         assert stale["allocation"] not in published and orphan["allocation"] not in published
-        assert {a.allocation_id for j in (j1, j2) for a in j.attempts} <= published | set()
-        assert "STALE_LEADER" in (Path(processes.log_dir) / "sched-b.log").read_text() or \
-            "standing by" in (Path(processes.log_dir) / "sched-b.log").read_text()
+        assert {a.allocation_id for j in (j1, j2) for a in j.attempts} <= published
     finally:
         beating.cancel()
         await asyncio.gather(beating, return_exceptions=True)
@@ -190,9 +213,23 @@ async def test_failover_mid_allocation_never_double_books(env: dict[str, Any], p
         await redis.aclose()
 
 
-async def _led_by(redis: Any, name: str) -> tuple[int, str] | None:
+def granter_of(processes: Processes, leader_epoch: int) -> str:
+    """The instance that held ``leader_epoch`` (each says so in its log when it takes over)."""
+    marker = f"scheduling leader now (leader epoch {leader_epoch}, instance "
+    for log in processes.log_dir.glob("*.log"):
+        if marker in log.read_text(errors="replace"):
+            return log.stem
+    raise AssertionError(f"no instance logged leader epoch {leader_epoch}; logs:\n{processes.logs()}")
+
+
+def _placement_undone(processes: Processes, name: str, job_id: str) -> int:
+    text = (processes.log_dir / f"{name}.log").read_text(errors="replace")
+    return text.count(f"job {job_id} or the leader changed while it was being placed; placement undone")
+
+
+async def _newer_leader(redis: Any, than: int) -> tuple[int, str] | None:
     current = await leader(redis)
-    return current if current and current[1] == name else None
+    return current if current and current[0] > than else None
 
 
 async def _placed(store: StateStore, job_id: str) -> JobRecord:

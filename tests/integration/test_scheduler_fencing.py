@@ -26,20 +26,29 @@ async def redis(env: dict[str, Any]) -> Any:
 
 
 async def test_leadership_moves_with_an_increasing_epoch(redis: Any) -> None:
-    a = Leadership(redis, "a", ttl_s=0.3)
-    b = Leadership(redis, "b", ttl_s=0.3)
+    a = Leadership(redis, "a", ttl_s=30)
+    b = Leadership(redis, "b", ttl_s=30)
     assert await a.maintain() == 1
     assert await b.maintain() is None
     assert await a.maintain() == 1  # renewal keeps the epoch
-    await asyncio.sleep(0.45)  # a stops renewing (paused, partitioned, dead)
+    await _lapse(redis, LeaderKeys.leader)  # a stops renewing (paused, partitioned, dead): its TTL runs out
     assert await b.maintain() == 2
     assert await a.maintain() is None and a.epoch is None
-    assert await Leadership(redis, "a", ttl_s=0.3).current() == (2, "b")
+    assert await Leadership(redis, "a", ttl_s=30).current() == (2, "b")
     await a.resign()  # not the holder: changes nothing
     assert await redis.get(LeaderKeys.leader) == "2 b"
     await b.resign()
     assert await redis.get(LeaderKeys.leader) is None
     assert await a.maintain() == 3  # the epoch never goes back
+
+
+async def _lapse(redis: Any, *keys: str) -> None:
+    """Let keys expire as an unrenewed TTL would (Redis expires them, not the test's clock)."""
+    for key in keys:
+        assert await redis.pexpire(key, 1)
+    for key in keys:
+        while await redis.exists(key):
+            await asyncio.sleep(0.01)
 
 
 async def test_a_restarted_instance_with_the_same_id_takes_over_at_once(redis: Any) -> None:
@@ -75,16 +84,18 @@ async def test_grants_need_the_current_leader_epoch(redis: Any) -> None:
 
 
 async def test_lease_ttls_are_renewed_and_restored(redis: Any) -> None:
-    leases = FencedLeases(redis, ttl_ms=400)
+    leases = FencedLeases(redis, ttl_ms=60_000)
     epoch = await Leadership(redis, "a", ttl_s=30).maintain()
     assert epoch is not None
     job_epoch = await leases.acquire(epoch, "j1", "j1-a1", D)
-    assert 0 < await redis.pttl(Keys.lease("n1", 0)) <= 400
-    for _ in range(3):  # heartbeats keep them alive past the TTL
-        await asyncio.sleep(0.2)
+    assert 0 < await redis.pttl(Keys.lease("n1", 0)) <= 60_000
+    for _ in range(3):  # each heartbeat puts the full TTL back
+        for index in (0, 1):
+            await redis.pexpire(Keys.lease("n1", index), 500)
         assert await leases.renew_node("n1", [0, 1, 2]) == 2
+        assert await redis.pttl(Keys.lease("n1", 0)) > 500 and await redis.pttl(Keys.lease("n1", 1)) > 500
     assert await redis.get(Keys.lease("n1", 0)) is not None
-    await asyncio.sleep(0.5)  # no heartbeat: they expire
+    await _lapse(redis, Keys.lease("n1", 0), Keys.lease("n1", 1))  # no heartbeat: they expire
     assert await redis.get(Keys.lease("n1", 0)) is None
     assert await leases.restore(epoch, "j1-a1", job_epoch, D) == (2, 0)
     holder = json.loads(await redis.get(Keys.lease("n1", 1)))
