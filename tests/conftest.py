@@ -13,8 +13,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from trainyard_cli import infra
+
+# A loaded CI host can stall any example for longer than hypothesis' default 200 ms deadline; a
+# deadline is a timing assertion the code never promised. Properties, not speed, are tested here.
+settings.register_profile("trainyard", deadline=None, print_blob=True)
+settings.load_profile("trainyard")
 
 
 @pytest.fixture(scope="session")
