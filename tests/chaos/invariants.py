@@ -1,4 +1,4 @@
-"""The invariants of DESIGN.md §6 as pure checks over a recorded history.
+"""The invariants of docs/design.md §6 as pure checks over a recorded history.
 
 Each check takes plain data (records read from Redis, the lease audit stream, per-attempt step
 summaries from the rank spools, tensors) and returns its violations as sentences; an empty list

@@ -135,7 +135,7 @@ def _first_step_at(rig: ChaosRig, job_id: str, attempt: int) -> float | None:
 
 def check_everything(rig: ChaosRig, report: ChaosReport, *, reference: str, faulted: list[str], max_steps: int,
                      every: int, tmp: Path, records_seen: dict[str, Any]) -> None:
-    """Every invariant of DESIGN.md §6 over the run's history; results go into ``report``."""
+    """Every invariant of docs/design.md §6 over the run's history; results go into ``report``."""
     jobs, checkpoints, audit = rig.history()
     report.jobs = {j: r.state for j, r in jobs.items()}
 

@@ -1,6 +1,6 @@
 """The chaos suite: the local stack running real training jobs while ranks, node agents, every service,
 the broker and Redis are killed (kill -9) and ranks are frozen (SIGSTOP) at random moments; then the
-invariants of DESIGN.md §6 (tests/chaos/invariants.py) are checked over the whole history.
+invariants of docs/design.md §6 (tests/chaos/invariants.py) are checked over the whole history.
 
 * short run (``make test``): one fault of each kind, a couple of minutes;
 * long run (``make chaos``, TRAINYARD_LONG_TESTS=1): many faults in random order; its counts are

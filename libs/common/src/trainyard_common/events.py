@@ -1,4 +1,4 @@
-"""Event models and topics: the public contract of trainyard (DESIGN.md §4).
+"""Event models and topics: the public contract of trainyard (docs/design.md §4).
 
 Every event carries ``eventId`` (uuid, for idempotent consumers), ``eventType``,
 ``schemaVersion`` and ``occurredAt``; it travels as camelCase JSON, keyed by job id

@@ -1,4 +1,4 @@
-"""Checkpoint manifests (DESIGN.md §5) and their verification.
+"""Checkpoint manifests (docs/design.md §5) and their verification.
 
 ``verify_manifest`` is pure: file access is injected (``stat_size``, ``file_sha256``) so
 the coordinator, the trainer's restore path and the tests share one rule.
