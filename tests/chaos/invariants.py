@@ -37,9 +37,9 @@ def check_terminal(jobs: Iterable[JobRecord]) -> list[str]:
 
 @dataclass(frozen=True)
 class LeaseOp:
-    """One entry of ``ty:lease-audit``: a grant or a release of an allocation's devices."""
+    """One entry of ``ty:lease-audit``: a grant, release or restore of an allocation's devices."""
 
-    op: str  # grant | release
+    op: str  # grant | release | restore
     job_id: str
     allocation_id: str
     epoch: int
@@ -75,6 +75,9 @@ def check_no_double_booking(audit: Sequence[LeaseOp]) -> list[str]:
                 if holder.get(device) == op.allocation_id:
                     del holder[device]
             live.pop(op.allocation_id, None)
+        elif op.op == "restore":  # expired lease keys of a live allocation re-created (never over another's)
+            if op.allocation_id not in live:
+                problems.append(f"#{n}: {op.allocation_id} restored although it is not a live allocation")
         else:
             problems.append(f"#{n}: unknown lease operation {op.op!r}")
     return problems

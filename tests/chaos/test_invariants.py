@@ -75,6 +75,10 @@ def test_double_booking_is_found_in_the_audit_log() -> None:
     assert check_no_double_booking(bad) == ["#1: device n:1 granted to b1 while a1 holds it"]
     stale = [grant("a1", 2, "n:0"), release("a1", 2, "n:0"), grant("a2", 2, "n:0")]
     assert "epoch 2 after epoch 2" in check_no_double_booking(stale)[0]
+    restored = [grant("a1", 1, "n:0"), LeaseOp("restore", "j", "a1", 1, ("n:0",)), release("a1", 1, "n:0")]
+    assert check_no_double_booking(restored) == []  # a lapsed TTL re-created for the live holder
+    late = [grant("a1", 1, "n:0"), release("a1", 1, "n:0"), LeaseOp("restore", "j", "a1", 1, ("n:0",))]
+    assert check_no_double_booking(late) == ["#2: a1 restored although it is not a live allocation"]
 
 
 def test_leases_of_finished_jobs_must_be_released() -> None:
