@@ -27,7 +27,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 deps: venv ## install system packages the local stack needs (redis-server)
 	@scripts/ensure-system-deps.sh
 
-up: deps ## start broker, redis, the five services and 2 node agents; print API URL + token
+up: deps ## start broker, redis, the five services and 2 node agents, publish the example dataset; print API URL + token
 	$(BIN)/trainyard dev up
 
 down: ## stop exactly what 'make up' started

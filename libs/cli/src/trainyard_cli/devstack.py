@@ -40,13 +40,15 @@ def _fail(exc: Exception) -> typer.Exit:
 
 @dev_app.command()
 def up() -> None:
-    """Start everything (idempotent), wait until healthy, print the API URL and a dev token."""
+    """Start everything (idempotent), wait until healthy, publish the example dataset (tinycorpus@v1,
+    built once), print the API URL and a dev token."""
     stack = _stack()
     try:
         token = stack.up()
+        ref = prepare_and_publish(stack)
     except TrainyardError as exc:
         raise _fail(exc) from None
-    console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}")
+    console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}   example dataset {ref}")
     console.print(f"dev token (tenant 'dev'): {token}   (also in {stack.token_file})")
     console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")
 
@@ -96,10 +98,12 @@ def data() -> None:
 def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
     """Prepare tinycorpus@v1 under the artifact root, publish DatasetVersionPublished, and
     wait until the registry has recorded it."""
-    from trainyard_trainer.data import prepare_dataset
+    from trainyard_common.storage import ArtifactLayout
+    from trainyard_trainer.data import MANIFEST_FILE, prepare_dataset
 
     name, version = DATASET
-    console.print(f"preparing dataset {name}@{version} (real text, trained byte-level BPE)…")
+    if not (ArtifactLayout(stack.s.artifact_root).dataset_dir(name, version) / MANIFEST_FILE).exists():
+        console.print(f"preparing dataset {name}@{version} once (real text, trained byte-level BPE)…")
     manifest_path, manifest_sha, manifest = prepare_dataset(stack.s.artifact_root, name, version)
     asyncio.run(_publish_dataset(stack, manifest_path, manifest_sha, manifest))
     return f"{name}@{version}"

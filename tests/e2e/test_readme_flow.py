@@ -1,0 +1,58 @@
+"""The README's commands, in the order it shows them, as a new user types them: `trainyard dev up`
+(what `make up` runs) on a fresh state directory, then `trainyard submit examples/tiny.yaml`, which
+must be accepted without any other step (the example dataset is published by `up`), then the job
+commands, then `trainyard dev down`. A second `up` is idempotent and does not build the data again."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainyard_cli import infra
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_submit_works_right_after_up(tmp_path: Path) -> None:
+    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
+           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(infra.free_port()),
+           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "1", "TRAINYARD_READY_TIMEOUT_S": "180",
+           "COLUMNS": "200"}
+    env.pop("TRAINYARD_TOKEN", None)
+    env.pop("TRAINYARD_API_URL", None)
+
+    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        # cwd: the CLI finds the stack's URL and token in .trainyard/ there, as it does in a checkout
+        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    try:
+        up = trainyard("dev", "up", timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "tinycorpus@v1" in up.stderr and "next:" in up.stderr, up.stderr
+
+        submitted = trainyard("submit", str(REPO / "examples/tiny.yaml"))
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        match = re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout)
+        assert match, submitted.stdout
+        job_id = match.group(1)
+
+        listed = trainyard("jobs", "list")
+        assert listed.returncode == 0 and job_id in listed.stdout, listed.stdout + listed.stderr
+        got = trainyard("jobs", "get", job_id)
+        assert got.returncode == 0 and job_id in got.stdout, got.stdout + got.stderr
+        cancelled = trainyard("jobs", "cancel", job_id)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+
+        again = trainyard("dev", "up", timeout=600)  # idempotent: everything already runs, the data exists
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "preparing dataset" not in again.stderr, again.stderr
+    finally:
+        down = trainyard("dev", "down", timeout=120)
+    assert down.returncode == 0 and "broker" in down.stderr and "redis" in down.stderr, down.stdout + down.stderr
