@@ -203,9 +203,14 @@ async def test_failover_mid_allocation_never_double_books(env: dict[str, Any], p
         assert j1 is not None and j2 is not None
         live = {a.allocation_id for j in (j1, j2) for a in j.attempts if a.state in ("starting", "running")}
         assert set(held.values()) == live
-        published = {e.allocation_id for e in tap.events(GangAllocated)}
+        attempts = {a.allocation_id for j in (j1, j2) for a in j.attempts}
+
+        async def announced() -> set[str] | None:  # the outbox relays each attempt's GangAllocated
+            published = {e.allocation_id for e in tap.events(GangAllocated)}
+            return published if attempts <= published else None
+
+        published = await poll(announced, f"GangAllocated of {sorted(attempts)}", 60)
         assert stale["allocation"] not in published and orphan["allocation"] not in published
-        assert {a.allocation_id for j in (j1, j2) for a in j.attempts} <= published
     finally:
         beating.cancel()
         await asyncio.gather(beating, return_exceptions=True)
