@@ -15,10 +15,12 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from tests.chaos.invariants import AttemptSteps, LeaseOp
 from trainyard_cli import infra
 from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common.events import TERMINAL_STATES, DatasetVersionPublished
-from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
 from trainyard_common.storage import ArtifactLayout, path_to_uri, uri_to_path
 from trainyard_common.store import Keys, StateStore, connect_redis
 
@@ -77,6 +79,13 @@ class Fault:
     at: float  # time.time()
     job_id: str | None = None
     step: int | None = None  # the job's progress when it was injected
+    #: every unfinished job's (attempt, highest step) when it was injected: which fault hit which job where
+    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: checkpoints whose shards were spooled but that were not READY yet when it was injected
+    #: (``<job>/step-…-a<n>``): the fault hit them while they were being assembled
+    assembling: list[str] = field(default_factory=list)
+    healed_at: float | None = None  # every killed component was running again (its own health beacon)
+    settled_s: float | None = None  # heal → every checkpoint written meanwhile READY or FAILED
 
 
 @dataclass
@@ -113,9 +122,16 @@ class ChaosRig:
         token = self.stack.token_file.read_text().strip()
         return httpx.Client(base_url=self.stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
-    def restart_dead(self) -> float:
-        """Start whatever was killed again and wait until the stack is healthy; returns the seconds it took."""
+    def restart_dead(self, *, timeout_s: float = 120.0) -> float:
+        """Start whatever was killed again and wait until each restarted service beacons its health
+        itself; returns the seconds it took.
+
+        ``LocalStack.up()`` alone is not enough: it counts health keys, and a service killed with -9
+        leaves its key behind for the beacon's TTL, so up() would return while the new process is
+        still importing, and the next fault would land in the middle of this outage.
+        """
         started = time.monotonic()
+        before = {c.name: c.pid for c in self.stack.components()}
         for attempt in range(3):
             try:
                 self.stack.up()
@@ -124,6 +140,14 @@ class ChaosRig:
                 self.say(f"restart attempt {attempt + 1} failed: {exc!r}"[:500])
                 if attempt == 2:
                     raise
+        fresh = {c.name: c.pid for c in self.stack.components()
+                 if c.name not in ("broker", "redis") and before.get(c.name) != c.pid}
+        asyncio.run(self._until(lambda store: _beaconing(store, fresh), timeout_s,
+                                f"fresh health beacons of {sorted(fresh)}"))
+        healed = time.time()
+        for fault in self.faults:
+            if fault.healed_at is None and fault.kind not in ("rank", "hang"):
+                fault.healed_at = healed
         return time.monotonic() - started
 
     # ------------------------------------------------------------------ dataset and jobs
@@ -282,8 +306,86 @@ class ChaosRig:
                             return node["nodeId"]
         return None
 
+    # ------------------------------------------------------------------ checkpoints being assembled, settling
+    def shards_spooled(self, job_id: str, attempt: int) -> dict[int, set[int]]:
+        """Global step → the ranks whose spool holds its ShardWritten (a rank spools it once durable)."""
+        out: dict[int, set[int]] = {}
+        for rank, lines in self.spool_events(job_id, attempt).items():
+            for p in lines:
+                if p.get("eventType") == "ShardWritten":
+                    out.setdefault(int(p["globalStep"]), set()).add(rank)
+        return out
+
+    def unsettled(self) -> dict[str, list[str]]:
+        """Checkpoints that every rank of a live attempt has written (ShardWritten in each rank's spool)
+        whose record is not READY, FAILED or DELETED yet: ``<job>/<checkpoint id>`` → its state."""
+        async def go(store: StateStore) -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {}
+            for job_id in self.jobs:
+                job = await store.get_job(job_id)
+                if job is None or job.state in TERMINAL_STATES:
+                    continue
+                records = {c.checkpoint_id: c.state for c in await store.list_checkpoints(job_id)}
+                for a in job.attempts:
+                    if a.state not in ("starting", "running"):
+                        continue
+                    for step, ranks in sorted(self.shards_spooled(job_id, a.attempt).items()):
+                        cid = checkpoint_id(step, a.attempt)
+                        if len(ranks) >= a.world_size and records.get(cid) not in ("READY", "FAILED", "DELETED"):
+                            out.setdefault(job_id, []).append(f"{cid} ({records.get(cid) or 'no record'})")
+            return out
+
+        return self._redis_call(go)
+
+    def wait_settled(self, timeout_s: float) -> tuple[float, dict[str, list[str]]]:
+        """Wait until :meth:`unsettled` is empty; (seconds waited, what was still unsettled at the end)."""
+        started = time.monotonic()
+        left: dict[str, list[str]] = {}
+        while time.monotonic() - started < timeout_s:
+            try:
+                left = self.unsettled()
+            except Exception as exc:  # noqa: BLE001 - Redis answering slowly right after a restart
+                left = {"?": [f"Redis not readable: {exc!r}"[:200]]}
+            if not left:
+                break
+            time.sleep(0.2)
+        return time.monotonic() - started, left
+
+    def wait_assembling(self, job_id: str, *, timeout_s: float = 30.0) -> str | None:
+        """Wait until a rank of the job's current attempt spools a ShardWritten whose checkpoint is not
+        READY yet, then a random moment of the relay/assembly window; ``<job>/<checkpoint id>``."""
+        attempt, _ = self.progress(job_id)
+        events_dir = self.layout.attempt_dir(TENANT, job_id, attempt) / "events"
+        offsets = {p: p.stat().st_size for p in events_dir.glob("rank-*.jsonl")}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for path in sorted(events_dir.glob("rank-*.jsonl")):
+                with contextlib.suppress(OSError):
+                    with path.open("rb") as f:
+                        f.seek(offsets.get(path, 0))
+                        chunk = f.read()
+                    complete = chunk[:chunk.rfind(b"\n") + 1]
+                    offsets[path] = offsets.get(path, 0) + len(complete)
+                    for raw in complete.splitlines():
+                        with contextlib.suppress(ValueError, KeyError):
+                            payload = json.loads(raw)["payload"]
+                            if payload.get("eventType") == "ShardWritten":
+                                time.sleep(self.rng.uniform(0.0, 0.3))
+                                return f"{job_id}/{checkpoint_id(int(payload['globalStep']), attempt)}"
+            time.sleep(0.02)
+        return None
+
+    def checkpoint_state(self, ref: str) -> str | None:
+        """The state of ``<job>/<checkpoint id>`` in Redis (None: no record)."""
+        job_id, cid = ref.split("/", 1)
+        record = self._redis_call(lambda store: store.get_checkpoint(job_id, cid))
+        return record.state if record else None
+
     # ------------------------------------------------------------------ faults
     def _note(self, fault: Fault) -> Fault:
+        for job_id in self.jobs:
+            with contextlib.suppress(OSError, ValueError):
+                fault.progress[job_id] = self.progress(job_id)
         self.faults.append(fault)
         self.say(f"[chaos] {fault.kind} {fault.target}" + (f" (job {fault.job_id} at step {fault.step})"
                                                             if fault.job_id else ""))
@@ -328,8 +430,9 @@ class ChaosRig:
         return self._redis_call(go)
 
     def attempt_summaries(self, job: JobRecord) -> list[AttemptSteps]:
-        """Per attempt: where it started, the furthest step it completed, and how far an asynchronous
-        save lagged behind training (a finished save's lag, or the save still in flight at the end)."""
+        """Per attempt: where it started, the furthest step it completed, and whether its last save
+        was still in flight at the end (started, but not durable on every rank: no ShardWritten in
+        each rank's spool) and for how many steps."""
         every = job.spec.checkpoint_policy.every_steps or 0
         out = []
         for a in job.attempts:
@@ -337,16 +440,48 @@ class ChaosRig:
             steps = [p["step"] for lines in per_rank.values() for p in lines if p.get("eventType") == "StepMetrics"]
             start = a.start_checkpoint.global_step if a.start_checkpoint else 0
             last = max(steps) if steps else None
-            durable = {p["globalStep"] for lines in per_rank.values() for p in lines
-                       if p.get("eventType") == "ShardWritten"}
-            lag = max(map(async_lag, per_rank.values()), default=0)
+            spooled = self.shards_spooled(job.job_id, a.attempt)
+            in_flight = 0
             if last is not None and every:
                 save = last - last % every  # the last save this attempt started
-                if save > start and save not in durable:
-                    lag = max(lag, last - save)
+                if save > start and len(spooled.get(save, ())) < a.world_size:
+                    in_flight = last - save
             out.append(AttemptSteps(attempt=a.attempt, state=a.state, start_step=start, last_step=last,
-                                    async_lag=lag))
+                                    in_flight=in_flight))
         return out
+
+    def keep_evidence(self, dest: Path, job_ids: list[str], report: dict[str, Any]) -> Path:
+        """Copy what a failing run needs to be diagnosed to ``dest``: the stack's logs and Redis data
+        directory, the Redis state of ``job_ids`` and their checkpoints, their attempts' rank logs,
+        spools, exit files and run records, their checkpoint manifests and file listings, the fault
+        timeline and the report. Call it while Redis still runs."""
+        dest.mkdir(parents=True, exist_ok=True)
+        root = self.stack.s.root
+        for name in ("logs", "redis"):
+            if (root / name).is_dir():
+                shutil.copytree(root / name, dest / name, dirs_exist_ok=True)
+        for job_id in job_ids:
+            job_dir = self.layout.job_dir(TENANT, job_id)
+            if (job_dir / "attempts").is_dir():
+                shutil.copytree(job_dir / "attempts", dest / "jobs" / job_id / "attempts", dirs_exist_ok=True)
+            listing: dict[str, dict[str, int]] = {}
+            for ckpt in sorted((job_dir / "checkpoints").glob("*")) if (job_dir / "checkpoints").is_dir() else []:
+                listing[ckpt.name] = {f.name: f.stat().st_size for f in sorted(ckpt.iterdir()) if f.is_file()}
+                if (ckpt / "manifest.json").exists():
+                    target = dest / "jobs" / job_id / "checkpoints" / ckpt.name
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ckpt / "manifest.json", target / "manifest.json")
+            (dest / "jobs" / job_id).mkdir(parents=True, exist_ok=True)
+            (dest / "jobs" / job_id / "checkpoint-files.json").write_text(json.dumps(listing, indent=2))
+        try:
+            state = self._redis_call(lambda store: _redis_state(store, job_ids, self.stack.s.nodes))
+        except Exception as exc:  # noqa: BLE001 - the evidence must not hide the failure
+            state = {"error": repr(exc)}
+        (dest / "redis-state.json").write_text(json.dumps(state, indent=2, default=str))
+        (dest / "faults.json").write_text(json.dumps([asdict(f) | {"atIso": _iso(f.at)} for f in self.faults],
+                                                     indent=2, default=str))
+        (dest / "chaos-report.json").write_text(json.dumps(report, indent=2, default=str))
+        return dest
 
     def final_state(self, job_id: str, checkpoints: list[CheckpointRecord], max_steps: int, tmp: Path) -> dict[str, Any]:
         """Every value of the job's READY checkpoint at ``max_steps``, loaded in this process."""
@@ -360,12 +495,57 @@ class ChaosRig:
         return torch.load(out, weights_only=False)
 
 
-def async_lag(payloads: list[dict[str, Any]]) -> int:
-    """How many steps past a checkpoint's step the rank went before its shard was durable (max)."""
-    last_step, lag = 0, 0
-    for p in payloads:
-        if p.get("eventType") == "StepMetrics":
-            last_step = p["step"]
-        elif p.get("eventType") == "ShardWritten":
-            lag = max(lag, last_step - p["globalStep"])
-    return lag
+async def _beaconing(store: StateStore, fresh: dict[str, int]) -> bool:
+    """Whether every component in ``fresh`` (name → pid) has written its own health beacon."""
+    for name, pid in fresh.items():
+        service = "node-agent" if name.startswith("node-agent-") else name
+        keys = [k async for k in store.redis.scan_iter(match=Keys.health(service, "*"), count=100)]
+        values = await store.redis.mget(keys) if keys else []
+        if str(pid) not in values:
+            return False
+    return True
+
+
+async def _redis_state(store: StateStore, job_ids: list[str], nodes: int) -> dict[str, Any]:
+    """The Redis records behind ``job_ids``: job, checkpoints, shard reports, agents' tables, outboxes."""
+    redis = store.redis
+
+    async def hash_of(key: str) -> dict[str, Any]:
+        return {k: _maybe_json(v) for k, v in (await redis.hgetall(key)).items()}
+
+    out: dict[str, Any] = {"jobs": {}, "agents": {}, "outboxes": {}}
+    for job_id in job_ids:
+        shards = {}
+        async for key in redis.scan_iter(match=f"{Keys.checkpoints(job_id)}:shards:*", count=1000):
+            shards[key] = await hash_of(key)
+        out["jobs"][job_id] = {
+            "job": _maybe_json(await redis.get(Keys.job(job_id))),
+            "epoch": await redis.get(Keys.epoch(job_id)),
+            "checkpoints": await hash_of(Keys.checkpoints(job_id)),
+            "shards": dict(sorted(shards.items())),
+            "progress": _maybe_json(await redis.get(Keys.progress(job_id))),
+            "advice": _maybe_json(await redis.get(Keys.checkpoint_advice(job_id))),
+        }
+    out["pendingCheckpoints"] = await redis.zrange(Keys.pending_checkpoints, 0, -1, withscores=True)
+    for node in range(nodes):
+        base = f"ty:agent:node-{node}"
+        out["agents"][f"node-{node}"] = {"ranks": await hash_of(f"{base}:ranks"),
+                                         "unconfirmed": await hash_of(f"{base}:unconfirmed")}
+    async for key in redis.scan_iter(match="ty:outbox:*", count=100):
+        out["outboxes"][key] = await redis.xlen(key)
+    async for key in redis.scan_iter(match="ty:health:*", count=100):
+        out.setdefault("health", {})[key] = await redis.get(key)
+    return out
+
+
+def _maybe_json(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _iso(at: float | None) -> str | None:
+    return datetime.fromtimestamp(at, tz=timezone.utc).isoformat() if at else None

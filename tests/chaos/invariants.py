@@ -158,26 +158,41 @@ class AttemptSteps:
     state: str  # the attempt record's state
     start_step: int  # the step it resumed from (0: from scratch)
     last_step: int | None  # the highest step any of its ranks completed (None: none)
-    async_lag: int = 0  # the most steps a checkpoint of this attempt took to become durable
+    #: steps since its last save started, when that save was still in flight at the end (not durable
+    #: on every rank); 0 when the last save it started was durable
+    in_flight: int = 0
 
 
 def check_lost_work(job_id: str, attempts: Sequence[AttemptSteps], interval: int, *, slack: int = 0) -> list[str]:
-    """After each failed attempt, the next resumes no more than ``interval + slack`` steps behind the
-    furthest step the failed one completed."""
+    """After each failed attempt, the next resumes no more than one interval behind the furthest
+    step the failed one completed, plus the steps of the one save that was still in flight at the
+    failure (``in_flight``) — exactly one save's allowance, nothing more. ``slack`` widens the
+    bound by that many steps (only for a caller that states why; the chaos runs pass 0)."""
     problems = []
     ordered = sorted(attempts, key=lambda a: a.attempt)
     for failed, nxt in zip(ordered, ordered[1:], strict=False):
         if failed.state != "failed" or failed.last_step is None:
             continue
         lost = failed.last_step - nxt.start_step
-        if lost > interval + slack:
+        allowed = interval + failed.in_flight + slack
+        if lost > allowed:
+            extra = (f" + {failed.in_flight} (the save of step {failed.last_step - failed.in_flight} in flight)"
+                     if failed.in_flight else "") + (f" + slack {slack}" if slack else "")
             problems.append(f"job {job_id}: attempt {failed.attempt} reached step {failed.last_step}, attempt "
                             f"{nxt.attempt} resumed at {nxt.start_step}: {lost} steps lost > interval {interval}"
-                            + (f" + {slack}" if slack else ""))
+                            + extra)
         if nxt.start_step > failed.last_step:
             problems.append(f"job {job_id}: attempt {nxt.attempt} resumed at {nxt.start_step}, beyond the "
                             f"{failed.last_step} steps attempt {failed.attempt} completed")
     return problems
+
+
+def check_settled_after_heal(fault: str, unsettled: Mapping[str, Sequence[str]], waited_s: float,
+                             bound_s: float) -> list[str]:
+    """Every checkpoint a live attempt's ranks had written when a fault healed became READY or
+    FAILED within ``bound_s`` of the heal (``unsettled``: job → what was still pending then)."""
+    return [f"job {job}: {', '.join(refs)} neither READY nor FAILED {waited_s:.0f}s after the {fault} fault "
+            f"healed (bound {bound_s:.0f}s)" for job, refs in sorted(unsettled.items())]
 
 
 def check_resumed_from_latest_ready(job: JobRecord, checkpoints: Sequence[CheckpointRecord], *,

@@ -17,6 +17,7 @@ from tests.chaos.invariants import (
     check_fencing,
     check_leases_released,
     check_lost_work,
+    check_settled_after_heal,
     check_no_double_booking,
     check_ready_checkpoints,
     check_resumed_from_latest_ready,
@@ -137,9 +138,29 @@ def test_lost_work_is_bounded_by_one_interval() -> None:
     bad = [AttemptSteps(1, "failed", 0, 37), AttemptSteps(2, "succeeded", 20, 40)]
     assert check_lost_work("j", bad, 10) == ["job j: attempt 1 reached step 37, attempt 2 resumed at 20: "
                                             "17 steps lost > interval 10"]
-    assert check_lost_work("j", bad, 10, slack=7) == []  # an async save still in flight at the failure
     impossible = [AttemptSteps(1, "failed", 0, 5), AttemptSteps(2, "succeeded", 10, 40)]
     assert "beyond" in check_lost_work("j", impossible, 10)[0]
+
+
+def test_lost_work_allows_exactly_the_one_save_in_flight_at_the_failure() -> None:
+    # the save of step 30 was not durable when attempt 1 died at 37: resuming from 20 loses 17 = 10 + 7
+    in_flight = [AttemptSteps(1, "failed", 0, 37, in_flight=7), AttemptSteps(2, "succeeded", 20, 40)]
+    assert check_lost_work("j", in_flight, 10) == []
+    # ... but not from 10: the save of step 20 was durable, the one in flight excuses one interval only
+    older = [AttemptSteps(1, "failed", 0, 37, in_flight=7), AttemptSteps(2, "succeeded", 10, 40)]
+    assert check_lost_work("j", older, 10) == [
+        "job j: attempt 1 reached step 37, attempt 2 resumed at 10: 27 steps lost > interval 10 "
+        "+ 7 (the save of step 30 in flight)"]
+    # an attempt that trained on for 99 steps without any READY checkpoint is a violation, whatever lagged
+    stalled = [AttemptSteps(1, "failed", 0, 99, in_flight=9), AttemptSteps(2, "succeeded", 0, 150)]
+    assert len(check_lost_work("j", stalled, 10)) == 1
+
+
+def test_checkpoints_must_settle_within_a_bound_after_a_fault_heals() -> None:
+    assert check_settled_after_heal("broker", {}, 1.5, 30) == []
+    assert check_settled_after_heal("redis", {"job-1": ["step-000000040-a1 (PENDING)"]}, 30.2, 30) == [
+        "job job-1: step-000000040-a1 (PENDING) neither READY nor FAILED 30s after the redis fault healed "
+        "(bound 30s)"]
 
 
 def test_an_attempt_must_resume_from_the_latest_ready_checkpoint() -> None:
