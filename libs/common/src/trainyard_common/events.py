@@ -128,6 +128,9 @@ class NodeHeartbeat(Event):
     network_tier: str | None = Field(
         default=None, description="network block above the rack (pod / spine group); racks of one tier are closer"
     )
+    draining: bool = Field(default=False, description="the node is stopping on purpose: its attempts checkpoint "
+                                                      "and stop, nothing new is placed there")
+    boot_id: str | None = Field(default=None, description="the node agent's incarnation; a new one ends a drain")
 
 
 class NodeQuarantined(Event):
@@ -149,6 +152,28 @@ class NodeReinstated(Event):
 
     topic: ClassVar[str] = NODES
     event_type: Literal["NodeReinstated"] = "NodeReinstated"
+    node_id: str
+    reason: str
+    by: str | None = None
+
+
+class NodeDrained(Event):
+    """A node taken out of service on purpose (maintenance): nothing new is placed there, and the attempts
+    running there checkpoint at an agreed step and stop, interrupted by maintenance (no failure, no blame).
+    It ends with NodeUndrained or when the node's agent restarts."""
+
+    topic: ClassVar[str] = NODES
+    event_type: Literal["NodeDrained"] = "NodeDrained"
+    node_id: str
+    reason: str
+    by: str | None = Field(default=None, description="an admin's name, or 'node-agent'")
+
+
+class NodeUndrained(Event):
+    """A drained node takes new work again."""
+
+    topic: ClassVar[str] = NODES
+    event_type: Literal["NodeUndrained"] = "NodeUndrained"
     node_id: str
     reason: str
     by: str | None = None
@@ -456,7 +481,7 @@ def _union(*classes: type[Event]) -> Any:
 
 TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
-    NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated),
+    NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated, NodeDrained, NodeUndrained),
     ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),

@@ -68,6 +68,11 @@ class AttemptRecord(Record):
     ready_step_at_end: int | None = Field(
         default=None, description="latest READY step when the attempt ended (progress = newer than its start)"
     )
+    interruption: str | None = Field(
+        default=None,
+        description="why the platform stopped it without a failure: 'maintenance: …' (a node drain) or "
+                    "'control-plane: …' (most nodes went silent together); no failure budget, no blame",
+    )
 
 
 class JobRecord(Record):
@@ -83,7 +88,8 @@ class JobRecord(Record):
     reason: str | None = Field(default=None, description="why it failed or was cancelled")
     queued_reason: str | None = Field(default=None, description="why it waits, while queued")
     queued_reason_kind: str | None = Field(
-        default=None, description="quota | capacity | topology | priority | preemption | backoff, while queued"
+        default=None, description="quota | capacity | topology | priority | preemption | backoff | quarantine | "
+                                  "maintenance | interrupted, while queued"
     )
     attempts: list[AttemptRecord] = []
     max_attempts: int = 3
@@ -198,6 +204,8 @@ class NodeRecord(Record):
     last_seen: datetime = Field(default_factory=utcnow)
     quarantined: str | None = None
     network_tier: str | None = None
+    drained: str | None = Field(default=None, description="why it takes no new work (a drain), while drained")
+    boot_id: str | None = Field(default=None, description="its node agent's incarnation (a restart changes it)")
 
 
 class TenantToken(Record):

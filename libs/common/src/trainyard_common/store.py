@@ -45,6 +45,10 @@ class Keys:
     # from NodeQuarantined (its own, by="reputation", or an admin's) and deletes it on NodeReinstated — the API
     # clears a node by publishing NodeReinstated(by=<admin>) on trainyard.nodes.
     node_quarantine = "ty:sched:node-quarantine"
+    # hash node id → JSON {"reason", "by", "at", "bootId"}: drained nodes (no new work; their attempts checkpoint
+    # and stop). The scheduler writes it from NodeDrained (an admin's, via the API) or a heartbeat with
+    # draining=true (by="node-agent"), and deletes it on NodeUndrained or when the node's agent restarts.
+    node_drain = "ty:sched:node-drain"
     checkpoint_jobs = "ty:ckpt:jobs"  # zset: jobs the coordinator's GC still looks at (its JOBS_INDEX)
     registry_live = "ty:registry:live"  # zset: jobs with artifacts not yet retired (registry's retire sweep)
 

@@ -14,7 +14,9 @@ failure score per node that quarantines a node and lets it back.
   the node adds :meth:`ReputationPolicy.weight` of its reason, a straggler report adds
   ``straggler_weight``. At ``quarantine_at`` or more the node is quarantined (no new
   placements) until its decayed score falls under ``reinstate_below`` — :func:`quarantine_until`
-  says when, if nothing new happens — or an admin reinstates it.
+  says when, if nothing new happens — or an admin reinstates it. :func:`quarantine_floor` keeps
+  automatic quarantine from taking more than a share of a device type's capacity (and never its
+  last node): beyond that the scheduler alerts instead and only an admin quarantines.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -192,3 +195,27 @@ def should_quarantine(score: float, quarantined: bool, policy: ReputationPolicy)
 def should_reinstate(score: float, quarantined_by: str | None, policy: ReputationPolicy) -> bool:
     """Only quarantines the reputation made end on their own; an admin's waits for an admin."""
     return quarantined_by == "reputation" and score < policy.reinstate_below
+
+
+def quarantine_floor(node_id: str, *, capacity: Mapping[str, Mapping[str, int]], out: Collection[str],
+                     max_share: float) -> str | None:
+    """Why quarantining ``node_id`` automatically would take too much capacity (None: it may be).
+
+    ``capacity``: node → device type → devices, for the nodes of the cluster; ``out``: nodes
+    already quarantined. Automatic quarantine never leaves a device type with no node, and never
+    takes more than ``max_share`` of a type's devices; beyond that only an admin quarantines.
+    """
+    mine = capacity.get(node_id, {})
+    gone = set(out) | {node_id}
+    for kind, count in sorted(mine.items()):
+        if count <= 0:
+            continue
+        total = sum(c.get(kind, 0) for c in capacity.values())
+        taken = sum(capacity[n].get(kind, 0) for n in gone if n in capacity)
+        holders = [n for n, c in capacity.items() if c.get(kind, 0) > 0 and n not in gone]
+        if not holders:
+            return f"it holds the last {kind} devices not quarantined"
+        if taken > max_share * total:
+            return (f"it would take {taken} of {total} {kind} devices out of service, over the automatic "
+                    f"quarantine limit of {max_share:.0%}")
+    return None

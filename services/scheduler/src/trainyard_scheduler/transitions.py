@@ -17,7 +17,10 @@ Job states::
 
 Attempt states: starting → running → succeeded | failed | revoked. An attempt is *live*
 (holds leases, has ranks) while starting or running. Attempts revoked by pause, cancel or
-preemption never count as failures.
+preemption never count as failures, nor do attempts *interrupted* (``AttemptRecord.interruption``):
+by maintenance (a node drain, :func:`request_drain`: checkpoint, then stop, as for a pause) or by
+the control plane (most of the cluster went silent together, :func:`check_attempt`). Interrupted
+jobs queue again and resume from their latest READY checkpoint by themselves; nobody is blamed.
 
 Checkpoint, then stop (pause and preemption). ``request_control(pause)`` on a job whose ranks
 run sets ``job.control = "pause"``, records on the attempt when it asked and the latest READY
@@ -49,6 +52,7 @@ Retry policy (``_fail_attempt``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -67,11 +71,14 @@ from trainyard_common.events import (
 from trainyard_common.exitcodes import RETRYABLE_REASONS
 from trainyard_common.records import AttemptRecord, JobRecord
 
+from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
 
 LIVE_ATTEMPT_STATES = frozenset({"starting", "running"})
 # Failures the scheduler itself diagnoses are worth another attempt, like a crashed rank.
 RETRYABLE = RETRYABLE_REASONS | {"revoked", "start-timeout", "checkpoint-missing", "signal", "preempted"}
+# How ranks end when their node stops them on purpose: during a drain these are part of the stop, not failures.
+STOP_REASONS = frozenset({"preempted", "revoked", "killed", "lost"})
 
 
 @dataclass
@@ -280,7 +287,8 @@ def is_stopping(job: JobRecord) -> bool:
     """A live attempt asked to checkpoint and stop (pause or preemption), or whose ranks stopped so."""
     current = job.current
     return is_live(current) and current is not None and (
-        job.control == "pause" or current.preempted_by is not None or current.ranks_stopped_at is not None)
+        job.control == "pause" or current.preempted_by is not None or current.ranks_stopped_at is not None
+        or current.interruption is not None)
 
 
 def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor_waiting: bool,
@@ -299,14 +307,15 @@ def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor
     new = job.model_copy(deep=True)
     attempt = new.attempts[-1]
     new.updated_at = now
-    if current.preempted_by is not None and not pausing and not stopped and not preemptor_waiting:
+    draining = current.interruption is not None
+    if current.preempted_by is not None and not pausing and not stopped and not draining and not preemptor_waiting:
         by = current.preempted_by
         attempt.preempted_by = attempt.preempt_requested_at = attempt.preempt_after_step = None
         return Outcome(new, note=f"preemption for {by} withdrawn: it no longer waits")
     after = -1 if current.preempt_after_step is None else current.preempt_after_step
     newer = latest_ready_step is not None and latest_ready_step > after
     since = current.preempt_requested_at or current.ranks_stopped_at or now
-    grace = pause_grace_s if pausing and pause_grace_s is not None else grace_s
+    grace = pause_grace_s if (pausing or draining) and pause_grace_s is not None else grace_s
     if not newer and (now - since).total_seconds() < grace:
         return unchanged(job)
     how = (f"the checkpoint at step {latest_ready_step} is READY" if newer
@@ -332,6 +341,8 @@ def _end_stop(new: JobRecord, how: str, latest_ready_step: int | None, now: date
     attempt.ready_step_at_end = latest_ready_step
     if new.control == "pause":
         return _finish_pause(new, how, now)
+    if attempt.interruption is not None:
+        return _interrupt(new, attempt.interruption, how, latest_ready_step, now)
     by = attempt.preempted_by
     return _revoke_preempted(new, by, how, now)
 
@@ -363,6 +374,55 @@ def _revoke_preempted(new: JobRecord, by: str | None, how: str, now: datetime) -
     new.queued_reason = f"{why}; the next attempt resumes from the latest READY checkpoint"
     new.queued_reason_kind = "priority" if by else "preemption"
     return Outcome(new, events, release=attempt, note=why)
+
+
+def request_drain(job: JobRecord, *, reason: str, latest_ready_step: int | None, grace_s: float,
+                  now: datetime) -> Outcome:
+    """A node of the live attempt is drained: ask its ranks to checkpoint and stop (the pause protocol);
+    the attempt then ends as interrupted by maintenance (:func:`check_preemption`), never as a failure.
+
+    Ranks that have not started are revoked at once; an attempt already stopping (pause, preemption,
+    ranks that checkpointed on their own) only gets the mark, and ends the way it was going to.
+    """
+    current = job.current
+    if job.state in TERMINAL_STATES or not is_live(current):
+        return unchanged(job, "nothing live to drain")
+    assert current is not None
+    if current.interruption is not None:
+        return unchanged(job, "already stopping for maintenance")
+    new = job.model_copy(deep=True)
+    attempt = new.attempts[-1]
+    attempt.interruption = f"maintenance: {reason}"
+    new.updated_at = now
+    if not current.started_ranks:
+        return _interrupt(new, attempt.interruption, "its ranks had not started", latest_ready_step, now)
+    if is_stopping(job):
+        return Outcome(new, note=f"attempt {attempt.attempt} already stopping; marked {attempt.interruption}")
+    event = _ask_for_checkpoint(new, reason=f"drain: {reason}", by=None, latest_ready_step=latest_ready_step,
+                                grace_s=grace_s, now=now)
+    return Outcome(new, [event], note=f"attempt {attempt.attempt} asked to checkpoint and stop: {reason}")
+
+
+def _interrupt(new: JobRecord, why: str, how: str, latest_ready_step: int | None, now: datetime) -> Outcome:
+    """End the live attempt of ``new`` (a private copy) without a failure: revoked (no budget spent,
+    nobody blamed); the job queues again (or pauses, if a pause was asked) and resumes by itself."""
+    attempt = new.attempts[-1]
+    attempt.interruption = why
+    attempt.ready_step_at_end = latest_ready_step
+    if new.control == "pause":
+        return _finish_pause(new, how, now)
+    new.updated_at = now
+    events: list[Event] = []
+    released = _revoke_live(new, why, events, now)
+    if released is not None:
+        released.failure_reason = f"{why} ({how})"
+    kind = why.split(":", 1)[0]
+    _set_state(new, "queued", events, reason=f"interrupted by {kind}")
+    start = "the latest READY checkpoint" if latest_ready_step is None else f"the checkpoint at step {latest_ready_step}"
+    new.queued_reason = (f"attempt {attempt.attempt} interrupted by {why} ({how}); not a failure: attempt "
+                         f"{attempt.attempt + 1} resumes from {start} by itself")
+    new.queued_reason_kind = "maintenance" if kind == "maintenance" else "interrupted"
+    return Outcome(new, events, release=released, note=f"attempt {attempt.attempt} interrupted: {why}")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -412,7 +472,9 @@ def worker_exited(
     new.updated_at = now
     if not is_live(current) or job.state in TERMINAL_STATES:
         return Outcome(new, note="exit recorded for an ended attempt")
-    if event.exit_code != 0 and (event.reason == "preempted" or attempt.ranks_stopped_at is not None):
+    stopping = attempt.ranks_stopped_at is not None or (attempt.interruption is not None
+                                                        and event.reason in STOP_REASONS)
+    if event.exit_code != 0 and (event.reason == "preempted" or stopping):
         return _ranks_stopping(new, event, latest_ready_step, now)
     if event.exit_code != 0:
         reason = _classify(event.reason, event.exit_code)
@@ -556,8 +618,15 @@ def check_attempt(
     policy: RetryPolicy,
     now: datetime,
     latest_ready_step: int | None = None,
+    judge: Callable[[list[str]], Silence] | None = None,
 ) -> Outcome:
     """Periodic liveness check of the current attempt, from durable state only.
+
+    ``judge``: who is to blame for the attempt's silent nodes (:func:`trainyard_scheduler.blame.judge_silence`
+    bound to the cluster's heartbeats); without one, a silent node is always the node's fault. A silent
+    node that is being drained is left to the drain, silence the scheduler could not have seen (it just
+    started leading) is waited out, and a cluster gone silent together interrupts the attempt without
+    blame or failure budget (``_interrupt``).
 
     Ranks that never start, a node that stops heart-beating, and a completed attempt whose
     final checkpoint never turns READY all fail the attempt (and so retry it); a completed
@@ -571,9 +640,17 @@ def check_attempt(
     if is_live(current):
         lost = [n for n in current.nodes if n not in available_nodes]
         if lost:
-            detail = f"node {', '.join(lost)} stopped sending heartbeats"
-            return _fail_attempt(job.model_copy(deep=True), "lost", detail, policy, now,
-                                 latest_ready_step=latest_ready_step, blame=[(n, "lost") for n in lost])
+            silence = judge(current.nodes) if judge is not None else Silence(
+                "node", tuple(lost), f"node {', '.join(lost)} stopped sending heartbeats")
+            if silence.verdict == "control-plane":
+                return _interrupt(job.model_copy(deep=True), f"control-plane: {silence.detail}", "its ranks were "
+                                  "revoked", latest_ready_step, now)
+            if silence.verdict == "node":
+                return _fail_attempt(job.model_copy(deep=True), "lost", silence.detail, policy, now,
+                                     latest_ready_step=latest_ready_step,
+                                     blame=[(n, "lost") for n in silence.nodes])
+            if silence.verdict in ("drain", "wait"):
+                return unchanged(job, silence.detail)
         age = (now - current.started_at).total_seconds()
         if len(current.started_ranks) < current.world_size and age > deadlines.start_timeout_s:
             started = len(current.started_ranks)
