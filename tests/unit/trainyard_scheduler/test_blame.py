@@ -180,3 +180,42 @@ def test_automatic_quarantine_has_a_floor(case: str, capacity: dict, node: str, 
                                           allowed: bool) -> None:
     why = health.quarantine_floor(node, capacity=capacity, out=out, max_share=share)
     assert (why is None) == allowed, f"{case}: {why}"
+
+
+# ----------------------------------------------------------------------------- saying why a job waits
+
+NO_CPU = "capacity: needs 2 cpu devices; the cluster has no healthy cpu devices (0 available nodes; device types: none)"
+UNTIL = datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("case", "out", "available", "kind", "says"), [
+    ("nothing out of service", [], 0, "capacity", [NO_CPU]),
+    ("every node quarantined", [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "failure score 3.99", "reputation", UNTIL),
+                                health.OutOfService("node-1", {"cpu": 4}, "quarantined", "by hand", "alice")],
+     0, "quarantine", ["quarantine: every cpu node is out of service (8 healthy cpu devices on 2 nodes)",
+                       "node-0 quarantined by reputation (failure score 3.99) until 2026-01-01T12:00:00+00:00",
+                       "trainyard admin nodes reinstate node-0", "node-1 quarantined by alice (by hand) until an admin"]),
+    ("every node drained", [health.OutOfService("node-0", {"cpu": 4}, "drained", "kernel upgrade", "alice")],
+     0, "maintenance", ["maintenance: every cpu node is out of service", "trainyard admin nodes undrain node-0"]),
+    ("a node agent stopping", [health.OutOfService("node-0", {"cpu": 4}, "drained", "stopping", "node-agent")],
+     0, "maintenance", ["until its node agent restarts"]),
+    ("some capacity left", [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "s", "reputation", UNTIL)],
+     4, "capacity", ["capacity: waiting", "out of service as well (4 cpu devices): node-0 quarantined"]),
+    ("another type out of service", [health.OutOfService("g0", {"h100": 8}, "quarantined", "s", "reputation", UNTIL)],
+     0, "capacity", [NO_CPU]),
+])
+def test_a_waiting_job_names_quarantined_and_drained_nodes(case: str, out: list, available: int, kind: str,
+                                                           says: list[str]) -> None:
+    base = NO_CPU if available == 0 else "capacity: waiting for 8 free cpu devices (4 free)"
+    reason, got_kind = health.explain_wait(base, "capacity", gpu_type="cpu", available_devices=available, out=out)
+    assert got_kind == kind, case
+    for text in says:
+        assert text in reason, f"{case}: {text!r} not in {reason!r}"
+    if out and available == 0 and kind != "capacity":
+        assert "no healthy" not in reason
+
+
+def test_quota_and_back_off_reasons_are_left_alone() -> None:
+    out = [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "s", "reputation", UNTIL)]
+    assert health.explain_wait("quota: tenant t holds 8", "quota", gpu_type="cpu", available_devices=0,
+                               out=out) == ("quota: tenant t holds 8", "quota")

@@ -219,3 +219,48 @@ def quarantine_floor(node_id: str, *, capacity: Mapping[str, Mapping[str, int]],
             return (f"it would take {taken} of {total} {kind} devices out of service, over the automatic "
                     f"quarantine limit of {max_share:.0%}")
     return None
+
+
+# ----------------------------------------------------------------------------- saying why a job waits
+
+
+@dataclass(frozen=True)
+class OutOfService:
+    """A live node the scheduler does not place on: quarantined or drained."""
+
+    node_id: str
+    devices: Mapping[str, int]  # device type → healthy devices
+    why: str  # "quarantined" | "drained"
+    reason: str
+    by: str | None = None
+    until: datetime | None = None
+
+    def describe(self) -> str:
+        who = f" by {self.by}" if self.by else ""
+        if self.why == "quarantined":
+            until = f" until {self.until.isoformat(timespec='seconds')}" if self.until else " until an admin clears it"
+            return (f"{self.node_id} quarantined{who} ({self.reason}){until}; reinstate: "
+                    f"trainyard admin nodes reinstate {self.node_id}")
+        until = " until its node agent restarts" if self.by == "node-agent" else ""
+        return f"{self.node_id} drained{who} ({self.reason}){until}; undrain: trainyard admin nodes undrain {self.node_id}"
+
+
+def explain_wait(reason: str, kind: str | None, *, gpu_type: str, available_devices: int,
+                 out: list[OutOfService]) -> tuple[str, str | None]:
+    """The queued reason, naming quarantined or drained nodes of ``gpu_type`` when they are why it waits.
+
+    ``available_devices``: healthy ``gpu_type`` devices on placeable nodes. With none, the placement's
+    "no healthy devices" would be wrong (they are healthy, just out of service): the reason names the
+    nodes, why, until when and the command that brings each back. Otherwise they are added to a
+    capacity or topology reason.
+    """
+    mine = [o for o in out if o.devices.get(gpu_type, 0) > 0]
+    if not mine or kind not in (None, "capacity", "topology"):
+        return reason, kind
+    held = sum(o.devices.get(gpu_type, 0) for o in mine)
+    listing = "; ".join(o.describe() for o in mine)
+    what = "quarantine" if any(o.why == "quarantined" for o in mine) else "maintenance"
+    if available_devices == 0:
+        return (f"{what}: every {gpu_type} node is out of service ({held} healthy {gpu_type} devices on "
+                f"{len(mine)} node{'s' if len(mine) != 1 else ''}): {listing}", what)
+    return f"{reason}; out of service as well ({held} {gpu_type} devices): {listing}", kind

@@ -43,6 +43,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from opentelemetry import trace
+from prometheus_client import Counter
 from redis.exceptions import WatchError
 
 from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError
@@ -58,9 +59,11 @@ from trainyard_common.events import (
     CheckpointRef,
     JobControlRequested,
     JobSubmitted,
+    NodeDrained,
     NodeHeartbeat,
     NodeQuarantined,
     NodeReinstated,
+    NodeUndrained,
     StepMetrics,
     StragglerDetected,
     WorkerExited,
@@ -74,6 +77,7 @@ from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import health
+from trainyard_scheduler.blame import SilencePolicy, judge_silence
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
@@ -88,6 +92,11 @@ _tracer = trace.get_tracer("trainyard.scheduler")
 Clock = Callable[[], datetime]
 
 _DISCOVERY_WINDOW_S = 3600.0
+_RECENT_NODE_S = 3600.0  # nodes seen within this long make up the cluster (silence, quarantine floor)
+QUARANTINE_WITHHELD = Counter(
+    "trainyard_scheduler_quarantine_withheld_total",
+    "automatic quarantines not made because they would take too much of a device type's capacity (an alert)",
+    ["device_type"])
 _MGET_CHUNK = 500
 
 
@@ -182,6 +191,10 @@ class Scheduler:
         self.reputation = health.ReputationPolicy(half_life_s=settings.reputation_half_life_s,
                                                   quarantine_at=settings.quarantine_score,
                                                   reinstate_below=settings.reinstate_score)
+        self.silence = SilencePolicy(node_timeout_s=settings.node_timeout_s,
+                                     cluster_share=settings.silent_cluster_share,
+                                     recent_s=max(_RECENT_NODE_S, settings.node_timeout_s))
+        self._leading_since: datetime | None = None
         self.stragglers = health.StragglerDetector(health.StragglerPolicy(
             window_steps=settings.straggler_window_steps, factor=settings.straggler_factor,
             consecutive=settings.straggler_windows))
@@ -201,7 +214,8 @@ class Scheduler:
         # One consumer group for every topic (the bus reads them with one consumer).
         group = f"{self.settings.group_prefix}.scheduler"
         bus.subscribe(NODES, {NodeHeartbeat: self.on_heartbeat, NodeQuarantined: self.on_quarantined,
-                              NodeReinstated: self.on_reinstated}, group=group)
+                              NodeReinstated: self.on_reinstated, NodeDrained: self.on_drained,
+                              NodeUndrained: self.on_undrained}, group=group)
         bus.subscribe(JOBS, {JobSubmitted: self.on_job_submitted, JobControlRequested: self.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited},
@@ -243,13 +257,65 @@ class Scheduler:
         if previous and previous.last_seen > seen:
             return  # an older heartbeat delivered late
         quarantine = await self.redis.hget(Keys.node_quarantine, event.node_id)
+        drain = await self._maybe_change_drain(event, previous)
         record = NodeRecord(
             node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
             network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
             quarantined=json.loads(quarantine)["reason"] if quarantine else None,
+            drained=drain["reason"] if drain else None, boot_id=event.boot_id,
         )
         await self.store.put_node(record)
         await self.leases.renew_node(event.node_id, [d.index for d in event.devices])
+
+    async def _maybe_change_drain(self, event: NodeHeartbeat, previous: NodeRecord | None) -> dict | None:
+        """A heartbeat saying ``draining`` drains the node (its agent is stopping); one from a new incarnation
+        of its agent ends any drain (the node restarted). Returns the drain in force."""
+        raw = await self.redis.hget(Keys.node_drain, event.node_id)
+        entry = json.loads(raw) if raw else None
+        if event.draining:
+            if entry is None:
+                entry = {"reason": f"its node agent is stopping ({event.host})", "by": "node-agent",
+                         "at": self.clock().isoformat(), "bootId": event.boot_id}
+                await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
+                log.warning("node %s drained: %s", event.node_id, entry["reason"])
+                self.wake_at(None)
+            return entry
+        restarted = (entry is not None and event.boot_id is not None
+                     and event.boot_id != (entry.get("bootId") or (previous.boot_id if previous else None)))
+        if entry is not None and (restarted or (entry.get("by") == "node-agent" and entry.get("bootId") is None)):
+            await self.redis.hdel(Keys.node_drain, event.node_id)
+            log.warning("node %s undrained: its node agent restarted", event.node_id)
+            self.wake_at(None)
+            return None
+        return entry
+
+    async def on_drained(self, event: NodeDrained) -> None:
+        """An admin's drain (or a Kubernetes node drain): no new work there; its attempts checkpoint and stop."""
+        raw = await self.redis.hget(Keys.nodes, event.node_id)
+        node = NodeRecord.model_validate_json(raw) if raw else None
+        entry = {"reason": event.reason, "by": event.by or "admin", "at": event.occurred_at.isoformat(),
+                 "bootId": node.boot_id if node else None}
+        await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
+        await self._show_drain(event.node_id, event.reason)
+        log.warning("node %s drained by %s: %s", event.node_id, event.by or "admin", event.reason)
+        self.wake_at(None)
+
+    async def on_undrained(self, event: NodeUndrained) -> None:
+        await self.redis.hdel(Keys.node_drain, event.node_id)
+        await self._show_drain(event.node_id, None)
+        log.warning("node %s undrained by %s: %s", event.node_id, event.by or "admin", event.reason)
+        self.wake_at(None)
+
+    async def _show_drain(self, node_id: str, reason: str | None) -> None:
+        raw = await self.redis.hget(Keys.nodes, node_id)
+        if raw:
+            record = NodeRecord.model_validate_json(raw)
+            if record.drained != reason:
+                record.drained = reason
+                await self.store.put_node(record)
+
+    async def drained_nodes(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_drain)).items()}
 
     async def on_quarantined(self, event: NodeQuarantined) -> None:
         """An admin's quarantine is recorded; the reputation's own was written before it was published."""
@@ -308,6 +374,8 @@ class Scheduler:
                 pipe.multi()
                 pipe.hset(Keys.node_reputation, node_id, json.dumps(score.to_dict()))
                 quarantine = health.should_quarantine(score.score, quarantined, self.reputation)
+                withheld = await self._quarantine_withheld(node_id) if quarantine else None
+                quarantine = quarantine and withheld is None
                 if quarantine:
                     until = health.quarantine_until(score.score, now, self.reputation)
                     why = (f"failure score {score.score:.2f} reached {self.reputation.quarantine_at:g} "
@@ -326,8 +394,31 @@ class Scheduler:
             if quarantine:
                 await self._show_quarantine(node_id, why)
                 log.warning("node %s quarantined: %s", node_id, why)
+            elif withheld is not None:
+                kind, detail = withheld
+                QUARANTINE_WITHHELD.labels(kind).inc()
+                log.error("ALERT: node %s reached failure score %.2f (latest: %s) but is not quarantined "
+                          "automatically: %s. Look at the node; quarantine it by hand if it is faulty "
+                          "(NodeQuarantined with by=<your name>)", node_id, score.score, reason, detail)
             return score.score
         raise ConflictError(f"node {node_id}: too many concurrent score updates", retryable=True)
+
+    async def _quarantine_withheld(self, node_id: str) -> tuple[str, str] | None:
+        """(device type, why) when quarantining ``node_id`` would cross the floor (health.quarantine_floor)."""
+        horizon = self.clock() - timedelta(seconds=self.silence.recent_s)
+        capacity: dict[str, dict[str, int]] = {}
+        for node in await self.store.list_nodes():
+            if node.last_seen >= horizon or node.node_id == node_id:
+                kinds: dict[str, int] = {}
+                for d in node.devices:
+                    kinds[d.type] = kinds.get(d.type, 0) + 1
+                capacity[node.node_id] = kinds
+        out = set(await self.redis.hkeys(Keys.node_quarantine)) - {node_id}
+        why = health.quarantine_floor(node_id, capacity=capacity, out=out, max_share=self.settings.quarantine_max_share)
+        if why is None:
+            return None
+        kind = next(iter(sorted(capacity.get(node_id, {"unknown": 0}))))
+        return kind, why
 
     async def _reinstate_recovered(self, now: datetime) -> None:
         """Quarantines of the reputation whose score decayed under ``reinstate_score`` end (leader only)."""
@@ -358,13 +449,14 @@ class Scheduler:
         return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_quarantine)).items()}
 
     async def available_nodes(self, now: datetime, *, include_quarantined: bool = False) -> list[NodeRecord]:
-        """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) not quarantined."""
+        """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) neither quarantined
+        nor drained."""
         horizon = now - timedelta(seconds=self.settings.node_timeout_s)
         live = [n for n in await self.store.list_nodes() if n.healthy and n.last_seen >= horizon]
         if include_quarantined:
             return live
-        quarantined = set(await self.redis.hkeys(Keys.node_quarantine))
-        return [n for n in live if not n.quarantined and n.node_id not in quarantined]
+        out = set(await self.redis.hkeys(Keys.node_quarantine)) | set(await self.redis.hkeys(Keys.node_drain))
+        return [n for n in live if not n.quarantined and n.node_id not in out]
 
     async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
         """Each node's decayed failure score: higher = used last among equal choices."""
@@ -483,6 +575,7 @@ class Scheduler:
         elif epoch != self._leading:
             log.info("scheduling leader now (leader epoch %d, instance %s)", epoch, self.runtime.instance)
             self._leading = epoch
+            self._leading_since = self.clock()  # heartbeats before this were not watched: blame waits a timeout
             self._next_reconcile = None  # a new leader repairs first (orphans of its predecessor)
         return self._leading
 
@@ -509,6 +602,7 @@ class Scheduler:
             await self.reconcile(now, epoch)
             self._next_reconcile = now + timedelta(seconds=self.settings.reconcile_interval_s)
         jobs = {j.job_id: j for j in await self.active_jobs()}
+        await self._advance_drains(jobs, epoch)
         await self._advance_preemptions(jobs, epoch)
         nodes = await self.available_nodes(now)
         held = await self.held_allocations()
@@ -523,10 +617,33 @@ class Scheduler:
         snapshot = ClusterSnapshot.build(nodes, leased, penalties=await self.node_penalties(nodes))
         pending = [self._pending(j, running) for j in jobs.values() if tr.is_pending(j)]
         decisions = plan(snapshot, pending, now, running=running, policy=self.queue)
-        await self._apply(decisions, jobs, epoch)
+        await self._apply(decisions, jobs, epoch, nodes=nodes, now=now)
 
-    async def _apply(self, decisions: list, jobs: dict[str, JobRecord], epoch: int) -> None:
+    async def _out_of_service(self, placeable: list[NodeRecord], now: datetime) -> list[health.OutOfService]:
+        """Live nodes not placed on (quarantined or drained), for the queued reasons."""
+        ids = {n.node_id for n in placeable}
+        quarantine, drains = await self.quarantined_nodes(), await self.drained_nodes()
+        out = []
+        for node in await self.available_nodes(now, include_quarantined=True):
+            if node.node_id in ids:
+                continue
+            kinds: dict[str, int] = {}
+            for d in node.devices:
+                if d.healthy:
+                    kinds[d.type] = kinds.get(d.type, 0) + 1
+            q, d = quarantine.get(node.node_id), drains.get(node.node_id)
+            if q is not None:
+                until = datetime.fromisoformat(q["until"]) if q.get("until") else None
+                out.append(health.OutOfService(node.node_id, kinds, "quarantined", q.get("reason", ""), q.get("by"),
+                                               until))
+            elif d is not None:
+                out.append(health.OutOfService(node.node_id, kinds, "drained", d.get("reason", ""), d.get("by")))
+        return out
+
+    async def _apply(self, decisions: list, jobs: dict[str, JobRecord], epoch: int, *,
+                     nodes: list[NodeRecord] | None = None, now: datetime | None = None) -> None:
         notes = 0
+        out: list[health.OutOfService] | None = None
         for decision in decisions:
             try:
                 if isinstance(decision, Admit):
@@ -536,12 +653,18 @@ class Scheduler:
                         await self._ask_to_checkpoint(victim, decision, epoch)
                 elif isinstance(decision, Wait) and decision.reason is not None:
                     job = jobs[decision.job_id]
-                    if (job.queued_reason, job.queued_reason_kind) == (decision.reason, decision.kind):
+                    reason, kind = decision.reason, decision.kind
+                    if nodes is not None:  # name quarantined or drained nodes when they are why it waits
+                        out = await self._out_of_service(nodes, now or self.clock()) if out is None else out
+                        gpu_type = job.spec.resources.gpu_type
+                        have = sum(1 for n in nodes for dev in n.devices if dev.type == gpu_type and dev.healthy)
+                        reason, kind = health.explain_wait(reason, kind, gpu_type=gpu_type, available_devices=have,
+                                                           out=out)
+                    if (job.queued_reason, job.queued_reason_kind) == (reason, kind):
                         continue
                     if notes >= self.settings.max_wait_notes:
                         continue
                     notes += 1
-                    reason, kind = decision.reason, decision.kind
                     await self._mutate(decision.job_id, lambda j, _, r=reason, k=kind: tr.note_waiting(j, r, k),
                                        label="waiting", fence=epoch)
             except LeaseConflictError as exc:
@@ -636,6 +759,29 @@ class Scheduler:
 
         await self._mutate(victim, decide, label="preempt", fence=epoch)
 
+    async def _advance_drains(self, jobs: dict[str, JobRecord], epoch: int) -> None:
+        """Ask the live attempts on drained nodes to checkpoint and stop (once; the pause protocol)."""
+        drains = await self.drained_nodes()
+        if not drains:
+            return
+        for job in list(jobs.values()):
+            current = job.current
+            if not tr.is_live(current) or current is None or current.interruption is not None:
+                continue
+            hit = [n for n in current.nodes if n in drains]
+            if not hit:
+                continue
+            entry = drains[hit[0]]
+            reason = f"node {', '.join(hit)} drained by {entry.get('by') or 'admin'} ({entry.get('reason')})"
+
+            def decide(j: JobRecord, facts: Facts, r: str = reason) -> tr.Outcome:
+                return tr.request_drain(j, reason=r, latest_ready_step=facts.latest_ready_step,
+                                        grace_s=self.settings.pause_grace_s, now=self.clock())
+
+            outcome = await self._mutate(job.job_id, decide, need_checkpoints=True, label="drain", fence=epoch)
+            if outcome is not None and outcome.changed:
+                jobs[job.job_id] = outcome.job
+
     async def _advance_preemptions(self, jobs: dict[str, JobRecord], epoch: int) -> None:
         """Revoke pausing or preempted attempts whose checkpoint is READY or whose grace ran out;
         withdraw needless preemptions."""
@@ -701,6 +847,13 @@ class Scheduler:
         await self._reinstate_recovered(now)
         # Liveness, not placeability: a quarantined node's running attempts run on.
         available = frozenset(n.node_id for n in await self.available_nodes(now, include_quarantined=True))
+        last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
+        draining = frozenset(await self.redis.hkeys(Keys.node_drain))
+
+        def judge(nodes: list[str]) -> object:
+            return judge_silence(nodes, available=available, last_seen=last_seen, draining=draining,
+                                 watching_since=self._leading_since, now=self.clock(), policy=self.silence)
+
         jobs = await self.active_jobs()
         for job in jobs:
             current = job.current
@@ -710,7 +863,7 @@ class Scheduler:
             def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
                 return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
                                         deadlines=self.deadlines, policy=self.policy, now=self.clock(),
-                                        latest_ready_step=facts.latest_ready_step)
+                                        latest_ready_step=facts.latest_ready_step, judge=judge)  # type: ignore[arg-type]
 
             await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
         held = await self.held_allocations()

@@ -77,6 +77,17 @@ class SchedulerSettings(ServiceSettings):
     reinstate_score: float = Field(
         default=1.0, gt=0, description="a node quarantined by its score returns when the score decays below this",
     )
+    quarantine_max_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="automatic quarantine never takes more than this share of a device type's devices out of "
+                    "service, nor the last node of a type; beyond that the scheduler alerts (log + metric) and "
+                    "only an admin quarantines",
+    )
+    silent_cluster_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="when at least this share of the recently seen nodes stop heart-beating together, the cause is "
+                    "the control plane or the network: attempts are interrupted and retried without blaming a node",
+    )
     queue_config: Path | None = Field(
         default=None,
         description="YAML/JSON file with tenants, quotas, priority classes, aging and preemption "
