@@ -131,8 +131,11 @@ async def test_restarted_agent_adopts_running_ranks_reports_lost_ones_and_sigter
     try:
         scheduler = services.start("trainyard_scheduler", "scheduler", tick_s=0.3, reconcile_interval_s=1.0,
                                    retry_backoff_s=0.3)
+        # drain_timeout_s 0: this stand-in rank does not answer checkpoint requests (the trainer does: the
+        # drain on SIGTERM is tested end to end in tests/e2e/test_drain.py), so SIGTERM stops its ranks at once
         agent_settings = {"node_id": "node-x", "device_count": 2, "heartbeat_s": 0.5, "kill_grace_s": 2,
-                          "rank_command": json.dumps([sys.executable, str(WORKLOAD)]), "spool_poll_s": 0.1}
+                          "rank_command": json.dumps([sys.executable, str(WORKLOAD)]), "spool_poll_s": 0.1,
+                          "drain_timeout_s": 0}
         agent = services.start("trainyard_node_agent", "agent-1", **agent_settings)
 
         async def registered() -> bool:

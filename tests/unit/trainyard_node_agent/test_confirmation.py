@@ -49,3 +49,27 @@ def test_shard_announcements() -> None:
     assert verdict(ann("shard"), job(), checkpoint_state=None) == "pending"
     assert verdict(ann("shard"), job(), checkpoint_state="FAILED") == "moot"
     assert verdict(ann("shard"), job(state="cancelled"), checkpoint_state=None) == "moot"
+
+
+def shard(attempt: int = 2, epoch: int | None = 2) -> Announcement:
+    a = ann("shard", attempt=attempt, allocation=f"al{attempt}")
+    a.epoch = epoch
+    return a
+
+
+@pytest.mark.parametrize(("case", "a", "j", "expected", "why"), [
+    ("live attempt, not recorded yet", shard(), job(), "pending", "not recorded"),
+    ("the attempt was revoked (a drain, a pause)", shard(), job(attempt_state="revoked"), "moot", "attempt 2 ended"),
+    ("the attempt failed", shard(), job(attempt_state="failed"), "moot", "attempt 2 ended (failed)"),
+    ("an older attempt's shard: its epoch is fenced", shard(attempt=1, epoch=1), job(), "moot", "epoch 1 is stale"),
+    ("completed attempt waiting for its final checkpoint", shard(), job(attempt_state="succeeded"), "pending",
+     "not recorded"),
+    ("no epoch recorded (an older agent)", shard(epoch=None), job(), "pending", "not recorded"),
+])
+def test_a_shard_that_can_never_be_applied_is_moot(case: str, a: Announcement, j: JobRecord, expected: str,
+                                                    why: str) -> None:
+    from trainyard_node_agent.confirmation import explain
+
+    got, reason = explain(a, j)
+    assert got == expected, case
+    assert why in reason, f"{case}: {reason}"

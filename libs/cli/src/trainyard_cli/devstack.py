@@ -55,7 +55,9 @@ def up() -> None:
 
 @dev_app.command()
 def down() -> None:
-    """Stop exactly what `up` started (by pid)."""
+    """Stop exactly what `up` started (by pid). Running jobs are drained first: their ranks checkpoint at an
+    agreed step and stop (up to TRAINYARD_DRAIN_TIMEOUT_S, 120 s), interrupted by maintenance — no failure,
+    no blame — and resume from that checkpoint by themselves after `up`."""
     stopped = _stack().down()
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 

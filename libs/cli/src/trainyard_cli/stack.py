@@ -46,6 +46,11 @@ class StackSettings(BaseSettings):
     topic_partitions: int = Field(default=3, gt=0)
     topic_namespace: str = ""
     ready_timeout_s: float = Field(default=90.0, gt=0)
+    drain_timeout_s: float = Field(
+        default=120.0, ge=0,
+        description="`down` drains first: node agents ask running attempts to checkpoint and stop, for up to "
+                    "this long (0: stop at once); the jobs resume from that checkpoint after `up`",
+    )
 
     @property
     def root(self) -> Path:
@@ -215,6 +220,7 @@ class LocalStack:
                     "TRAINYARD_NODE_ID": f"node-{node_index}",
                     "TRAINYARD_DEVICE_COUNT": str(self.s.devices_per_node),
                     "TRAINYARD_RACK": f"rack-{node_index // 2}",
+                    "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
                 }
             )
         log_path = self.s.log_dir / f"{name}.log"
@@ -272,23 +278,70 @@ class LocalStack:
 
     # ------------------------------------------------------------------ down
     def down(self, timeout_s: float = 20.0) -> list[str]:
-        """Stop what the pid files name: services first, then Redis and the broker."""
+        """Drain, then stop what the pid files name: node agents first (each asks its running ranks to
+        checkpoint at an agreed step and stop, up to ``drain_timeout_s``), then — once the scheduler has
+        recorded every attempt as interrupted by maintenance — the services, then Redis and the broker."""
         comps = self.components()
-        order = sorted(comps, key=lambda c: c.name in ("broker", "redis"))
+        agents = [c for c in comps if c.name.startswith("node-agent")]
+        services = [c for c in comps if c not in agents and c.name not in ("broker", "redis")]
+        infra_ = [c for c in comps if c.name in ("broker", "redis")]
         stopped: list[str] = []
-        for group in ([c for c in order if c.name not in ("broker", "redis")],
-                      [c for c in order if c.name in ("broker", "redis")]):
-            for c in group:
-                _signal_group(c.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and any(c.alive for c in group):
-                time.sleep(0.2)
-            for c in group:
-                if c.alive:
-                    _signal_group(c.pid, signal.SIGKILL)
-                self._pidfile(c.name).unlink(missing_ok=True)
-                stopped.append(c.name)
+        drain = self.s.drain_timeout_s
+        if agents and drain > 0 and any(c.alive for c in agents):
+            live = self._live_attempts()
+            self.say(f"draining: {len(live)} running attempt(s) checkpoint and stop (waiting up to {drain:.0f}s); "
+                     "they resume from that checkpoint after `make up`" if live else "draining: no running attempts")
+            grace = drain + 20.0 if live else timeout_s
+        else:
+            live, grace = [], timeout_s
+        stopped += self._stop(agents, grace)
+        if live:
+            left = self._wait_recorded(timeout_s)
+            self.say(f"{len(live) - len(left)} attempt(s) interrupted by maintenance (no failure)"
+                     + (f"; {', '.join(left)} not recorded in time (the scheduler sorts them out at the next "
+                        "start)" if left else ""))
+        stopped += self._stop(services, timeout_s)
+        stopped += self._stop(infra_, timeout_s)
         return stopped
+
+    def _stop(self, group: list[Component], timeout_s: float) -> list[str]:
+        for c in group:
+            _signal_group(c.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(c.alive for c in group):
+            time.sleep(0.2)
+        for c in group:
+            if c.alive:
+                _signal_group(c.pid, signal.SIGKILL)
+            self._pidfile(c.name).unlink(missing_ok=True)
+        return [c.name for c in group]
+
+    def _live_attempts(self) -> list[str]:
+        """Jobs whose current attempt is live (starting or running), from Redis; [] if unreachable."""
+        async def go() -> list[str]:
+            redis = connect_redis(self.redis_url)
+            try:
+                store = StateStore(redis)
+                ids = await redis.zrange(Keys.jobs, 0, -1)
+                jobs = await store.get_jobs(list(ids)) if ids else []
+                return [j.job_id for j in jobs if j.current is not None and j.current.state in ("starting", "running")
+                        and j.state not in ("succeeded", "failed", "cancelled")]
+            finally:
+                await redis.aclose()
+
+        try:
+            return asyncio.run(go())
+        except Exception:  # noqa: BLE001 - Redis already down: nothing to wait for
+            return []
+
+    def _wait_recorded(self, timeout_s: float) -> list[str]:
+        """Wait until no attempt is live any more (the scheduler revoked the drained ones); those left."""
+        deadline = time.monotonic() + timeout_s
+        left = self._live_attempts()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = self._live_attempts()
+        return left
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

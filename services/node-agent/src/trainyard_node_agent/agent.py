@@ -43,9 +43,11 @@ import signal
 import time
 import uuid
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from trainyard_common.events import (
@@ -62,6 +64,7 @@ from trainyard_common.events import (
     NodeHeartbeat,
     WorkerExited,
     WorkerStarted,
+    utcnow,
 )
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spool import SpoolReader
@@ -73,7 +76,7 @@ from trainyard_common.tracing import current_traceparent
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
 from trainyard_node_agent.classify import ExitFacts, classify_exit
-from trainyard_node_agent.confirmation import Announcement, verdict
+from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.warmpool import WarmPool
@@ -83,6 +86,8 @@ log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
 LOST_EXIT_CODE = -9
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"  # in the attempt directory; read by trainyard_trainer
+DROPPED = Counter("trainyard_node_agent_announcements_dropped_total",
+                  "announcements no longer waited for although never seen applied (moot, or given up)", ["kind"])
 
 
 class AgentKeys:
@@ -233,6 +238,7 @@ class NodeAgent:
             await self.heartbeat()
         except Exception as exc:  # noqa: BLE001 - best effort; the heartbeat timeout says the same
             log.warning("could not send the final heartbeat: %r", exc)
+        await self._drain_ranks()
         live = [r for r in self.ranks.values() if r.running]
         for rank in live:
             rank.killed_by_agent = True
@@ -251,6 +257,27 @@ class NodeAgent:
         self._save_local(force=True)
         log.info("node agent %s stopped", self.settings.node_id)
 
+    async def _drain_ranks(self) -> None:
+        """A planned stop: ask every running allocation here to checkpoint and stop (the pause protocol: the
+        ranks agree on a step, save it, exit 7), then wait up to ``drain_timeout_s`` for them to end."""
+        timeout = self.settings.drain_timeout_s
+        live = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
+        if timeout <= 0 or not live:
+            return
+        deadline = utcnow() + timedelta(seconds=timeout)
+        for allocation_id in sorted({r.allocation_id for r in live}):
+            first = next(r for r in live if r.allocation_id == allocation_id)
+            await self.on_checkpoint_requested(CheckpointRequested(
+                job_id=first.job_id, attempt=first.attempt, allocation_id=allocation_id, epoch=first.epoch,
+                reason=f"drain: node agent {self.settings.node_id} is stopping", deadline=deadline))
+        log.info("draining: %d rank(s) asked to checkpoint and stop; waiting up to %.0fs", len(live), timeout)
+        watchers = [r.watcher for r in live if r.watcher]
+        if watchers:
+            await asyncio.wait(watchers, timeout=timeout)
+        left = [r for r in self.ranks.values() if r.running]
+        log.info("drained: %d rank(s) stopped at a checkpoint%s", len(live) - len(left),
+                 f"; {len(left)} still running are stopped now" if left else "")
+
     # ------------------------------------------------------------------ heartbeat
     def heartbeat_event(self) -> NodeHeartbeat:
         s = self.settings
@@ -263,6 +290,8 @@ class NodeAgent:
             running_allocations=sorted({r.allocation_id for r in self.ranks.values() if r.running}),
             healthy=not self._closing,
             seq=self._seq,
+            draining=self._closing,
+            boot_id=self.boot_id,
         )
 
     async def heartbeat(self) -> None:
@@ -529,7 +558,7 @@ class NodeAgent:
                 event_id=str(payload["eventId"]), kind="shard", topic=topic, key=str(record.get("key") or rank.job_id),
                 payload=body, traceparent=traceparent, job_id=rank.job_id, attempt=int(payload.get("attempt", 0)),
                 allocation_id=rank.allocation_id, rank=int(payload.get("rank", rank.rank)),
-                step=int(payload.get("globalStep", 0)),
+                step=int(payload.get("globalStep", 0)), epoch=int(payload.get("epoch", rank.epoch)),
             ))
 
     async def _drain(self, rank: rp.RankProcess) -> None:
@@ -637,10 +666,15 @@ class NodeAgent:
                 recorded = bool(await self.redis.hexists(Keys.shards(a.job_id, a.attempt, a.step), str(a.rank)))
                 raw = await self.redis.hget(Keys.checkpoints(a.job_id), checkpoint_id(a.step, a.attempt))
                 state = json.loads(raw).get("state") if raw else None
-            outcome = verdict(a, jobs[a.job_id], shard_recorded=recorded, checkpoint_state=state)
+            outcome, why = explain(a, jobs[a.job_id], shard_recorded=recorded, checkpoint_state=state)
             if outcome == "pending" and now - a.first_at > self.settings.confirm_max_age_s:
                 log.error("giving up on %s %s of %s rank %d: never applied", a.kind, a.event_id, a.job_id, a.rank)
                 outcome = "moot"
+                DROPPED.labels(a.kind).inc()
+            elif outcome == "moot":
+                DROPPED.labels(a.kind).inc()
+                log.info("dropping %s of job %s attempt %d rank %d%s: never applied and it never will be: %s",
+                         a.kind, a.job_id, a.attempt, a.rank, f" step {a.step}" if a.step is not None else "", why)
             if outcome != "pending":
                 self._announced.pop(a.event_id, None)
                 await self.redis.hdel(self.keys.unconfirmed, a.event_id)

@@ -11,6 +11,9 @@ applied it, and publishes it again (same event id: consumers de-duplicate) while
 
 An announcement becomes moot when waiting for it makes no sense any more: the job is unknown or
 finished, the attempt is no longer the live one it was for, the checkpoint is already settled.
+A shard is moot too once its attempt ended (failed or revoked: no later checkpoint can use it) or its
+epoch is older than the job's current one — the coordinator ignores a fenced epoch's shard, so it
+would never be applied however often it is sent. :func:`explain` says why, for the log line.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Announcement:
     allocation_id: str
     rank: int
     step: int | None = None
+    epoch: int | None = None  # the shard's fencing epoch (shards only)
     first_at: float = 0.0  # when it was first published (monotonic)
     last_at: float = 0.0  # when it was last published
     republished: int = 0
@@ -48,20 +52,44 @@ class Announcement:
 def verdict(a: Announcement, job: JobRecord | None, *, shard_recorded: bool = False,
             checkpoint_state: str | None = None) -> Verdict:
     """Whether ``a`` has been applied, still waits, or no longer matters."""
+    return explain(a, job, shard_recorded=shard_recorded, checkpoint_state=checkpoint_state)[0]
+
+
+def explain(a: Announcement, job: JobRecord | None, *, shard_recorded: bool = False,
+            checkpoint_state: str | None = None) -> tuple[Verdict, str]:
+    """:func:`verdict`, and why (for the log line of a dropped announcement)."""
     if a.kind == "shard":
-        if shard_recorded:
-            return "confirmed"
-        if checkpoint_state in ("READY", "FAILED", "DELETED"):
-            return "moot"
-        return "moot" if job is not None and job.state in TERMINAL_STATES else "pending"
+        return _shard(a, job, shard_recorded=shard_recorded, checkpoint_state=checkpoint_state)
     if job is None or job.state in TERMINAL_STATES:
-        return "moot"
+        return "moot", "the job is " + ("unknown" if job is None else job.state)
     record = next((x for x in job.attempts if x.attempt == a.attempt), None)
     if record is None:
-        return "pending"  # the scheduler's record of the attempt has not landed yet
+        return "pending", "the scheduler's record of the attempt has not landed yet"
     if record.allocation_id != a.allocation_id:
-        return "moot"
+        return "moot", f"attempt {a.attempt} is allocation {record.allocation_id}, not {a.allocation_id}"
     applied = a.rank in record.started_ranks if a.kind == "started" else str(a.rank) in record.exited_ranks
     if applied:
-        return "confirmed"
-    return "pending" if record.state in LIVE else "moot"
+        return "confirmed", "applied"
+    if record.state in LIVE:
+        return "pending", "not applied yet"
+    return "moot", f"attempt {a.attempt} ended ({record.state})"
+
+
+def _shard(a: Announcement, job: JobRecord | None, *, shard_recorded: bool,
+           checkpoint_state: str | None) -> tuple[Verdict, str]:
+    if shard_recorded:
+        return "confirmed", "applied"
+    if checkpoint_state in ("READY", "FAILED", "DELETED"):
+        return "moot", f"the checkpoint is {checkpoint_state} already"
+    if job is None:
+        return "pending", "the job is not in the store yet"
+    if job.state in TERMINAL_STATES:
+        return "moot", f"the job is {job.state}"
+    current = job.current
+    if a.epoch is not None and current is not None and current.epoch > a.epoch:
+        return "moot", (f"its epoch {a.epoch} is stale (the job is at epoch {current.epoch}): the coordinator "
+                        "ignores it as a fenced attempt's")
+    record = next((x for x in job.attempts if x.attempt == a.attempt), None)
+    if record is not None and record.state in ("failed", "revoked"):
+        return "moot", f"attempt {a.attempt} ended ({record.state})"
+    return "pending", "not recorded by the coordinator yet"

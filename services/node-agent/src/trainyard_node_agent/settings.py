@@ -42,6 +42,12 @@ class NodeAgentSettings(ServiceSettings):
                     "the agent's own TRAINYARD_* variables are not passed on",
     )
     kill_grace_s: float = Field(default=10.0, ge=0, description="SIGTERM → SIGKILL grace when stopping ranks")
+    drain_timeout_s: float = Field(
+        default=120.0, ge=0,
+        description="on SIGTERM the agent drains first: it asks its running ranks to checkpoint at an agreed step "
+                    "and stop (the pause protocol), and waits up to this long before stopping what still runs "
+                    "(0 = stop at once)",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
         description="torch.distributed backend; auto: nccl when nvidia-smi exists and devices are not cpu",

@@ -1,0 +1,120 @@
+"""A planned stop is not a failure: `trainyard dev down` (what `make down` runs) while two jobs train drains
+them — their ranks checkpoint at an agreed step and stop, interrupted by maintenance — and after
+`trainyard dev up` both resume from that checkpoint by themselves; no node is blamed or quarantined and no
+failure budget is spent. The commands run as a user types them, on a fresh state directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from trainyard_cli import infra
+from trainyard_common.records import JobRecord
+from trainyard_common.store import Keys, StateStore, connect_redis
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def redis_read(url: str, read: Callable[[StateStore], Any]) -> Any:
+    async def go() -> Any:
+        redis = connect_redis(url)
+        try:
+            return await read(StateStore(redis))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) -> None:
+    redis_port = infra.free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
+           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
+           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "2", "TRAINYARD_READY_TIMEOUT_S": "180",
+           "COLUMNS": "200"}
+    env.pop("TRAINYARD_TOKEN", None)
+    env.pop("TRAINYARD_API_URL", None)
+
+    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec["training"]["maxSteps"] = 100_000  # trains until the test is done with it
+    spec["checkpointPolicy"]["everySteps"] = 10
+    spec_file = tmp_path / "long.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+
+    def jobs(ids: list[str]) -> list[JobRecord]:
+        return redis_read(url, lambda s: s.get_jobs(ids))
+
+    job_ids: list[str] = []
+    try:
+        up = trainyard("dev", "up", timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        for _ in range(2):
+            submitted = trainyard("submit", str(spec_file))
+            assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+            job_ids.append(re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout).group(1))  # type: ignore[union-attr]
+
+        def training() -> bool:  # both run and have a READY checkpoint: the ranks are past start-up
+            ready = redis_read(url, lambda s: asyncio.gather(*(s.latest_ready_checkpoint(j) for j in job_ids)))
+            return all(j.state == "running" for j in jobs(job_ids)) and all(r is not None for r in ready)
+
+        wait_for(training, "both jobs training with a READY checkpoint", 300)
+
+        down = trainyard("dev", "down", timeout=400)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "draining: 2 running attempt(s) checkpoint and stop" in down.stderr, down.stderr
+        assert "2 attempt(s) interrupted by maintenance (no failure)" in down.stderr, down.stderr
+
+        again = trainyard("dev", "up", timeout=600)
+        assert again.returncode == 0, again.stdout + again.stderr
+
+        def resumed() -> list[JobRecord] | None:
+            got = jobs(job_ids)
+            ok = all(len(j.attempts) >= 2 and j.state == "running" and j.attempts[1].started_ranks for j in got)
+            return got if ok else None
+
+        for job in wait_for(resumed, "both jobs running their second attempt", 300):
+            first, second = job.attempts[0], job.attempts[1]
+            assert first.state == "revoked", first
+            assert (first.interruption or "").startswith("maintenance: node"), first
+            assert first.ready_step_at_end is not None
+            ckpts = redis_read(url, lambda s, j=job.job_id: s.list_checkpoints(j))
+            drain_ckpt = max((c for c in ckpts if c.state == "READY" and c.attempt == 1), key=lambda c: c.global_step)
+            assert second.start_checkpoint is not None, second
+            assert second.start_checkpoint.global_step == drain_ckpt.global_step == first.ready_step_at_end
+            assert sum(1 for a in job.attempts if a.state == "failed") == 0  # no failure budget spent
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_reputation)) == {}
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_quarantine)) == {}
+        nodes = redis_read(url, lambda s: s.list_nodes())
+        assert {n.node_id for n in nodes} == {"node-0", "node-1"}
+        assert all(n.drained is None and n.quarantined is None for n in nodes), nodes
+    finally:
+        for job_id in job_ids:
+            trainyard("jobs", "cancel", job_id)
+        trainyard("dev", "down", timeout=400)
