@@ -23,10 +23,16 @@ from trainyard_checkpoint_coordinator.coordinator import PENDING_INDEX, Coordina
 from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, device_mtbf
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
 from trainyard_checkpoint_coordinator.measurements import Measurements
+from trainyard_checkpoint_coordinator.protection import Protection, assess_protection, protection_key
 from trainyard_checkpoint_coordinator.retention import Collect, Retire, Sweep, plan_gc, retention_candidates
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
+from trainyard_checkpoint_coordinator.watch import ProtectionWatch
 
 __all__ = [
+    "Protection",
+    "ProtectionWatch",
+    "assess_protection",
+    "protection_key",
     "JOBS_INDEX",
     "MANIFEST_NAME",
     "PENDING_INDEX",

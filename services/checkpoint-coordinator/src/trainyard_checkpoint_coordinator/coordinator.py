@@ -13,7 +13,9 @@ State in Redis (the system of record):
 
 Besides the protocol it garbage-collects (``collector.py``: retention of READY checkpoints, files
 of FAILED ones, stale temporary directories) and measures (``measurements.py``: stall, step time,
-failures per device type → Young/Daly interval advice in ``ty:job:<id>:ckpt-advice``).
+failures per device type → Young/Daly interval advice in ``ty:job:<id>:ckpt-advice``) and watches
+that running jobs stay protected (``watch.py``: a job trained ``stall_intervals`` intervals past its
+newest READY checkpoint is flagged CheckpointsStalled in ``ty:job:<id>:ckpt-protection``).
 
 A settled record never changes again, so duplicates and re-deliveries (also of the final
 shard after READY) change nothing and publish nothing. A crash between writing the
@@ -83,11 +85,14 @@ from trainyard_checkpoint_coordinator.assembly import (
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
 from trainyard_checkpoint_coordinator.measurements import Measurements
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
+from trainyard_checkpoint_coordinator.watch import ProtectionWatch
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.checkpoint_coordinator")
 
 SERVICE_NAME = "checkpoint-coordinator"
+#: The measurements' consumer group is the coordinator's group plus this suffix.
+MEASUREMENTS_GROUP_SUFFIX = "-measurements"
 #: Sorted set of pending checkpoints (member: JSON [job, attempt, step]; score: creation time).
 PENDING_INDEX = Keys.pending_checkpoints
 
@@ -122,19 +127,28 @@ class Coordinator:
         self.clock = clock
         self.collector = GarbageCollector(redis, settings, clock=clock)
         self.measurements = Measurements(redis, settings, clock=clock)
+        self.watch = ProtectionWatch(redis, settings, clock=clock)
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe (checkpoints; metrics and worker exits for the advice) and register the loops."""
         group = f"{self.settings.group_prefix}.{SERVICE_NAME}"
+        # A short retry back-off: while Redis is away every shard report fails, and the exponential
+        # back-off must not keep the consumer asleep for long after Redis is back (what the ranks
+        # wrote during the outage is unprotected until it is READY).
         runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written,
                                             CheckpointRefused: self.on_checkpoint_refused},
-                              group=group, deduper_factory=runtime.deduper)
-        # Measurements are idempotent on their own (max, once per attempt); no per-event dedupe records.
-        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=group)
-        runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=group)
+                              group=group, deduper_factory=runtime.deduper,
+                              max_backoff_s=self.settings.retry_backoff_max_s)
+        # Measurements read in a group of their own, so the per-step metrics (one per rank and step,
+        # a backlog of thousands after an outage) never queue in front of the shard reports, and their
+        # retries never hold checkpoints up. They are idempotent on their own (max, once per attempt).
+        measuring = f"{group}{MEASUREMENTS_GROUP_SUFFIX}"
+        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=measuring)
+        runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=measuring)
         runtime.add_loop("pending-sweep", self.sweep, every_s=self.settings.sweep_interval_s)
         runtime.add_loop("garbage-collection", self.collector.collect, every_s=self.settings.gc_interval_s)
         runtime.add_loop("interval-advice", self.measurements.advise_all, every_s=self.settings.advice_interval_s)
+        runtime.add_loop("protection-watch", self.watch.check_all, every_s=self.settings.sweep_interval_s)
 
     # ------------------------------------------------------------------ ShardWritten
     async def on_shard_written(self, event: ShardWritten) -> None:
@@ -356,21 +370,29 @@ class Coordinator:
 
     # ------------------------------------------------------------------ timeout sweep
     async def sweep(self) -> None:
-        """Settle checkpoints pending longer than ``shard_timeout_s``: finalize a complete one
-        (a crash left it behind), fail one still missing ranks."""
-        cutoff = self.clock().timestamp() - self.settings.shard_timeout_s
-        for member in await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff):
+        """Settle what the shard reports alone did not: a checkpoint pending for a sweep interval
+        whose shards are all recorded is finalized (a crash, or a failure that was not retried,
+        left it behind after its last report); one pending longer than ``shard_timeout_s`` and
+        still missing ranks fails."""
+        now = self.clock().timestamp()
+        timeout_cutoff = now - self.settings.shard_timeout_s
+        cutoff = now - min(self.settings.sweep_interval_s, self.settings.shard_timeout_s)
+        for member, created in await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff, withscores=True):
             key = _parse_member(member)
             record = await self._record(key)
             if record is None or record.state != "PENDING":
                 await self.redis.zrem(PENDING_INDEX, member)
                 continue
+            timed_out = created <= timeout_cutoff
+            if not timed_out and await self.redis.hlen(Keys.shards(key.job_id, key.attempt, key.global_step)) \
+                    < record.world_size:
+                continue  # still collecting: the shard reports settle it, or the timeout does
             job = await self.store.get_job(key.job_id)
             with job_context(job.traceparent if job else None), _tracer.start_as_current_span(
-                "checkpoint timeout", attributes={"trainyard.job_id": key.job_id,
-                                                  "trainyard.checkpoint_id": key.checkpoint_id}
+                "checkpoint timeout" if timed_out else "checkpoint repair",
+                attributes={"trainyard.job_id": key.job_id, "trainyard.checkpoint_id": key.checkpoint_id}
             ):
-                await self._settle(key, timed_out=True)
+                await self._settle(key, timed_out=timed_out)
 
 
 def _job_defaults(job: JobRecord | None) -> JobDefaults:

@@ -2,7 +2,8 @@
 
 * ``StepMetrics`` → ``Keys.checkpoint_timing(job)``: the stall of each step (slowest rank:
   ``stall:<attempt>:<step>``) and an exponential moving average of rank 0's step time without
-  the stall (``stepSeconds``); and the device-seconds of training of the job's device type
+  the stall (``stepSeconds``); rank 0's furthest (attempt, step) per job (``LIVE_STEPS``, for the
+  protection watch); and the device-seconds of training of the job's device type
   (``exposure`` in ``Keys.failure_stats(type)``: rank 0's step time x the job's devices).
 * ``WorkerExited`` that is an interruption (see :func:`advice.counts_as_interruption`) →
   ``failures`` of the device type, once per (job, attempt) however many ranks report it.
@@ -28,13 +29,25 @@ from trainyard_common.store import Keys, StateStore
 
 from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, counts_as_interruption
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX
+from trainyard_checkpoint_coordinator.protection import LIVE_STEPS
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
 
-# KEYS: timing, failure stats   ARGV: rank, attempt, step, step seconds, checkpoint seconds, alpha, exposure
+# KEYS: timing, failure stats, live steps   ARGV: rank, attempt, step, step seconds, checkpoint seconds, alpha,
+# exposure, job id
 _ON_STEP = """
+if ARGV[1] == '0' then
+  local seen = redis.call('HGET', KEYS[3], ARGV[8])
+  local attempt, step = tonumber(ARGV[2]), tonumber(ARGV[3])
+  local newer = true
+  if seen then
+    local a, s = string.match(seen, '^(%d+):(%d+)$')
+    newer = a == nil or attempt > tonumber(a) or (attempt == tonumber(a) and step > tonumber(s))
+  end
+  if newer then redis.call('HSET', KEYS[3], ARGV[8], ARGV[2] .. ':' .. ARGV[3]) end
+end
 local stall = tonumber(ARGV[5])
 if stall > 0 then
   local field = 'stall:' .. ARGV[2] .. ':' .. ARGV[3]
@@ -110,9 +123,9 @@ class Measurements:
             return
         exposure = max(event.step_seconds, 0.0) * facts.devices if event.rank == 0 else 0.0
         await self._on_step(
-            keys=[Keys.checkpoint_timing(event.job_id), Keys.failure_stats(facts.device_type)],
+            keys=[Keys.checkpoint_timing(event.job_id), Keys.failure_stats(facts.device_type), LIVE_STEPS],
             args=[event.rank, event.attempt, event.step, max(event.step_seconds, 0.0),
-                  max(event.checkpoint_seconds, 0.0), STEP_EWMA_ALPHA, exposure],
+                  max(event.checkpoint_seconds, 0.0), STEP_EWMA_ALPHA, exposure, event.job_id],
         )
 
     async def on_worker_exited(self, event: WorkerExited) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 CHECKPOINTS = Counter(
     "trainyard_checkpoints_total", "Checkpoints settled by the coordinator", ["outcome"]
@@ -22,4 +22,12 @@ GC = Counter(
     "trainyard_checkpoint_gc_total",
     "Checkpoint files removed: retired (READY beyond keepLast), collected (FAILED), swept (abandoned dirs)",
     ["action"],
+)
+UNPROTECTED_INTERVALS = Gauge(
+    "trainyard_checkpoint_unprotected_intervals",
+    "Whole checkpoint intervals a running job has trained past its newest READY checkpoint", ["job_id"],
+)
+STALLS = Counter(
+    "trainyard_checkpoint_stalls_total",
+    "Times a running job became CheckpointsStalled (no READY checkpoint for stall_intervals intervals)",
 )

@@ -18,6 +18,16 @@ class CoordinatorSettings(ServiceSettings):
         description="a checkpoint whose shards have not all arrived after this many seconds becomes FAILED; "
                     "an abandoned checkpoint directory or .tmp of an ended attempt is removed once this old",
     )
+    retry_backoff_max_s: float = Field(
+        default=1.0, gt=0,
+        description="the longest wait before a shard report that failed (Redis away) is tried again: the "
+                    "checkpoints written during an outage settle within about this long after it ends",
+    )
+    stall_intervals: int = Field(
+        default=3, gt=0,
+        description="a running job this many checkpoint intervals past its newest READY checkpoint is flagged "
+                    "CheckpointsStalled (ty:job:<id>:ckpt-protection, trainyard_checkpoint_unprotected_intervals)",
+    )
     sweep_interval_s: float = Field(
         default=10.0, gt=0, description="how often pending checkpoints are checked for the timeout"
     )
