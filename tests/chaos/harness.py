@@ -132,14 +132,15 @@ class ChaosRig:
         """
         started = time.monotonic()
         before = {c.name: c.pid for c in self.stack.components()}
-        for attempt in range(3):
+        for attempt in range(5):
             try:
                 self.stack.up()
                 break
-            except Exception as exc:  # noqa: BLE001 - a component that died during start-up: once more
+            except Exception as exc:  # noqa: BLE001 - died during start-up, Redis still loading its AOF: again
                 self.say(f"restart attempt {attempt + 1} failed: {exc!r}"[:500])
-                if attempt == 2:
+                if attempt == 4:
                     raise
+                time.sleep(1.0 + attempt)
         fresh = {c.name: c.pid for c in self.stack.components()
                  if c.name not in ("broker", "redis") and before.get(c.name) != c.pid}
         asyncio.run(self._until(lambda store: _beaconing(store, fresh), timeout_s,

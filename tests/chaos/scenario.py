@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -88,6 +89,23 @@ def run_chaos(rig: ChaosRig, plan: list[str], *, max_steps: int, every: int, tmp
     times) until one did. After every control-plane fault the run waits until the killed components
     run again and then checks that what was written meanwhile settles within :data:`SETTLE_BOUND_S`.
     """
+    try:
+        return _run(rig, plan, max_steps=max_steps, every=every, tmp=tmp, terminal_timeout_s=terminal_timeout_s,
+                    lost_work_slack=lost_work_slack, timed=timed, require_assembly=require_assembly,
+                    evidence_dir=evidence_dir)
+    except Exception:
+        if evidence_dir is not None:  # the run itself broke: keep what there is, then report the error
+            try:
+                where = rig.keep_evidence(evidence_dir, rig.jobs, {"error": traceback.format_exc()})
+                print(f"\n  chaos run failed; evidence: {where}")
+            except Exception as exc:  # noqa: BLE001 - the original error matters more
+                print(f"\n  chaos run failed; keeping its evidence failed too: {exc!r}")
+        raise
+
+
+def _run(rig: ChaosRig, plan: list[str], *, max_steps: int, every: int, tmp: Path, terminal_timeout_s: float,
+         lost_work_slack: int, timed: float, require_assembly: tuple[str, ...],
+         evidence_dir: Path | None) -> ChaosReport:
     started = time.monotonic()
     spec = chaos_spec(max_steps=max_steps, every=every)
     reference = rig.submit({**spec, "name": "reference"})
