@@ -112,6 +112,11 @@ def checkpoint_request_file(layout: ArtifactLayout, tenant: str, job_id: str, at
     return layout.attempt_dir(tenant, job_id, attempt) / CHECKPOINT_REQUEST_FILE
 
 
+def _event_id(record: Mapping[str, Any]) -> str | None:
+    payload = record.get("payload")
+    return str(payload["eventId"]) if isinstance(payload, dict) and "eventId" in payload else None
+
+
 def last_step_of(rank: rp.RankProcess) -> int | None:
     """The step WorkerExited reports: the trainer's exit note (its last step, the failing one after a
     NaN, the one it checkpointed at when asked to stop), else the last StepMetrics relayed."""
@@ -142,6 +147,7 @@ class NodeAgent:
         self._background: set[asyncio.Task[None]] = set()
         self._unreported: dict[str, rp.RankProcess] = {}  # ended while no agent watched them
         self._announced: dict[str, Announcement] = {}  # published, not yet seen applied
+        self._sent_ahead: dict[str, set[str]] = {}  # rank key -> event ids relayed ahead of a held-up line
         self.pool = WarmPool(
             settings.warm_ranks, settings.warm_module,
             interpreter_env(self.base_env, cpu_threads=self._cpu_threads, extra=settings.rank_env),
@@ -518,11 +524,29 @@ class NodeAgent:
         return code, reason, detail
 
     async def _relay(self, rank: rp.RankProcess, *, quiet: bool = False) -> int:
-        """Publish the spool lines written since the last call; returns how many."""
+        """Publish the spool lines written since the last call, in order; returns how many.
+
+        Order only matters within a topic (docs/design.md §4.1). A line the broker refuses holds up
+        the lines behind it, except checkpoint reports: those are published ahead of it (once; the
+        in-order pass skips them when it gets there), so a partition that refuses StepMetrics for a
+        while (seen for 30 s after the embedded broker restarted empty) never keeps a durable
+        checkpoint from becoming READY. The saved offset stays at the first unpublished line, so a
+        restarted agent publishes the ones sent ahead again (same event ids: deduplicated).
+        """
         published = 0
+        ahead = self._sent_ahead.setdefault(rank.key, set())
         try:
             for offset, record in rank.spool.read_new():
-                await self._publish_spooled(rank, offset, record)
+                event_id = _event_id(record)
+                if event_id is not None and event_id in ahead:
+                    ahead.discard(event_id)  # published already, ahead of a line that was held up
+                else:
+                    try:
+                        await self._publish_spooled(rank, offset, record)
+                    except Exception:
+                        if record.get("topic") != CHECKPOINTS:
+                            published += await self._relay_checkpoints_ahead(rank, ahead)
+                        raise
                 rank.spool.offset = offset
                 published += 1
             if rank.relay_failing:
@@ -537,6 +561,24 @@ class NodeAgent:
         if published:
             await self._persist(rank)
         return published
+
+    async def _relay_checkpoints_ahead(self, rank: rp.RankProcess, ahead: set[str]) -> int:
+        """Publish the checkpoint reports past the held-up line; returns how many (noted in ``ahead``)."""
+        sent = 0
+        for offset, record in SpoolReader(rank.spool.path, rank.spool.offset).read_new():
+            event_id = _event_id(record)
+            if record.get("topic") != CHECKPOINTS or "corrupt" in record or event_id is None or event_id in ahead:
+                continue
+            try:
+                await self._publish_spooled(rank, offset, record)
+            except Exception:  # noqa: BLE001 - the checkpoints topic refuses too: everything waits in the spool
+                break
+            ahead.add(event_id)
+            sent += 1
+        if sent:
+            log.warning("rank %s: published %d checkpoint report(s) ahead of a spool line the broker refuses",
+                        rank.key, sent)
+        return sent
 
     async def _publish_spooled(self, rank: rp.RankProcess, offset: int, record: dict[str, Any]) -> None:
         topic, payload = record.get("topic"), record.get("payload")
@@ -697,6 +739,7 @@ class NodeAgent:
 
     async def _forget(self, rank: rp.RankProcess) -> None:
         self._unreported.pop(rank.key, None)
+        self._sent_ahead.pop(rank.key, None)
         try:
             await self.redis.hdel(self.keys.ranks, rank.key)
         except (RedisError, OSError) as exc:  # a later agent reports it again: a harmless duplicate

@@ -1,0 +1,104 @@
+"""The spool relay: a line the broker refuses holds up the lines behind it, but never a checkpoint report."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from trainyard_common.events import CHECKPOINTS, METRICS
+from trainyard_common.spool import SpoolReader
+from trainyard_node_agent import ranks as rp
+from trainyard_node_agent.agent import NodeAgent
+from trainyard_node_agent.settings import NodeAgentSettings
+
+
+class Redis:
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict[str, str]] = {}
+
+    async def hset(self, key: str, field: str, value: str) -> None:
+        self.hashes.setdefault(key, {})[field] = value
+
+
+class Bus:
+    """Publishes to a list; refuses every topic in ``refusing``."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, dict[str, Any]]] = []
+        self.refusing: set[str] = set()
+
+    async def publish_raw_traced(self, topic: str, body: bytes, *, key: str | None, traceparent: str | None) -> None:
+        if topic in self.refusing:
+            raise ConnectionError(f"{topic}: UnknownError")
+        self.published.append((topic, json.loads(body)))
+
+
+class Spool:
+    """What a rank appends: one JSON line per event."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, topic: str, key: str, payload: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"topic": topic, "key": key, "traceparent": None, "payload": payload}) + "\n")
+
+
+def agent_and_rank(tmp_path: Path) -> tuple[NodeAgent, rp.RankProcess, Bus, Spool]:
+    bus, redis = Bus(), Redis()
+    settings = NodeAgentSettings(node_id="n", artifact_root=tmp_path, agent_state_file=tmp_path / "ranks.json")
+    agent = NodeAgent(SimpleNamespace(redis=redis, bus=bus), settings, base_env={})  # type: ignore[arg-type]
+    spool = tmp_path / "rank-1.jsonl"
+    rank = rp.RankProcess(job_id="j", tenant="t", attempt=1, allocation_id="al", epoch=1, rank=1, local_rank=1,
+                          pid=0, log_path=tmp_path / "rank.log", spool=SpoolReader(spool), traceparent=None,
+                          exit_file=tmp_path / "exit.json", device_index=1)
+    return agent, rank, bus, Spool(spool)
+
+
+def step(writer: Spool, n: int) -> None:
+    writer.write(METRICS, "j", {"eventType": "StepMetrics", "eventId": str(uuid.uuid4()), "step": n})
+
+
+def shard(writer: Spool, n: int) -> str:
+    event_id = str(uuid.uuid4())
+    writer.write(CHECKPOINTS, "j", {"eventType": "ShardWritten", "eventId": event_id, "globalStep": n,
+                                    "attempt": 1, "rank": 1})
+    return event_id
+
+
+async def test_a_refused_step_metric_does_not_hold_up_the_checkpoint_report_behind_it(tmp_path: Path) -> None:
+    agent, rank, bus, writer = agent_and_rank(tmp_path)
+    step(writer, 9)
+    assert await agent._relay(rank, quiet=True) == 1
+    bus.refusing.add(METRICS)  # a partition refusing produce requests after a broker restart
+    step(writer, 10)
+    report = shard(writer, 10)
+    step(writer, 11)
+
+    assert await agent._relay(rank, quiet=True) == 1  # the report, sent ahead of step 10
+    assert [(t, p["eventType"]) for t, p in bus.published] == [(METRICS, "StepMetrics"), (CHECKPOINTS, "ShardWritten")]
+    held_at = rank.spool.offset
+    assert agent._announced and next(iter(agent._announced.values())).step == 10  # confirmed end to end as usual
+
+    await agent._relay(rank, quiet=True)  # still refused: the report is not published twice
+    assert sum(t == CHECKPOINTS for t, _ in bus.published) == 1 and rank.spool.offset == held_at
+
+    bus.refusing.clear()
+    await agent._relay(rank, quiet=True)
+    assert [p.get("step", p.get("globalStep")) for _, p in bus.published] == [9, 10, 10, 11]
+    assert [p["eventId"] for t, p in bus.published if t == CHECKPOINTS] == [report]  # skipped in order
+    assert rank.spool.offset == rank.spool.path.stat().st_size
+
+
+async def test_when_the_checkpoints_topic_refuses_too_everything_waits_in_order(tmp_path: Path) -> None:
+    agent, rank, bus, writer = agent_and_rank(tmp_path)
+    bus.refusing |= {METRICS, CHECKPOINTS}
+    step(writer, 10)
+    shard(writer, 10)
+    assert await agent._relay(rank, quiet=True) == 0 and rank.spool.offset == 0
+    bus.refusing.clear()
+    await agent._relay(rank, quiet=True)
+    assert [p["eventType"] for _, p in bus.published] == ["StepMetrics", "ShardWritten"]
