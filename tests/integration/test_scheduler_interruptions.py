@@ -147,6 +147,7 @@ async def test_every_node_going_silent_at_once_blames_nobody(rig: tuple[Rig, Bea
     await r.submit("wide", make_spec(8), max_attempts=1)  # a single failure would fail it
     gang = await _gang(r, "wide", 1)
     await r.start_ranks(gang)
+    await poll(lambda: _ranks_started(r, "wide", 8), "its 8 ranks recorded as started", WAIT_S)
     beats.silent = set(NODES)  # the broker, the network or the whole control plane: not the nodes
 
     async def interrupted() -> JobRecord | None:
@@ -174,6 +175,7 @@ async def test_a_drained_node_stops_its_attempts_at_a_checkpoint_and_takes_no_ne
     (node,) = [n.node_id for n in gang.nodes]
     other = next(n for n in NODES if n != node)
     await r.start_ranks(gang)
+    await poll(lambda: _ranks_started(r, "drained", 4), "its 4 ranks recorded as started", WAIT_S)
     await r.bus.publish(NodeDrained(node_id=node, reason="kernel upgrade", by="admin-alice"))
 
     (asked,) = await r.tap.wait(CheckpointRequested, job_id="drained", attempt=1, timeout_s=WAIT_S)
@@ -225,6 +227,12 @@ async def test_a_drained_node_stops_its_attempts_at_a_checkpoint_and_takes_no_ne
     await poll(lambda: _available(r, 2), f"{other} back after its agent restarted", WAIT_S)
 
 
+async def _ranks_started(r: Rig, job_id: str, count: int) -> bool:
+    """Ranks the scheduler has applied as started (a drain before that revokes at once, without a checkpoint)."""
+    job = await _job(r, job_id)
+    return job.current is not None and len(job.current.started_ranks) >= count
+
+
 async def _drained(r: Rig, node: str) -> bool:
     return bool(await r.redis.hget(Keys.node_drain, node))
 
@@ -257,6 +265,11 @@ async def test_a_failing_node_is_quarantined_but_never_the_last_of_its_type(rig:
 
     # An admin may take the last one out too; a job waiting for cpu devices then says why, and how to undo it.
     await r.bus.publish(NodeQuarantined(node_id=last, reason="bad DIMM", by="admin-bob"))
+
+    async def both_out() -> bool:
+        return set(await r.redis.hkeys(Keys.node_quarantine)) == set(NODES)
+
+    await poll(both_out, "both nodes quarantined", WAIT_S)
     await r.submit("waits", make_spec(4))
 
     async def says_quarantine() -> JobRecord | None:

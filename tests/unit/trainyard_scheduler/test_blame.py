@@ -219,3 +219,18 @@ def test_quota_and_back_off_reasons_are_left_alone() -> None:
     out = [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "s", "reputation", UNTIL)]
     assert health.explain_wait("quota: tenant t holds 8", "quota", gpu_type="cpu", available_devices=0,
                                out=out) == ("quota: tenant t holds 8", "quota")
+
+
+@pytest.mark.parametrize(("watched_s", "state", "failed", "blamed"), [
+    (None, "queued", 1, True),  # no notion of watching: as before
+    (600, "queued", 1, True),  # watched throughout: the nodes that never started ranks are blamed
+    (10, "queued", 0, False),  # the platform was down meanwhile: an interruption
+])
+def test_a_start_timeout_across_a_control_plane_restart_is_no_ones_fault(watched_s: float | None, state: str,
+                                                                        failed: int, blamed: bool) -> None:
+    job = admitted(new_job())
+    outcome = tr.check_attempt(job, available_nodes=frozenset({"n1"}), now=at(61), watched_s=watched_s, **KW)
+    assert outcome.job.state == state and tr.failures(outcome.job) == failed
+    assert bool(outcome.blame) == blamed
+    if not blamed:
+        assert (outcome.job.current.interruption or "").startswith("control-plane: 0 of 2 ranks started")

@@ -854,6 +854,7 @@ class Scheduler:
             return judge_silence(nodes, available=available, last_seen=last_seen, draining=draining,
                                  watching_since=self._leading_since, now=self.clock(), policy=self.silence)
 
+        watched = (now - self._leading_since).total_seconds() if self._leading_since else 0.0
         jobs = await self.active_jobs()
         for job in jobs:
             current = job.current
@@ -863,7 +864,8 @@ class Scheduler:
             def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
                 return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
                                         deadlines=self.deadlines, policy=self.policy, now=self.clock(),
-                                        latest_ready_step=facts.latest_ready_step, judge=judge)  # type: ignore[arg-type]
+                                        latest_ready_step=facts.latest_ready_step, judge=judge,  # type: ignore[arg-type]
+                                        watched_s=watched)
 
             await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
         held = await self.held_allocations()

@@ -619,6 +619,7 @@ def check_attempt(
     now: datetime,
     latest_ready_step: int | None = None,
     judge: Callable[[list[str]], Silence] | None = None,
+    watched_s: float | None = None,
 ) -> Outcome:
     """Periodic liveness check of the current attempt, from durable state only.
 
@@ -626,7 +627,9 @@ def check_attempt(
     bound to the cluster's heartbeats); without one, a silent node is always the node's fault. A silent
     node that is being drained is left to the drain, silence the scheduler could not have seen (it just
     started leading) is waited out, and a cluster gone silent together interrupts the attempt without
-    blame or failure budget (``_interrupt``).
+    blame or failure budget (``_interrupt``). ``watched_s``: how long this scheduler has led; a start
+    time-out that began before it was watching (the platform was down, so the GangAllocated may have
+    been lost with the broker) is an interruption too, not the nodes' fault.
 
     Ranks that never start, a node that stops heart-beating, and a completed attempt whose
     final checkpoint never turns READY all fail the attempt (and so retry it); a completed
@@ -655,6 +658,10 @@ def check_attempt(
         if len(current.started_ranks) < current.world_size and age > deadlines.start_timeout_s:
             started = len(current.started_ranks)
             detail = f"{started} of {current.world_size} ranks started within {deadlines.start_timeout_s:.0f}s"
+            if watched_s is not None and watched_s < deadlines.start_timeout_s:
+                return _interrupt(job.model_copy(deep=True), f"control-plane: {detail}, while the control plane "
+                                  f"was away (this scheduler has led for {watched_s:.0f}s)", "revoked",
+                                  latest_ready_step, now)
             blame = [(n, "start-timeout") for n in _nodes_without_started_ranks(current)]
             return _fail_attempt(job.model_copy(deep=True), "start-timeout", detail, policy, now,
                                  latest_ready_step=latest_ready_step, blame=blame)
