@@ -42,5 +42,8 @@ def test_nodes_table() -> None:
         {"nodeId": "node-a", "host": "h", "devices": [{}, {}], "healthy": True, "quarantined": True,
          "quarantine": {"reason": "3 failures", "by": "reputation"}, "reputationScore": 3.25},
         {"nodeId": "node-b", "host": "h2", "devices": [], "healthy": False, "quarantined": False},
+        {"nodeId": "node-c", "host": "h3", "devices": [], "healthy": True, "quarantined": False, "drained": True,
+         "drain": {"reason": "kernel upgrade", "by": "olga"}},
     ]))
     assert "3 failures (by reputation)" in text and "3.25" in text and "node-b" in text
+    assert "kernel upgrade (by olga)" in text

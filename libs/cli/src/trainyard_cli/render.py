@@ -185,14 +185,17 @@ def fmt_advice(a: Mapping[str, Any]) -> str:
 def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
     """``admin nodes list``."""
     table = Table(header_style="bold")
-    for column in ("NODE", "HOST", "RACK", "DEVICES", "HEALTHY", "QUARANTINE", "SCORE"):
+    for column in ("NODE", "HOST", "RACK", "DEVICES", "HEALTHY", "QUARANTINE", "DRAIN", "SCORE"):
         table.add_column(column, overflow="fold")
     for n in nodes:
         q = n.get("quarantine") or {}
         quarantine = f"{q.get('reason') or 'yes'} (by {q.get('by') or '-'})" if n.get("quarantined") else "-"
+        d = n.get("drain") or {}
+        drain = f"{d.get('reason') or 'yes'} (by {d.get('by') or '-'})" if n.get("drained") else "-"
         score = n.get("reputationScore")
         table.add_row(n["nodeId"], n.get("host", "-"), n.get("rack") or "-", str(len(n.get("devices", []))),
-                      "yes" if n.get("healthy") else "no", quarantine, f"{score:.2f}" if score is not None else "-")
+                      "yes" if n.get("healthy") else "no", quarantine, drain,
+                      f"{score:.2f}" if score is not None else "-")
     return table
 
 
