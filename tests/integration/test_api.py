@@ -4,7 +4,6 @@ validation, tenant isolation, the progress read model, control requests, the pro
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import signal
 import socket
@@ -25,42 +24,13 @@ from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
 from trainyard_common.outbox import Outbox
-from trainyard_common.records import ArtifactRecord, CheckpointRecord, DatasetRecord, Lineage
+from trainyard_common.records import ArtifactRecord, CheckpointRecord, Lineage
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import StateStore
 from tests.conftest import env_vars
-
-TOKEN_A, TOKEN_B = "token-tenant-a", "token-tenant-b"
-
+from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, seed, spec_with
 
 # ----------------------------------------------------------------------------- helpers
-
-
-async def seed(store: StateStore) -> None:
-    """Two tenants and the example dataset in the registry."""
-    await store.add_token(TOKEN_A, "tenant-a", "alice")
-    await store.add_token(TOKEN_B, "tenant-b", "bob")
-    await store.put_dataset(DatasetRecord(
-        name="tinycorpus", version="v1", manifest_uri="file:///data/tinycorpus/v1/manifest.json",
-        sha256="ab" * 32, tokenizer="bpe-1024@v1", num_tokens=123_456,
-    ))
-
-
-def client_for(base_url: str, token: str | None, **kwargs: Any) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=10.0, **kwargs)
-
-
-def spec_with(**changes: Any) -> dict[str, Any]:
-    """The example spec with dotted-path changes: ``spec_with(**{"training.maxSteps": 5})``."""
-    spec = copy.deepcopy(EXAMPLE_SPEC)
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = spec
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return spec
 
 
 async def find_record(env: dict, topic: str, match: Callable[[ConsumerRecord], bool],
@@ -119,8 +89,7 @@ async def poll_job(client: httpx.AsyncClient, job_id: str, until: Callable[[dict
 @pytest.fixture
 async def server(env: dict) -> AsyncIterator[ApiServer]:
     """The whole API process in-process: uvicorn on a free port + a started ServiceRuntime."""
-    async with ApiServer(ApiSettings(**env, api_port=0)) as api:
-        await seed(api.runtime.store)
+    async with running_api(env) as api:
         yield api
 
 

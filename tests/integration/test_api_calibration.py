@@ -24,7 +24,7 @@ from trainyard_common.bus import Bus
 from trainyard_common.records import AttemptRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys
-from tests.integration.test_api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
+from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
 
 T = TypeVar("T")
 

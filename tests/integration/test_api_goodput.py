@@ -20,7 +20,8 @@ from trainyard_common.bus import Bus
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, NodeRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys
-from tests.integration.test_api import TOKEN_A, TOKEN_B, client_for, event_of, find_record, seed, spec_with
+from tests.integration.test_api import event_of, find_record
+from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
 from tests.integration.test_api_calibration import eventually
 
 ADMIN = "token-admin"

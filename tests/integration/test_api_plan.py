@@ -14,7 +14,8 @@ from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_common import events as ev
 from trainyard_common.outbox import Outbox
 from trainyard_common.store import StateStore
-from tests.integration.test_api import TOKEN_A, client_for, event_of, find_record, seed, spec_with
+from tests.integration.test_api import event_of, find_record
+from tests.support.api import TOKEN_A, client_for, seed, spec_with
 
 # 39B parameters: 625 GB of fp32 AdamW states on one 80 GB H100
 BIG = {"vocabSize": 50304, "nLayers": 48, "nHeads": 64, "dModel": 8192, "maxSeqLen": 2048}

@@ -1,0 +1,129 @@
+"""The API as tests run it: the tenants' tokens, the example dataset, clients, example specs, and the
+whole API process (uvicorn + ServiceRuntime) over the real broker and Redis.
+
+``python -m tests.support.api [--port N]`` serves the same API over a broker and a Redis of its own (the
+local binaries, as the test fixtures start them) until SIGINT or SIGTERM, for running a tool such as
+schemathesis against it by hand (see tests/contract/schemathesis.toml); it prints the URL and the tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import queue
+import signal
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trainyard_api import ApiServer, ApiSettings
+from trainyard_api.schemas import EXAMPLE_SPEC
+from trainyard_common.records import DatasetRecord
+from trainyard_common.store import StateStore
+
+TOKEN_A, TOKEN_B = "token-tenant-a", "token-tenant-b"
+TOKEN_ADMIN = "token-admin"
+
+
+async def seed(store: StateStore, *, admin: bool = False) -> None:
+    """Two tenants and the example dataset in the registry (and, with ``admin``, an operator's token)."""
+    await store.add_token(TOKEN_A, "tenant-a", "alice")
+    await store.add_token(TOKEN_B, "tenant-b", "bob")
+    if admin:
+        await store.add_token(TOKEN_ADMIN, "ops", "olga", admin=True)
+    await store.put_dataset(DatasetRecord(
+        name="tinycorpus", version="v1", manifest_uri="file:///data/tinycorpus/v1/manifest.json",
+        sha256="ab" * 32, tokenizer="bpe-1024@v1", num_tokens=123_456,
+    ))
+
+
+def client_for(base_url: str, token: str | None, **kwargs: Any) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=10.0, **kwargs)
+
+
+def spec_with(**changes: Any) -> dict[str, Any]:
+    """The example spec with dotted-path changes: ``spec_with(**{"training.maxSteps": 5})``."""
+    spec = copy.deepcopy(EXAMPLE_SPEC)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = spec
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return spec
+
+
+@contextlib.asynccontextmanager
+async def running_api(env: dict[str, object], *, admin: bool = False, **settings: Any) -> AsyncIterator[ApiServer]:
+    """The whole API process in-process (uvicorn on a free port unless ``api_port`` is given, a started
+    ServiceRuntime) over ``env``'s broker and Redis, seeded (see :func:`seed`)."""
+    async with ApiServer(ApiSettings(**{**env, "api_port": 0, **settings})) as api:
+        await seed(api.runtime.store, admin=admin)
+        yield api
+
+
+@contextlib.contextmanager
+def api_in_thread(env: dict[str, object], **options: Any) -> Iterator[str]:
+    """:func:`running_api` on an event loop of its own in a thread, for synchronous clients; yields its URL."""
+    started: queue.Queue[str | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        try:
+            async with running_api(env, **options) as api:
+                started.put(api.url)
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            started.put(exc)
+            raise
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="api", daemon=True)
+    thread.start()
+    try:
+        first = started.get(timeout=60)
+        if isinstance(first, BaseException):
+            raise RuntimeError("the API did not start") from first
+        yield first
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+async def _serve(port: int) -> None:
+    from trainyard_cli import infra
+
+    with tempfile.TemporaryDirectory(prefix="trainyard-api-") as tmp:
+        root = Path(tmp)
+        broker = infra.start_broker(infra.free_port(), root / "broker.log")
+        redis = infra.start_redis(infra.free_port(), root / "redis", root / "redis.log")
+        try:
+            env = {"kafka_bootstrap": broker.address, "redis_url": redis.address, "artifact_root": root / "artifacts",
+                   "topic_partitions": 1}
+            async with running_api(env, admin=True, api_port=port) as api:
+                print(f"API {api.url}  (schema {api.url}/openapi.json)\ntokens: {TOKEN_A} (tenant-a), "
+                      f"{TOKEN_B} (tenant-b), {TOKEN_ADMIN} (admin)", flush=True)
+                stop = asyncio.Event()
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+                await stop.wait()
+        finally:
+            redis.stop()
+            broker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(parser.parse_args().port))
+
+
+if __name__ == "__main__":
+    main()
