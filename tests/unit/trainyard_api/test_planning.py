@@ -115,7 +115,6 @@ def test_lowering_the_network_moves_the_bottleneck_to_the_interconnect() -> None
     ({"model": "gpt-tiny@v1", "devices": 8, "layout": {"dp": 2}}, "layout", "must equal devices (8)"),
     ({"model": "gpt-tiny@v1", "layout": "recommend"}, "globalBatch", "required"),
     ({"model": "gpt-tiny@v1", "globalBatch": 8, "layout": {"dp": 1}}, "globalBatch", "= 1"),
-    ({"model": {"parameters": 0.5}}, "model", "parameters must be positive"),
 ])
 def test_planner_errors_are_422s_naming_the_field(body: dict, field: str, words: str) -> None:
     with pytest.raises(SpecError) as caught:
@@ -130,7 +129,7 @@ def test_the_request_is_strict_camel_case() -> None:
     with pytest.raises(ValidationError):
         PlanRequest.model_validate({"model": "gpt-tiny@v1", "globalbatch": 8})
     with pytest.raises(ValidationError):
-        PlanRequest.model_validate({"model": {"parameters": -1}})
+        PlanRequest.model_validate({"model": {"parameters": 0.5}})  # the planner needs a whole parameter
     with pytest.raises(ValidationError):
         PlanRequest.model_validate({"model": "gpt-tiny@v1", "microBatches": [4, 0]})
     with pytest.raises(ValidationError):

@@ -137,3 +137,35 @@ def test_init_from_names_a_job_of_the_tenant_with_a_ready_checkpoint(
     assert [p.field for p in problems] == ([field] if field else [])
     if field == "initFrom.globalStep":
         assert "READY steps: 20, 40" in problems[0].message
+
+
+@pytest.mark.parametrize(("raw", "fields"), [
+    (b'{"a": 1, "b": true, "c": 1.5}', []),
+    (b'{"a": 1.0, "b": true, "c": 2}', []),  # JSON Schema: 1.0 is an integer, 2 a number
+    (b'{"a": "1", "b": true, "c": 1}', ["a"]),
+    (b'{"a": 1, "b": 0, "c": 1}', ["b"]),
+    (b'{"a": 1, "b": "yes", "c": "1.5"}', ["b", "c"]),
+    (b'{"a": 1, "b": true, "c": NaN}', ["body"]),
+    (b'{"a": 1e999, "b": true, "c": 1}', ["body"]),
+    (b"not json", []),  # FastAPI's own parsing reports it
+])
+def test_strict_bodies_have_the_types_of_their_schema(raw: bytes, fields: list[str]) -> None:
+    from pydantic import BaseModel, TypeAdapter
+
+    from trainyard_api.validation import strict_body_errors
+
+    class Body(BaseModel):
+        a: int
+        b: bool
+        c: float
+
+    assert [p.field for p in field_errors(strict_body_errors(TypeAdapter(Body), raw))] == fields
+
+
+def test_a_reference_that_is_not_name_at_version_says_so() -> None:
+    from trainyard_api.bodies import SubmittedSpec
+
+    with pytest.raises(ValidationError) as info:
+        SubmittedSpec.model_validate(spec_with(modelConfig=""))
+    assert [(p.field, "name@version" in p.message) for p in field_errors(info.value.errors())] == [
+        ("modelConfig", True)]

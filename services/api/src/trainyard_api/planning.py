@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
@@ -80,6 +80,16 @@ from trainyard_planner import (
     training_time,
 )
 
+from trainyard_api.bodies import (
+    MAX_BATCH,
+    MAX_BYTES,
+    MAX_DEVICES,
+    BoundedModelConfig,
+    CatalogRef,
+    PlanBytesPerParameter,
+    PlanDevice,
+    PlanLayout,
+)
 from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors
 
 T = TypeVar("T")
@@ -102,6 +112,7 @@ fsync'd sequential rate, conservatively); calibration corrects it."""
 SUBMISSION_RECOMPUTE = Recompute.SELECTIVE  # fused SDPA attention; see the module docstring
 PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
 _GB = 1e9
+_MAX_SECONDS = 1e12  # ~31,700 years
 
 
 @dataclass(frozen=True)
@@ -149,35 +160,42 @@ class _Out(BaseModel):
 class ParameterCount(_In):
     """A model known only by its size; a plausible GPT shape is derived for the activations."""
 
-    parameters: float = Field(gt=0, examples=[70e9])
-    seq_len: int = Field(default=2048, gt=0)
-    vocab_size: int = Field(default=32_000, gt=0)
+    parameters: float = Field(ge=1, le=1e15, examples=[70e9])
+    seq_len: int = Field(default=2048, gt=0, le=1_048_576)
+    vocab_size: int = Field(default=32_000, gt=0, le=1_000_000)
 
 
 class PlanTopology(_In):
     """The links the devices talk over; each bandwidth defaults to the device's datasheet figure."""
 
-    devices_per_node: int | None = Field(default=None, gt=0, description="default: the device's NVLink domain")
-    nodes_per_rack: int = Field(default=4, gt=0)
-    nvlink_bandwidth: float | None = Field(default=None, gt=0, description="bytes/s per device, one direction")
-    intra_rack_bandwidth: float | None = Field(default=None, gt=0, description="bytes/s per device (its NIC)")
-    cross_rack_bandwidth: float | None = Field(default=None, gt=0,
+    devices_per_node: int | None = Field(default=None, gt=0, le=MAX_DEVICES,
+                                         description="default: the device's NVLink domain")
+    nodes_per_rack: int = Field(default=4, gt=0, le=MAX_DEVICES)
+    nvlink_bandwidth: float | None = Field(default=None, ge=1, le=MAX_BYTES,
+                                           description="bytes/s per device, one direction")
+    intra_rack_bandwidth: float | None = Field(default=None, ge=1, le=MAX_BYTES,
+                                               description="bytes/s per device (its NIC)")
+    cross_rack_bandwidth: float | None = Field(default=None, ge=1, le=MAX_BYTES,
                                                description="bytes/s per device; default: intraRackBandwidth")
 
 
 class PlanCheckpoint(_In):
     """Checkpoint inputs: the size comes from the model, the rest from here."""
 
-    write_bandwidth: float = Field(gt=0, description="bytes/s the whole job writes at", examples=[10e9])
-    mtbf_seconds: float | None = Field(default=None, gt=0, description="the whole job's MTBF")
+    write_bandwidth: float = Field(ge=1, le=MAX_BYTES, description="bytes/s the whole job writes at",
+                                   examples=[10e9])
+    mtbf_seconds: float | None = Field(default=None, ge=1, le=_MAX_SECONDS, description="the whole job's MTBF")
     device_mtbf_hours: float | None = Field(
-        default=None, gt=0, description=f"one device's MTBF (job MTBF = this / devices); default "
-                                        f"{DEFAULT_DEVICE_MTBF_HOURS:.0f} h when mtbfSeconds is absent too")
-    keep_last: int = Field(default=3, gt=0)
-    jobs: int = Field(default=1, gt=0, description="jobs of this size sharing the storage")
-    interval_seconds: float | None = Field(default=None, gt=0, description="evaluate this interval; default Daly's")
-    restart_seconds: float = Field(default=0.0, ge=0)
-    size_bytes: float | None = Field(default=None, gt=0, description="override the size derived from the model")
+        default=None, ge=0.001, le=_MAX_SECONDS / 3600,
+        description=f"one device's MTBF (job MTBF = this / devices); default {DEFAULT_DEVICE_MTBF_HOURS:.0f} h "
+                    "when mtbfSeconds is absent too")
+    keep_last: int = Field(default=3, gt=0, le=1000)
+    jobs: int = Field(default=1, gt=0, le=MAX_DEVICES, description="jobs of this size sharing the storage")
+    interval_seconds: float | None = Field(default=None, ge=0.001, le=_MAX_SECONDS,
+                                           description="evaluate this interval; default Daly's")
+    restart_seconds: float = Field(default=0.0, ge=0, le=_MAX_SECONDS)
+    size_bytes: float | None = Field(default=None, ge=1, le=MAX_BYTES,
+                                     description="override the size derived from the model")
 
     @model_validator(mode="after")
     def _one_mtbf(self) -> PlanCheckpoint:
@@ -189,26 +207,30 @@ class PlanCheckpoint(_In):
 class PlanRequest(_In):
     """``POST /v1/plan``: the same inputs as ``trainyard plan …``."""
 
-    model: str | ModelConfig | ParameterCount = Field(
+    model: CatalogRef | BoundedModelConfig | ParameterCount = Field(
         description="catalog reference name@version, an inline model (as in a spec), or {parameters: N}")
-    sequence_length: int | None = Field(default=None, gt=0, description="default: the model's maxSeqLen / seqLen")
-    layout: Layout | Literal["recommend"] | None = Field(
+    sequence_length: int | None = Field(default=None, gt=0, le=1_048_576,
+                                        description="default: the model's maxSeqLen / seqLen")
+    layout: PlanLayout | Literal["recommend"] | None = Field(
         default=None, description='a layout {dp, tp, pp, zeroStage, microBatch, microbatches, …}, or "recommend"; '
                                   "default: plain data parallelism over every device")
-    device: str | DeviceSpec = Field(
+    device: Annotated[str, Field(min_length=1, max_length=64)] | PlanDevice = Field(
         default="h100-80gb", description="a known device type, cpu (a rank of the platform's CPU hosts, at the "
                                          "configured peak), or an inline spec")
-    devices: int | None = Field(default=None, gt=0, description="default: the layout's world size")
+    devices: int | None = Field(default=None, gt=0, le=MAX_DEVICES, description="default: the layout's world size")
     topology: PlanTopology = PlanTopology()
-    global_batch: int | None = Field(default=None, gt=0, description="sequences per step (needed to recommend)")
-    micro_batches: list[PositiveInt] = Field(default=[1, 2, 4, 8], min_length=1, description="micro-batch sizes to try")
-    precision: Literal["mixed", "fp32"] | BytesPerParameter = Field(
+    global_batch: int | None = Field(default=None, gt=0, le=MAX_BATCH,
+                                     description="sequences per step (needed to recommend)")
+    micro_batches: list[Annotated[int, Field(gt=0, le=MAX_BATCH)]] = Field(
+        default=[1, 2, 4, 8], min_length=1, max_length=8, description="micro-batch sizes to try")
+    precision: Literal["mixed", "fp32"] | PlanBytesPerParameter = Field(
         default="mixed", description='"mixed" (bf16 + fp32 Adam, 16 B), "fp32" (16 B), or bytes per kind')
     headroom: float = Field(default=DEFAULT_HEADROOM, ge=0, lt=1)
-    efficiency: float = Field(default=DEFAULT_EFFICIENCY, gt=0, le=1, description="share of peak while computing")
+    efficiency: float = Field(default=DEFAULT_EFFICIENCY, ge=1e-4, le=1,
+                              description="share of peak while computing")
     dp_overlap: float = Field(default=0.0, ge=0, le=1, description="share of DP communication hidden by backward")
-    tokens: float | None = Field(default=None, gt=0, description="training tokens, for time to train")
-    mfu: float | None = Field(default=None, gt=0, le=1, description="default: the estimated layout's MFU")
+    tokens: float | None = Field(default=None, ge=1, le=1e18, description="training tokens, for time to train")
+    mfu: float | None = Field(default=None, ge=1e-4, le=1, description="default: the estimated layout's MFU")
     checkpoint: PlanCheckpoint | None = None
     limit: int = Field(default=10, gt=0, le=1000, description="layouts listed per kind when recommending")
     calibrate: bool = Field(default=True, description="add estimates corrected by what the platform measured on "
@@ -273,19 +295,29 @@ class CalibratedPlan(_Out):
     notes: list[str] = Field(default=[], description="what was corrected, by how much, from how many samples")
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class PlanResponse(_Out):
     model: ModelSummary
     device: DeviceSpec
     devices: int
     topology: Topology
-    memory: MemoryBreakdown | None = Field(description="of the layout, or of the best recommended one")
-    step: StepEstimate | None = Field(description="the given layout's step (absent when recommending)")
-    recommendation: RecommendationView | None
+    memory: MemoryBreakdown | None = Field(
+        default=None, exclude_if=_absent, description="of the layout, or of the best recommended one (absent when "
+                                                      "no layout fits)")
+    step: StepEstimate | None = Field(default=None, exclude_if=_absent,
+                                      description="the given layout's step (absent when recommending)")
+    recommendation: RecommendationView | None = Field(default=None, exclude_if=_absent,
+                                                      description='present when the layout is "recommend"')
     compute: ComputeSummary
-    checkpoint: CheckpointPlan | None
+    checkpoint: CheckpointPlan | None = Field(default=None, exclude_if=_absent,
+                                              description="present when the request has `checkpoint`")
     calibrated: CalibratedPlan | None = Field(
-        default=None, description="the estimates corrected by the platform's measurements on this device type; "
-                                  "absent when it has none (see GET /v1/plan/calibration)")
+        default=None, exclude_if=_absent, description="the estimates corrected by the platform's measurements on "
+                                                      "this device type; absent when it has none (see GET "
+                                                      "/v1/plan/calibration) or `calibrate` is false")
 
 
 PLAN_EXAMPLES = {

@@ -1,6 +1,7 @@
 """Spec validation that speaks the wire format: every problem names its camelCase dotted field.
 
-Pure functions, no I/O. Two stages:
+Pure functions, no I/O. Two stages (and :func:`strict_body_errors`, which holds a JSON body to the
+types its schema gives):
 
 1. :func:`field_errors` turns pydantic's errors (from ``TrainingSpec`` validation, or
    FastAPI's ``RequestValidationError``) into ``FieldProblem(field, message)``: union
@@ -12,18 +13,20 @@ Pure functions, no I/O. Two stages:
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NoReturn
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from trainyard_common.catalog import ModelConfig
 from trainyard_common.errors import SpecError
-from trainyard_common.spec import TrainingSpec
+from trainyard_common.spec import REF_PATTERN, TrainingSpec
 
 # FastAPI prefixes a location with where the value came from; only the body is the spec.
 _SOURCES = ("body", "query", "path", "header", "cookie")
@@ -77,10 +80,12 @@ def spec_field_paths(model: type[BaseModel] = TrainingSpec) -> tuple[str, ...]:
 
 
 def _is_branch_tag(part: Any) -> bool:
-    """pydantic names a union member in the location: ``str``, ``ModelConfig``, ``function-after[…]``."""
+    """pydantic names a union member in the location: ``str``, ``constrained-str``, ``ModelConfig``,
+    ``function-after[…]`` (field names are camelCase: never capitalised, never with ``-`` or ``[``)."""
     if not isinstance(part, str):
         return False
-    return "[" in part or part[:1].isupper() or part in {"str", "int", "float", "bool", "none", "dict", "list"}
+    return ("[" in part or part[:1].isupper() or part.startswith("constrained-")
+            or part in {"str", "int", "float", "bool", "none", "dict", "list"})
 
 
 def _format_path(parts: Iterable[Any]) -> str:
@@ -116,6 +121,8 @@ def _clean_message(error: Mapping[str, Any]) -> str:
         return "unknown field: it is not part of the spec (check the spelling; fields are camelCase)"
     if kind == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', msg)}"
+    if kind == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == REF_PATTERN:
+        return "must be a reference name@version (letters, digits, '.', '_' and '-'; e.g. tinycorpus@v1)"
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
             return msg[len(prefix):]
@@ -148,6 +155,9 @@ def _drop_mismatched_branches(errors: list[Mapping[str, Any]]) -> list[Mapping[s
         matched = {t for t, errs in branches.items()
                    if not all(_TYPE_ERROR.match(e.get("type", "")) and not _split_location(e["loc"])[2]
                               for e in errs)}
+        if matched:  # of the branches that took the value's type, the one it is closest to
+            fewest = min(len(branches[t]) for t in matched)
+            matched = {t for t in matched if len(branches[t]) == fewest}
         if matched:
             if tag in matched:
                 kept.append({**error, "loc": (*head, *rest)})
@@ -162,6 +172,7 @@ def _drop_mismatched_branches(errors: list[Mapping[str, Any]]) -> list[Mapping[s
 def _branch_name(tag: str) -> str:
     if "[" in tag:  # function-after[validator(), ModelConfig]
         return tag.rsplit(",", 1)[-1].strip(" ]") + " object"
+    tag = tag.removeprefix("constrained-")
     return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(tag, tag)
 
 
@@ -188,6 +199,42 @@ def field_errors(errors: Sequence[Mapping[str, Any]]) -> list[FieldProblem]:
         if problem not in problems:
             problems.append(problem)
     return problems
+
+
+# ----------------------------------------------------------------------------- strict bodies
+
+
+class _NotJsonNumber(ValueError):
+    pass
+
+
+def _json_number(text: str) -> int | float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJsonNumber(f"{text} is out of the range of a number")
+    return int(value) if value.is_integer() else value  # JSON Schema: 5.0 is the integer 5
+
+
+def _not_json(constant: str) -> NoReturn:
+    raise _NotJsonNumber(f"{constant} is not a JSON number")
+
+
+def strict_body_errors(adapter: TypeAdapter[Any], raw: bytes) -> list[dict[str, Any]]:
+    """pydantic's errors (located under ``body``) for the JSON ``raw`` against ``adapter``'s type in strict
+    mode: ``0`` is not ``false``, ``"5"`` is not ``5``; ``5.0`` is the integer 5, as in JSON Schema;
+    ``NaN`` and ``Infinity`` are not JSON numbers. Empty when it conforms, and when it is no JSON at all
+    (the lax validation reports that)."""
+    try:
+        body = json.loads(raw, parse_float=_json_number, parse_constant=_not_json)
+    except _NotJsonNumber as exc:
+        return [{"type": "json_invalid", "loc": ("body",), "msg": str(exc), "ctx": {"error": str(exc)}}]
+    except ValueError:
+        return []
+    try:
+        adapter.validate_json(json.dumps(body), strict=True)
+    except ValidationError as exc:
+        return [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+    return []
 
 
 # ----------------------------------------------------------------------------- references

@@ -1,0 +1,84 @@
+"""The shared models as request bodies take them: the same fields, with every bound the API enforces
+stated on the field, so that validation and the OpenAPI document are one thing.
+
+``TrainingSpec`` (trainyard_common) checks in a model validator that a string ``modelConfig`` is a
+catalog reference; here the string carries the pattern. Its seed may reach 2**63, past what JSON
+carries exactly in most implementations (and past what schema validators compare exactly); here it
+stops at 2**53 - 1. ``ModelConfig`` and the planner's models leave some numbers unbounded; here each
+has a range inside which the planner's arithmetic stays finite and its enumeration of layouts small. Each class is its parent with narrower fields, so everything
+downstream takes it as the parent.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from trainyard_common.catalog import ModelConfig
+from trainyard_common.spec import REF_PATTERN, Training, TrainingSpec
+from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
+
+MAX_SAFE_INTEGER = 2**53 - 1
+"""Largest integer every JSON implementation carries exactly (I-JSON, RFC 7493): the bound of a seed."""
+MAX_DEVICES = 65_536
+"""Most devices one job or plan may name (``resources.gpuCount`` has the same bound)."""
+MAX_BATCH = 2**24
+"""Most sequences per step, micro-batches per step, or sequences per micro-batch."""
+MAX_FLOPS = 1e21
+"""Peak FLOP/s of one device (a thousand times an H100's)."""
+MAX_BYTES = 1e18
+"""Bytes of memory, of a checkpoint, or per second of a link."""
+
+CatalogRef = Annotated[str, Field(pattern=REF_PATTERN, max_length=128, examples=["gpt-tiny@v1"])]
+
+
+class BoundedModelConfig(ModelConfig):
+    """An inline model."""
+
+    d_ff: Annotated[int | None, Field(le=16 * 65_536)] = ModelConfig.model_fields["d_ff"]
+
+
+class SubmittedTraining(Training):
+    """How to train: steps, batch, optimizer, schedule."""
+
+    seed: int = Field(default=0, ge=0, le=MAX_SAFE_INTEGER)
+
+
+class SubmittedSpec(TrainingSpec):
+    """A TrainingSpec as ``POST /v1/training-jobs`` takes it (the same JSON, the same hash)."""
+
+    model_config_ref: Annotated[CatalogRef | BoundedModelConfig, Field(
+        alias="modelConfig", description="catalog reference name@version, or an inline model")]
+    training: SubmittedTraining
+
+
+class PlanLayout(Layout):
+    """A parallel layout; dp x tp x pp is the number of devices."""
+
+    dp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["dp"]
+    tp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["tp"]
+    pp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["pp"]
+    micro_batch: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["micro_batch"]
+    microbatches: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["microbatches"]
+    virtual_stages: Annotated[int, Field(le=512)] = Layout.model_fields["virtual_stages"]
+
+
+class PlanDevice(DeviceSpec):
+    """An accelerator given inline: peak, memory and link bandwidths (one direction)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = DeviceSpec.model_fields["name"]
+    peak_flops: Annotated[float, Field(ge=1e6, le=MAX_FLOPS)] = DeviceSpec.model_fields["peak_flops"]
+    memory_bytes: Annotated[float, Field(ge=1e6, le=MAX_BYTES)] = DeviceSpec.model_fields["memory_bytes"]
+    nvlink_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["nvlink_bandwidth"]
+    network_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["network_bandwidth"]
+    nvlink_domain: Annotated[int, Field(le=MAX_DEVICES)] = DeviceSpec.model_fields["nvlink_domain"]
+
+
+class PlanBytesPerParameter(BytesPerParameter):
+    """Bytes of training state per parameter, by kind (at most 64 each)."""
+
+    weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["weights"]
+    gradients: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["gradients"]
+    master_weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["master_weights"]
+    optimizer_states: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["optimizer_states"]
