@@ -3,7 +3,8 @@
 ``create_app(context)`` builds the app over an :class:`ApiContext` (Redis-backed store,
 outbox, bus); the process wiring (uvicorn next to a ServiceRuntime) lives in ``server.py``.
 Errors from ``trainyard_common.errors`` map to HTTP: SpecError 422 (with every bad field),
-AuthError 401, NotFoundError 404, ConflictError 409, InfrastructureError 503.
+AuthError 401, NotFoundError 404, ConflictError 409, InfrastructureError and a Redis that cannot
+serve 503; anything else is a 500. Every route documents each status it can answer, with its body.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, TypeAdapter
+from redis import exceptions as redis_errors
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from trainyard_common.bus import Bus
 from trainyard_common.errors import (
@@ -32,13 +39,14 @@ from trainyard_common.errors import (
 from trainyard_common.events import JobState
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import DatasetRecord, TenantToken
-from trainyard_common.spec import TrainingSpec
+from trainyard_common.spec import REF_PATTERN
 from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.admin import AdminService
 from trainyard_api.auth import NotAdminError, authenticate, require_admin
+from trainyard_api.bodies import SubmittedSpec
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.jobs import JobService
@@ -61,11 +69,15 @@ from trainyard_api.schemas import (
 )
 from trainyard_api.settings import ApiSettings
 from trainyard_api.telemetry import TelemetryMiddleware
-from trainyard_api.validation import InvalidSpecError, field_errors
+from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors, strict_body_errors
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.views import checkpoint_view, goodput_view
 
 log = logging.getLogger(__name__)
+
+REDIS_OUTAGES = (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ReadOnlyError,
+                 redis_errors.TryAgainError, redis_errors.ClusterDownError, redis_errors.OutOfMemoryError)
+"""Redis errors that mean the store cannot serve now (503, retry); any other is a refused command (500)."""
 
 DESCRIPTION = """\
 Submit, watch and control LLM training jobs on trainyard.
@@ -80,7 +92,12 @@ Submit, watch and control LLM training jobs on trainyard.
 * Admin routes (`/v1/admin/…`) need a token created with `trainyard admin create-token --admin`; other
   tokens get `403`.
 * Invalid input is a `422` whose `detail` lists every bad field by its dotted camelCase
-  path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`.
+  path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`; query and
+  path parameters keep their source (`query.limit`). Bodies are JSON with the types this document
+  gives (`0` is not `false`, `"5"` is not `5`).
+* `503` (with `Retry-After`) means the state store is unavailable, nothing else.
+* `OPTIONS` on a path answers `204` with `Allow` listing its methods; a method the path does not
+  have answers `405` with the same `Allow`.
 """
 
 TAGS = [
@@ -98,13 +115,33 @@ TAGS = [
                                           "`trainyard_goodput_device_seconds{tenant,kind}`); no authentication."},
 ]
 
-_AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorMessage, "description": "missing or unknown bearer token"},
-}
-_JOB_ERRORS: dict[int | str, dict[str, Any]] = {
-    **_AUTH_ERRORS,
-    404: {"model": ErrorMessage, "description": "no such job for this tenant"},
-}
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _error(status: int, description: str, *, model: type[Any] = ErrorMessage,
+           headers: dict[str, str] | None = None) -> Responses:
+    """One documented error response; ``headers``: name → description of headers it always carries."""
+    doc: dict[str, Any] = {"model": model, "description": description}
+    if headers:
+        doc["headers"] = {name: {"description": text, "required": True, "schema": {"type": "string"}}
+                          for name, text in headers.items()}
+    return {status: doc}
+
+
+def _invalid(description: str = "invalid parameters, each named by field (`query.limit`, `path.jobId`)"
+             ) -> Responses:
+    return _error(422, description, model=FieldErrors)
+
+
+_NOT_JSON = _error(415, "the body is not sent as `application/json`")
+_UNAUTHORIZED = _error(401, "missing, malformed, unknown or revoked bearer token",
+                       headers={"WWW-Authenticate": "`Bearer`"})
+_UNAVAILABLE = _error(503, "the state store (Redis) is unavailable; retry", headers={"Retry-After": "seconds"})
+_AUTH_ERRORS: Responses = {**_UNAUTHORIZED, **_UNAVAILABLE}
+_JOB_ERRORS: Responses = {**_AUTH_ERRORS, **_error(404, "no such job for this tenant"), **_invalid()}
+_ADMIN_ERRORS: Responses = {**_AUTH_ERRORS, **_error(403, "the token is not an admin token")}
+MAX_OFFSET = 2**31 - 1
+"""Largest list offset or page size a client may send (a page past the end is empty)."""
 
 
 @dataclass
@@ -156,10 +193,37 @@ async def _admin(token: Annotated[TenantToken, Depends(_tenant)]) -> TenantToken
     return require_admin(token)
 
 
+def _strict_body(model: type[BaseModel]) -> Any:
+    """A dependency holding the body to JSON (415 otherwise) of the types of ``model`` (see
+    :func:`strict_body_errors`), after authentication and ahead of FastAPI's own, lax, validation."""
+    adapter = TypeAdapter(model)
+
+    async def validate(request: Request, _: Annotated[TenantToken, Depends(_tenant)]) -> None:
+        body = await request.body()
+        if body and not is_json(request.headers.get("content-type")):
+            raise StarletteHTTPException(415, "the body must be JSON: send Content-Type: application/json")
+        if errors := strict_body_errors(adapter, body):
+            raise RequestValidationError(errors)
+
+    return Depends(validate)
+
+
+async def _one_value_per_query_parameter(request: Request) -> None:
+    """Every query parameter of this API takes one value: a repeated one is a 422, not its last value
+    (other query parameters are ignored, repeated or not)."""
+    route = request.scope.get("route")
+    declared = {param.alias for param in route.dependant.query_params} if isinstance(route, APIRoute) else set()
+    keys = [key for key, _ in request.query_params.multi_items() if key in declared]
+    if repeated := sorted({key for key in keys if keys.count(key) > 1}):
+        raise RequestValidationError([{"type": "value_error", "loc": ("query", key),
+                                       "msg": "given more than once; it takes one value"} for key in repeated])
+
+
 Ctx = Annotated[ApiContext, Depends(_context)]
 Tenant = Annotated[TenantToken, Depends(_tenant)]
 Admin = Annotated[TenantToken, Depends(_admin)]
-JobId = Annotated[str, Path(description="job id, `job-` + 12 hex", examples=["job-3f2a9c1b7e4d"])]
+JobId = Annotated[str, Path(max_length=128, description="job id, `job-` + 12 hex",
+                             examples=["job-3f2a9c1b7e4d"])]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -169,16 +233,26 @@ def _install_error_handlers(app: FastAPI) -> None:
     def _message(status: int, exc: TrainyardError, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse({"detail": exc.message}, status_code=status, headers=headers)
 
+    def _problems(problems: list[FieldProblem]) -> JSONResponse:
+        return JSONResponse({"detail": [p.as_dict() for p in problems]}, status_code=422)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = field_errors(exc.errors())
-        return JSONResponse({"detail": [p.as_dict() for p in problems]}, status_code=422)
+        return _problems(field_errors(exc.errors()))
 
     @app.exception_handler(SpecError)
     async def _spec(_: Request, exc: SpecError) -> JSONResponse:
         problems = exc.problems if isinstance(exc, InvalidSpecError) else None
-        detail = [p.as_dict() for p in problems] if problems else [{"field": exc.field, "message": exc.detail}]
-        return JSONResponse({"detail": detail}, status_code=422)
+        return _problems(problems or [FieldProblem(exc.field, exc.detail)])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+            # FastAPI answers 400 when a JSON body is not UTF-8; it is as invalid as unparsable JSON
+            return _problems([FieldProblem("body", f"the body is not valid JSON: it is not UTF-8 ({exc.__cause__})")])
+        if exc.status_code == 405:
+            return method_not_allowed(request)
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(NotAdminError)
     async def _forbidden(_: Request, exc: NotAdminError) -> JSONResponse:
@@ -198,15 +272,41 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TrainyardError)
     async def _other(_: Request, exc: TrainyardError) -> JSONResponse:
-        status = 503 if exc.retryable or isinstance(exc, InfrastructureError) else 400
-        log.warning("request failed: %r", exc)
-        return _message(status, exc, {"Retry-After": "1"} if status == 503 else None)
+        if exc.retryable or isinstance(exc, InfrastructureError):
+            log.warning("request failed: %r", exc)
+            return _message(503, exc, {"Retry-After": "1"})
+        # every error a client can cause has its own status above: this one is ours
+        log.error("request failed", exc_info=exc)
+        return JSONResponse({"detail": "internal error"}, status_code=500)
 
     @app.exception_handler(RedisError)
     async def _redis(_: Request, exc: RedisError) -> JSONResponse:
-        log.warning("redis unavailable: %r", exc)
-        return JSONResponse({"detail": "the state store (Redis) is unavailable; retry shortly"},
-                            status_code=503, headers={"Retry-After": "1"})
+        if isinstance(exc, REDIS_OUTAGES):
+            log.warning("redis unavailable: %r", exc)
+            return JSONResponse({"detail": "the state store (Redis) is unavailable; retry shortly"},
+                                status_code=503, headers={"Retry-After": "1"})
+        # Redis answered, and refused the command: a bug of ours, not an outage to retry
+        log.error("redis refused a command", exc_info=exc)
+        return JSONResponse({"detail": "internal error"}, status_code=500)
+
+
+def is_json(content_type: str | None) -> bool:
+    """``application/json`` or ``application/…+json``, with any parameters (what FastAPI parses as JSON)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def method_not_allowed(request: Request) -> Response:
+    """OPTIONS on a route's path: 204 with every method of the path in ``Allow``; any other method the
+    path does not have: 405 with the same ``Allow`` (Starlette's own lists only the first route's)."""
+    methods: set[str] = {"OPTIONS"}
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    allow = ", ".join(sorted(methods))
+    if request.method == "OPTIONS":
+        return Response(status_code=204, headers={"Allow": allow})
+    return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": allow})
 
 
 # ----------------------------------------------------------------------------- routes
@@ -214,17 +314,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _install_job_routes(app: FastAPI) -> None:
     @app.post(
-        "/v1/training-jobs", status_code=202, response_model=SubmitResponse, response_model_exclude_none=True,
+        "/v1/training-jobs", status_code=202, response_model=SubmitResponse,
+        dependencies=[_strict_body(SubmittedSpec)],
         tags=["jobs"], summary="Submit a training job",
-        responses={**_AUTH_ERRORS,
-                   409: {"model": ErrorMessage, "description": "Idempotency-Key reused with a different spec"},
-                   422: {"model": FieldErrors, "description": "invalid spec, unknown model or dataset"}},
+        responses={
+            202: {"headers": {
+                "Location": {"description": "the job's URL", "required": True, "schema": {"type": "string"}},
+                "Idempotent-Replayed": {"description": "`true` when an Idempotency-Key found an earlier job",
+                                        "schema": {"type": "string", "enum": ["true"]}}}},
+            **_AUTH_ERRORS,
+            **_NOT_JSON,
+            **_error(409, "Idempotency-Key reused with a different spec"),
+            **_invalid("an invalid spec (or a body that is not JSON), each problem named by field; also a valid "
+                       "one the platform cannot run: unknown model or dataset, a model that cannot fit the device, "
+                       "an initFrom job without that READY checkpoint, parallelism that does not multiply to "
+                       "gpuCount, a globalBatchSize that microBatchSize x data does not divide")},
     )
     async def submit_job(
         ctx: Ctx,
         tenant: Tenant,
         response: Response,
-        spec: Annotated[TrainingSpec, Body(openapi_examples={
+        spec: Annotated[SubmittedSpec, Body(openapi_examples={
             "tiny": {"summary": "the tiny example (examples/tiny.yaml)", "value": EXAMPLE_SPEC},
         })],
         idempotency_key: Annotated[str | None, Header(
@@ -245,13 +355,16 @@ def _install_job_routes(app: FastAPI) -> None:
         return SubmitResponse(job_id=job.job_id, state=job.state, spec_hash=job.spec_hash, warnings=warnings or None)
 
     @app.get("/v1/training-jobs", response_model=JobPage, tags=["jobs"], summary="List the tenant's jobs",
-             responses=_AUTH_ERRORS)
+             responses={**_AUTH_ERRORS, **_invalid()})
     async def list_jobs(
         ctx: Ctx,
         tenant: Tenant,
         state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
-        limit: Annotated[int | None, Query(gt=0, description="page size")] = None,
-        offset: Annotated[int, Query(ge=0, description="from `nextOffset` of the previous page")] = 0,
+        limit: Annotated[int | None, Query(
+            gt=0, le=MAX_OFFSET, description="page size; default and maximum are the server's "
+                                             "(TRAINYARD_API_PAGE_LIMIT, TRAINYARD_API_MAX_PAGE_LIMIT): a larger "
+                                             "one gets the maximum")] = None,
+        offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="from `nextOffset` of the previous page")] = 0,
     ) -> JobPage:
         """Newest first."""
         size = min(limit or ctx.settings.api_page_limit, ctx.settings.api_max_page_limit)
@@ -294,15 +407,19 @@ def _add_control_route(app: FastAPI, action: Literal["cancel", "pause", "resume"
     app.post(
         f"/v1/training-jobs/{{job_id}}/{action}", status_code=202, response_model=ControlResponse,
         tags=["jobs"], summary=f"{action.capitalize()} a job", name=f"{action}_job",
-        responses={**_JOB_ERRORS, 409: {"model": ErrorMessage, "description": "not allowed in the job's state"}},
+        responses={**_JOB_ERRORS, **_error(409, "not allowed in the job's state")},
     )(control)
 
 
 def _install_plan_routes(app: FastAPI) -> None:
     @app.post(
-        "/v1/plan", response_model=PlanResponse, response_model_exclude_none=True, tags=["planning"],
+        "/v1/plan", response_model=PlanResponse, tags=["planning"], dependencies=[_strict_body(PlanRequest)],
         summary="Plan capacity for a model on a set of devices",
-        responses={**_AUTH_ERRORS, 422: {"model": FieldErrors, "description": "invalid input, named by field"}},
+        responses={**_AUTH_ERRORS, **_NOT_JSON, **_invalid(
+            "invalid input (or a body that is not JSON), each problem named by field; also a valid one the planner "
+            "cannot answer: an unknown model or device, a layout whose dp x tp x pp differs from devices, a "
+            "globalBatch the layout does not give, recommending without globalBatch, a layout the model cannot "
+            "be split by")},
     )
     async def plan_capacity(
         ctx: Ctx,
@@ -324,12 +441,13 @@ def _install_plan_routes(app: FastAPI) -> None:
     @app.get(
         "/v1/plan/calibration", response_model=CalibrationReport, tags=["planning"],
         summary="The planner's calibration per device type: factors, and predicted vs measured",
-        responses=_AUTH_ERRORS,
+        responses={**_AUTH_ERRORS, **_invalid()},
     )
     async def plan_calibration(
         ctx: Ctx,
         tenant: Tenant,
-        device_type: Annotated[str | None, Query(alias="deviceType", description="only this device type")] = None,
+        device_type: Annotated[str | None, Query(alias="deviceType", max_length=64,
+                                                 description="only this device type")] = None,
         limit: Annotated[int, Query(ge=0, le=1000, description="rows per device type and kind, newest first")] = 20,
     ) -> CalibrationReport:
         """Per device type: the fitted step-time and checkpoint-write factors (measured / predicted),
@@ -347,9 +465,9 @@ def _install_plan_routes(app: FastAPI) -> None:
 
 
 def _install_goodput_and_admin_routes(app: FastAPI) -> None:
-    @app.get("/v1/goodput", response_model=GoodputReport, response_model_exclude_none=True, tags=["goodput"],
+    @app.get("/v1/goodput", response_model=GoodputReport, tags=["goodput"],
              summary="The tenant's goodput ledger",
-             responses={**_AUTH_ERRORS, 403: {"model": ErrorMessage, "description": "all=true without an admin token"}})
+             responses={**_AUTH_ERRORS, **_error(403, "all=true without an admin token"), **_invalid()})
     async def get_goodput(
         ctx: Ctx, tenant: Tenant,
         all_tenants: Annotated[bool, Query(alias="all", description="every tenant's ledger (admins only)")] = False,
@@ -367,11 +485,8 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
             others = {name: goodput_view(v) for name, v in (await accounting.all_tenants()).items()}
         return GoodputReport(tenant=tenant.tenant, jobs=jobs, ledger=goodput_view(ledger), tenants=others)
 
-    admin_errors: dict[int | str, dict[str, Any]] = {
-        **_AUTH_ERRORS, 403: {"model": ErrorMessage, "description": "the token is not an admin token"}}
-
     @app.get("/v1/admin/nodes", response_model=NodeList, tags=["admin"], summary="List nodes",
-             responses=admin_errors)
+             responses=_ADMIN_ERRORS)
     async def list_nodes(ctx: Ctx, _: Admin) -> NodeList:
         """Every node the scheduler knows: devices, rack, NVLink domain, network tier, health, last
         heartbeat, quarantine (reason, by, score, until) and the decaying reputation score (null
@@ -380,10 +495,10 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
 
     @app.post("/v1/admin/nodes/{node_id}/reinstate", status_code=202, response_model=ReinstateResponse,
               tags=["admin"], summary="Reinstate a quarantined node",
-              responses={**admin_errors, 404: {"model": ErrorMessage, "description": "no such node"}})
+              responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
     async def reinstate_node(
         ctx: Ctx, admin: Admin,
-        node_id: Annotated[str, Path(description="the node id", examples=["node-a"])],
+        node_id: Annotated[str, Path(max_length=128, description="the node id", examples=["node-a"])],
     ) -> ReinstateResponse:
         """Publish NodeReinstated (`by` = the admin token's name); the scheduler clears the
         quarantine and places on the node again."""
@@ -395,7 +510,7 @@ def _install_other_routes(app: FastAPI) -> None:
              summary="List a job's artifacts with lineage", responses=_JOB_ERRORS)
     async def list_artifacts(
         ctx: Ctx, tenant: Tenant,
-        job_id: Annotated[str, Query(alias="jobId", description="the job whose artifacts to list")],
+        job_id: Annotated[str, Query(alias="jobId", max_length=128, description="the job whose artifacts to list")],
     ) -> ArtifactList:
         """Checkpoint and final-model artifacts: spec hash, code revision, dataset manifest and hash,
         tokenizer, producing attempt, content hash."""
@@ -407,10 +522,10 @@ def _install_other_routes(app: FastAPI) -> None:
         return DatasetList(datasets=await ctx.jobs.datasets())
 
     @app.get("/v1/datasets/{ref}", response_model=DatasetRecord, tags=["datasets"], summary="Get a dataset",
-             responses={**_AUTH_ERRORS, 404: {"model": ErrorMessage, "description": "not published"}})
+             responses={**_AUTH_ERRORS, **_error(404, "not published"), **_invalid()})
     async def get_dataset(
         ctx: Ctx, tenant: Tenant,
-        ref: Annotated[str, Path(description="name@version", examples=["tinycorpus@v1"])],
+        ref: Annotated[str, Path(pattern=REF_PATTERN, description="name@version", examples=["tinycorpus@v1"])],
     ) -> DatasetRecord:
         return await ctx.jobs.dataset(ref)
 
@@ -441,6 +556,7 @@ def create_app(context: ApiContext) -> FastAPI:
         version="1.0.0",
         description=DESCRIPTION,
         openapi_tags=TAGS,
+        dependencies=[Depends(_one_value_per_query_parameter)],
     )
     app.state.context = context
     app.add_middleware(TelemetryMiddleware)

@@ -43,8 +43,9 @@ class SubmitResponse(_Out):
     state: JobState = Field(examples=["queued"])
     spec_hash: str = Field(examples=["sha256:9b1c…"])
     warnings: list[str] | None = Field(
-        default=None, description="present only when the planner has something to say, e.g. a model that "
-                                  "fits the device's memory only inside the 15 % headroom")
+        default=None, exclude_if=lambda v: v is None,
+        description="present only when the planner has something to say, e.g. a model that fits the device's "
+                    "memory only inside the 15 % headroom")
 
 
 class ControlResponse(_Out):
@@ -243,7 +244,7 @@ class GoodputReport(_Out):
     jobs: int = Field(description="jobs summed")
     ledger: GoodputView
     tenants: dict[str, GoodputView] | None = Field(
-        default=None, description="every tenant's ledger (admins, with ?all=true)")
+        default=None, exclude_if=lambda v: v is None, description="every tenant's ledger (present with ?all=true)")
 
 
 class NodeQuarantineView(_Out):
