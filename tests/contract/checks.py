@@ -1,0 +1,72 @@
+"""A schemathesis check of this API's own: schema-valid input may be refused (422) only for the rules
+that live beyond what a JSON Schema can say, each named here with the field it is reported on.
+
+``POST /v1/training-jobs`` and ``POST /v1/plan`` check references (the model catalog, the dataset
+registry, an earlier job's checkpoints), relations between fields (dp x tp x pp = devices, a batch
+the micro-batches divide) and what the planner computes (a model that cannot fit its device). Their
+422 to a request the document calls valid must name only such a rule; a 422 for anything else
+means the document lacks a constraint the server enforces. Loaded by test_openapi.py, and by the
+CLI through ``hooks`` in schemathesis.toml.
+"""
+
+from __future__ import annotations
+
+import re
+
+import schemathesis
+from schemathesis import CheckContext, Case, Response
+
+# (field, message) patterns per operation: the rules the document cannot state.
+RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
+    "POST /v1/training-jobs": [
+        ("modelConfig", r"^unknown model |does not fit one "),  # the catalog; the planner's memory estimate
+        ("modelConfig.dModel", r"must be divisible by nHeads"),
+        ("dataset", r"^unknown dataset "),  # the dataset registry
+        ("parallelism", r"must equal resources\.gpuCount"),
+        ("parallelism.tensor", r"must divide nHeads"),
+        ("resources.gpuType", r"GB per device and this job needs"),
+        ("training.globalBatchSize", r"must be a multiple of microBatchSize"),
+        ("training.sequenceLength", r"exceeds maxSeqLen"),
+        (r"checkpointPolicy\.\w+", r"set exactly one of everySteps or everyMinutes|with auto, set at most one"),
+        ("initFrom.jobId", r"^unknown job |has no READY checkpoint"),  # an earlier job of the tenant
+        ("initFrom.globalStep", r"has no READY checkpoint at step"),
+    ],
+    "POST /v1/plan": [
+        ("model", r"^unknown model "),
+        (r"model(\.dModel)?", r"must be divisible by nHeads"),
+        ("sequenceLength", r"exceeds maxSeqLen"),
+        ("device", r"unknown device"),
+        ("layout", r"must equal devices"),
+        ("globalBatch", r"required to recommend|differs from the layout's"),
+        ("checkpoint", r"give mtbfSeconds or deviceMtbfHours, not both"),
+    ],
+}
+
+
+def unexplained_problems(operation: str, detail: object) -> list[dict[str, str]]:
+    """The problems of a 422 body that no rule of ``operation`` explains (all of them when it has none)."""
+    rules = RULES_BEYOND_THE_SCHEMA.get(operation, [])
+    problems = detail if isinstance(detail, list) else [{"field": "", "message": str(detail)}]
+    return [p for p in problems
+            if not any(re.fullmatch(field, str(p.get("field"))) and re.search(message, str(p.get("message")))
+                       for field, message in rules)]
+
+
+@schemathesis.check
+def rejects_valid_input_only_for_rules_beyond_the_schema(
+    ctx: CheckContext, response: Response, case: Case
+) -> bool | None:
+    """A 422 to positive (schema-valid) input names only rules the document cannot state."""
+    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 422:
+        return None
+    if case.operation.label not in RULES_BEYOND_THE_SCHEMA:
+        return None  # positive_data_acceptance reports it
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = response.text
+    if unexplained := unexplained_problems(case.operation.label, detail):
+        raise AssertionError(
+            "schema-valid input refused for a rule the document does not state (give the field the "
+            f"constraint, or name the rule in tests/contract/checks.py if no schema can): {unexplained}")
+    return None

@@ -1,0 +1,72 @@
+"""The OpenAPI document tells the truth: schemathesis builds requests from it (valid ones, and invalid
+ones from every constraint it states), sends them to the real API process (uvicorn and its
+ServiceRuntime) over the suite's broker and Redis, and holds each answer to the document with every
+check it has: status codes, bodies, headers and content types as documented, no 5xx, invalid input
+refused and valid input accepted, authentication not ignored, ``Allow`` listing the path's methods.
+
+``schemathesis.toml`` beside this file configures the run (tokens, which 422s valid input may get),
+``checks.py`` adds this API's own check; ``st --config-file tests/contract/schemathesis.toml run …``
+runs the same at any size by hand. The budget here is small (derandomized, so every run sends the same
+requests); the by-hand runs are the large ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import tests.contract.checks  # noqa: F401 - registers this API's own check
+from tests.support.api import api_in_thread
+
+CONFIG = Path(__file__).with_name("schemathesis.toml")
+BUDGET = settings(max_examples=25, stateful_step_count=4, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+
+pytestmark = [
+    pytest.mark.contract, pytest.mark.integration, pytest.mark.slow,
+    # schemathesis's own strategies draw from `random`; derandomized runs still send the same requests
+    pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies"),
+]
+
+
+@pytest.fixture
+def api_schema(env: dict[str, object]) -> Iterator[schemathesis.BaseSchema]:
+    """The document the running API serves, configured by schemathesis.toml."""
+    with api_in_thread(env, admin=True) as url:
+        yield schemathesis.openapi.from_url(f"{url}/openapi.json", config=schemathesis.Config.from_path(CONFIG))
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def credentials(case: schemathesis.Case) -> dict[str, str]:
+    """The configured token, passed as this call's own: the checks then know it for a real credential
+    (and that a 2xx without it would be authentication ignored)."""
+    return case.operation.schema.config.headers_for(operation=case.operation)
+
+
+@schema.parametrize()
+@BUDGET
+def test_every_operation_answers_as_the_document_says(case: schemathesis.Case) -> None:
+    case.call_and_validate(headers=credentials(case))
+
+
+def test_sequences_of_calls_answer_as_the_document_says(api_schema: schemathesis.BaseSchema) -> None:
+    """Submit a job, then read, list, pause or cancel it by the ids the answers give (the document's links)."""
+
+    class Scenarios(api_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
+            return {"headers": credentials(case)}
+
+        def validate_response(self, response: schemathesis.Response, case: schemathesis.Case,
+                              additional_checks: Any = None, **kwargs: Any) -> None:
+            case.validate_response(response, additional_checks=additional_checks, headers=kwargs.get("headers"),
+                                   transport_kwargs=kwargs, recorder=getattr(self, "recorder", None))
+
+    run_state_machine_as_test(Scenarios, settings=BUDGET)
