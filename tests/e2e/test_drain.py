@@ -1,13 +1,16 @@
 """A planned stop is not a failure: `trainyard dev down` (what `make down` runs) while two jobs train drains
 them — their ranks checkpoint at an agreed step and stop, interrupted by maintenance — and after
 `trainyard dev up` both resume from that checkpoint by themselves; no node is blamed or quarantined and no
-failure budget is spent. The commands run as a user types them, on a fresh state directory."""
+failure budget is spent. Then SIGTERM to one node agent drains only its node: its attempt resumes on the
+other node from the drain checkpoint, and the agent's restart ends the drain. The commands run as a user
+types them, on a fresh state directory."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -114,6 +117,31 @@ def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) 
         nodes = redis_read(url, lambda s: s.list_nodes())
         assert {n.node_id for n in nodes} == {"node-0", "node-1"}
         assert all(n.drained is None and n.quarantined is None for n in nodes), nodes
+
+        # SIGTERM to one node agent drains just that node: its attempts resume on the other one
+        victim = next(j for j in jobs(job_ids) if j.current is not None and "node-0" in j.current.nodes)
+        pid = int((tmp_path / ".trainyard" / "run" / "node-agent-0.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+
+        def moved() -> JobRecord | None:
+            (job,) = jobs([victim.job_id])
+            current = job.current
+            ok = current is not None and current.attempt == 3 and current.started_ranks and job.state == "running"
+            return job if ok else None
+
+        job = wait_for(moved, f"{victim.job_id} resumed on node-1", 300)
+        assert job.current is not None and job.current.nodes == ["node-1"], job.current
+        second = job.attempts[1]
+        assert second.state == "revoked" and (second.interruption or "").startswith("maintenance: node node-0")
+        assert job.current.start_checkpoint is not None
+        assert job.current.start_checkpoint.global_step == second.ready_step_at_end
+        assert sum(1 for a in job.attempts if a.state == "failed") == 0
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_reputation)) == {}
+        # `up` restarts the stopped agent: a new incarnation, so node-0 is no longer drained
+        again = trainyard("dev", "up", timeout=600)
+        assert again.returncode == 0, again.stdout + again.stderr
+        wait_for(lambda: not redis_read(url, lambda s: s.redis.hexists(Keys.node_drain, "node-0")),
+                 "node-0 undrained by its agent's restart", 120)
     finally:
         for job_id in job_ids:
             trainyard("jobs", "cancel", job_id)

@@ -116,6 +116,22 @@ def test_a_drain_asks_for_a_checkpoint_then_ends_as_maintenance_not_a_failure() 
     assert any(isinstance(e, AllocationRevoked) for e in done.events)
 
 
+def test_a_drain_waits_for_the_ranks_own_checkpoint_not_one_in_flight() -> None:
+    job = drained(running(admitted(new_job())), ready=10).job
+    # the scheduled checkpoint at 20 was being written when the drain asked: not the one the ranks agree on
+    assert tr.check_preemption(job, latest_ready_step=20, preemptor_waiting=False, grace_s=60, now=at(60),
+                               pause_grace_s=300).changed is False
+    stopping = tr.worker_exited(job, exited(job, 0, code=7, reason="preempted", step=23), latest_ready_step=20,
+                                final_ready=False, policy=POLICY, now=at(61)).job
+    stopping = tr.worker_exited(stopping, exited(stopping, 1, code=7, reason="preempted", step=23),
+                                latest_ready_step=20, final_ready=False, policy=POLICY, now=at(61)).job
+    assert tr.check_preemption(stopping, latest_ready_step=20, preemptor_waiting=False, grace_s=60, now=at(62),
+                               pause_grace_s=300).changed is False
+    done = tr.check_preemption(stopping, latest_ready_step=23, preemptor_waiting=False, grace_s=60, now=at(63),
+                               pause_grace_s=300)
+    assert done.job.state == "queued" and done.job.current.ready_step_at_end == 23
+
+
 def test_a_drain_waits_for_the_checkpoint_up_to_the_pause_grace() -> None:
     job = drained(running(admitted(new_job()))).job
     early = tr.check_preemption(job, latest_ready_step=10, preemptor_waiting=False, grace_s=5, now=at(100),

@@ -314,6 +314,10 @@ def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor
         return Outcome(new, note=f"preemption for {by} withdrawn: it no longer waits")
     after = -1 if current.preempt_after_step is None else current.preempt_after_step
     newer = latest_ready_step is not None and latest_ready_step > after
+    if draining and not stopped and not pausing and current.preempted_by is None:
+        # A drain waits for the ranks' own checkpoint at the step they agree on (they exit 7 with it), not a
+        # scheduled one that was in flight when it asked: the node stops either way.
+        newer = False
     since = current.preempt_requested_at or current.ranks_stopped_at or now
     grace = pause_grace_s if (pausing or draining) and pause_grace_s is not None else grace_s
     if not newer and (now - since).total_seconds() < grace:
