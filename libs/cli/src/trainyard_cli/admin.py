@@ -15,7 +15,8 @@ admin_app = typer.Typer(
     help="Administration: API tokens (Redis directly, TRAINYARD_REDIS_URL); nodes (the API, admin token).",
     no_args_is_help=True,
 )
-nodes_app = typer.Typer(help="Nodes: inventory, quarantine, reputation; reinstate (needs an admin token).",
+nodes_app = typer.Typer(help="Nodes: inventory, quarantine, reputation; reinstate, drain, undrain (needs an admin "
+                             "token).",
                         no_args_is_help=True)
 admin_app.add_typer(nodes_app, name="nodes")
 console = Console(stderr=True)
@@ -65,3 +66,30 @@ def nodes_reinstate(ctx: typer.Context, node_id: str = typer.Argument(..., help=
     with _api(ctx) as client:
         body = client.post_json(f"/v1/admin/nodes/{node_id}/reinstate")
     out.print(f"node {body['nodeId']} reinstated by {body['by']} (the scheduler places on it again)")
+
+
+@nodes_app.command("drain")
+def nodes_drain(
+    ctx: typer.Context,
+    node_id: str = typer.Argument(..., help="the node id"),
+    reason: str = typer.Option(None, "--reason", help="why (shown to the jobs that wait for it)"),
+) -> None:
+    """Take a node out of service on purpose: nothing new goes there, and the attempts running there
+    checkpoint at an agreed step and stop, interrupted by maintenance (no failure, no blame); they resume
+    elsewhere, or there after `undrain`."""
+    from trainyard_cli.main import _api, out
+
+    with _api(ctx) as client:
+        body = client.post_json(f"/v1/admin/nodes/{node_id}/drain", {"reason": reason} if reason else None)
+    out.print(f"node {body['nodeId']} drained by {body['by']}: its attempts checkpoint and stop; "
+              f"`trainyard admin nodes undrain {body['nodeId']}` brings it back")
+
+
+@nodes_app.command("undrain")
+def nodes_undrain(ctx: typer.Context, node_id: str = typer.Argument(..., help="the node id")) -> None:
+    """End a drain: the node takes new work again."""
+    from trainyard_cli.main import _api, out
+
+    with _api(ctx) as client:
+        body = client.post_json(f"/v1/admin/nodes/{node_id}/undrain")
+    out.print(f"node {body['nodeId']} undrained by {body['by']} (the scheduler places on it again)")

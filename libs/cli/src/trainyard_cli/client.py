@@ -306,9 +306,9 @@ class ApiClient:
             raise error_for(response)
         return response.json()
 
-    def post_json(self, path: str) -> Any:
-        """The JSON answer of a body-less POST (admin actions)."""
-        response = self._request("POST", path)
+    def post_json(self, path: str, params: Mapping[str, str] | None = None) -> Any:
+        """The JSON answer of a body-less POST (admin actions; ``params``: its query)."""
+        response = self._request("POST", path, params=dict(params) if params else None)
         if response.is_error:
             raise error_for(response)
         return response.json()

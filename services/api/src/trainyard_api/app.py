@@ -57,6 +57,7 @@ from trainyard_api.schemas import (
     CheckpointList,
     ControlResponse,
     DatasetList,
+    DrainResponse,
     ErrorMessage,
     FieldErrors,
     Health,
@@ -222,6 +223,8 @@ async def _one_value_per_query_parameter(request: Request) -> None:
 Ctx = Annotated[ApiContext, Depends(_context)]
 Tenant = Annotated[TenantToken, Depends(_tenant)]
 Admin = Annotated[TenantToken, Depends(_admin)]
+NodeId = Annotated[str, Path(max_length=128, description="the node id", examples=["node-a"])]
+DrainReason = Annotated[str | None, Query(max_length=500, description="why (shown to the jobs that wait)")]
 JobId = Annotated[str, Path(max_length=128, description="job id, `job-` + 12 hex",
                              examples=["job-3f2a9c1b7e4d"])]
 
@@ -503,6 +506,23 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
         """Publish NodeReinstated (`by` = the admin token's name); the scheduler clears the
         quarantine and places on the node again."""
         return await ctx.admin.reinstate(admin, node_id)
+
+    @app.post("/v1/admin/nodes/{node_id}/drain", status_code=202, response_model=DrainResponse,
+              tags=["admin"], summary="Drain a node (maintenance)",
+              responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
+    async def drain_node(ctx: Ctx, admin: Admin, node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
+        """Publish NodeDrained (`by` = the admin token's name): nothing new is placed on the node, and
+        the attempts running there checkpoint at an agreed step and stop, interrupted by maintenance
+        (no failure budget spent, nobody blamed); they resume from that checkpoint elsewhere, or there
+        after an undrain or a restart of its node agent."""
+        return await ctx.admin.drain(admin, node_id, reason)
+
+    @app.post("/v1/admin/nodes/{node_id}/undrain", status_code=202, response_model=DrainResponse,
+              tags=["admin"], summary="Undrain a node",
+              responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
+    async def undrain_node(ctx: Ctx, admin: Admin, node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
+        """Publish NodeUndrained: the node takes new work again."""
+        return await ctx.admin.undrain(admin, node_id, reason)
 
 
 def _install_other_routes(app: FastAPI) -> None:

@@ -255,6 +255,12 @@ class NodeQuarantineView(_Out):
     at: datetime | None = None
 
 
+class NodeDrainView(_Out):
+    reason: str | None = None
+    by: str | None = Field(default=None, description="an admin's name, or 'node-agent' (its agent is stopping)")
+    at: datetime | None = None
+
+
 class NodeView(_Out):
     node_id: str
     host: str
@@ -266,6 +272,9 @@ class NodeView(_Out):
     last_seen: datetime
     quarantined: bool
     quarantine: NodeQuarantineView | None = Field(default=None, description="why and until when, when quarantined")
+    drained: bool = Field(default=False, description="taken out of service on purpose: no new work; its attempts "
+                                                     "checkpoint and stop, interrupted by maintenance")
+    drain: NodeDrainView | None = Field(default=None, description="who drained it and why, when drained")
     reputation_score: float | None = Field(
         default=None, description="the scheduler's decaying failure score as last stored (null: none recorded)")
     reputation_at: datetime | None = Field(default=None, description="when that score was stored (it decays since)")
@@ -279,6 +288,12 @@ class ReinstateResponse(_Out):
     node_id: str
     accepted: bool = True
     by: str = Field(description="the admin token's name, recorded in NodeReinstated.by")
+
+
+class DrainResponse(_Out):
+    node_id: str
+    accepted: bool = True
+    by: str = Field(description="the admin token's name, recorded in NodeDrained.by / NodeUndrained.by")
 
 
 class FieldErrorItem(_Out):
