@@ -146,3 +146,71 @@ def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) 
         for job_id in job_ids:
             trainyard("jobs", "cancel", job_id)
         trainyard("dev", "down", timeout=400)
+
+
+def test_every_node_agent_killed_at_once_blames_no_node(tmp_path: Path) -> None:
+    """kill -9 of every node agent at once (no drain: nobody said goodbye): every node goes silent together,
+    which is no node's fault — the attempts are interrupted (control plane), nobody is blamed, no failure
+    budget is spent, and they resume once the agents are back."""
+    redis_port = infra.free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
+           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
+           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "2", "TRAINYARD_READY_TIMEOUT_S": "180",
+           "COLUMNS": "200"}
+    env.pop("TRAINYARD_TOKEN", None)
+    env.pop("TRAINYARD_API_URL", None)
+
+    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec["training"]["maxSteps"] = 100_000
+    spec["checkpointPolicy"]["everySteps"] = 10
+    spec_file = tmp_path / "long.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    job_ids: list[str] = []
+
+    def jobs() -> list[JobRecord]:
+        return redis_read(url, lambda s: s.get_jobs(job_ids))
+
+    try:
+        up = trainyard("dev", "up", timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        for _ in range(2):
+            submitted = trainyard("submit", str(spec_file))
+            assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+            job_ids.append(re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout).group(1))  # type: ignore[union-attr]
+        wait_for(lambda: all(j.state == "running" for j in jobs()), "both jobs running", 300)
+
+        for i in range(2):
+            os.kill(int((tmp_path / ".trainyard" / "run" / f"node-agent-{i}.pid").read_text()), signal.SIGKILL)
+
+        def interrupted() -> list[JobRecord] | None:
+            got = jobs()
+            return got if all(j.attempts[0].state != "running" and j.attempts[0].state != "starting"
+                              for j in got) else None
+
+        for job in wait_for(interrupted, "both attempts ended", 300):
+            first = job.attempts[0]
+            assert first.state == "revoked", first
+            assert (first.interruption or "").startswith("control-plane: 2 of 2 nodes"), first
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_reputation)) == {}
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_quarantine)) == {}
+
+        again = trainyard("dev", "up", timeout=600)  # starts the two agents again
+        assert again.returncode == 0, again.stdout + again.stderr
+
+        def resumed() -> bool:
+            return all(len(j.attempts) >= 2 and j.state == "running" and j.attempts[-1].started_ranks
+                       for j in jobs())
+
+        wait_for(resumed, "both jobs running again", 300)
+        for job in jobs():
+            assert sum(1 for a in job.attempts if a.state == "failed") == 0, job.attempts
+        assert redis_read(url, lambda s: s.redis.hgetall(Keys.node_reputation)) == {}
+    finally:
+        for job_id in job_ids:
+            trainyard("jobs", "cancel", job_id)
+        trainyard("dev", "down", timeout=400)
