@@ -82,3 +82,10 @@ def test_bearer_token_parsing() -> None:
             assert "dev-token" in str(exc)
         else:
             raise AssertionError(f"{bad!r} accepted")
+
+
+def test_an_interrupted_attempt_says_so() -> None:
+    attempt = AttemptRecord(attempt=1, allocation_id="alloc-1", epoch=3, state="revoked", nodes=["node-0"],
+                            world_size=2, started_at=T0, interruption="maintenance: node node-0 drained by olga")
+    body = job_view(job(attempts=[attempt]), None, []).model_dump(mode="json", by_alias=True)
+    assert body["attempts"][0]["interruption"] == "maintenance: node node-0 drained by olga"

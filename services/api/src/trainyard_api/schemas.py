@@ -66,6 +66,9 @@ class AttemptView(_Out):
     started_at: datetime
     ended_at: datetime | None
     failure_reason: str | None
+    interruption: str | None = Field(
+        default=None, description="why the platform stopped it without a failure: 'maintenance: …' (a drain) or "
+                                  "'control-plane: …' (most nodes silent together); no failure budget, no blame")
     placement_score: float | None
     placement_detail: PlacementDetail | None = Field(
         default=None, description="how local the gang's placement is: domains, racks, tiers and the links "

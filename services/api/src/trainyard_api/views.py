@@ -79,7 +79,7 @@ def attempt_view(a: AttemptRecord) -> AttemptView:
         attempt=a.attempt, allocation_id=a.allocation_id, epoch=a.epoch, state=a.state,
         nodes=list(a.nodes), world_size=a.world_size, start_checkpoint=a.start_checkpoint,
         started_at=a.started_at, ended_at=a.ended_at, failure_reason=a.failure_reason,
-        placement_score=a.placement_score, placement_detail=a.placement_detail,
+        interruption=a.interruption, placement_score=a.placement_score, placement_detail=a.placement_detail,
     )
 
 
