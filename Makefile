@@ -30,7 +30,7 @@ deps: venv ## install system packages the local stack needs (redis-server)
 up: deps ## start broker, redis, the five services and 2 node agents, publish the example dataset; print API URL + token
 	$(BIN)/trainyard dev up
 
-down: ## stop exactly what 'make up' started
+down: ## drain running jobs (they checkpoint and stop; they resume after 'make up'), then stop exactly what 'make up' started
 	@if [ -x $(BIN)/trainyard ]; then $(BIN)/trainyard dev down; else echo "nothing to stop (no .venv)"; fi
 
 logs: ## show the local stack's logs
