@@ -11,7 +11,11 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from trainyard_common.errors import StateStoreError
 from trainyard_common.records import (
@@ -143,8 +147,18 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+#: A command that meets a dead connection is tried again on a fresh one, a few times within about
+#: half a second. After a Redis restart every pooled connection is dead, and each one used to fail
+#: the first command sent over it, seconds later: a shard report retried after a back-off, late
+#: enough for its checkpoint to be fenced (chaos seed 1796110550, job-21f429ec888b).
+REDIS_RETRY = (3, 0.05, 0.5)  # tries, first back-off, cap (seconds)
+
+
 def connect_redis(url: str) -> Redis:
-    return Redis.from_url(url, decode_responses=True, health_check_interval=10)
+    tries, base, cap = REDIS_RETRY
+    return Redis.from_url(url, decode_responses=True, health_check_interval=10,
+                          retry=Retry(ExponentialBackoff(cap=cap, base=base), tries),
+                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
 class StateStore:
