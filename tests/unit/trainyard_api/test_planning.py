@@ -115,6 +115,8 @@ def test_lowering_the_network_moves_the_bottleneck_to_the_interconnect() -> None
     ({"model": "gpt-tiny@v1", "devices": 8, "layout": {"dp": 2}}, "layout", "must equal devices (8)"),
     ({"model": "gpt-tiny@v1", "layout": "recommend"}, "globalBatch", "required"),
     ({"model": "gpt-tiny@v1", "globalBatch": 8, "layout": {"dp": 1}}, "globalBatch", "= 1"),
+    ({"model": "gpt-tiny@v1", "checkpoint": {"writeBandwidth": 1e9, "mtbfSeconds": 60, "restartSeconds": 1e6}},
+     "checkpoint", "out of the range"),  # Daly's exp(restart / MTBF) overflowed: a 500, once
 ])
 def test_planner_errors_are_422s_naming_the_field(body: dict, field: str, words: str) -> None:
     with pytest.raises(SpecError) as caught:

@@ -2,7 +2,8 @@
 
 Both are thin, pure translations around :mod:`trainyard_planner`: a request (or a TrainingSpec)
 becomes a Transformer, a Layout, a DeviceSpec and a Topology; the planner's answer goes back in
-camelCase. A ValueError or KeyError the planner raises becomes a 422 naming the request field.
+camelCase. A ValueError, KeyError or ArithmeticError the planner raises becomes a 422 naming the
+request field.
 
 What the submission check assumes. The spec has no ZeRO or recomputation field, so it uses what
 the trainer runs by default (sharding and activation checkpointing are rank settings,
@@ -348,6 +349,9 @@ def field_of(name: str) -> Iterator[None]:
     except (ValueError, KeyError) as exc:
         message = exc.args[0] if exc.args else str(exc)
         raise SpecError(name, str(message)) from exc
+    except ArithmeticError as exc:  # math.exp of restart / MTBF, say: inputs valid alone, absurd together
+        raise SpecError(name, f"out of the range of the planner's arithmetic ({exc}): these inputs are too far "
+                              "apart, e.g. a restart or a checkpoint write thousands of times the MTBF") from exc
 
 
 def _in(name: str, build: Callable[[], T]) -> T:
