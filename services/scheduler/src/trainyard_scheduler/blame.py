@@ -11,7 +11,7 @@ drained stops on purpose. :func:`judge_silence` says which, in this order:
   then stop), no failure;
 * ``wait``           — this scheduler has watched for less than ``node_timeout_s``: its view of the
   heartbeats has a gap, so nothing is concluded yet;
-* ``control-plane``  — at least ``cluster_share`` of the recently seen nodes are silent together:
+* ``control-plane``  — more than ``cluster_share`` of the recently seen nodes are silent together:
   the attempt is interrupted and retried, but no node is blamed and no failure budget is spent;
 * ``node``           — the silent nodes went quiet alone: the attempt fails as ``lost`` and they
   are blamed.
@@ -32,7 +32,7 @@ SilenceVerdict = Literal["alive", "drain", "wait", "control-plane", "node"]
 @dataclass(frozen=True)
 class SilencePolicy:
     node_timeout_s: float = 15.0
-    cluster_share: float = 0.5  # this share of the recently seen nodes silent together: not the nodes
+    cluster_share: float = 0.5  # more than this share of the recently seen nodes silent together: not the nodes
     recent_s: float = 3600.0  # nodes seen within this long make up "the cluster"
 
     def __post_init__(self) -> None:
@@ -67,10 +67,11 @@ def judge_silence(attempt_nodes: Collection[str], *, available: Collection[str],
         return Silence("wait", silent, f"node {names} silent, but this scheduler has watched the heartbeats for "
                                        f"{watched:.0f}s only (under the node timeout {policy.node_timeout_s:.0f}s)")
     cluster = {n for n, seen in last_seen.items() if (now - seen).total_seconds() <= policy.recent_s} | set(silent)
-    quiet = sorted(n for n in cluster if n not in available)
-    if len(quiet) >= policy.cluster_share * len(cluster):
+    quiet = sorted(n for n in cluster if n not in available and n not in draining)  # drained ones stop on purpose
+    if len(quiet) > policy.cluster_share * len(cluster):
         return Silence("control-plane", silent,
                        f"{len(quiet)} of {len(cluster)} nodes stopped sending heartbeats together "
                        f"({', '.join(quiet[:8])}{', …' if len(quiet) > 8 else ''}): a control-plane or network "
                        "interruption, not a node fault")
-    return Silence("node", silent, f"node {names} stopped sending heartbeats")
+    alone = tuple(n for n in silent if n not in draining)
+    return Silence("node", alone, f"node {', '.join(alone)} stopped sending heartbeats")

@@ -202,7 +202,7 @@ def quarantine_floor(node_id: str, *, capacity: Mapping[str, Mapping[str, int]],
     """Why quarantining ``node_id`` automatically would take too much capacity (None: it may be).
 
     ``capacity``: node → device type → devices, for the nodes of the cluster; ``out``: nodes
-    already quarantined. Automatic quarantine never leaves a device type with no node, and never
+    already out of service (quarantined or drained). Automatic quarantine never leaves a device type with no node, and never
     takes more than ``max_share`` of a type's devices; beyond that only an admin quarantines.
     """
     mine = capacity.get(node_id, {})

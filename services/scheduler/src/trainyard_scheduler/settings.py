@@ -85,8 +85,9 @@ class SchedulerSettings(ServiceSettings):
     )
     silent_cluster_share: float = Field(
         default=0.5, gt=0, le=1,
-        description="when at least this share of the recently seen nodes stop heart-beating together, the cause is "
-                    "the control plane or the network: attempts are interrupted and retried without blaming a node",
+        description="when more than this share of the recently seen nodes stop heart-beating together, the cause "
+                    "is the control plane or the network: attempts are interrupted and retried without blaming a "
+                    "node (1: never)",
     )
     queue_config: Path | None = Field(
         default=None,
