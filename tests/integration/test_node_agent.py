@@ -112,7 +112,7 @@ def alive(pid: int) -> bool:
     # A zombie is not running; only its parent (gone) could reap it.
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:  # it ended (and was reaped) since os.kill
+    except (FileNotFoundError, ProcessLookupError):  # it ended (and was reaped) since os.kill: ENOENT or ESRCH
         return False
     return not stat.split(") ", 1)[1].startswith("Z")
 
