@@ -48,7 +48,7 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path, capsys: pytest.Ca
     plan = ["rank", "hang", "services", "redis", "broker", "service:checkpoint-coordinator"]
     with ChaosRig.running(tmp_path / ".trainyard", seed=SEED, say=lambda m: None) as rig:
         report = run_chaos(rig, plan, max_steps=100, every=10, tmp=tmp_path, require_assembly=ASSEMBLY_KINDS,
-                           lost_work_slack=10, evidence_dir=_evidence_dir("short"))
+                           evidence_dir=_evidence_dir("short"))
     _report(report, tmp_path, capsys)
     assert {"rank", "hang", "agent", "redis", "broker"} <= set(report.faults), report.summary()
     assert {f"service:{s}" for s in SERVICES} <= set(report.faults), report.summary()
