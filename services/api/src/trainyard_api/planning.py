@@ -183,6 +183,10 @@ class PlanTopology(_In):
 class PlanCheckpoint(_In):
     """Checkpoint inputs: the size comes from the model, the rest from here."""
 
+    model_config = ConfigDict(json_schema_extra={  # what _one_mtbf checks, in the schema too
+        "not": {"required": ["mtbfSeconds", "deviceMtbfHours"],
+                "properties": {"mtbfSeconds": {"type": "number"}, "deviceMtbfHours": {"type": "number"}}}})
+
     write_bandwidth: float = Field(ge=1, le=MAX_BYTES, description="bytes/s the whole job writes at",
                                    examples=[10e9])
     mtbf_seconds: float | None = Field(default=None, ge=1, le=_MAX_SECONDS, description="the whole job's MTBF")
