@@ -245,7 +245,8 @@ class GangAllocated(Event):
 
 
 class CheckpointRequested(Event):
-    """The scheduler asks a running attempt to checkpoint soon (it is about to be preempted).
+    """The scheduler asks a running attempt to checkpoint soon and stop: preemption, pause, or a drain of one
+    of its nodes (a stopping node agent also hands one to its own ranks).
 
     Additive: ranks that do not act on it still checkpoint every ``everySteps``; the scheduler
     revokes the allocation once a newer checkpoint is READY or at ``deadline``, whichever is first.

@@ -25,7 +25,9 @@ SUMMARY = (
     "relays rank events, reports WorkerStarted / WorkerExited (with a classified reason), kills ranks on "
     "AllocationRevoked, on a lost device lease, and all ranks of an attempt that stops making progress "
     "(hang). A restarted agent adopts the ranks that still run instead of killing them. "
-    "On SIGTERM it stops its ranks (SIGTERM, SIGKILL after the grace) and exits."
+    "On SIGTERM it drains first: it heartbeats 'draining' (nothing new is placed here) and asks its ranks to "
+    "checkpoint at an agreed step and stop (up to TRAINYARD_DRAIN_TIMEOUT_S), then stops what still runs "
+    "(SIGTERM, SIGKILL after the grace) and exits; the interrupted jobs resume from that checkpoint."
 )
 
 

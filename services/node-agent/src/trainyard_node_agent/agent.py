@@ -14,6 +14,9 @@ running here, and an epoch not older than theirs, is written to the attempt dire
 (SIGUSR1 to each rank's process group; the launcher ignores it, the trainer sets a flag). The
 ranks agree at the next step boundary, save that step, and exit 7, reported as ``preempted``.
 Until the request's deadline the hang watchdog leaves them alone. Duplicates are no-ops.
+A planned stop (SIGTERM) uses the same protocol: the agent heartbeats ``draining`` and its boot id
+(the scheduler drains the node until a new incarnation heartbeats), asks its own ranks to
+checkpoint and stop, and waits up to ``drain_timeout_s`` before stopping what still runs.
 
 Failure handling:
 
@@ -229,7 +232,8 @@ class NodeAgent:
             await self._report_unwatched(key, rank)
 
     async def aclose(self) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL after the grace), report the exits, flush.
+        """Drain (ask the ranks to checkpoint and stop, up to ``drain_timeout_s``), then stop every rank still
+        running (SIGTERM, then SIGKILL after the grace), report the exits, flush.
 
         An agent that never finished starting leaves the ranks alone: the next one adopts them.
         """
