@@ -1,0 +1,19 @@
+"""The contract's own check excuses a 422 to schema-valid input only for the rules it names."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.contract.checks import unexplained_problems
+
+pytestmark = pytest.mark.contract
+
+
+def test_a_rule_beyond_the_schema_is_excused_and_anything_else_is_not() -> None:
+    unknown = {"field": "dataset", "message": "unknown dataset 'x@1': it is not in the dataset registry"}
+    bound = {"field": "training.maxSteps", "message": "Input should be less than or equal to 10000000"}
+    assert unexplained_problems("POST /v1/training-jobs", [unknown]) == []
+    assert unexplained_problems("POST /v1/training-jobs", [unknown, bound]) == [bound]
+    # a rule is the field's: the same words on another field are not excused
+    assert unexplained_problems("POST /v1/plan", [unknown]) == [unknown]
+    assert unexplained_problems("GET /v1/training-jobs", "not a list") == [{"field": "", "message": "not a list"}]
