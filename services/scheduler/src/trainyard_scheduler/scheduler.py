@@ -1,22 +1,27 @@
 """The scheduler's I/O shell: events in, a Redis snapshot, a pure decision, the result applied.
 
-* NODES    NodeHeartbeat → NodeRecord upsert (inventory) + renewal of the node's lease TTLs;
-           NodeQuarantined / NodeReinstated from an admin → node excluded / placeable again.
+* NODES    NodeHeartbeat → NodeRecord upsert (inventory) + renewal of the node's lease TTLs; one saying
+           ``draining`` drains the node, one from a new agent incarnation (``bootId``) ends a drain;
+           NodeQuarantined / NodeReinstated from an admin → node excluded / placeable again;
+           NodeDrained / NodeUndrained → node drained (no new work, its attempts checkpoint and stop) / back.
 * JOBS     JobSubmitted → JobRecord created if absent; JobControlRequested → cancel/pause/resume.
 * WORKERS  WorkerStarted / WorkerExited → attempt and job transitions; a failure blames its node.
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
            pause or preemption waiting for a checkpoint.
 * METRICS  StepMetrics (own consumer group) → straggler detection → StragglerDetected + blame.
-* tick     1. leader lease (fenced, epoch)  2. reconcile (when due: attempts, leases, node
-           reinstatement)  3. pauses and preemptions in progress  4. snapshot  5. plan
-           6. admit / preempt / note waits.
+* tick     1. leader lease (fenced, epoch)  2. reconcile (when due: attempts — silent nodes judged by
+           :mod:`trainyard_scheduler.blame` —, leases, node reinstatement)  3. drains, pauses and
+           preemptions in progress  4. snapshot  5. plan  6. admit / preempt / note waits (naming
+           quarantined or drained nodes when they are why a job waits).
 
 Node reputation (:mod:`trainyard_scheduler.health`): ``Keys.node_reputation`` holds each node's
 decaying failure score; failures attributed to a node (Outcome.blame) and straggler reports add
 to it; at ``quarantine_score`` the node gets an entry in ``Keys.node_quarantine`` (no more
 placements) and NodeQuarantined(by="reputation") goes out; the leader reinstates it
 (NodeReinstated) once the score decays under ``reinstate_score``. An admin quarantines or clears
-a node by publishing NodeQuarantined / NodeReinstated with ``by`` = their name.
+a node by publishing NodeQuarantined / NodeReinstated with ``by`` = their name. Automatic quarantine
+has a floor (``quarantine_max_share`` of a device type, never its last node): beyond it the
+scheduler alerts instead (ERROR log + ``trainyard_scheduler_quarantine_withheld_total``).
 
 Every change to a job goes through :meth:`Scheduler._mutate`: WATCH the job key, decide with a
 pure function from :mod:`trainyard_scheduler.transitions`, write the record and stage its events
