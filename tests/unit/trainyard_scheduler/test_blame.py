@@ -252,3 +252,26 @@ def test_a_start_timeout_across_a_control_plane_restart_is_no_ones_fault(watched
     assert bool(outcome.blame) == blamed
     if not blamed:
         assert (outcome.job.current.interruption or "").startswith("control-plane: 0 of 2 ranks started")
+
+
+# ----------------------------------------------------------------------------- drains from heartbeats
+
+ADMIN_DRAIN = {"reason": "kernel upgrade", "by": "alice", "bootId": "b1"}
+AGENT_DRAIN = {"reason": "stopping", "by": "node-agent", "bootId": "b1"}
+
+
+@pytest.mark.parametrize(("case", "entry", "draining", "boot", "previous", "change"), [
+    ("an agent starts stopping", None, True, "b1", "b1", "start"),
+    ("it keeps stopping", AGENT_DRAIN, True, "b1", "b1", "keep"),
+    ("a normal heartbeat, no drain", None, False, "b1", "b1", "keep"),
+    ("the stopping agent came back as a new incarnation", AGENT_DRAIN, False, "b2", "b1", "end"),
+    ("an admin's drain stays while the same agent runs", ADMIN_DRAIN, False, "b1", "b1", "keep"),
+    ("an admin's drain ends when the node restarts", ADMIN_DRAIN, False, "b2", "b1", "end"),
+    ("an admin's drain recorded before any boot id", {**ADMIN_DRAIN, "bootId": None}, False, "b2", "b1", "end"),
+    ("…and while that agent still runs", {**ADMIN_DRAIN, "bootId": None}, False, "b1", "b1", "keep"),
+    ("an old agent without a boot id", {**AGENT_DRAIN, "bootId": None}, False, None, None, "end"),
+    ("an admin drain, agent without a boot id", {**ADMIN_DRAIN, "bootId": None}, False, None, None, "keep"),
+])
+def test_a_heartbeat_starts_or_ends_a_drain(case: str, entry: dict | None, draining: bool, boot: str | None,
+                                            previous: str | None, change: str) -> None:
+    assert health.drain_change(entry, draining=draining, boot_id=boot, previous_boot_id=previous) == change, case

@@ -264,3 +264,26 @@ def explain_wait(reason: str, kind: str | None, *, gpu_type: str, available_devi
         return (f"{what}: every {gpu_type} node is out of service ({held} healthy {gpu_type} devices on "
                 f"{len(mine)} node{'s' if len(mine) != 1 else ''}): {listing}", what)
     return f"{reason}; out of service as well ({held} {gpu_type} devices): {listing}", kind
+
+
+# ----------------------------------------------------------------------------- drains
+
+
+def drain_change(entry: Mapping[str, object] | None, *, draining: bool, boot_id: str | None,
+                 previous_boot_id: str | None) -> str:
+    """What a heartbeat does to a node's drain: ``start`` (its agent is stopping), ``end`` (a new incarnation
+    of its agent: the node restarted) or ``keep``.
+
+    ``entry``: the drain in force (its ``by`` and the ``bootId`` seen when it began); ``previous_boot_id``:
+    the boot id of the node's previous heartbeat (for a drain recorded without one).
+    """
+    if draining:
+        return "start" if entry is None else "keep"
+    if entry is None:
+        return "keep"
+    began = entry.get("bootId") or previous_boot_id
+    if boot_id is not None and began is not None and boot_id != began:
+        return "end"
+    if entry.get("by") == "node-agent" and entry.get("bootId") is None:
+        return "end"  # drained by an agent too old to say who it was: any heartbeat not draining ends it
+    return "keep"

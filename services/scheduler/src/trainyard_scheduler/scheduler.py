@@ -277,17 +277,15 @@ class Scheduler:
         of its agent ends any drain (the node restarted). Returns the drain in force."""
         raw = await self.redis.hget(Keys.node_drain, event.node_id)
         entry = json.loads(raw) if raw else None
-        if event.draining:
-            if entry is None:
-                entry = {"reason": f"its node agent is stopping ({event.host})", "by": "node-agent",
-                         "at": self.clock().isoformat(), "bootId": event.boot_id}
-                await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
-                log.warning("node %s drained: %s", event.node_id, entry["reason"])
-                self.wake_at(None)
-            return entry
-        restarted = (entry is not None and event.boot_id is not None
-                     and event.boot_id != (entry.get("bootId") or (previous.boot_id if previous else None)))
-        if entry is not None and (restarted or (entry.get("by") == "node-agent" and entry.get("bootId") is None)):
+        change = health.drain_change(entry, draining=event.draining, boot_id=event.boot_id,
+                                     previous_boot_id=previous.boot_id if previous else None)
+        if change == "start":
+            entry = {"reason": f"its node agent is stopping ({event.host})", "by": "node-agent",
+                     "at": self.clock().isoformat(), "bootId": event.boot_id}
+            await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
+            log.warning("node %s drained: %s", event.node_id, entry["reason"])
+            self.wake_at(None)
+        elif change == "end":
             await self.redis.hdel(Keys.node_drain, event.node_id)
             log.warning("node %s undrained: its node agent restarted", event.node_id)
             self.wake_at(None)
