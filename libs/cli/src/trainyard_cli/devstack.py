@@ -21,7 +21,8 @@ dev_app = typer.Typer(
     help="Run the local stack on this host: a Kafka-protocol broker, Redis, the five services "
     "and simulated nodes (CPU ranks, gloo). Configure with TRAINYARD_* variables "
     "(TRAINYARD_KAFKA_PORT, TRAINYARD_REDIS_PORT, TRAINYARD_API_PORT, TRAINYARD_NODES, "
-    "TRAINYARD_DEVICES_PER_NODE, TRAINYARD_STATE_DIR).",
+    "TRAINYARD_DEVICES_PER_NODE, TRAINYARD_STATE_DIR, TRAINYARD_DRAIN_TIMEOUT_S: how long `down` lets running "
+    "jobs checkpoint and stop).",
     no_args_is_help=True,
 )
 console = Console(stderr=True)
