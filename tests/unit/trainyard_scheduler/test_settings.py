@@ -21,6 +21,9 @@ def test_defaults_let_a_standby_take_over_within_seconds() -> None:
     {"republish_after_s": 120, "start_timeout_s": 120},  # re-publishing must come before the start time-out
     {"quarantine_score": 1.0, "reinstate_score": 2.0},
     {"straggler_factor": 1.0},
+    {"quarantine_max_share": 0},  # automatic quarantine could take nothing: use a share > 0
+    {"quarantine_max_share": 1.5},
+    {"silent_cluster_share": 0},  # any single silent node would be a control-plane outage
 ])
 def test_impossible_combinations_are_refused(overrides: dict[str, float]) -> None:
     with pytest.raises(ValidationError):
@@ -36,3 +39,8 @@ def test_failure_handling_defaults() -> None:
     assert settings.republish_after_s < settings.start_timeout_s and settings.republish_max >= 1
     assert settings.max_total_failures is None  # only failures without progress are budgeted by default
     assert settings.reinstate_score < settings.quarantine_score and settings.pause_grace_s > 0
+
+
+def test_automatic_quarantine_and_silence_default_to_half_the_cluster() -> None:
+    settings = SchedulerSettings()
+    assert settings.quarantine_max_share == 0.5 and settings.silent_cluster_share == 0.5
