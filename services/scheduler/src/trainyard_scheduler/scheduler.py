@@ -82,7 +82,7 @@ from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import health
-from trainyard_scheduler.blame import SilencePolicy, judge_silence
+from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
@@ -647,7 +647,8 @@ class Scheduler:
     async def _apply(self, decisions: list, jobs: dict[str, JobRecord], epoch: int, *,
                      nodes: list[NodeRecord] | None = None, now: datetime | None = None) -> None:
         notes = 0
-        out: list[health.OutOfService] | None = None
+        out: list[health.OutOfService] | None = None  # read once, at the first waiting job
+        have: dict[str, int] = {}  # healthy devices per type on placeable nodes
         for decision in decisions:
             try:
                 if isinstance(decision, Admit):
@@ -658,12 +659,16 @@ class Scheduler:
                 elif isinstance(decision, Wait) and decision.reason is not None:
                     job = jobs[decision.job_id]
                     reason, kind = decision.reason, decision.kind
-                    if nodes is not None:  # name quarantined or drained nodes when they are why it waits
-                        out = await self._out_of_service(nodes, now or self.clock()) if out is None else out
+                    if nodes is not None and out is None:
+                        out = await self._out_of_service(nodes, now or self.clock())
+                        for n in nodes:
+                            for dev in n.devices:
+                                if dev.healthy:
+                                    have[dev.type] = have.get(dev.type, 0) + 1
+                    if out:  # name quarantined or drained nodes when they are why it waits
                         gpu_type = job.spec.resources.gpu_type
-                        have = sum(1 for n in nodes for dev in n.devices if dev.type == gpu_type and dev.healthy)
-                        reason, kind = health.explain_wait(reason, kind, gpu_type=gpu_type, available_devices=have,
-                                                           out=out)
+                        reason, kind = health.explain_wait(reason, kind, gpu_type=gpu_type,
+                                                           available_devices=have.get(gpu_type, 0), out=out)
                     if (job.queued_reason, job.queued_reason_kind) == (reason, kind):
                         continue
                     if notes >= self.settings.max_wait_notes:
@@ -854,7 +859,7 @@ class Scheduler:
         last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
         draining = frozenset(await self.redis.hkeys(Keys.node_drain))
 
-        def judge(nodes: list[str]) -> object:
+        def judge(nodes: list[str]) -> Silence:
             return judge_silence(nodes, available=available, last_seen=last_seen, draining=draining,
                                  watching_since=self._leading_since, now=self.clock(), policy=self.silence)
 
@@ -868,7 +873,7 @@ class Scheduler:
             def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
                 return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
                                         deadlines=self.deadlines, policy=self.policy, now=self.clock(),
-                                        latest_ready_step=facts.latest_ready_step, judge=judge,  # type: ignore[arg-type]
+                                        latest_ready_step=facts.latest_ready_step, judge=judge,
                                         watched_s=watched)
 
             await self._mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
