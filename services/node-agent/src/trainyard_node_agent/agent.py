@@ -64,7 +64,9 @@ from trainyard_common.events import (
     DeviceInfo,
     GangAllocated,
     METRICS,
+    NodeDrained,
     NodeHeartbeat,
+    NodeUndrained,
     WorkerExited,
     WorkerStarted,
     utcnow,
@@ -76,6 +78,7 @@ from trainyard_common.records import checkpoint_id
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
 
+from trainyard_node_agent import kube
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
 from trainyard_node_agent.classify import ExitFacts, classify_exit
@@ -151,6 +154,9 @@ class NodeAgent:
         self._unreported: dict[str, rp.RankProcess] = {}  # ended while no agent watched them
         self._announced: dict[str, Announcement] = {}  # published, not yet seen applied
         self._sent_ahead: dict[str, set[str]] = {}  # rank key -> event ids relayed ahead of a held-up line
+        self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
+                                       token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
+            if settings.kube_node_name else None
         self.pool = WarmPool(
             settings.warm_ranks, settings.warm_module,
             interpreter_env(self.base_env, cpu_threads=self._cpu_threads, extra=settings.rank_env),
@@ -177,6 +183,24 @@ class NodeAgent:
         self.runtime.add_loop("confirmations", self.confirm_announcements, self.settings.confirm_interval_s)
         if self.pool is not None:
             self.runtime.add_loop("warm-pool", self.refill_pool, 0.5)
+        if self.kube is not None:
+            self.runtime.add_loop("kubernetes-cordon", self.follow_cordon, self.settings.kube_poll_s)
+
+    async def follow_cordon(self) -> None:
+        """A cordoned (or `kubectl drain`-ed) Kubernetes node is drained; uncordoned, its drain ends."""
+        assert self.kube is not None
+        cordoned = await self.kube.cordoned()
+        raw = await self.redis.hget(Keys.node_drain, self.settings.node_id)
+        action = kube.cordon_action(cordoned, json.loads(raw) if raw else None)
+        node = self.settings.node_id
+        if action == "drain":
+            log.warning("Kubernetes node %s is cordoned: draining it", self.kube.node_name)
+            await self.runtime.bus.publish(NodeDrained(
+                node_id=node, by=kube.KUBERNETES, reason=f"Kubernetes node {self.kube.node_name} cordoned (drain)"))
+        elif action == "undrain":
+            log.warning("Kubernetes node %s is schedulable again: its drain ends", self.kube.node_name)
+            await self.runtime.bus.publish(NodeUndrained(
+                node_id=node, by=kube.KUBERNETES, reason=f"Kubernetes node {self.kube.node_name} uncordoned"))
 
     async def prepare(self) -> None:
         """Before ``runtime.start()`` (Redis and the broker may still be down): adopt the ranks an
@@ -264,6 +288,8 @@ class NodeAgent:
         await self._flush_outbox(timeout_s=5.0)
         if self.pool is not None:
             await self.pool.aclose()
+        if self.kube is not None:
+            await self.kube.aclose()
         self._save_local(force=True)
         log.info("node agent %s stopped", self.settings.node_id)
 

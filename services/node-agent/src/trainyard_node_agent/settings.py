@@ -48,6 +48,18 @@ class NodeAgentSettings(ServiceSettings):
                     "and stop (the pause protocol), and waits up to this long before stopping what still runs "
                     "(0 = stop at once)",
     )
+    kube_node_name: str | None = Field(
+        default=None,
+        description="in Kubernetes, this node's name (downward API spec.nodeName): a cordon or `kubectl drain` "
+                    "of the node drains it in trainyard too (its attempts checkpoint and stop, nothing new is "
+                    "placed), an uncordon ends that drain; unset = no watch",
+    )
+    kube_api_url: str = Field(default="https://kubernetes.default.svc", description="the Kubernetes API server")
+    kube_token_file: Path = Field(default=Path("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+                                  description="service-account token for the Kubernetes API")
+    kube_ca_file: Path = Field(default=Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"),
+                               description="CA bundle of the Kubernetes API server")
+    kube_poll_s: float = Field(default=10.0, gt=0, description="how often the Node object is read")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
         description="torch.distributed backend; auto: nccl when nvidia-smi exists and devices are not cpu",

@@ -1,0 +1,32 @@
+"""A Kubernetes cordon is a trainyard drain: the pure decisions of trainyard_node_agent.kube."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainyard_node_agent.kube import KUBERNETES, cordon_action, is_cordoned
+
+
+@pytest.mark.parametrize(("node", "cordoned"), [
+    ({"spec": {}}, False),
+    ({}, False),
+    ({"spec": {"unschedulable": True}}, True),
+    ({"spec": {"unschedulable": False}}, False),
+    ({"spec": {"taints": [{"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}]}}, True),
+    ({"spec": {"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}}, False),
+])
+def test_a_node_is_cordoned_when_unschedulable_or_tainted_so(node: dict, cordoned: bool) -> None:
+    assert is_cordoned(node) is cordoned
+
+
+@pytest.mark.parametrize(("cordoned", "drain", "action"), [
+    (True, None, "drain"),  # cordoned, not drained yet (or the drain ended with a restarted agent): drain
+    (True, {"by": KUBERNETES}, None),  # already drained: nothing to publish
+    (True, {"by": "admin-alice"}, None),  # an admin drained it: still drained
+    (False, {"by": KUBERNETES}, "undrain"),  # uncordoned: the drain the cordon started ends
+    (False, {"by": "admin-alice"}, None),  # an uncordon never ends an admin's drain
+    (False, {"by": "node-agent"}, None),  # nor a stopping agent's
+    (False, None, None),
+])
+def test_the_cordon_drives_the_drain(cordoned: bool, drain: dict | None, action: str | None) -> None:
+    assert cordon_action(cordoned, drain) == action
