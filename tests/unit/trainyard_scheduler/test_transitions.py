@@ -333,7 +333,11 @@ def test_a_failed_final_checkpoint_retries_a_completed_attempt() -> None:
     for rank in range(2):
         job = tr.worker_exited(job, exited(job, rank), final_ready=False, policy=POLICY, now=at(10)).job
     assert tr.checkpoint_failed(job, global_step=10, reason="x", policy=POLICY, now=at(11)).changed is False
-    outcome = tr.checkpoint_failed(job, global_step=20, reason="shard 1 missing", policy=POLICY, now=at(11))
+    stale = tr.checkpoint_failed(job, global_step=20, reason="fenced", attempt=job.current.attempt - 1,
+                                 policy=POLICY, now=at(11))
+    assert stale.changed is False  # a late failure of an earlier attempt's final checkpoint: not this one's
+    outcome = tr.checkpoint_failed(job, global_step=20, reason="shard 1 missing", attempt=job.current.attempt,
+                                   policy=POLICY, now=at(11))
     assert outcome.job.state == "queued" and tr.is_pending(outcome.job)
     assert "the checkpoint at step 20 failed: shard 1 missing" in outcome.job.current.failure_reason
 

@@ -555,7 +555,7 @@ class Scheduler:
 
     async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
-            return tr.checkpoint_failed(job, global_step=event.global_step, reason=event.reason,
+            return tr.checkpoint_failed(job, global_step=event.global_step, reason=event.reason, attempt=event.attempt,
                                         policy=self.policy, now=self.clock(), latest_ready_step=facts.latest_ready_step)
 
         await self._mutate(event.job_id, decide, need_checkpoints=True, label="checkpoint failed")

@@ -540,16 +540,20 @@ def checkpoint_ready(job: JobRecord, *, global_step: int, now: datetime) -> Outc
 
 
 def checkpoint_failed(job: JobRecord, *, global_step: int, reason: str, policy: RetryPolicy,
-                      now: datetime, latest_ready_step: int | None = None) -> Outcome:
+                      now: datetime, latest_ready_step: int | None = None, attempt: int | None = None) -> Outcome:
     """The final checkpoint of a completed attempt failed: retry from the latest READY one.
 
     A failed intermediate checkpoint changes nothing: the attempt trains on and writes the next.
+    ``attempt``: the attempt that wrote it; a late failure of an earlier (fenced) attempt's checkpoint
+    says nothing about the current one.
     """
     current = job.current
     if job.state in TERMINAL_STATES or not is_final_step(job, global_step):
         return unchanged(job)
     if current is None or current.state != "succeeded":
         return unchanged(job)
+    if attempt is not None and attempt != current.attempt:
+        return unchanged(job, f"checkpoint failure of attempt {attempt} ignored: attempt {current.attempt} is current")
     detail = f"the checkpoint at step {global_step} failed: {reason}"
     return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now,
                          latest_ready_step=latest_ready_step)
