@@ -37,6 +37,7 @@ from tests.integration.test_coordinator import (
 )
 from trainyard_checkpoint_coordinator import coordinator as coordinator_module
 from trainyard_checkpoint_coordinator.protection import Protection, protection_key
+from tests.support.api import client_for, running_api
 from trainyard_cli import infra
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus, ensure_topics
@@ -266,6 +267,14 @@ async def test_a_job_training_on_without_ready_checkpoints_is_flagged_checkpoint
         stalled = await wait_for(lambda: _at_step(protection, 81), what="the condition at step 81")
         assert stalled.stalled and stalled.unprotected_intervals == 3, stalled
         assert "no READY checkpoint for 3 intervals" in stalled.reason
+        # the job's owner sees it as a condition of the job (GET /v1/training-jobs/{id})
+        async with running_api(env) as api:
+            await api.runtime.store.add_token("token-acme", "acme", "ann")
+            async with client_for(api.url, "token-acme") as ann:
+                body = (await ann.get(f"/v1/training-jobs/{job_id}")).raise_for_status().json()
+        (condition,) = body["conditions"]
+        assert condition["type"] == "CheckpointsStalled" and condition["attempt"] == 1
+        assert condition["unprotectedIntervals"] == 3 and "no READY checkpoint" in condition["reason"]
 
         await publish(stack, *shard_events(job_id, 80, write_shards(stack, job_id, 80), epoch=epoch))
         await wait_for(lambda: _ready(stack, job_id, 80), what="step 80 READY")

@@ -89,3 +89,23 @@ def test_an_interrupted_attempt_says_so() -> None:
                             world_size=2, started_at=T0, interruption="maintenance: node node-0 drained by olga")
     body = job_view(job(attempts=[attempt]), None, []).model_dump(mode="json", by_alias=True)
     assert body["attempts"][0]["interruption"] == "maintenance: node node-0 drained by olga"
+
+
+def test_a_running_job_whose_checkpoints_stopped_becoming_ready_shows_the_condition() -> None:
+    from trainyard_api.views import JobExtras
+
+    attempt = AttemptRecord(attempt=2, allocation_id="alloc-2", epoch=4, state="running", world_size=2)
+    stalled = {"jobId": "job-0123456789ab", "attempt": 2, "step": 95, "protectedStep": 40, "everySteps": 10,
+               "unprotectedIntervals": 5, "stalled": True, "since": "2025-01-01T00:10:00Z",
+               "reason": "no READY checkpoint for 5 intervals: attempt 2 is at step 95, ..."}
+    running = job(state="running", attempts=[attempt])
+    body = job_view(running, None, [], JobExtras(protection=stalled)).model_dump(mode="json", by_alias=True)
+    (condition,) = body["conditions"]
+    assert condition["type"] == "CheckpointsStalled" and condition["attempt"] == 2
+    assert condition["unprotectedIntervals"] == 5 and "no READY checkpoint for 5 intervals" in condition["reason"]
+    # protected again, an earlier attempt's verdict, or a job no longer running: no condition
+    for extras, record in ((JobExtras(protection={**stalled, "stalled": False}), running),
+                           (JobExtras(protection={**stalled, "attempt": 1}), running),
+                           (JobExtras(protection=stalled), job(state="paused", attempts=[attempt])),
+                           (JobExtras(), running)):
+        assert job_view(record, None, [], extras).model_dump(by_alias=True)["conditions"] == []

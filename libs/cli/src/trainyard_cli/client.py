@@ -135,6 +135,7 @@ class Job(_In):
     goodput: dict[str, Any] | None = None
     checkpoint_advice: dict[str, Any] | None = None
     stragglers: list[dict[str, Any]] = []
+    conditions: list[dict[str, Any]] = []
 
     @property
     def terminal(self) -> bool:

@@ -138,6 +138,8 @@ def job_detail(job: Job) -> RenderableType:
     if job.queued_reason:
         kind = f" ({job.queued_reason_kind})" if job.queued_reason_kind else ""
         rows.append(("waiting", job.queued_reason + kind))
+    for c in job.conditions:  # the operator should see these first
+        rows.append(("[red]condition[/red]", f"{c.get('type')}: {c.get('reason')}"))
     if job.goodput:
         rows.append(("goodput", fmt_goodput(job.goodput)))
     if job.checkpoint_advice:

@@ -77,6 +77,11 @@ class Keys:
         return f"ty:ckpt:{job_id}:shards:{attempt}:{step}"
 
     @staticmethod
+    def checkpoint_protection(job_id: str) -> str:
+        """The coordinator's verdict on whether READY checkpoints still protect the job's live attempt (JSON)."""
+        return f"ty:job:{job_id}:ckpt-protection"
+
+    @staticmethod
     def checkpoint_advice(job_id: str) -> str:
         """JSON: the coordinator's Young/Daly checkpoint-interval advice for the job."""
         return f"ty:job:{job_id}:ckpt-advice"

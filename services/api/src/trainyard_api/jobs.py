@@ -225,8 +225,15 @@ class JobService:
             except json.JSONDecodeError:
                 log.warning("%s: unreadable checkpoint advice in Redis; not shown", job.job_id)
         current = job.current
+        protection = None
+        if raw := await self.redis.get(Keys.checkpoint_protection(job.job_id)):
+            try:
+                protection = json.loads(raw)
+            except json.JSONDecodeError:
+                log.warning("%s: unreadable checkpoint protection in Redis; not shown", job.job_id)
         return JobExtras(
             advice=advice if isinstance(advice, dict) else None,
+            protection=protection if isinstance(protection, dict) else None,
             goodput=await self.accounting.job(job),
             ranks=await self.timing.ranks(job.job_id, current.attempt) if current else {},
             stragglers=await self.timing.stragglers(job.job_id),

@@ -171,6 +171,18 @@ class StragglerView(_Out):
     occurred_at: datetime | None = None
 
 
+class JobCondition(_Out):
+    """Something wrong with a running job now (as a Kubernetes condition): it holds until the cause goes."""
+
+    type: Literal["CheckpointsStalled"] = Field(
+        description="CheckpointsStalled: the live attempt trains on, but none of its last checkpoints became "
+                    "READY (a failure now loses every step since the newest READY one)")
+    reason: str
+    since: datetime | None = None
+    attempt: int
+    unprotected_intervals: int | None = Field(default=None, description="checkpoint intervals past the newest READY one")
+
+
 class JobView(_Out):
     job_id: str
     tenant: str
@@ -196,6 +208,8 @@ class JobView(_Out):
         default=[], description="per rank of the current attempt: its latest compute / collective / data-wait / "
                                 "checkpoint seconds and MFU")
     stragglers: list[StragglerView] = Field(default=[], description="the job's straggler reports, newest first")
+    conditions: list[JobCondition] = Field(
+        default=[], description="what is wrong with the running job now (CheckpointsStalled); empty when nothing")
 
 
 class JobSummary(_Out):

@@ -15,6 +15,7 @@ from trainyard_api.schemas import (
     CheckpointAdviceView,
     CheckpointView,
     GoodputView,
+    JobCondition,
     JobSummary,
     JobView,
     ProgressView,
@@ -35,6 +36,7 @@ class JobExtras:
     goodput: Ledger | None = None
     ranks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     stragglers: Sequence[Mapping[str, Any]] = ()
+    protection: Mapping[str, Any] | None = None  # the coordinator's checkpoint-protection verdict
 
 
 def goodput_view(ledger: Ledger) -> GoodputView:
@@ -135,7 +137,19 @@ def job_view(
         goodput=goodput_view(x.goodput) if x.goodput is not None else None,
         rank_timing=rank_timing_views(x.ranks),
         stragglers=straggler_views(x.stragglers),
+        conditions=job_conditions(job, x.protection),
     )
+
+
+def job_conditions(job: JobRecord, protection: Mapping[str, Any] | None) -> list[JobCondition]:
+    """What is wrong with a running job right now: its live attempt trains on unprotected by READY checkpoints."""
+    current = job.current
+    if (not protection or not protection.get("stalled") or job.state != "running" or current is None
+            or protection.get("attempt") != current.attempt):
+        return []
+    return [JobCondition(type="CheckpointsStalled", reason=str(protection.get("reason") or ""),
+                         since=protection.get("since"), attempt=current.attempt,
+                         unprotected_intervals=protection.get("unprotectedIntervals"))]
 
 
 def job_summary(job: JobRecord, progress: Progress | None) -> JobSummary:

@@ -15,6 +15,8 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from trainyard_common.store import Keys
+
 CONDITION = "CheckpointsStalled"
 
 
@@ -65,7 +67,7 @@ def assess_protection(
 
 def protection_key(job_id: str) -> str:
     """``ty:job:<id>:ckpt-protection``: the job's :class:`Protection` (JSON), written by the coordinator."""
-    return f"ty:job:{job_id}:ckpt-protection"
+    return Keys.checkpoint_protection(job_id)
 
 
 #: Hash job id → ``"<attempt>:<step>"``: the furthest step rank 0 reported (the measurements record it).
