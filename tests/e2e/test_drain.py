@@ -11,8 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from trainyard_cli import infra
+from tests.support.cli import LocalCli
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
 
@@ -52,19 +50,8 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float) -> Any:
 
 
 def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) -> None:
-    redis_port = infra.free_port()
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
-           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
-           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "2", "TRAINYARD_READY_TIMEOUT_S": "180",
-           "COLUMNS": "200"}
-    env.pop("TRAINYARD_TOKEN", None)
-    env.pop("TRAINYARD_API_URL", None)
-
-    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
+    trainyard = LocalCli(tmp_path, nodes=2)
+    url = trainyard.redis_url
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["training"]["maxSteps"] = 100_000  # trains until the test is done with it
     spec["checkpointPolicy"]["everySteps"] = 10
@@ -155,19 +142,8 @@ def test_every_node_agent_killed_at_once_blames_no_node(tmp_path: Path) -> None:
     """kill -9 of every node agent at once (no drain: nobody said goodbye): every node goes silent together,
     which is no node's fault — the attempts are interrupted (control plane), nobody is blamed, no failure
     budget is spent, and they resume once the agents are back."""
-    redis_port = infra.free_port()
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
-           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
-           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "2", "TRAINYARD_READY_TIMEOUT_S": "180",
-           "COLUMNS": "200"}
-    env.pop("TRAINYARD_TOKEN", None)
-    env.pop("TRAINYARD_API_URL", None)
-
-    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
+    trainyard = LocalCli(tmp_path, nodes=2)
+    url = trainyard.redis_url
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["training"]["maxSteps"] = 100_000
     spec["checkpointPolicy"]["everySteps"] = 10

@@ -5,32 +5,19 @@ commands, then `trainyard dev down`. A second `up` is idempotent and does not bu
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from trainyard_cli import infra
+from tests.support.cli import LocalCli
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_submit_works_right_after_up(tmp_path: Path) -> None:
-    env = {**os.environ, "TRAINYARD_STATE_DIR": str(tmp_path / ".trainyard"),
-           "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(infra.free_port()),
-           "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": "1", "TRAINYARD_READY_TIMEOUT_S": "180",
-           "COLUMNS": "200"}
-    env.pop("TRAINYARD_TOKEN", None)
-    env.pop("TRAINYARD_API_URL", None)
-
-    def trainyard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        # cwd: the CLI finds the stack's URL and token in .trainyard/ there, as it does in a checkout
-        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=tmp_path, env=env,  # noqa: S603
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    trainyard = LocalCli(tmp_path, nodes=1)
 
     try:
         up = trainyard("dev", "up", timeout=600)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_node_agent import Services, reap_ranks, services  # noqa: F401 - fixtures
+from tests.integration.test_node_agent import Services, reap_ranks, services  # noqa: F401, F811 - fixtures
 from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
 from trainyard_cli import infra
 from trainyard_common.bus import Bus, ensure_topics

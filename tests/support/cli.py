@@ -1,0 +1,31 @@
+"""The `trainyard` CLI as a user types it, against a local stack of its own: a fresh state directory
+and free ports (the commands run in that directory, so the CLI finds the stack's URL and token in its
+.trainyard/, as it does in a checkout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainyard_cli import infra
+
+
+class LocalCli:
+    """``trainyard …`` subprocesses for a stack under ``root`` with ``nodes`` node agents."""
+
+    def __init__(self, root: Path, *, nodes: int = 2) -> None:
+        self.root = root
+        redis_port = infra.free_port()
+        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self.env = {**os.environ, "TRAINYARD_STATE_DIR": str(root / ".trainyard"),
+                    "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
+                    "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": str(nodes),
+                    "TRAINYARD_READY_TIMEOUT_S": "180", "COLUMNS": "200"}
+        self.env.pop("TRAINYARD_TOKEN", None)
+        self.env.pop("TRAINYARD_API_URL", None)
+
+    def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=self.root, env=self.env,  # noqa: S603
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
