@@ -310,11 +310,15 @@ class Scheduler:
         self.wake_at(None)
 
     async def _show_drain(self, node_id: str, reason: str | None) -> None:
+        await self._mirror_on_node(node_id, "drained", reason)
+
+    async def _mirror_on_node(self, node_id: str, field: str, reason: str | None) -> None:
+        """Mirror a drain or quarantine into the NodeRecord (what GET /nodes shows); placement reads its own key."""
         raw = await self.redis.hget(Keys.nodes, node_id)
         if raw:
             record = NodeRecord.model_validate_json(raw)
-            if record.drained != reason:
-                record.drained = reason
+            if getattr(record, field) != reason:
+                setattr(record, field, reason)
                 await self.store.put_node(record)
 
     async def drained_nodes(self) -> dict[str, dict]:
@@ -353,13 +357,7 @@ class Scheduler:
         return was is not None
 
     async def _show_quarantine(self, node_id: str, reason: str | None) -> None:
-        """Mirror into the NodeRecord (what GET /nodes shows); placement reads ``Keys.node_quarantine``."""
-        raw = await self.redis.hget(Keys.nodes, node_id)
-        if raw:
-            record = NodeRecord.model_validate_json(raw)
-            if record.quarantined != reason:
-                record.quarantined = reason
-                await self.store.put_node(record)
+        await self._mirror_on_node(node_id, "quarantined", reason)
 
     async def blame_node(self, node_id: str, reason: str, weight: float, *,
                          events: tuple[StragglerDetected, ...] = ()) -> float:
