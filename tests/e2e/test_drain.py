@@ -49,6 +49,18 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float) -> Any:
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
+def up_and_submit_two(trainyard: LocalCli, spec_file: Path) -> list[str]:
+    """`trainyard dev up`, then the spec submitted twice; the two job ids."""
+    up = trainyard("dev", "up", timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    ids = []
+    for _ in range(2):
+        submitted = trainyard("submit", str(spec_file))
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        ids.append(re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout).group(1))  # type: ignore[union-attr]
+    return ids
+
+
 def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) -> None:
     trainyard = LocalCli(tmp_path, nodes=2)
     url = trainyard.redis_url
@@ -63,12 +75,7 @@ def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) 
 
     job_ids: list[str] = []
     try:
-        up = trainyard("dev", "up", timeout=600)
-        assert up.returncode == 0, up.stdout + up.stderr
-        for _ in range(2):
-            submitted = trainyard("submit", str(spec_file))
-            assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-            job_ids.append(re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout).group(1))  # type: ignore[union-attr]
+        job_ids += up_and_submit_two(trainyard, spec_file)
 
         def training() -> bool:  # both run and have a READY checkpoint: the ranks are past start-up
             ready = redis_read(url, lambda s: asyncio.gather(*(s.latest_ready_checkpoint(j) for j in job_ids)))
@@ -155,12 +162,7 @@ def test_every_node_agent_killed_at_once_blames_no_node(tmp_path: Path) -> None:
         return redis_read(url, lambda s: s.get_jobs(job_ids))
 
     try:
-        up = trainyard("dev", "up", timeout=600)
-        assert up.returncode == 0, up.stdout + up.stderr
-        for _ in range(2):
-            submitted = trainyard("submit", str(spec_file))
-            assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-            job_ids.append(re.search(r"submitted (job-[0-9a-f]+)", submitted.stdout).group(1))  # type: ignore[union-attr]
+        job_ids += up_and_submit_two(trainyard, spec_file)
         wait_for(lambda: all(j.state == "running" for j in jobs()), "both jobs running", 300)
 
         for i in range(2):
