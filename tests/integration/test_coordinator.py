@@ -386,6 +386,31 @@ async def test_a_checkpoint_missing_a_rank_times_out_as_failed(env: dict[str, An
         await stop_stack(stack)
 
 
+async def test_a_half_collected_set_of_a_fenced_attempt_fails_at_once_not_after_the_timeout(
+        env: dict[str, Any]) -> None:
+    """Its other ranks are gone (a newer attempt holds the job's epoch): waiting for the shard
+    timeout would only keep the job's newest checkpoint PENDING for 15 minutes."""
+    stack = await start_stack(env, shard_timeout_s=3600.0, sweep_interval_s=0.2)
+    try:
+        job_id = "job-fenced-half"
+        epoch = await given_job(stack, job_id)
+        rank0, _ = shard_events(job_id, 40, write_shards(stack, job_id, 40), epoch=epoch)
+        await publish(stack, rank0)
+        await wait_for(lambda: stack.redis.hlen(Keys.shards(job_id, 1, 40)), what="rank 0's shard recorded")
+        assert (await stack.record(job_id, 40)).state == "PENDING"
+
+        newer = await LeaseManager(stack.redis).acquire(job_id, f"{job_id}-alloc-2",
+                                                        [Device(f"node-{job_id}-2", 0), Device(f"node-{job_id}-2", 1)])
+        assert newer > epoch  # the next attempt was placed
+        record = await wait_for(lambda: stack.settled(job_id, 40), what="the fenced checkpoint settled")
+        assert record.state == "FAILED" and "fenced" in (record.reason or ""), record.reason
+        failed = await wait_for(lambda: stack.tail.of(ev.CheckpointFailed, job_id=job_id), what="CheckpointFailed")
+        assert "fenced" in failed[0][0].reason
+        assert await stack.redis.zcard("ty:ckpt-pending") == 0
+    finally:
+        await stop_stack(stack)
+
+
 async def test_both_services_run_as_processes_and_stop_cleanly_on_sigterm(env: dict[str, Any]) -> None:
     """``python -m`` each service, wait for its health beacon, SIGTERM it: exit 0, beacon gone."""
     import signal

@@ -227,6 +227,37 @@ async def test_a_drained_node_stops_its_attempts_at_a_checkpoint_and_takes_no_ne
     await poll(lambda: _available(r, 2), f"{other} back after its agent restarted", WAIT_S)
 
 
+async def test_the_next_attempt_waits_for_a_checkpoint_whose_shards_are_all_written(rig: tuple[Rig, Beats]) -> None:
+    """Placing it would grant a new fencing epoch, and the coordinator never makes a fenced set READY:
+    without the wait, the job would resume an interval earlier than the ranks had saved."""
+    r, _ = rig
+    await r.submit("settling", make_spec(4, max_steps=100))
+    gang = await _gang(r, "settling", 1)
+    await r.start_ranks(gang)
+    await poll(lambda: _ranks_started(r, "settling", 4), "its 4 ranks recorded as started", WAIT_S)
+    # every rank wrote and reported its shard of step 20; the coordinator has not verified them yet
+    await r.store.put_checkpoint(CheckpointRecord(
+        job_id="settling", tenant="t1", attempt=1, epoch=gang.epoch, global_step=20, world_size=4))
+    await r.redis.hset(Keys.shards("settling", 1, 20), mapping={str(rank): "{}" for rank in range(4)})
+    (node,) = [n.node_id for n in gang.nodes]
+    await r.fail_rank(gang, node, "error")
+
+    async def waits_for_it() -> JobRecord | None:
+        job = await _job(r, "settling")
+        return job if job.queued_reason_kind == "checkpoint" else None
+
+    job = await poll(waits_for_it, "the job waiting for the checkpoint", WAIT_S)
+    assert "step-000000020-a1" in (job.queued_reason or "") and job.current is not None and job.current.attempt == 1
+    uri = "file:///ckpt/settling/step-20/manifest.json"
+    await r.store.put_checkpoint(CheckpointRecord(
+        job_id="settling", tenant="t1", attempt=1, epoch=gang.epoch, global_step=20, world_size=4, state="READY",
+        manifest_uri=uri, content_hash="sha256:20"))
+    second = await _gang(r, "settling", 2)
+    assert second.start_checkpoint is not None and second.start_checkpoint.global_step == 20
+    assert second.start_checkpoint.manifest_uri == uri
+    await _cancel(r, "settling")
+
+
 async def _ranks_started(r: Rig, job_id: str, count: int) -> bool:
     """Ranks the scheduler has applied as started (a drain before that revokes at once, without a checkpoint)."""
     job = await _job(r, job_id)

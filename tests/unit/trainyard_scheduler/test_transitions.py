@@ -16,7 +16,7 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.records import JobRecord
+from trainyard_common.records import CheckpointRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
@@ -567,3 +567,44 @@ def test_backfill_duration_is_the_spec_estimate_scaled_to_what_is_left() -> None
     assert _remaining_seconds(job) == 600.0
     resumed = admitted(job, start=CheckpointRef(manifest_uri="file:///m", global_step=15, attempt=1))
     assert _remaining_seconds(resumed) == pytest.approx(150.0)  # 5 of 20 steps left
+
+
+# ----------------------------------------------------------------------------- waiting for a settling checkpoint
+
+
+def ended_attempt(job: JobRecord, *, at_s: float) -> JobRecord:
+    """``job`` with its first attempt failed at ``at_s``."""
+    job = admitted(job)
+    attempt = job.attempts[0].model_copy(update={"state": "failed", "ended_at": at(at_s)})
+    return job.model_copy(update={"state": "queued", "attempts": [attempt]})
+
+
+def record(step: int, state: str = "PENDING", attempt: int = 1) -> CheckpointRecord:
+    return CheckpointRecord(job_id="j1", tenant="t1", attempt=attempt, epoch=1, global_step=step, world_size=2,
+                            state=state, created_at=at(0))
+
+
+def test_the_next_attempt_waits_for_a_complete_checkpoint_that_is_not_ready_yet() -> None:
+    job = ended_attempt(new_job(), at_s=100)
+    records = [record(10, "READY"), record(20)]
+    waiting = tr.checkpoint_settling(job, records, {"step-000000020-a1": 2}, now=at(101), settle_s=15)
+    assert waiting is not None and waiting.global_step == 20
+
+
+def test_a_checkpoint_missing_shards_or_older_than_the_latest_ready_one_is_not_waited_for() -> None:
+    job = ended_attempt(new_job(), at_s=100)
+    assert tr.checkpoint_settling(job, [record(20)], {"step-000000020-a1": 1},
+                                  now=at(101), settle_s=15) is None  # its other rank is gone
+    assert tr.checkpoint_settling(job, [record(10), record(20, "READY")], {"step-000000010-a1": 2},
+                                  now=at(101), settle_s=15) is None  # a newer one is READY already
+    assert tr.checkpoint_settling(job, [record(20, attempt=0)], {"step-000000020-a0": 2},
+                                  now=at(101), settle_s=15) is None  # not the attempt that just ended
+
+
+def test_the_wait_for_a_settling_checkpoint_is_bounded_and_can_be_turned_off() -> None:
+    job = ended_attempt(new_job(), at_s=100)
+    records, recorded = [record(20)], {"step-000000020-a1": 2}
+    assert tr.checkpoint_settling(job, records, recorded, now=at(114), settle_s=15) is not None
+    assert tr.checkpoint_settling(job, records, recorded, now=at(115), settle_s=15) is None
+    assert tr.checkpoint_settling(job, records, recorded, now=at(101), settle_s=0) is None
+    assert tr.checkpoint_settling(admitted(new_job()), records, recorded, now=at(1), settle_s=15) is None  # running

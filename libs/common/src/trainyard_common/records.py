@@ -89,7 +89,7 @@ class JobRecord(Record):
     queued_reason: str | None = Field(default=None, description="why it waits, while queued")
     queued_reason_kind: str | None = Field(
         default=None, description="quota | capacity | topology | priority | preemption | backoff | quarantine | "
-                                  "maintenance | interrupted, while queued"
+                                  "maintenance | interrupted | checkpoint, while queued"
     )
     attempts: list[AttemptRecord] = []
     max_attempts: int = 3

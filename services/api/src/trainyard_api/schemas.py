@@ -200,7 +200,8 @@ class JobView(_Out):
     progress: ProgressView
     checkpoints: list[CheckpointView]
     queued_reason_kind: str | None = Field(
-        default=None, description="quota | capacity | topology | priority | preemption | backoff (only while queued)")
+        default=None, description="quota | capacity | topology | priority | preemption | backoff | quarantine | "
+                                  "maintenance | interrupted | checkpoint (only while queued)")
     checkpoint_advice: CheckpointAdviceView | None = Field(
         default=None, description="Young/Daly checkpoint interval advice, once the coordinator has computed one")
     goodput: GoodputView | None = Field(default=None, description="the job's goodput ledger")

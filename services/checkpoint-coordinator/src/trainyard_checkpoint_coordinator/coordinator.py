@@ -372,8 +372,9 @@ class Coordinator:
     async def sweep(self) -> None:
         """Settle what the shard reports alone did not: a checkpoint pending for a sweep interval
         whose shards are all recorded is finalized (a crash, or a failure that was not retried,
-        left it behind after its last report); one pending longer than ``shard_timeout_s`` and
-        still missing ranks fails."""
+        left it behind after its last report); one whose attempt was fenced by a newer epoch
+        fails at once (its missing ranks are gone, and a zombie never produces READY); one
+        pending longer than ``shard_timeout_s`` and still missing ranks fails."""
         now = self.clock().timestamp()
         timeout_cutoff = now - self.settings.shard_timeout_s
         cutoff = now - min(self.settings.sweep_interval_s, self.settings.shard_timeout_s)
@@ -384,7 +385,8 @@ class Coordinator:
                 await self.redis.zrem(PENDING_INDEX, member)
                 continue
             timed_out = created <= timeout_cutoff
-            if not timed_out and await self.redis.hlen(Keys.shards(key.job_id, key.attempt, key.global_step)) \
+            if not timed_out and not await self._fenced(key, record) \
+                    and await self.redis.hlen(Keys.shards(key.job_id, key.attempt, key.global_step)) \
                     < record.world_size:
                 continue  # still collecting: the shard reports settle it, or the timeout does
             job = await self.store.get_job(key.job_id)
@@ -393,6 +395,11 @@ class Coordinator:
                 attributes={"trainyard.job_id": key.job_id, "trainyard.checkpoint_id": key.checkpoint_id}
             ):
                 await self._settle(key, timed_out=timed_out)
+
+
+    async def _fenced(self, key: CheckpointKey, record: CheckpointRecord) -> bool:
+        """Whether a newer attempt holds the job's fencing epoch (assess() then rejects the set)."""
+        return record.epoch < int(await self.redis.get(Keys.epoch(key.job_id)) or 0)
 
 
 def _job_defaults(job: JobRecord | None) -> JobDefaults:

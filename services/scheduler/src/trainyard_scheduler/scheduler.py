@@ -717,6 +717,14 @@ class Scheduler:
             if job is None or not tr.is_pending(job):
                 return
             await self._check_epoch(pipe, epoch)
+            settling = await self._settling_checkpoint(job)
+            if settling is not None:  # placing now would fence it out; decided again next tick
+                reason = (f"checkpoint: waiting up to {self.settings.checkpoint_settle_s:.0f}s for "
+                          f"{settling.checkpoint_id} (every shard written) to become READY, so that attempt "
+                          f"{len(job.attempts) + 1} resumes from it")
+                await self._mutate(job_id, lambda j, _: tr.note_waiting(j, reason, "checkpoint"),
+                                   label="waiting", fence=epoch)
+                return
             number = len(job.attempts) + 1
             allocation_id = f"{job_id}-a{number}-{uuid.uuid4().hex[:8]}"
             try:
@@ -819,6 +827,17 @@ class Scheduler:
         except (ValueError, AttributeError):
             return None
         return int(steps) if isinstance(steps, int | float) and steps >= 1 else None
+
+    async def _settling_checkpoint(self, job: JobRecord) -> CheckpointRecord | None:
+        """A complete, not yet READY checkpoint of the attempt that just ended (tr.checkpoint_settling)."""
+        current, settle_s = job.current, self.settings.checkpoint_settle_s
+        if current is None or current.ended_at is None \
+                or self.clock() >= current.ended_at + timedelta(seconds=settle_s):
+            return None
+        records = await self.store.list_checkpoints(job.job_id)
+        recorded = {c.checkpoint_id: await self.redis.hlen(Keys.shards(job.job_id, c.attempt, c.global_step))
+                    for c in records if c.state == "PENDING" and c.attempt == current.attempt}
+        return tr.checkpoint_settling(job, records, recorded, now=self.clock(), settle_s=settle_s)
 
     async def _start_checkpoint(self, job: JobRecord) -> CheckpointRef | None:
         """The job's latest READY checkpoint; before it has one, the ``initFrom`` job's checkpoint

@@ -26,6 +26,12 @@ class SchedulerSettings(ServiceSettings):
                               description="failed attempts allowed for jobs the scheduler creates itself")
     retry_backoff_s: float = Field(default=2.0, ge=0, description="back-off after the first failed attempt")
     retry_backoff_max_s: float = Field(default=60.0, ge=0, description="back-off cap (doubles per failure)")
+    checkpoint_settle_s: float = Field(
+        default=15.0, ge=0,
+        description="after an attempt ends, its next attempt waits up to this long for a checkpoint whose every "
+                    "shard is recorded but which is not READY yet (placing the next attempt would fence it out); "
+                    "0 = never wait",
+    )
     start_timeout_s: float = Field(default=120.0, gt=0,
                                    description="an attempt whose ranks have not all started by then fails")
     final_checkpoint_timeout_s: float = Field(

@@ -69,7 +69,7 @@ from trainyard_common.events import (
     WorkerStarted,
 )
 from trainyard_common.exitcodes import RETRYABLE_REASONS
-from trainyard_common.records import AttemptRecord, JobRecord
+from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord
 
 from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
@@ -158,6 +158,32 @@ def retry_not_before(job: JobRecord, policy: RetryPolicy) -> datetime | None:
         return None
     delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** max(failures_since_progress(job) - 1, 0))
     return current.ended_at + timedelta(seconds=delay)
+
+
+def checkpoint_settling(
+    job: JobRecord, checkpoints: list[CheckpointRecord], shards_recorded: dict[str, int], *,
+    now: datetime, settle_s: float,
+) -> CheckpointRecord | None:
+    """The checkpoint the next attempt should wait for before it is placed, or None.
+
+    Placing the next attempt grants a new fencing epoch, and the coordinator never makes a
+    checkpoint of an older epoch READY. So a checkpoint of the attempt that just ended whose
+    every shard is recorded (``shards_recorded``: checkpoint id → shards in Redis), but which
+    the coordinator has not verified yet, would be fenced out by the very placement that needs
+    it, and the new attempt would resume an interval (or more) earlier. The next attempt waits
+    for such a checkpoint — newer than the latest READY one — for at most ``settle_s`` after
+    the attempt ended; a set still missing shards is not waited for (its ranks are gone).
+    """
+    current = job.current
+    if current is None or current.ended_at is None or settle_s <= 0:
+        return None
+    if now >= current.ended_at + timedelta(seconds=settle_s):
+        return None
+    ready = max((c.global_step for c in checkpoints if c.state == "READY"), default=-1)
+    waiting = [c for c in checkpoints
+               if c.state == "PENDING" and c.attempt == current.attempt and c.global_step > ready
+               and shards_recorded.get(c.checkpoint_id, 0) >= c.world_size]
+    return max(waiting, key=lambda c: c.global_step, default=None)
 
 
 def is_final_step(job: JobRecord, global_step: int) -> bool:
