@@ -124,6 +124,67 @@ class InitFrom(_Wire):
         default=None, ge=0, description="its READY checkpoint at this step; unset: its latest READY one")
 
 
+ARCHIVE_PATTERN = r"^sha256:[0-9a-f]{64}$"
+COMMIT_PATTERN = r"^[0-9a-f]{40}([0-9a-f]{24})?$"
+
+
+def _unset(v: object) -> bool:
+    return v is None
+
+
+class Code(_Wire):
+    """The user's training code, pinned by content: every attempt runs exactly this tree.
+
+    Either ``archive`` (a tree uploaded with ``trainyard submit --code DIR``: the sha256 of its
+    deterministic ``.tar.gz``) or ``repo`` + ``revision`` (a git URL or path; the API resolves the
+    revision to a full ``commit`` at submission, archives that commit and fills in ``archive``).
+    ``commit`` and ``dirty`` record the git state of an uploaded checkout (provenance only).
+    Without ``code`` the built-in trainer runs.
+    """
+
+    archive: str | None = Field(default=None, pattern=ARCHIVE_PATTERN, exclude_if=_unset,
+                                description="sha256:<hex> of the uploaded code archive (.tar.gz)")
+    repo: str | None = Field(default=None, min_length=1, max_length=1024, exclude_if=_unset,
+                             description="git URL or path, resolved and archived by the API at submission")
+    revision: str | None = Field(default=None, min_length=1, max_length=256, exclude_if=_unset,
+                                 description="commit, tag or branch of repo, as submitted")
+    commit: str | None = Field(default=None, pattern=COMMIT_PATTERN, exclude_if=_unset,
+                               description="the full git commit the tree is (resolved at submission)")
+    dirty: bool | None = Field(default=None, exclude_if=_unset,
+                               description="the uploaded checkout had uncommitted changes")
+    entrypoint: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=256,
+        description="the command each rank runs, in workingDir, e.g. [\"python\", \"train.py\", \"--lr\", \"3e-4\"]")
+    working_dir: str | None = Field(default=None, min_length=1, max_length=1024, exclude_if=_unset,
+                                    description="directory inside the tree the entrypoint runs in (default: its root)")
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)],
+              Annotated[str, Field(max_length=65_536)]] = Field(
+        default={}, max_length=256, exclude_if=lambda v: not v,
+        description="extra environment of every rank (TRAINYARD_*, RANK, WORLD_SIZE, MASTER_* are the platform's)")
+    image: str | None = Field(default=None, min_length=1, max_length=512, exclude_if=_unset,
+                              description="container image the ranks run in (Kubernetes); recorded and shown")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Code:
+        if self.repo is None and self.archive is None:
+            raise ValueError("code needs archive (trainyard submit --code DIR) or repo + revision")
+        if self.repo is not None and self.revision is None:
+            raise ValueError("code.repo needs code.revision (a commit, tag or branch)")
+        if self.repo is None and self.revision is not None:
+            raise ValueError("code.revision needs code.repo")
+        if self.working_dir is not None and (self.working_dir.startswith("/") or ".." in self.working_dir.split("/")):
+            raise ValueError("code.workingDir must be a relative path inside the code tree")
+        reserved = sorted(k for k in self.env if k.startswith("TRAINYARD_") or k in RESERVED_ENV)
+        if reserved:
+            raise ValueError(f"code.env must not set {', '.join(reserved)}: the platform sets them")
+        return self
+
+
+#: The rank environment contract the platform owns (code.env may not override it).
+RESERVED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                          "TRACEPARENT", "CUDA_VISIBLE_DEVICES"})
+
+
 class TrainingSpec(_Wire):
     """What a researcher submits. Immutable: a new configuration is a new job."""
 
@@ -143,6 +204,10 @@ class TrainingSpec(_Wire):
     init_from: InitFrom | None = Field(
         default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
         description="initialise the model from another job's READY checkpoint (weights only)",
+    )
+    code: Code | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="the user's training code, pinned by content; unset: the built-in trainer",
     )
 
     @model_validator(mode="after")
