@@ -82,6 +82,17 @@ def test_a_fresh_attempt_has_no_parent_and_a_missing_dataset_leaves_its_hash_emp
     assert lin.dataset == "tinycorpus@v1" and lin.dataset_sha256 is None and lin.tokenizer is None
 
 
+def test_lineage_records_the_code_a_job_ran_and_nothing_new_without_code() -> None:
+    code = {"archive": "sha256:" + "e" * 64, "commit": "f" * 40, "dirty": True, "entrypoint": ["python", "t.py"]}
+    lin = checkpoint_artifact(job(code=code), ready(), DATASET, now=NOW).lineage
+    assert (lin.code_archive, lin.code_commit) == ("sha256:" + "e" * 64, "f" * 40)
+    uploaded = build_lineage(job(code={"archive": "sha256:" + "e" * 64, "entrypoint": ["python"]}), 1, None)
+    assert (uploaded.code_archive, uploaded.code_commit) == ("sha256:" + "e" * 64, None)
+    plain = build_lineage(job(), 1, DATASET)
+    assert plain.code_archive is None and plain.code_commit is None
+    assert not {"codeArchive", "codeCommit"} & set(plain.model_dump(by_alias=True))  # the stored JSON is as before
+
+
 def test_inline_model_config_is_named_by_its_hash() -> None:
     inline = MODEL_CATALOG["gpt-tiny@v1"].model_dump(by_alias=True)
     ref = model_config_ref(job(modelConfig=inline).spec)

@@ -160,6 +160,11 @@ class Lineage(Record):
     tokenizer: str | None = None
     model_config_ref: str | None = Field(default=None, alias="modelConfig")
     parent_checkpoint: str | None = Field(default=None, description="manifest the producing attempt started from")
+    # came with user code (issue #13): absent from the JSON when the job ran the built-in trainer
+    code_archive: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                     description="sha256:<hex> of the code archive the job ran")
+    code_commit: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                    description="the git commit of that code, when known")
 
 
 class ArtifactRecord(Record):

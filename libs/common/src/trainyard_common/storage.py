@@ -10,6 +10,8 @@ Layout::
     <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/logs/rank-<r>.log
     <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/events/rank-<r>.jsonl
     <root>/tenants/<tenant>/jobs/<job>/checkpoints/step-<000000040>-a<n>/{__<r>_0.distcp,.metadata,manifest.json}
+    <root>/tenants/<tenant>/code/sha256/<hex>.tar.gz     (a code archive, named by its sha256)
+    <root>/tenants/<tenant>/code/sha256/<hex>.json       (what the API recorded of it: size, files, uploadedAt)
 """
 
 from __future__ import annotations
@@ -102,3 +104,14 @@ class ArtifactLayout:
     @staticmethod
     def manifest_path(checkpoint_dir: Path) -> Path:
         return checkpoint_dir / "manifest.json"
+
+    def code_dir(self, tenant: str) -> Path:
+        return self.root / "tenants" / tenant / "code" / "sha256"
+
+    def code_archive(self, tenant: str, hex_digest: str) -> Path:
+        """The tenant's code archive whose sha256 is ``hex_digest`` (``code.archive`` = ``sha256:<hex>``)."""
+        return self.code_dir(tenant) / f"{hex_digest}.tar.gz"
+
+    def code_archive_meta(self, tenant: str, hex_digest: str) -> Path:
+        """What the API recorded of that archive (JSON), written after the archive itself."""
+        return self.code_dir(tenant) / f"{hex_digest}.json"

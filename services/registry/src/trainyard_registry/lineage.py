@@ -42,10 +42,12 @@ def model_config_ref(spec: TrainingSpec) -> str:
 def build_lineage(job: JobRecord, producer_attempt: int, dataset: DatasetRecord | None) -> Lineage:
     """Where an artifact of ``job`` made by ``producer_attempt`` came from.
 
-    The parent checkpoint is the manifest that attempt started from (None for a fresh start).
+    The parent checkpoint is the manifest that attempt started from (None for a fresh start); the
+    code archive and commit are the job's own code (None when it ran the built-in trainer).
     """
     attempt = next((a for a in job.attempts if a.attempt == producer_attempt), None)
     start = attempt.start_checkpoint if attempt else None
+    code = job.spec.code
     return Lineage(
         spec_hash=job.spec_hash,
         code_revision=job.spec.code_revision,
@@ -55,6 +57,8 @@ def build_lineage(job: JobRecord, producer_attempt: int, dataset: DatasetRecord 
         tokenizer=dataset.tokenizer if dataset else None,
         model_config_ref=model_config_ref(job.spec),
         parent_checkpoint=start.manifest_uri if start else None,
+        code_archive=code.archive if code else None,
+        code_commit=code.commit if code else None,
     )
 
 
