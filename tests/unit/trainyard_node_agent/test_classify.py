@@ -58,3 +58,71 @@ def test_oom_kill_counters_of_cgroup_v1_and_v2() -> None:
     assert parse_oom_kills("oom_kill_disable 0\nunder_oom 0\noom_kill 4\n") == 4  # v1 memory.oom_control
     assert parse_oom_kills("low 0\nhigh 0\nmax 2\noom 3\noom_kill 2\n") == 2  # v2 memory.events
     assert parse_oom_kills("nothing here") is None
+
+
+# Real log tails of user scripts (python 3.11), as a rank's log holds them.
+IMPORT_MISSING_LOG = """Traceback (most recent call last):
+  File "/cache/code/1f2e/tree/train.py", line 1, in <module>
+    import does_not_exist
+ModuleNotFoundError: No module named 'does_not_exist'
+"""
+IMPORT_NAME_LOG = """Traceback (most recent call last):
+  File "/cache/code/1f2e/tree/train.py", line 1, in <module>
+    from os import nope
+ImportError: cannot import name 'nope' from 'os' (/usr/lib/python3.11/os.py)
+"""
+SYNTAX_LOG = """  File "/cache/code/1f2e/tree/train.py", line 1
+    def f(:
+          ^
+SyntaxError: invalid syntax
+"""
+TAB_LOG = """  File "/cache/code/1f2e/tree/train.py", line 3
+    return 2
+TabError: inconsistent use of tabs and spaces in indentation
+"""
+NO_FILE_LOG = ("/usr/local/bin/python3: can't open file '/cache/code/1f2e/tree/trian.py': "
+               "[Errno 2] No such file or directory\n")
+MID_RUN_LOG = """step 0
+step 1
+step 2
+Traceback (most recent call last):
+  File "/cache/code/1f2e/tree/train.py", line 4, in <module>
+    raise ValueError("bad batch at step 3")
+ValueError: bad batch at step 3
+"""
+# An import error that was handled, and a later failure: not a failure to start.
+CHAINED_LOG = IMPORT_MISSING_LOG + "\nDuring handling of the above exception, another exception occurred:\n\n" \
+    "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\nRuntimeError: no backend\n"
+
+
+def user(code: int, tail: str = "", *, progressed: bool = False, start_error: str | None = None) -> ExitFacts:
+    return ExitFacts(code, tail, user_code=True, progressed=progressed, start_error=start_error)
+
+
+@pytest.mark.parametrize(("facts", "reason", "detail"), [
+    (user(1, IMPORT_MISSING_LOG), "config", "ModuleNotFoundError: No module named 'does_not_exist'"),
+    (user(1, IMPORT_NAME_LOG), "config", "ImportError: cannot import name 'nope' from 'os' (/usr/lib/python3.11/os.py)"),
+    (user(1, SYNTAX_LOG), "config", "SyntaxError: invalid syntax"),
+    (user(1, TAB_LOG), "config", "TabError: inconsistent use of tabs and spaces in indentation"),
+    (user(2, NO_FILE_LOG), "config", NO_FILE_LOG.strip()),
+    # after progress (it wrote to its spool), the same failure is an ordinary, retried error
+    (user(1, IMPORT_MISSING_LOG, progressed=True), "error", "ModuleNotFoundError: No module named 'does_not_exist'"),
+    (user(1, MID_RUN_LOG), "error", "ValueError: bad batch at step 3"),
+    (user(1, MID_RUN_LOG, progressed=True), "error", "ValueError: bad batch at step 3"),
+    (user(1, CHAINED_LOG), "error", "RuntimeError: no backend"),
+    (user(-9, IMPORT_MISSING_LOG), "killed", "ModuleNotFoundError: No module named 'does_not_exist'"),  # a signal
+    (user(0, IMPORT_MISSING_LOG), "ok", None),
+    (user(127, "launcher: cannot start ./run.sh: [Errno 2] No such file or directory: './run.sh'",
+          start_error="[Errno 2] No such file or directory: './run.sh'"),
+     "config", "entrypoint not found: [Errno 2] No such file or directory: './run.sh'"),
+    (user(127, start_error="[Errno 13] Permission denied: './run.sh'"),
+     "config", "entrypoint cannot be started: [Errno 13] Permission denied: './run.sh'"),
+    # the built-in trainer: a failure to start is the node's (retried elsewhere), not the job's
+    (ExitFacts(1, IMPORT_MISSING_LOG), "error", "ModuleNotFoundError: No module named 'does_not_exist'"),
+    (ExitFacts(127, start_error="[Errno 2] No such file or directory: 'python9'"),
+     "error", "cannot start the rank command: [Errno 2] No such file or directory: 'python9'"),
+    # the agent's own decisions still come first
+    (ExitFacts(-15, IMPORT_MISSING_LOG, revoked="paused", user_code=True), "revoked", "paused"),
+])
+def test_user_code_that_fails_to_start_is_a_config_error(facts: ExitFacts, reason: str, detail: str | None) -> None:
+    assert classify_exit(facts) == (reason, detail)

@@ -81,11 +81,16 @@ def rank_env(
     extra: Mapping[str, str] | None = None,
     checkpoint_request_file: Path | None = None,
     exit_note_file: Path | None = None,
+    code_env: Mapping[str, str] | None = None,
+    code_dir: Path | None = None,
+    scratch_dir: Path | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
-    ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the contract, which wins."""
+    ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
+    then the contract, which wins (the spec already refuses a code.env that names its variables)."""
     env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
     env.update(extra or {})
+    env.update(code_env or {})
     env.update({
         "RANK": str(slot.rank),
         "WORLD_SIZE": str(event.world_size),
@@ -109,6 +114,10 @@ def rank_env(
         env["TRAINYARD_CHECKPOINT_REQUEST_FILE"] = str(checkpoint_request_file)
     if exit_note_file is not None:
         env["TRAINYARD_EXIT_NOTE_FILE"] = str(exit_note_file)
+    if code_dir is not None:
+        env["TRAINYARD_CODE_DIR"] = str(code_dir)
+    if scratch_dir is not None:
+        env["TRAINYARD_SCRATCH_DIR"] = str(scratch_dir)
     if traceparent:
         env["TRACEPARENT"] = traceparent
     if cpu_threads is not None:

@@ -53,6 +53,7 @@ from typing import Any
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
+from trainyard_common.codetree import CodeTreeError, archive_hex
 from trainyard_common.events import (
     ALL_TOPICS,
     ALLOCATIONS,
@@ -66,12 +67,16 @@ from trainyard_common.events import (
     METRICS,
     NodeDrained,
     NodeHeartbeat,
+    NodeAssignment,
     NodeUndrained,
+    RankAssignment,
     WorkerExited,
     WorkerStarted,
     utcnow,
 )
+from trainyard_common.exitcodes import CONFIG
 from trainyard_common.service import ServiceRuntime
+from trainyard_common.spec import Code
 from trainyard_common.spool import SpoolReader
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
 from trainyard_common.records import checkpoint_id
@@ -82,6 +87,7 @@ from trainyard_node_agent import kube
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
 from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.codecache import CodeCache, CodeTree, rank_paths
 from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
@@ -162,6 +168,7 @@ class NodeAgent:
             interpreter_env(self.base_env, cpu_threads=self._cpu_threads, extra=settings.rank_env),
             settings.agent_state_path.parent / "warm.log",
         ) if settings.warm_ranks > 0 else None
+        self.code_cache = CodeCache(settings.code_cache_path, self.layout, max_bytes=settings.code_cache_max_bytes)
 
     @property
     def _cpu_threads(self) -> int | None:
@@ -432,56 +439,107 @@ class NodeAgent:
 
 
     async def _launch(self, event: GangAllocated, decision: Launch) -> None:
+        """Start this node's ranks of the allocation: the built-in trainer (``rank_command``), or the job's
+        own code (``spec.code``: its verified tree from the code cache, its entrypoint, cold)."""
         share = decision.share
         traceparent = current_traceparent()
         attempt_dir = self.layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         atomic_write_bytes(allocation_file, event.to_bytes())
-        for slot in share.ranks:
-            log_path = self.layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank)
-            events_file = self.layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
-            events_file.parent.mkdir(parents=True, exist_ok=True)
-            env = rank_env(
-                event, share, slot, base_env=self.base_env, backend=self.backend,
-                artifact_root=self.layout.root, allocation_file=allocation_file, events_file=events_file,
-                traceparent=traceparent, cpu_threads=self._cpu_threads, extra=self.settings.rank_env,
-                checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
-                                                                event.attempt),
-                exit_note_file=rp.note_file_for(
-                    exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank)),
-            )
-            rank = rp.RankProcess(
-                job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
-                allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
-                pid=0, log_path=log_path, spool=SpoolReader(events_file), traceparent=traceparent,
-                exit_file=exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank),
-                device_index=slot.device_index,
-            )
+        code = event.spec.code
+        tree: CodeTree | None = None
+        if code is not None:
             try:
-                rank.process = await self._start_rank(env, log_path, rank.exit_file)
-            except OSError as exc:
-                log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
-                await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
-                continue
-            rank.pgid = rank.process.pid
-            rank.start_ticks = rp.start_ticks(rank.pgid)
-            rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
-            rank.pid = await rp.rank_pid(rank.exit_file, rank.process) or rank.pgid
-            rank.last_progress = time.monotonic()
-            self.ranks[rank.key] = rank
-            await self._persist(rank, force_local=True)
-            started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
-                                    epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
-                                    log_uri=path_to_uri(log_path))
-            await self.runtime.outbox.put(started, traceparent=traceparent)
-            await self._track(started, "started", rank, traceparent)
-            rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
-        log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s)",
+                tree = await self.code_cache.acquire(event.tenant, code)
+            except CodeTreeError as exc:
+                log.error("not running job %s attempt %d: its code cannot be used: %s", event.job_id,
+                          event.attempt, exc)
+                for slot in share.ranks:
+                    await self._report_exit(self._rank_record(event, slot, traceparent, code=code), CONFIG,
+                                            "config", str(exc))
+                return
+            if code.image:  # see deploy/k8s/README.md: ranks run in the agent's container, not in code.image
+                log.warning("job %s names the image %s for its ranks; this node agent runs them as its own "
+                            "processes, in its own image", event.job_id, code.image)
+        try:
+            for slot in share.ranks:
+                await self._launch_rank(event, share, slot, allocation_file, traceparent, tree)
+        finally:
+            if tree is not None:
+                self.code_cache.release(tree.hex)
+        if tree is not None and tree.materialised:
+            self._in_background(self._collect_code())
+        log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s%s)",
                  [s.rank for s in share.ranks], event.job_id, event.attempt, event.allocation_id,
-                 event.epoch, self.backend)
+                 event.epoch, self.backend,
+                 f", code {code.archive} {code.entrypoint}" + (f", image {code.image}" if code.image else "")
+                 if code is not None else "")
+
+    def _rank_record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
+                     code: Code | None) -> rp.RankProcess:
+        events_file = self.layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
+        return rp.RankProcess(
+            job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
+            allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
+            pid=0, log_path=self.layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank),
+            spool=SpoolReader(events_file), traceparent=traceparent,
+            exit_file=exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank),
+            device_index=slot.device_index, code_archive=code.archive if code is not None else None,
+        )
+
+    async def _launch_rank(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment,
+                           allocation_file: Path, traceparent: str | None, tree: CodeTree | None) -> None:
+        code = event.spec.code if tree is not None else None
+        rank = self._rank_record(event, slot, traceparent, code=code)
+        rank.spool.path.parent.mkdir(parents=True, exist_ok=True)
+        paths = None
+        if code is not None and tree is not None:
+            paths = rank_paths(self.layout, tenant=event.tenant, job_id=event.job_id, attempt=event.attempt,
+                               rank=slot.rank, dataset=event.spec.dataset, code_dir=tree.root,
+                               working_dir=code.working_dir)
+            if not paths.cwd.is_dir():
+                await self._report_exit(rank, CONFIG, "config",
+                                        f"code.workingDir {code.working_dir!r} is not a directory of the code "
+                                        f"tree {code.archive}")
+                return
+            paths.scratch.mkdir(parents=True, exist_ok=True)
+        env = rank_env(
+            event, share, slot, base_env=self.base_env, backend=self.backend,
+            artifact_root=self.layout.root, allocation_file=allocation_file, events_file=rank.spool.path,
+            traceparent=traceparent, cpu_threads=self._cpu_threads, extra=self.settings.rank_env,
+            checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
+                                                            event.attempt),
+            exit_note_file=rank.note_file,
+            code_env=code.env if code is not None else None,
+            code_dir=paths.code_dir if paths is not None else None,
+            scratch_dir=paths.scratch if paths is not None else None,
+        )
+        try:
+            if code is not None and paths is not None:
+                # User code starts cold: warm interpreters hold the built-in trainer already imported.
+                rank.process = await rp.spawn(code.entrypoint, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
+            else:
+                rank.process = await self._start_rank(env, rank.log_path, rank.exit_file)
+        except OSError as exc:
+            log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
+            await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
+            return
+        rank.pgid = rank.process.pid
+        rank.start_ticks = rp.start_ticks(rank.pgid)
+        rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
+        rank.pid = await rp.rank_pid(rank.exit_file, rank.process) or rank.pgid
+        rank.last_progress = time.monotonic()
+        self.ranks[rank.key] = rank
+        await self._persist(rank, force_local=True)
+        started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
+                                epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
+                                log_uri=path_to_uri(rank.log_path))
+        await self.runtime.outbox.put(started, traceparent=traceparent)
+        await self._track(started, "started", rank, traceparent)
+        rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
 
     async def _start_rank(self, env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
-        """In a warm interpreter when one is ready, else cold under the launcher."""
+        """The built-in trainer: in a warm interpreter when one is ready, else cold under the launcher."""
         warm = self.pool.take() if self.pool is not None else None
         if warm is not None:
             rp.clear_exit_files(exit_file)
@@ -493,6 +551,14 @@ class NodeAgent:
                 with contextlib.suppress(ProcessLookupError):
                     warm.kill()
         return await rp.spawn(self.settings.rank_command, env, log_path, exit_file)
+
+    async def _collect_code(self) -> None:
+        """Evict least recently used code trees past the cache limit (never one a live rank runs)."""
+        in_use = {archive_hex(r.code_archive) for r in self.ranks.values() if r.code_archive and r.running}
+        try:
+            await self.code_cache.acollect(in_use)
+        except OSError as exc:
+            log.warning("collecting the code cache %s: %r", self.code_cache.root, exc)
 
     # ------------------------------------------------------------------ watching ranks
     async def _watch(self, rank: rp.RankProcess) -> None:
@@ -509,6 +575,8 @@ class NodeAgent:
             await self._report_exit(rank, code, reason, detail)
             rp.signal_group(rank.pgid, signal.SIGKILL)  # whatever the rank left in its group
             await self._forget(rank)
+            if rank.code_archive:
+                await self._collect_code()
         except Exception:  # noqa: BLE001 - a watcher must not vanish silently
             log.exception("watching rank %s failed", rank.key)
         finally:
@@ -548,6 +616,8 @@ class NodeAgent:
         reason, detail = classify_exit(ExitFacts(
             exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",
             revoked=rank.stop_detail if rank.revoked else None, hang=rank.hang_detail, lost=lost, oom_kills=ooms,
+            user_code=rank.code_archive is not None, progressed=rank.progressed,
+            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None,
         ))
         if detail is None and rank.killed_by_agent:
             detail = rank.stop_detail

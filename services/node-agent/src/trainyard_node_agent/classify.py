@@ -6,6 +6,12 @@ trainer's exit code (``trainyard_common.exitcodes``: 3 nan, 6 oom, 2 config, 4 c
 effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
 errors, collective timeouts); otherwise what the exit code says (error, killed, signal-<n>).
 
+User code (``spec.code``) is the job's own: an entrypoint the launcher cannot start, and a script
+that fails at start (before it wrote anything to its event spool) with ``ModuleNotFoundError``,
+``ImportError``, ``SyntaxError`` or a file the interpreter cannot open, is ``config`` (the job
+fails at once: a retry would fail the same way). Once it made progress, an exception is ``error``
+(retried) like any other.
+
 Reasons: ok | error | config | nan | oom | checkpoint | data | nccl | hang | killed |
 signal-<n> | revoked | preempted | lost.
 """
@@ -27,6 +33,10 @@ NCCL_MARKERS = ("NCCL error", "ncclUnhandledCudaError", "ncclSystemError", "nccl
                 "ncclInvalidUsage", "NCCL WARN", "CUDA error", "cudaError", "CUBLAS_STATUS", "uncorrectable ECC",
                 "ECC error", "Xid", "illegal memory access", "device-side assert")
 _EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*")
+# What a Python script that cannot start prints last (IndentationError and TabError are SyntaxErrors).
+_START_FAILURE_LINE = re.compile(
+    r"^\s*(?:(?:ModuleNotFoundError|ImportError|SyntaxError|IndentationError|TabError)\b.*"
+    r"|\S*python[\d.]*: can't open file .*)")
 _DETAIL_CHARS = 300
 
 
@@ -40,6 +50,9 @@ class ExitFacts:
     hang: str | None = None  # why the agent stopped it as hung
     lost: str | None = None  # the rank vanished and nobody recorded how it ended
     oom_kills: int = 0  # kernel OOM kills in its cgroup while it ran
+    user_code: bool = False  # the rank ran the job's own code (spec.code), not the built-in trainer
+    progressed: bool = False  # it wrote to its event spool before it ended
+    start_error: str | None = None  # the launcher could not start the command (its OSError)
 
 
 def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
@@ -53,6 +66,10 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
     code = facts.exit_code
     if code == 0:
         return "ok", None
+    if facts.start_error is not None:
+        return start_failure(facts.start_error, user_code=facts.user_code)
+    if facts.user_code and code > 0 and not facts.progressed and (line := start_failure_line(facts.log_tail)):
+        return "config", line
     named = exit_reason(code)
     if named == "preempted":
         return named, "checkpointed on request and stopped"
@@ -64,6 +81,22 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
         if line := marker_line(facts.log_tail, markers):
             return reason, line
     return named, last_error_line(facts.log_tail)
+
+
+def start_failure(error: str, *, user_code: bool) -> tuple[str, str]:
+    """A command the launcher could not exec: the job's fault for its own entrypoint, else the node's."""
+    if not user_code:
+        return "error", f"cannot start the rank command: {_trim(error)}"
+    missing = "No such file or directory" in error or "Errno 2]" in error
+    return "config", _trim(f"entrypoint {'not found' if missing else 'cannot be started'}: {error}")
+
+
+def start_failure_line(text: str) -> str | None:
+    """The last line of a log tail that says a Python script could not start (import, syntax, no file)."""
+    for line in reversed(text.splitlines()):
+        if _EXCEPTION_LINE.match(line) or _START_FAILURE_LINE.match(line):
+            return _trim(line) if _START_FAILURE_LINE.match(line) else None
+    return None
 
 
 def marker_line(text: str, markers: tuple[str, ...]) -> str | None:

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"launcher: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
         write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher",
-                                                 "error": str(exc)}))
+                                                 "error": str(exc), "errno": exc.errno}))
         return 127
     write_atomically(pid_file_for(exit_file), str(child.pid))
     while True:

@@ -64,6 +64,7 @@ class RankProcess:
     last_step: int | None = None  # the step of the last StepMetrics relayed
     checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
+    code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -86,6 +87,7 @@ class RankProcess:
             "spool": str(self.spool.path), "offset": self.spool.offset, "log": str(self.log_path),
             "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
             "progressed": self.progressed, "lastStep": self.last_step,
+            **({"codeArchive": self.code_archive} if self.code_archive else {}),
         }
 
     @classmethod
@@ -99,6 +101,7 @@ class RankProcess:
             pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
             progressed=bool(entry.get("progressed", False)),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
+            code_archive=entry.get("codeArchive"),
         )
 
     @property
@@ -107,14 +110,16 @@ class RankProcess:
 
 
 async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
-                exit_file: Path) -> asyncio.subprocess.Process:
-    """Start ``command`` under the launcher, in a new session, stdout+stderr appended to ``log_path``."""
+                exit_file: Path, *, cwd: Path | None = None) -> asyncio.subprocess.Process:
+    """Start ``command`` under the launcher, in a new session, stdout+stderr appended to ``log_path``,
+    in ``cwd`` (default: the agent's own)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     clear_exit_files(exit_file)
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return await asyncio.create_subprocess_exec(
             sys.executable, str(LAUNCHER), str(exit_file), "--", *command, env=dict(env),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=cwd,
         )
 
 
@@ -150,6 +155,16 @@ async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout
             return None
         await asyncio.sleep(0.01)
     return None
+
+
+def read_start_error(path: Path) -> str | None:
+    """The launcher's OSError when it could not start the command at all, or None."""
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    error = entry.get("error") if isinstance(entry, dict) and entry.get("pid") is None else None
+    return str(error) if error else None
 
 
 def read_exit_file(path: Path) -> int | None:

@@ -96,6 +96,16 @@ class NodeAgentSettings(ServiceSettings):
         default="trainyard_trainer.__main__",
         description="the module a warm interpreter imports in advance; its main() is the rank",
     )
+    code_cache_dir: Path | None = Field(
+        default=None,
+        description="where users' code trees are extracted, one read-only entry per archive hash, shared by "
+                    "attempts and jobs (default: <agent state dir>/code-cache)",
+    )
+    code_cache_max_bytes: int = Field(
+        default=10 * 2**30, ge=0,
+        description="the code cache is kept under this size: least recently used trees no running rank "
+                    "uses are removed first",
+    )
     agent_state_file: Path | None = Field(
         default=None,
         description="node-local copy of the rank table, read at start-up when Redis is down "
@@ -105,6 +115,10 @@ class NodeAgentSettings(ServiceSettings):
     @property
     def agent_state_path(self) -> Path:
         return self.agent_state_file or self.artifact_root_abs / "nodes" / self.node_id / "agent-ranks.json"
+
+    @property
+    def code_cache_path(self) -> Path:
+        return self.code_cache_dir or self.agent_state_path.parent / "code-cache"
 
     @field_validator("rank_command", mode="before")
     @classmethod

@@ -1,0 +1,245 @@
+"""The node's code cache: materialised once per hash, read-only, verified before every launch
+(tampered → extracted again), a wrong archive refused, concurrent materialisation safe, and the
+eviction choice (pure, table-tested)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainyard_common.codetree import CodeTreeError, archive_id, pack
+from trainyard_common.spec import Code
+from trainyard_common.storage import ArtifactLayout
+from trainyard_node_agent.codecache import (
+    TAMPERED,
+    CacheEntry,
+    CodeCache,
+    choose_evictions,
+    rank_paths,
+    remove_tree,
+)
+
+TENANT = "t1"
+
+
+def make_tree(root: Path) -> list[str]:
+    (root / "pkg").mkdir(parents=True)
+    (root / "train.py").write_text("import pkg.util\nprint('hi')\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "util.py").write_text("X = 1\n")
+    (root / "run.sh").write_text("#!/bin/sh\nexec python train.py\n")
+    os.chmod(root / "run.sh", 0o755)
+    (root / "latest.py").symlink_to("train.py")
+    return ["train.py", "pkg/__init__.py", "pkg/util.py", "run.sh", "latest.py"]
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> ArtifactLayout:
+    return ArtifactLayout(tmp_path / "artifacts")
+
+
+@pytest.fixture
+def archive(tmp_path: Path, layout: ArtifactLayout) -> str:
+    """A packed tree stored where the API stores uploads; returns its sha256:<hex>."""
+    src = tmp_path / "src"
+    data = pack(src, make_tree(src))
+    ident = archive_id(data)
+    path = layout.code_archive(TENANT, ident.removeprefix("sha256:"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return ident
+
+
+def cache_of(tmp_path: Path, layout: ArtifactLayout, max_bytes: int = 10 * 2**30) -> CodeCache:
+    return CodeCache(tmp_path / "cache", layout, max_bytes=max_bytes)
+
+
+def code(archive: str) -> Code:
+    return Code(archive=archive, entrypoint=["python", "train.py"])
+
+
+def modes(tree: Path) -> dict[str, int]:
+    return {p.relative_to(tree).as_posix(): stat.S_IMODE(p.lstat().st_mode)
+            for p in [tree, *tree.rglob("*")] if not p.is_symlink()}
+
+
+async def test_materialises_once_read_only_and_reuses_the_entry(tmp_path: Path, layout: ArtifactLayout,
+                                                                archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    first = await cache.acquire(TENANT, code(archive))
+    cache.release(first.hex)
+    assert first.materialised and first.root == tmp_path / "cache" / first.hex / "tree"
+    assert (first.root / "pkg" / "util.py").read_text() == "X = 1\n"
+    assert os.readlink(first.root / "latest.py") == "train.py"
+    assert modes(first.root) == {".": 0o555, "pkg": 0o555, "train.py": 0o444, "pkg/__init__.py": 0o444,
+                                 "pkg/util.py": 0o444, "run.sh": 0o555}
+    again = await cache.acquire(TENANT, code(archive))
+    cache.release(again.hex)
+    assert not again.materialised and again.root == first.root
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.hex]  # no staging left behind
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda tree: (os.chmod(tree / "train.py", 0o644), (tree / "train.py").write_text("print('evil')\n")),
+    lambda tree: (os.chmod(tree / "pkg", 0o755), (tree / "pkg" / "extra.py").write_text("")),
+    lambda tree: (os.chmod(tree / "pkg", 0o755), (tree / "pkg" / "util.py").unlink()),
+    lambda tree: (os.chmod(tree, 0o755), (tree / "latest.py").unlink(), (tree / "latest.py").symlink_to("run.sh")),
+], ids=["changed", "added", "removed", "relinked"])
+async def test_a_tampered_entry_is_extracted_again_before_it_runs(tmp_path: Path, layout: ArtifactLayout,
+                                                                  archive: str, tamper: object) -> None:
+    cache = cache_of(tmp_path, layout)
+    tree = (await cache.acquire(TENANT, code(archive))).root
+    cache.release(tree.parent.name)
+    tamper(tree)  # type: ignore[operator]
+    assert cache.problems(tree.parent.name)
+    before = TAMPERED._value.get()
+    again = await cache.acquire(TENANT, code(archive))
+    cache.release(again.hex)
+    assert again.materialised and TAMPERED._value.get() == before + 1
+    assert cache.problems(again.hex) == []
+    assert (again.root / "train.py").read_text().startswith("import pkg.util")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [again.hex]  # the tampered copy is gone
+
+
+async def test_a_lost_digest_counts_as_tampered(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    tree = await cache.acquire(TENANT, code(archive))
+    cache.release(tree.hex)
+    (cache.entry_dir(tree.hex) / "digest.json").unlink()
+    again = await cache.acquire(TENANT, code(archive))
+    cache.release(again.hex)
+    assert again.materialised and cache.problems(again.hex) == []
+
+
+async def test_an_archive_that_is_not_the_one_named_is_refused(tmp_path: Path, layout: ArtifactLayout,
+                                                               archive: str) -> None:
+    hex_digest = archive.removeprefix("sha256:")
+    other = tmp_path / "other"
+    files = make_tree(other)
+    (other / "train.py").write_text("print('replaced')\n")
+    layout.code_archive(TENANT, hex_digest).write_bytes(pack(other, files))  # replaced after upload
+    cache = cache_of(tmp_path, layout)
+    with pytest.raises(CodeTreeError, match=f"not the sha256:{hex_digest}.*not running it"):
+        await cache.acquire(TENANT, code(archive))
+    assert not cache.entry_dir(hex_digest).exists()
+    assert cache._pins == {}  # a failed acquire pins nothing
+
+
+async def test_a_missing_archive_and_an_unresolved_repo_are_config_errors(tmp_path: Path,
+                                                                         layout: ArtifactLayout) -> None:
+    cache = cache_of(tmp_path, layout)
+    with pytest.raises(CodeTreeError, match="not in the artifact store"):
+        await cache.acquire(TENANT, code("sha256:" + "ab" * 32))
+    with pytest.raises(CodeTreeError, match="code.archive is not set"):
+        await cache.acquire(TENANT, Code(repo="https://example.com/r.git", revision="main", entrypoint=["x"]))
+
+
+def test_agents_racing_on_one_hash_end_with_one_intact_entry(tmp_path: Path, layout: ArtifactLayout,
+                                                             archive: str) -> None:
+    hex_digest = archive.removeprefix("sha256:")
+    caches = [cache_of(tmp_path, layout) for _ in range(4)]  # four agents sharing the directory
+    barrier = threading.Barrier(len(caches))
+    results, errors = [], []
+
+    def run(cache: CodeCache) -> None:
+        barrier.wait()
+        try:
+            results.append(cache.prepare(TENANT, hex_digest))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert {r.root for r in results} == {caches[0].tree_dir(hex_digest)}
+    assert caches[0].problems(hex_digest) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [hex_digest]
+
+
+def test_the_loser_of_the_rename_drops_its_copy(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    hex_digest = archive.removeprefix("sha256:")
+    winner, loser = cache_of(tmp_path, layout), cache_of(tmp_path, layout)
+    winner.materialise(TENANT, hex_digest)
+    loser.materialise(TENANT, hex_digest)  # extracts, fails to rename onto the winner's entry, cleans up
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [hex_digest]
+    assert loser.problems(hex_digest) == []
+
+
+async def test_one_agent_materialises_a_hash_once_for_concurrent_launches(tmp_path: Path, layout: ArtifactLayout,
+                                                                         archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    trees = await asyncio.gather(*(cache.acquire(TENANT, code(archive)) for _ in range(3)))
+    assert sum(t.materialised for t in trees) == 1
+    assert cache._pins[trees[0].hex] == 3
+    for t in trees:
+        cache.release(t.hex)
+    assert cache._pins == {}
+
+
+def entry(hex_digest: str, size: int, used: float) -> CacheEntry:
+    return CacheEntry(hex_digest, size, used)
+
+
+@pytest.mark.parametrize(("entries", "in_use", "max_bytes", "evicted"), [
+    ([], set(), 0, []),
+    ([entry("a", 5, 1), entry("b", 5, 2)], set(), 10, []),  # at the limit: nothing
+    ([entry("a", 5, 1), entry("b", 5, 2), entry("c", 5, 3)], set(), 10, ["a"]),  # oldest first
+    ([entry("c", 5, 3), entry("a", 5, 1), entry("b", 5, 2)], set(), 5, ["a", "b"]),  # order of input is irrelevant
+    ([entry("a", 5, 1), entry("b", 5, 2), entry("c", 5, 3)], {"a"}, 10, ["b"]),  # in use: skipped
+    ([entry("a", 8, 1), entry("b", 8, 2)], {"a", "b"}, 1, []),  # everything in use: over the limit, kept
+    ([entry("a", 1, 1), entry("big", 20, 2), entry("c", 1, 3)], set(), 10, ["a", "big"]),
+    ([entry("y", 5, 1), entry("x", 5, 1)], set(), 5, ["x"]),  # a tie: by hash, deterministic
+    ([entry("a", 5, 1)], set(), 0, ["a"]),  # limit 0: keep only what is in use
+])
+def test_eviction_choice(entries: list[CacheEntry], in_use: set[str], max_bytes: int, evicted: list[str]) -> None:
+    assert choose_evictions(entries, in_use=in_use, max_bytes=max_bytes) == evicted
+
+
+async def test_collect_keeps_what_runs_and_what_is_being_launched(tmp_path: Path, layout: ArtifactLayout,
+                                                                  archive: str) -> None:
+    cache = cache_of(tmp_path, layout, max_bytes=0)
+    tree = await cache.acquire(TENANT, code(archive))  # pinned: a launch in progress
+    assert cache.collect(in_use=set()) == []
+    cache.release(tree.hex)
+    assert cache.collect(in_use={tree.hex}) == []  # a live rank runs it
+    (tmp_path / "cache" / ".trash-leftover" / "x").mkdir(parents=True)
+    assert cache.collect(in_use=set()) == [tree.hex]
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_entries_report_size_and_last_use(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    tree = cache.prepare(TENANT, archive.removeprefix("sha256:"))
+    os.utime(cache.entry_dir(tree.hex) / "last-used", (1000, 1000))
+    [found] = cache.entries()
+    size = sum(p.stat().st_size for p in tree.root.rglob("*") if p.is_file() and not p.is_symlink())
+    assert found == CacheEntry(tree.hex, size, 1000.0)
+
+
+def test_remove_tree_removes_a_sealed_tree(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    tree = cache.prepare(TENANT, archive.removeprefix("sha256:"))
+    remove_tree(cache.entry_dir(tree.hex))
+    assert not cache.entry_dir(tree.hex).exists()
+
+
+def test_rank_paths_name_everything_a_rank_of_user_code_touches(layout: ArtifactLayout) -> None:
+    paths = rank_paths(layout, tenant="t1", job_id="j", attempt=2, rank=3, dataset="tinycorpus@v1",
+                       code_dir=Path("/cache/abc/tree"), working_dir="src/train")
+    attempt = layout.root / "tenants/t1/jobs/j/attempts/2"
+    assert paths.code_dir == Path("/cache/abc/tree")
+    assert paths.cwd == Path("/cache/abc/tree/src/train")
+    assert paths.datasets == (layout.root / "datasets/tinycorpus/v1",)
+    assert paths.checkpoints == layout.root / "tenants/t1/jobs/j/checkpoints"
+    assert paths.scratch == attempt / "scratch/rank-3"
+    assert paths.attempt_dir == attempt
+    assert rank_paths(layout, tenant="t1", job_id="j", attempt=2, rank=3, dataset="d@v", code_dir=Path("/c"),
+                      working_dir=None).cwd == Path("/c")
