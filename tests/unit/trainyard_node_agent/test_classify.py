@@ -101,7 +101,8 @@ def user(code: int, tail: str = "", *, progressed: bool = False, start_error: st
 
 @pytest.mark.parametrize(("facts", "reason", "detail"), [
     (user(1, IMPORT_MISSING_LOG), "config", "ModuleNotFoundError: No module named 'does_not_exist'"),
-    (user(1, IMPORT_NAME_LOG), "config", "ImportError: cannot import name 'nope' from 'os' (/usr/lib/python3.11/os.py)"),
+    (user(1, IMPORT_NAME_LOG), "config",
+     "ImportError: cannot import name 'nope' from 'os' (/usr/lib/python3.11/os.py)"),
     (user(1, SYNTAX_LOG), "config", "SyntaxError: invalid syntax"),
     (user(1, TAB_LOG), "config", "TabError: inconsistent use of tabs and spaces in indentation"),
     (user(2, NO_FILE_LOG), "config", NO_FILE_LOG.strip()),

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from trainyard_common.codetree import CodeTreeError, archive_id, pack
-from trainyard_common.spec import Code
+from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_common.spec import Code, TrainingSpec
 from trainyard_common.storage import ArtifactLayout
+from trainyard_node_agent.admission import rank_env
 from trainyard_node_agent.codecache import (
     TAMPERED,
     CacheEntry,
@@ -243,3 +245,30 @@ def test_rank_paths_name_everything_a_rank_of_user_code_touches(layout: Artifact
     assert paths.attempt_dir == attempt
     assert rank_paths(layout, tenant="t1", job_id="j", attempt=2, rank=3, dataset="d@v", code_dir=Path("/c"),
                       working_dir=None).cwd == Path("/c")
+
+
+def test_the_environment_of_a_rank_of_user_code(layout: ArtifactLayout) -> None:
+    spec = TrainingSpec.model_validate({
+        "specVersion": "v1", "modelConfig": "gpt-tiny@v1", "dataset": "tinycorpus@v1", "codeRevision": "test",
+        "resources": {"gpuType": "cpu", "gpuCount": 1}, "parallelism": {"data": 1},
+        "training": {"sequenceLength": 16, "microBatchSize": 1, "globalBatchSize": 1, "learningRate": 0.001,
+                     "maxSteps": 2},
+        "code": {"archive": "sha256:" + "ab" * 32, "entrypoint": ["python", "train.py"], "env": {"GREETING": "hello"}},
+    })
+    assert spec.code is not None
+    slot = RankAssignment(rank=0, local_rank=0, device_index=0)
+    share = NodeAssignment(node_id="n", host="127.0.0.1", ranks=[slot])
+    event = GangAllocated(job_id="j", tenant="t1", attempt=1, allocation_id="j-a1", epoch=3, world_size=1,
+                          nodes=[share], master_addr="10.0.0.1", master_port=29500, spec=spec,
+                          spec_hash=spec.spec_hash())
+    env = rank_env(event, share, slot, base_env={"PATH": "/bin", "TRAINYARD_NODE_ID": "n", "GREETING": "agent's"},
+                   backend="gloo", artifact_root=layout.root, allocation_file=Path("/a.json"),
+                   events_file=Path("/e.jsonl"), traceparent=None,
+                   code_env={**spec.code.env, "RANK": "7"},  # the spec refuses RANK; the contract wins anyway
+                   code_dir=Path("/cache/abc/tree"), scratch_dir=Path("/scratch/rank-0"))
+    assert (env["GREETING"], env["RANK"], env["PATH"]) == ("hello", "0", "/bin")
+    assert (env["TRAINYARD_CODE_DIR"], env["TRAINYARD_SCRATCH_DIR"]) == ("/cache/abc/tree", "/scratch/rank-0")
+    assert "TRAINYARD_NODE_ID" not in env
+    builtin = rank_env(event, share, slot, base_env={}, backend="gloo", artifact_root=layout.root,
+                       allocation_file=Path("/a.json"), events_file=Path("/e.jsonl"), traceparent=None)
+    assert "TRAINYARD_CODE_DIR" not in builtin and "TRAINYARD_SCRATCH_DIR" not in builtin

@@ -6,11 +6,15 @@ Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`c
 rank ended), :mod:`watchdog` (hang detection) and :mod:`confirmation` (when an announced event was
 applied); :class:`NodeAgent` is the I/O shell. Ranks start under :mod:`launcher` (cold) or in a
 warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
+A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
+trees (one per archive hash; :func:`choose_evictions` decides what goes, :func:`rank_paths` what a
+rank of user code may touch).
 """
 
 from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
 from trainyard_node_agent.agent import AgentKeys, NodeAgent, exit_file_for
 from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.codecache import CacheEntry, CodeCache, CodeTree, RankPaths, choose_evictions, rank_paths
 from trainyard_node_agent.confirmation import Announcement, verdict
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
@@ -20,15 +24,20 @@ from trainyard_node_agent.watchdog import Hung, RankProgress, find_hangs
 __all__ = [
     "AgentKeys",
     "Announcement",
+    "CacheEntry",
+    "CodeCache",
+    "CodeTree",
     "ExitFacts",
     "Hung",
     "Launch",
     "LocalState",
     "NodeAgent",
     "NodeAgentSettings",
+    "RankPaths",
     "RankProgress",
     "Refuse",
     "WarmPool",
+    "choose_evictions",
     "classify_exit",
     "exit_file_for",
     "find_hangs",
@@ -37,5 +46,6 @@ __all__ = [
     "merge_tables",
     "pick_backend",
     "rank_env",
+    "rank_paths",
     "verdict",
 ]
