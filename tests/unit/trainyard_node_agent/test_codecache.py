@@ -272,3 +272,17 @@ def test_the_environment_of_a_rank_of_user_code(layout: ArtifactLayout) -> None:
     builtin = rank_env(event, share, slot, base_env={}, backend="gloo", artifact_root=layout.root,
                        allocation_file=Path("/a.json"), events_file=Path("/e.jsonl"), traceparent=None)
     assert "TRAINYARD_CODE_DIR" not in builtin and "TRAINYARD_SCRATCH_DIR" not in builtin
+
+
+def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_path: Path, layout: ArtifactLayout,
+                                                                         archive: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    cache = cache_of(tmp_path, layout)
+    monkeypatch.setattr("trainyard_common.codetree.os.chmod", full)  # the first write after a file's data
+    with pytest.raises(OSError, match="No space left") as caught:
+        cache.prepare(TENANT, archive.removeprefix("sha256:"))
+    assert not isinstance(caught.value, CodeTreeError)
+    assert list((tmp_path / "cache").iterdir()) == []  # the staging directory is gone

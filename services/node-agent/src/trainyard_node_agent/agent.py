@@ -447,20 +447,9 @@ class NodeAgent:
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         atomic_write_bytes(allocation_file, event.to_bytes())
         code = event.spec.code
-        tree: CodeTree | None = None
-        if code is not None:
-            try:
-                tree = await self.code_cache.acquire(event.tenant, code)
-            except CodeTreeError as exc:
-                log.error("not running job %s attempt %d: its code cannot be used: %s", event.job_id,
-                          event.attempt, exc)
-                for slot in share.ranks:
-                    await self._report_exit(self._rank_record(event, slot, traceparent, code=code), CONFIG,
-                                            "config", str(exc))
-                return
-            if code.image:  # see deploy/k8s/README.md: ranks run in the agent's container, not in code.image
-                log.warning("job %s names the image %s for its ranks; this node agent runs them as its own "
-                            "processes, in its own image", event.job_id, code.image)
+        tree = await self._prepare_code(event, share, code, traceparent) if code is not None else None
+        if code is not None and tree is None:
+            return
         try:
             for slot in share.ranks:
                 await self._launch_rank(event, share, slot, allocation_file, traceparent, tree)
@@ -469,11 +458,33 @@ class NodeAgent:
                 self.code_cache.release(tree.hex)
         if tree is not None and tree.materialised:
             self._in_background(self._collect_code())
+        running = "" if code is None else f", code {code.archive} {code.entrypoint}"
+        if code is not None and code.image:
+            running += f", image {code.image}"
         log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s%s)",
                  [s.rank for s in share.ranks], event.job_id, event.attempt, event.allocation_id,
-                 event.epoch, self.backend,
-                 f", code {code.archive} {code.entrypoint}" + (f", image {code.image}" if code.image else "")
-                 if code is not None else "")
+                 event.epoch, self.backend, running)
+
+    async def _prepare_code(self, event: GangAllocated, share: NodeAssignment, code: Code,
+                            traceparent: str | None) -> CodeTree | None:
+        """The verified tree of the job's code (pinned); None when it cannot be had (every rank here is
+        reported: ``config`` for the job's fault, ``error`` for this node's)."""
+        try:
+            tree = await self.code_cache.acquire(event.tenant, code)
+        except CodeTreeError as exc:
+            log.error("not running job %s attempt %d: its code cannot be used: %s", event.job_id, event.attempt, exc)
+            exit_code, reason, detail = CONFIG, "config", str(exc)
+        except OSError as exc:  # this node's trouble (disk full, …): retried, elsewhere if it persists
+            log.error("cannot prepare the code of job %s attempt %d here: %r", event.job_id, event.attempt, exc)
+            exit_code, reason, detail = 127, "error", f"cannot prepare the code tree on this node: {exc}"
+        else:
+            if code.image:  # see deploy/k8s/README.md: ranks run in the agent's container, not in code.image
+                log.warning("job %s names the image %s for its ranks; this node agent runs them as its own "
+                            "processes, in its own image", event.job_id, code.image)
+            return tree
+        for slot in share.ranks:
+            await self._report_exit(self._rank_record(event, slot, traceparent, code=code), exit_code, reason, detail)
+        return None
 
     def _rank_record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
                      code: Code | None) -> rp.RankProcess:

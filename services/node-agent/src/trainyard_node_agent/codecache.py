@@ -224,7 +224,7 @@ class CodeCache:
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".tmp-{hex_digest[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            digest = extract(data, staging / TREE)
+            digest = _extract(data, staging / TREE)
             (staging / DIGEST).write_text(digest.dumps())
             size = sum((staging / TREE / name).stat().st_size for name in digest.files)
             (staging / META).write_text(json.dumps({"archive": f"sha256:{hex_digest}", "bytes": size,
@@ -303,6 +303,18 @@ class CodeCache:
     def _touch(self, hex_digest: str) -> None:
         with contextlib.suppress(OSError):
             (self.entry_dir(hex_digest) / USED).touch()
+
+
+def _extract(data: bytes, dest: Path) -> TreeDigest:
+    """:func:`extract`, with the node's own trouble (disk full, permissions) raised as the OSError it is:
+    that is not the job's fault, unlike an archive that cannot be read."""
+    try:
+        return extract(data, dest)
+    except CodeTreeError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and not isinstance(cause, FileExistsError):
+            raise OSError(cause.errno, f"extracting into the code cache: {cause.strerror}", cause.filename) from exc
+        raise
 
 
 def seal(tree: Path) -> None:
