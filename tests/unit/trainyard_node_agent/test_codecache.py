@@ -286,3 +286,17 @@ def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_pat
         cache.prepare(TENANT, archive.removeprefix("sha256:"))
     assert not isinstance(caught.value, CodeTreeError)
     assert list((tmp_path / "cache").iterdir()) == []  # the staging directory is gone
+
+
+def test_the_rank_table_remembers_which_code_a_rank_runs(tmp_path: Path) -> None:
+    """An agent restarted while user code runs adopts the rank and keeps its tree out of eviction."""
+    from trainyard_common.spool import SpoolReader
+    from trainyard_node_agent.ranks import RankProcess
+
+    rank = RankProcess(job_id="j", tenant="t1", attempt=1, allocation_id="a", epoch=1, rank=0, local_rank=0, pid=5,
+                       log_path=tmp_path / "log", spool=SpoolReader(tmp_path / "spool"), traceparent=None,
+                       exit_file=tmp_path / "exit.json", code_archive="sha256:" + "cd" * 32)
+    assert RankProcess.from_persisted(rank.persisted("boot")).code_archive == "sha256:" + "cd" * 32
+    rank.code_archive = None
+    assert "codeArchive" not in rank.persisted("boot")  # the built-in trainer's entries are unchanged
+    assert RankProcess.from_persisted(rank.persisted("boot")).code_archive is None
