@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -62,15 +63,22 @@ def fsync_file(path: Path | str) -> None:
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, rename into place, fsync the directory."""
+    """Write to a temporary sibling, fsync, rename into place, fsync the directory.
+
+    The sibling's name is unique, so concurrent writers of one path (threads of one process too)
+    never share it: the last rename wins, and every rename publishes a complete file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -39,7 +39,8 @@ from trainyard_common.errors import (
 from trainyard_common.events import JobState
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import DatasetRecord, TenantToken
-from trainyard_common.spec import REF_PATTERN
+from trainyard_common.spec import ARCHIVE_PATTERN, REF_PATTERN
+from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
 
@@ -49,12 +50,14 @@ from trainyard_api.auth import NotAdminError, authenticate, require_admin
 from trainyard_api.bodies import SubmittedSpec
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
+from trainyard_api.code import ArchiveTooLargeError, CodeService, CodeStore, GitSource, too_large_message
 from trainyard_api.jobs import JobService
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
     ArtifactList,
     CheckpointList,
+    CodeArchiveView,
     ControlResponse,
     DatasetList,
     DrainResponse,
@@ -105,6 +108,9 @@ TAGS = [
     {"name": "jobs", "description": "Submit training jobs, follow their progress, cancel, pause and resume them."},
     {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
+    {"name": "code", "description": "Users' training code, pinned by content: `.tar.gz` archives named by their "
+                                  "sha256 (`trainyard submit --code DIR` uploads them); a job names one in "
+                                  "`code.archive`, or gives `code.repo` + `code.revision`."},
     {"name": "planning", "description": "Capacity planning: memory per device, step time, communication, "
                                         "pipeline bubble, checkpoint interval, ranked layouts; calibrated per "
                                         "device type by what the platform measured."},
@@ -156,7 +162,14 @@ class ApiContext:
 
     @property
     def jobs(self) -> JobService:
-        return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts)
+        return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts, code=self.code)
+
+    @property
+    def code(self) -> CodeService:
+        """Code archives under the artifact root, and git for ``code.repo``."""
+        s = self.settings
+        return CodeService(CodeStore(ArtifactLayout(s.artifact_root_abs), max_bytes=s.api_max_code_bytes),
+                           GitSource(timeout_s=s.api_git_timeout_s, max_bytes=s.api_max_code_bytes))
 
     @property
     def admin(self) -> AdminService:
@@ -242,6 +255,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _problems(field_errors(exc.errors()))
+
+    @app.exception_handler(ArchiveTooLargeError)
+    async def _too_large(_: Request, exc: ArchiveTooLargeError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=413)
 
     @app.exception_handler(SpecError)
     async def _spec(_: Request, exc: SpecError) -> JSONResponse:
@@ -525,6 +542,63 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
         return await ctx.admin.undrain(admin, node_id, reason)
 
 
+ArchiveId = Annotated[str, Path(pattern=ARCHIVE_PATTERN, description="`sha256:` + the 64-hex sha256 of the archive",
+                               examples=["sha256:" + "0" * 64])]
+GZIP = "application/gzip"
+
+
+async def _body_within(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ArchiveTooLargeError("body", too_large_message(int(declared), limit))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ArchiveTooLargeError("body", too_large_message(size, limit))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _install_code_routes(app: FastAPI) -> None:
+    @app.put(
+        "/v1/code/{archive}", response_model=CodeArchiveView, tags=["code"], summary="Upload a code archive",
+        openapi_extra={"requestBody": {"required": True, "description": "the archive's bytes (`.tar.gz`)",
+                                       "content": {GZIP: {"schema": {"type": "string", "format": "binary"}}}}},
+        responses={
+            200: {"description": "already stored (nothing changed)"},
+            201: {"model": CodeArchiveView, "description": "stored"},
+            **_AUTH_ERRORS,
+            **_error(413, "the archive is over the API's limit (`TRAINYARD_API_MAX_CODE_BYTES`)"),
+            **_error(415, f"the body is not sent as `{GZIP}`"),
+            **_invalid("the body's sha256 is not the one the path names (`path.archive`), or the body is not a "
+                       "code archive the platform will unpack (`body`: a path outside the tree, a device, …)"),
+        },
+    )
+    async def put_code(ctx: Ctx, tenant: Tenant, request: Request, response: Response,
+                       archive: ArchiveId) -> CodeArchiveView:
+        """Store the tenant's code archive (what `trainyard submit --code DIR` packs): a deterministic
+        `.tar.gz` named by the sha256 of its bytes. The API checks the hash, the size and that it unpacks
+        safely; a job names it in `code.archive`. Uploading an archive again answers 200 and changes
+        nothing."""
+        media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+        if media != GZIP:
+            raise StarletteHTTPException(415, f"send the archive as Content-Type: {GZIP}")
+        data = await _body_within(request, ctx.settings.api_max_code_bytes)
+        info, created = await ctx.code.upload(tenant.tenant, archive, data)
+        response.status_code = 201 if created else 200
+        return CodeArchiveView(archive=info.archive, size=info.size, files=info.files, uploaded_at=info.uploaded_at)
+
+    @app.get("/v1/code/{archive}", response_model=CodeArchiveView, tags=["code"],
+             summary="Get a code archive's metadata",
+             responses={**_AUTH_ERRORS, **_error(404, "not uploaded for this tenant"), **_invalid()})
+    async def get_code(ctx: Ctx, tenant: Tenant, archive: ArchiveId) -> CodeArchiveView:
+        """Size, number of files and upload time of one of the tenant's archives (404: upload it)."""
+        info = await ctx.code.info(tenant.tenant, archive)
+        return CodeArchiveView(archive=info.archive, size=info.size, files=info.files, uploaded_at=info.uploaded_at)
+
+
 def _install_other_routes(app: FastAPI) -> None:
     @app.get("/v1/registry/artifacts", response_model=ArtifactList, tags=["registry"],
              summary="List a job's artifacts with lineage", responses=_JOB_ERRORS)
@@ -584,5 +658,6 @@ def create_app(context: ApiContext) -> FastAPI:
     _install_job_routes(app)
     _install_plan_routes(app)
     _install_goodput_and_admin_routes(app)
+    _install_code_routes(app)
     _install_other_routes(app)
     return app

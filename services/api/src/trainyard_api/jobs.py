@@ -38,10 +38,11 @@ from trainyard_common.store import Keys, StateStore
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_api.accounting import GoodputAccountant
+from trainyard_api.code import CodeService
 from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
 from trainyard_api.steptiming import StepTimingStore
-from trainyard_api.validation import InvalidSpecError, check_init_from, check_references, resolve_model_config
+from trainyard_api.validation import FieldProblem, InvalidSpecError, check_init_from, check_references, resolve_model_config
 from trainyard_api.views import JobExtras, job_summary, job_view
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class JobService:
         max_attempts: int = 3,
         catalog: Mapping[str, ModelConfig] = MODEL_CATALOG,
         clock: Callable[[], datetime] = utcnow,
+        code: CodeService | None = None,
     ) -> None:
         self.store = store
         self.redis: Redis = store.redis
@@ -124,6 +126,7 @@ class JobService:
         self.max_attempts = max_attempts
         self.catalog = catalog
         self.clock = clock
+        self.code = code
         self.timing = StepTimingStore(self.redis)
         self.accounting = GoodputAccountant(store, self.timing, clock=clock)
 
@@ -137,10 +140,16 @@ class JobService:
         A spec whose model cannot fit its device type's memory is rejected; one that fits only
         inside the planner's headroom is accepted with a warning (see ``planning``). With an
         Idempotency-Key a retried submission returns the job it created the first time
-        (created False); the same key with a different spec is a 409.
+        (created False); the same key with a different spec is a 409. With ``code.repo`` the
+        revision is resolved and archived first, and the stored spec names that commit and archive.
         """
+        problems: list[FieldProblem] = []
+        if spec.code is not None:
+            if self.code is None:
+                raise StateStoreError("this API takes no code (no code store configured)", retryable=False)
+            spec, problems = await self.code.pin(spec, token.tenant)
         dataset = await self.store.get_dataset(spec.dataset)
-        problems = check_references(spec, catalog=self.catalog, dataset_known=dataset is not None)
+        problems.extend(check_references(spec, catalog=self.catalog, dataset_known=dataset is not None))
         if spec.init_from is not None:
             parent = await self.store.get_job(spec.init_from.job_id)
             known = parent is not None and parent.tenant == token.tenant

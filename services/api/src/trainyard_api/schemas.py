@@ -323,5 +323,14 @@ class FieldErrors(_Out):
     detail: list[FieldErrorItem]
 
 
+class CodeArchiveView(_Out):
+    """A stored code archive."""
+
+    archive: str = Field(description="`sha256:<hex>` of its bytes", examples=["sha256:" + "0" * 64])
+    size: int = Field(ge=0, description="bytes of the archive (compressed)")
+    files: int = Field(ge=0, description="files and symlinks in the tree")
+    uploaded_at: datetime = Field(description="when it was first stored")
+
+
 class ErrorMessage(_Out):
     detail: str

@@ -7,6 +7,7 @@ import os
 
 from pydantic import AliasChoices, Field
 
+from trainyard_common import codetree
 from trainyard_common.settings import ServiceSettings
 
 from trainyard_api.planning import DEFAULT_CPU_PEAK_FLOPS, DEFAULT_WRITE_BANDWIDTH, Assumptions
@@ -34,6 +35,11 @@ class ApiSettings(ServiceSettings):
     api_max_page_limit: int = Field(default=500, gt=0, description="largest page a client may ask for")
     api_max_attempts: int = Field(default=3, gt=0, le=100, description="attempt budget of a new job")
     api_access_log: bool = Field(default=False, description="log every HTTP request (uvicorn access log)")
+    api_max_code_bytes: int = Field(
+        default=codetree.MAX_ARCHIVE_BYTES, gt=0,
+        description="largest code archive PUT /v1/code/{archive} takes, and code.repo may archive to (bytes)")
+    api_git_timeout_s: float = Field(default=60.0, gt=0,
+                                     description="how long one git command may take resolving code.repo")
 
     cpu_peak_flops: float = Field(
         default=DEFAULT_CPU_PEAK_FLOPS, gt=0,

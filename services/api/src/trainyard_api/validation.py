@@ -104,7 +104,8 @@ def _locate_in_message(prefix: str, message: str) -> str:
     candidates = [p[len(start):] for p in spec_field_paths() if p.startswith(start)]
     best: tuple[int, int, str] | None = None
     for rel in candidates:
-        match = re.search(rf"(?<![\w.]){re.escape(rel)}(?![\w])", message)
+        # the field by its own name, or by its whole path (``code.repo needs code.revision``)
+        match = re.search(rf"(?<![\w.])(?:{re.escape(start)})?{re.escape(rel)}(?![\w])", message)
         if match and (best is None or (match.start(), -len(rel)) < (best[0], best[1])):
             best = (match.start(), -len(rel), rel)
     if best is None:
