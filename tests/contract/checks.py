@@ -16,6 +16,9 @@ import re
 import schemathesis
 from schemathesis import CheckContext, Case, Response
 
+# code archives are bytes: send them as the document's application/gzip, the way octet-stream is sent
+schemathesis.serializer.alias("application/gzip", "application/octet-stream")
+
 # (field, message) patterns per operation: the rules the document cannot state.
 RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
     "POST /v1/training-jobs": [
@@ -30,6 +33,21 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         (r"checkpointPolicy\.\w+", r"set exactly one of everySteps or everyMinutes|with auto, set at most one"),
         ("initFrom.jobId", r"^unknown job |has no READY checkpoint"),  # an earlier job of the tenant
         ("initFrom.globalStep", r"has no READY checkpoint at step"),
+        # code: one of archive / repo + revision; what git and the tenant's uploads say
+        ("code.archive", r"^code needs archive |^no code archive \S+ was uploaded for this tenant|archives to"),
+        ("code.repo", r"needs code\.revision|neither a URL nor an absolute path|^no directory |not a git repository|"
+                      r"cannot reach |cannot archive |must not start with|git took longer|cannot run git"),
+        ("code.revision", r"needs code\.repo|has no (branch or tag|commit, branch or tag)|cannot fetch commit|"
+                          r"must not start with"),
+        ("code.commit", r"leave code\.commit out"),
+        ("code.workingDir", r"must be a relative path inside the code tree"),
+        ("code.env", r"must not set"),
+    ],
+    # the body must be the archive the path names, and one the platform unpacks
+    "PUT /v1/code/{archive}": [
+        ("path.archive", r"^the body's sha256 is sha256:[0-9a-f]{64}, not "),
+        ("body", r"not a readable code archive|not a path inside the code tree|outside the code tree|"
+                 r"not a regular file|holds \S+ twice|expands past"),
     ],
     "POST /v1/plan": [
         ("model", r"^unknown model "),

@@ -11,12 +11,12 @@ downstream takes it as the parent.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from trainyard_common.catalog import ModelConfig
-from trainyard_common.spec import REF_PATTERN, Training, TrainingSpec
+from trainyard_common.spec import REF_PATTERN, Code, Training, TrainingSpec
 from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
 
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -45,8 +45,32 @@ class SubmittedTraining(Training):
     seed: int = Field(default=0, ge=0, le=MAX_SAFE_INTEGER)
 
 
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def _env_schema(schema: dict[str, Any]) -> None:
+    """``code.env`` as what it is: every name matches the pattern and every value is a string (pydantic
+    states the pattern as ``patternProperties``, which lets any other name hold any value)."""
+    value = schema.pop("patternProperties", {}).get(ENV_NAME_PATTERN, {"type": "string"})
+    schema["propertyNames"] = {**schema.get("propertyNames", {}), "pattern": ENV_NAME_PATTERN}
+    schema["additionalProperties"] = value
+
+
+class SubmittedCode(Code):
+    """The user's training code, pinned by content (see `PUT /v1/code/{archive}`): `archive`, or `repo` +
+    `revision`, which the API resolves to `commit` and archives at submission."""
+
+    env: dict[Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=256)],
+              Annotated[str, Field(max_length=65_536)]] = Field(
+        default={}, max_length=256, exclude_if=lambda v: not v, json_schema_extra=_env_schema,
+        description=Code.model_fields["env"].description)
+
+
 class SubmittedSpec(TrainingSpec):
     """A TrainingSpec as ``POST /v1/training-jobs`` takes it (the same JSON, the same hash)."""
+
+    code: SubmittedCode | None = Field(
+        default=None, exclude_if=lambda v: v is None, description=TrainingSpec.model_fields["code"].description)
 
     model_config_ref: Annotated[CatalogRef | BoundedModelConfig, Field(
         alias="modelConfig", description="catalog reference name@version, or an inline model")]
