@@ -11,7 +11,7 @@ ignored), so the CLI does not import the server package. Failures raise
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from trainyard_common.errors import AuthError, ConflictError, NotFoundError, Spe
 
 M = TypeVar("M", bound=BaseModel)
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+UPLOAD_CHUNK = 1 << 20
 
 
 # ----------------------------------------------------------------------------- errors
@@ -181,6 +182,13 @@ class Artifact(_In):
     created_at: datetime | None = None
 
 
+class CodeArchive(_In):
+    archive: str
+    size: int
+    files: int
+    uploaded_at: datetime | None = None
+
+
 class Dataset(_In):
     name: str
     version: str
@@ -278,6 +286,25 @@ class ApiClient:
 
     def list_jobs(self, *, state: str | None = None, limit: int | None = None, offset: int = 0) -> JobPage:
         return _parse(self._request("GET", "/v1/training-jobs", params=_list_params(state, limit, offset)), JobPage)
+
+    def code_archive(self, archive: str) -> CodeArchive | None:
+        """The tenant's stored archive ``sha256:<hex>`` (None when it was never uploaded)."""
+        response = self._request("GET", f"/v1/code/{archive}")
+        return None if response.status_code == 404 else _parse(response, CodeArchive)
+
+    def upload_code(self, archive: str, data: bytes, *,
+                    progress: Callable[[int], None] | None = None) -> CodeArchive:
+        """PUT the archive's bytes (``progress`` gets the bytes sent so far, chunk by chunk)."""
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, len(data), UPLOAD_CHUNK):
+                yield data[start:start + UPLOAD_CHUNK]
+                if progress is not None:
+                    progress(min(start + UPLOAD_CHUNK, len(data)))
+
+        headers = {"Content-Type": "application/gzip", "Content-Length": str(len(data))}
+        timeout = httpx.Timeout(self._http.timeout.connect, read=300.0, write=300.0, pool=None)
+        return _parse(self._request("PUT", f"/v1/code/{archive}", content=chunks(), headers=headers,
+                                    timeout=timeout), CodeArchive)
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         page = _parse(self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), _Checkpoints)

@@ -11,8 +11,12 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
+from trainyard_common import codetree
 from trainyard_common.errors import ConfigError, TrainyardError
+
+from trainyard_cli import codepack
 
 from trainyard_cli.client import ApiClient, ApiSpecError
 from trainyard_cli.admin import admin_app
@@ -48,6 +52,9 @@ app.add_typer(plan_app, name="plan")
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
+
+UPLOAD_PROGRESS_BYTES = 4 * 2**20
+"""Uploads smaller than this show no progress bar (they take a moment)."""
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print the API's JSON instead of a table")]
 JobArg = Annotated[str, typer.Argument(help="job id (job-…)")]
@@ -92,23 +99,68 @@ def _print_json(data: Any) -> None:
 # ----------------------------------------------------------------------------- submit
 
 
-@app.command()
+SUBMIT_HELP = """Submit a training job (prints the job id; with --follow, exits 0 only if it succeeds).
+
+With --code DIR your own training code runs instead of the built-in trainer, pinned by content: DIR is packed into a deterministic .tar.gz (the same files always make the same archive), uploaded unless the API has it already, and the spec's code.archive names its sha256. Each rank runs --entrypoint (or the spec's code.entrypoint) in the tree, with RANK, WORLD_SIZE, MASTER_ADDR/PORT and TRAINYARD_* set.
+
+Which files: in a git checkout, what `git ls-files --cached --others --exclude-standard` lists (tracked and untracked files, .gitignore respected), and code.commit / code.dirty record HEAD and whether the checkout had uncommitted changes; outside git, every .gitignore in the tree is honoured. .git, .venv, __pycache__ and .trainyard are never packed. An archive over 100 MiB is refused before uploading, with the largest files listed: .gitignore them.
+
+Without --code a spec may name code.repo + code.revision (a git URL, or a path on the API's machine): the API resolves the revision to a commit and archives it itself.
+"""
+
+
+@app.command(help=SUBMIT_HELP)
 def submit(
     ctx: typer.Context,
     spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="the training spec, YAML or JSON (- reads stdin)")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="show progress until the job ends")] = False,
     idempotency_key: Annotated[str | None, typer.Option(
         "--idempotency-key", help="resubmitting with the same key returns the same job")] = None,
+    code: Annotated[Path | None, typer.Option(
+        "--code", metavar="DIR", show_default=False,
+        help="pack and upload DIR as the job's code (respects .gitignore; see above)")] = None,
+    entrypoint: Annotated[str | None, typer.Option(
+        "--entrypoint", metavar="COMMAND", show_default=False,
+        help='what each rank runs in the code tree, split like a shell: "python train.py --lr 3e-4" '
+             "(default: the spec's code.entrypoint)")] = None,
 ) -> None:
-    """Submit a training job (prints the job id; with --follow, exits 0 only if it succeeds)."""
     spec = _load(spec_file)
+    if entrypoint is not None and code is None and not (spec.get("code") or {}).get("repo"):
+        err.print("[red]error:[/] --entrypoint needs --code DIR (or code.repo in the spec)", highlight=False)
+        raise typer.Exit(2)
     with _api(ctx) as client:
+        if code is not None:
+            spec = _with_uploaded_code(client, spec, code, entrypoint)
+        elif entrypoint is not None:
+            spec = {**spec, "code": {**spec["code"], "entrypoint": codepack.command(entrypoint)}}
         submitted = client.submit(spec, idempotency_key=idempotency_key)
         out.print(f"submitted [bold]{submitted.job_id}[/] ({submitted.state}, {submitted.spec_hash})", highlight=False)
         for warning in submitted.warnings:
             err.print(f"[yellow]warning:[/] {warning}", highlight=False)
         if follow:
             raise typer.Exit(follow_job(client, submitted.job_id, console=err))
+
+
+def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path,
+                        entrypoint: str | None) -> dict[str, Any]:
+    """Pack ``directory``, upload it unless the API has it, and name it in the spec's code."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+        bar.add_task(f"packing {directory}", total=None)
+        selection = codepack.select(directory)
+        data = codepack.pack(selection)
+    archive = codetree.archive_id(data)
+    spec = codepack.with_code(spec, archive=archive, selection=selection, entrypoint=entrypoint)
+    state = "" if selection.commit is None else f", commit {selection.commit[:12]}{' (dirty)' if selection.dirty else ''}"
+    if client.code_archive(archive) is not None:
+        err.print(f"code {archive[:19]}… already uploaded ({len(selection.files)} files{state})", highlight=False)
+        return spec
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err, transient=True, disable=len(data) < UPLOAD_PROGRESS_BYTES) as bar:
+        task = bar.add_task("uploading code", total=len(data))
+        client.upload_code(archive, data, progress=lambda sent: bar.update(task, completed=sent))
+    err.print(f"code {archive[:19]}… uploaded ({len(selection.files)} files, {len(data) / 2**20:.1f} MiB{state})",
+              highlight=False)
+    return spec
 
 
 def _load(spec_file: Path) -> dict[str, Any]:

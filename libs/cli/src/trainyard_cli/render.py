@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -135,6 +136,7 @@ def job_detail(job: Job) -> RenderableType:
         ("created", fmt_time(job.created_at)),
         ("updated", fmt_time(job.updated_at)),
     ]
+    rows.extend(code_rows(spec.get("code")))
     if job.queued_reason:
         kind = f" ({job.queued_reason_kind})" if job.queued_reason_kind else ""
         rows.append(("waiting", job.queued_reason + kind))
@@ -164,6 +166,26 @@ def job_detail(job: Job) -> RenderableType:
         parts.append(checkpoints_table(job.checkpoints, "checkpoints (manifests: trainyard jobs checkpoints <job>)",
                                        manifests=False))
     return Group(*parts)
+
+
+def code_rows(code: Any) -> list[tuple[str, str]]:
+    """The job's own code, as ``jobs get`` shows it (nothing for the built-in trainer)."""
+    if not isinstance(code, Mapping):
+        return []
+    rows = [("code", str(code.get("archive") or "-"))]
+    if code.get("repo"):
+        rows.append(("code repo", f"{code['repo']} @ {code.get('revision')}"))
+    if code.get("commit"):
+        rows.append(("code commit", str(code["commit"]) + (" (dirty)" if code.get("dirty") else "")))
+    elif code.get("dirty") is not None:
+        rows.append(("code commit", "- (dirty)" if code["dirty"] else "-"))
+    entrypoint = code.get("entrypoint") or []
+    rows.append(("entrypoint", shlex.join(str(a) for a in entrypoint) if entrypoint else "-"))
+    if code.get("workingDir"):
+        rows.append(("working dir", str(code["workingDir"])))
+    if code.get("image"):
+        rows.append(("image", str(code["image"])))
+    return rows
 
 
 def fmt_goodput(g: Mapping[str, Any]) -> str:
