@@ -20,111 +20,51 @@ import logging
 import sys
 
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-from pydantic import ValidationError
 
+from trainyard import Run
+from trainyard.environment import apply_spec_choices, checkpoint_request, read_allocation
+from trainyard.exits import RankEnd, exit_code_for
+from trainyard.run import conclude
+from trainyard.settings import RankSettings, describe_environment
 from trainyard_common import exitcodes
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.errors import ConfigError, TrainyardError
-from trainyard_common.events import GangAllocated
+from trainyard_common.errors import ConfigError
 from trainyard_common.settings import load_settings
-from trainyard_common.spool import SpoolWriter
-from trainyard_common.storage import ArtifactLayout
 from trainyard_common.tracing import job_context, setup_tracing, shutdown_tracing
 
-from trainyard_trainer.exits import RankEnd, exit_code_for
-from trainyard_trainer.preemption import CHECKPOINT_REQUEST_FILE, CheckpointRequest, StoppedOnRequest
-from trainyard_trainer.runtime import configure_determinism, init_distributed, select_runtime, shutdown_distributed
-from trainyard_trainer.settings import RankSettings, describe_environment
 from trainyard_trainer.training import resolve_job, train
+
+__all__ = ["apply_spec_choices", "checkpoint_request", "exit_code_for", "main", "prewarm", "read_allocation",
+           "run_rank"]
 
 log = logging.getLogger("trainyard_trainer")
 
 
-def read_allocation(settings: RankSettings) -> GangAllocated:
-    """The GangAllocated event the node agent wrote for this attempt (spec, start checkpoint)."""
-    try:
-        return GangAllocated.model_validate_json(settings.allocation_file.read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} does not exist") from None
-    except ValidationError as exc:
-        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} is not a GangAllocated: {exc}") from exc
-
-
-def apply_spec_choices(settings: RankSettings, spec: TrainingSpec) -> RankSettings:
-    """The spec's sharding, activation checkpointing, precision and checkpoint mode, where it sets
-    them, win over the rank's environment (which supplies the defaults)."""
-    t, c = spec.training, spec.checkpoint_policy
-    chosen = {
-        "sharding": t.sharding,
-        "activation_checkpointing": t.activation_checkpointing,
-        "autocast": {"fp32": "off"}.get(t.precision, t.precision) if t.precision else None,
-        "checkpoint_mode": c.mode,
-    }
-    return settings.model_copy(update={k: v for k, v in chosen.items() if v is not None})
-
-
-def checkpoint_request(settings: RankSettings) -> CheckpointRequest:
-    """This rank's checkpoint request (SIGUSR1 or the request file), its signal handler installed."""
-    path = settings.checkpoint_request_file or (
-        ArtifactLayout(settings.artifact_root).attempt_dir(settings.tenant, settings.job_id, settings.attempt)
-        / CHECKPOINT_REQUEST_FILE)
-    return CheckpointRequest(path, allocation_id=settings.allocation_id, epoch=settings.epoch).install()
-
-
 def run_rank(settings: RankSettings) -> int:
-    """The whole life of one rank; returns its exit code (and writes the exit note, when asked)."""
+    """The whole life of one rank; returns its exit code (and writes the exit note, when asked).
+
+    The rank is a user of the SDK like any script: ``Run.open`` (the SIGUSR1 handler first, then
+    allocation, runtime, determinism, process group, spool), the trainer's loop, ``Run.finish``
+    (the exit code, the exit note). The SIGUSR1 handler stays installed to the end: a late
+    request must not kill a rank that is ending anyway."""
     end = RankEnd()
-    code, error = exitcodes.ERROR, None
-    try:
-        code, error = _run_rank(settings, end)
-    finally:
-        if settings.exit_note_file is not None:
-            try:
-                end.write(settings.exit_note_file, code=code, error=error)
-            except OSError as exc:
-                log.warning("could not write the exit note %s: %r", settings.exit_note_file, exc)
-    return code
-
-
-def _run_rank(settings: RankSettings, end: RankEnd) -> tuple[int, str | None]:
     tracer = trace.get_tracer("trainyard_trainer")
-    request = checkpoint_request(settings)
     with job_context(settings.traceparent), tracer.start_as_current_span(
         f"train rank {settings.rank}",
         attributes={"trainyard.job_id": settings.job_id, "trainyard.attempt": settings.attempt,
                     "trainyard.rank": settings.rank, "trainyard.world_size": settings.world_size},
-    ) as span:
+    ):
         try:
-            allocation = read_allocation(settings)
-            settings = apply_spec_choices(settings, allocation.spec)
-            runtime = select_runtime(settings)
-            configure_determinism(runtime, seed=allocation.spec.training.seed, rank=settings.rank,
-                                  deterministic=allocation.spec.training.deterministic)
-            job = resolve_job(settings, allocation, runtime)
-            init_distributed(settings, runtime)
-            with SpoolWriter(settings.events_file) as spool:
-                progress = train(job, spool, request=request, end=end)
-            log.info("done: step %d, %d tokens", progress.global_step, progress.consumed_tokens)
-            return exitcodes.OK, None
-        except StoppedOnRequest as exc:
-            code = exit_code_for(exc)
-            span.set_attribute("trainyard.exit_code", code)
-            span.set_attribute("trainyard.stopped_at_step", exc.global_step)
-            log.warning("%s (exit %d, %s)", exc, code, exitcodes.exit_reason(code))
-            return code, None
+            run = Run.open(settings, end=end)
         except Exception as exc:  # noqa: BLE001 - the process boundary: every error becomes an exit code
-            code = exit_code_for(exc)
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, str(exc)))
-            span.set_attribute("trainyard.exit_code", code)
-            if isinstance(exc, TrainyardError):
-                log.error("%s: %s (exit %d, %s)", type(exc).__name__, exc, code, exitcodes.exit_reason(code))
-            else:
-                log.exception("unexpected error (exit %d)", code)
-            return code, f"{type(exc).__name__}: {exc}"
-        finally:  # the SIGUSR1 handler stays: a late request must not kill a rank that is ending anyway
-            shutdown_distributed()
+            return conclude(settings, end, exc)
+        failure: BaseException | None = None
+        try:
+            job = resolve_job(run.settings, run.allocation, run.runtime)
+            progress = train(job, run)
+            log.info("done: step %d, %d tokens", progress.global_step, progress.consumed_tokens)
+        except Exception as exc:  # noqa: BLE001 - handed to finish, which maps it to an exit code
+            failure = exc
+        return run.finish(failure)
 
 
 def _parser() -> argparse.ArgumentParser:

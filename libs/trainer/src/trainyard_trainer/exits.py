@@ -1,49 +1,8 @@
-"""Which exit code a rank's failure becomes (see ``trainyard_common.exitcodes``)."""
+"""Moved to :mod:`trainyard.exits` (the rank SDK, which the trainer uses); this name stays so that
+existing imports (and monkeypatches) of ``trainyard_trainer.exits`` reach the same module."""
 
-from __future__ import annotations
+import sys
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+import trainyard.exits as _moved
 
-import torch
-
-from trainyard_common import exitcodes
-from trainyard_common.errors import CheckpointError, ConfigError, DataError, NonFiniteError, SpecError
-from trainyard_common.storage import atomic_write_bytes
-
-from trainyard_trainer.preemption import StoppedOnRequest
-
-
-def exit_code_for(exc: BaseException) -> int:
-    """The rank exit code for an exception (see trainyard_common.exitcodes)."""
-    if isinstance(exc, StoppedOnRequest):
-        return exitcodes.PREEMPTED
-    if isinstance(exc, NonFiniteError):
-        return exitcodes.NAN
-    if isinstance(exc, CheckpointError):
-        return exitcodes.CHECKPOINT
-    if isinstance(exc, DataError):
-        return exitcodes.DATA
-    if isinstance(exc, ConfigError | SpecError):
-        return exitcodes.CONFIG
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return exitcodes.OOM
-    return exitcodes.ERROR
-
-
-@dataclass
-class RankEnd:
-    """What a rank knows about how it ended beyond its exit code, for the node agent's WorkerExited.
-
-    ``global_step``: the last step it completed, or the step that failed (a NaN), or the step it
-    checkpointed at when asked to stop. Written as ``{"exitCode", "reason", "globalStep", "error"}``
-    to ``TRAINYARD_EXIT_NOTE_FILE`` when the agent sets it.
-    """
-
-    global_step: int | None = None
-
-    def write(self, path: Path, *, code: int, error: str | None = None) -> None:
-        note = {"exitCode": code, "reason": exitcodes.exit_reason(code), "globalStep": self.global_step,
-                "error": error}
-        atomic_write_bytes(path, json.dumps(note).encode())
+sys.modules[__name__] = _moved

@@ -1,0 +1,588 @@
+"""Checkpoint I/O inside a rank: the save protocol, the restore path, and when to save.
+
+Save (every rank, in lock step)::
+
+    1. rank 0 clears a leftover ``<dir>.tmp`` of an interrupted save       barrier
+    2. dcp.save into ``<dir>.tmp``: each rank writes ``__<rank>_0.distcp``,
+       rank 0 also the shared ``.metadata`` (FileSystemWriter fsyncs both)
+    3. each rank fsyncs its own file                                        barrier
+    4. rank 0 renames ``<dir>.tmp`` → ``<dir>`` and fsyncs the parent       barrier
+    5. each rank hashes its own shard file; it then reports ShardWritten
+
+The directory is invisible under its final name until every rank's file is durable; it
+becomes READY only when the checkpoint coordinator has verified every shard and written
+``manifest.json``. Restore refuses anything whose manifest does not verify.
+
+Asynchronous save (:class:`Checkpointer`, ``mode="async"``) runs the same protocol with steps
+2–3 in the background: a thread copies the state into reusable host buffers (overlapping the
+next step's forward and backward; only the next optimizer update waits for the copy), then
+writes the copy with ``dcp.save`` over a gloo group of its own, fsyncs and hashes its file. At each step boundary the ranks agree
+(one small all-reduce) on whether every rank's write has finished; when it has, rank 0 renames
+and fsyncs the parent, barrier, and only then each rank reports ShardWritten. One save is in
+flight at a time: a new save, or the end of training, waits for the previous one.
+
+Restore with fallback (:func:`choose_checkpoint`): the allocation's start checkpoint is
+verified first (manifest, then every file's size and sha256, the hashing split over the
+ranks); if it fails, it is refused with the reason and the job's other checkpoints that have a
+manifest (READY) are tried, newest first. A directory without a manifest is never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from pydantic import ValidationError
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainyard_common.errors import CheckpointCorruptError, CheckpointError
+from trainyard_common.events import CheckpointRef, FileDigest
+from trainyard_common.manifest import CheckpointManifest, local_sha256, local_stat_size, verify_manifest
+from trainyard_common.storage import fsync_dir, fsync_file, path_to_uri, sha256_file, uri_to_path
+
+log = logging.getLogger("trainyard")
+
+METADATA_FILE = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
+MANIFEST_FILE = "manifest.json"
+SHARD_SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class SavedShard:
+    """What one rank reports after a save: its own shard, plus the shared files on rank 0."""
+
+    directory: Path
+    shard: FileDigest
+    extra_files: list[FileDigest] = field(default_factory=list)
+    seconds: float = 0.0  # from the start of the save until durable under the final name
+    stall: float | None = None  # of that, the time training waited (None: all of it, a synchronous save)
+
+
+# ----------------------------------------------------------------------------- when to save
+
+
+@dataclass
+class CheckpointSchedule:
+    """``everySteps`` or ``everyMinutes``, and always at ``maxSteps``. Pure; the clock is passed in.
+
+    With ``everyMinutes`` the ranks' clocks disagree, so the caller must agree on rank 0's
+    answer (see ``train``): :meth:`due` is asked on rank 0 and broadcast.
+    """
+
+    max_steps: int
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    last_save_at: float = 0.0
+
+    @property
+    def needs_agreement(self) -> bool:
+        return self.every_minutes is not None
+
+    def due(self, step: int, now: float) -> bool:
+        if step >= self.max_steps:
+            return True
+        if self.every_steps is not None:
+            return step % self.every_steps == 0
+        if self.every_minutes is not None:
+            return now - self.last_save_at >= self.every_minutes * 60.0
+        return False
+
+    def saved(self, now: float) -> None:
+        self.last_save_at = now
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def temporary_dir(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".tmp")
+
+
+def rank_shard_files(directory: Path, rank: int) -> list[Path]:
+    """The files FileSystemWriter wrote for ``rank``: ``__<rank>_<n>.distcp``."""
+    return sorted(directory.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+
+
+def _own_shard(directory: Path, rank: int) -> Path:
+    files = rank_shard_files(directory, rank)
+    if len(files) != 1:
+        raise CheckpointError(f"rank {rank} expected one shard file in {directory}, found {[f.name for f in files]}")
+    return files[0]
+
+
+def _digest(path: Path, *, final: Path | None = None) -> FileDigest:
+    """Size and sha256 of ``path``, reported under ``final`` (its name once renamed) when given."""
+    return FileDigest(uri=path_to_uri(final or path), size_bytes=path.stat().st_size, sha256=sha256_file(path))
+
+
+def save_checkpoint(
+    state: Mapping[str, Stateful],
+    directory: Path,
+    *,
+    rank: int,
+    barrier: Callable[[], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> SavedShard:
+    """Run the save protocol above; every rank calls it with the same ``directory``."""
+    started = clock()
+    tmp = temporary_dir(directory)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    barrier()
+    if directory.exists():  # checked by every rank, so all of them fail together
+        raise CheckpointError(f"checkpoint directory already exists: {directory}")
+    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+    try:
+        dcp.save(dict(state), storage_writer=writer)
+    except (CheckpointException, RuntimeError, OSError) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"could not save checkpoint {directory}: {exc}") from exc
+    fsync_file(_own_shard(tmp, rank))
+    barrier()
+    if rank == 0:
+        os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+    barrier()
+    shard = _digest(_own_shard(directory, rank))
+    extra = [_digest(directory / METADATA_FILE)] if rank == 0 else []
+    return SavedShard(directory=directory, shard=shard, extra_files=extra, seconds=clock() - started)
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def read_checkpoint_manifest(ref: CheckpointRef) -> CheckpointManifest:
+    """Parse the manifest ``ref`` points at; missing or malformed is CheckpointCorruptError."""
+    path = uri_to_path(ref.manifest_uri)
+    try:
+        manifest = CheckpointManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint manifest not found: {ref.manifest_uri}") from None
+    except (ValidationError, ValueError) as exc:
+        raise CheckpointCorruptError(f"checkpoint manifest {ref.manifest_uri} is malformed: {exc}") from exc
+    if ref.content_hash and ref.content_hash != manifest.content_hash:
+        raise CheckpointCorruptError(
+            f"checkpoint manifest {ref.manifest_uri} has content hash {manifest.content_hash}, "
+            f"the allocation expected {ref.content_hash}"
+        )
+    if manifest.global_step != ref.global_step:
+        raise CheckpointCorruptError(
+            f"checkpoint manifest {ref.manifest_uri} is for step {manifest.global_step}, expected {ref.global_step}"
+        )
+    return manifest
+
+
+def check_restorable(manifest: CheckpointManifest, *, world_size: int | None = None,
+                     spec_hash: str | None) -> list[str]:
+    """Why this run cannot restore ``manifest`` (empty when it can). Pure.
+
+    A different world size is not a reason: model and optimizer entries are keyed by parameter
+    name and DCP reshards them; the sampler's state is the global sample index (elastic resume).
+    """
+    problems = []
+    if spec_hash and manifest.spec_hash and manifest.spec_hash != spec_hash:
+        problems.append(f"checkpoint spec hash {manifest.spec_hash} differs from this job's {spec_hash}")
+    return problems
+
+
+def verified_checkpoint_dir(manifest: CheckpointManifest, manifest_uri: str) -> Path:
+    """Verify every shard and shared file (size, sha256, content hash); the directory to load."""
+    if problems := verify_manifest(manifest, stat_size=local_stat_size, file_sha256=local_sha256):
+        raise CheckpointCorruptError(
+            f"checkpoint step {manifest.global_step} ({manifest_uri}) failed verification: " + "; ".join(problems)
+        )
+    return checkpoint_dir_of(manifest, manifest_uri)
+
+
+def checkpoint_dir_of(manifest: CheckpointManifest, manifest_uri: str) -> Path:
+    """The directory of ``manifest``; CheckpointCorruptError when a file it lists is elsewhere."""
+    directory = uri_to_path(manifest_uri).parent
+    for uri in [s.uri for s in manifest.shards] + [f.uri for f in manifest.extra_files]:
+        if uri_to_path(uri).parent != directory:
+            raise CheckpointCorruptError(f"checkpoint file {uri} is not beside its manifest {manifest_uri}")
+    return directory
+
+
+def verify_files_shared(
+    manifest: CheckpointManifest, *, rank: int, world_size: int,
+    gather: Callable[[list[str]], list[list[str]]] | None = None,
+) -> list[str]:
+    """``verify_manifest`` with the hashing split over the ranks: rank ``r`` reads files ``r, r+W, …``
+    and takes the manifest's word for the others; ``gather`` (all_gather_object) unites the
+    findings, so every rank returns the same list. Without ``gather`` this rank checks everything."""
+    entries = [(s.uri, s.size_bytes, s.sha256) for s in manifest.shards]
+    entries += [(f.uri, f.size_bytes, f.sha256) for f in manifest.extra_files]
+    if gather is None:
+        mine = {uri for uri, _, _ in entries}
+    else:
+        mine = {uri for uri, _, _ in entries[rank::world_size]}
+    expected = {uri: (size, sha) for uri, size, sha in entries}
+
+    def stat_size(uri: str) -> int | None:
+        return local_stat_size(uri) if uri in mine else expected[uri][0]
+
+    def file_sha256(uri: str) -> str:
+        return local_sha256(uri) if uri in mine else expected[uri][1]
+
+    problems = verify_manifest(manifest, stat_size=stat_size, file_sha256=file_sha256)
+    if gather is None:
+        return problems
+    merged: list[str] = []
+    for found in gather(problems):
+        merged.extend(p for p in found if p not in merged)
+    return merged
+
+
+def load_checkpoint(state: Mapping[str, Stateful], directory: Path) -> None:
+    """``dcp.load`` into ``state`` in place (each Stateful's load_state_dict is called)."""
+    try:
+        dcp.load(dict(state), storage_reader=FileSystemReader(directory))
+    except (CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"could not load checkpoint {directory}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- which checkpoint to restore
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint that might be restored: its manifest, or why the manifest could not be read."""
+
+    manifest_uri: str
+    global_step: int | None
+    attempt: int | None = None
+    manifest: CheckpointManifest | None = None
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    manifest_uri: str
+    global_step: int | None
+    problems: list[str]
+    attempt: int | None = None  # the attempt that wrote it
+
+
+class NoVerifiedCheckpointError(CheckpointCorruptError):
+    """Neither the start checkpoint nor any earlier READY one verifies; ``refused`` says why, each."""
+
+    def __init__(self, refused: list[Refusal]) -> None:
+        self.refused = refused
+        super().__init__(
+            "no checkpoint of this job verifies: "
+            + " | ".join(f"step {r.global_step} ({r.manifest_uri}): {'; '.join(r.problems)}" for r in refused)
+        )
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """What to load (None: start fresh), why, and everything refused on the way."""
+
+    candidate: Candidate | None
+    reason: str
+    requested: Candidate | None = None
+    refused: list[Refusal] = field(default_factory=list)
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.refused)
+
+
+def requested_candidate(ref: CheckpointRef) -> Candidate:
+    """The allocation's start checkpoint as a candidate (a manifest that does not match the ref is a problem)."""
+    try:
+        manifest = read_checkpoint_manifest(ref)
+    except CheckpointCorruptError as exc:
+        return Candidate(ref.manifest_uri, ref.global_step, ref.attempt, problems=(str(exc),))
+    return Candidate(ref.manifest_uri, manifest.global_step, manifest.attempt, manifest)
+
+
+def find_ready_checkpoints(checkpoints_dir: Path) -> list[Candidate]:
+    """Every checkpoint under the job's ``checkpoints_dir`` that has a ``manifest.json``, newest first.
+
+    A directory without a manifest (an interrupted save, a checkpoint the coordinator never
+    verified) is not a candidate. A manifest that does not parse is one, with its problem.
+    """
+    found = []
+    for manifest_path in sorted(checkpoints_dir.glob(f"*/{MANIFEST_FILE}")):
+        uri = path_to_uri(manifest_path)
+        try:
+            manifest = CheckpointManifest.model_validate_json(manifest_path.read_bytes())
+        except (OSError, ValidationError, ValueError) as exc:
+            found.append(Candidate(uri, None, problems=(f"manifest {uri} is malformed: {exc}",)))
+            continue
+        found.append(Candidate(uri, manifest.global_step, manifest.attempt, manifest))
+    return sorted(found, key=lambda c: (c.global_step or -1, c.attempt or -1), reverse=True)
+
+
+def choose_checkpoint(
+    requested: Candidate | None,
+    available: Sequence[Candidate],
+    verify: Callable[[Candidate], list[str]],
+) -> RestoreChoice:
+    """The requested checkpoint if it verifies, else the newest earlier one that does. Pure
+    (``verify`` is injected: it returns a candidate's problems, empty when it can be loaded).
+
+    Only checkpoints no newer than the requested one are fallbacks (a newer one was not READY
+    when the scheduler chose). None verifying is a CheckpointCorruptError listing every reason.
+    """
+    if requested is None:
+        return RestoreChoice(None, "no start checkpoint in the allocation: training starts at step 0")
+    problems = list(requested.problems) or verify(requested)
+    if not problems:
+        return RestoreChoice(requested, f"the allocation's start checkpoint (step {requested.global_step}) verified",
+                             requested=requested)
+    refused = [Refusal(requested.manifest_uri, requested.global_step, problems, requested.attempt)]
+    limit = requested.global_step
+    for candidate in available:
+        if candidate.manifest_uri == requested.manifest_uri:
+            continue
+        if limit is not None and candidate.global_step is not None and candidate.global_step > limit:
+            continue
+        problems = list(candidate.problems) or verify(candidate)
+        if not problems:
+            reason = (f"the allocation's start checkpoint (step {requested.global_step}, {requested.manifest_uri}) "
+                      f"was refused: {'; '.join(refused[0].problems)}; fell back to the previous READY checkpoint, "
+                      f"step {candidate.global_step}")
+            if len(refused) > 1:
+                reason += f" ({len(refused) - 1} more refused on the way)"
+            return RestoreChoice(candidate, reason, requested=requested, refused=refused)
+        refused.append(Refusal(candidate.manifest_uri, candidate.global_step, problems, candidate.attempt))
+    raise NoVerifiedCheckpointError(refused)
+
+
+# ----------------------------------------------------------------------------- sync / async saving
+
+
+class StagingBuffers:
+    """A host copy of the training state, allocated once and refilled for every save.
+
+    Reusing the buffers saves the page faults of fresh allocations on every checkpoint; on CUDA
+    they are pinned, so the device-to-host copies run asynchronously on a side stream.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+        self._signature: tuple[Any, ...] | None = None
+
+    def stage(self, state_dict: dict[str, Any], *, pin: bool = False) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        signature = _signature(state_dict)
+        if self._cache is None or signature != self._signature:
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            self._signature = signature
+        return _copy_state_dict(state_dict, self._cache, non_blocking=pin, type_check=False)
+
+
+def _signature(tree: Any, path: str = "") -> tuple[Any, ...]:
+    if isinstance(tree, dict):
+        return tuple(item for key in sorted(tree, key=str) for item in _signature(tree[key], f"{path}/{key}"))
+    if isinstance(tree, torch.Tensor):
+        return ((path, tuple(tree.shape), tree.dtype, type(tree).__name__),)
+    return ()
+
+
+@dataclass
+class _Pending:
+    directory: Path
+    started: float
+    future: Future[SavedShard]
+    on_durable: Callable[[SavedShard], None]
+    staged: threading.Event = field(default_factory=threading.Event)
+    stall: float = 0.0
+
+
+class Checkpointer:
+    """Saves checkpoints with the protocol of the module docstring, in ``sync`` or ``async`` mode.
+
+    ``barrier`` and ``agree`` (an element-wise sum over all ranks of a few ints) are collectives
+    every rank calls at the same points; ``group`` is the gloo group the background writes use.
+    A save's ``on_durable(saved)`` runs on every rank once its shard is under its final, durable
+    name (``saved.seconds``: from the start of the save to then). Each public method returns the
+    seconds training was held up (the checkpoint stall).
+
+    Async mode, precisely: :meth:`save` takes each Stateful's ``state_dict()`` (references to the
+    live tensors, values of everything else) and hands it to a background thread, which copies
+    the tensors into :class:`StagingBuffers`, then runs ``dcp.save`` of the copy over ``group``,
+    fsyncs and hashes this rank's file. Forward and backward passes do not modify parameters or
+    optimizer state, so the next step's computation overlaps the copy; only its optimizer update
+    must wait for it (:meth:`before_update`). That wait, and :meth:`save` itself, are the stall.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        mode: Literal["sync", "async"] = "async",
+        barrier: Callable[[], None],
+        agree: Callable[[list[int]], list[int]],
+        group: Any = None,
+        device: torch.device | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.rank = rank
+        self.mode = mode
+        self.barrier = barrier
+        self.agree = agree
+        self.group = group
+        self.device = device or torch.device("cpu")
+        self.clock = clock
+        self.pending: _Pending | None = None
+        self._buffers = StagingBuffers()
+
+    def save(
+        self, state: Mapping[str, Stateful], directory: Path,
+        on_durable: Callable[[SavedShard], None] = lambda saved: None,
+    ) -> float:
+        """Start (async) or run (sync) a save of ``state`` into ``directory``."""
+        started = self.clock()
+        if self.mode == "sync":
+            saved = save_checkpoint(state, directory, rank=self.rank, barrier=self.barrier, clock=self.clock)
+            on_durable(saved)
+            return self.clock() - started
+        self.wait()
+        tmp = temporary_dir(directory)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        if directory.exists():
+            raise CheckpointError(f"checkpoint directory already exists: {directory}")
+        live = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # the copy starts after the work queued so far (the last optimizer step)
+        staged = threading.Event()
+        future: Future[SavedShard] = Future()
+
+        def write() -> None:
+            try:
+                future.set_result(self._write_in_background(live, directory, staged, ready))
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread through the future
+                future.set_exception(exc)
+
+        # A daemon thread: a rank that fails exits at once instead of waiting for a write (possibly
+        # blocked on a dead peer) at interpreter shutdown; an unfinished save never gets its final name.
+        threading.Thread(target=write, name=f"trainyard-ckpt-{directory.name}", daemon=True).start()
+        self.pending = _Pending(directory, started, future, on_durable, staged)
+        self.pending.stall = self.clock() - started
+        return self.pending.stall
+
+    def before_update(self) -> float:
+        """Before an optimizer step changes the state: wait until the pending save has its copy."""
+        if self.pending is None or self.pending.staged.is_set():
+            return 0.0
+        started = self.clock()
+        self.pending.staged.wait()
+        waited = self.clock() - started
+        self.pending.stall += waited
+        return waited
+
+    def _write_in_background(
+        self, live: dict[str, Any], directory: Path, staged: threading.Event, ready: Any
+    ) -> SavedShard:
+        try:
+            if ready is not None:
+                side = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(side):
+                    side.wait_event(ready)
+                    copy = self._buffers.stage(live, pin=True)
+                side.synchronize()
+            else:
+                copy = self._buffers.stage(live)
+        finally:
+            staged.set()  # never leave training waiting; a failure is reported by the future
+        live.clear()
+        tmp = temporary_dir(directory)
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        try:
+            dcp.save(copy, storage_writer=writer, process_group=self.group)
+        except CheckpointException as exc:  # a BaseException: make it an ordinary failure of the future
+            raise CheckpointError(f"could not save checkpoint {directory}: {exc}") from exc
+        own = _own_shard(tmp, self.rank)
+        fsync_file(own)
+        shard = _digest(own, final=directory / own.name)
+        extra = [_digest(tmp / METADATA_FILE, final=directory / METADATA_FILE)] if self.rank == 0 else []
+        return SavedShard(directory=directory, shard=shard, extra_files=extra)
+
+    def poll(self) -> float:
+        """At a step boundary: complete the pending save if every rank's write has finished."""
+        if self.pending is None:
+            return 0.0
+        started = self.clock()
+        done, failed = self._agree_on(self.pending)
+        if done:
+            self._complete(failed)
+        return self.clock() - started
+
+    def local_status(self) -> tuple[bool, bool, bool]:
+        """(a save is pending, its write is not done here, it failed here): for an agreement the
+        caller folds into its own collective (then :meth:`settle` with the agreed answer)."""
+        if self.pending is None:
+            return False, False, False
+        future = self.pending.future
+        return True, not future.done(), future.done() and future.exception() is not None
+
+    def settle(self, *, all_done: bool, any_failed: bool) -> float:
+        """:meth:`poll` with the agreement already made by the caller (every rank calls it alike)."""
+        if self.pending is None or not all_done:
+            return 0.0
+        started = self.clock()
+        self._complete(any_failed)
+        return self.clock() - started
+
+    def wait(self) -> float:
+        """Block until the pending save (if any) is durable and reported."""
+        if self.pending is None:
+            return 0.0
+        started = self.clock()
+        try:
+            self.pending.future.result()
+        except Exception:  # noqa: BLE001 - reported to every rank through the agreement below
+            pass
+        _, failed = self._agree_on(self.pending)
+        self._complete(failed)
+        return self.clock() - started
+
+    def close(self) -> None:
+        """Forget a pending save (abandoned: it never gets its final name). Idempotent."""
+        self.pending = None
+
+    def _agree_on(self, pending: _Pending) -> tuple[bool, bool]:
+        future = pending.future
+        not_done = 0 if future.done() else 1
+        failed = 1 if future.done() and future.exception() is not None else 0
+        total_not_done, total_failed = self.agree([not_done, failed])
+        return total_not_done == 0, total_failed > 0
+
+    def _complete(self, failed: bool) -> None:
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        if failed:
+            exc = pending.future.exception()
+            raise CheckpointError(
+                f"background save of {pending.directory} failed"
+                + (f" on this rank: {exc}" if exc else " on another rank")
+            ) from exc
+        saved = pending.future.result()
+        if self.rank == 0:
+            os.rename(temporary_dir(pending.directory), pending.directory)
+            fsync_dir(pending.directory.parent)
+        self.barrier()
+        saved = SavedShard(directory=saved.directory, shard=saved.shard, extra_files=saved.extra_files,
+                           seconds=self.clock() - pending.started, stall=pending.stall)
+        pending.on_durable(saved)

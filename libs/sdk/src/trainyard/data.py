@@ -1,0 +1,375 @@
+"""Versioned token datasets: how they are built, described and read.
+
+A dataset version is a directory ``<artifact_root>/datasets/<name>/<version>/``::
+
+    tokenizer.json        byte-level BPE (HF tokenizers), its sha256 recorded in the manifest
+    shard-00000.bin …     token ids, uint16 little-endian, concatenated documents separated
+                          by the ``<|endoftext|>`` token
+    manifest.json         written last and atomically; a directory without it is incomplete
+
+The example corpus, ``tinycorpus``, is a fixed list of Python standard-library source files
+(present on every machine with Python 3.11); each source's path relative to the stdlib and
+its sha256 are recorded, so two machines with different patch releases produce datasets
+that say how they differ.
+
+Reading: :class:`TokenDataset` serves fixed windows of ``sequence_length + 1`` tokens. A
+window never crosses a shard boundary (sample ``j`` of a shard covers tokens
+``[j*L, j*L + L + 1)``), so a sample lives in exactly one shard; each shard's sha256 is
+checked when the shard is first opened and a mismatch is a :class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sysconfig
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from trainyard_common.errors import DataError
+from trainyard_common.events import utcnow
+from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, fsync_dir, sha256_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT_VERSION = 1
+END_OF_TEXT = "<|endoftext|>"
+DEFAULT_VOCAB_SIZE = 1024  # gpt-tiny@v1 and gpt-small@v1
+DEFAULT_SHARD_TOKENS = 1 << 18  # 512 KiB of uint16 per shard
+TOKEN_DTYPE = np.dtype("<u2")
+
+# The tinycorpus sources: ~3 MB of real, varied English-and-code text that every Python 3.11
+# install ships (no package from a distribution's optional split: no tkinter, lib2to3, distutils).
+STDLIB_SOURCES: tuple[str, ...] = (
+    "argparse.py", "typing.py", "_pydecimal.py", "inspect.py", "pydoc.py", "subprocess.py",
+    "tarfile.py", "logging/__init__.py", "mailbox.py", "doctest.py", "ssl.py", "datetime.py",
+    "pathlib.py", "shutil.py", "zipfile.py", "asyncio/base_events.py",
+    "email/_header_value_parser.py", "http/client.py", "urllib/request.py", "unittest/mock.py",
+    "unittest/case.py", "threading.py", "collections/__init__.py", "configparser.py",
+    "dataclasses.py", "enum.py", "difflib.py", "statistics.py", "pickle.py", "_pyio.py",
+    "optparse.py", "imaplib.py", "smtplib.py", "platform.py", "socket.py", "tempfile.py",
+    "traceback.py", "functools.py", "random.py", "textwrap.py",
+)
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True, extra="ignore")
+
+
+class TokenizerInfo(_Wire):
+    file: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    vocab_size: int = Field(gt=0, le=65_536)
+    version: str = Field(description="bpe<vocab>-<first 12 hex of the tokenizer.json sha256>")
+    kind: str = "byte-level-bpe"
+
+
+class ShardInfo(_Wire):
+    file: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+    num_tokens: int = Field(ge=0)
+
+
+class SourceInfo(_Wire):
+    path: str = Field(description="relative to the source root (the Python stdlib for tinycorpus)")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+
+
+class DatasetManifest(_Wire):
+    """``manifest.json`` of one dataset version."""
+
+    format_version: int = FORMAT_VERSION
+    name: str
+    version: str
+    dtype: Literal["uint16"] = "uint16"
+    byte_order: Literal["little"] = "little"
+    separator: str = END_OF_TEXT
+    tokenizer: TokenizerInfo
+    shards: list[ShardInfo]
+    num_tokens: int = Field(ge=0)
+    sources: list[SourceInfo]
+    source_kind: str = "python-stdlib"
+    source_python: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def tokenizer_version(self) -> str:
+        return self.tokenizer.version
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(by_alias=True, indent=2).encode()
+
+
+def load_dataset_manifest(path: Path | str) -> DatasetManifest:
+    """Parse a ``manifest.json``; a missing or malformed manifest is a :class:`DataError`."""
+    path = Path(path)
+    try:
+        return DatasetManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"dataset manifest not found: {path}") from None
+    except (ValidationError, ValueError) as exc:
+        raise DataError(f"dataset manifest {path} is malformed: {exc}") from exc
+
+
+def verify_dataset(directory: Path, manifest: DatasetManifest) -> list[str]:
+    """Every problem with the tokenizer and shard files of ``manifest``; empty when intact."""
+    files = [(manifest.tokenizer.file, None, manifest.tokenizer.sha256)] + [
+        (s.file, s.size_bytes, s.sha256) for s in manifest.shards
+    ]
+    problems = []
+    for name, size, sha in files:
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif size is not None and (actual := path.stat().st_size) != size:
+            problems.append(f"{name} has {actual} bytes, manifest says {size}")
+        elif (digest := sha256_file(path)) != sha:
+            problems.append(f"{name} sha256 {digest[:12]}… does not match manifest {sha[:12]}…")
+    return problems
+
+
+# ----------------------------------------------------------------------------- building (pure parts)
+
+
+def split_into_shards(ids: np.ndarray, shard_tokens: int) -> list[np.ndarray]:
+    """Cut a token stream into consecutive shards of at most ``shard_tokens`` tokens."""
+    if shard_tokens <= 0:
+        raise ValueError("shard_tokens must be positive")
+    return [ids[i : i + shard_tokens] for i in range(0, len(ids), shard_tokens)] or [ids[:0]]
+
+
+def tokenizer_version(vocab_size: int, tokenizer_sha256: str) -> str:
+    return f"bpe{vocab_size}-{tokenizer_sha256[:12]}"
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> str:
+    """Train a byte-level BPE on ``texts``; returns the tokenizer as canonical JSON text.
+
+    Deterministic for the same texts and vocabulary size (checked by the tests).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, wanted at most {vocab_size}")
+    return tokenizer.to_str()
+
+
+def encode_documents(tokenizer_json: str, texts: Sequence[str]) -> np.ndarray:
+    """Token ids of ``texts`` joined by the end-of-text token, as uint16 little-endian."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eot = tokenizer.token_to_id(END_OF_TEXT)
+    if eot is None:
+        raise DataError(f"tokenizer has no {END_OF_TEXT} token")
+    stream: list[int] = []
+    for encoding in tokenizer.encode_batch(list(texts)):
+        stream.extend(encoding.ids)
+        stream.append(eot)
+    if stream and max(stream) >= 1 << 16:
+        raise DataError("token ids do not fit in uint16")
+    return np.asarray(stream, dtype=TOKEN_DTYPE)
+
+
+# ----------------------------------------------------------------------------- building (I/O)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def read_sources(root: Path, relative_paths: Sequence[str]) -> tuple[list[str], list[SourceInfo]]:
+    """Read each source as UTF-8 text and describe it; a missing source is a DataError."""
+    texts, infos = [], []
+    for rel in relative_paths:
+        path = root / rel
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"source file {rel} not found under {root}") from None
+        texts.append(raw.decode("utf-8"))
+        infos.append(SourceInfo(path=rel, sha256=hashlib.sha256(raw).hexdigest(), size_bytes=len(raw)))
+    return texts, infos
+
+
+def prepare_dataset(
+    root: Path | str,
+    name: str,
+    version: str,
+    *,
+    sources: Sequence[str] = STDLIB_SOURCES,
+    source_root: Path | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    clock: Callable[[], datetime] = utcnow,
+) -> tuple[Path, str, DatasetManifest]:
+    """Build dataset ``name@version`` under the artifact ``root``; idempotent.
+
+    Returns ``(manifest_path, sha256 of manifest.json, manifest)``. When the version already
+    exists and verifies, nothing is written. An existing version that fails verification is a
+    :class:`DataError` (a published version is immutable; delete it by hand to rebuild). The
+    files are built in a temporary sibling directory that is renamed into place, so a crash
+    or a concurrent builder never leaves a half-written version behind.
+    """
+    final = ArtifactLayout(root).dataset_dir(name, version)
+    manifest_path = final / MANIFEST_FILE
+    if manifest_path.exists():
+        return _existing(final)
+    if final.exists():  # an interrupted build of an older trainyard; never had a manifest
+        shutil.rmtree(final)
+
+    src_root = source_root or stdlib_root()
+    texts, source_infos = read_sources(src_root, sources)
+    tokenizer_json = train_tokenizer(texts, vocab_size)
+    ids = encode_documents(tokenizer_json, texts)
+
+    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tokenizer_bytes = tokenizer_json.encode()
+    tok_sha = hashlib.sha256(tokenizer_bytes).hexdigest()
+    atomic_write_bytes(staging / TOKENIZER_FILE, tokenizer_bytes)
+    shard_infos = []
+    for i, shard in enumerate(split_into_shards(ids, shard_tokens)):
+        data = shard.astype(TOKEN_DTYPE, copy=False).tobytes()
+        file = f"shard-{i:05d}.bin"
+        atomic_write_bytes(staging / file, data)
+        shard_infos.append(ShardInfo(
+            file=file, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), num_tokens=len(shard)
+        ))
+    manifest = DatasetManifest(
+        name=name,
+        version=version,
+        tokenizer=TokenizerInfo(
+            file=TOKENIZER_FILE, sha256=tok_sha, vocab_size=vocab_size,
+            version=tokenizer_version(vocab_size, tok_sha),
+        ),
+        shards=shard_infos,
+        num_tokens=int(len(ids)),
+        sources=source_infos,
+        source_kind="python-stdlib" if source_root is None else "files",
+        source_python=platform.python_version() if source_root is None else None,
+        created_at=clock(),
+    )
+    atomic_write_bytes(staging / MANIFEST_FILE, manifest.to_bytes())
+    try:
+        os.rename(staging, final)
+    except OSError:  # another builder won the race; keep theirs if it verifies
+        shutil.rmtree(staging, ignore_errors=True)
+        if manifest_path.exists():
+            return _existing(final)
+        raise
+    fsync_dir(final.parent)
+    log.info("dataset %s@%s: %d tokens in %d shards, tokenizer %s",
+             name, version, manifest.num_tokens, len(shard_infos), manifest.tokenizer.version)
+    return manifest_path, sha256_file(manifest_path), manifest
+
+
+def _existing(directory: Path) -> tuple[Path, str, DatasetManifest]:
+    manifest_path = directory / MANIFEST_FILE
+    manifest = load_dataset_manifest(manifest_path)
+    if problems := verify_dataset(directory, manifest):
+        raise DataError(
+            f"dataset {manifest.name}@{manifest.version} at {directory} exists but does not verify: "
+            + "; ".join(problems)
+        )
+    return manifest_path, sha256_file(manifest_path), manifest
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def samples_in_shard(num_tokens: int, sequence_length: int) -> int:
+    """How many windows of ``sequence_length + 1`` tokens, stride ``sequence_length``, fit."""
+    return max(0, (num_tokens - 1) // sequence_length)
+
+
+class TokenDataset:
+    """Fixed windows of ``sequence_length + 1`` tokens over the shards of one dataset version."""
+
+    def __init__(self, manifest_path: Path | str, sequence_length: int) -> None:
+        self.manifest_path = Path(manifest_path)
+        self.directory = self.manifest_path.parent
+        self.manifest = load_dataset_manifest(self.manifest_path)
+        self.sequence_length = sequence_length
+        counts = [samples_in_shard(s.num_tokens, sequence_length) for s in self.manifest.shards]
+        self._starts = np.cumsum([0, *counts]).tolist()
+        self.num_samples = int(self._starts[-1])
+        if self.num_samples == 0:
+            raise DataError(
+                f"dataset {self.manifest.name}@{self.manifest.version} has no window of "
+                f"{sequence_length + 1} tokens"
+            )
+        self._open: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def shard(self, index: int) -> np.ndarray:
+        """The tokens of shard ``index``, memory-mapped after its size and sha256 check out."""
+        if (tokens := self._open.get(index)) is not None:
+            return tokens
+        info = self.manifest.shards[index]
+        path = self.directory / info.file
+        if not path.is_file():
+            raise DataError(f"dataset shard {info.file} is missing: {path}")
+        if (size := path.stat().st_size) != info.size_bytes or size != info.num_tokens * TOKEN_DTYPE.itemsize:
+            raise DataError(f"dataset shard {info.file} has {size} bytes, manifest says {info.size_bytes}")
+        if (digest := sha256_file(path)) != info.sha256:
+            raise DataError(
+                f"dataset shard {info.file} sha256 {digest[:12]}… does not match manifest {info.sha256[:12]}…"
+            )
+        tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if info.num_tokens else np.empty(0, TOKEN_DTYPE)
+        self._open[index] = tokens
+        return tokens
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """``(shard index, first token offset)`` of a sample id."""
+        if not 0 <= sample < self.num_samples:
+            raise IndexError(f"sample {sample} out of range 0..{self.num_samples - 1}")
+        shard = bisect.bisect_right(self._starts, sample) - 1
+        return shard, (sample - self._starts[shard]) * self.sequence_length
+
+    def window(self, sample: int) -> np.ndarray:
+        shard, offset = self.locate(sample)
+        return self.shard(shard)[offset : offset + self.sequence_length + 1]
+
+    def windows(self, samples: Sequence[int]) -> np.ndarray:
+        """A ``(len(samples), sequence_length + 1)`` int64 array."""
+        return np.stack([self.window(s) for s in samples]).astype(np.int64)
+
+
+def describe(manifest: DatasetManifest) -> str:
+    return json.dumps({
+        "name": manifest.name, "version": manifest.version, "numTokens": manifest.num_tokens,
+        "shards": len(manifest.shards), "tokenizer": manifest.tokenizer.version,
+    })

@@ -1,0 +1,49 @@
+"""A resumable, deterministic loader over the job's trainyard dataset (``run.data_loader()``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainyard.sampler import BatchLoader, GlobalSampler
+
+__all__ = ["DataLoader"]
+
+
+class DataLoader(BatchLoader):
+    """Yields this rank's share of each optimizer step: a list of ``(inputs, targets)`` micro batches.
+
+    ``len(next(loader)) == loader.grad_accumulation`` (one when ``microBatchSize x data ranks ==
+    globalBatchSize``); each micro batch is ``microBatchSize`` rows of ``sequenceLength`` tokens,
+    ``targets`` the inputs shifted by one. The order is a seeded permutation of the dataset per
+    epoch (see :mod:`trainyard.sampler`); it never ends (epochs follow each other).
+
+    ``Stateful``: put it in the state you checkpoint and a restored run reads exactly the batches
+    an uninterrupted one would have, on any number of ranks (the position is global, not per rank).
+    """
+
+    def __init__(self, dataset: Any, sampler: GlobalSampler, device: torch.device) -> None:
+        super().__init__(dataset, sampler, device)
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.sampler.grad_accumulation
+
+    @property
+    def position(self) -> int:
+        """Global position of the next step's first sample (``global_step x globalBatchSize`` from step 0)."""
+        return self.sampler.position
+
+    def __iter__(self) -> DataLoader:
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.next_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+        self.last_start = self.sampler.position
