@@ -169,7 +169,8 @@ class ApiContext:
         """Code archives under the artifact root, and git for ``code.repo``."""
         s = self.settings
         return CodeService(CodeStore(ArtifactLayout(s.artifact_root_abs), max_bytes=s.api_max_code_bytes),
-                           GitSource(timeout_s=s.api_git_timeout_s, max_bytes=s.api_max_code_bytes))
+                           GitSource(timeout_s=s.api_git_timeout_s, max_bytes=s.api_max_code_bytes,
+                                     local_repos=s.api_git_local_repos))
 
     @property
     def admin(self) -> AdminService:

@@ -112,6 +112,11 @@ def is_remote(repo: str) -> bool:
     return "://" in repo or bool(_SCP_LIKE.match(repo))
 
 
+def is_local(repo: str) -> bool:
+    """A repository on the API's own machine: a path, or a ``file://`` URL."""
+    return not is_remote(repo) or repo.lower().startswith("file:")
+
+
 # ----------------------------------------------------------------------------- the tenant's archives
 
 
@@ -160,7 +165,6 @@ _GIT_ENV = {
     "GIT_ASKPASS": "true",
     "SSH_ASKPASS": "true",
     "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new",
-    "GIT_ALLOW_PROTOCOL": "file:git:http:https:ssh",  # never ext:: (it runs a command)
     "GIT_CONFIG_NOSYSTEM": "1",
 }
 
@@ -177,16 +181,23 @@ class Resolved:
 class GitSource:
     """Resolve ``repo`` + ``revision`` to a commit and archive its tree, with git and a timeout."""
 
-    def __init__(self, *, timeout_s: float = 60.0, max_bytes: int = codetree.MAX_ARCHIVE_BYTES) -> None:
+    def __init__(self, *, timeout_s: float = 60.0, max_bytes: int = codetree.MAX_ARCHIVE_BYTES,
+                 local_repos: bool = True) -> None:
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
-        self._env = {**os.environ, **_GIT_ENV}
+        self.local_repos = local_repos
+        # ext:: runs a command, so it is never allowed; file:// only where local repositories are
+        protocols = "file:git:http:https:ssh" if local_repos else "git:http:https:ssh"
+        self._env = {**os.environ, **_GIT_ENV, "GIT_ALLOW_PROTOCOL": protocols}
 
     def resolve(self, repo: str, revision: str) -> Resolved:
         """SpecError naming ``code.repo`` (unreachable, not a repository) or ``code.revision`` (no such one)."""
         for field, value in (("code.repo", repo), ("code.revision", revision)):
             if value.startswith("-"):
                 raise SpecError(field, f"{value!r} must not start with '-'")
+        if not self.local_repos and is_local(repo):
+            raise SpecError("code.repo", f"{repo!r}: this API takes only git URLs (https://, ssh://, git@host:…), "
+                                         "not repositories on its own machine (TRAINYARD_API_GIT_LOCAL_REPOS)")
         with tempfile.TemporaryDirectory(prefix="trainyard-git-") as tmp:
             if is_remote(repo):
                 commit = self._remote_commit(repo, revision)

@@ -40,6 +40,9 @@ class ApiSettings(ServiceSettings):
         description="largest code archive PUT /v1/code/{archive} takes, and code.repo may archive to (bytes)")
     api_git_timeout_s: float = Field(default=60.0, gt=0,
                                      description="how long one git command may take resolving code.repo")
+    api_git_local_repos: bool = Field(
+        default=True, description="whether code.repo may name a repository on the API's machine (a path or a file:// "
+                                  "URL); turn off where tenants must not read the API host's files")
 
     cpu_peak_flops: float = Field(
         default=DEFAULT_CPU_PEAK_FLOPS, gt=0,
