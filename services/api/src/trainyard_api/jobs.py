@@ -146,7 +146,7 @@ class JobService:
         problems: list[FieldProblem] = []
         if spec.code is not None:
             if self.code is None:
-                raise StateStoreError("this API takes no code (no code store configured)", retryable=False)
+                raise InvalidSpecError([FieldProblem("code", "this API takes no code: submit without code")])
             spec, problems = await self.code.pin(spec, token.tenant)
         dataset = await self.store.get_dataset(spec.dataset)
         problems.extend(check_references(spec, catalog=self.catalog, dataset_known=dataset is not None))
