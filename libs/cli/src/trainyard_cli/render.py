@@ -93,12 +93,14 @@ def checkpoints_table(items: Sequence[Checkpoint], title: str = "checkpoints", *
 
 def artifacts_table(items: Sequence[Artifact]) -> Table:
     table = Table(title="artifacts", title_justify="left", header_style="bold")
-    for column in ("ARTIFACT", "TYPE", "STEP", "ATTEMPT", "HASH", "DATASET", "SPEC HASH", "URI"):
+    for column in ("ARTIFACT", "TYPE", "STEP", "ATTEMPT", "HASH", "DATASET", "SPEC HASH", "CODE", "URI"):
         table.add_column(column, overflow="fold")
     for a in items:
+        code = a.lineage.get("codeArchive")
         table.add_row(
             a.artifact_id, a.type, str(a.global_step), str(a.producer_attempt), a.hash[:19],
-            str(a.lineage.get("dataset", "-")), str(a.lineage.get("specHash", "-"))[:19], a.uri,
+            str(a.lineage.get("dataset", "-")), str(a.lineage.get("specHash", "-"))[:19],
+            str(code)[:19] if code else "built-in", a.uri,
         )
     return table
 
