@@ -2,7 +2,8 @@
 and Redis: the archive (packed with ``codetree.pack``, stored where the API stores uploads) is
 materialised once into the node's read-only code cache, each rank runs the entrypoint in
 ``<tree>/<workingDir>`` with the rank contract plus ``code.env`` and ``TRAINYARD_CODE_DIR``; a
-tampered cache entry is extracted again before the next attempt runs; a script that cannot import,
+tampered cache entry is moved aside (quarantined; deleted once no rank runs the archive) and
+extracted again before the next attempt runs; a script that cannot import,
 a missing entrypoint or workingDir and an archive that is not the one named end as ``config``."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
-from tests.integration.test_scheduler_stack import make_spec
+from tests.integration.test_scheduler_stack import make_spec, poll
 from trainyard_common.codetree import archive_id, pack
 from trainyard_common.events import GangAllocated, WorkerExited
 from trainyard_common.leases import Device, LeaseManager
@@ -121,6 +122,14 @@ async def test_user_code_runs_in_its_read_only_tree_and_a_tampered_tree_is_extra
     assert hashlib.sha256(script.read_bytes()).hexdigest() == hashlib.sha256(REPORT.encode()).hexdigest()
     assert stat.S_IMODE(script.stat().st_mode) == 0o444
     assert "does not match its digest" in rig.services.log("agent")
+
+    # the tampered copy was moved aside, not deleted under attempt 1; once no rank runs the archive it goes
+    quarantine = cache / ".quarantine"
+
+    async def purged() -> bool:
+        return quarantine.is_dir() and not any(quarantine.iterdir())
+
+    await poll(purged, "the quarantined tree to be deleted once no rank of the archive runs")
 
 
 async def test_code_that_cannot_run_fails_its_ranks_as_config(rig: Rig, layout: ArtifactLayout,

@@ -1,6 +1,7 @@
 """The node's code cache: materialised once per hash, read-only, verified before every launch
-(tampered → extracted again), a wrong archive refused, concurrent materialisation safe, and the
-eviction choice (pure, table-tested)."""
+(tampered → moved aside into quarantine, extracted again, deleted once no rank runs it), a wrong
+archive refused, concurrent materialisation safe, and the eviction and purge choices (pure,
+table-tested)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from trainyard_common.codetree import CodeTreeError, archive_id, pack
 from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
 from trainyard_common.spec import Code, TrainingSpec
@@ -21,7 +21,12 @@ from trainyard_node_agent.codecache import (
     TAMPERED,
     CacheEntry,
     CodeCache,
+    Collection,
+    Quarantined,
     choose_evictions,
+    choose_purges,
+    parse_quarantined,
+    quarantine_name,
     rank_paths,
     remove_tree,
 )
@@ -105,7 +110,10 @@ async def test_a_tampered_entry_is_extracted_again_before_it_runs(tmp_path: Path
     assert again.materialised and TAMPERED._value.get() == before + 1
     assert cache.problems(again.hex) == []
     assert (again.root / "train.py").read_text().startswith("import pkg.util")
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [again.hex]  # the tampered copy is gone
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".quarantine", again.hex]
+    assert [p.name for p in (tmp_path / "cache" / ".quarantine").iterdir()] == [f"{again.hex}-1"]
+    assert cache.collect(in_use=set()) == Collection(evicted=[], purged=[f"{again.hex}-1"])
+    assert list((tmp_path / "cache" / ".quarantine").iterdir()) == []
 
 
 async def test_a_lost_digest_counts_as_tampered(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
@@ -209,12 +217,80 @@ async def test_collect_keeps_what_runs_and_what_is_being_launched(tmp_path: Path
                                                                   archive: str) -> None:
     cache = cache_of(tmp_path, layout, max_bytes=0)
     tree = await cache.acquire(TENANT, code(archive))  # pinned: a launch in progress
-    assert cache.collect(in_use=set()) == []
+    assert cache.collect(in_use=set()) == Collection([], [])
     cache.release(tree.hex)
-    assert cache.collect(in_use={tree.hex}) == []  # a live rank runs it
+    assert cache.collect(in_use={tree.hex}) == Collection([], [])  # a live rank runs it
     (tmp_path / "cache" / ".trash-leftover" / "x").mkdir(parents=True)
-    assert cache.collect(in_use=set()) == [tree.hex]
+    assert cache.collect(in_use=set()) == Collection([tree.hex], [])
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+async def test_a_tampered_tree_stays_whole_for_the_ranks_running_from_it_until_they_end(
+        tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    """Attempt 1 runs from the tree (its working directory, the modules it imports later); someone edits a
+    file; attempt 2's launch moves the entry aside and extracts a fresh one. Attempt 1 still finds every
+    file where it was, until collection sees no live rank of the archive."""
+    cache = cache_of(tmp_path, layout)
+    first = await cache.acquire(TENANT, code(archive))
+    cache.release(first.hex)
+    cwd = os.open(first.root, os.O_RDONLY | os.O_DIRECTORY)  # what a running rank holds: its working directory
+    try:
+        os.chmod(first.root / "pkg", 0o755)
+        (first.root / "pkg" / "extra.py").write_text("")  # tampered
+        second = await cache.acquire(TENANT, code(archive))  # attempt 2 is being launched: pinned
+        assert second.materialised and second.root == first.root and cache.problems(second.hex) == []
+        assert cache.collect(in_use=set()) == Collection([], [])  # pinned by the launch in progress
+        cache.release(second.hex)
+        assert cache.collect(in_use={first.hex}) == Collection([], [])  # ranks of the archive still run
+        module = os.open("pkg/util.py", os.O_RDONLY, dir_fd=cwd)  # attempt 1 imports a module now
+        assert os.read(module, 64) == b"X = 1\n"
+        os.close(module)
+        assert cache.collect(in_use=set()) == Collection([], [f"{first.hex}-1"])  # the last rank ended
+        with pytest.raises(FileNotFoundError):
+            os.open("pkg/util.py", os.O_RDONLY, dir_fd=cwd)
+    finally:
+        os.close(cwd)
+    assert cache.problems(first.hex) == []  # the fresh entry is untouched by the purge
+
+
+async def test_each_tampering_is_quarantined_under_its_own_name(tmp_path: Path, layout: ArtifactLayout,
+                                                                archive: str) -> None:
+    cache = cache_of(tmp_path, layout)
+    for _ in range(2):
+        tree = await cache.acquire(TENANT, code(archive))
+        cache.release(tree.hex)
+        os.chmod(tree.root, 0o755)
+        (tree.root / "extra.py").write_text("")
+    again = await cache.acquire(TENANT, code(archive))
+    cache.release(again.hex)
+    assert sorted(p.name for p in (tmp_path / "cache" / ".quarantine").iterdir()) == [f"{again.hex}-1",
+                                                                                      f"{again.hex}-2"]
+    assert cache.quarantine("0" * 64) is None  # an entry moved already (by another agent): nothing to do
+
+
+@pytest.mark.parametrize(("quarantined", "in_use", "purged"), [
+    ([], set(), []),
+    ([Quarantined("a-1", "a")], set(), ["a-1"]),
+    ([Quarantined("a-1", "a")], {"a"}, []),  # a live rank of the archive may run from it
+    ([Quarantined("a-2", "a"), Quarantined("b-1", "b"), Quarantined("a-1", "a")], {"b"}, ["a-1", "a-2"]),
+    ([Quarantined("a-1", "a"), Quarantined("b-1", "b")], {"a", "b", "c"}, []),
+])
+def test_purge_choice(quarantined: list[Quarantined], in_use: set[str], purged: list[str]) -> None:
+    assert choose_purges(quarantined, in_use=in_use) == purged
+
+
+@pytest.mark.parametrize(("taken", "name"), [
+    ([], "ab-1"),
+    (["ab-1"], "ab-2"),
+    (["ab-1", "ab-7", "cd-9", "stray", "ab-x"], "ab-8"),
+])
+def test_quarantine_names(taken: list[str], name: str) -> None:
+    assert quarantine_name("ab", taken) == name
+
+
+def test_quarantine_names_parse() -> None:
+    assert parse_quarantined("ab-3") == Quarantined("ab-3", "ab")
+    assert parse_quarantined("stray") is None and parse_quarantined("ab-x") is None and parse_quarantined("-1") is None
 
 
 def test_entries_report_size_and_last_use(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:

@@ -10,10 +10,13 @@ directories 0555), ``digest.json`` (its :class:`~trainyard_common.codetree.TreeD
   read-only, then rename the whole entry into place. Two agents or attempts racing on one hash
   both extract; the first rename wins, the loser drops its copy and uses the winner's (rename
   of a directory onto a non-empty one fails atomically).
-* Before every launch the tree is verified against its digest; a tampered entry is moved aside
-  (atomic rename to ``.trash-…``), counted, and materialised again.
+* Before every launch the tree is verified against its digest; a tampered entry is counted, moved
+  aside (atomic rename to ``.quarantine/<hex>-<n>``) and materialised again. It is not deleted
+  there and then: ranks of an earlier attempt may still run from it (their working directory and
+  the files they import next are in it). Collection deletes a quarantined tree once no live rank
+  runs that archive (:func:`choose_purges`, pure).
 * Eviction (:func:`choose_evictions`, pure): past ``max_bytes`` the least recently used entries
-  that no live rank uses go first.
+  that no live rank uses go first (quarantined trees do not count: they go as soon as unused).
 
 The blocking work runs in a thread (:meth:`CodeCache.acquire` is async).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -51,13 +55,18 @@ from trainyard_common.storage import ArtifactLayout
 log = logging.getLogger(__name__)
 
 TAMPERED = Counter("trainyard_node_agent_code_cache_tampered_total",
-                   "cached code trees that no longer matched their digest before a launch (removed, re-materialised)")
+                   "cached code trees that no longer matched their digest before a launch (quarantined, "
+                   "re-materialised)")
 MATERIALISED = Counter("trainyard_node_agent_code_cache_materialised_total",
                        "code archives extracted into the node's code cache")
 EVICTED = Counter("trainyard_node_agent_code_cache_evicted_total",
                   "code cache entries removed to stay under TRAINYARD_CODE_CACHE_MAX_BYTES")
+PURGED = Counter("trainyard_node_agent_code_cache_quarantine_purged_total",
+                 "quarantined (tampered) code trees deleted once no running rank used them")
 
 TREE, DIGEST, META, USED = "tree", "digest.json", "entry.json", "last-used"
+QUARANTINE = ".quarantine"
+_QUARANTINE_TRIES = 100
 _STALE_TMP_S = 3600.0
 
 
@@ -86,6 +95,42 @@ def choose_evictions(entries: Sequence[CacheEntry], *, in_use: AbstractSet[str],
         evict.append(entry.hex)
         total -= entry.size_bytes
     return evict
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A tampered entry moved aside (``.quarantine/<name>``, name ``<hex>-<n>``)."""
+
+    name: str
+    hex: str
+
+
+def quarantine_name(hex_digest: str, taken: Iterable[str]) -> str:
+    """``<hex>-<n>``, ``n`` one past the highest already used for this hash (1 for the first)."""
+    used = [int(q.name.rpartition("-")[2]) for q in map(parse_quarantined, taken)
+            if q is not None and q.hex == hex_digest]
+    return f"{hex_digest}-{max(used, default=0) + 1}"
+
+
+def parse_quarantined(name: str) -> Quarantined | None:
+    """The entry a ``.quarantine`` directory name stands for, or None for anything else."""
+    head, _, number = name.rpartition("-")
+    return Quarantined(name, head) if head and number.isdigit() else None
+
+
+def choose_purges(quarantined: Sequence[Quarantined], *, in_use: AbstractSet[str]) -> list[str]:
+    """The quarantined trees to delete now: those of an archive no live rank runs (or is being launched
+    with). A rank started before the tree was moved aside runs that archive, so it keeps the tree; a new
+    attempt of the same archive keeps it too, which is merely cautious."""
+    return sorted(q.name for q in quarantined if q.hex not in in_use)
+
+
+@dataclass(frozen=True)
+class Collection:
+    """What one collection removed."""
+
+    evicted: list[str]  # hashes of entries evicted (least recently used)
+    purged: list[str]  # quarantined trees deleted (``<hex>-<n>``)
 
 
 @dataclass(frozen=True)
@@ -188,9 +233,10 @@ class CodeCache:
                 self._touch(hex_digest)
                 return CodeTree(hex_digest, self.tree_dir(hex_digest), materialised=False)
             TAMPERED.inc()
-            log.error("cached code tree sha256:%s does not match its digest (%s): removing it and "
-                      "extracting it again", hex_digest, "; ".join(problems[:5]))
-            self._discard(entry)
+            moved = self.quarantine(hex_digest)
+            log.error("cached code tree sha256:%s does not match its digest (%s): moved aside to %s (ranks "
+                      "still running from it keep it until they end) and extracting it again", hex_digest,
+                      "; ".join(problems[:5]), moved or "(moved by another agent)")
         self.materialise(tenant, hex_digest)
         problems = self.problems(hex_digest)
         if problems:  # only a concurrent writer could do this: never run it
@@ -265,19 +311,54 @@ class CodeCache:
                 found.append(CacheEntry(path.name, size, used))
         return found
 
-    def collect(self, in_use: Iterable[str]) -> list[str]:
-        """Blocking: remove what :func:`choose_evictions` picks (plus leftovers of crashed extractions)."""
+    def quarantined(self) -> list[Quarantined]:
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in (self.root / QUARANTINE).iterdir():
+                if (q := parse_quarantined(path.name)) is not None:
+                    found.append(q)
+        return found
+
+    def quarantine(self, hex_digest: str) -> Path | None:
+        """Blocking: move an entry aside into ``.quarantine/<hex>-<n>`` (one atomic rename: a rank running
+        from it keeps every file); None when it is gone already (another agent moved it)."""
+        place = self.root / QUARANTINE
+        place.mkdir(parents=True, exist_ok=True)
+        for _ in range(_QUARANTINE_TRIES):
+            target = place / quarantine_name(hex_digest, (p.name for p in place.iterdir()))
+            if target.exists():  # taken since the listing (another agent): list again
+                continue
+            try:
+                os.rename(self.entry_dir(hex_digest), target)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another agent took that name: the next one
+                    continue
+                raise
+            return target
+        raise OSError(errno.EEXIST, f"cannot find a free name in {place} for sha256:{hex_digest}")
+
+    def collect(self, in_use: Iterable[str]) -> Collection:
+        """Blocking: delete the quarantined trees :func:`choose_purges` picks and evict what
+        :func:`choose_evictions` picks (plus leftovers of crashed extractions). ``in_use``: the archives
+        (hex) live ranks run; the ones being launched here are added."""
         self._sweep_leftovers()
         with self._mutex:
             keep = set(in_use) | set(self._pins)
+        purged = choose_purges(self.quarantined(), in_use=keep)
+        for name in purged:
+            log.info("deleting the quarantined code tree %s: no running rank uses it any more", name)
+            remove_tree(self.root / QUARANTINE / name)
+            PURGED.inc()
         evicted = choose_evictions(self.entries(), in_use=keep, max_bytes=self.max_bytes)
         for hex_digest in evicted:
             log.info("evicting code tree sha256:%s from the cache (least recently used)", hex_digest)
             self._discard(self.entry_dir(hex_digest))
             EVICTED.inc()
-        return evicted
+        return Collection(evicted=evicted, purged=purged)
 
-    async def acollect(self, in_use: Iterable[str]) -> list[str]:
+    async def acollect(self, in_use: Iterable[str]) -> Collection:
         return await asyncio.to_thread(self.collect, list(in_use))
 
     def _sweep_leftovers(self) -> None:
@@ -292,7 +373,7 @@ class CodeCache:
                             remove_tree(path)
 
     def _discard(self, entry: Path) -> None:
-        """Move an entry out of the way atomically (no reader ever sees half of it), then delete it."""
+        """Move an unused entry out of the way atomically (no reader ever sees half of it), then delete it."""
         trash = self.root / f".trash-{entry.name[:12]}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(entry, trash)
