@@ -7,6 +7,7 @@ from pathlib import Path
 
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.ranks import RankProcess
+from trainyard_node_agent.watchdog import Liveness
 
 
 def test_merge_prefers_the_copy_that_published_more() -> None:
@@ -34,7 +35,7 @@ def test_a_rank_round_trips_through_its_persisted_form(tmp_path: Path) -> None:
     rank = RankProcess(job_id="j", tenant="t", attempt=2, allocation_id="al", epoch=5, rank=1, local_rank=1,
                        pid=4321, log_path=tmp_path / "log", spool=SpoolReader(tmp_path / "spool", 77),
                        traceparent=None, exit_file=tmp_path / "exit" / "rank-1.json", device_index=3, pgid=4320,
-                       start_ticks=123456, progressed=True)
+                       start_ticks=123456, liveness=Liveness(0.0, reported=True))
     again = RankProcess.from_persisted(json.loads(json.dumps(rank.persisted("boot"))))
     for name in ("job_id", "attempt", "allocation_id", "epoch", "rank", "pid", "pgid", "start_ticks",
                  "device_index", "exit_file", "progressed"):

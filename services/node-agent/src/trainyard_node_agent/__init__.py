@@ -7,19 +7,43 @@ rank ended), :mod:`watchdog` (hang detection) and :mod:`confirmation` (when an a
 applied); :class:`NodeAgent` is the I/O shell. Ranks start under :mod:`launcher` (cold) or in a
 warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
 A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
-trees (one per archive hash; :func:`choose_evictions` decides what goes, :func:`rank_paths` what a
-rank of user code may touch).
+trees (one per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes,
+:func:`rank_paths` what a rank of user code may touch); its liveness counts its output too
+(:func:`observe`).
 """
 
-from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
+from trainyard_node_agent.admission import (
+    Launch,
+    Refuse,
+    interpreter_env,
+    judge,
+    pick_backend,
+    rank_env,
+)
 from trainyard_node_agent.agent import AgentKeys, NodeAgent, exit_file_for
 from trainyard_node_agent.classify import ExitFacts, classify_exit
-from trainyard_node_agent.codecache import CacheEntry, CodeCache, CodeTree, RankPaths, choose_evictions, rank_paths
+from trainyard_node_agent.codecache import (
+    CacheEntry,
+    CodeCache,
+    CodeTree,
+    Collection,
+    Quarantined,
+    RankPaths,
+    choose_evictions,
+    choose_purges,
+    rank_paths,
+)
 from trainyard_node_agent.confirmation import Announcement, verdict
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.warmpool import WarmPool
-from trainyard_node_agent.watchdog import Hung, RankProgress, find_hangs
+from trainyard_node_agent.watchdog import (
+    Hung,
+    Liveness,
+    RankProgress,
+    find_hangs,
+    observe,
+)
 
 __all__ = [
     "AgentKeys",
@@ -27,23 +51,28 @@ __all__ = [
     "CacheEntry",
     "CodeCache",
     "CodeTree",
+    "Collection",
     "ExitFacts",
     "Hung",
     "Launch",
+    "Liveness",
     "LocalState",
     "NodeAgent",
     "NodeAgentSettings",
+    "Quarantined",
     "RankPaths",
     "RankProgress",
     "Refuse",
     "WarmPool",
     "choose_evictions",
+    "choose_purges",
     "classify_exit",
     "exit_file_for",
     "find_hangs",
     "interpreter_env",
     "judge",
     "merge_tables",
+    "observe",
     "pick_backend",
     "rank_env",
     "rank_paths",

@@ -21,8 +21,9 @@ checkpoint and stop, and waits up to ``drain_timeout_s`` before stopping what st
 Failure handling:
 
 * a rank's exit is classified (:mod:`classify`: nan, oom, nccl, hang, exit code, …);
-* hang: an attempt whose rank here wrote no event for ``hang_timeout_s`` has all its ranks
-  here killed at once (SIGKILL works on stopped processes too) and reported as ``hang``;
+* hang: an attempt whose rank here wrote no event for ``hang_timeout_s`` (for user code: no event
+  and no output to its log, :mod:`watchdog`) has all its ranks here killed at once (SIGKILL works
+  on stopped processes too) and reported as ``hang``;
 * control-plane outage: ranks run in their own session under a launcher that records their
   exit status, so a restarted agent *adopts* ranks that still run (pid + start time checked
   against reuse) instead of killing them, relays their spools from the persisted offsets, and
@@ -92,7 +93,7 @@ from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.warmpool import WarmPool
-from trainyard_node_agent.watchdog import RankProgress, find_hangs
+from trainyard_node_agent.watchdog import Liveness, RankProgress, find_hangs, observe
 
 log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
@@ -127,6 +128,12 @@ def checkpoint_request_file(layout: ArtifactLayout, tenant: str, job_id: str, at
 def _event_id(record: Mapping[str, Any]) -> str | None:
     payload = record.get("payload")
     return str(payload["eventId"]) if isinstance(payload, dict) and "eventId" in payload else None
+
+
+def baseline(rank: rp.RankProcess, now: float) -> Liveness:
+    """A fresh hang window from ``now``, measured from the rank's files as they are (launch, adoption)."""
+    return Liveness(now, spool_bytes=rp.file_size(rank.spool.path), log_bytes=rp.file_size(rank.log_path),
+                    reported=rank.liveness.reported, printed=rank.liveness.printed)
 
 
 def last_step_of(rank: rp.RankProcess) -> int | None:
@@ -238,8 +245,7 @@ class NodeAgent:
                 continue  # reported and forgotten already; only the local copy lagged behind
             if running:
                 rank.adopted = True
-                rank.last_progress = time.monotonic()
-                rank.spool_size = rp.spool_size(rank.spool.path)
+                rank.liveness = baseline(rank, time.monotonic())
                 self.ranks[key] = rank
                 log.warning("adopting rank %d of job %s attempt %d (pid %d), still running since the last agent",
                             rank.rank, rank.job_id, rank.attempt, rank.pid)
@@ -250,8 +256,7 @@ class NodeAgent:
     async def start(self) -> None:
         """After ``runtime.start()``: watch the adopted ranks; report the ones that ended unwatched."""
         for rank in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
-            rank.last_progress = time.monotonic()
-            rank.spool_size = rp.spool_size(rank.spool.path)
+            rank.liveness = baseline(rank, time.monotonic())
         self._serving = True
         if self.pool is not None:
             self.pool.fill()
@@ -261,6 +266,7 @@ class NodeAgent:
                 rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
         for key, rank in list(self._unreported.items()):
             await self._report_unwatched(key, rank)
+        self._in_background(self._collect_code())  # what an earlier incarnation quarantined and no rank uses
 
     async def aclose(self) -> None:
         """Drain (ask the ranks to checkpoint and stop, up to ``drain_timeout_s``), then stop every rank still
@@ -399,7 +405,7 @@ class NodeAgent:
         for rank in fresh:
             rank.checkpoint_requested_epoch = event.epoch
             rank.checkpoint_deadline = now + max(grace, 0.0)
-            rank.last_progress = now  # a fresh hang window once the deadline has passed
+            rank.liveness = rank.liveness.restarted(now)  # a fresh hang window once the deadline has passed
             delivered = rp.signal_group(rank.pgid, signal.SIGUSR1)
             log.info("checkpoint requested for rank %d of %s (%s%s): %s", rank.rank, event.allocation_id,
                      event.reason, f", for {event.requested_by}" if event.requested_by else "",
@@ -418,7 +424,7 @@ class NodeAgent:
         compete for the CPU with the very start-up the pool is meant to shorten)."""
         if self.pool is None or not self._serving:
             return
-        if any(r.running and not r.progressed for r in self.ranks.values()):
+        if any(r.running and not (r.liveness.reported or r.liveness.printed) for r in self.ranks.values()):
             return
         self.pool.fill()
 
@@ -539,7 +545,7 @@ class NodeAgent:
         rank.start_ticks = rp.start_ticks(rank.pgid)
         rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
         rank.pid = await rp.rank_pid(rank.exit_file, rank.process) or rank.pgid
-        rank.last_progress = time.monotonic()
+        rank.liveness = baseline(rank, time.monotonic())
         self.ranks[rank.key] = rank
         await self._persist(rank, force_local=True)
         started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
@@ -564,7 +570,9 @@ class NodeAgent:
         return await rp.spawn(self.settings.rank_command, env, log_path, exit_file)
 
     async def _collect_code(self) -> None:
-        """Evict least recently used code trees past the cache limit (never one a live rank runs)."""
+        """Delete quarantined code trees no live rank runs; evict least recently used trees past the cache
+        limit (never one a live rank runs). After a code tree was materialised, and after a rank of user code
+        ended."""
         in_use = {archive_hex(r.code_archive) for r in self.ranks.values() if r.code_archive and r.running}
         try:
             await self.code_cache.acollect(in_use)
@@ -603,11 +611,10 @@ class NodeAgent:
         return rank.gone
 
     def _note_progress(self, rank: rp.RankProcess) -> None:
-        size = rp.spool_size(rank.spool.path)
-        if size > rank.spool_size:
-            rank.spool_size = size
-            rank.last_progress = time.monotonic()
-            rank.progressed = True
+        """Measure the rank's spool (and, for user code, its log) and let the watchdog judge the growth."""
+        rank.liveness = observe(rank.liveness, spool_bytes=rp.file_size(rank.spool.path),
+                                log_bytes=rp.file_size(rank.log_path) if rank.code_archive else None,
+                                now=time.monotonic())
 
     def _how_it_ended(self, rank: rp.RankProcess) -> tuple[int, str, str | None]:
         """(exit code, reason, detail) from the exit file, the process and the log."""
@@ -760,11 +767,14 @@ class NodeAgent:
         """Stop every rank here of an attempt that made no progress within the hang timeout."""
         if not self._serving:
             return
-        now = time.monotonic()
         watched = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
-        progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.last_progress, r.progressed,
+        for r in watched:  # judge what the files say now, not what a busy watcher last saw
+            self._note_progress(r)
+        now = time.monotonic()
+        progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.liveness.at, r.progressed,
                                  rp.proc_state(r.pid),
-                                 saving_on_request=r.checkpoint_deadline is not None and now < r.checkpoint_deadline)
+                                 saving_on_request=r.checkpoint_deadline is not None and now < r.checkpoint_deadline,
+                                 output_counts=r.code_archive is not None)
                     for r in watched]
         for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
                                first_step_timeout_s=self.settings.first_step_timeout_s):

@@ -25,6 +25,7 @@ from trainyard_common.spool import SpoolReader
 
 from trainyard_node_agent import launcher
 from trainyard_node_agent.classify import parse_oom_kills
+from trainyard_node_agent.watchdog import Liveness
 
 LAUNCHER = Path(launcher.__file__).resolve()
 LOG_TAIL_BYTES = 16 * 1024
@@ -57,9 +58,7 @@ class RankProcess:
     stop_detail: str | None = None
     hang_detail: str | None = None
     oom_kills_at_start: int | None = None
-    last_progress: float = field(default_factory=time.monotonic)
-    spool_size: int = 0
-    progressed: bool = False
+    liveness: Liveness = field(default_factory=lambda: Liveness(time.monotonic()))  # what the hang watchdog judges
     relay_failing: bool = False
     last_step: int | None = None  # the step of the last StepMetrics relayed
     checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
@@ -70,6 +69,11 @@ class RankProcess:
     @property
     def key(self) -> str:
         return f"{self.allocation_id}/{self.rank}"
+
+    @property
+    def progressed(self) -> bool:
+        """It wrote at least one event to its spool."""
+        return self.liveness.reported
 
     @property
     def running(self) -> bool:
@@ -99,7 +103,7 @@ class RankProcess:
             spool=SpoolReader(entry["spool"], int(entry.get("offset", 0))), traceparent=entry.get("traceparent"),
             exit_file=Path(entry.get("exitFile", "")), device_index=int(entry.get("deviceIndex", 0)),
             pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
-            progressed=bool(entry.get("progressed", False)),
+            liveness=Liveness(time.monotonic(), reported=bool(entry.get("progressed", False))),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
             code_archive=entry.get("codeArchive"),
         )
@@ -269,7 +273,8 @@ def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def spool_size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """The size of a spool or log file (0 when it does not exist yet)."""
     try:
         return path.stat().st_size
     except OSError:

@@ -68,11 +68,13 @@ class NodeAgentSettings(ServiceSettings):
     hang_timeout_s: float = Field(
         default=300.0, gt=0,
         description="an attempt whose rank here wrote no event (StepMetrics, ShardWritten) for this long is "
-                    "hung: all its ranks on this node are killed and reported with reason 'hang'",
+                    "hung: all its ranks on this node are killed and reported with reason 'hang'; for user code "
+                    "(spec.code) output to the rank's log counts as progress too",
     )
     first_step_timeout_s: float = Field(
         default=900.0, gt=0,
-        description="the same, before a rank's first event (start-up, rendezvous and restore take longer)",
+        description="the same, before a rank's first event (start-up, rendezvous and restore take longer); "
+                    "a plain script of user code that never reports must print at least this often",
     )
     lease_check_s: float = Field(
         default=5.0, gt=0,
