@@ -12,6 +12,7 @@ step 0.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -105,6 +106,12 @@ def _local_spec(path: str | None) -> tuple[TrainingSpec, Path]:
         raise ConfigError(f"local mode: {spec_path} is not a valid trainyard spec: {exc}") from exc
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def local_settings(*, spec: TrainingSpec | str | None = None, root: Path | str | None = None,
                       environ: Mapping[str, str] | None = None) -> RankSettings:
     """Settings and an allocation file for a world of one, as a node agent would write them.
@@ -127,7 +134,7 @@ def local_settings(*, spec: TrainingSpec | str | None = None, root: Path | str |
     allocation_file = attempt_dir / "allocation.json"
     allocation_file.write_bytes(allocation.to_bytes())
     return RankSettings(
-        rank=0, world_size=1, master_port=29500, job_id=job_id, tenant="local", attempt=1, epoch=1,
+        rank=0, world_size=1, master_port=_free_port(), job_id=job_id, tenant="local", attempt=1, epoch=1,
         allocation_id=allocation.allocation_id, artifact_root=artifact_root, allocation_file=allocation_file,
         events_file=attempt_dir / "events.rank0.jsonl", log_level=environ.get("TRAINYARD_LOG_LEVEL", "INFO"),
     )

@@ -138,8 +138,7 @@ class Run:
         runtime = select_runtime(settings)
         training = allocation.spec.training
         configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic)
-        if not local:
-            init_distributed(settings, runtime)
+        init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
         try:
             ctx = open_context(settings.rank, settings.world_size)
             spool = SpoolWriter(settings.events_file)
@@ -437,7 +436,8 @@ class Run:
 
     def close(self) -> None:
         """Abandon a pending save (it never gets its final name), close the spool, leave the process
-        group. Idempotent; does not wait (leaving a ``with`` block without an error does)."""
+        group (a run opened by :func:`init` keeps it until the process exits). Idempotent; does not
+        wait (leaving a ``with`` block without an error does)."""
         if self._closed:
             return
         self._closed = True
@@ -446,7 +446,11 @@ class Run:
         self.checkpointer.close()
         self._closers.close()
         self.spool.close()
-        shutdown_distributed()
+        if not self.exit_on_error:
+            shutdown_distributed()
+        # A script's run (``init``) leaves the process group up until the process exits: the script's
+        # DDP model still holds it, and freeing a Reducer after its group was destroyed can deadlock
+        # in gloo's destructor.
 
     def finish(self, exc: BaseException | None = None) -> int:
         """End the run: on success wait until the last save is durable; the exit code for how it
@@ -476,8 +480,8 @@ class Run:
         if self.exit_on_error:
             shutdown_tracing()
             if code != exitcodes.OK:
-                raise SystemExit(code)
-        return exc is None or not self.exit_on_error
+                raise SystemExit(code) from None  # the error is logged (and in the exit note), not a traceback twice
+        return False
 
 
 def conclude(settings: RankSettings, end: RankEnd, exc: BaseException | None) -> int:
