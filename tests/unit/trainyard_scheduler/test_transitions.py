@@ -608,3 +608,38 @@ def test_the_wait_for_a_settling_checkpoint_is_bounded_and_can_be_turned_off() -
     assert tr.checkpoint_settling(job, records, recorded, now=at(115), settle_s=15) is None
     assert tr.checkpoint_settling(job, records, recorded, now=at(101), settle_s=0) is None
     assert tr.checkpoint_settling(admitted(new_job()), records, recorded, now=at(1), settle_s=15) is None  # running
+
+
+# ----------------------------------------------------------------------------- user code: success without a final checkpoint
+
+
+def code_job() -> JobRecord:
+    from trainyard_common.spec import Code
+
+    spec = SPEC.model_copy(update={"code": Code(archive="sha256:" + "a" * 64, entrypoint=["python", "train.py"])})
+    return JobRecord(job_id="j1", tenant="t1", spec=spec, spec_hash=spec.spec_hash(), created_at=T0)
+
+
+def exit_all(job: JobRecord, *, saved: int | None) -> tr.Outcome:
+    outcome = tr.worker_exited(job, exited(job, 0).model_copy(update={"saved_step": saved}),
+                               final_ready=False, policy=POLICY, now=at(5))
+    return tr.worker_exited(outcome.job, exited(outcome.job, 1).model_copy(update={"saved_step": saved}),
+                            final_ready=False, policy=POLICY, now=at(5))
+
+
+def test_a_script_that_saved_no_final_checkpoint_succeeds_when_every_rank_exits_0() -> None:
+    outcome = exit_all(running(admitted(code_job())), saved=None)
+    assert outcome.job.state == "succeeded" and states(outcome) == ["succeeded"]
+    assert outcome.job.current is not None and not outcome.job.current.final_saved
+
+
+def test_a_script_that_saved_its_last_step_succeeds_only_once_that_checkpoint_is_ready() -> None:
+    outcome = exit_all(running(admitted(code_job())), saved=SPEC.training.max_steps)
+    assert outcome.job.state == "running" and outcome.job.current.final_saved  # type: ignore[union-attr]
+    done = tr.checkpoint_ready(outcome.job, global_step=SPEC.training.max_steps, now=at(6))
+    assert done.job.state == "succeeded"
+
+
+def test_the_built_in_trainer_still_needs_its_final_checkpoint() -> None:
+    outcome = exit_all(running(admitted(new_job())), saved=None)
+    assert outcome.job.state == "running"  # waits for the READY checkpoint at maxSteps

@@ -307,6 +307,10 @@ class WorkerExited(Event):
     global_step: int | None = Field(
         default=None, description="the last global step the rank completed (or failed at, for nan), when known"
     )
+    saved_step: int | None = Field(
+        default=None, description="the last global step this rank reported a checkpoint shard of in this attempt "
+                                  "(relayed before this exit); None: it reported none",
+    )
 
 
 class AttemptEnded(Event):
@@ -434,6 +438,10 @@ class StepMetrics(Event):
     collective_seconds: float = 0.0
     data_wait_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    metrics: dict[str, float] = Field(
+        default={}, max_length=64, description="the training script's own numbers for this step (grad norm, "
+                                               "accuracy, …), as it reported them (`run.report(step, loss=…, **metrics)`)",
+    )
 
 
 # ----------------------------------------------------------------------------- datasets

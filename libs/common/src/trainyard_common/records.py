@@ -65,6 +65,10 @@ class AttemptRecord(Record):
     republished: int = Field(default=0, description="times GangAllocated was published again (ranks not started)")
     republished_at: datetime | None = None
     nan_step: int | None = Field(default=None, description="global step of a NaN failure, when known")
+    final_saved: bool = Field(
+        default=False, description="a rank reported its shard of the checkpoint at maxSteps (user code: success "
+                                   "then waits for it to be READY; without one, every rank exiting 0 is success)",
+    )
     ready_step_at_end: int | None = Field(
         default=None, description="latest READY step when the attempt ended (progress = newer than its start)"
     )

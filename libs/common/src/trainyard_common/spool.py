@@ -29,7 +29,10 @@ class SpoolWriter:
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._fsync = fsync
 
-    def write(self, event: Event, *, traceparent: str | None = None) -> None:
+    def write(self, event: Event, *, traceparent: str | None = None, durable: bool = True) -> None:
+        """Append ``event``. The line reaches the OS at once, so a crash of the rank loses nothing;
+        ``durable`` (and the writer's ``fsync``) also fsyncs it, so a crash of the host loses
+        nothing either — for checkpoint reports; per-step metrics skip it (``durable=False``)."""
         line = json.dumps(
             {
                 "topic": event.topic,
@@ -41,7 +44,7 @@ class SpoolWriter:
         )
         self._fh.write(line + "\n")
         self._fh.flush()
-        if self._fsync:
+        if self._fsync and durable:
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:

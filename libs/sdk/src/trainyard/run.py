@@ -389,7 +389,7 @@ class Run:
         ``tokens`` / ``samples``: what the whole job consumed in this step (default: the spec's
         global batch). Timing is the window since the previous report (``run.timing``, plus the
         SDK's checkpoint stalls). ``metrics``: your own numbers, logged and appended to
-        ``metrics/rank<r>.jsonl`` in the attempt directory. A non-finite loss raises
+        ``metrics/rank<r>.jsonl`` in the attempt directory, and carried in the event. A non-finite loss raises
         NonFiniteError (exit 3, the exit note names ``step``)."""
         if not math.isfinite(loss):
             self.end.global_step = self._nan_at = step
@@ -413,8 +413,10 @@ class Run:
             tokens_per_second=tokens_per_second, mfu=step_mfu, step_seconds=seconds,
             compute_seconds=times.compute, collective_seconds=times.collective,
             data_wait_seconds=times.data_wait, checkpoint_seconds=times.checkpoint,
+            metrics=_finite_numbers(metrics),
         )
-        self.spool.write(event, traceparent=current_traceparent())
+        # A step's metrics need not survive a host crash (the next step's replace them): no fsync.
+        self.spool.write(event, traceparent=current_traceparent(), durable=False)
         if metrics:
             self._write_metrics(step, metrics)
         if log.isEnabledFor(logging.INFO):
@@ -565,3 +567,16 @@ def init(*, local: bool | None = None, spec: TrainingSpec | str | None = None,
     if local:
         log.info("local mode: a world of one; artifacts under %s", settings.artifact_root)
     return run
+
+
+def _finite_numbers(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The user's metrics as the event carries them: finite floats (a NaN accuracy is left out, not an error)."""
+    out: dict[str, float] = {}
+    for name, value in list(metrics.items())[:64]:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"run.report({name}=…): a metric must be a number, not {type(value).__name__}") from None
+        if math.isfinite(number):
+            out[str(name)[:128]] = number
+    return out

@@ -3,6 +3,8 @@ environment is (the rank contract of trainyard_trainer). No I/O here."""
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,10 +86,15 @@ def rank_env(
     code_env: Mapping[str, str] | None = None,
     code_dir: Path | None = None,
     scratch_dir: Path | None = None,
+    interpreter_dir: Path | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
-    then the contract, which wins (the spec already refuses a code.env that names its variables)."""
+    then the contract, which wins (the spec already refuses a code.env that names its variables).
+
+    ``interpreter_dir`` (user code): put first on PATH, so the entrypoint's ``python`` (or
+    ``torchrun``) is the node's training environment — torch and the SDK — not whatever the host
+    calls python."""
     env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
     env.update(extra or {})
     env.update(code_env or {})
@@ -118,6 +125,8 @@ def rank_env(
         env["TRAINYARD_CODE_DIR"] = str(code_dir)
     if scratch_dir is not None:
         env["TRAINYARD_SCRATCH_DIR"] = str(scratch_dir)
+    if interpreter_dir is not None:
+        env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
     if traceparent:
         env["TRACEPARENT"] = traceparent
     if cpu_threads is not None:

@@ -44,6 +44,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -530,6 +531,7 @@ class NodeAgent:
             code_env=code.env if code is not None else None,
             code_dir=paths.code_dir if paths is not None else None,
             scratch_dir=paths.scratch if paths is not None else None,
+            interpreter_dir=Path(sys.executable).parent if code is not None else None,
         )
         try:
             if code is not None and paths is not None:
@@ -713,6 +715,9 @@ class NodeAgent:
         if topic == METRICS and payload.get("eventType") == "StepMetrics" and isinstance(payload.get("step"), int):
             rank.last_step = payload["step"]
         await self.runtime.bus.publish_raw_traced(topic, body.encode(), key=record.get("key"), traceparent=traceparent)
+        if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and isinstance(
+                payload.get("globalStep"), int):
+            rank.saved_step = max(rank.saved_step or 0, payload["globalStep"])
         if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and "eventId" in payload:
             await self._remember(Announcement(
                 event_id=str(payload["eventId"]), kind="shard", topic=topic, key=str(record.get("key") or rank.job_id),
@@ -744,7 +749,7 @@ class NodeAgent:
         event = WorkerExited(
             job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id, epoch=rank.epoch,
             node_id=self.settings.node_id, rank=rank.rank, exit_code=code, reason=reason, detail=detail,
-            global_step=last_step_of(rank),
+            global_step=last_step_of(rank), saved_step=rank.saved_step,
         )
         delay = 0.2
         while True:

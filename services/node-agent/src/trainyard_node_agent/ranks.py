@@ -61,6 +61,7 @@ class RankProcess:
     liveness: Liveness = field(default_factory=lambda: Liveness(time.monotonic()))  # what the hang watchdog judges
     relay_failing: bool = False
     last_step: int | None = None  # the step of the last StepMetrics relayed
+    saved_step: int | None = None  # the step of the last ShardWritten relayed
     checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
@@ -90,7 +91,7 @@ class RankProcess:
             "pid": self.pid, "pgid": self.pgid, "startTicks": self.start_ticks,
             "spool": str(self.spool.path), "offset": self.spool.offset, "log": str(self.log_path),
             "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
-            "progressed": self.progressed, "lastStep": self.last_step,
+            "progressed": self.progressed, "lastStep": self.last_step, "savedStep": self.saved_step,
             **({"codeArchive": self.code_archive} if self.code_archive else {}),
         }
 
@@ -105,6 +106,7 @@ class RankProcess:
             pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
             liveness=Liveness(time.monotonic(), reported=bool(entry.get("progressed", False))),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
+            saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
             code_archive=entry.get("codeArchive"),
         )
 

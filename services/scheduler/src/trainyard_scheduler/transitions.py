@@ -499,6 +499,8 @@ def worker_exited(
     new = job.model_copy(deep=True)
     attempt = new.attempts[-1]
     attempt.exited_ranks = {**attempt.exited_ranks, key: event.exit_code}
+    if event.saved_step is not None and is_final_step(job, event.saved_step):
+        attempt.final_saved = True
     new.updated_at = now
     if not is_live(current) or job.state in TERMINAL_STATES:
         return Outcome(new, note="exit recorded for an ended attempt")
@@ -529,9 +531,20 @@ def worker_exited(
     attempt.ended_at = now
     attempt.ready_step_at_end = latest_ready_step
     events: list[Event] = []
-    if final_ready:
+    if final_ready or not needs_final_checkpoint(new):
         _set_state(new, "succeeded", events, reason=None)
     return Outcome(new, events, release=attempt, note=f"attempt {attempt.attempt} completed")
+
+
+def needs_final_checkpoint(job: JobRecord) -> bool:
+    """Whether success waits for a READY checkpoint at ``maxSteps`` once every rank exited 0.
+
+    The built-in trainer always saves the last step, so it does. User code (``spec.code``) does
+    when one of its ranks reported a shard of that step (the SDK saves the last step too); a
+    script that saved no final checkpoint (one without the SDK) succeeds on its exit codes alone.
+    """
+    current = job.current
+    return job.spec.code is None or (current is not None and current.final_saved)
 
 
 def _ranks_stopping(new: JobRecord, event: WorkerExited, latest_ready_step: int | None, now: datetime) -> Outcome:
@@ -701,7 +714,7 @@ def check_attempt(
                                  latest_ready_step=latest_ready_step, blame=blame)
         return _maybe_republish(job, deadlines, now)
     if current.state == "succeeded" and job.state == "running":
-        if final_ready:
+        if final_ready or not needs_final_checkpoint(job):
             new = job.model_copy(deep=True)
             new.updated_at = now
             events: list[Event] = []
