@@ -46,6 +46,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight  # weight tying
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        """GPT-2's initialisation: small normal weights, so the first loss is about ln(vocabulary)."""
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))

@@ -97,9 +97,9 @@ def wait_for(client: httpx.Client, job_id: str, what: str, probe: Any, timeout_s
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
         last = job(client, job_id)
-        if (found := probe(last)) is not None and found is not False:
+        if found := probe(last):
             return found
-        if last["state"] in TERMINAL and not probe(last):
+        if last["state"] in TERMINAL:
             break
         time.sleep(0.5)
     raise AssertionError(f"{job_id}: no {what}; last: {json.dumps(last)[:3000]}")
@@ -238,3 +238,37 @@ def test_a_paused_sdk_job_resumes_from_its_pause_checkpoint(
     assert j["attempts"][1]["startCheckpoint"]["globalStep"] == saved
     assert f"at step {saved}" in rank_log(stack, j, 2, 0)  # the SDK's restore says from what it resumed
     assert ready_steps(j)[-1] == 400
+
+
+# --------------------------------------------------------------------------- bad code: a clear reason, nothing retried in vain
+
+
+def test_broken_scripts_fail_with_the_scripts_own_last_error_line(
+        stack: LocalStack, client: httpx.Client, tmp_path: Path) -> None:
+    """An import error fails the job at once (config, not retried); an exception mid-run fails it with
+    the exception's last line once the retry budget is spent."""
+    spec = yaml.safe_load((EXAMPLES / "torchrun-plain" / "spec.yaml").read_text())
+    scripts = {
+        "import-error": "import torch\nimport definitely_not_installed\n",
+        "raises": "print('step 1', flush=True)\nraise RuntimeError('loss exploded at step 3 (user check)')\n",
+    }
+    jobs = {}
+    for name, source in scripts.items():
+        project = tmp_path / name
+        project.mkdir()
+        (project / "train.py").write_text(source)
+        spec_file = tmp_path / f"{name}.yaml"
+        spec_file.write_text(yaml.safe_dump({**spec, "name": name}))
+        done = trainyard(stack, "submit", str(spec_file), "--code", str(project))
+        assert done.returncode == 0, done.stdout + done.stderr
+        jobs[name] = done.stdout.split()[1]
+
+    broken = finished(client, jobs["import-error"])
+    assert broken["state"] == "failed" and len(broken["attempts"]) == 1, json.dumps(broken)[:2000]
+    assert broken["reason"].startswith("config: ") and "ModuleNotFoundError" in broken["reason"], broken["reason"]
+    assert "not retryable" in broken["reason"]
+
+    raising = finished(client, jobs["raises"])
+    assert raising["state"] == "failed", json.dumps(raising)[:2000]
+    assert len(raising["attempts"]) == raising["maxAttempts"]  # retried: a mid-run error may be transient
+    assert "RuntimeError: loss exploded at step 3 (user check)" in raising["reason"], raising["reason"]

@@ -129,6 +129,6 @@ def test_async_saves_hold_back_only_the_optimizer_step(tmp_path: Path) -> None:
         assert r.finish() == exitcodes.OK
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(r.layout.checkpoint_dir("local", "local", 1, 1), tmp_path / "whole.pt")
+    dcp_to_torch_save(r.layout.checkpoint_dir("local", r.job_id, 1, 1), tmp_path / "whole.pt")
     saved = torch.load(tmp_path / "whole.pt", weights_only=False)["model"]["weight"]
     assert torch.equal(saved, before) and not torch.equal(before, model.weight)  # the state of step 1, not 2

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def local_settings(*, spec: TrainingSpec | str | None = None, root: Path | str |
     else:
         parsed, _ = _local_spec(spec or environ.get(LOCAL_SPEC_ENV))
     artifact_root = Path(root or environ.get("TRAINYARD_ARTIFACT_ROOT") or tempfile.mkdtemp(prefix="trainyard-local-"))
-    job_id = environ.get("TRAINYARD_JOB_ID", "local")
+    # a run of its own each time (checkpoint directories are never reused), unless the caller names one
+    job_id = environ.get("TRAINYARD_JOB_ID") or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     attempt_dir = ArtifactLayout(artifact_root).attempt_dir("local", job_id, 1)
     attempt_dir.mkdir(parents=True, exist_ok=True)
     allocation = GangAllocated(
