@@ -148,6 +148,18 @@ def rank_pids(stack: LocalStack, job_id: str, attempt: int) -> dict[int, int]:
     return found
 
 
+def model_artifact(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any] | None:
+    """The job's ``model`` artifact, once the registry recorded it (it follows the job's success)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        arts = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+        arts = arts.get("artifacts", arts) if isinstance(arts, dict) else arts
+        model = next((a for a in arts if a["type"] == "model"), None)
+        if model is not None or time.monotonic() >= deadline:
+            return model
+        time.sleep(0.5)
+
+
 def git_head() -> str | None:
     done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else None
@@ -179,9 +191,10 @@ def test_each_example_runs_to_success_with_its_code_pinned_and_in_the_lineage(
 
     # lineage: the final model of the Llama job names the code archive and the commit it was packed from
     j = done["hf-llama"]
-    arts = client.get("/v1/registry/artifacts", params={"jobId": j["jobId"]}).raise_for_status().json()
-    arts = arts.get("artifacts", arts) if isinstance(arts, dict) else arts
-    model = next(a for a in arts if a["type"] == "model")
+    model = model_artifact(client, j["jobId"])
+    assert model is not None, "the hf-llama job's model artifact was never recorded"
+    # the plain script saved no final checkpoint: it has no model, and its success held nothing up
+    assert model_artifact(client, plain["jobId"], timeout_s=0) is None
     lineage = model["lineage"]
     assert lineage["codeArchive"] == j["spec"]["code"]["archive"]
     head = git_head()

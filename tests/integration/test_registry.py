@@ -150,6 +150,34 @@ async def test_job_success_before_ready_checkpoint_still_yields_a_model_artifact
     assert len(await stack.store.list_artifacts(job_id)) == 2
 
 
+async def test_a_script_that_saved_no_final_checkpoint_succeeds_without_a_model_and_holds_nothing_up(
+    stack: Stack, bus_log: _Messages
+) -> None:
+    """User code without the SDK saves no checkpoint: its success has no model to wait for, and
+    waiting for one anyway would hold every later success on that partition behind its retries."""
+    from trainyard_common.spec import Code
+
+    spec = TrainingSpec.model_validate(SPEC).model_copy(
+        update={"code": Code(archive="sha256:" + "c" * 64, entrypoint=["python", "train.py"])})
+    plain = "job-plain-script"
+    await stack.store.create_job(JobRecord(
+        job_id=plain, tenant=TENANT, spec=spec, spec_hash=spec.spec_hash(), state="succeeded",
+        attempts=[AttemptRecord(attempt=1, allocation_id=f"{plain}-alloc-1", epoch=1, world_size=2,
+                                state="succeeded", final_saved=False)]))
+    await publish(stack, ev.JobStateChanged(job_id=plain, tenant=TENANT, state="succeeded", attempt=1))
+
+    # a job with a final checkpoint, succeeding right after on the same topic, still gets its model
+    job_id = "job-after-plain"
+    epoch, _ = await resumed_job(stack, job_id)
+    await publish(stack, *shard_events(job_id, 40, write_shards(stack, job_id, 40, attempt=2), epoch=epoch,
+                                       attempt=2))
+    await wait_for(lambda: stack.settled(job_id, 40, attempt=2), what="READY checkpoint")
+    await publish(stack, ev.JobStateChanged(job_id=job_id, tenant=TENANT, state="succeeded", attempt=2))
+    await wait_for(lambda: _both(stack, job_id), what="the model artifact of the job after the plain script")
+    assert await stack.store.list_artifacts(plain) == []
+    assert not any(plain in m and "no READY checkpoint yet" in m for m in bus_log.messages)
+
+
 async def _both(stack: Stack, job_id: str) -> list[Any] | None:
     artifacts = await stack.store.list_artifacts(job_id)
     return artifacts if {a.type for a in artifacts} == {"checkpoint", "model"} else None

@@ -105,6 +105,17 @@ class JobRecord(Record):
         return self.attempts[-1] if self.attempts else None
 
 
+def expects_final_checkpoint(job: JobRecord) -> bool:
+    """Whether the job's success comes with a READY checkpoint at ``maxSteps`` (its final model).
+
+    The built-in trainer always saves the last step. User code (``spec.code``) does when one of its
+    ranks reported a shard of that step in the attempt that completed (the SDK saves the last step
+    too); a script that saved none (one without the SDK) succeeds on its exit codes alone, and has
+    no final model."""
+    current = job.current
+    return job.spec.code is None or (current is not None and current.final_saved)
+
+
 class Progress(Record):
     attempt: int | None = None
     global_step: int = 0

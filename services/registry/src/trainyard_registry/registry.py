@@ -41,7 +41,14 @@ from trainyard_common.events import (
     JobStateChanged,
     utcnow,
 )
-from trainyard_common.records import ArtifactRecord, CheckpointRecord, DatasetRecord, JobRecord, checkpoint_id
+from trainyard_common.records import (
+    ArtifactRecord,
+    CheckpointRecord,
+    DatasetRecord,
+    JobRecord,
+    checkpoint_id,
+    expects_final_checkpoint,
+)
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
 from trainyard_common.store import Keys, StateStore
@@ -202,6 +209,11 @@ class Registry:
             return
         _annotate(event.job_id)
         job = await self._job(str(event.event_id), event.job_id)
+        if not expects_final_checkpoint(job):  # user code that saved no final checkpoint: nothing to wait for
+            log.info("job %s succeeded without a final checkpoint (its code saved none): no model artifact",
+                     event.job_id)
+            self._tries.done(str(event.event_id))
+            return
         latest = await self.store.latest_ready_checkpoint(event.job_id)
         if latest is None:
             raise self._tries.missing(

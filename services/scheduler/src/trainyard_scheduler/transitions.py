@@ -69,7 +69,7 @@ from trainyard_common.events import (
     WorkerStarted,
 )
 from trainyard_common.exitcodes import RETRYABLE_REASONS
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord
+from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, expects_final_checkpoint
 
 from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
@@ -537,14 +537,9 @@ def worker_exited(
 
 
 def needs_final_checkpoint(job: JobRecord) -> bool:
-    """Whether success waits for a READY checkpoint at ``maxSteps`` once every rank exited 0.
-
-    The built-in trainer always saves the last step, so it does. User code (``spec.code``) does
-    when one of its ranks reported a shard of that step (the SDK saves the last step too); a
-    script that saved no final checkpoint (one without the SDK) succeeds on its exit codes alone.
-    """
-    current = job.current
-    return job.spec.code is None or (current is not None and current.final_saved)
+    """Whether success waits for a READY checkpoint at ``maxSteps`` once every rank exited 0
+    (:func:`trainyard_common.records.expects_final_checkpoint`)."""
+    return expects_final_checkpoint(job)
 
 
 def _ranks_stopping(new: JobRecord, event: WorkerExited, latest_ready_step: int | None, now: datetime) -> Outcome:
