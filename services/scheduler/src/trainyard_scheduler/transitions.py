@@ -531,15 +531,9 @@ def worker_exited(
     attempt.ended_at = now
     attempt.ready_step_at_end = latest_ready_step
     events: list[Event] = []
-    if final_ready or not needs_final_checkpoint(new):
+    if final_ready or not expects_final_checkpoint(new):
         _set_state(new, "succeeded", events, reason=None)
     return Outcome(new, events, release=attempt, note=f"attempt {attempt.attempt} completed")
-
-
-def needs_final_checkpoint(job: JobRecord) -> bool:
-    """Whether success waits for a READY checkpoint at ``maxSteps`` once every rank exited 0
-    (:func:`trainyard_common.records.expects_final_checkpoint`)."""
-    return expects_final_checkpoint(job)
 
 
 def _ranks_stopping(new: JobRecord, event: WorkerExited, latest_ready_step: int | None, now: datetime) -> Outcome:
@@ -709,7 +703,7 @@ def check_attempt(
                                  latest_ready_step=latest_ready_step, blame=blame)
         return _maybe_republish(job, deadlines, now)
     if current.state == "succeeded" and job.state == "running":
-        if final_ready or not needs_final_checkpoint(job):
+        if final_ready or not expects_final_checkpoint(job):
             new = job.model_copy(deep=True)
             new.updated_at = now
             events: list[Event] = []
