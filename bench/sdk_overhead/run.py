@@ -6,8 +6,9 @@ thread each), run in the same invocation, alternating:
 - **plain**: ``torch.distributed`` only: random windows read from the dataset's memory-mapped
   shards, and a hand-written checkpoint (rank 0 ``torch.save`` of model + optimizer, fsync, barrier);
 - **sdk**: the same loop with ``trainyard.init()``, ``run.data_loader()``, ``run.restore``,
-  ``run.timing`` around data/compute/collective, ``run.report`` (a StepMetrics fsynced to the spool
-  every step), ``run.checkpoint`` every step (the cross-rank agreement; async DCP saves, ShardWritten)
+  ``run.timing`` around data/compute/collective, ``run.report`` (a StepMetrics appended to the spool
+  every step), ``run.checkpoint`` every step (the pipelined cross-rank agreement; async DCP saves,
+  ShardWritten)
   and ``run.should_stop``, launched with the node agent's rank environment.
 
 Two figures, each the best of REPEATS (interference only ever slows a run down):
@@ -18,7 +19,7 @@ Two figures, each the best of REPEATS (interference only ever slows a run down):
   (plain: the ``torch.save`` + barrier; sdk: the ``checkpoint_seconds`` its StepMetrics report,
   including the optimizer step's wait for the background copy): ``sdk / plain`` (lower is better).
 
-    python bench/sdk_overhead/run.py [--steps 20] [--repeats 2] [--out results.json]
+    python bench/sdk_overhead/run.py [--steps 40] [--repeats 3] [--out results.json]
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def steady_tokens_per_second(ends: list[float], tokens_per_step: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--rank-of", choices=["plain", "sdk"], default=None, help=argparse.SUPPRESS)
@@ -260,7 +261,7 @@ def main() -> None:
     per_step_ms = (tokens / sdk_tps - tokens / plain_tps) * 1e3
     results["sdk_cost_ms_per_step"] = per_step_ms
     print(f"  step time: plain {tokens / plain_tps * 1e3:.1f} ms, sdk {tokens / sdk_tps * 1e3:.1f} ms "
-          f"({per_step_ms:+.2f} ms per step: the StepMetrics fsync, the boundary all-reduce, timing)")
+          f"({per_step_ms:+.2f} ms per step: the StepMetrics spool line, the boundary agreement, timing)")
     print(f"RATIO sdk/plain tokens/s = {results['ratio_tokens_per_second']:.3f}   (target >= 0.98)")
     if results["ratio_checkpoint_stall"] is not None:
         print(f"RATIO sdk/plain checkpoint stall = {results['ratio_checkpoint_stall']:.3f}   (lower is better)")

@@ -6,7 +6,7 @@ accumulation = global), the same optimizer, schedule and gradient clipping, trai
 - by a minimal loop (:func:`baseline_rank`): random windows read straight from the dataset's
   memory-mapped shards, DDP with ``no_sync`` micro steps, AdamW, ``clip_grad_norm_``, LambdaLR;
 - by ``python -m trainyard_trainer`` ranks, launched with the node agent's environment contract:
-  the global sampler, shard verification, the run record, StepMetrics fsynced to the spool
+  the global sampler, shard verification, the run record, StepMetrics appended to the spool
   every step, the loss all-reduce, timing, an async checkpoint at the end;
 
 on 1 rank and on 2-rank DDP (gloo, CPU, one thread per rank), in the same run, alternating.
@@ -15,7 +15,7 @@ WARMUP steps and the final step, which waits for its checkpoint, are left out); 
 configuration is the best of REPEATS runs (as timeit does: interference only ever slows a run
 down). Target: trainer / baseline >= 0.97.
 
-    python bench/trainer_overhead/run.py [--steps 20] [--repeats 2] [--device cpu|cuda]
+    python bench/trainer_overhead/run.py [--steps 60] [--repeats 4] [--device cpu|cuda]
 
 ``--device cuda`` runs the same comparison on GPUs (nccl, bf16 autocast): see bench/gpu/run.sh.
 """
@@ -194,8 +194,8 @@ def steady_tokens_per_second(ends: list[float], tokens_per_step: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--worlds", default="1,2", help="rank counts to compare, e.g. 1,2 or 1,8")
     parser.add_argument("--model-json", type=json.loads, default=None, help=argparse.SUPPRESS)

@@ -186,13 +186,13 @@ def test_a_pause_exits_7_at_a_saved_step_and_resumes_bitwise(root: Path,
     request = ArtifactLayout(root).attempt_dir(TENANT, "job-p", 1) / "checkpoint-request.json"
     atomic_write_bytes(request, json.dumps({"allocationId": "alloc-1", "epoch": 1, "reason": "pause"}).encode())
 
-    paused = launch(root, "job-p", 1)
+    paused = launch(root, "job-p", 1)  # seen at step 1's boundary, agreed (and saved) at step 2's
     assert paused.codes == [exitcodes.PREEMPTED] * WORLD, "\n".join(paused.logs)
-    assert [(n["reason"], n["globalStep"]) for n in exit_notes(root, "job-p", 1)] == [("preempted", 1)] * WORLD
-    assert [s.global_step for s in shards_of(paused, 1)] == [1, 1]
-    assert max(m.step for m in paused.of(StepMetrics)) == 1
+    assert [(n["reason"], n["globalStep"]) for n in exit_notes(root, "job-p", 1)] == [("preempted", 2)] * WORLD
+    assert [s.global_step for s in shards_of(paused, 2)] == [2, 2]
+    assert max(m.step for m in paused.of(StepMetrics)) == 2
 
-    resumed = launch(root, "job-p", 2, start=ref_for(write_manifest(shards_of(paused, 1))))
+    resumed = launch(root, "job-p", 2, start=ref_for(write_manifest(shards_of(paused, 2))))
     assert resumed.codes == [0] * WORLD, "\n".join(resumed.logs)
     assert_bitwise_equal(final_state(root, "job-p", 2, tmp_path), whole)
 

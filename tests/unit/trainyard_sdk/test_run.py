@@ -85,10 +85,12 @@ def test_a_request_stops_at_a_saved_step_and_exits_preempted(run: Run, tmp_path:
     run.restore(state)
     run.request.request_file.write_text(json.dumps({"allocationId": run.settings.allocation_id, "epoch": 1}))
     run.report(1, loss=1.0)
-    assert run.checkpoint(1, state) is True and run.should_stop()
+    assert run.checkpoint(1, state) is False and not run.should_stop()  # seen here, agreed at the next boundary
+    run.report(2, loss=1.0)
+    assert run.checkpoint(2, state) is True and run.should_stop()
     assert run.finish() == exitcodes.PREEMPTED
     note = json.loads((tmp_path / "note.json").read_text())
-    assert (note["exitCode"], note["reason"], note["globalStep"]) == (7, "preempted", 1)
+    assert (note["exitCode"], note["reason"], note["globalStep"]) == (7, "preempted", 2)
 
 
 def test_a_non_finite_loss_names_its_step(run: Run, tmp_path: Path) -> None:

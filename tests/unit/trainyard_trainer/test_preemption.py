@@ -20,6 +20,7 @@ from trainyard_trainer.exits import RankEnd, exit_code_for
 from trainyard_trainer.preemption import (
     StepPlan,
     StoppedOnRequest,
+    Boundary,
     agreed,
     boundary_flags,
     plan_boundary,
@@ -37,25 +38,35 @@ def all_reduce_max(*ranks: list[int]) -> list[int]:
 
 
 def test_one_ranks_request_is_every_ranks_request() -> None:
-    asked = boundary_flags(due=False, requested=True, pending=False, not_done=False, failed=False)
-    quiet = boundary_flags(due=False, requested=False, pending=False, not_done=False, failed=False)
+    asked = boundary_flags(due=False, requested=True, pending_save=0, done=False, failed=False)
+    quiet = boundary_flags(due=False, requested=False, pending_save=0, done=False, failed=False)
     b = agreed(all_reduce_max(quiet, asked, quiet))
-    assert b.requested and not b.due and b.save_done and not b.save_failed
+    assert b.requested and not b.due and b.done_save == 0 and b.failed_save == 0
 
 
 def test_a_pending_save_is_done_only_when_done_everywhere_and_failed_when_failed_anywhere() -> None:
-    done = boundary_flags(due=False, requested=False, pending=True, not_done=False, failed=False)
-    busy = boundary_flags(due=False, requested=False, pending=True, not_done=True, failed=False)
-    broken = boundary_flags(due=False, requested=False, pending=True, not_done=False, failed=True)
-    assert agreed(all_reduce_max(done, done)).save_done
-    assert not agreed(all_reduce_max(done, busy)).save_done
+    done = boundary_flags(due=False, requested=False, pending_save=3, done=True, failed=False)
+    busy = boundary_flags(due=False, requested=False, pending_save=3, done=False, failed=False)
+    broken = boundary_flags(due=False, requested=False, pending_save=3, done=True, failed=True)
+    assert agreed(all_reduce_max(done, done)).completes(3)
+    assert not agreed(all_reduce_max(done, busy)).completes(3)
+    assert not agreed(all_reduce_max(done, busy, broken)).completes(3)  # failed here, still writing there
     b = agreed(all_reduce_max(done, broken))
-    assert b.save_done and b.save_failed
+    assert b.completes(3) and b.failed(3)
+
+
+def test_a_late_answer_completes_only_the_save_it_was_sent_about() -> None:
+    b = agreed(all_reduce_max(boundary_flags(due=False, requested=False, pending_save=3, done=True, failed=True),
+                              boundary_flags(due=False, requested=False, pending_save=3, done=True, failed=False)))
+    assert b.completes(3) and b.failed(3)
+    assert not b.completes(4) and not b.failed(4)  # a newer save started since: not its answer
+    assert not b.completes(0)
 
 
 def test_no_pending_save_reports_nothing_about_it() -> None:
-    flags = boundary_flags(due=True, requested=False, pending=False, not_done=True, failed=True)
+    flags = boundary_flags(due=True, requested=False, pending_save=0, done=True, failed=True)
     assert flags == [1, 0, 0, 0]
+    assert agreed(flags) == Boundary(due=True, requested=False, done_save=0, failed_save=0)
 
 
 @pytest.mark.parametrize(("step", "due", "requested", "last_saved", "expected"), [

@@ -104,20 +104,25 @@ def test_non_finite_loss_stops_before_the_update(world_of_one: None) -> None:
     assert sched.last_epoch == 0 and not opt.state
 
 
-def test_time_based_checkpoints_are_agreed_at_the_step_boundary(world_of_one: None, tmp_path: Path) -> None:
+def test_time_based_checkpoints_are_agreed_one_boundary_late(world_of_one: None, tmp_path: Path) -> None:
     from trainyard_trainer.checkpoint import Checkpointer, CheckpointSchedule
     from trainyard_trainer.preemption import CheckpointRequest
-    from trainyard_trainer.training import Context, agree_at_boundary
+    from trainyard_trainer.training import BoundaryAgreement, Context
 
     ctx = Context(rank=0, world_size=1)
     checkpointer = Checkpointer(rank=0, mode="sync", barrier=lambda: None, agree=ctx.agree)
     request = CheckpointRequest(tmp_path / "none.json", allocation_id="a", epoch=1)
+    agreement = BoundaryAgreement(ctx)
     never = CheckpointSchedule(max_steps=10, every_minutes=1e6, last_save_at=float("inf"))
-    assert agree_at_boundary(ctx, never, checkpointer, request, 3).due is False
-    assert agree_at_boundary(ctx, never, checkpointer, request, 10).due is True  # maxSteps always saves
+    assert agreement.collect().due is False  # nothing was sent before the first boundary
+    agreement.send(never, checkpointer, request)
+    assert agreement.collect().due is False
+    assert never.due_by_step(10) and not never.due_by_step(3)  # maxSteps always saves, decided at once
     overdue = CheckpointSchedule(max_steps=10, every_minutes=0.001, last_save_at=0.0)
-    boundary = agree_at_boundary(ctx, overdue, checkpointer, request, 3)
-    assert boundary.due is True and boundary.requested is False and boundary.save_done is True
+    agreement.send(overdue, checkpointer, request)
+    boundary = agreement.collect()
+    assert boundary.due is True and boundary.requested is False and boundary.done_save == 0
+    assert agreement.collect().due is False  # an answer is used once
 
 
 def test_dropout_follows_the_micro_batch_seeds_not_the_rank_stream(world_of_one: None) -> None:

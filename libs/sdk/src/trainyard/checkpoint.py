@@ -77,8 +77,8 @@ class SavedShard:
 class CheckpointSchedule:
     """``everySteps`` or ``everyMinutes``, and always at ``maxSteps``. Pure; the clock is passed in.
 
-    With ``everyMinutes`` the ranks' clocks disagree, so the caller must agree on rank 0's
-    answer (see ``train``): :meth:`due` is asked on rank 0 and broadcast.
+    :meth:`due_by_step` is the same on every rank; :meth:`due_by_clock` is not (the ranks' clocks
+    disagree), so the ranks agree on it at the step boundary (any rank's clock makes everyone save).
     """
 
     max_steps: int
@@ -91,13 +91,16 @@ class CheckpointSchedule:
         return self.every_minutes is not None
 
     def due(self, step: int, now: float) -> bool:
-        if step >= self.max_steps:
-            return True
-        if self.every_steps is not None:
-            return step % self.every_steps == 0
-        if self.every_minutes is not None:
-            return now - self.last_save_at >= self.every_minutes * 60.0
-        return False
+        return self.due_by_step(step) or self.due_by_clock(now)
+
+    def due_by_step(self, step: int) -> bool:
+        """``maxSteps``, or a multiple of ``everySteps``: every rank knows it alike."""
+        return step >= self.max_steps or (self.every_steps is not None and step % self.every_steps == 0)
+
+    def due_by_clock(self, now: float) -> bool:
+        """``everyMinutes`` since the last save, by this rank's clock."""
+        return (self.every_steps is None and self.every_minutes is not None
+                and now - self.last_save_at >= self.every_minutes * 60.0)
 
     def saved(self, now: float) -> None:
         self.last_save_at = now
@@ -401,6 +404,7 @@ class _Pending:
     started: float
     future: Future[SavedShard]
     on_durable: Callable[[SavedShard], None]
+    serial: int  # the how-manyth save of this run: the same on every rank (saves are collective)
     staged: threading.Event = field(default_factory=threading.Event)
     stall: float = 0.0
 
@@ -441,6 +445,7 @@ class Checkpointer:
         self.device = device or torch.device("cpu")
         self.clock = clock
         self.pending: _Pending | None = None
+        self._serial = 0
         self._buffers = StagingBuffers()
 
     def save(
@@ -478,7 +483,8 @@ class Checkpointer:
         # A daemon thread: a rank that fails exits at once instead of waiting for a write (possibly
         # blocked on a dead peer) at interpreter shutdown; an unfinished save never gets its final name.
         threading.Thread(target=write, name=f"trainyard-ckpt-{directory.name}", daemon=True).start()
-        self.pending = _Pending(directory, started, future, on_durable, staged)
+        self._serial += 1
+        self.pending = _Pending(directory, started, future, on_durable, self._serial, staged)
         self.pending.stall = self.clock() - started
         return self.pending.stall
 
@@ -529,20 +535,22 @@ class Checkpointer:
             self._complete(failed)
         return self.clock() - started
 
-    def local_status(self) -> tuple[bool, bool, bool]:
-        """(a save is pending, its write is not done here, it failed here): for an agreement the
-        caller folds into its own collective (then :meth:`settle` with the agreed answer)."""
+    def local_status(self) -> dict[str, Any]:
+        """The pending save's serial (0: none), whether its write is done here, whether it failed
+        here: what a caller folds into its own agreement (then :meth:`settle` with the answer)."""
         if self.pending is None:
-            return False, False, False
+            return {"pending_save": 0, "done": False, "failed": False}
         future = self.pending.future
-        return True, not future.done(), future.done() and future.exception() is not None
+        return {"pending_save": self.pending.serial, "done": future.done(),
+                "failed": future.done() and future.exception() is not None}
 
-    def settle(self, *, all_done: bool, any_failed: bool) -> float:
-        """:meth:`poll` with the agreement already made by the caller (every rank calls it alike)."""
-        if self.pending is None or not all_done:
+    def settle(self, *, done_save: int, failed_save: int) -> float:
+        """:meth:`poll` with the agreement made by the caller: complete the pending save when it is
+        the save ``done_save`` names (finished on every rank); it failed when ``failed_save`` names it."""
+        if self.pending is None or done_save != self.pending.serial:
             return 0.0
         started = self.clock()
-        self._complete(any_failed)
+        self._complete(failed_save == self.pending.serial)
         return self.clock() - started
 
     def wait(self) -> float:

@@ -10,7 +10,22 @@ import torch.distributed as dist
 
 from trainyard.runtime import new_cpu_group
 
-__all__ = ["Context", "open_context"]
+__all__ = ["Agreement", "Context", "open_context"]
+
+
+class Agreement:
+    """An all-reduce in flight; :meth:`result` waits for it (at once in a world of one)."""
+
+    def __init__(self, values: Any, work: Any = None) -> None:
+        self._values = values
+        self._work = work
+
+    def result(self) -> list[int]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        values = self._values
+        return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
 
 @dataclass
@@ -38,6 +53,15 @@ class Context:
     def agree_max(self, values: list[int]) -> list[int]:
         """Element-wise maximum of ``values`` over all ranks (any rank's "yes" is everyone's)."""
         return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def agree_max_later(self, values: list[int]) -> Agreement:
+        """:meth:`agree_max` started now and collected later (:meth:`Agreement.result`): the small
+        all-reduce runs on gloo's thread while the caller goes on (the step boundary's agreement)."""
+        if self.world_size == 1:
+            return Agreement(list(values))
+        tensor = torch.tensor(values, dtype=torch.int64)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control, async_op=True)
+        return Agreement(tensor, work)
 
     def _all_reduce(self, values: list[int], op: Any) -> list[int]:
         if self.world_size == 1:

@@ -7,11 +7,17 @@ import time
 from typing import Any
 
 from trainyard.checkpoint import Checkpointer, CheckpointSchedule
-from trainyard.context import Context
-from trainyard.preemption import Boundary, CheckpointRequest, agreed, boundary_flags
+from trainyard.context import Agreement, Context
+from trainyard.preemption import (
+    NOTHING_AGREED,
+    Boundary,
+    CheckpointRequest,
+    agreed,
+    boundary_flags,
+)
 from trainyard.runrecord import CheckpointPolicyRecord
 
-__all__ = ["agree_at_boundary", "checkpoint_policy"]
+__all__ = ["BoundaryAgreement", "checkpoint_policy"]
 
 log = logging.getLogger("trainyard")
 
@@ -29,11 +35,29 @@ def checkpoint_policy(job: Any) -> CheckpointPolicyRecord:
                                   source="spec")
 
 
-def agree_at_boundary(ctx: Context, schedule: CheckpointSchedule, checkpointer: Checkpointer,
-                      request: CheckpointRequest, step: int) -> Boundary:
-    """The step's one collective (world > 1): MAX over ranks of [save due, requested, the pending
-    save not done, it failed]. Any rank's clock or request makes everyone save at this step."""
-    pending, not_done, failed = checkpointer.local_status()
-    flags = boundary_flags(due=schedule.due(step, time.monotonic()), requested=request.requested(),
-                           pending=pending, not_done=not_done, failed=failed)
-    return agreed(ctx.agree_max(flags))
+class BoundaryAgreement:
+    """The step boundary's one agreement, pipelined (see :mod:`trainyard.preemption`): what every
+    rank sends at one boundary is collected, the same on every rank, at the next.
+
+    In a world of one the answer is there at once, but it is still used one boundary late, so that
+    a run behaves the same at any world size."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._in_flight: Agreement | None = None
+
+    def collect(self) -> Boundary:
+        """The answer to what every rank sent at the previous boundary (nothing agreed before the first)."""
+        in_flight, self._in_flight = self._in_flight, None
+        return agreed(in_flight.result()) if in_flight is not None else NOTHING_AGREED
+
+    def send(self, schedule: CheckpointSchedule, checkpointer: Checkpointer, request: CheckpointRequest) -> None:
+        """This rank's flags, reduced while the next step runs."""
+        flags = boundary_flags(due=schedule.due_by_clock(time.monotonic()), requested=request.requested(),
+                               **checkpointer.local_status())
+        self._in_flight = self.ctx.agree_max_later(flags)
+
+    def drain(self) -> None:
+        """Wait for the agreement in flight, if any, and forget it (the run ends with no next boundary)."""
+        self.collect()
+

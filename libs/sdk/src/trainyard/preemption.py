@@ -2,12 +2,18 @@
 
 The node agent delivers a request two ways: ``SIGUSR1`` to the rank's process group (the launcher
 ignores it; the handler here only sets a flag) and a request file in the attempt directory (it
-survives an agent restart and covers a signal sent before the handler was installed). At each
-step boundary the ranks agree, in the one small all-reduce MAX of the step (:func:`boundary_flags`),
-on ``[due, requested, save not done, save failed]``; when anyone was asked, every rank saves at
-that same global step (unless that step is already saved), waits until its shard is durable and
-its ShardWritten spooled, and leaves with :class:`StoppedOnRequest` (exit 7, reason preempted).
-The decisions are pure (:func:`plan_boundary`); :class:`CheckpointRequest` is the I/O.
+survives an agent restart and covers a signal sent before the handler was installed).
+
+The step boundary's agreement is pipelined, so that it never holds training up: at the boundary
+of step N every rank *sends* its flags (:func:`boundary_flags`: a save due by its clock, asked to
+stop, which pending save it has finished, which failed) in a small all-reduce MAX that runs while
+step N+1 computes, and at the boundary of N+1 every rank *collects* the same answer and decides
+on it (:func:`plan_boundary`). What needs no agreement is decided at once and alike on every
+rank: ``everySteps`` and ``maxSteps``. So a request is acted on one step after a rank saw it:
+every rank saves that same global step (unless it is already saved), waits until its shard is
+durable and its ShardWritten spooled, and leaves with :class:`StoppedOnRequest` (exit 7, reason
+preempted). A save is named by its serial in the flags, so a late "done" can only ever complete
+the save it was sent about. The decisions are pure; :class:`CheckpointRequest` is the I/O.
 """
 
 from __future__ import annotations
@@ -50,23 +56,40 @@ class StoppedOnRequest(TrainyardError):
 
 @dataclass(frozen=True)
 class Boundary:
-    """What all ranks agreed at a step boundary (the element-wise MAX of :func:`boundary_flags`)."""
+    """What all ranks agreed from the flags they sent at the previous step boundary (the
+    element-wise MAX of :func:`boundary_flags`)."""
 
-    due: bool  # a save is due by the schedule on some rank
+    due: bool  # a time-based save (everyMinutes) is due by some rank's clock
     requested: bool  # some rank was asked to checkpoint and stop
-    save_done: bool  # the pending asynchronous save (if any) has finished on every rank
-    save_failed: bool  # it failed on some rank
+    done_save: int  # the serial of the pending save every rank had finished (0: none)
+    failed_save: int  # the serial of a pending save that failed on some rank (0: none)
+
+    def completes(self, serial: int) -> bool:
+        """Whether the pending save ``serial`` is finished everywhere (complete or fail it now)."""
+        return serial > 0 and self.done_save == serial
+
+    def failed(self, serial: int) -> bool:
+        return serial > 0 and self.failed_save == serial
 
 
-def boundary_flags(*, due: bool, requested: bool, pending: bool, not_done: bool, failed: bool) -> list[int]:
-    """This rank's contribution to the step's all-reduce MAX (``pending``: a save is in flight)."""
-    return [int(due), int(requested), int(pending and not_done), int(pending and failed)]
+NOTHING_AGREED = Boundary(due=False, requested=False, done_save=0, failed_save=0)  # before the first boundary
+
+
+def boundary_flags(*, due: bool, requested: bool, pending_save: int, done: bool, failed: bool) -> list[int]:
+    """This rank's contribution to the boundary's all-reduce MAX. ``pending_save``: the serial of the
+    save in flight here (0: none), ``done``/``failed``: its write finished / failed on this rank.
+
+    MAX makes any rank's "yes" everyone's; a save counts as done only when done on every rank, so
+    its serial goes in negated (the MAX of ``-serial_done`` is minus the minimum over ranks)."""
+    if pending_save <= 0:
+        return [int(due), int(requested), 0, 0]
+    return [int(due), int(requested), -(pending_save if done else 0), pending_save if failed else 0]
 
 
 def agreed(flags: list[int]) -> Boundary:
-    """The reduced flags as a :class:`Boundary`; MAX makes any rank's "yes" everyone's."""
-    due, requested, not_done, failed = (int(v) for v in flags)
-    return Boundary(due=due > 0, requested=requested > 0, save_done=not_done == 0, save_failed=failed > 0)
+    """The reduced flags as a :class:`Boundary`."""
+    due, requested, minus_done, failed = (int(v) for v in flags)
+    return Boundary(due=due > 0, requested=requested > 0, done_save=-minus_done, failed_save=failed)
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,13 @@ calls, every step and on every rank alike::
     if run.should_stop(): break    # a pause / preemption was agreed at this step (and saved)
 
 ``checkpoint`` is the one collective of the boundary (a 4-int all-reduce MAX on a gloo group of
-its own): every rank must call it with the same step, or the ranks wait for each other until the
-collective timeout. It decides, for everyone alike: save when the policy says so (``everySteps``,
-``everyMinutes`` on any rank's clock, the coordinator's advice under ``auto``, always at
-``maxSteps``) or when any rank was asked to checkpoint and stop (SIGUSR1 or the request file);
-after a request, stop once that save is durable.
+its own, pipelined: sent at this boundary, reduced while the next step runs, decided on at the
+next boundary, so it never holds training up): every rank must call it with the same step, or
+the ranks wait for each other until the collective timeout. It decides, for everyone alike: save
+when the policy says so (``everySteps``, the coordinator's advice under ``auto`` and always
+``maxSteps``, at that step; ``everyMinutes`` on any rank's clock, one step after it ran out) or
+when any rank was asked to checkpoint and stop (SIGUSR1 or the request file; at the step after
+the request was seen); after a request, stop once that save is durable.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from trainyard.environment import (
 from trainyard.exits import RankEnd, exit_code_for
 from trainyard.loader import DataLoader
 from trainyard.metrics import PeakFlops, device_peak_flops, mfu
-from trainyard.policy import agree_at_boundary, checkpoint_policy
+from trainyard.policy import BoundaryAgreement, checkpoint_policy
 from trainyard.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
 from trainyard.restore import restore as restore_state
 from trainyard.runrecord import CheckpointPolicyRecord, RestoreRecord
@@ -103,6 +105,7 @@ class Run:
                                            every_minutes=self.policy.every_minutes, last_save_at=time.monotonic())
         self.checkpointer = Checkpointer(rank=settings.rank, mode=settings.checkpoint_mode, barrier=ctx.barrier,
                                          agree=ctx.agree, group=ctx.background, device=runtime.device)
+        self.agreement = BoundaryAgreement(ctx)
         self.restored: RestoreRecord | None = None
         self.stopped: StoppedOnRequest | None = None
         self.parallelism: dict[str, int] = {"dp": settings.world_size, "tp": 1, "pp": 1}
@@ -279,9 +282,10 @@ class Run:
             self.advance(step)
         elif progress.global_step < step:
             progress.global_step = step
-        boundary = agree_at_boundary(self.ctx, self.schedule, self.checkpointer, self.request, step)
-        stall = self.checkpointer.settle(all_done=boundary.save_done, any_failed=boundary.save_failed)
-        decided = plan_boundary(step=step, max_steps=self.max_steps, due=boundary.due,
+        boundary = self.agreement.collect()  # what every rank sent at the previous boundary
+        stall = self.checkpointer.settle(done_save=boundary.done_save, failed_save=boundary.failed_save)
+        decided = plan_boundary(step=step, max_steps=self.max_steps,
+                                due=self.schedule.due_by_step(step) or boundary.due,
                                 requested=boundary.requested, last_saved_step=self._last_saved)
         if decided.stop:
             log.warning("checkpoint requested%s: %s step %d, then stopping", " (signal)" if self.request.signalled
@@ -292,6 +296,8 @@ class Run:
             self._last_saved = step
         if decided.stop or (decided.save and step >= self.max_steps):
             stall += self.checkpointer.wait()  # durable, and its ShardWritten spooled
+        elif step < self.max_steps:
+            self.agreement.send(self.schedule, self.checkpointer, self.request)
         self.timing.add(checkpoint=stall)
         if decided.stop:
             self.stopped = StoppedOnRequest(step, saved=decided.save)
@@ -460,6 +466,7 @@ class Run:
         try:
             if exc is None:
                 try:
+                    self.agreement.drain()
                     self.checkpointer.wait()
                 except Exception as failed:  # noqa: BLE001 - a failed final save is the run's error
                     exc = failed

@@ -36,7 +36,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -158,15 +157,21 @@ class CollectiveTimer:
     first layers is launched last, when their gradients are ready, i.e. when the local
     computation is over. ``exposed_seconds(backward_end)`` is the time from that last
     launch until ``backward()`` returned: communication the computation did not hide.
-    On CUDA the launch is marked with an event on the compute stream (host time would run
-    ahead of the device), and :meth:`exposed_seconds` measures from it to an event recorded
-    when the backward pass, all-reduces included, is over.
+
+    The launch is marked by a hook on each parameter's gradient accumulation (:meth:`watch`):
+    DDP launches a bucket's all-reduce as its last gradient is accumulated, in the backward's
+    own thread. A DDP communication hook would see the launch directly, but a Python one costs
+    every step (its future's callback takes the GIL on gloo's thread while the backward runs);
+    this keeps DDP's built-in C++ all-reduce. On CUDA the launch is marked with an event on the
+    compute stream (host time would run ahead of the device), and :meth:`exposed_seconds`
+    measures from it to an event recorded when the backward pass, all-reduces included, is over.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
         self.last_launch: float | None = None
         self.last_event: Any = None
+        self._launch_event: Any = None
 
     def reset(self) -> None:
         self.last_launch = None
@@ -175,8 +180,10 @@ class CollectiveTimer:
     def mark_launch(self, device: torch.device | None = None) -> None:
         self.last_launch = time.perf_counter()
         if device is not None and device.type == "cuda":
-            self.last_event = torch.cuda.Event(enable_timing=True)
-            self.last_event.record()
+            if self._launch_event is None:
+                self._launch_event = torch.cuda.Event(enable_timing=True)
+            self._launch_event.record()  # re-recorded: the latest launch is the one that counts
+            self.last_event = self._launch_event
 
     def exposed_seconds(self, backward_end: float) -> float:
         if self.last_event is not None:
@@ -186,12 +193,12 @@ class CollectiveTimer:
             return max(0.0, self.last_event.elapsed_time(end) / 1000.0)
         return 0.0 if self.last_launch is None else max(0.0, backward_end - self.last_launch)
 
-
-def _timed_allreduce(timer: CollectiveTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    timer.mark_launch(bucket.buffer().device)
-    # The stock hook: divide by the world size, then all-reduce(SUM); the same arithmetic
-    # as DDP's built-in path, so results do not depend on whether the timer is installed.
-    return default_hooks.allreduce_hook(timer.process_group, bucket)
+    def watch(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Mark a launch whenever one of ``parameters`` has its gradient accumulated."""
+        for param in parameters:
+            if param.requires_grad:
+                device = param.device
+                param.register_post_accumulate_grad_hook(lambda _p, device=device: self.mark_launch(device))
 
 
 # ----------------------------------------------------------------------------- the wrappers
@@ -213,7 +220,7 @@ def apply_ddp(
     )
     if timer is not None:
         timer.process_group = process_group
-        ddp.register_comm_hook(timer, _timed_allreduce)
+        timer.watch(model.parameters())
     return ddp
 
 
@@ -395,17 +402,32 @@ class ParallelModel:
             exclude = [self.model.wte.weight]  # counted on the first stage
         return clip_grad_norm(self.model.parameters(), max_norm, group=self.pp_group, exclude_from_norm=exclude)
 
-    def global_mean_loss(self, local_mean: torch.Tensor | None) -> torch.Tensor:
-        """The mean loss over the global batch: dp ranks' means averaged; with pipeline stages only
-        the last stage has a loss; tensor-parallel peers hold the same value (counted once)."""
+    def global_mean_loss(self, local_mean: torch.Tensor | None) -> "PendingLoss":
+        """The mean loss over the global batch, reduced in the background (``.wait()`` for it): dp
+        ranks' means averaged; with pipeline stages only the last stage has a loss; tensor-parallel
+        peers hold the same value (counted once). Started before the optimizer update, it is
+        there when the update is done, so reporting the global loss holds no step up."""
         _, _, tp_rank = self.plan.coordinates(self.rank)
         contributes = local_mean is not None and self.is_last_stage and tp_rank == 0
         value = local_mean.detach().float() / self.plan.dp if contributes else torch.zeros((), device=self.device)
         value = value.to(self.device).reshape(())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(value)
-        return value
+            return PendingLoss(value, dist.all_reduce(value, async_op=True))
+        return PendingLoss(value)
 
+
+class PendingLoss:
+    """A loss whose all-reduce may still be in flight."""
+
+    def __init__(self, value: torch.Tensor, work: Any = None) -> None:
+        self._value = value
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._value
 
 def parallelize(
     model: nn.Module,

@@ -32,7 +32,7 @@ from trainyard.context import Context
 from trainyard.exits import exit_code_for
 from trainyard.loader import DataLoader
 from trainyard.metrics import PeakFlops, flops_per_token
-from trainyard.policy import agree_at_boundary, checkpoint_policy
+from trainyard.policy import BoundaryAgreement, checkpoint_policy
 from trainyard.preemption import StoppedOnRequest
 from trainyard.restore import refused_records, report_refusals
 from trainyard.runrecord import (
@@ -70,8 +70,20 @@ from trainyard_trainer.parallel import (
 from trainyard_trainer.pipeline import lm_loss
 from trainyard_trainer.schedule import build_lr_scheduler
 
-__all__ = ["Context", "Job", "NonFiniteError", "StepOutcome", "StepTimes", "agree_at_boundary", "build_optimizer",
-           "checkpoint_policy", "report_refusals", "resolve_job", "train", "train_step"]
+__all__ = [
+    "BoundaryAgreement",
+    "Context",
+    "Job",
+    "NonFiniteError",
+    "StepOutcome",
+    "StepTimes",
+    "build_optimizer",
+    "checkpoint_policy",
+    "report_refusals",
+    "resolve_job",
+    "train",
+    "train_step",
+]
 
 log = logging.getLogger("trainyard_trainer")
 
@@ -234,18 +246,23 @@ def train_step(
 
     reduce_started = clock()
     pm.finish_gradients()
+    global_loss = pm.global_mean_loss(local_mean)  # reduced while the norm and the update run
     grad_norm = pm.clip_grad_norm(grad_clip)
-    loss_value = pm.global_mean_loss(local_mean).item()
     norm_value = float(grad_norm.item())
     reduce_seconds = clock() - reduce_started
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        raise NonFiniteError(f"loss {loss_value} / grad norm {norm_value} is not finite")
+    if not math.isfinite(norm_value):  # the same on every rank: the gradients were reduced
+        raise NonFiniteError(f"loss {global_loss.wait().item()} / grad norm {norm_value} is not finite")
 
     stall = before_update() if before_update is not None else 0.0
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    loss_started = clock()
+    loss_value = global_loss.wait().item()
+    reduce_seconds += clock() - loss_started
+    if not math.isfinite(loss_value):  # the same on every rank; the next attempt resumes from a saved step
+        raise NonFiniteError(f"loss {loss_value} / grad norm {norm_value} is not finite")
     runtime.synchronize()
     total = clock() - started
     collective = exposed + reduce_seconds
