@@ -66,6 +66,11 @@ def cache_of(tmp_path: Path, layout: ArtifactLayout, max_bytes: int = 10 * 2**30
     return CodeCache(tmp_path / "cache", layout, max_bytes=max_bytes)
 
 
+def entries_in(cache_dir: Path) -> list[str]:
+    """The cache's entries and leftovers (not its ``.holds`` lock files)."""
+    return sorted(p.name for p in cache_dir.iterdir() if p.name != ".holds")
+
+
 def code(archive: str) -> Code:
     return Code(archive=archive, entrypoint=["python", "train.py"])
 
@@ -88,7 +93,7 @@ async def test_materialises_once_read_only_and_reuses_the_entry(tmp_path: Path, 
     again = await cache.acquire(TENANT, code(archive))
     cache.release(again.hex)
     assert not again.materialised and again.root == first.root
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.hex]  # no staging left behind
+    assert entries_in(tmp_path / "cache") == [first.hex]  # no staging left behind
 
 
 @pytest.mark.parametrize("tamper", [
@@ -110,7 +115,7 @@ async def test_a_tampered_entry_is_extracted_again_before_it_runs(tmp_path: Path
     assert again.materialised and TAMPERED._value.get() == before + 1
     assert cache.problems(again.hex) == []
     assert (again.root / "train.py").read_text().startswith("import pkg.util")
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".quarantine", again.hex]
+    assert entries_in(tmp_path / "cache") == [".quarantine", again.hex]
     assert [p.name for p in (tmp_path / "cache" / ".quarantine").iterdir()] == [f"{again.hex}-1"]
     assert cache.collect(in_use=set()) == Collection(evicted=[], purged=[f"{again.hex}-1"])
     assert list((tmp_path / "cache" / ".quarantine").iterdir()) == []
@@ -171,7 +176,7 @@ def test_agents_racing_on_one_hash_end_with_one_intact_entry(tmp_path: Path, lay
     assert errors == []
     assert {r.root for r in results} == {caches[0].tree_dir(hex_digest)}
     assert caches[0].problems(hex_digest) == []
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [hex_digest]
+    assert entries_in(tmp_path / "cache") == [hex_digest]
 
 
 def test_the_loser_of_the_rename_drops_its_copy(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
@@ -179,7 +184,7 @@ def test_the_loser_of_the_rename_drops_its_copy(tmp_path: Path, layout: Artifact
     winner, loser = cache_of(tmp_path, layout), cache_of(tmp_path, layout)
     winner.materialise(TENANT, hex_digest)
     loser.materialise(TENANT, hex_digest)  # extracts, fails to rename onto the winner's entry, cleans up
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [hex_digest]
+    assert entries_in(tmp_path / "cache") == [hex_digest]
     assert loser.problems(hex_digest) == []
 
 
@@ -192,6 +197,37 @@ async def test_one_agent_materialises_a_hash_once_for_concurrent_launches(tmp_pa
     for t in trees:
         cache.release(t.hex)
     assert cache._pins == {}
+
+
+async def test_agents_sharing_a_cache_never_evict_a_tree_another_agents_ranks_run(
+        tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    runs, tidy = cache_of(tmp_path, layout), cache_of(tmp_path, layout, max_bytes=0)  # two agents, one directory
+    tree = await runs.acquire(TENANT, code(archive))
+    runs.release(tree.hex)  # launched: from now on "in use" is the agent's live ranks, not a pin
+    assert runs.collect([tree.hex]) == Collection(evicted=[], purged=[])
+
+    assert tidy.collect([]) == Collection(evicted=[], purged=[])  # over its limit, but the other agent runs it
+    assert runs.problems(tree.hex) == []
+    runs.quarantine(tree.hex)  # tampered meanwhile: moved aside, the ranks keep running from the moved tree
+    assert tidy.collect([]) == Collection(evicted=[], purged=[])
+    assert (tmp_path / "cache" / ".quarantine" / f"{tree.hex}-1" / "tree" / "train.py").is_file()
+
+    assert runs.collect([]) == Collection(evicted=[], purged=[f"{tree.hex}-1"])  # its ranks ended
+    again = await runs.acquire(TENANT, code(archive))
+    runs.release(again.hex)
+    runs.collect([])  # nothing of it runs: the hold goes
+    assert tidy.collect([]) == Collection(evicted=[again.hex], purged=[])
+    runs.close()
+    tidy.close()
+
+
+def test_an_agent_that_ends_drops_its_holds(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
+    hex_digest = archive.removeprefix("sha256:")
+    ended, tidy = cache_of(tmp_path, layout), cache_of(tmp_path, layout, max_bytes=0)
+    ended.prepare(TENANT, hex_digest)
+    assert tidy.collect([]).evicted == []
+    ended.close()  # what the kernel does when the agent process dies
+    assert tidy.collect([]).evicted == [hex_digest]
 
 
 def entry(hex_digest: str, size: int, used: float) -> CacheEntry:
@@ -222,7 +258,7 @@ async def test_collect_keeps_what_runs_and_what_is_being_launched(tmp_path: Path
     assert cache.collect(in_use={tree.hex}) == Collection([], [])  # a live rank runs it
     (tmp_path / "cache" / ".trash-leftover" / "x").mkdir(parents=True)
     assert cache.collect(in_use=set()) == Collection([tree.hex], [])
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert entries_in(tmp_path / "cache") == []
 
 
 async def test_a_tampered_tree_stays_whole_for_the_ranks_running_from_it_until_they_end(
@@ -361,7 +397,7 @@ def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_pat
     with pytest.raises(OSError, match="No space left") as caught:
         cache.prepare(TENANT, archive.removeprefix("sha256:"))
     assert not isinstance(caught.value, CodeTreeError)
-    assert list((tmp_path / "cache").iterdir()) == []  # the staging directory is gone
+    assert entries_in(tmp_path / "cache") == []  # the staging directory is gone
 
 
 def test_the_rank_table_remembers_which_code_a_rank_runs(tmp_path: Path) -> None:

@@ -304,6 +304,7 @@ class NodeAgent:
             await self.pool.aclose()
         if self.kube is not None:
             await self.kube.aclose()
+        self.code_cache.close()
         self._save_local(force=True)
         log.info("node agent %s stopped", self.settings.node_id)
 

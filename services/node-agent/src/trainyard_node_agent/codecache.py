@@ -17,6 +17,11 @@ directories 0555), ``digest.json`` (its :class:`~trainyard_common.codetree.TreeD
   runs that archive (:func:`choose_purges`, pure).
 * Eviction (:func:`choose_evictions`, pure): past ``max_bytes`` the least recently used entries
   that no live rank uses go first (quarantined trees do not count: they go as soon as unused).
+* Several agents may share one cache directory (agents of one host pointed at one
+  ``TRAINYARD_CODE_CACHE_DIR``): an agent holds a shared ``flock`` on ``.holds/<hex>`` for every
+  archive it is launching or its ranks run, and evicts or purges a tree only under an exclusive,
+  non-blocking lock of it, so one agent never deletes a tree another agent's ranks run from. The
+  kernel drops an agent's holds when it dies; the lock files (empty) stay.
 
 The blocking work runs in a thread (:meth:`CodeCache.acquire` is async).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import Counter as Tally
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +72,7 @@ PURGED = Counter("trainyard_node_agent_code_cache_quarantine_purged_total",
 
 TREE, DIGEST, META, USED = "tree", "digest.json", "entry.json", "last-used"
 QUARANTINE = ".quarantine"
+HOLDS = ".holds"
 _QUARANTINE_TRIES = 100
 _STALE_TMP_S = 3600.0
 
@@ -185,7 +192,7 @@ class CodeTree:
 
 
 class CodeCache:
-    """The node's code cache under ``root``; see the module docstring. ``close()`` only drops pins."""
+    """The node's code cache under ``root``; see the module docstring. ``close()`` drops its holds."""
 
     def __init__(self, root: Path, layout: ArtifactLayout, *, max_bytes: int) -> None:
         self.root = root
@@ -193,7 +200,8 @@ class CodeCache:
         self.max_bytes = max_bytes
         self._locks: dict[str, asyncio.Lock] = {}
         self._pins: Tally[str] = Tally()  # hashes being prepared for a launch right now
-        self._mutex = threading.Lock()  # guards _pins against the GC thread
+        self._mutex = threading.Lock()  # guards _pins and _holds against the GC thread
+        self._holds: dict[str, int] = {}  # hex -> fd holding a shared flock (see the module docstring)
 
     def entry_dir(self, hex_digest: str) -> Path:
         return self.root / hex_digest
@@ -226,6 +234,7 @@ class CodeCache:
 
     def prepare(self, tenant: str, hex_digest: str) -> CodeTree:
         """Blocking: verify the cached tree (re-materialise a tampered one) or materialise it."""
+        self._hold(hex_digest)  # before looking: another agent's collection waits for it, or is done
         entry = self.entry_dir(hex_digest)
         if entry.is_dir():
             problems = self.problems(hex_digest)
@@ -346,17 +355,80 @@ class CodeCache:
         self._sweep_leftovers()
         with self._mutex:
             keep = set(in_use) | set(self._pins)
-        purged = choose_purges(self.quarantined(), in_use=keep)
-        for name in purged:
-            log.info("deleting the quarantined code tree %s: no running rank uses it any more", name)
-            remove_tree(self.root / QUARANTINE / name)
-            PURGED.inc()
-        evicted = choose_evictions(self.entries(), in_use=keep, max_bytes=self.max_bytes)
-        for hex_digest in evicted:
-            log.info("evicting code tree sha256:%s from the cache (least recently used)", hex_digest)
-            self._discard(self.entry_dir(hex_digest))
-            EVICTED.inc()
+            for hex_digest in set(self._holds) - keep:  # no rank of ours runs it any more
+                os.close(self._holds.pop(hex_digest))
+            unheld = keep - set(self._holds)
+        for hex_digest in unheld:  # ranks adopted after an agent restart: hold what they run
+            self._hold(hex_digest)
+        purged = []
+        for name in choose_purges(self.quarantined(), in_use=keep):
+            hex_digest = parse_quarantined(name).hex  # type: ignore[union-attr]  (it parsed when listed)
+            with self._unheld(hex_digest) as free:
+                if not free:
+                    continue
+                log.info("deleting the quarantined code tree %s: no running rank uses it any more", name)
+                remove_tree(self.root / QUARANTINE / name)
+                PURGED.inc()
+                purged.append(name)
+        evicted = []
+        for hex_digest in choose_evictions(self.entries(), in_use=keep, max_bytes=self.max_bytes):
+            with self._unheld(hex_digest) as free:
+                if not free:
+                    continue
+                log.info("evicting code tree sha256:%s from the cache (least recently used)", hex_digest)
+                self._discard(self.entry_dir(hex_digest))
+                EVICTED.inc()
+                evicted.append(hex_digest)
         return Collection(evicted=evicted, purged=purged)
+
+    def close(self) -> None:
+        """Drop this agent's holds (the process ending drops them too). Idempotent."""
+        with self._mutex:
+            while self._holds:
+                os.close(self._holds.popitem()[1])
+
+    def _hold_file(self, hex_digest: str) -> Path:
+        return self.root / HOLDS / hex_digest
+
+    def _hold(self, hex_digest: str) -> None:
+        """Blocking: a shared flock on the archive's hold file, kept until no rank of ours runs it."""
+        with self._mutex:
+            if hex_digest in self._holds:
+                return
+        (self.root / HOLDS).mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._hold_file(hex_digest), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while another agent evicts it (moments)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._mutex:
+            if hex_digest in self._holds:  # held meanwhile by another launch here
+                os.close(fd)
+            else:
+                self._holds[hex_digest] = fd
+
+    @contextlib.contextmanager
+    def _unheld(self, hex_digest: str) -> Iterator[bool]:
+        """Whether no agent holds the archive (and it stays so inside the block): an exclusive,
+        non-blocking flock of its hold file."""
+        try:
+            (self.root / HOLDS).mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._hold_file(hex_digest), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            log.warning("cannot open the hold file of sha256:%s (%s): leaving it alone", hex_digest, exc)
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("code tree sha256:%s is in use by another agent sharing %s: kept", hex_digest, self.root)
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     async def acollect(self, in_use: Iterable[str]) -> Collection:
         return await asyncio.to_thread(self.collect, list(in_use))
