@@ -228,8 +228,34 @@ class NodeRecord(Record):
     boot_id: str | None = Field(default=None, description="its node agent's incarnation (a restart changes it)")
 
 
+TokenRole = Literal["viewer", "submitter", "tenant-admin", "platform-admin"]
+
+
 class TenantToken(Record):
+    """An API token (stored under the sha256 of its secret). ``role`` None is a token written before roles:
+    ``admin`` true reads as platform-admin, false as submitter (see :attr:`effective_role`)."""
+
     tenant: str
     name: str = "default"
     admin: bool = Field(default=False, description="may use the /v1/admin routes (nodes) and see every tenant")
     created_at: datetime = Field(default_factory=utcnow)
+    token_id: str | None = Field(default=None, description="public id (listing, revocation); never the secret")
+    role: TokenRole | None = Field(default=None, description="what it may do; None: from ``admin`` (old records)")
+    expires_at: datetime | None = Field(default=None, description="refused from then on; None: never expires")
+    revoked_at: datetime | None = Field(default=None, description="refused since then (kept to say so)")
+    created_by: str | None = Field(default=None, description="token id of whoever created it")
+
+    @property
+    def effective_role(self) -> TokenRole:
+        if self.role is not None:
+            return self.role
+        return "platform-admin" if self.admin else "submitter"
+
+
+class TenantRecord(Record):
+    """A tenant created through the API (``ty:tenants``); its queue settings live with the scheduler's
+    (``ty:sched:tenant-config``)."""
+
+    tenant: str
+    created_at: datetime = Field(default_factory=utcnow)
+    created_by: str | None = Field(default=None, description="token id of the platform admin who created it")

@@ -7,7 +7,9 @@ and the writers agree on one layout.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TypeVar
 
 from redis.asyncio import Redis
@@ -27,6 +29,7 @@ from trainyard_common.records import (
     Progress,
     Record,
     TenantToken,
+    TokenRole,
 )
 
 R = TypeVar("R", bound=Record)
@@ -36,7 +39,12 @@ class Keys:
     jobs = "ty:jobs"
     datasets = "ty:datasets"
     nodes = "ty:nodes"
-    tokens = "ty:tokens"
+    tokens = "ty:tokens"  # hash sha256(token) → JSON TenantToken (revoked ones kept, with revokedAt)
+    tenants = "ty:tenants"  # hash tenant → JSON TenantRecord (api)
+    # hash tenant → JSON of the scheduler's TenantConfig (cohort, weight, maxPriority, quotas): set through the
+    # API, seeded from the queue-config file for a tenant without one; wins over the queue config's tenants
+    tenant_config = "ty:sched:tenant-config"
+    audit = "ty:audit"  # stream: every administrative and job-control action (api), bounded
     lease_audit = "ty:lease-audit"
     pending_checkpoints = "ty:ckpt-pending"
     queue_config = "ty:sched:queue-config"  # JSON QueueConfig (tenants, quotas, priority classes); wins over the file
@@ -63,6 +71,11 @@ class Keys:
     @staticmethod
     def tenant_jobs(tenant: str) -> str:
         return f"ty:tenant:{tenant}:jobs"
+
+    @staticmethod
+    def tenant_audit(tenant: str) -> str:
+        """Stream: the audit entries whose target is in ``tenant`` (api), bounded."""
+        return f"ty:audit:tenant:{tenant}"
 
     @staticmethod
     def progress(job_id: str) -> str:
@@ -150,6 +163,16 @@ class Keys:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token_id() -> str:
+    """A token's public id: ``tok_`` + 12 random hex (not derived from the secret)."""
+    return "tok_" + secrets.token_hex(6)
+
+
+def token_id_of(digest: str, record: TenantToken) -> str:
+    """The record's id; a record written before ids has ``tok_`` + the first 12 hex of its sha256."""
+    return record.token_id or f"tok_{digest[:12]}"
 
 
 #: A command that meets a dead connection is tried again on a fresh one, a few times within about
@@ -264,9 +287,21 @@ class StateStore:
         await self.redis.hset(Keys.nodes, record.node_id, record.dumps())
 
     # tenants ----------------------------------------------------------------
-    async def add_token(self, token: str, tenant: str, name: str = "default", *, admin: bool = False) -> None:
-        record = TenantToken(tenant=tenant, name=name, admin=admin)
+    async def add_token(self, token: str, tenant: str, name: str = "default", *, admin: bool = False,
+                        role: TokenRole | None = None, expires_at: datetime | None = None,
+                        created_by: str | None = None) -> TenantToken:
+        """Register ``token``; ``role`` None keeps the pre-role meaning of ``admin``. Returns the record."""
+        if role is not None:
+            admin = role == "platform-admin"
+        record = TenantToken(tenant=tenant, name=name, admin=admin, role=role, expires_at=expires_at,
+                             token_id=new_token_id(), created_by=created_by)
         await self.redis.hset(Keys.tokens, hash_token(token), record.dumps())
+        return record
+
+    async def token_records(self) -> dict[str, TenantToken]:
+        """Every token record (revoked and expired ones too) by the sha256 it is stored under."""
+        raw = await self.redis.hgetall(Keys.tokens)
+        return {digest: TenantToken.model_validate_json(value) for digest, value in raw.items()}
 
     async def tenant_for_token(self, token: str) -> TenantToken | None:
         raw = await self.redis.hget(Keys.tokens, hash_token(token))

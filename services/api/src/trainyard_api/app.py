@@ -10,6 +10,7 @@ serve 503; anything else is a 500. Every route documents each status it can answ
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -46,16 +47,19 @@ from trainyard_common.tracing import current_traceparent
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.admin import AdminService
-from trainyard_api.auth import NotAdminError, authenticate, require_admin
-from trainyard_api.bodies import SubmittedSpec
+from trainyard_api.audit import AuditLog, outcome_of
+from trainyard_api.auth import ForbiddenError, authenticate, require
+from trainyard_api.bodies import TENANT_PATTERN, SubmittedSpec, TenantCreateBody, TenantSettingsBody, TokenCreateBody
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.code import ArchiveTooLargeError, CodeService, CodeStore, GitSource, too_large_message
 from trainyard_api.jobs import JobService
+from trainyard_api.roles import Right, may_grant, rights
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
     ArtifactList,
+    AuditPage,
     CheckpointList,
     CodeArchiveView,
     ControlResponse,
@@ -65,16 +69,22 @@ from trainyard_api.schemas import (
     FieldErrors,
     Health,
     GoodputReport,
+    IssuedToken,
     JobPage,
     JobView,
     NodeList,
     ReinstateResponse,
     SubmitResponse,
+    TenantList,
+    TenantView,
+    TokenList,
+    TokenView,
 )
 from trainyard_api.settings import ApiSettings
 from trainyard_api.telemetry import TelemetryMiddleware
 from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors, strict_body_errors
 from trainyard_api.steptiming import StepTimingStore
+from trainyard_api.tenants import TenantService
 from trainyard_api.views import checkpoint_view, goodput_view
 
 log = logging.getLogger(__name__)
@@ -93,8 +103,11 @@ Submit, watch and control LLM training jobs on trainyard.
 * Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`.
   A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
   writes a development token to `.trainyard/dev-token`.
-* Admin routes (`/v1/admin/…`) need a token created with `trainyard admin create-token --admin`; other
-  tokens get `403`.
+* A token has a role: `viewer` (read the tenant's jobs, artifacts, metrics), `submitter` (+ submit, pause,
+  resume, cancel, upload code), `tenant-admin` (+ the tenant's tokens and audit log), `platform-admin`
+  (everything, every tenant: tenants, quotas, nodes). A token that is unknown, revoked or expired gets `401`
+  saying which; a role without the right (or another tenant's resource) gets `403` naming the role needed.
+  See docs/tenants.md.
 * Invalid input is a `422` whose `detail` lists every bad field by its dotted camelCase
   path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`; query and
   path parameters keep their source (`query.limit`). Bodies are JSON with the types this document
@@ -116,8 +129,9 @@ TAGS = [
                                         "device type by what the platform measured."},
     {"name": "goodput", "description": "Allocated vs productive vs wasted device-time (lost work, launch and "
                                        "restore, checkpoint stalls, hangs, idle), per tenant."},
-    {"name": "admin", "description": "Operator routes (admin tokens only): node inventory, quarantine and "
-                                     "reputation; reinstating a quarantined node."},
+    {"name": "admin", "description": "Administration: tenants (quotas, priority), their tokens (roles, expiry, "
+                                     "revocation), the audit log; node inventory, quarantine, drain and "
+                                     "reputation (platform-admin)."},
     {"name": "operations", "description": "Health and Prometheus metrics (including "
                                           "`trainyard_goodput_device_seconds{tenant,kind}`); no authentication."},
 ]
@@ -141,12 +155,14 @@ def _invalid(description: str = "invalid parameters, each named by field (`query
 
 
 _NOT_JSON = _error(415, "the body is not sent as `application/json`")
-_UNAUTHORIZED = _error(401, "missing, malformed, unknown or revoked bearer token",
+_UNAUTHORIZED = _error(401, "missing, malformed, unknown, revoked or expired bearer token",
                        headers={"WWW-Authenticate": "`Bearer`"})
 _UNAVAILABLE = _error(503, "the state store (Redis) is unavailable; retry", headers={"Retry-After": "seconds"})
-_AUTH_ERRORS: Responses = {**_UNAUTHORIZED, **_UNAVAILABLE}
+_FORBIDDEN = _error(403, "the token's role lacks the right (the message names the role needed)")
+_AUTH_ERRORS: Responses = {**_UNAUTHORIZED, **_FORBIDDEN, **_UNAVAILABLE}
 _JOB_ERRORS: Responses = {**_AUTH_ERRORS, **_error(404, "no such job for this tenant"), **_invalid()}
-_ADMIN_ERRORS: Responses = {**_AUTH_ERRORS, **_error(403, "the token is not an admin token")}
+_ADMIN_ERRORS: Responses = {**_UNAUTHORIZED, **_UNAVAILABLE,
+                            **_error(403, "not a platform-admin token (or not one of this tenant's admins)")}
 MAX_OFFSET = 2**31 - 1
 """Largest list offset or page size a client may send (a page past the end is empty)."""
 
@@ -177,6 +193,14 @@ class ApiContext:
         return AdminService(self.store, self.outbox)
 
     @property
+    def tenants(self) -> TenantService:
+        return TenantService(self.store)
+
+    @property
+    def audit(self) -> AuditLog:
+        return AuditLog(self.store.redis, max_entries=self.settings.api_audit_max_entries)
+
+    @property
     def accounting(self) -> GoodputAccountant:
         return GoodputAccountant(self.store, StepTimingStore(self.store.redis))
 
@@ -204,22 +228,65 @@ async def _tenant(
     return await authenticate(_context(request).store, header)
 
 
-async def _admin(token: Annotated[TenantToken, Depends(_tenant)]) -> TenantToken:
-    return require_admin(token)
+_TARGET_PARTS = (("tenant", "tenant"), ("token_id", "token"), ("job_id", "job"), ("node_id", "node"),
+                 ("archive", "code"))
 
 
-def _strict_body(model: type[BaseModel]) -> Any:
+def _audit_target(request: Request) -> str:
+    """What a request acts on, from its path (``tenant/a/token/tok_…``); a route may set a better one."""
+    chosen = getattr(request.state, "audit_target", None)
+    if chosen:
+        return str(chosen)
+    params = request.path_params
+    return "/".join(f"{word}/{params[name]}" for name, word in _TARGET_PARTS if name in params) or request.url.path
+
+
+def _may(right: Right, action: str | None = None, *, platform: bool = False) -> Any:
+    """A dependency: the request's token when it has ``right`` on the path's ``{tenant}`` (else its own
+    tenant); 403 naming the role needed otherwise. With ``action``, the request is written to the audit log
+    with its outcome (also when refused for its role): the target's tenant, or none for ``platform`` actions."""
+
+    async def check(request: Request, token: Annotated[TenantToken, Depends(_tenant)]) -> AsyncIterator[TenantToken]:
+        path_tenant = request.path_params.get("tenant")
+        audit = _context(request).audit if action else None
+
+        async def note(outcome: Any, detail: str | None) -> None:
+            if audit is not None and action is not None:
+                tenant = getattr(request.state, "audit_tenant", None) or path_tenant or (
+                    None if platform else token.tenant)
+                await audit.record(token, action, _audit_target(request), tenant=tenant, outcome=outcome,
+                                   detail=detail)
+
+        try:
+            require(token, right, path_tenant)
+        except ForbiddenError as exc:
+            await note("denied", exc.message)
+            raise
+        try:
+            yield token
+        except Exception as exc:
+            await note(outcome_of(exc), getattr(exc, "message", None) or str(exc) or type(exc).__name__)
+            raise
+        await note("ok", getattr(request.state, "audit_detail", None))
+
+    return Depends(check)
+
+
+def _strict_body(model: type[BaseModel], auth: Any = None) -> Any:
     """A dependency holding the body to JSON (415 otherwise) of the types of ``model`` (see
-    :func:`strict_body_errors`), after authentication and ahead of FastAPI's own, lax, validation."""
+    :func:`strict_body_errors`), after authentication (``auth``: the route's own dependency, so a refused
+    role is a 403 before any 422) and ahead of FastAPI's own, lax, validation."""
     adapter = TypeAdapter(model)
+    auth = auth if auth is not None else Depends(_tenant)
 
-    async def validate(request: Request, _: Annotated[TenantToken, Depends(_tenant)]) -> None:
+    async def validate(request: Request, _: TenantToken) -> None:
         body = await request.body()
         if body and not is_json(request.headers.get("content-type")):
             raise StarletteHTTPException(415, "the body must be JSON: send Content-Type: application/json")
         if errors := strict_body_errors(adapter, body):
             raise RequestValidationError(errors)
 
+    validate.__annotations__["_"] = Annotated[TenantToken, auth]  # a local: not resolvable from a string
     return Depends(validate)
 
 
@@ -235,8 +302,32 @@ async def _one_value_per_query_parameter(request: Request) -> None:
 
 
 Ctx = Annotated[ApiContext, Depends(_context)]
-Tenant = Annotated[TenantToken, Depends(_tenant)]
-Admin = Annotated[TenantToken, Depends(_admin)]
+Tenant = Annotated[TenantToken, _may(Right.READ)]
+"""Any active token: reads of its own tenant's jobs, artifacts, datasets, plans, code."""
+Admin = Annotated[TenantToken, _may(Right.NODES)]
+_SUBMIT = _may(Right.SUBMIT, "job.submit")
+_UPLOAD = _may(Right.SUBMIT, "code.upload")
+_TENANT_CREATE = _may(Right.MANAGE_TENANTS, "tenant.create")
+_TENANT_UPDATE = _may(Right.MANAGE_TENANTS, "tenant.update")
+_TOKEN_CREATE = _may(Right.MANAGE_TOKENS, "token.create")
+# route parameters' annotations are strings (``from __future__ import annotations``) resolved in this
+# module's namespace: every dependency a route names in its signature is a module-level name
+Submitter = Annotated[TenantToken, _SUBMIT]
+Uploader = Annotated[TenantToken, _UPLOAD]
+NodeReinstater = Annotated[TenantToken, _may(Right.NODES, "node.reinstate", platform=True)]
+NodeDrainer = Annotated[TenantToken, _may(Right.NODES, "node.drain", platform=True)]
+NodeUndrainer = Annotated[TenantToken, _may(Right.NODES, "node.undrain", platform=True)]
+TenantCreator = Annotated[TenantToken, _TENANT_CREATE]
+TenantUpdater = Annotated[TenantToken, _TENANT_UPDATE]
+TenantDeleter = Annotated[TenantToken, _may(Right.MANAGE_TENANTS, "tenant.delete")]
+TenantManager = Annotated[TenantToken, _may(Right.MANAGE_TENANTS)]
+TenantReader = Annotated[TenantToken, _may(Right.READ_TENANT)]
+TokenCreator = Annotated[TenantToken, _TOKEN_CREATE]
+TokenRevoker = Annotated[TenantToken, _may(Right.MANAGE_TOKENS, "token.revoke")]
+TokenManager = Annotated[TenantToken, _may(Right.MANAGE_TOKENS)]
+AuditReader = Annotated[TenantToken, _may(Right.READ_AUDIT)]
+_CONTROLLERS = {action: Annotated[TenantToken, _may(Right.CONTROL, f"job.{action}")]
+                for action in ("cancel", "pause", "resume")}
 NodeId = Annotated[str, Path(max_length=128, description="the node id", examples=["node-a"])]
 DrainReason = Annotated[str | None, Query(max_length=500, description="why (shown to the jobs that wait)")]
 JobId = Annotated[str, Path(max_length=128, description="job id, `job-` + 12 hex",
@@ -275,8 +366,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             return method_not_allowed(request)
         return await http_exception_handler(request, exc)
 
-    @app.exception_handler(NotAdminError)
-    async def _forbidden(_: Request, exc: NotAdminError) -> JSONResponse:
+    @app.exception_handler(ForbiddenError)
+    async def _forbidden(_: Request, exc: ForbiddenError) -> JSONResponse:
         return _message(403, exc)
 
     @app.exception_handler(AuthError)
@@ -336,7 +427,7 @@ def method_not_allowed(request: Request) -> Response:
 def _install_job_routes(app: FastAPI) -> None:
     @app.post(
         "/v1/training-jobs", status_code=202, response_model=SubmitResponse,
-        dependencies=[_strict_body(SubmittedSpec)],
+        dependencies=[_strict_body(SubmittedSpec, _SUBMIT)],
         tags=["jobs"], summary="Submit a training job",
         responses={
             202: {"headers": {
@@ -353,7 +444,8 @@ def _install_job_routes(app: FastAPI) -> None:
     )
     async def submit_job(
         ctx: Ctx,
-        tenant: Tenant,
+        tenant: Submitter,
+        request: Request,
         response: Response,
         spec: Annotated[SubmittedSpec, Body(openapi_examples={
             "tiny": {"summary": "the tiny example (examples/tiny.yaml)", "value": EXAMPLE_SPEC},
@@ -370,6 +462,8 @@ def _install_job_routes(app: FastAPI) -> None:
         job, created, warnings = await ctx.jobs.submit(
             spec, tenant, idempotency_key=idempotency_key, traceparent=current_traceparent()
         )
+        request.state.audit_target = f"job/{job.job_id}"
+        request.state.audit_detail = None if created else "replayed (Idempotency-Key)"
         response.headers["Location"] = f"{ctx.settings.public_url}/v1/training-jobs/{job.job_id}"
         if not created:
             response.headers["Idempotent-Replayed"] = "true"
@@ -421,8 +515,10 @@ def _install_job_routes(app: FastAPI) -> None:
 
 
 def _add_control_route(app: FastAPI, action: Literal["cancel", "pause", "resume"], doc: str) -> None:
-    async def control(ctx: Ctx, tenant: Tenant, job_id: JobId) -> ControlResponse:
+    async def control(ctx: Ctx, tenant: TenantToken, job_id: JobId) -> ControlResponse:
         return await ctx.jobs.control(tenant, job_id, action)
+
+    control.__annotations__["tenant"] = _CONTROLLERS[action]  # per action: not a module-level name
 
     control.__doc__ = doc + " Answers 202 with the job's state at the time of the request."
     app.post(
@@ -488,10 +584,10 @@ def _install_plan_routes(app: FastAPI) -> None:
 def _install_goodput_and_admin_routes(app: FastAPI) -> None:
     @app.get("/v1/goodput", response_model=GoodputReport, tags=["goodput"],
              summary="The tenant's goodput ledger",
-             responses={**_AUTH_ERRORS, **_error(403, "all=true without an admin token"), **_invalid()})
+             responses={**_AUTH_ERRORS, **_invalid()})
     async def get_goodput(
         ctx: Ctx, tenant: Tenant,
-        all_tenants: Annotated[bool, Query(alias="all", description="every tenant's ledger (admins only)")] = False,
+        all_tenants: Annotated[bool, Query(alias="all", description="every tenant's ledger (platform-admin)")] = False,
     ) -> GoodputReport:
         """Device-seconds summed over the caller's jobs: allocated, productive (steps a READY
         checkpoint or the final model saved), in flight, and wasted by cause (lostWork, launchRestore,
@@ -502,7 +598,7 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
         ledger, jobs = await accounting.tenant(tenant.tenant)
         others = None
         if all_tenants:
-            require_admin(tenant)
+            require(tenant, Right.ALL_TENANTS)
             others = {name: goodput_view(v) for name, v in (await accounting.all_tenants()).items()}
         return GoodputReport(tenant=tenant.tenant, jobs=jobs, ledger=goodput_view(ledger), tenants=others)
 
@@ -518,7 +614,7 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
               tags=["admin"], summary="Reinstate a quarantined node",
               responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
     async def reinstate_node(
-        ctx: Ctx, admin: Admin,
+        ctx: Ctx, admin: NodeReinstater,
         node_id: Annotated[str, Path(max_length=128, description="the node id", examples=["node-a"])],
     ) -> ReinstateResponse:
         """Publish NodeReinstated (`by` = the admin token's name); the scheduler clears the
@@ -528,7 +624,8 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
     @app.post("/v1/admin/nodes/{node_id}/drain", status_code=202, response_model=DrainResponse,
               tags=["admin"], summary="Drain a node (maintenance)",
               responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
-    async def drain_node(ctx: Ctx, admin: Admin, node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
+    async def drain_node(ctx: Ctx, admin: NodeDrainer,
+                         node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
         """Publish NodeDrained (`by` = the admin token's name): nothing new is placed on the node, and
         the attempts running there checkpoint at an agreed step and stop, interrupted by maintenance
         (no failure budget spent, nobody blamed); they resume from that checkpoint elsewhere, or there
@@ -538,7 +635,8 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
     @app.post("/v1/admin/nodes/{node_id}/undrain", status_code=202, response_model=DrainResponse,
               tags=["admin"], summary="Undrain a node",
               responses={**_ADMIN_ERRORS, **_error(404, "no such node"), **_invalid()})
-    async def undrain_node(ctx: Ctx, admin: Admin, node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
+    async def undrain_node(ctx: Ctx, admin: NodeUndrainer,
+                           node_id: NodeId, reason: DrainReason = None) -> DrainResponse:
         """Publish NodeUndrained: the node takes new work again."""
         return await ctx.admin.undrain(admin, node_id, reason)
 
@@ -577,7 +675,7 @@ def _install_code_routes(app: FastAPI) -> None:
                        "code archive the platform will unpack (`body`: a path outside the tree, a device, …)"),
         },
     )
-    async def put_code(ctx: Ctx, tenant: Tenant, request: Request, response: Response,
+    async def put_code(ctx: Ctx, tenant: Uploader, request: Request, response: Response,
                        archive: ArchiveId) -> CodeArchiveView:
         """Store the tenant's code archive (what `trainyard submit --code DIR` packs): a deterministic
         `.tar.gz` named by the sha256 of its bytes. The API checks the hash, the size and that it unpacks
@@ -598,6 +696,111 @@ def _install_code_routes(app: FastAPI) -> None:
         """Size, number of files and upload time of one of the tenant's archives (404: upload it)."""
         info = await ctx.code.info(tenant.tenant, archive)
         return CodeArchiveView(archive=info.archive, size=info.size, files=info.files, uploaded_at=info.uploaded_at)
+
+
+TenantName = Annotated[str, Path(pattern=TENANT_PATTERN, max_length=63, description="the tenant",
+                                 examples=["research"])]
+TokenId = Annotated[str, Path(pattern=r"^tok_[0-9a-f]{12}$", description="the token's id (never its secret)",
+                              examples=["tok_3f2a9c1b7e4d"])]
+_NO_TENANT = _error(404, "no such tenant")
+
+
+def _install_tenant_routes(app: FastAPI) -> None:
+    admin_errors = {**_ADMIN_ERRORS, **_invalid()}
+
+    @app.post("/v1/admin/tenants", status_code=201, response_model=TenantView, tags=["admin"],
+              summary="Create a tenant", dependencies=[_strict_body(TenantCreateBody, _TENANT_CREATE)],
+              responses={**admin_errors, **_NOT_JSON, **_error(409, "the tenant exists already")})
+    async def create_tenant(ctx: Ctx, admin: TenantCreator, request: Request,
+                            body: TenantCreateBody) -> TenantView:
+        """Create a tenant with optional queue settings (quotas per device type, fair-share weight, cohort,
+        maxPriority); then issue its tokens with `POST /v1/admin/tenants/{tenant}/tokens`. The scheduler
+        applies the settings at its next reconcile, without a restart. Platform-admin."""
+        request.state.audit_target, request.state.audit_tenant = f"tenant/{body.tenant}", body.tenant
+        return await ctx.tenants.create(admin, body)
+
+    @app.get("/v1/admin/tenants", response_model=TenantList, tags=["admin"], summary="List tenants",
+             responses=_ADMIN_ERRORS)
+    async def list_tenants(ctx: Ctx, _: TenantManager) -> TenantList:
+        """Every tenant created through the API, and every tenant that has active tokens (created before
+        tenants were records: `createdAt` null), with its settings and number of active tokens. Platform-admin."""
+        return await ctx.tenants.list()
+
+    @app.get("/v1/admin/tenants/{tenant}", response_model=TenantView, tags=["admin"], summary="Get a tenant",
+             responses={**admin_errors, **_NO_TENANT})
+    async def get_tenant(ctx: Ctx, _: TenantReader, tenant: TenantName
+                         ) -> TenantView:
+        """The tenant's queue settings as the scheduler applies them. Platform-admin, or its own tenant-admin."""
+        return await ctx.tenants.get(tenant)
+
+    @app.patch("/v1/admin/tenants/{tenant}", response_model=TenantView, tags=["admin"],
+               summary="Change a tenant's quotas and priority", dependencies=[_strict_body(TenantSettingsBody, _TENANT_UPDATE)],
+               responses={**admin_errors, **_NOT_JSON, **_NO_TENANT})
+    async def update_tenant(ctx: Ctx, _: TenantUpdater, request: Request, tenant: TenantName,
+                            body: TenantSettingsBody) -> TenantView:
+        """Change only the fields sent: `quotas` merges by device type (a quota set to `null` is removed),
+        `maxPriority` caps its jobs' priority (and so the priority class they reach; `null` removes the cap).
+        The scheduler applies it at its next reconcile, without a restart. Platform-admin."""
+        request.state.audit_detail = body.model_dump_json(by_alias=True, exclude_unset=True)
+        return await ctx.tenants.update(tenant, body)
+
+    @app.delete("/v1/admin/tenants/{tenant}", response_model=TenantView, tags=["admin"], summary="Delete a tenant",
+                responses={**admin_errors, **_NO_TENANT,
+                           **_error(409, "the tenant has unfinished jobs, or holds the caller's own token")})
+    async def delete_tenant(ctx: Ctx, admin: TenantDeleter, tenant: TenantName) -> TenantView:
+        """Revoke every token of the tenant and forget it and its settings (its finished jobs and artifacts
+        stay). Refused while it has unfinished jobs: cancel them first. Platform-admin."""
+        return await ctx.tenants.delete(admin, tenant)
+
+    @app.post("/v1/admin/tenants/{tenant}/tokens", status_code=201, response_model=IssuedToken, tags=["admin"],
+              summary="Issue a token", dependencies=[_strict_body(TokenCreateBody, _TOKEN_CREATE)],
+              responses={**admin_errors, **_NOT_JSON, **_NO_TENANT})
+    async def create_token(ctx: Ctx, admin: TokenCreator, request: Request,
+                           tenant: TenantName, body: TokenCreateBody) -> IssuedToken:
+        """A new token of the tenant with a role and an optional expiry (`expiresAt` or `ttlSeconds`). The
+        answer carries the secret (`token`) once; only its sha256 is stored. A tenant-admin issues tokens of
+        its own tenant up to tenant-admin; a platform-admin any."""
+        if refusal := may_grant(admin, body.role):
+            raise ForbiddenError(refusal.message)
+        issued = await ctx.tenants.issue(admin, tenant, body)
+        request.state.audit_target = f"tenant/{tenant}/token/{issued.token_id}"
+        request.state.audit_detail = f"role {issued.role}" + (
+            f", expires {issued.expires_at.isoformat()}" if issued.expires_at else "")
+        return issued
+
+    @app.get("/v1/admin/tenants/{tenant}/tokens", response_model=TokenList, tags=["admin"],
+             summary="List a tenant's tokens", responses={**admin_errors, **_NO_TENANT})
+    async def list_tokens(ctx: Ctx, _: TokenManager, tenant: TenantName) -> TokenList:
+        """Every token of the tenant, without its secret: id, name, role, state (active, revoked,
+        expired), when created, expiring, revoked, and by whom."""
+        return await ctx.tenants.tokens(tenant)
+
+    @app.delete("/v1/admin/tenants/{tenant}/tokens/{token_id}", response_model=TokenView, tags=["admin"],
+                summary="Revoke a token", responses={**admin_errors, **_error(404, "no such token in the tenant")})
+    async def revoke_token(ctx: Ctx, admin: TokenRevoker, tenant: TenantName, token_id: TokenId) -> TokenView:
+        """Refused (401, "revoked") from the next request on, at every API process. Revoking a revoked
+        token changes nothing."""
+        return await ctx.tenants.revoke(admin, tenant, token_id)
+
+    @app.get("/v1/admin/audit", response_model=AuditPage, tags=["admin"], summary="Read the audit log",
+             responses={**admin_errors})
+    async def read_audit(
+        ctx: Ctx, reader: AuditReader,
+        tenant: Annotated[str | None, Query(pattern=TENANT_PATTERN, max_length=63,
+                                            description="only this tenant's entries (a tenant-admin: its own)")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000, description="entries per page, newest first")] = 100,
+        before: Annotated[str | None, Query(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$",
+                                            description="`nextBefore` of the previous page")] = None,
+    ) -> AuditPage:
+        """Every administrative action and every control action on a job (submit, pause, resume, cancel,
+        code upload): who (token id, name, tenant, role), what (action, target), when, and the outcome
+        (ok, denied, not-found, conflict, invalid, failed). A platform-admin reads all of it (or one
+        tenant's with `tenant`), a tenant-admin its own tenant's."""
+        if tenant is None and Right.ALL_TENANTS not in rights(reader.effective_role):
+            tenant = reader.tenant
+        if tenant is not None:
+            require(reader, Right.READ_AUDIT, tenant)
+        return await ctx.audit.page(tenant, limit=limit, before=before)
 
 
 def _install_other_routes(app: FastAPI) -> None:
@@ -660,5 +863,6 @@ def create_app(context: ApiContext) -> FastAPI:
     _install_plan_routes(app)
     _install_goodput_and_admin_routes(app)
     _install_code_routes(app)
+    _install_tenant_routes(app)
     _install_other_routes(app)
     return app

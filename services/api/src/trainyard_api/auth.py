@@ -1,32 +1,28 @@
-"""Bearer-token authentication: a token maps to a tenant; only its sha256 is stored."""
+"""Bearer-token authentication and authorization: a token maps to a tenant and a role (see ``roles.py``);
+only its sha256 is stored. Every request reads the token's record again, so revocation and expiry take
+effect at the next request on every API process."""
 
 from __future__ import annotations
 
-import secrets
+from datetime import datetime
 
 from trainyard_common.errors import AuthError
-from trainyard_common.records import TenantToken
-from trainyard_common.store import StateStore
+from trainyard_common.events import utcnow
+from trainyard_common.records import TenantToken, TokenRole
+from trainyard_common.store import StateStore, hash_token, token_id_of
+
+from trainyard_api.roles import ForbiddenError, Right, authorize, check_token
+from trainyard_api.tenants import new_secret
 
 HOW_TO_GET_A_TOKEN = (
     "send `Authorization: Bearer <token>`. The local stack (`make up`) writes a development "
-    "token to .trainyard/dev-token; an operator issues one with "
-    "`trainyard admin create-token --tenant <tenant>`"
+    "token to .trainyard/dev-token; an admin of your tenant issues one with "
+    "`trainyard admin tokens create --tenant <tenant>`"
 )
 
 
-class NotAdminError(AuthError):
-    """A valid token without admin rights on an admin route (HTTP 403)."""
-
-
-def require_admin(token: TenantToken) -> TenantToken:
-    """``token`` when it is an admin token; NotAdminError otherwise."""
-    if not token.admin:
-        raise NotAdminError(
-            f"token {token.name!r} of tenant {token.tenant!r} is not an admin token; an operator issues one "
-            "with `trainyard admin create-token --tenant <tenant> --admin`"
-        )
-    return token
+NotAdminError = ForbiddenError
+"""The name this error had when the only right was admin."""
 
 
 def bearer_token(authorization: str | None) -> str:
@@ -39,23 +35,32 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip()
 
 
-async def authenticate(store: StateStore, authorization: str | None) -> TenantToken:
-    """The tenant behind the request's bearer token; AuthError (401) otherwise."""
-    token = bearer_token(authorization)
-    tenant = await store.tenant_for_token(token)
-    if tenant is None:
-        raise AuthError(f"unknown or revoked token: {HOW_TO_GET_A_TOKEN}")
-    return tenant
+async def authenticate(store: StateStore, authorization: str | None, now: datetime | None = None) -> TenantToken:
+    """The active token behind the request's bearer token (with its id); AuthError (401) saying why not."""
+    secret = bearer_token(authorization)
+    digest = hash_token(secret)
+    token = await store.tenant_for_token(secret)
+    if refusal := check_token(token, now or utcnow(), HOW_TO_GET_A_TOKEN):
+        raise AuthError(refusal.message)
+    assert token is not None
+    return token if token.token_id else token.model_copy(update={"token_id": token_id_of(digest, token)})
 
 
-def new_token() -> str:
-    """A fresh random API token (shown once; only its hash is kept)."""
-    return "ty_" + secrets.token_urlsafe(32)
+def require(token: TenantToken, right: Right, tenant: str | None = None) -> TenantToken:
+    """``token`` when it has ``right`` on ``tenant`` (default its own); ForbiddenError naming the role needed."""
+    if refusal := authorize(token, right, tenant):
+        raise ForbiddenError(refusal.message)
+    return token
+
+
+def require_admin(token: TenantToken) -> TenantToken:
+    """``token`` when it is a platform-admin token; ForbiddenError otherwise."""
+    return require(token, Right.NODES)
 
 
 async def issue_token(store: StateStore, tenant: str, name: str = "default", token: str | None = None,
-                      *, admin: bool = False) -> str:
+                      *, admin: bool = False, role: TokenRole | None = None) -> str:
     """Register ``token`` (or a new random one) for ``tenant``; returns the plain token."""
-    token = token or new_token()
-    await store.add_token(token, tenant, name, admin=admin)
+    token = token or new_secret()
+    await store.add_token(token, tenant, name, admin=admin, role=role)
     return token

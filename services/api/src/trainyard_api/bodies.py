@@ -11,11 +11,15 @@ downstream takes it as the parent.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 from trainyard_common.catalog import ModelConfig
+from trainyard_common.records import TokenRole
 from trainyard_common.spec import REF_PATTERN, Code, Training, TrainingSpec
 from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
 
@@ -106,3 +110,62 @@ class PlanBytesPerParameter(BytesPerParameter):
     gradients: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["gradients"]
     master_weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["master_weights"]
     optimizer_states: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["optimizer_states"]
+
+
+# ----------------------------------------------------------------------------- tenant administration
+
+TENANT_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+"""A tenant's name: lower-case letters, digits, '.', '_', '-'; it names directories of the artifact store."""
+DEVICE_KIND_PATTERN = r"^(\*|[a-z0-9][a-z0-9._-]{0,63})$"
+MAX_TOKEN_TTL_S = 10 * 365 * 86_400
+
+
+class _AdminBody(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class QuotaBody(_AdminBody):
+    """A tenant's quota of one device type (the scheduler's semantics: services/scheduler policy.py)."""
+
+    guaranteed: int | None = Field(default=None, ge=0, le=MAX_DEVICES,
+                                   description="devices reserved to the tenant; null = unlimited")
+    borrow_limit: int | None = Field(default=None, ge=0, le=MAX_DEVICES,
+                                     description="devices above `guaranteed` it may borrow; null = no limit")
+
+
+class TenantSettingsBody(_AdminBody):
+    """A tenant's queue settings. In a PATCH every field is optional and only the fields sent change; a quota
+    set to `null` is removed (the tenant falls back to its `*` quota, then to unlimited)."""
+
+    cohort: str | None = Field(default=None, pattern=TENANT_PATTERN,
+                               description="tenants of one cohort share the cohort's limits (default `default`)")
+    weight: float | None = Field(default=None, gt=0, le=1000, description="fair-share weight (default 1)")
+    max_priority: int | None = Field(
+        default=None, ge=-1000, le=1000,
+        description="its jobs' spec.priority is lowered to this, so its jobs reach no higher priority class "
+                    "(null: no cap)")
+    quotas: dict[Annotated[str, Field(pattern=DEVICE_KIND_PATTERN)], QuotaBody | None] | None = Field(
+        default=None, max_length=64, description="device type (or `*`: every other type) → quota",
+        examples=[{"cpu": {"guaranteed": 8, "borrowLimit": 4}, "*": {"guaranteed": 0}}])
+
+
+class TenantCreateBody(TenantSettingsBody):
+    tenant: str = Field(pattern=TENANT_PATTERN, description="the new tenant's name", examples=["research"])
+
+
+class TokenCreateBody(_AdminBody):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]*$",
+                      description="a label (shown as submittedBy and in the audit log)", examples=["ci-pipeline"])
+    role: TokenRole = Field(default="submitter", description="viewer, submitter, tenant-admin or platform-admin")
+    expires_at: datetime | None = Field(default=None, description="refused from this instant on (RFC 3339, with "
+                                                                  "offset); give this or ttlSeconds, not both")
+    ttl_seconds: int | None = Field(default=None, gt=0, le=MAX_TOKEN_TTL_S,
+                                    description="refused this many seconds after creation")
+
+    @model_validator(mode="after")
+    def _one_expiry(self) -> TokenCreateBody:
+        if self.expires_at is not None and self.ttl_seconds is not None:
+            raise PydanticCustomError("one_expiry", "give expiresAt or ttlSeconds, not both")
+        if self.expires_at is not None and self.expires_at.tzinfo is None:
+            raise PydanticCustomError("expiry_offset", "expiresAt needs a UTC offset (e.g. 2027-01-01T00:00:00Z)")
+        return self

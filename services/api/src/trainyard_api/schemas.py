@@ -334,3 +334,71 @@ class CodeArchiveView(_Out):
 
 class ErrorMessage(_Out):
     detail: str
+
+
+# ----------------------------------------------------------------------------- tenant administration
+
+
+class QuotaView(_Out):
+    guaranteed: int | None = None
+    borrow_limit: int | None = None
+
+
+class TenantSettingsView(_Out):
+    cohort: str = "default"
+    weight: float = 1.0
+    max_priority: int | None = None
+    quotas: dict[str, QuotaView] = Field(default_factory=dict)
+
+
+class TenantView(_Out):
+    tenant: str
+    created_at: datetime | None = Field(default=None, description="null for a tenant known only by its tokens")
+    created_by: str | None = None
+    settings: TenantSettingsView = Field(description="its queue settings as the scheduler applies them")
+    settings_stored: bool = Field(description="false: no settings stored yet (the scheduler's defaults, or its "
+                                              "queue-config file's seed, apply)")
+    active_tokens: int = 0
+
+
+class TenantList(_Out):
+    tenants: list[TenantView]
+
+
+class TokenView(_Out):
+    token_id: str = Field(examples=["tok_3f2a9c1b7e4d"])
+    tenant: str
+    name: str
+    role: Literal["viewer", "submitter", "tenant-admin", "platform-admin"]
+    state: Literal["active", "revoked", "expired"]
+    created_at: datetime
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    created_by: str | None = None
+
+
+class TokenList(_Out):
+    tokens: list[TokenView]
+
+
+class IssuedToken(TokenView):
+    token: str = Field(description="the secret: shown once, only its sha256 is stored")
+
+
+class AuditEntry(_Out):
+    id: str = Field(description="the stream id (`<ms>-<seq>`): pass it as `before` for the next page")
+    at: str
+    action: str = Field(examples=["job.cancel", "token.create", "tenant.update"])
+    target: str = Field(examples=["job/job-3f2a9c1b7e4d", "tenant/research/token/tok_3f2a9c1b7e4d"])
+    tenant: str | None = Field(default=None, description="the tenant the target belongs to")
+    outcome: str = Field(description="ok, denied, not-found, conflict, invalid or failed")
+    actor_token_id: str | None = None
+    actor_name: str
+    actor_tenant: str
+    actor_role: str
+    detail: str | None = None
+
+
+class AuditPage(_Out):
+    entries: list[AuditEntry]
+    next_before: str | None = Field(default=None, description="the next (older) page's `before`; null at the end")

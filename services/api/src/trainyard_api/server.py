@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -29,6 +30,7 @@ from trainyard_api.calibrator import Calibrator
 from trainyard_api.progress import ProgressProjector
 from trainyard_api.settings import ApiSettings
 from trainyard_api.steptiming import StepTimingStore
+from trainyard_api.tenants import bootstrap_admin
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class ApiServer:
             self.context.settings = self.settings.model_copy(update={"api_port": self.port})
         try:
             await self.runtime.start()
+            await self._maybe_bootstrap()
             config = uvicorn.Config(
                 self.app, log_config=None, access_log=self.settings.api_access_log, lifespan="off",
                 server_header=False, timeout_graceful_shutdown=10,
@@ -109,6 +112,17 @@ class ApiServer:
             await self.aclose()
             raise
         log.info("api listening on %s (public URL %s)", self.url, self.context.settings.public_url)
+
+    async def _maybe_bootstrap(self) -> None:
+        """The first platform-admin token, into TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE, when none exists."""
+        path = self.settings.api_bootstrap_admin_token_file
+        if path is None:
+            return
+        try:
+            await bootstrap_admin(self.runtime.store, Path(path).expanduser(), self.settings.api_bootstrap_admin_tenant)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the bootstrap admin token to {path} "
+                              f"(TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE): {exc.strerror or exc}") from exc
 
     async def _wait_started(self, timeout_s: float = 30.0) -> None:
         assert self._server is not None and self._serving is not None

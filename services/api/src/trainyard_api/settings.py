@@ -4,6 +4,7 @@ the planner's calibration assumes and keeps."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from pydantic import AliasChoices, Field
 
@@ -43,6 +44,16 @@ class ApiSettings(ServiceSettings):
     api_git_local_repos: bool = Field(
         default=True, description="whether code.repo may name a repository on the API's machine (a path or a file:// "
                                   "URL); turn off where tenants must not read the API host's files")
+
+    api_bootstrap_admin_token_file: Path | None = Field(
+        default=None,
+        description="at start-up, when no active platform-admin token exists, create one and write it to this file "
+                    "(mode 0600); the local stack sets .trainyard/admin-token")
+    api_bootstrap_admin_tenant: str = Field(
+        default="platform", pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$",
+        description="the tenant the bootstrap platform-admin token belongs to (created if missing)")
+    api_audit_max_entries: int = Field(
+        default=100_000, gt=0, description="entries the audit log keeps (all tenants, and per tenant), newest kept")
 
     cpu_peak_flops: float = Field(
         default=DEFAULT_CPU_PEAK_FLOPS, gt=0,
