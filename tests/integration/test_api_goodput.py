@@ -177,4 +177,4 @@ async def test_admin_lists_nodes_with_quarantine_and_reinstates_through_the_outb
     code, out = await asyncio.to_thread(run, ADMIN, "reinstate", "node-b")
     assert code == 0 and "node-b reinstated by olga" in out
     code, out = await asyncio.to_thread(run, TOKEN_A, "list")
-    assert code == 1 and "not an admin token" in out
+    assert code == 1 and "needs platform-admin" in out

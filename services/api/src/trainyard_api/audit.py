@@ -75,8 +75,8 @@ class AuditLog:
 
     async def record(self, token: TenantToken, action: str, target: str, *, tenant: str | None, outcome: Outcome,
                      detail: str | None = None, digest: str | None = None) -> None:
-        """Append one entry (to the tenant's stream too). A Redis that cannot take it is logged, not raised:
-        the action itself already happened."""
+        """Append one entry (to the tenant's stream too). An entry that cannot be written is logged, not
+        raised: the action itself already happened."""
         if token.token_id is None and digest is not None:
             token = token.model_copy(update={"token_id": token_id_of(digest, token)})
         fields = entry_fields(token, action, target, tenant, outcome, detail, utcnow())
@@ -87,8 +87,9 @@ class AuditLog:
                     pipe.xadd(Keys.tenant_audit(tenant), fields, maxlen=self.max_entries,  # type: ignore[arg-type]
                               approximate=True)
                 await pipe.execute()
-        except RedisError as exc:
-            log.error("audit entry not written (%s %s by %s: %s): %r", action, target, token.name, outcome, exc)
+        except Exception as exc:  # noqa: BLE001 - the action happened: its answer must not become a 500
+            level = logging.ERROR if isinstance(exc, RedisError) else logging.CRITICAL
+            log.log(level, "audit entry not written (%s %s by %s: %s): %r", action, target, token.name, outcome, exc)
 
     async def page(self, tenant: str | None, *, limit: int, before: str | None) -> AuditPage:
         """Newest first; ``before`` is the ``nextBefore`` of the previous page (exclusive)."""
