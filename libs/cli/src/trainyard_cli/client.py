@@ -336,7 +336,15 @@ class ApiClient:
 
     def post_json(self, path: str, params: Mapping[str, str] | None = None) -> Any:
         """The JSON answer of a body-less POST (admin actions; ``params``: its query)."""
-        response = self._request("POST", path, params=dict(params) if params else None)
+        return self.call_json("POST", path, params=params)
+
+    def call_json(self, method: str, path: str, *, body: Any = None,
+                  params: Mapping[str, Any] | None = None) -> Any:
+        """The JSON answer of any request (``body`` sent as JSON when not None); ApiError for an error."""
+        kwargs: dict[str, Any] = {"params": {k: v for k, v in (params or {}).items() if v is not None} or None}
+        if body is not None:
+            kwargs["json"] = body
+        response = self._request(method, path, **kwargs)
         if response.is_error:
             raise error_for(response)
         return response.json()

@@ -4,6 +4,8 @@ Precedence: the flag (``--api-url`` / ``--token``), then the environment
 (``TRAINYARD_API_URL`` / ``TRAINYARD_TOKEN``, handled by typer), then the files the local
 stack writes (``.trainyard/api-url``, ``.trainyard/dev-token``, looked up from the working
 directory upwards), then the default URL ``http://127.0.0.1:8080`` (no default token).
+``trainyard admin …`` commands without a flag or variable use ``.trainyard/admin-token`` (the
+platform-admin token the API bootstraps for the local stack) when it exists, else the dev token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ DEFAULT_API_URL = "http://127.0.0.1:8080"
 STATE_DIR = ".trainyard"
 API_URL_FILE = "api-url"
 TOKEN_FILE = "dev-token"
+ADMIN_TOKEN_FILE = "admin-token"
 
 NO_TOKEN = (
     "no API token: pass --token, set TRAINYARD_TOKEN, or run `make up` "
@@ -62,17 +65,34 @@ def resolve_token(flag: str | None, start: Path) -> str | None:
     return _read_first_line(state / TOKEN_FILE) if state else None
 
 
+def resolve_admin_token(flag: str | None, start: Path) -> str | None:
+    """``flag``, else the stack's admin token file, else its dev token file."""
+    if flag:
+        return flag.strip()
+    state = find_state_dir(start)
+    return (_read_first_line(state / ADMIN_TOKEN_FILE) or _read_first_line(state / TOKEN_FILE)) if state else None
+
+
 @dataclass
 class CliConfig:
     """What the global options resolved to; the token is required only by API commands."""
 
     api_url: str
     token: str | None
+    admin_token: str | None = None
 
     def require_token(self) -> str:
         if not self.token:
             raise ConfigError(NO_TOKEN)
         return self.token
+
+    def require_admin_token(self) -> str:
+        """The token of ``trainyard admin …`` commands (see the module docstring)."""
+        token = self.admin_token or self.token
+        if not token:
+            raise ConfigError("no admin token: pass --token, set TRAINYARD_TOKEN, or run `make up` (the API writes "
+                              "a platform-admin token to .trainyard/admin-token)")
+        return token
 
 
 def load_spec(path: Path, stdin_text: str | None = None) -> dict[str, Any]:

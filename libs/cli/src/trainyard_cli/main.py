@@ -20,7 +20,7 @@ from trainyard_cli import codepack
 
 from trainyard_cli.client import ApiClient, ApiSpecError
 from trainyard_cli.admin import admin_app
-from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
+from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
 from trainyard_cli.devstack import dev_app
 from trainyard_cli.follow import follow_job
 from trainyard_cli.plan import plan_app
@@ -68,18 +68,21 @@ def _global_options(
         help="API base URL (default: the contents of .trainyard/api-url if present, else http://127.0.0.1:8080)")] = None,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="TRAINYARD_TOKEN", show_default=False,
-        help="API token (default: the contents of .trainyard/dev-token if present, which `make up` writes)")] = None,
+        help="API token (default: the contents of .trainyard/dev-token if present, which `make up` writes; "
+             "`trainyard admin …` prefers .trainyard/admin-token)")] = None,
 ) -> None:
     cwd = Path.cwd()
-    ctx.obj = CliConfig(api_url=resolve_api_url(api_url, cwd), token=resolve_token(token, cwd))
+    ctx.obj = CliConfig(api_url=resolve_api_url(api_url, cwd), token=resolve_token(token, cwd),
+                        admin_token=resolve_admin_token(token, cwd))
 
 
 @contextmanager
-def _api(ctx: typer.Context) -> Iterator[ApiClient]:
-    """An API client for the command; every trainyard error becomes a one-line message and exit 1."""
+def _api(ctx: typer.Context, *, admin: bool = False) -> Iterator[ApiClient]:
+    """An API client for the command (``admin``: with the admin token, see config.py); every trainyard error
+    becomes a one-line message and exit 1 (2 for a configuration problem)."""
     config: CliConfig = ctx.obj
     try:
-        with ApiClient(config.api_url, config.require_token()) as client:
+        with ApiClient(config.api_url, config.require_admin_token() if admin else config.require_token()) as client:
             yield client
     except ApiSpecError as exc:
         err.print(field_problems(exc.problems), end="")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -121,6 +120,11 @@ class LocalStack:
     def token_file(self) -> Path:
         return self.s.root / "dev-token"
 
+    @property
+    def admin_token_file(self) -> Path:
+        """The platform-admin token the API bootstraps (TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE)."""
+        return self.s.root / "admin-token"
+
     def service_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
@@ -175,7 +179,6 @@ class LocalStack:
             launched = infra.start_redis(self.s.redis_port, self.s.root / "redis", self.s.log_dir / "redis.log")
             self._record("redis", launched.process.pid)
         asyncio.run(self._prepare_infra())
-        token = asyncio.run(self._ensure_token())
         if "api" not in alive:
             infra.require_free_port(self.s.api_port, "the API", "TRAINYARD_API_PORT")
         for name in SERVICES:
@@ -187,7 +190,7 @@ class LocalStack:
                 self._spawn_service("node-agent", name=name, node_index=i)
         self._wait_ready()
         (self.s.root / "api-url").write_text(self.s.api_url + "\n")
-        return token
+        return self._ensure_dev_token()
 
     async def _prepare_infra(self) -> None:
         from trainyard_common.bus import ensure_topics
@@ -195,18 +198,35 @@ class LocalStack:
         await ensure_topics(self.kafka_bootstrap, partitions=self.s.topic_partitions,
                             namespace=self.s.topic_namespace)
 
-    async def _ensure_token(self) -> str:
-        token = self.token_file.read_text().strip() if self.token_file.exists() else ""
-        if not token:
-            token = "ty_dev_" + secrets.token_urlsafe(24)
-            self.token_file.write_text(token + "\n")
-            self.token_file.chmod(0o600)
-        redis = connect_redis(self.redis_url)
-        try:
-            await StateStore(redis).add_token(token, DEV_TENANT, name="dev", admin=True)
-        finally:
-            await redis.aclose()
-        return token
+    def _ensure_dev_token(self) -> str:
+        """The dev token (tenant-admin of tenant ``dev``): the file's while the API accepts it, else a new one
+        issued through the API with the bootstrap admin token. Nothing here writes Redis."""
+        from trainyard_cli.client import ApiAuthError, ApiClient, ApiConflictError
+
+        token = _first_line(self.token_file)
+        if token:
+            with ApiClient(self.s.api_url, token) as api:
+                try:
+                    api.list_jobs(limit=1)
+                    return token
+                except ApiAuthError:
+                    pass  # unknown (a fresh Redis), revoked or expired: issue another
+        admin = _first_line(self.admin_token_file)
+        if not admin:
+            raise InfrastructureError(
+                f"the API accepts no dev token and wrote no admin token to {self.admin_token_file}; an active "
+                "platform-admin token exists elsewhere: issue the dev token with it (`trainyard --token <admin> "
+                f"admin tokens create --tenant {DEV_TENANT} --role tenant-admin > {self.token_file}`)",
+                retryable=False)
+        with ApiClient(self.s.api_url, admin) as api:
+            try:
+                api.call_json("POST", "/v1/admin/tenants", body={"tenant": DEV_TENANT})
+            except ApiConflictError:
+                pass  # exists already
+            issued = api.call_json("POST", f"/v1/admin/tenants/{DEV_TENANT}/tokens",
+                                   body={"name": "dev", "role": "tenant-admin"})
+        _write_private(self.token_file, issued["token"])
+        return str(issued["token"])
 
     def _spawn_service(self, service: str, *, name: str | None = None, node_index: int = 0) -> None:
         name = name or service
@@ -214,6 +234,7 @@ class LocalStack:
         module = "trainyard_" + service.replace("-", "_")
         if service == "api":
             env["TRAINYARD_API_PORT"] = str(self.s.api_port)
+            env["TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE"] = str(self.admin_token_file)
         if service == "node-agent":
             env.update(
                 {
@@ -342,6 +363,21 @@ class LocalStack:
             time.sleep(0.5)
             left = self._live_attempts()
         return left
+
+
+def _first_line(path: Path) -> str:
+    try:
+        return path.read_text().strip().split("\n", 1)[0].strip()
+    except OSError:
+        return ""
+
+
+def _write_private(path: Path, secret: str) -> None:
+    """``secret`` into ``path``, readable by its owner only from the moment it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+    path.chmod(0o600)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
