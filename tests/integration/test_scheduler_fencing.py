@@ -12,6 +12,7 @@ from trainyard_common.errors import FencingError, LeaseConflictError
 from trainyard_common.leases import Device
 from trainyard_common.store import Keys, connect_redis
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
+from trainyard_scheduler.policy import UNLIMITED
 
 D = [Device("n1", 0), Device("n1", 1)]
 
@@ -121,6 +122,7 @@ async def test_queue_config_comes_from_redis_first_then_the_file(redis: Any, env
     scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]
     await scheduler.load_queue_config()
     assert scheduler.queue.cap("a", "cpu") == 4
+    await redis.delete(Keys.tenant_config)  # the file seeded tenant a's settings: start without them again
     await redis.set(Keys.queue_config, json.dumps({"tenants": {"a": {"quotas": {"cpu": {"guaranteed": 8,
                                                                                          "borrowLimit": 0}}}}}))
     await scheduler.load_queue_config()
@@ -129,8 +131,37 @@ async def test_queue_config_comes_from_redis_first_then_the_file(redis: Any, env
     await scheduler.load_queue_config()
     assert scheduler.queue.cap("a", "cpu") == 8  # a bad document keeps the last good one
     await redis.delete(Keys.queue_config)
+    await redis.delete(Keys.tenant_config)
     await scheduler.load_queue_config()
     assert scheduler.queue.cap("a", "cpu") == 4  # back to the file
+
+
+async def test_a_tenants_settings_set_through_the_api_win_over_the_file_without_a_restart(
+        redis: Any, env: dict[str, Any], tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from trainyard_common.outbox import Outbox
+    from trainyard_common.store import StateStore
+    from trainyard_scheduler import Scheduler, SchedulerSettings
+
+    path = tmp_path / "queue.yaml"
+    path.write_text("tenants: {a: {quotas: {cpu: {guaranteed: 4, borrowLimit: 0}}}}\n")
+    runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]
+    await scheduler.load_queue_config()
+    seeded = json.loads(await redis.hget(Keys.tenant_config, "a"))
+    assert seeded["quotas"]["cpu"] == {"guaranteed": 4, "borrowLimit": 0}  # the file seeds what is not stored
+    # what PATCH /v1/admin/tenants/a and POST /v1/admin/tenants (tenant b) write
+    await redis.hset(Keys.tenant_config, mapping={
+        "a": json.dumps({"quotas": {"cpu": {"guaranteed": 2, "borrowLimit": 1}}, "maxPriority": 5}),
+        "b": json.dumps({"quotas": {"cpu": {"guaranteed": 1, "borrowLimit": 0}}})})
+    path.write_text("tenants: {a: {quotas: {cpu: {guaranteed: 40, borrowLimit: 0}}}}\n")  # only a seed now
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("a", "cpu") == 3 and scheduler.queue.priority("a", 100) == 5
+    assert scheduler.queue.cap("b", "cpu") == 1
+    await redis.hset(Keys.tenant_config, "b", "{broken")
+    await scheduler.load_queue_config()
+    assert scheduler.queue.cap("b", "cpu") == UNLIMITED  # unreadable: logged, and b gets the defaults
 
 
 async def test_an_auto_checkpoint_policy_gets_the_advised_interval(redis: Any, env: dict[str, Any]) -> None:

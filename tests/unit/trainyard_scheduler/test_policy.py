@@ -67,3 +67,30 @@ def test_bad_config_names_the_field(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match="queue config") as info:
         parse_queue_config(text)
     assert fragment in str(info.value)
+
+
+def test_a_tenants_stored_settings_win_and_the_document_only_seeds() -> None:
+    from trainyard_scheduler.policy import tenant_seeds, with_tenant_settings
+
+    base = parse_queue_config("tenants: {a: {quotas: {cpu: {guaranteed: 4, borrowLimit: 0}}}, b: {weight: 2}}\n"
+                              "priorityClasses: [{name: low, value: -1}, {name: top, value: 50}]\n")
+    seeds = tenant_seeds(base, stored={"b"})
+    assert set(seeds) == {"a"}  # b has settings of its own: the file does not touch them
+    stored = {**seeds, "b": '{"weight": 5, "maxPriority": 10}', "c": '{"quotas": {"cpu": {"guaranteed": 1}}}'}
+    config, problems = with_tenant_settings(base, stored)
+    assert problems == []
+    assert config.cap("a", "cpu") == 4  # the seed is the file's entry
+    assert config.tenant("b").weight == 5 and config.priority("b", 100) == 10 and config.class_of(10) == "low"
+    assert config.guaranteed("c", "cpu") == 1  # a tenant created through the API, not in the file
+    assert config.priority_classes == base.priority_classes  # the document's other parts stay
+
+
+def test_an_unreadable_stored_entry_is_named_and_the_document_entry_kept() -> None:
+    from trainyard_scheduler.policy import with_tenant_settings
+
+    base = parse_queue_config("tenants: {a: {weight: 3}}\n")
+    config, problems = with_tenant_settings(base, {"a": '{"weight": -1}', "z": "not json"})
+    assert config.tenant("a").weight == 3 and "z" not in config.tenants
+    assert len(problems) == 2 and "'a'" in problems[0] and "weight" in problems[0] and "'z'" in problems[1]
+    unchanged, none = with_tenant_settings(base, {})
+    assert unchanged == base and none == []

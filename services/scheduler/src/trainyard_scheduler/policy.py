@@ -3,7 +3,12 @@
 Written as YAML or JSON (JSON is YAML), camelCase keys; read from the file named by
 ``TRAINYARD_QUEUE_CONFIG`` and, when present, from the Redis key ``ty:sched:queue-config``
 (which wins, so an admin can change it without a restart). Without either, every tenant has
-unlimited quota and the default priority classes apply. Example::
+unlimited quota and the default priority classes apply.
+
+A tenant's own settings (one ``TenantConfig`` JSON per tenant in the hash ``ty:sched:tenant-config``,
+which ``PATCH /v1/admin/tenants/{tenant}`` writes) win over the document's entry for it: the document's
+``tenants`` are only the seed, written into the hash for a tenant that has no entry there yet
+(:func:`tenant_seeds`, :func:`with_tenant_settings`). Example::
 
     priorityClasses:              # a job's class: the highest whose value <= its priority
       - {name: low, value: -100}
@@ -36,6 +41,7 @@ Above its guarantee a tenant *borrows* idle capacity, at most ``borrowLimit`` mo
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -175,6 +181,25 @@ def parse_queue_config(text: str, *, source: str = "queue config") -> QueueConfi
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{source}: {problems}") from exc
+
+
+def tenant_seeds(config: QueueConfig, stored: Collection[str]) -> dict[str, str]:
+    """The tenants of ``config`` with no stored settings, as the JSON to store for each (pure)."""
+    return {name: json.dumps(tenant.model_dump(mode="json", by_alias=True))
+            for name, tenant in config.tenants.items() if name not in stored}
+
+
+def with_tenant_settings(config: QueueConfig, stored: Mapping[str, str]) -> tuple[QueueConfig, list[str]]:
+    """``config`` with each stored tenant's settings in place of its own entry, and a problem for each stored
+    entry that is not a valid TenantConfig (that tenant keeps ``config``'s entry) (pure)."""
+    tenants, problems = dict(config.tenants), []
+    for name, raw in sorted(stored.items()):
+        try:
+            tenants[name] = TenantConfig.model_validate_json(raw)
+        except ValidationError as exc:
+            problems.append(f"tenant {name!r}: {exc.errors()[0]['msg']} at "
+                            f"{'.'.join(str(p) for p in exc.errors()[0]['loc']) or 'the top'}")
+    return (config if tenants == config.tenants else config.model_copy(update={"tenants": tenants})), problems
 
 
 def dump_queue_config(config: QueueConfig) -> str:

@@ -87,7 +87,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
-from trainyard_scheduler.policy import QueueConfig, parse_queue_config
+from trainyard_scheduler.policy import QueueConfig, parse_queue_config, tenant_seeds, with_tenant_settings
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.sizing import min_device_memory
 
@@ -113,6 +113,7 @@ class SchedulerKeys:
     leader = LeaderKeys.leader  # "<epoch> <instance>" of the scheduler that runs the tick
     leader_epoch = LeaderKeys.epoch  # incremented at every takeover
     queue_config = Keys.queue_config
+    tenant_config = Keys.tenant_config  # hash tenant → TenantConfig JSON: the API's settings, and the seeds
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class Scheduler:
             window_steps=settings.straggler_window_steps, factor=settings.straggler_factor,
             consecutive=settings.straggler_windows))
         self.queue = QueueConfig()
+        self._queue_base = QueueConfig()  # the last good queue-config document, before tenants' own settings
         self._queue_source: str | None = None
         self._leading: int | None = None
         self._next_reconcile: datetime | None = None
@@ -913,7 +915,28 @@ class Scheduler:
                             current.allocation_id, f" ({conflicts} held by others!)" if conflicts else "")
 
     async def load_queue_config(self) -> None:
-        """The queue policy from Redis (wins) or the file; a bad one is logged and the last good kept."""
+        """The queue policy: the document from Redis (wins) or the file (a bad one is logged and the last good
+        kept), then each tenant's own settings from ``ty:sched:tenant-config`` over it — the document's
+        tenants seed that hash for tenants without an entry (see policy.py)."""
+        base, source = await self._queue_document()
+        stored = await self.redis.hgetall(SchedulerKeys.tenant_config)
+        seeds = tenant_seeds(base, stored)
+        for tenant, doc in seeds.items():
+            await self.redis.hsetnx(SchedulerKeys.tenant_config, tenant, doc)
+        if seeds:
+            log.info("seeded the settings of tenant(s) %s from %s", ", ".join(sorted(seeds)), source)
+            stored = await self.redis.hgetall(SchedulerKeys.tenant_config)
+        config, problems = with_tenant_settings(base, stored)
+        for problem in problems:
+            log.error("ignoring unreadable stored settings of %s", problem)
+        if config != self.queue or source != self._queue_source:
+            log.info("queue config from %s and %d stored tenant setting(s): %d tenant(s), %d priority class(es)",
+                     source, len(stored), len(config.tenants), len(config.priority_classes))
+        self.queue, self._queue_source = config, source
+
+    async def _queue_document(self) -> tuple[QueueConfig, str | None]:
+        """The queue-config document (Redis key, else the file, else the defaults); the last good one when the
+        current one cannot be read or parsed."""
         text, source = await self.redis.get(SchedulerKeys.queue_config), f"redis {SchedulerKeys.queue_config}"
         if text is None and self.settings.queue_config is not None:
             path = Path(self.settings.queue_config)
@@ -921,19 +944,16 @@ class Scheduler:
                 text, source = path.read_text(), str(path)
             except OSError as exc:
                 log.error("cannot read the queue config %s: %r", path, exc)
-                return
+                return self._queue_base, self._queue_source
         if text is None:
-            self.queue, self._queue_source = QueueConfig(), None
-            return
+            self._queue_base = QueueConfig()
+            return self._queue_base, None
         try:
-            config = parse_queue_config(text, source=source)
+            self._queue_base = parse_queue_config(text, source=source)
         except ConfigError as exc:
             log.error("keeping the previous queue config: %s", exc)
-            return
-        if config != self.queue or source != self._queue_source:
-            log.info("queue config from %s: %d tenant(s), %d priority class(es)", source, len(config.tenants),
-                     len(config.priority_classes))
-        self.queue, self._queue_source = config, source
+            return self._queue_base, self._queue_source
+        return self._queue_base, source
 
     async def _discover_jobs(self, now: datetime) -> None:
         """Jobs the API stored whose JobSubmitted never reached us still get scheduled."""
