@@ -1,7 +1,7 @@
 """The README's commands, in the order it shows them, as a new user types them: `trainyard dev up`
 (what `make up` runs) on a fresh state directory, then `trainyard submit examples/tiny.yaml`, which
 must be accepted without any other step (the example dataset is published by `up`), then the job
-commands, then `trainyard dev down`. A second `up` is idempotent and does not build the data again."""
+commands, then the tenant-administration commands, then `trainyard dev down`. A second `up` is idempotent and does not build the data again."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def test_submit_works_right_after_up(tmp_path: Path) -> None:
         assert got.returncode == 0 and job_id in got.stdout, got.stdout + got.stderr
         cancelled = trainyard("jobs", "cancel", job_id)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+
+        # tenant administration, as the README shows it: through the API, with the bootstrapped admin token
+        made = trainyard("admin", "tenants", "create", "research", "--quota", "cpu=8:4", "--max-priority", "100")
+        assert made.returncode == 0 and "research" in made.stdout, made.stdout + made.stderr
+        issued = trainyard("admin", "tokens", "create", "--tenant", "research", "--name", "ci", "--ttl", "30d")
+        assert issued.returncode == 0 and issued.stdout.startswith("ty_"), issued.stdout + issued.stderr
+        token_id = re.search(r"tok_[0-9a-f]{12}", issued.stderr).group(0)  # type: ignore[union-attr]
+        listed = trainyard("admin", "tokens", "list", "--tenant", "research")
+        assert listed.returncode == 0 and token_id in listed.stdout and issued.stdout.strip() not in listed.stdout
+        assert trainyard("admin", "tokens", "revoke", token_id, "--tenant", "research").returncode == 0
+        quota = trainyard("admin", "tenants", "set-quota", "research", "--device", "cpu", "--guaranteed", "16")
+        assert quota.returncode == 0, quota.stdout + quota.stderr
+        audit = trainyard("admin", "audit", "--tenant", "research")
+        assert audit.returncode == 0 and "token.revoke" in audit.stdout, audit.stdout + audit.stderr
 
         again = trainyard("dev", "up", timeout=600)  # idempotent: everything already runs, the data exists
         assert again.returncode == 0, again.stdout + again.stderr

@@ -9,9 +9,11 @@ import sys
 from trainyard_common.errors import TrainyardError
 from trainyard_common.service import configure_logging, run_main
 from trainyard_common.settings import load_settings, settings_help
+from trainyard_common.records import TokenRole
 from trainyard_common.store import StateStore, connect_redis
 
 from trainyard_api.auth import issue_token
+from trainyard_api.roles import ROLES
 from trainyard_api.server import ApiServer
 from trainyard_api.settings import ApiSettings
 
@@ -34,13 +36,16 @@ def parser() -> argparse.ArgumentParser:
     token.add_argument("--tenant", required=True, help="the tenant the token acts for")
     token.add_argument("--name", default="default", help="a label for the token (shown as submittedBy)")
     token.add_argument("--token", default=None, help="register this token instead of a random one")
+    token.add_argument("--role", default="submitter", choices=list(ROLES),
+                       help="what it may do (default submitter); the first platform-admin token is better made by "
+                            "TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE, and the others through the API")
     return p
 
 
-async def _issue(settings: ApiSettings, tenant: str, name: str, token: str | None) -> str:
+async def _issue(settings: ApiSettings, tenant: str, name: str, token: str | None, role: TokenRole) -> str:
     redis = connect_redis(settings.redis_url)
     try:
-        return await issue_token(StateStore(redis), tenant, name, token)
+        return await issue_token(StateStore(redis), tenant, name, token, role=role)
     finally:
         await redis.aclose()
 
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level, "api")
     if args.command == "token":
         try:
-            print(asyncio.run(_issue(settings, args.tenant, args.name, args.token)))
+            print(asyncio.run(_issue(settings, args.tenant, args.name, args.token, args.role)))
         except Exception as exc:  # noqa: BLE001 - a CLI answer, not a traceback
             print(f"error: cannot store the token in Redis at {settings.redis_url}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
