@@ -49,6 +49,11 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         ("body", r"not a readable code archive|not a path inside the code tree|outside the code tree|"
                  r"not a regular file|holds \S+ twice|expands past"),
     ],
+    # an expiry is in the future, and given one way
+    "POST /v1/admin/tenants/{tenant}/tokens": [
+        ("expiresAt", r"is in the past|needs a UTC offset"),
+        ("ttlSeconds", r"give expiresAt or ttlSeconds, not both"),
+    ],
     "POST /v1/plan": [
         ("model", r"^unknown model "),
         (r"model(\.dModel)?", r"must be divisible by nHeads"),

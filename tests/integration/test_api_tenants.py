@@ -183,7 +183,7 @@ async def test_tenants_settings_round_trip_and_bad_input_names_the_field(api: Ap
             ("POST", "/v1/admin/tenants", {"tenant": "Not A Name"}, "tenant"),
             ("POST", "/v1/admin/tenants/tenant-a/tokens", {"name": "x", "role": "root"}, "role"),
             ("POST", "/v1/admin/tenants/tenant-a/tokens", {"name": "x", "ttlSeconds": 5,
-                                                           "expiresAt": "2030-01-01T00:00:00Z"}, ""),
+                                                           "expiresAt": "2030-01-01T00:00:00Z"}, "ttlSeconds"),
             ("POST", "/v1/admin/tenants/tenant-a/tokens", {"name": "x", "expiresAt": "2001-01-01T00:00:00Z"},
              "expiresAt"),
         ]:

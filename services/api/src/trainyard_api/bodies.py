@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -133,9 +133,19 @@ class QuotaBody(_AdminBody):
                                      description="devices above `guaranteed` it may borrow; null = no limit")
 
 
+def _closed_quota_keys(schema: dict[str, Any]) -> None:
+    """``quotas`` takes only device-type keys: say so (pydantic states the key pattern, not that others are
+    refused)."""
+    for branch in schema.get("properties", {}).get("quotas", {}).get("anyOf", []):
+        if branch.get("type") == "object":
+            branch["additionalProperties"] = False
+
+
 class TenantSettingsBody(_AdminBody):
     """A tenant's queue settings. In a PATCH every field is optional and only the fields sent change; a quota
     set to `null` is removed (the tenant falls back to its `*` quota, then to unlimited)."""
+
+    model_config = ConfigDict(json_schema_extra=_closed_quota_keys)
 
     cohort: str | None = Field(default=None, pattern=TENANT_PATTERN,
                                description="tenants of one cohort share the cohort's limits (default `default`)")
@@ -162,10 +172,16 @@ class TokenCreateBody(_AdminBody):
     ttl_seconds: int | None = Field(default=None, gt=0, le=MAX_TOKEN_TTL_S,
                                     description="refused this many seconds after creation")
 
-    @model_validator(mode="after")
-    def _one_expiry(self) -> TokenCreateBody:
-        if self.expires_at is not None and self.ttl_seconds is not None:
+    @field_validator("expires_at")
+    @classmethod
+    def _with_offset(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise PydanticCustomError("expiry_offset", "needs a UTC offset (e.g. 2027-01-01T00:00:00Z)")
+        return value
+
+    @field_validator("ttl_seconds")
+    @classmethod
+    def _one_expiry(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("expires_at") is not None:
             raise PydanticCustomError("one_expiry", "give expiresAt or ttlSeconds, not both")
-        if self.expires_at is not None and self.expires_at.tzinfo is None:
-            raise PydanticCustomError("expiry_offset", "expiresAt needs a UTC offset (e.g. 2027-01-01T00:00:00Z)")
-        return self
+        return value

@@ -121,7 +121,7 @@ class TenantService:
     async def get(self, tenant: str) -> TenantView:
         now = utcnow()
         record, tokens = await self._record(tenant), await self.store.token_records()
-        if record is None and not any(t.tenant == tenant for t in tokens.values()):
+        if record is None and not any(t.tenant == tenant and token_state(t, now) == "active" for t in tokens.values()):
             raise NotFoundError(f"no tenant {tenant!r}: create it with POST /v1/admin/tenants "
                                 "(`trainyard admin tenants create`)")
         return self._view(tenant, record, (await self._settings()).get(tenant), tokens, now)
