@@ -50,7 +50,9 @@ def up() -> None:
     except TrainyardError as exc:
         raise _fail(exc) from None
     console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}   example dataset {ref}")
-    console.print(f"dev token (tenant 'dev'): {token}   (also in {stack.token_file})")
+    console.print(f"dev token (tenant 'dev', tenant-admin): {token}   (also in {stack.token_file})")
+    if stack.admin_token_file.exists():
+        console.print(f"platform-admin token: in {stack.admin_token_file} (`trainyard admin …` uses it)")
     console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")
 
 

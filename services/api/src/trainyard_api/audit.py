@@ -15,6 +15,7 @@ from typing import Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainyard_common.errors import (
     AuthError,
@@ -45,6 +46,8 @@ def outcome_of(exc: BaseException) -> Outcome:
         return "conflict"
     if isinstance(exc, (SpecError, RequestValidationError)):
         return "invalid"
+    if isinstance(exc, StarletteHTTPException) and 400 <= exc.status_code < 500:
+        return "invalid"  # a body that is not JSON (415), not gzip, too large
     return "failed"
 
 
