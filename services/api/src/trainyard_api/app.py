@@ -3,8 +3,8 @@
 ``create_app(context)`` builds the app over an :class:`ApiContext` (Redis-backed store,
 outbox, bus); the process wiring (uvicorn next to a ServiceRuntime) lives in ``server.py``.
 Errors from ``trainyard_common.errors`` map to HTTP: SpecError 422 (with every bad field),
-AuthError 401 (its ForbiddenError, a role without the right: 403), NotFoundError 404, ConflictError 409, InfrastructureError and a Redis that cannot
-serve 503; anything else is a 500. Every route documents each status it can answer, with its body.
+AuthError 401 (its ForbiddenError, a role without the right: 403), NotFoundError 404, ConflictError
+409, InfrastructureError and a Redis that cannot serve 503; anything else is a 500. Every route documents each status it can answer, with its body.
 """
 
 from __future__ import annotations
