@@ -124,3 +124,11 @@ def test_warm_interpreters_cannot_be_sandboxed() -> None:
         NodeAgentSettings(node_id="n", warm_ranks=2)
     assert NodeAgentSettings(node_id="n", warm_ranks=2, node_sandbox="trusted-single-tenant").warm_ranks == 2
     assert NodeAgentSettings(node_id="n").node_sandbox == "enforce"
+
+
+def test_a_rank_whose_sandbox_could_not_be_set_up_is_this_nodes_error_not_the_jobs() -> None:
+    from trainyard_node_agent.classify import ExitFacts, classify_exit
+
+    line = "sandbox: cannot set up the rank's sandbox: [Errno 1] mount proc on /proc: Operation not permitted"
+    facts = ExitFacts(exit_code=sb.SANDBOX_EXIT, log_tail=f"{line}\n", user_code=True)
+    assert classify_exit(facts) == ("error", line)
