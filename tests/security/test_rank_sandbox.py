@@ -19,17 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from trainyard_cli import infra
+from trainyard_common.codetree import archive_id, pack
+from trainyard_common.events import (
+    GangAllocated,
+    NodeAssignment,
+    NodeHeartbeat,
+    RankAssignment,
+    WorkerExited,
+    WorkerStarted,
+)
+from trainyard_common.leases import Device, LeaseManager
+from trainyard_common.spec import TrainingSpec
+from trainyard_common.storage import ArtifactLayout
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
 from tests.integration.test_scheduler_stack import make_spec, poll
-from trainyard_cli import infra
-from trainyard_common.codetree import archive_id, pack
-from trainyard_common.events import (GangAllocated, NodeAssignment, NodeHeartbeat, RankAssignment, WorkerExited,
-                                     WorkerStarted)
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
 
 pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow]
 

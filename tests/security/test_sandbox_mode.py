@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainyard_common.events import NodeHeartbeat
 
 from tests.conftest import env_vars
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, rig  # noqa: F401 - fixture
-from trainyard_common.events import NodeHeartbeat
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.security]
 def test_enforce_where_ranks_cannot_be_confined_refuses_to_start_and_says_what_to_do(
         rig: Rig, tmp_path: Path) -> None:
     own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in {**rig.agent_settings, "node_sandbox": "enforce"}.items()}
-    done = subprocess.run(  # noqa: S603
+    done = subprocess.run(
         ["unshare", "--user", "--map-root-user", sys.executable, "-m", "trainyard_node_agent"],
         env={**os.environ, **env_vars(rig.env), **own}, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr[-3000:]

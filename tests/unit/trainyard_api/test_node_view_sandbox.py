@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from trainyard_api.admin import node_view
 from trainyard_common.records import NodeRecord
 

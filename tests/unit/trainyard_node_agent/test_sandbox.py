@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from trainyard_node_agent import sandbox as sb
 from trainyard_node_agent.settings import NodeAgentSettings
 

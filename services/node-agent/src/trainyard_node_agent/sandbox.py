@@ -375,9 +375,8 @@ def enter(plan: SandboxPlan) -> None:
 
 def _note_start_error(plan: SandboxPlan, command: str, exc: OSError) -> None:
     if plan.start_error_file:
-        with contextlib.suppress(OSError):
-            with open(plan.start_error_file, "w", encoding="utf-8") as fh:
-                fh.write(f"cannot start {command}: {exc}")
+        with contextlib.suppress(OSError), open(plan.start_error_file, "w", encoding="utf-8") as fh:
+            fh.write(f"cannot start {command}: {exc}")
 
 
 def main(argv: list[str]) -> int:
