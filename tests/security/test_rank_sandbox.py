@@ -6,7 +6,8 @@ The attacks: read another tenant's checkpoint; overwrite another job's shard; ki
 memory of another job's rank (its pid handed to the attacker, which could not even list it); kill the
 node agent; read the agent's state, another job's code tree, the whole artifact root; write to its own
 dataset or code tree; become root again; find Redis or broker addresses or credentials in its
-environment; escape its code tree through symlinks or ``..`` in the uploaded archive."""
+environment; escape its code tree through symlinks or ``..`` in the uploaded archive. And a fine-tune
+(``initFrom``) reads the start checkpoint of another job, read-only, and sees nothing else of that job."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from trainyard_cli import infra
 from trainyard_common.codetree import archive_id, pack
 from trainyard_common.events import (
+    CheckpointRef,
     GangAllocated,
     NodeAssignment,
     NodeHeartbeat,
@@ -31,7 +33,7 @@ from trainyard_common.events import (
 )
 from trainyard_common.leases import Device, LeaseManager
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_common.storage import ArtifactLayout, path_to_uri
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
@@ -138,7 +140,8 @@ def code_spec(archive: str, env: dict[str, str]) -> TrainingSpec:
                                                          "env": env}})
 
 
-async def gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSpec) -> GangAllocated:
+async def gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSpec,
+               start: CheckpointRef | None = None) -> GangAllocated:
     """Lease one device and publish a one-rank GangAllocated (playing the scheduler)."""
     allocation_id = f"{job_id}-a1"
     epoch = await LeaseManager(rig.redis).acquire(job_id, allocation_id, [Device(NODE, device)])
@@ -147,6 +150,7 @@ async def gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSp
         nodes=[NodeAssignment(node_id=NODE, host="127.0.0.1", ranks=[RankAssignment(rank=0, local_rank=0,
                                                                                     device_index=device)])],
         master_addr="127.0.0.1", master_port=infra.free_port(), spec=spec, spec_hash=spec.spec_hash(),
+        start_checkpoint=start,
     )
     await rig.publisher.publish(event)
     return event
@@ -271,3 +275,43 @@ async def test_a_code_archive_that_escapes_its_tree_is_refused_before_anything_r
     assert not Path("/tmp/escaped-by-archive.py").exists()
     assert not any((tmp_path / "code-cache").rglob("escaped.py"))
     assert not (tmp_path / "escaped.py").exists()
+
+
+# initFrom: the start checkpoint of another job is readable, read-only, and nothing else of that job is seen.
+INIT_FROM = r"""
+import json, os, pathlib, sys
+allocation = json.loads(pathlib.Path(os.environ["TRAINYARD_ALLOCATION_FILE"]).read_text())
+start = pathlib.Path(allocation["startCheckpoint"]["manifestUri"].removeprefix("file://")).parent
+seen = {"manifest": json.loads((start / "manifest.json").read_text()), "siblings": os.listdir(start.parent)}
+try:
+    (start / "manifest.json").write_text("{}")
+    seen["write"] = "written"
+except OSError as exc:
+    seen["write"] = f"{type(exc).__name__}: {exc}"
+own = pathlib.Path(os.environ["TRAINYARD_ARTIFACT_ROOT"], "tenants", os.environ["TRAINYARD_TENANT"], "jobs",
+                   os.environ["TRAINYARD_JOB_ID"], "checkpoints")
+own.mkdir(parents=True, exist_ok=True)
+(own / "seen.json").write_text(json.dumps(seen))
+"""
+
+
+async def test_an_init_from_checkpoint_of_another_job_is_read_only_and_alone(
+        rig: Rig, layout: ArtifactLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = layout.checkpoints_dir(ATTACKER_TENANT, "base-job")
+    for step in (10, 20):
+        (base / f"step-{step:09d}-a1").mkdir(parents=True)
+        (base / f"step-{step:09d}-a1" / "manifest.json").write_text(json.dumps({"step": step}))
+    start_agent(rig, tmp_path, monkeypatch)
+    await heartbeat_after(rig.tap)
+    code = store_archive(layout, ATTACKER_TENANT, tmp_path / "init", {"main.py": INIT_FROM})
+    event = await gang(rig, "fine-tune", ATTACKER_TENANT, 0, code_spec(code, {}),
+                       start=CheckpointRef(manifest_uri=path_to_uri(base / "step-000000020-a1" / "manifest.json"),
+                                           global_step=20, attempt=1))
+    (exited,) = await rig.tap.wait(WorkerExited, job_id="fine-tune", timeout_s=60)
+    assert (exited.exit_code, exited.reason) == (0, "ok"), exited
+    seen = json.loads((layout.checkpoints_dir(ATTACKER_TENANT, "fine-tune") / "seen.json").read_text())
+    assert seen["manifest"] == {"step": 20}
+    assert seen["siblings"] == ["step-000000020-a1"], "the base job's other checkpoints stay hidden"
+    assert "Read-only file system" in seen["write"], seen
+    assert json.loads((base / "step-000000020-a1" / "manifest.json").read_text()) == {"step": 20}
+    await LeaseManager(rig.redis).release(event.allocation_id, event.epoch, [Device(NODE, 0)])
