@@ -188,6 +188,17 @@ def test_each_example_runs_to_success_with_its_code_pinned_and_in_the_lineage(
     plain = done["torchrun-plain"]
     assert ready_steps(plain) == []
     assert "done: y = " in rank_log(stack, plain, 1, 0)
+    # the ranks ran sandboxed (the local stack's default, TRAINYARD_NODE_SANDBOX=enforce): what they wrote
+    # belongs to their job's own unprivileged user, one per job
+    owners = {}
+    for name in ("gpt-sdk", "hf-llama"):
+        j = done[name]
+        prefix = stack.s.state_dir / "artifacts" / "tenants" / j["tenant"] / "jobs" / j["jobId"] / "checkpoints"
+        owners[name] = {f.stat().st_uid for f in prefix.rglob("*.distcp")} - {0}  # its shards
+    assert all(len(uids) == 1 and min(uids) >= 1_000_000_000 for uids in owners.values()), owners
+    assert owners["gpt-sdk"] != owners["hf-llama"], owners
+    nodes = client.get("/v1/admin/nodes").json()["nodes"]  # and every node says so
+    assert len(nodes) == 2 and {n["sandbox"] for n in nodes} == {"enforce"}, nodes
 
     # lineage: the final model of the Llama job names the code archive and the commit it was packed from
     j = done["hf-llama"]

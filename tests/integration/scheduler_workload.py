@@ -3,7 +3,8 @@
 Standard library only (starts in milliseconds). It checks nothing itself: it prints the rank
 environment to its log (the tests read it back), writes one StepMetrics line to its event
 spool the way ``SpoolWriter`` does, sleeps, and exits with a code. Behaviour per job comes
-from ``$TRAINYARD_ARTIFACT_ROOT/workload.json``::
+from ``workload.json`` in the job's dataset directory (``$TRAINYARD_ARTIFACT_ROOT/datasets/<name>/<version>``:
+a sandboxed rank sees its dataset, read-only, and nothing else of the artifact root's top level)::
 
     {"<job id>": {"sleep": {"<attempt>": {"<rank>": seconds}}, "exit": {"<attempt>": {"<rank>": code}}}}
 """
@@ -24,6 +25,15 @@ CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "TRAINYARD_ALLOCATION_FILE", "TRAINYARD_EVENTS_FILE", "TRACEPARENT")
 
 
+CONTROL_FILE = "workload.json"
+
+
+def control_file_for(artifact_root: Path, dataset: str = "tinycorpus@v1") -> Path:
+    """Where a test writes the workload's behaviour: in the dataset its jobs name (make_spec's by default)."""
+    name, _, version = dataset.partition("@")
+    return Path(artifact_root, "datasets", name, version, CONTROL_FILE)
+
+
 def lookup(table: dict, attempt: int, rank: int, default: float) -> float:
     return table.get(str(attempt), {}).get(str(rank), default)
 
@@ -32,7 +42,8 @@ def main() -> int:
     env = os.environ
     allocation = json.loads(Path(env["TRAINYARD_ALLOCATION_FILE"]).read_text())
     job_id, rank, attempt = allocation["jobId"], int(env["RANK"]), int(env["TRAINYARD_ATTEMPT"])
-    control_file = Path(env["TRAINYARD_ARTIFACT_ROOT"]) / "workload.json"
+    name, _, version = allocation["spec"]["dataset"].partition("@")
+    control_file = Path(env["TRAINYARD_ARTIFACT_ROOT"], "datasets", name, version, CONTROL_FILE)
     control = json.loads(control_file.read_text()).get(job_id, {}) if control_file.exists() else {}
     print("ENV " + json.dumps({k: env.get(k) for k in CONTRACT}, sort_keys=True), flush=True)
     payload = {

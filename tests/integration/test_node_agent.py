@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import env_vars
+from tests.integration.scheduler_workload import control_file_for
 from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
 from trainyard_common.bus import Bus, ensure_topics
 from trainyard_common.events import GangAllocated, JobSubmitted, WorkerExited, WorkerStarted
@@ -143,10 +144,10 @@ async def test_restarted_agent_adopts_running_ranks_reports_lost_ones_and_sigter
 
         logs = f"{services.log('scheduler')}\n{services.log('agent-1')}"
         await poll(registered, f"node-x in the inventory; logs:\n{logs}", timeout_s=90)
-        artifact_root = Path(env["artifact_root"])
-        artifact_root.mkdir(parents=True, exist_ok=True)
+        control = control_file_for(Path(env["artifact_root"]))
+        control.parent.mkdir(parents=True, exist_ok=True)
         forever = {"0": 300, "1": 300}
-        (artifact_root / "workload.json").write_text(
+        control.write_text(
             json.dumps({"sturdy": {"sleep": {"1": forever, "2": forever, "3": forever}}}))
         spec = make_spec(2)
         assert await store.create_job(JobRecord(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))

@@ -45,14 +45,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NODE = "node-f"
 
 # A stand-in rank: one StepMetrics line per 0.2 s in its spool; per rank, optionally print a line
-# and exit with a code after some seconds ($TRAINYARD_ARTIFACT_ROOT/progress.json, by job id).
+# and exit with a code after some seconds (progress.json, by job id, in the job's dataset: a sandboxed rank
+# sees that, read-only, but not the artifact root's top level).
 PROGRESS = r"""
 import json, os, sys, time, uuid
 from datetime import UTC, datetime
 from pathlib import Path
 env = os.environ
 rank, job = env["RANK"], env["TRAINYARD_JOB_ID"]
-plan = Path(env["TRAINYARD_ARTIFACT_ROOT"], "progress.json")
+plan = Path(env["TRAINYARD_ARTIFACT_ROOT"], "datasets", "tinycorpus", "v1", "progress.json")
 mine = json.loads(plan.read_text()).get(job, {}).get(rank, {}) if plan.exists() else {}
 start, step = time.monotonic(), 0
 with open(env["TRAINYARD_EVENTS_FILE"], "a") as spool:
@@ -98,9 +99,9 @@ class Rig:
         return event
 
     def plan(self, plan: dict[str, Any]) -> None:
-        root = Path(self.env["artifact_root"])
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "progress.json").write_text(json.dumps(plan))
+        dataset = Path(self.env["artifact_root"], "datasets", "tinycorpus", "v1")  # make_spec's dataset
+        dataset.mkdir(parents=True, exist_ok=True)
+        (dataset / "progress.json").write_text(json.dumps(plan))
 
 
 @pytest.fixture
@@ -268,7 +269,8 @@ async def test_warm_interpreters_become_ranks_and_report_like_cold_ones(rig: Rig
     (modules / "progress_rank.py").write_text("def main():\n" + textwrap.indent(PROGRESS, "    "))
     monkeypatch.setenv("PYTHONPATH", str(modules))
     rig.services.start("trainyard_node_agent", "agent", **{**rig.agent_settings, "warm_ranks": 2,
-                                                          "warm_module": "progress_rank"})
+                                                          "warm_module": "progress_rank",
+                                                          "node_sandbox": "trusted-single-tenant"})
     await heartbeat_after(rig.tap)
     await asyncio.sleep(3.0)  # the pool fills in the background
     await rig.gang("warm")

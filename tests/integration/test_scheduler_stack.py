@@ -49,6 +49,8 @@ from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_node_agent import AgentKeys, NodeAgent, NodeAgentSettings
 from trainyard_scheduler import Scheduler, SchedulerSettings
 
+from tests.integration.scheduler_workload import control_file_for
+
 WORKLOAD = Path(__file__).with_name("scheduler_workload.py")
 WAIT_S = 60.0
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -154,7 +156,7 @@ class Stack:
         return self.store.redis
 
     def control(self, job_id: str, **behaviour: Any) -> None:
-        path = Path(self.env["artifact_root"]) / "workload.json"
+        path = control_file_for(Path(self.env["artifact_root"]))
         table = json.loads(path.read_text()) if path.exists() else {}
         table[job_id] = behaviour
         path.parent.mkdir(parents=True, exist_ok=True)

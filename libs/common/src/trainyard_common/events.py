@@ -131,6 +131,10 @@ class NodeHeartbeat(Event):
     draining: bool = Field(default=False, description="the node is stopping on purpose: its attempts checkpoint "
                                                       "and stop, nothing new is placed there")
     boot_id: str | None = Field(default=None, description="the node agent's incarnation; a new one ends a drain")
+    sandbox: str | None = Field(
+        default=None, description="how the node confines ranks: 'enforce' (each job's ranks as their own user, in a "
+                                  "mount namespace showing only their own paths) or 'trusted-single-tenant' "
+                                  "(unsandboxed); None from agents older than the field")
 
 
 class NodeQuarantined(Event):

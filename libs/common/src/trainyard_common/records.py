@@ -226,6 +226,7 @@ class NodeRecord(Record):
     network_tier: str | None = None
     drained: str | None = Field(default=None, description="why it takes no new work (a drain), while drained")
     boot_id: str | None = Field(default=None, description="its node agent's incarnation (a restart changes it)")
+    sandbox: str | None = Field(default=None, description="how its agent confines ranks (NodeHeartbeat.sandbox)")
 
 
 TokenRole = Literal["viewer", "submitter", "tenant-admin", "platform-admin"]

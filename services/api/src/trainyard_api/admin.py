@@ -48,7 +48,7 @@ def node_view(node: NodeRecord, quarantine: Mapping[str, Any] | None, reputation
         network_tier=node.network_tier, devices=node.devices, healthy=node.healthy, last_seen=node.last_seen,
         quarantined=q is not None, quarantine=q, drained=d is not None, drain=d,
         reputation_score=reputation.get("score") if reputation else None,
-        reputation_at=reputation.get("at") if reputation else None,
+        reputation_at=reputation.get("at") if reputation else None, sandbox=node.sandbox,
     )
 
 

@@ -296,6 +296,10 @@ class NodeView(_Out):
     reputation_score: float | None = Field(
         default=None, description="the scheduler's decaying failure score as last stored (null: none recorded)")
     reputation_at: datetime | None = Field(default=None, description="when that score was stored (it decays since)")
+    sandbox: str | None = Field(
+        default=None, description="how the node confines ranks: 'enforce' (each job's ranks as their own user, seeing "
+                                  "only their own paths) or 'trusted-single-tenant' (unsandboxed: for one tenant's "
+                                  "trusted code only); null: not reported by its agent")
 
 
 class NodeList(_Out):

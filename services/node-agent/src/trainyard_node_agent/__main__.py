@@ -35,6 +35,7 @@ async def serve(settings: NodeAgentSettings, base_env: Mapping[str, str]) -> Non
     """Run one node agent until SIGTERM/SIGINT, then stop its ranks and close."""
     runtime = ServiceRuntime("node-agent", settings, outbox_name=f"node-agent:{settings.node_id}")
     agent = NodeAgent(runtime, settings, base_env=base_env)
+    agent.sandbox.check()  # ConfigError (exit 2, loudly) when TRAINYARD_NODE_SANDBOX=enforce cannot be had here
     agent.install()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

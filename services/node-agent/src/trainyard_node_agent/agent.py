@@ -89,7 +89,8 @@ from trainyard_node_agent import kube
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
 from trainyard_node_agent.classify import ExitFacts, classify_exit
-from trainyard_node_agent.codecache import CodeCache, CodeTree, rank_paths
+from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
+from trainyard_node_agent.confinement import Confinement, scrubbed
 from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
@@ -154,7 +155,8 @@ class NodeAgent:
         self.redis = runtime.redis
         self.keys = AgentKeys(settings.node_id)
         self.layout = ArtifactLayout(settings.artifact_root)
-        self.base_env = dict(base_env)
+        self.base_env = scrubbed(base_env)  # no broker/Redis addresses or credentials reach a rank
+        self.sandbox = Confinement(settings, self.layout)
         self.backend = pick_backend(settings.backend, settings.device_type,
                                     has_nvidia_smi=shutil.which("nvidia-smi") is not None)
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
@@ -343,6 +345,7 @@ class NodeAgent:
             seq=self._seq,
             draining=self._closing,
             boot_id=self.boot_id,
+            sandbox=s.node_sandbox,
         )
 
     async def heartbeat(self) -> None:
@@ -534,12 +537,18 @@ class NodeAgent:
             scratch_dir=paths.scratch if paths is not None else None,
             interpreter_dir=Path(sys.executable).parent if code is not None else None,
         )
+        clash = self.sandbox.clash(event.job_id, sorted({r.job_id for r in self.ranks.values() if r.running}))
+        if clash is not None:
+            await self._report_exit(rank, 127, "error", clash)
+            return
         try:
+            command = self._confined(event, slot, rank, paths,
+                                     code.entrypoint if code is not None else self.settings.rank_command)
             if code is not None and paths is not None:
                 # User code starts cold: warm interpreters hold the built-in trainer already imported.
-                rank.process = await rp.spawn(code.entrypoint, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
+                rank.process = await rp.spawn(command, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
             else:
-                rank.process = await self._start_rank(env, rank.log_path, rank.exit_file)
+                rank.process = await self._start_rank(command, env, rank.log_path, rank.exit_file)
         except OSError as exc:
             log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
             await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
@@ -558,8 +567,19 @@ class NodeAgent:
         await self._track(started, "started", rank, traceparent)
         rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
 
-    async def _start_rank(self, env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
-        """The built-in trainer: in a warm interpreter when one is ready, else cold under the launcher."""
+    def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
+                  command: list[str]) -> list[str]:
+        """The rank's command in its sandbox (:mod:`confinement`; as it is on a trusted node)."""
+        attempt_dir = self.layout.attempt_dir(event.tenant, event.job_id, event.attempt)
+        return self.sandbox.confine(
+            command, event, rank=slot.rank, events_file=rank.spool.path, exit_file=rank.exit_file,
+            scratch=paths.scratch if paths is not None else attempt_dir / "scratch" / f"rank-{slot.rank}",
+            code_dir=paths.code_dir if paths is not None else None, cwd=paths.cwd if paths is not None else None,
+            datasets=paths.datasets if paths is not None else ()).command
+
+    async def _start_rank(self, command: list[str], env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
+        """The built-in trainer: in a warm interpreter when one is ready (never on a sandboxed node), else
+        ``command`` cold under the launcher."""
         warm = self.pool.take() if self.pool is not None else None
         if warm is not None:
             rp.clear_exit_files(exit_file)
@@ -570,7 +590,7 @@ class NodeAgent:
                 log.warning("a warm interpreter failed to take the rank (%r); starting it cold", exc)
                 with contextlib.suppress(ProcessLookupError):
                     warm.kill()
-        return await rp.spawn(self.settings.rank_command, env, log_path, exit_file)
+        return await rp.spawn(command, env, log_path, exit_file)
 
     async def _collect_code(self) -> None:
         """Delete quarantined code trees no live rank runs; evict least recently used trees past the cache

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from trainyard_common.exitcodes import exit_reason
 
+from trainyard_node_agent.sandbox import SANDBOX_EXIT, SANDBOX_FAILURE
+
 # Checked in this order: an OOM often mentions CUDA, a collective timeout often mentions NCCL.
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError", "Cannot allocate memory",
                "std::bad_alloc", "Out of memory")
@@ -68,6 +70,8 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
         return "ok", None
     if facts.start_error is not None:
         return start_failure(facts.start_error, user_code=facts.user_code)
+    if code == SANDBOX_EXIT and (line := marker_line(facts.log_tail, (SANDBOX_FAILURE,))):
+        return "error", line  # this node could not confine the rank: retried, elsewhere if it persists
     if facts.user_code and code > 0 and not facts.progressed and (line := start_failure_line(facts.log_tail)):
         return "config", line
     named = exit_reason(code)

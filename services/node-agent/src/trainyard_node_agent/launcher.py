@@ -26,8 +26,10 @@ import sys
 
 
 def write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    # A fresh name, never an existing one or a symlink: a sandboxed rank may create files in the exit directory.
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
@@ -37,6 +39,20 @@ def write_atomically(path: str, text: str) -> None:
 def pid_file_for(exit_file: str) -> str:
     """``…/rank-3.json`` → ``…/rank-3.pid``."""
     return exit_file[: -len(".json")] + ".pid" if exit_file.endswith(".json") else exit_file + ".pid"
+
+
+def start_error_file_for(exit_file: str) -> str:
+    """``…/rank-3.json`` → ``…/rank-3.start-error``: where the sandbox notes a command it could not exec."""
+    return exit_file[: -len(".json")] + ".start-error" if exit_file.endswith(".json") else exit_file + ".start-error"
+
+
+def read_start_error(exit_file: str) -> str | None:
+    """What the sandbox (the launcher's child) noted when it could not exec the command, or None."""
+    try:
+        with open(start_error_file_for(exit_file), encoding="utf-8", errors="replace") as fh:
+            return fh.read(4096).strip() or None
+    except OSError:
+        return None
 
 
 def main(argv: list[str]) -> int:
@@ -62,6 +78,11 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries already
             continue
+    error = read_start_error(exit_file) if code == 127 else None
+    if error is not None:  # the sandbox ran, the command did not: recorded as the launcher's own start failure
+        print(f"launcher: {error}", file=sys.stderr, flush=True)
+        write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher", "error": error}))
+        return 127
     return record_exit(exit_file, code, child.pid, writer="launcher")
 
 

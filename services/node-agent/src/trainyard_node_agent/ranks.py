@@ -123,7 +123,9 @@ async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
     clear_exit_files(exit_file)
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return await asyncio.create_subprocess_exec(
-            sys.executable, str(LAUNCHER), str(exit_file), "--", *command, env=dict(env),
+            # -I: the launcher runs as the agent's user; nothing in the rank's environment (PYTHONPATH…) may
+            # make it import code it did not bring
+            sys.executable, "-I", str(LAUNCHER), str(exit_file), "--", *command, env=dict(env),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=cwd,
         )
@@ -146,7 +148,8 @@ def read_note_step(path: Path) -> int | None:
 def clear_exit_files(exit_file: Path) -> None:
     """Remove what an earlier launch of the same rank left (never the case for a new attempt)."""
     exit_file.parent.mkdir(parents=True, exist_ok=True)
-    for stale in (exit_file, Path(launcher.pid_file_for(str(exit_file))), note_file_for(exit_file)):
+    for stale in (exit_file, Path(launcher.pid_file_for(str(exit_file))), note_file_for(exit_file),
+                  Path(launcher.start_error_file_for(str(exit_file)))):
         stale.unlink(missing_ok=True)
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from trainyard_common.settings import ServiceSettings
@@ -108,6 +108,19 @@ class NodeAgentSettings(ServiceSettings):
         description="the code cache is kept under this size: least recently used trees no running rank "
                     "uses are removed first",
     )
+    node_sandbox: Literal["enforce", "trusted-single-tenant"] = Field(
+        default="enforce",
+        description="enforce: every rank runs as its job's own unprivileged user in a mount namespace that shows "
+                    "only its code, datasets, checkpoint prefix and attempt directory (the agent refuses to start "
+                    "where that cannot be done: it needs root); trusted-single-tenant: ranks run as the agent's "
+                    "user and see the whole artifact root, for a node that only runs one tenant's trusted code",
+    )
+    sandbox_first_uid: int = Field(
+        default=1_000_000_000, ge=1000, le=2**32 - 2**21,
+        description="the first uid (and gid) of the range jobs' ranks run as (a job's is a hash of its id into "
+                    "the range, the same on every node); no user of the host may own one",
+    )
+    sandbox_uid_count: int = Field(default=2**20, ge=1, le=2**21, description="how many uids that range holds")
     agent_state_file: Path | None = Field(
         default=None,
         description="node-local copy of the rank table, read at start-up when Redis is down "
@@ -121,6 +134,16 @@ class NodeAgentSettings(ServiceSettings):
     @property
     def code_cache_path(self) -> Path:
         return self.code_cache_dir or self.agent_state_path.parent / "code-cache"
+
+    @model_validator(mode="after")
+    def _warm_ranks_are_unconfined(self) -> NodeAgentSettings:
+        if self.node_sandbox == "enforce" and self.warm_ranks > 0:
+            raise ValueError(
+                "TRAINYARD_WARM_RANKS cannot be used with TRAINYARD_NODE_SANDBOX=enforce: a warm interpreter starts "
+                "before it knows its job, so it cannot run as the job's user in the job's sandbox; set "
+                "TRAINYARD_WARM_RANKS=0, or TRAINYARD_NODE_SANDBOX=trusted-single-tenant on a node that runs one "
+                "tenant's trusted code only")
+        return self
 
     @field_validator("rank_command", mode="before")
     @classmethod

@@ -269,7 +269,7 @@ class Scheduler:
             node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
             network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
             quarantined=json.loads(quarantine)["reason"] if quarantine else None,
-            drained=drain["reason"] if drain else None, boot_id=event.boot_id,
+            drained=drain["reason"] if drain else None, boot_id=event.boot_id, sandbox=event.sandbox,
         )
         await self.store.put_node(record)
         await self.leases.renew_node(event.node_id, [d.index for d in event.devices])

@@ -1,0 +1,113 @@
+"""The agent's side of the rank sandbox (:mod:`sandbox`): decide at start-up whether ranks can be
+confined here (refuse to start when ``enforce`` cannot be had), and before each launch give the rank's
+files to the job's user and wrap its command in the exec wrapper."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainyard_common.errors import ConfigError
+from trainyard_common.events import GangAllocated
+from trainyard_common.storage import ArtifactLayout, uri_to_path
+
+from trainyard_node_agent import launcher
+from trainyard_node_agent import sandbox as sb
+from trainyard_node_agent.settings import NodeAgentSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Confined:
+    """A rank's command, wrapped (or as it was, on a trusted node), and the uid it runs as (None: the agent's)."""
+
+    command: list[str]
+    uid: int | None
+
+
+class Confinement:
+    """Ranks confined per ``settings.node_sandbox``; see :mod:`sandbox`."""
+
+    def __init__(self, settings: NodeAgentSettings, layout: ArtifactLayout) -> None:
+        self.mode = settings.node_sandbox
+        self.first_uid, self.uid_count = settings.sandbox_first_uid, settings.sandbox_uid_count
+        self.layout = layout
+        self.hidden = tuple(dict.fromkeys(p.resolve() for p in (
+            layout.root, settings.code_cache_path, settings.agent_state_path.parent, *sb.host_hidden())))
+        self.runtime = sb.runtime_paths()
+
+    @property
+    def enforced(self) -> bool:
+        return self.mode == sb.ENFORCE
+
+    def check(self) -> None:
+        """At start-up: ConfigError when ``enforce`` cannot be had here; a loud warning on a trusted node."""
+        if not self.enforced:
+            log.warning("TRAINYARD_NODE_SANDBOX=trusted-single-tenant: ranks run UNSANDBOXED as the agent's user "
+                        "(uid %d): every rank can read and overwrite every tenant's checkpoints, datasets and "
+                        "code under %s and signal any other rank on this node. Use this only for a node that runs "
+                        "one tenant's trusted code", os.geteuid(), self.layout.root)
+            return
+        why = sb.check_host(first_uid=self.first_uid)
+        if why is not None:
+            raise ConfigError(
+                f"TRAINYARD_NODE_SANDBOX=enforce, but ranks cannot be sandboxed on this host: {why}. Run the node "
+                "agent as root (it needs to create mount namespaces and switch ranks to their job's user: "
+                "CAP_SYS_ADMIN, CAP_SETUID, CAP_SETGID, CAP_CHOWN), or, for a node that only ever runs one "
+                "tenant's trusted code, set TRAINYARD_NODE_SANDBOX=trusted-single-tenant (ranks then see every "
+                "tenant's files: see docs/sandbox.md)")
+        log.info("ranks are sandboxed (TRAINYARD_NODE_SANDBOX=enforce): each job's ranks run as their own uid in "
+                 "[%d, %d) and see only their own paths under %s", self.first_uid, self.first_uid + self.uid_count,
+                 self.layout.root)
+
+    def uid_of(self, job_id: str) -> int:
+        return sb.job_uid(job_id, first=self.first_uid, count=self.uid_count)
+
+    def clash(self, job_id: str, live_jobs: Sequence[str]) -> str | None:
+        """Why ``job_id`` cannot be launched next to the jobs running here (a shared uid), or None."""
+        if not self.enforced:
+            return None
+        uid = self.uid_of(job_id)
+        other = sb.uid_clash(job_id, uid, {j: self.uid_of(j) for j in live_jobs})
+        return None if other is None else (
+            f"job {job_id} would run as uid {uid}, which job {other} running on this node has "
+            "(a hash collision in TRAINYARD_SANDBOX_FIRST_UID/UID_COUNT): not running them side by side")
+
+    def confine(self, command: Sequence[str], event: GangAllocated, *, rank: int, events_file: Path,
+                exit_file: Path, scratch: Path, code_dir: Path | None = None, cwd: Path | None = None,
+                datasets: Sequence[Path] = ()) -> Confined:
+        """Prepare the rank's files for its user and wrap ``command`` (as it is on a trusted node)."""
+        if not self.enforced:
+            return Confined(list(command), None)
+        uid = self.uid_of(event.job_id)
+        start = uri_to_path(event.start_checkpoint.manifest_uri).parent if event.start_checkpoint else None
+        view = sb.RankView(
+            attempt_dir=self.layout.attempt_dir(event.tenant, event.job_id, event.attempt),
+            checkpoints=self.layout.checkpoints_dir(event.tenant, event.job_id), scratch=scratch,
+            datasets=tuple(datasets) or (dataset_dir(self.layout, event.spec.dataset),), code_dir=code_dir,
+            cwd=cwd, start_checkpoint=start, calibration=self.layout.root.joinpath(*sb.CALIBRATION),
+            runtime=self.runtime,
+        )
+        sb.apply_ownership(sb.ownership(view, events_file=events_file, exit_dir=exit_file.parent, uid=uid, gid=uid))
+        plan = sb.plan_rank(view, uid=uid, gid=uid, hidden=self.hidden,
+                            start_error_file=Path(launcher.start_error_file_for(str(exit_file))))
+        log.debug("rank %d of %s confined as uid %d: %s", rank, event.allocation_id, uid, plan.to_json())
+        return Confined(sb.wrap(command, plan), uid)
+
+
+def dataset_dir(layout: ArtifactLayout, dataset: str) -> Path:
+    name, _, version = dataset.partition("@")
+    return layout.dataset_dir(name, version)
+
+
+def scrubbed(base_env: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment without what a rank must not inherit (logged by name, never by value)."""
+    env, removed = sb.scrub_env(base_env)
+    if removed:
+        log.info("not passing %d secret-looking variable(s) of the agent's environment on to ranks: %s",
+                 len(removed), ", ".join(removed))
+    return env

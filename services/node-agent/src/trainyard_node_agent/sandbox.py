@@ -1,0 +1,403 @@
+"""Ranks in a sandbox: each job's ranks run as the job's own unprivileged user, in a mount namespace
+that shows them only their own paths.
+
+``TRAINYARD_NODE_SANDBOX`` (``settings.node_sandbox``):
+
+* ``enforce`` (default): every rank, the built-in trainer's and users' code alike, starts under
+  :func:`main` (``python -I sandbox.py <plan> -- <command…>``, run by the launcher as its child). As
+  root it enters a new mount namespace (propagation private), covers the artifact root, the code
+  cache, the agent's state directory and ``/tmp`` with empty tmpfs mounts, binds back at the same
+  absolute paths only what the rank may see (so every ``TRAINYARD_*`` path works unchanged), remounts
+  the read-only ones read-only (all of them nosuid, nodev), mounts a ``/proc`` that hides other
+  users' processes (``hidepid``), then drops to the job's uid/gid (no supplementary groups,
+  ``PR_SET_NO_NEW_PRIVS``) and execs the command. The agent refuses to start when this cannot
+  be done on the host (:func:`check_host`).
+* ``trusted-single-tenant``: ranks run as the agent's user and see the whole artifact root; for a
+  node that runs one tenant's trusted code only. Said loudly at start-up and in the heartbeat.
+
+What a rank sees (:func:`plan_rank`, pure): its code tree and datasets read-only, the start
+checkpoint read-only when it belongs to another job (``initFrom``), the peak-FLOP/s calibration
+cache read-only; its job's checkpoint prefix and its attempt directory writable. Within the attempt
+directory file ownership (:func:`ownership`, applied by the agent before the launch, as root) keeps
+the agent's own files out of the rank's reach: the directory is root's, group-writable for the job
+and sticky (the rank creates files, but cannot replace the allocation file or the checkpoint
+request), the spool directory is root's with the rank's spool file pre-created and owned by the
+rank (it appends; it cannot swap the file for a symlink the agent would read as root).
+
+A job's uid is deterministic (:func:`job_uid`: a hash of the job id into a configured range), so the
+ranks of one job on different nodes share it (their shards land in one checkpoint directory) and
+ranks of different jobs on one node differ: they cannot signal, ptrace or read each other
+(``/proc/<pid>/mem`` is refused across users and hidden). Two live jobs on one node hashing to the
+same uid are refused (:func:`uid_clash`), never run side by side.
+
+The environment a rank inherits from the agent is scrubbed of anything secret-looking
+(:func:`scrub_env`): broker and Redis addresses and credentials, tokens, passwords, keys, OTLP
+headers, URLs with credentials. That holds in both modes.
+
+The part run as the exec wrapper uses the standard library only (it runs with ``python -I``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+ENFORCE = "enforce"
+TRUSTED = "trusted-single-tenant"
+SandboxMode = Literal["enforce", "trusted-single-tenant"]
+SANDBOX_EXIT = 125  # the sandbox could not be set up (the node's trouble, not the job's)
+SANDBOX_FAILURE = "sandbox: cannot set up"  # how the wrapper's log line says so
+START_ERROR_EXIT = 127  # the command could not be exec'd inside the sandbox
+WRAPPER = Path(__file__).resolve()
+CALIBRATION = ("calibration",)  # <artifact root>/calibration: the SDK's peak-FLOP/s cache (read-only here)
+
+
+# ----------------------------------------------------------------------------- pure: identity
+
+
+def job_uid(job_id: str, *, first: int, count: int) -> int:
+    """The job's uid (and gid): ``first + sha256(job_id) mod count``, the same on every node."""
+    digest = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big")
+    return first + digest % count
+
+
+def uid_clash(job_id: str, uid: int, live: Mapping[str, int]) -> str | None:
+    """The live job (job id → uid, of ranks running here) that already has ``uid``, if not ``job_id``."""
+    return next((other for other, u in sorted(live.items()) if u == uid and other != job_id), None)
+
+
+# ----------------------------------------------------------------------------- pure: environment
+
+_SECRET_NAME = re.compile(
+    r"REDIS|KAFKA|BOOTSTRAP|SASL|BROKER|PASSW|SECRET|TOKEN|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|AUTH|"
+    r"COOKIE|SESSION|^AWS_|^AZURE_|^GOOGLE_APPLICATION|^GCP_|^OTEL_EXPORTER_OTLP(?:_\w+)?_HEADERS$|"
+    r"^OTEL_EXPORTER_OTLP_HEADERS$|(?:^|_)KEY$|DSN$|DATABASE_URL",
+    re.IGNORECASE,
+)
+_CREDENTIAL_URL = re.compile(r"\w+://[^/\s:@]*:[^/\s@]+@")  # scheme://user:password@host
+_SECRET_VALUE = re.compile(r"^(?:redis|rediss|kafka|amqp|postgres(?:ql)?|mysql|mongodb(?:\+srv)?)://",
+                           re.IGNORECASE)
+
+
+def is_secret(name: str, value: str) -> bool:
+    """Whether an inherited variable looks like a credential or a control-plane address."""
+    return bool(_SECRET_NAME.search(name) or _CREDENTIAL_URL.search(value) or _SECRET_VALUE.match(value))
+
+
+def scrub_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``env`` without secret-looking variables, and the names removed (sorted)."""
+    kept = {k: v for k, v in env.items() if not is_secret(k, v)}
+    return kept, sorted(set(env) - set(kept))
+
+
+# ----------------------------------------------------------------------------- pure: the plan
+
+
+@dataclass(frozen=True)
+class Bind:
+    """``path`` of the host bound at the same path inside the sandbox."""
+
+    path: str
+    writable: bool = False
+    optional: bool = False  # bound only if it exists (a calibration cache not written yet)
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """Everything the exec wrapper does, as data (JSON on its command line)."""
+
+    uid: int
+    gid: int
+    cover: tuple[tuple[str, int], ...]  # (path, mode) of the empty tmpfs mounts, outermost first
+    binds: tuple[Bind, ...]  # parents before children
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the rank's environment
+    hide_processes: bool = True
+    start_error_file: str | None = None  # where an exec failure is written for the launcher
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "uid": self.uid, "gid": self.gid, "cover": [list(c) for c in self.cover],
+            "binds": [[b.path, b.writable, b.optional] for b in self.binds], "cwd": self.cwd, "env": self.env,
+            "hideProcesses": self.hide_processes, "startErrorFile": self.start_error_file,
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> SandboxPlan:
+        raw = json.loads(text)
+        return cls(uid=int(raw["uid"]), gid=int(raw["gid"]), cover=tuple((str(p), int(m)) for p, m in raw["cover"]),
+                   binds=tuple(Bind(str(p), bool(w), bool(o)) for p, w, o in raw["binds"]), cwd=str(raw["cwd"]),
+                   env={str(k): str(v) for k, v in raw.get("env", {}).items()},
+                   hide_processes=bool(raw.get("hideProcesses", True)), start_error_file=raw.get("startErrorFile"))
+
+
+def _under(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def outermost(paths: Iterable[Path]) -> list[Path]:
+    """The paths not inside another of them, shortest first."""
+    unique = sorted(set(paths), key=lambda p: (len(p.parts), str(p)))
+    kept: list[Path] = []
+    for p in unique:
+        if not any(_under(p, k) for k in kept):
+            kept.append(p)
+    return kept
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What one rank may touch (from :class:`~trainyard_node_agent.codecache.RankPaths` for user code)."""
+
+    attempt_dir: Path  # writable (ownership keeps the agent's files in it out of reach)
+    checkpoints: Path  # the job's checkpoint prefix, writable
+    scratch: Path  # writable, HOME
+    datasets: tuple[Path, ...] = ()  # read-only
+    code_dir: Path | None = None  # read-only
+    cwd: Path | None = None  # default: scratch
+    start_checkpoint: Path | None = None  # read-only when outside the job's prefix (initFrom)
+    calibration: Path | None = None  # read-only, optional
+    runtime: tuple[Path, ...] = ()  # the interpreter's prefixes, read-only (bound back if under a cover)
+
+
+def plan_rank(view: RankView, *, uid: int, gid: int, hidden: Sequence[Path], private_tmp: bool = True,
+              start_error_file: Path | None = None) -> SandboxPlan:
+    """The sandbox of one rank: ``hidden`` (artifact root, code cache, agent state) and ``/tmp`` covered,
+    the rank's own paths bound back."""
+    covered = outermost([*hidden, *([Path("/tmp")] if private_tmp else [])])
+    binds: list[Bind] = []
+    if view.code_dir is not None:
+        binds.append(Bind(str(view.code_dir)))
+    # a dataset or start checkpoint that does not exist fails the rank when it reads it, as it would unconfined
+    maybe = [*view.datasets]
+    if view.start_checkpoint is not None and not _under(view.start_checkpoint, view.checkpoints):
+        maybe.append(view.start_checkpoint)
+    binds += [Bind(str(p), optional=True) for p in maybe]
+    if view.calibration is not None:
+        binds.append(Bind(str(view.calibration), optional=True))
+    binds += [Bind(str(p), optional=True) for p in view.runtime]
+    binds += [Bind(str(p), writable=True) for p in (view.checkpoints, view.attempt_dir, view.scratch)]
+    # only what the covers hide needs binding back; parents first so a child bind lands on top
+    binds = [b for b in binds if any(_under(Path(b.path), c) for c in covered)]
+    binds.sort(key=lambda b: (len(Path(b.path).parts), b.path))
+    cwd = view.cwd or view.scratch
+    return SandboxPlan(
+        uid=uid, gid=gid, cover=tuple((str(c), 0o1777 if c == Path("/tmp") else 0o755) for c in covered),
+        binds=tuple(dict.fromkeys(binds)), cwd=str(cwd),
+        env={"HOME": str(view.scratch), "USER": f"trainyard-{uid}", "LOGNAME": f"trainyard-{uid}",
+             "TMPDIR": "/tmp"},
+        start_error_file=str(start_error_file) if start_error_file else None,
+    )
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A path the agent creates (if missing) and gives to ``uid``:``gid`` with ``mode`` before a launch
+    (``uid``/``gid`` 0: root's)."""
+
+    path: Path
+    directory: bool
+    uid: int
+    gid: int
+    mode: int
+
+
+def ownership(view: RankView, *, events_file: Path, exit_dir: Path, uid: int, gid: int) -> list[Owned]:
+    """Who owns what the rank writes, parents first. Root keeps the attempt directory (group-writable for
+    the job, sticky: the rank cannot remove or replace root's files in it), the spool directory and the
+    logs; the rank owns its scratch, its checkpoint prefix, its metrics and its spool file."""
+    return [
+        Owned(view.attempt_dir, True, 0, gid, 0o1775),
+        Owned(exit_dir, True, 0, gid, 0o1775),  # the launcher's exit/pid files (root) and the rank's exit note
+        Owned(view.attempt_dir / "metrics", True, uid, gid, 0o755),
+        Owned(events_file.parent, True, 0, 0, 0o755),
+        Owned(events_file, False, uid, gid, 0o644),
+        Owned(view.scratch.parent, True, 0, 0, 0o755),
+        Owned(view.scratch, True, uid, gid, 0o700),
+        Owned(view.checkpoints, True, uid, gid, 0o755),
+    ]
+
+
+# ----------------------------------------------------------------------------- I/O: the agent's side
+
+
+def apply_ownership(entries: Iterable[Owned]) -> None:
+    """Create and chown/chmod each path without following a symlink a rank may have left there."""
+    for entry in entries:
+        if entry.directory:
+            entry.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        else:
+            entry.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, entry.mode)
+        try:
+            os.fchown(fd, entry.uid, entry.gid)
+            os.fchmod(fd, entry.mode)
+        finally:
+            os.close(fd)
+
+
+def wrap(command: Sequence[str], plan: SandboxPlan) -> list[str]:
+    """``command`` run under the exec wrapper with ``plan``."""
+    return [sys.executable, "-I", str(WRAPPER), plan.to_json(), "--", *command]
+
+
+def runtime_paths() -> tuple[Path, ...]:
+    """The interpreter's prefixes (a venv and the Python it was made from): what a rank needs to run at all."""
+    return tuple(dict.fromkeys(Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)))
+
+
+def host_hidden(home: Path | None = None) -> tuple[Path, ...]:
+    """What every sandbox hides besides the trainyard paths: the agent user's home (credentials, shell
+    history); the interpreter's prefixes under it are bound back read-only."""
+    home = (home or Path.home()).resolve()
+    return (home,) if home != Path("/") else ()
+
+
+def check_host(*, first_uid: int, timeout_s: float = 30.0) -> str | None:
+    """None when ranks can be sandboxed here, else why not (what the operator reads at start-up).
+
+    Runs the wrapper for real: a throwaway directory covered and bound back read-only, a drop to
+    ``first_uid``, and a child that checks it is that user, cannot write there and cannot see root's
+    processes."""
+    if os.geteuid() != 0:
+        return (f"the node agent runs as uid {os.geteuid()}, not root: it cannot enter mount namespaces or "
+                "switch ranks to their job's user")
+    with tempfile.TemporaryDirectory(prefix="trainyard-sandbox-check-") as tmp:
+        root = Path(tmp).resolve()
+        (root / "seen").mkdir()
+        (root / "hidden").mkdir()
+        view = RankView(attempt_dir=root / "seen", checkpoints=root / "seen", scratch=root / "seen",
+                        runtime=runtime_paths())
+        plan = plan_rank(view, uid=first_uid, gid=first_uid, hidden=(root, *host_hidden()))
+        plan = SandboxPlan(**{**plan.__dict__, "binds": tuple(
+            Bind(b.path, False, b.optional) for b in plan.binds)})  # the check: read-only
+        probe = ("import os, sys\n"
+                 f"ok = os.getuid() == {first_uid} and os.getgroups() in ([], [{first_uid}])\n"
+                 f"ok = ok and not os.path.exists({str(root / 'hidden')!r}) and os.path.isdir({str(root / 'seen')!r})\n"
+                 f"ok = ok and not os.access({str(root / 'seen')!r}, os.W_OK)\n"
+                 f"ok = ok and not os.path.exists('/proc/{os.getpid()}')\n"
+                 "sys.exit(0 if ok else 3)\n")
+        try:
+            done = subprocess.run(wrap([sys.executable, "-I", "-c", probe], plan), capture_output=True,
+                                  timeout=timeout_s, text=True, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"the sandbox self-test could not run: {exc}"
+    if done.returncode == 0:
+        return None
+    detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+    return f"the sandbox self-test failed: {detail[0]}"
+
+
+# ----------------------------------------------------------------------------- the exec wrapper (root → rank)
+
+CLONE_NEWNS = 0x00020000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+
+
+class _Libc:
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    def unshare(self, flags: int) -> None:
+        self._check(self.lib.unshare(flags), "unshare(CLONE_NEWNS)")
+
+    def mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+        enc = (lambda s: s.encode() if s is not None else None)
+        self._check(self.lib.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+                    f"mount {source or ''} on {target}")
+
+    def no_new_privs(self) -> None:
+        self._check(self.lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def enter(plan: SandboxPlan) -> None:
+    """Build the mount namespace of ``plan`` and become its user (must run as root)."""
+    libc = _Libc()
+    libc.unshare(CLONE_NEWNS)
+    libc.mount("none", "/", None, MS_REC | MS_PRIVATE, None)  # nothing we mount leaks back to the host
+    sources: list[tuple[Bind, int]] = []
+    for bind in plan.binds:  # opened before the covers hide them
+        try:
+            sources.append((bind, os.open(bind.path, os.O_PATH)))
+        except FileNotFoundError:
+            if not bind.optional:
+                raise
+    for path, mode in plan.cover:
+        os.makedirs(path, exist_ok=True)
+        libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o}")
+    for bind, fd in sources:
+        is_dir = os.path.isdir(f"/proc/self/fd/{fd}")
+        if is_dir:
+            os.makedirs(bind.path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(bind.path), exist_ok=True)
+            if not os.path.exists(bind.path):
+                os.close(os.open(bind.path, os.O_WRONLY | os.O_CREAT, 0o644))
+        libc.mount(f"/proc/self/fd/{fd}", bind.path, None, MS_BIND, None)
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (0 if bind.writable else MS_RDONLY)
+        libc.mount(None, bind.path, None, flags, None)
+        os.close(fd)
+    if plan.hide_processes:
+        try:
+            libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    os.chdir(plan.cwd)
+    os.setgroups([])
+    os.setresgid(plan.gid, plan.gid, plan.gid)
+    os.setresuid(plan.uid, plan.uid, plan.uid)
+    libc.no_new_privs()
+    if os.getuid() != plan.uid or os.geteuid() != plan.uid:  # pragma: no cover - the kernel said yes above
+        raise OSError(errno.EPERM, "the drop to the job's user did not take")
+
+
+def _note_start_error(plan: SandboxPlan, command: str, exc: OSError) -> None:
+    if plan.start_error_file:
+        with contextlib.suppress(OSError), open(plan.start_error_file, "w", encoding="utf-8") as fh:
+            fh.write(f"cannot start {command}: {exc}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: sandbox.py <plan-json> -- <command…>", file=sys.stderr)
+        return 2
+    plan, command = SandboxPlan.from_json(argv[0]), argv[2:]
+    try:
+        enter(plan)
+    except OSError as exc:
+        print(f"{SANDBOX_FAILURE} the rank's sandbox: {exc}", file=sys.stderr, flush=True)
+        return SANDBOX_EXIT
+    os.environ.update(plan.env)
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        print(f"sandbox: cannot start {command[0]}: {exc}", file=sys.stderr, flush=True)
+        _note_start_error(plan, command[0], exc)
+        return START_ERROR_EXIT
+    return START_ERROR_EXIT  # pragma: no cover - execvp does not return
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

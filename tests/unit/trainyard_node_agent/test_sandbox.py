@@ -1,0 +1,133 @@
+"""The sandbox's pure part: a job's uid, the environment scrub, what a rank's plan binds where, who owns
+what; and the plan's round trip through the wrapper's command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from trainyard_node_agent import sandbox as sb
+from trainyard_node_agent.settings import NodeAgentSettings
+
+ROOT = Path("/srv/artifacts")
+ATTEMPT = ROOT / "tenants/acme/jobs/j1/attempts/2"
+VIEW = sb.RankView(
+    attempt_dir=ATTEMPT, checkpoints=ROOT / "tenants/acme/jobs/j1/checkpoints", scratch=ATTEMPT / "scratch/rank-0",
+    datasets=(ROOT / "datasets/corpus/v1",), code_dir=Path("/var/cache/code/abc/tree"),
+    cwd=Path("/var/cache/code/abc/tree/src"), calibration=ROOT / "calibration",
+    runtime=(Path("/opt/venv"), Path("/root/.pyenv/versions/3.11.7")),
+)
+HIDDEN = (ROOT, Path("/var/cache/code"), ROOT / "nodes/n1", Path("/root"))
+
+
+def test_a_jobs_uid_is_the_same_everywhere_and_inside_the_range() -> None:
+    uids = {sb.job_uid(f"job-{i}", first=1_000_000, count=1000) for i in range(200)}
+    assert all(1_000_000 <= u < 1_001_000 for u in uids)
+    assert len(uids) > 150  # spread, not one bucket
+    assert sb.job_uid("j1", first=5000, count=1 << 20) == sb.job_uid("j1", first=5000, count=1 << 20)
+
+
+def test_a_uid_clash_names_the_other_live_job_never_the_same_one() -> None:
+    assert sb.uid_clash("a", 7, {"a": 7, "b": 8}) is None
+    assert sb.uid_clash("a", 7, {"b": 7, "c": 7}) == "b"
+    assert sb.uid_clash("a", 7, {}) is None
+
+
+@pytest.mark.parametrize(("name", "value", "secret"), [
+    ("TRAINYARD_REDIS_URL", "redis://127.0.0.1:6390/0", True),
+    ("REDIS_URL", "redis://:pw@h/0", True),
+    ("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", True),
+    ("BOOTSTRAP", "h:9092", True),
+    ("AWS_SECRET_ACCESS_KEY", "x", True),
+    ("AWS_REGION", "eu-west-1", True),
+    ("HF_TOKEN", "x", True),
+    ("DB_PASSWORD", "x", True),
+    ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer x", True),
+    ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "a=b", True),
+    ("SSH_AUTH_SOCK", "/tmp/ssh", True),
+    ("SIGNING_KEY", "x", True),
+    ("MY_MIRROR", "https://user:pw@mirror.example/simple", True),
+    ("CACHE", "rediss://cache:6380", True),
+    ("PATH", "/usr/bin:/bin", False),
+    ("HOME", "/root", False),
+    ("OMP_NUM_THREADS", "1", False),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318", False),
+    ("PYTHONPATH", "/work/libs", False),
+    ("LANG", "C.UTF-8", False),
+    ("KEYBOARD", "us", False),
+])
+def test_secret_looking_variables_are_scrubbed(name: str, value: str, secret: bool) -> None:
+    env, removed = sb.scrub_env({name: value, "PATH": "/bin"})
+    assert (name in removed) is secret
+    assert env.get("PATH") == "/bin"
+
+
+def test_the_plan_covers_the_hidden_roots_and_binds_back_only_the_ranks_paths() -> None:
+    plan = sb.plan_rank(VIEW, uid=1234, gid=1234, hidden=HIDDEN, start_error_file=ATTEMPT / "exit/rank-0.start-error")
+    assert plan.cover == (("/root", 0o755), ("/tmp", 0o1777), ("/srv/artifacts", 0o755), ("/var/cache/code", 0o755))
+    binds = {b.path: (b.writable, b.optional) for b in plan.binds}
+    assert binds == {
+        "/root/.pyenv/versions/3.11.7": (False, True),  # the interpreter, under the hidden home
+        "/var/cache/code/abc/tree": (False, False),  # its own code tree, no other
+        str(ROOT / "datasets/corpus/v1"): (False, True),
+        str(ROOT / "calibration"): (False, True),
+        str(VIEW.checkpoints): (True, False),
+        str(ATTEMPT): (True, False),
+        str(VIEW.scratch): (True, False),
+    }  # /opt/venv is not hidden: nothing to bind back
+    depths = [len(Path(b.path).parts) for b in plan.binds]
+    assert depths == sorted(depths), "parents before children"
+    assert (plan.uid, plan.gid, plan.cwd) == (1234, 1234, "/var/cache/code/abc/tree/src")
+    assert plan.env["HOME"] == str(VIEW.scratch)
+    assert not any(b.path == str(ROOT / "nodes/n1") for b in plan.binds)
+
+
+def test_a_start_checkpoint_of_another_job_is_bound_read_only_and_the_own_prefix_not_twice() -> None:
+    other = ROOT / "tenants/acme/jobs/base/checkpoints/step-000000100-a1"
+    plan = sb.plan_rank(sb.RankView(**{**VIEW.__dict__, "start_checkpoint": other}), uid=1, gid=1, hidden=HIDDEN)
+    assert sb.Bind(str(other), writable=False, optional=True) in plan.binds
+    own = VIEW.checkpoints / "step-000000005-a1"
+    plan = sb.plan_rank(sb.RankView(**{**VIEW.__dict__, "start_checkpoint": own}), uid=1, gid=1, hidden=HIDDEN)
+    assert not any(b.path == str(own) for b in plan.binds)
+
+
+def test_the_built_in_trainer_runs_in_its_scratch_without_a_code_tree() -> None:
+    view = sb.RankView(attempt_dir=ATTEMPT, checkpoints=VIEW.checkpoints, scratch=VIEW.scratch)
+    plan = sb.plan_rank(view, uid=1, gid=1, hidden=(ROOT,), private_tmp=False)
+    assert plan.cwd == str(VIEW.scratch)
+    assert plan.cover == (("/srv/artifacts", 0o755),)
+    assert {b.path for b in plan.binds} == {str(VIEW.checkpoints), str(ATTEMPT), str(VIEW.scratch)}
+
+
+def test_the_plan_survives_the_wrappers_command_line() -> None:
+    plan = sb.plan_rank(VIEW, uid=7, gid=8, hidden=HIDDEN, start_error_file=Path("/x/rank-0.start-error"))
+    assert sb.SandboxPlan.from_json(plan.to_json()) == plan
+    command = sb.wrap(["python", "train.py"], plan)
+    assert command[1:3] == ["-I", str(sb.WRAPPER)] and command[4:] == ["--", "python", "train.py"]
+
+
+def test_root_keeps_the_attempt_directory_and_the_spool_directory_the_rank_owns_its_own_files() -> None:
+    events = ATTEMPT / "events/rank-0.jsonl"
+    owned = {o.path: (o.uid, o.gid, o.mode, o.directory)
+             for o in sb.ownership(VIEW, events_file=events, exit_dir=ATTEMPT / "exit", uid=42, gid=42)}
+    assert owned[ATTEMPT] == (0, 42, 0o1775, True)  # sticky: root's allocation file stays root's
+    assert owned[ATTEMPT / "exit"] == (0, 42, 0o1775, True)
+    assert owned[events.parent] == (0, 0, 0o755, True)  # the spool cannot be swapped for a symlink
+    assert owned[events] == (42, 42, 0o644, False)
+    assert owned[VIEW.scratch] == (42, 42, 0o700, True)
+    assert owned[VIEW.checkpoints] == (42, 42, 0o755, True)
+
+
+def test_warm_interpreters_cannot_be_sandboxed() -> None:
+    with pytest.raises(ValueError, match="TRAINYARD_WARM_RANKS cannot be used with TRAINYARD_NODE_SANDBOX=enforce"):
+        NodeAgentSettings(node_id="n", warm_ranks=2)
+    assert NodeAgentSettings(node_id="n", warm_ranks=2, node_sandbox="trusted-single-tenant").warm_ranks == 2
+    assert NodeAgentSettings(node_id="n").node_sandbox == "enforce"
+
+
+def test_a_rank_whose_sandbox_could_not_be_set_up_is_this_nodes_error_not_the_jobs() -> None:
+    from trainyard_node_agent.classify import ExitFacts, classify_exit
+
+    line = "sandbox: cannot set up the rank's sandbox: [Errno 1] mount proc on /proc: Operation not permitted"
+    facts = ExitFacts(exit_code=sb.SANDBOX_EXIT, log_tail=f"{line}\n", user_code=True)
+    assert classify_exit(facts) == ("error", line)
