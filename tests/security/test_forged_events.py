@@ -205,3 +205,41 @@ def test_forged_events_fail_their_job_and_leave_another_tenants_job_alone(stack:
         steps = sorted(c["globalStep"] for c in ended["checkpoints"] if c["state"] == "READY")
         assert steps == [20, 40], ended["checkpoints"]  # its own saves; the forged step-10 shard is nowhere
         assert all(c["state"] == "READY" for c in ended["checkpoints"]), "no checkpoint of it was refused"
+
+
+PROBE_REDIS = '''
+import os, sys
+import redis
+
+port = int(os.environ["PROBE_PORT"])
+leaked = {k: v for k, v in os.environ.items() if "REDIS" in k or "KAFKA" in k or "PASSWORD" in k or "SECRET" in k}
+print("ENVIRONMENT", sorted(leaked), flush=True)
+urls = [f"redis://127.0.0.1:{port}/0", *[v for v in leaked.values() if v.startswith("redis://")]]
+for url in urls:
+    try:
+        jobs = redis.Redis.from_url(url, socket_timeout=5).zrange("ty:jobs", 0, -1)
+    except redis.RedisError as exc:
+        print("REFUSED", type(exc).__name__, exc, flush=True)
+        continue
+    print("ATTACK SUCCEEDED: read", len(jobs), "job ids", flush=True)
+    sys.exit(0)
+sys.exit(1)
+'''
+
+
+def test_a_training_script_can_neither_find_nor_use_redis_credentials(stack: LocalStack, tmp_path: Path) -> None:
+    token = stack.token_file.read_text().strip()
+    code = tmp_path / "probe"
+    code.mkdir()
+    (code / "probe.py").write_text(PROBE_REDIS)
+    spec = attack_spec("probe-redis", "none")
+    spec["code"] = {"entrypoint": ["python", "probe.py"], "env": {"PROBE_PORT": str(stack.s.redis_port)}}
+    job_id = submit(stack, token, spec, code, tmp_path)
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        ended = finished(client, job_id)
+    log = (stack.s.artifact_root / "tenants" / ended["tenant"] / "jobs" / job_id / "attempts" / "1" / "logs"
+           / "rank-0.log").read_text(errors="replace")
+    assert "ATTACK SUCCEEDED" not in log, log
+    assert "ENVIRONMENT []" in log, log  # no Redis or broker address, no password in a rank's environment
+    assert "REFUSED AuthenticationError" in log, log  # the default user is off: no credentials, no connection
+    assert ended["state"] == "failed", ended
