@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainyard_cli import infra
+from trainyard_cli import infra, redisacl
 
 
 class LocalCli:
@@ -18,13 +18,20 @@ class LocalCli:
     def __init__(self, root: Path, *, nodes: int = 2) -> None:
         self.root = root
         redis_port = infra.free_port()
-        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self.redis_port = redis_port
         self.env = {**os.environ, "TRAINYARD_STATE_DIR": str(root / ".trainyard"),
                     "TRAINYARD_KAFKA_PORT": str(infra.free_port()), "TRAINYARD_REDIS_PORT": str(redis_port),
                     "TRAINYARD_API_PORT": str(infra.free_port()), "TRAINYARD_NODES": str(nodes),
                     "TRAINYARD_READY_TIMEOUT_S": "180", "COLUMNS": "200"}
         self.env.pop("TRAINYARD_TOKEN", None)
         self.env.pop("TRAINYARD_API_URL", None)
+
+    @property
+    def redis_url(self) -> str:
+        """The stack's Redis as its operator (the password `up` generated; see trainyard_cli.redisacl)."""
+        passwords = redisacl.load_or_create(self.root / ".trainyard" / "redis-users.json")
+        return redisacl.url_for(redisacl.OPERATOR, passwords[redisacl.OPERATOR], host="127.0.0.1",
+                                port=self.redis_port)
 
     def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=self.root, env=self.env,  # noqa: S603

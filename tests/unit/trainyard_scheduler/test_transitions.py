@@ -13,6 +13,7 @@ from trainyard_common.events import (
     DeviceInfo,
     GangAllocated,
     JobStateChanged,
+    SecurityViolation,
     WorkerExited,
     WorkerStarted,
 )
@@ -643,3 +644,31 @@ def test_a_script_that_saved_its_last_step_succeeds_only_once_that_checkpoint_is
 def test_the_built_in_trainer_still_needs_its_final_checkpoint() -> None:
     outcome = exit_all(running(admitted(new_job())), saved=None)
     assert outcome.job.state == "running"  # waits for the READY checkpoint at maxSteps
+
+
+def violation(job: JobRecord, *, tenant: str = "t1", attempt: int = 1) -> SecurityViolation:
+    return SecurityViolation(job_id=job.job_id, tenant=tenant, attempt=attempt, allocation_id="alloc-1", epoch=1,
+                             node_id="n1", rank=1, detail="a rank may not publish 'JobControlRequested' events",
+                             refused_event_type="JobControlRequested")
+
+
+def test_a_security_violation_fails_the_job_at_once_without_retry_or_blame() -> None:
+    job = running(admitted(new_job(max_attempts=5)))
+    outcome = tr.security_violation(job, violation(job), at(5))
+    assert outcome.job.state == "failed" and states(outcome) == ["failed"]
+    assert (outcome.job.reason or "").startswith("security: rank 1 of attempt 1 on n1: a rank may not publish")
+    revoked = [e for e in outcome.events if isinstance(e, AllocationRevoked)]
+    assert len(revoked) == 1 and revoked[0].allocation_id == "alloc-1"
+    assert outcome.release is not None and outcome.blame == []
+    # the ranks' exits that follow (reason security, or errors of their peers) change nothing
+    after = tr.worker_exited(outcome.job, exited(job, 0, code=1, reason="error"), final_ready=False,
+                             policy=tr.RetryPolicy(), now=at(6))
+    assert after.job.state == "failed" and len(after.job.attempts) == 1
+
+
+def test_a_violation_of_an_old_attempt_still_fails_the_job_and_one_for_an_ended_job_changes_nothing() -> None:
+    job = running(admitted(new_job()))
+    assert tr.security_violation(job, violation(job, attempt=0), at(5)).job.state == "failed"
+    failed = tr.security_violation(job, violation(job), at(5)).job
+    assert not tr.security_violation(failed, violation(job), at(6)).changed
+    assert not tr.security_violation(job, violation(job, tenant="t2"), at(6)).changed

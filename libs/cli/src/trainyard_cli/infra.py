@@ -111,17 +111,20 @@ def redis_binary() -> str:
     return found
 
 
-def start_redis(port: int, data_dir: Path, log_path: Path, host: str = "127.0.0.1") -> Launched:
-    """redis-server with AOF and fsync on every write: fencing epochs never go backwards."""
+def start_redis(port: int, data_dir: Path, log_path: Path, host: str = "127.0.0.1", *,
+                acl_file: Path | None = None) -> Launched:
+    """redis-server with AOF and fsync on every write: fencing epochs never go backwards.
+    ``acl_file``: its users (see trainyard_cli.redisacl); without one anyone may connect."""
     require_free_port(port, "redis-server", "TRAINYARD_REDIS_PORT", host)
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         redis_binary(), "--port", str(port), "--bind", host, "--dir", str(data_dir.resolve()),
         "--appendonly", "yes", "--appendfsync", "always", "--save", "",
         "--protected-mode", "no", "--daemonize", "no",
+        *(["--aclfile", str(acl_file.resolve())] if acl_file is not None else []),
     ]
     proc = _spawn(cmd, log_path)
-    wait_for_port(port, process=proc, what="redis-server", log_path=log_path, host=host)
+    wait_for_port(port, process=proc, what="redis-server", log_path=log_path, host=host)  # answers even with ACLs
     return Launched("redis", proc, f"redis://{host}:{port}/0", log_path)
 
 

@@ -20,6 +20,7 @@ from trainyard_cli import codepack
 
 from trainyard_cli.client import ApiClient, ApiSpecError
 from trainyard_cli.admin import admin_app
+from trainyard_cli.credentials import credentials_app
 from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
 from trainyard_cli.devstack import dev_app
 from trainyard_cli.follow import follow_job
@@ -48,6 +49,7 @@ app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(dev_app, name="dev")
 app.add_typer(admin_app, name="admin")
+admin_app.add_typer(credentials_app, name="credentials")
 app.add_typer(plan_app, name="plan")
 
 out = Console()

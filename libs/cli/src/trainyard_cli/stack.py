@@ -21,7 +21,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainyard_cli import infra
+from trainyard_cli import infra, redisacl
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.store import Keys, StateStore, connect_redis
 
@@ -114,7 +114,19 @@ class LocalStack:
 
     @property
     def redis_url(self) -> str:
-        return self.s.redis_url or f"redis://127.0.0.1:{self.s.redis_port}/0"
+        """The operator's URL (the CLI's own commands, tests); services get their own (:meth:`redis_url_for`)."""
+        return self.redis_url_for(redisacl.OPERATOR)
+
+    def redis_url_for(self, user: str) -> str:
+        """Redis as ``user`` sees it: the stack's Redis with that ACL user (TRAINYARD_REDIS_URL when given)."""
+        if self.s.redis_url:
+            return self.s.redis_url
+        passwords = redisacl.load_or_create(self.redis_users_file)
+        return redisacl.url_for(user, passwords[user], host="127.0.0.1", port=self.s.redis_port)
+
+    @property
+    def redis_users_file(self) -> Path:
+        return self.s.root / "redis-users.json"
 
     @property
     def token_file(self) -> Path:
@@ -125,12 +137,13 @@ class LocalStack:
         """The platform-admin token the API bootstraps (TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE)."""
         return self.s.root / "admin-token"
 
-    def service_env(self) -> dict[str, str]:
+    def service_env(self, service: str = redisacl.OPERATOR) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
                 "TRAINYARD_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
-                "TRAINYARD_REDIS_URL": self.redis_url,
+                "TRAINYARD_REDIS_URL": self.redis_url_for(service if service in redisacl.SERVICE_USERS
+                                                          else redisacl.OPERATOR),
                 "TRAINYARD_ARTIFACT_ROOT": str(self.s.artifact_root),
                 "TRAINYARD_TOPIC_PARTITIONS": str(self.s.topic_partitions),
                 "TRAINYARD_TOPIC_NAMESPACE": self.s.topic_namespace,
@@ -176,7 +189,10 @@ class LocalStack:
             self._record("broker", launched.process.pid)
         if not self.s.redis_url and "redis" not in alive:
             self.say(f"starting redis-server (AOF, fsync always) on :{self.s.redis_port}")
-            launched = infra.start_redis(self.s.redis_port, self.s.root / "redis", self.s.log_dir / "redis.log")
+            acl = redisacl.write_acl_file(self.s.root / "redis" / "users.acl",
+                                          redisacl.load_or_create(self.redis_users_file))
+            launched = infra.start_redis(self.s.redis_port, self.s.root / "redis", self.s.log_dir / "redis.log",
+                                         acl_file=acl)
             self._record("redis", launched.process.pid)
         asyncio.run(self._prepare_infra())
         if "api" not in alive:
@@ -230,7 +246,7 @@ class LocalStack:
 
     def _spawn_service(self, service: str, *, name: str | None = None, node_index: int = 0) -> None:
         name = name or service
-        env = self.service_env()
+        env = self.service_env(service)
         module = "trainyard_" + service.replace("-", "_")
         if service == "api":
             env["TRAINYARD_API_PORT"] = str(self.s.api_port)

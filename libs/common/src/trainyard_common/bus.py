@@ -37,6 +37,60 @@ from trainyard_common.tracing import inject_headers
 
 log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(frozen=True)
+class KafkaAuth:
+    """How a client authenticates to the broker (``TRAINYARD_KAFKA_SECURITY_PROTOCOL`` and friends).
+
+    PLAINTEXT (the default, and all the local tansu broker speaks) or SASL with a user per service
+    (SCRAM-SHA-512 by default), over TLS or not; see docs/security.md."""
+
+    protocol: str = "PLAINTEXT"
+    mechanism: str = "SCRAM-SHA-512"
+    username: str | None = None
+    password: str | None = None
+    cafile: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> KafkaAuth:
+        password = settings.kafka_sasl_password
+        return cls(protocol=settings.kafka_security_protocol, mechanism=settings.kafka_sasl_mechanism,
+                   username=settings.kafka_sasl_username,
+                   password=password.get_secret_value() if password is not None else None,
+                   cafile=str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None)
+
+    def _ssl_context(self) -> Any:
+        if not self.protocol.endswith("SSL"):
+            return None
+        import ssl
+
+        return ssl.create_default_context(cafile=self.cafile)
+
+    def security(self) -> Any:
+        """The faststream security object (None: plaintext)."""
+        from faststream import security as fs
+
+        if self.protocol == "PLAINTEXT":
+            return None
+        if self.protocol == "SSL":
+            return fs.BaseSecurity(ssl_context=self._ssl_context(), use_ssl=True)
+        kinds = {"PLAIN": fs.SASLPlaintext, "SCRAM-SHA-256": fs.SASLScram256, "SCRAM-SHA-512": fs.SASLScram512}
+        return kinds[self.mechanism](username=self.username or "", password=self.password or "",
+                                     ssl_context=self._ssl_context(), use_ssl=self.protocol == "SASL_SSL")
+
+    def client_options(self) -> dict[str, Any]:
+        """The same for a plain aiokafka client (the admin client that creates topics)."""
+        if self.protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.protocol, "ssl_context": self._ssl_context()}
+        if self.protocol.startswith("SASL"):
+            options |= {"sasl_mechanism": self.mechanism, "sasl_plain_username": self.username,
+                        "sasl_plain_password": self.password}
+        return options
+
+
+PLAINTEXT = KafkaAuth()
 _tracer = trace.get_tracer("trainyard.bus")
 
 Handler = Callable[[Any], Awaitable[None]]
@@ -51,9 +105,10 @@ async def ensure_topics(
     topics: Iterable[str] = ev.ALL_TOPICS,
     namespace: str = "",
     timeout_s: float = 30.0,
+    auth: KafkaAuth = PLAINTEXT,
 ) -> list[str]:
     """Create the missing topics; returns those created. Existing topics are left alone."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **auth.client_options())
     created: list[str] = []
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
@@ -109,6 +164,7 @@ class Bus:
         group_prefix: str = "trainyard",
         topic_namespace: str = "",
         session_timeout_ms: int = 6000,
+        auth: KafkaAuth = PLAINTEXT,
     ) -> None:
         self.session_timeout_ms = session_timeout_ms
         self.service_name = service_name
@@ -124,6 +180,7 @@ class Bus:
             acks="all",
             graceful_timeout=10.0,
             logger=logging.getLogger(f"faststream.{service_name}"),
+            security=auth.security(),
         )
         self._started = False
         self.stopping = False  # set while closing: retryable failures are not retried in-process then

@@ -305,7 +305,7 @@ class WorkerExited(Event):
     exit_code: int
     reason: str = Field(
         description="ok | error | config | nan | oom | checkpoint | data | nccl | hang | killed | "
-                    "signal-<n> | revoked | preempted | lost"
+                    "signal-<n> | revoked | preempted | lost | security"
     )
     detail: str | None = None
     global_step: int | None = Field(
@@ -341,6 +341,27 @@ class StragglerDetected(Event):
     window_steps: int | None = None
     from_step: int | None = None
     to_step: int | None = None
+
+
+class SecurityViolation(Event):
+    """A rank claimed what a rank may not (a node agent refused the claim): the job fails, not retried.
+
+    Published by the node agent, never relayed from a rank. ``kind``: ``spool`` (an event line the
+    agent refused as a forgery: another job's identity, a type ranks do not produce, a file outside
+    the job's prefix)."""
+
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["SecurityViolation"] = "SecurityViolation"
+    job_id: str
+    tenant: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    node_id: str
+    rank: int
+    kind: Literal["spool"] = "spool"
+    detail: str
+    refused_event_type: str | None = Field(default=None, description="the eventType of the refused line")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -496,7 +517,7 @@ TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
     NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated, NodeDrained, NodeUndrained),
     ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
-    WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected),
+    WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
     METRICS: (StepMetrics,),
     DATASETS: (DatasetVersionPublished,),

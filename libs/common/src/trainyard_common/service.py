@@ -23,10 +23,10 @@ from typing import TypeVar
 
 from redis.exceptions import RedisError
 
-from trainyard_common.bus import Bus, Deduper, ensure_topics
+from trainyard_common.bus import Bus, Deduper, KafkaAuth, ensure_topics
 from trainyard_common.errors import StateStoreError, TrainyardError
 from trainyard_common.outbox import Outbox
-from trainyard_common.settings import ServiceSettings
+from trainyard_common.settings import ServiceSettings, redacted
 
 S = TypeVar("S", bound=ServiceSettings)
 from trainyard_common.store import Keys, StateStore, connect_redis
@@ -63,6 +63,7 @@ class ServiceRuntime:
             group_prefix=settings.group_prefix,
             topic_namespace=settings.topic_namespace,
             session_timeout_ms=settings.consumer_session_timeout_ms,
+            auth=KafkaAuth.from_settings(settings),
         )
         # One outbox per writer identity: instances of a per-node service must not relay each other's.
         self.outbox = Outbox(self.redis, outbox_name or name)
@@ -90,13 +91,14 @@ class ServiceRuntime:
         try:
             await self.redis.ping()
         except (RedisError, OSError) as exc:
-            raise StateStoreError(f"cannot reach Redis at {self.settings.redis_url}: {exc!r}") from exc
+            raise StateStoreError(f"cannot reach Redis at {redacted(self.settings.redis_url)}: {exc!r}") from exc
         if self.settings.create_topics:
             await ensure_topics(
                 self.settings.kafka_bootstrap,
                 partitions=self.settings.topic_partitions,
                 replication=self.settings.topic_replication,
                 namespace=self.settings.topic_namespace,
+                auth=KafkaAuth.from_settings(self.settings),
             )
         await self.bus.start()
         if self.settings.metrics_port:

@@ -7,9 +7,10 @@ the code reads ``os.environ``; the settings object is passed down.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_common.errors import ConfigError
@@ -23,7 +24,15 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
 
     kafka_bootstrap: str = Field(default="127.0.0.1:9092", description="host:port[,host:port]")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = Field(
+        default="PLAINTEXT", description="how to reach the broker: SASL_SSL (or SASL_PLAINTEXT on a private network) "
+                                         "with a user per service in production")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "SCRAM-SHA-512"
+    kafka_sasl_username: str | None = Field(default=None, description="this service's broker user (SASL)")
+    kafka_sasl_password: SecretStr | None = Field(default=None, description="its password (SASL)")
+    kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle for SSL / SASL_SSL")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0",
+                           description="redis://[user:password@]host:port/db: an ACL user per service in production")
     artifact_root: Path = Field(default=Path(".trainyard/artifacts"))
     topic_partitions: int = Field(default=3, gt=0)
     topic_replication: int = Field(default=1, gt=0)
@@ -43,6 +52,22 @@ class ServiceSettings(BaseSettings):
     def artifact_root_abs(self) -> Path:
         return self.artifact_root.expanduser().resolve()
 
+    @model_validator(mode="after")
+    def _sasl_needs_a_user(self) -> ServiceSettings:
+        if self.kafka_security_protocol.startswith("SASL") and not (self.kafka_sasl_username and self.kafka_sasl_password):
+            raise ValueError(f"TRAINYARD_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs "
+                             "TRAINYARD_KAFKA_SASL_USERNAME and TRAINYARD_KAFKA_SASL_PASSWORD")
+        return self
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for logs and errors): redis://user:***@host:port/0."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
 
 def load_settings(cls: type[S], **overrides: object) -> S:
     """Parse settings once; a bad variable becomes a ConfigError naming it."""
@@ -51,7 +76,8 @@ def load_settings(cls: type[S], **overrides: object) -> S:
     except ValidationError as exc:
         prefix = cls.model_config.get("env_prefix", "")
         problems = "; ".join(
-            f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" for e in exc.errors()
+            (f"{prefix}{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}" if e["loc"]
+             else str(e["msg"]).removeprefix("Value error, ")) for e in exc.errors()
         )
         raise ConfigError(f"invalid configuration: {problems}") from exc
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from redis.exceptions import RedisError
 
-from trainyard_common.bus import ensure_topics
+from trainyard_common.bus import KafkaAuth, ensure_topics
 from trainyard_common.errors import TrainyardError
 from trainyard_common.service import ServiceRuntime, service_main
 
@@ -90,7 +90,7 @@ async def wait_for_dependencies(runtime: ServiceRuntime, settings: NodeAgentSett
             await asyncio.wait_for(runtime.redis.ping(), 5.0)
             await ensure_topics(settings.kafka_bootstrap, partitions=settings.topic_partitions,
                                 replication=settings.topic_replication, namespace=settings.topic_namespace,
-                                timeout_s=10.0)
+                                timeout_s=10.0, auth=KafkaAuth.from_settings(settings))
             return True
         except (RedisError, OSError, asyncio.TimeoutError, TrainyardError) as exc:
             log.warning("waiting for Redis and the broker: %r; retry in %.1fs", exc, delay)

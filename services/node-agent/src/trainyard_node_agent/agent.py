@@ -42,6 +42,7 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -72,6 +73,9 @@ from trainyard_common.events import (
     NodeAssignment,
     NodeUndrained,
     RankAssignment,
+    SecurityViolation,
+    ShardWritten,
+    StepMetrics,
     WorkerExited,
     WorkerStarted,
     utcnow,
@@ -80,7 +84,7 @@ from trainyard_common.exitcodes import CONFIG
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import Code
 from trainyard_common.spool import SpoolReader
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
+from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, uri_to_path
 from trainyard_common.records import checkpoint_id
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
@@ -93,6 +97,7 @@ from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_
 from trainyard_node_agent.confinement import Confinement, scrubbed
 from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
+from trainyard_node_agent.relay import RankIdentity, Refusal, check_line
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.warmpool import WarmPool
 from trainyard_node_agent.watchdog import Liveness, RankProgress, find_hangs, observe
@@ -103,6 +108,9 @@ LOST_EXIT_CODE = -9
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"  # in the attempt directory; read by trainyard_trainer
 DROPPED = Counter("trainyard_node_agent_announcements_dropped_total",
                   "announcements no longer waited for although never seen applied (moot, or given up)", ["kind"])
+RELAY_REFUSED = Counter("trainyard_node_agent_spool_refused_total",
+                        "spool lines not relayed: kind=violation (a claim a rank may not make: the job fails) "
+                        "or malformed (unreadable; dead-lettered)", ["kind"])
 
 
 class AgentKeys:
@@ -507,6 +515,7 @@ class NodeAgent:
             spool=SpoolReader(events_file), traceparent=traceparent,
             exit_file=exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank),
             device_index=slot.device_index, code_archive=code.archive if code is not None else None,
+            start_manifest_uri=event.start_checkpoint.manifest_uri if event.start_checkpoint else None,
         )
 
     async def _launch_rank(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment,
@@ -642,7 +651,8 @@ class NodeAgent:
     def _how_it_ended(self, rank: rp.RankProcess) -> tuple[int, str, str | None]:
         """(exit code, reason, detail) from the exit file, the process and the log."""
         recorded = rp.read_exit_file(rank.exit_file)
-        stopped_by_us = rank.revoked or rank.hang_detail is not None or rank.killed_by_agent
+        stopped_by_us = (rank.revoked or rank.hang_detail is not None or rank.killed_by_agent
+                         or rank.violation is not None)
         lost = None
         if recorded is not None:
             code = recorded
@@ -658,7 +668,7 @@ class NodeAgent:
             exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",
             revoked=rank.stop_detail if rank.revoked else None, hang=rank.hang_detail, lost=lost, oom_kills=ooms,
             user_code=rank.code_archive is not None, progressed=rank.progressed,
-            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None,
+            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None, violation=rank.violation,
         ))
         if detail is None and rank.killed_by_agent:
             detail = rank.stop_detail
@@ -721,31 +731,76 @@ class NodeAgent:
                         rank.key, sent)
         return sent
 
+    def _identity(self, rank: rp.RankProcess) -> RankIdentity:
+        return RankIdentity(
+            job_id=rank.job_id, tenant=rank.tenant, attempt=rank.attempt, allocation_id=rank.allocation_id,
+            epoch=rank.epoch, rank=rank.rank, checkpoints=str(self.layout.checkpoints_dir(rank.tenant, rank.job_id)),
+            start_manifest_uri=rank.start_manifest_uri, traceparent=rank.traceparent,
+        )
+
     async def _publish_spooled(self, rank: rp.RankProcess, offset: int, record: dict[str, Any]) -> None:
-        topic, payload = record.get("topic"), record.get("payload")
-        if "corrupt" in record or topic not in ALL_TOPICS or not isinstance(payload, dict):
+        """Publish one spool line if the rank may say it (relay.check_line), as the agent renders it;
+        else dead-letter it with the reason, and a forgery stops the job (:meth:`_violation`)."""
+        checked = check_line(record, self._identity(rank), offset=offset)
+        if not isinstance(checked, Refusal) and isinstance(checked.event, ShardWritten):
+            checked = self._shard_files_stay_inside(checked.event, rank) or checked
+        if isinstance(checked, Refusal):
+            RELAY_REFUSED.labels(kind="violation" if checked.violation else "malformed").inc()
             raw = record.get("corrupt") or json.dumps(record)
             await self.runtime.bus.publish(DeadLetter(
                 source_topic=f"spool:{rank.spool.path}", partition=rank.rank, offset=offset,
                 consumer_group=self.group, raw_b64=base64.b64encode(str(raw).encode()).decode(),
-                error="unreadable spool line" if "corrupt" in record else f"spool line for unknown topic {topic!r}",
+                error=("security: " if checked.violation else "") + checked.reason,
             ), traceparent=rank.traceparent)
+            if checked.violation:
+                await self._violation(rank, checked)
             return
-        body = json.dumps(payload, separators=(",", ":"))
-        traceparent = record.get("traceparent") or rank.traceparent
-        if topic == METRICS and payload.get("eventType") == "StepMetrics" and isinstance(payload.get("step"), int):
-            rank.last_step = payload["step"]
-        await self.runtime.bus.publish_raw_traced(topic, body.encode(), key=record.get("key"), traceparent=traceparent)
-        if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and isinstance(
-                payload.get("globalStep"), int):
-            rank.saved_step = max(rank.saved_step or 0, payload["globalStep"])
-        if topic == CHECKPOINTS and payload.get("eventType") == "ShardWritten" and "eventId" in payload:
+        event = checked.event
+        if isinstance(event, StepMetrics):
+            rank.last_step = event.step
+        await self.runtime.bus.publish_raw_traced(checked.topic, checked.body, key=checked.key,
+                                                  traceparent=checked.traceparent)
+        if isinstance(event, ShardWritten):
+            rank.saved_step = max(rank.saved_step or 0, event.global_step)
             await self._remember(Announcement(
-                event_id=str(payload["eventId"]), kind="shard", topic=topic, key=str(record.get("key") or rank.job_id),
-                payload=body, traceparent=traceparent, job_id=rank.job_id, attempt=int(payload.get("attempt", 0)),
-                allocation_id=rank.allocation_id, rank=int(payload.get("rank", rank.rank)),
-                step=int(payload.get("globalStep", 0)), epoch=int(payload.get("epoch", rank.epoch)),
+                event_id=str(event.event_id), kind="shard", topic=checked.topic, key=checked.key,
+                payload=checked.body.decode(), traceparent=checked.traceparent, job_id=rank.job_id,
+                attempt=event.attempt, allocation_id=rank.allocation_id, rank=event.rank, step=event.global_step,
+                epoch=event.epoch,
             ))
+
+    def _shard_files_stay_inside(self, event: ShardWritten, rank: rp.RankProcess) -> Refusal | None:
+        """A shard under the job's prefix by name could still be a symlink out of it: resolve it."""
+        prefix = os.path.realpath(self.layout.checkpoints_dir(rank.tenant, rank.job_id))
+        for uri in (event.uri, *(f.uri for f in event.extra_files)):
+            try:
+                real = os.path.realpath(uri_to_path(uri))
+            except Exception:  # noqa: BLE001 - an unsupported URI was refused by check_line already
+                continue
+            if not real.startswith(prefix.rstrip("/") + "/"):
+                return Refusal(f"ShardWritten names {uri!r}, which resolves to {real}, outside the job's "
+                               f"checkpoint prefix", violation=True, event_type="ShardWritten")
+        return None
+
+    async def _violation(self, rank: rp.RankProcess, refusal: Refusal) -> None:
+        """A rank claimed what a rank may not: report SecurityViolation (the scheduler fails the job, no
+        retries) and stop every rank of its allocation here, which then exit with reason ``security``."""
+        log.error("SECURITY: rank %d of job %s (tenant %s) attempt %d: %s; stopping its ranks on this node",
+                  rank.rank, rank.job_id, rank.tenant, rank.attempt, refusal.reason)
+        first = rank.violation is None
+        for other in list(self.ranks.values()):
+            if other.allocation_id == rank.allocation_id and other.violation is None:
+                other.violation = (refusal.reason if other is rank
+                                   else f"rank {rank.rank} of this job was stopped: {refusal.reason}")
+                if other.running and other.pgid > 1:
+                    rp.signal_group(other.pgid, signal.SIGKILL)
+        if not first:
+            return
+        await self.runtime.outbox.put(SecurityViolation(
+            job_id=rank.job_id, tenant=rank.tenant, attempt=rank.attempt, allocation_id=rank.allocation_id,
+            epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, detail=refusal.reason,
+            refused_event_type=refusal.event_type,
+        ), traceparent=rank.traceparent)
 
     async def _drain(self, rank: rp.RankProcess) -> None:
         """Relay until the spool is empty; retry while the broker is away (bounded when closing)."""

@@ -55,10 +55,13 @@ class ExitFacts:
     user_code: bool = False  # the rank ran the job's own code (spec.code), not the built-in trainer
     progressed: bool = False  # it wrote to its event spool before it ended
     start_error: str | None = None  # the launcher could not start the command (its OSError)
+    violation: str | None = None  # the agent stopped it for a claim a rank may not make (relay.check_line)
 
 
 def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
     """(reason, detail) of an ended rank."""
+    if facts.violation is not None:
+        return "security", facts.violation
     if facts.lost is not None:
         return "lost", facts.lost
     if facts.revoked is not None:

@@ -65,6 +65,8 @@ class RankProcess:
     checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
+    start_manifest_uri: str | None = None  # the allocation's start checkpoint (a rank may refuse it)
+    violation: str | None = None  # why the agent stopped it: a claim a rank may not make (security)
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -93,6 +95,7 @@ class RankProcess:
             "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
             "progressed": self.progressed, "lastStep": self.last_step, "savedStep": self.saved_step,
             **({"codeArchive": self.code_archive} if self.code_archive else {}),
+            **({"startManifestUri": self.start_manifest_uri} if self.start_manifest_uri else {}),
         }
 
     @classmethod
@@ -107,7 +110,7 @@ class RankProcess:
             liveness=Liveness(time.monotonic(), reported=bool(entry.get("progressed", False))),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
             saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
-            code_archive=entry.get("codeArchive"),
+            code_archive=entry.get("codeArchive"), start_manifest_uri=entry.get("startManifestUri"),
         )
 
     @property

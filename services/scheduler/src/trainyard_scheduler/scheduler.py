@@ -70,6 +70,7 @@ from trainyard_common.events import (
     NodeReinstated,
     NodeUndrained,
     StepMetrics,
+    SecurityViolation,
     StragglerDetected,
     WorkerExited,
     WorkerStarted,
@@ -225,7 +226,8 @@ class Scheduler:
                               NodeUndrained: self.on_undrained}, group=group)
         bus.subscribe(JOBS, {JobSubmitted: self.on_job_submitted, JobControlRequested: self.on_control},
                       group=group, deduper_factory=dedupe)
-        bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited},
+        bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited,
+                                SecurityViolation: self.on_security_violation},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready,
                                     CheckpointFailed: self.on_checkpoint_failed},
@@ -535,6 +537,12 @@ class Scheduler:
                                     latest_ready_step=facts.latest_ready_step)
 
         await self._mutate(event.job_id, decide, need_checkpoints=True, label="worker exited")
+
+    async def on_security_violation(self, event: SecurityViolation) -> None:
+        outcome = await self._mutate(event.job_id, lambda job, _: tr.security_violation(job, event, self.clock()),
+                                     label="security violation")
+        if outcome is None:
+            log.warning("security violation for unknown job %s ignored: %s", event.job_id, event.detail)
 
     async def on_checkpoint_ready(self, event: CheckpointReady) -> None:
         preemptor_waiting = await self._preemptor_waiting(event.job_id)

@@ -65,6 +65,7 @@ from trainyard_common.events import (
     GangAllocated,
     JobState,
     JobStateChanged,
+    SecurityViolation,
     WorkerExited,
     WorkerStarted,
 )
@@ -276,6 +277,26 @@ def fail_unstartable(job: JobRecord, reason: str, now: datetime) -> Outcome:
     events: list[Event] = []
     _set_state(new, "failed", events, reason=f"config: {reason} (not retryable)")
     return Outcome(new, events, note=f"job failed: {reason}")
+
+
+def security_violation(job: JobRecord, event: SecurityViolation, now: datetime) -> Outcome:
+    """A node agent caught a rank of ``job`` claiming what a rank may not (a forged event): the job
+    fails at once, whichever attempt it was, with no retry (its code is at fault, not the nodes:
+    nobody is blamed); the live attempt is revoked."""
+    if job.state in TERMINAL_STATES:
+        return unchanged(job, f"security violation reported for a {job.state} job")
+    if event.tenant != job.tenant:
+        return unchanged(job, f"security violation names tenant {event.tenant!r}, the job is {job.tenant!r}'s")
+    new = job.model_copy(deep=True)
+    new.updated_at = now
+    reason = (f"security: rank {event.rank} of attempt {event.attempt} on {event.node_id}: {event.detail} "
+              "(not retryable)")
+    events: list[Event] = []
+    released = _revoke_live(new, reason, events, now)
+    new.control = None
+    new.queued_reason = new.queued_reason_kind = None
+    _set_state(new, "failed", events, reason=reason)
+    return Outcome(new, events, release=released, note=f"job failed: {reason}")
 
 
 def note_waiting(job: JobRecord, reason: str, kind: str | None = None) -> Outcome:
