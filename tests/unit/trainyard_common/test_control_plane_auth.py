@@ -3,6 +3,8 @@ a SASL protocol without a user refused at start-up, and passwords never printed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from faststream.security import SASLScram256, SASLScram512
 
@@ -48,3 +50,26 @@ def test_a_sasl_protocol_without_a_user_is_refused_naming_the_variables(monkeypa
 ])
 def test_passwords_are_redacted(url: str, shown: str) -> None:
     assert redacted(url) == shown
+
+
+def test_checkpoint_files_behind_a_symbolic_link_are_refused(tmp_path: Path) -> None:
+    """A rank could swap a shard it reported for a link to another tenant's file: root services that
+    hash checkpoint files refuse any path with a link in it."""
+    from trainyard_common.errors import StateStoreError
+    from trainyard_common.manifest import local_sha256, local_stat_size
+
+    secret = tmp_path / "other-tenant" / "shard"
+    secret.parent.mkdir()
+    secret.write_bytes(b"theirs")
+    own = tmp_path / "job" / "checkpoints" / "step-1"
+    own.mkdir(parents=True)
+    (own / "__0_0.distcp").symlink_to(secret)
+    (tmp_path / "job" / "checkpoints" / "step-2").symlink_to(secret.parent, target_is_directory=True)
+    (own / "real.distcp").write_bytes(b"mine")
+    assert local_stat_size((own / "real.distcp").as_uri()) == 4
+    assert len(local_sha256((own / "real.distcp").as_uri())) == 64
+    for uri in ((own / "__0_0.distcp").as_uri(), (tmp_path / "job" / "checkpoints" / "step-2" / "shard").as_uri()):
+        with pytest.raises(StateStoreError, match="symbolic link"):
+            local_stat_size(uri)
+        with pytest.raises(StateStoreError, match="symbolic link"):
+            local_sha256(uri)

@@ -6,6 +6,8 @@ the coordinator, the trainer's restore path and the tests share one rule.
 
 from __future__ import annotations
 
+from typing import Any
+
 import hashlib
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -105,16 +107,36 @@ def verify_manifest(
     return problems
 
 
-def local_stat_size(uri: str) -> int | None:
+def _own_path(uri: str) -> Any:
+    """The local path of ``uri``, refused (StateStoreError) when any part of it is a symbolic link:
+    checkpoint files are written by ranks, and a rank could swap a shard for a link to another
+    tenant's file after reporting it. Platform URIs name resolved paths (``path_to_uri``)."""
+    import os
+
+    from trainyard_common.errors import StateStoreError
     from trainyard_common.storage import uri_to_path
 
+    path = uri_to_path(uri)
+    real = os.path.realpath(path)
+    if real != os.path.normpath(path):
+        raise StateStoreError(f"{uri} goes through a symbolic link (to {real}): refused", retryable=False)
+    return path
+
+
+def local_stat_size(uri: str) -> int | None:
     try:
-        return uri_to_path(uri).stat().st_size
+        return _own_path(uri).stat().st_size
     except FileNotFoundError:
         return None
 
 
 def local_sha256(uri: str) -> str:
-    from trainyard_common.storage import sha256_file, uri_to_path
+    import hashlib
+    import os
 
-    return sha256_file(uri_to_path(uri))
+    fd = os.open(_own_path(uri), os.O_RDONLY | os.O_NOFOLLOW)  # and not swapped for one since
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
