@@ -102,7 +102,9 @@ def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) 
             assert (first.interruption or "").startswith("maintenance: node"), first
             assert first.ready_step_at_end is not None
             ckpts = redis_read(url, lambda s, j=job.job_id: s.list_checkpoints(j))
-            drain_ckpt = max((c for c in ckpts if c.state == "READY" and c.attempt == 1), key=lambda c: c.global_step)
+            ready_of_first = [c for c in ckpts if c.state == "READY" and c.attempt == 1]
+            assert ready_of_first, [(c.global_step, c.attempt, c.state, c.reason) for c in ckpts]
+            drain_ckpt = max(ready_of_first, key=lambda c: c.global_step)
             assert second.start_checkpoint is not None, second
             assert second.start_checkpoint.global_step == drain_ckpt.global_step == first.ready_step_at_end
             assert sum(1 for a in job.attempts if a.state == "failed") == 0  # no failure budget spent

@@ -241,5 +241,5 @@ def test_a_training_script_can_neither_find_nor_use_redis_credentials(stack: Loc
            / "rank-0.log").read_text(errors="replace")
     assert "ATTACK SUCCEEDED" not in log, log
     assert "ENVIRONMENT []" in log, log  # no Redis or broker address, no password in a rank's environment
-    assert "REFUSED AuthenticationError" in log, log  # the default user is off: no credentials, no connection
+    assert "REFUSED AuthenticationError" in log, log  # no anonymous clients: no credentials, no connection
     assert ended["state"] == "failed", ended

@@ -1,4 +1,4 @@
-"""Redis ACL users: the ACL file (default user off, service users on trainyard's keys without
+"""Redis ACL users: the ACL file (no anonymous clients, service users on trainyard's keys without
 @dangerous), stable passwords, URLs per service, and `trainyard admin credentials redis`."""
 
 from __future__ import annotations
@@ -13,18 +13,19 @@ from trainyard_cli import redisacl
 from trainyard_cli.main import app
 
 
-def test_the_acl_file_turns_the_default_user_off_and_fences_the_services() -> None:
-    text = redisacl.acl_text({"scheduler": "p1", "operator": "p2"})
+def test_the_acl_file_gives_every_user_a_password_and_fences_the_services() -> None:
+    text = redisacl.acl_text({"scheduler": "p1", "operator": "p2", "default": "p3"})
     lines = text.splitlines()
-    assert lines[0] == "user default off"
+    assert "user default on >p3 ~* &* +@all" in lines  # no nopass: anonymous clients get NOAUTH
     assert "user scheduler on >p1 ~ty:* &* +@all -@dangerous" in lines
     assert "user operator on >p2 ~* &* +@all" in lines
+    assert all("nopass" not in line for line in lines)
 
 
 def test_passwords_are_made_once_and_kept(tmp_path: Path) -> None:
     path = tmp_path / "users.json"
     first = redisacl.load_or_create(path)
-    assert set(first) == {*redisacl.SERVICE_USERS, redisacl.OPERATOR}
+    assert set(first) == {*redisacl.SERVICE_USERS, redisacl.OPERATOR, redisacl.DEFAULT}
     assert redisacl.load_or_create(path) == first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 

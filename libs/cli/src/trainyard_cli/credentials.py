@@ -1,6 +1,6 @@
 """`trainyard admin credentials …`: control-plane credentials for a deployment (files only; talks to nothing).
 
-``redis``: a password per service user, the ACL file for redis-server (``--aclfile``; ``default`` off),
+``redis``: a password per service user, the ACL file for redis-server (``--aclfile``; no anonymous clients),
 a Kubernetes Secret ``trainyard-redis-users`` holding each service's TRAINYARD_REDIS_URL (the
 manifests in deploy/k8s read it) and ``<service>.env`` files with the same (docker compose ``env_file``). Run it again to add missing users; existing passwords are kept.
 """
@@ -48,5 +48,5 @@ def redis_users(
         env_file = out / f"{user}.env"
         env_file.write_text(f"TRAINYARD_REDIS_URL={redisacl.url_for(user, passwords[user], host=host, port=port)}\n")
         env_file.chmod(0o600)
-    console.print(f"wrote {acl} (redis-server --aclfile {acl.name}; the default user is off), {secret} "
+    console.print(f"wrote {acl} (redis-server --aclfile {acl.name}; anonymous clients are refused), {secret} "
                   f"(kubectl apply -f {secret}) and {out / 'passwords.json'}; keep them secret")

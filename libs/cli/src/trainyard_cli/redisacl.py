@@ -1,9 +1,12 @@
-"""Redis ACL users of the local stack: one per service, an operator for people's tools, no default user.
+"""Redis ACL users of the local stack: one per service, an operator for people's tools; no anonymous clients.
 
 ``make up`` generates the passwords once (``<state dir>/redis-users.json``, mode 0600), writes the
 ACL file redis-server loads (``--aclfile``) and hands each service the URL of its own user. The
-``default`` user is off, so a connection without credentials (a training script probing the
-control plane) is refused; ranks are given no Redis URL at all (node agent: admission.rank_env).
+``default`` user has a random password and no ``nopass``, so a connection without credentials (a
+training script probing the control plane) is refused (NOAUTH); ranks are given no Redis URL at all
+(node agent: admission.rank_env). It keeps every permission on purpose: redis-server replays the
+AOF as the default user, and a restricted (or ``off``) default user makes it refuse the replayed
+MULTI/EXEC blocks at start-up (NOPERM): every transaction since the last rewrite would be lost.
 
 Service users may touch only trainyard's keys (``~ty:*``) and no command of ``@dangerous``
 (FLUSHALL, CONFIG, KEYS, SHUTDOWN, DEBUG, ACL, …); the operator may do everything. Pure except
@@ -20,15 +23,16 @@ from urllib.parse import quote
 
 SERVICE_USERS = ("api", "scheduler", "node-agent", "checkpoint-coordinator", "registry")
 OPERATOR = "operator"  # the CLI's `dev` commands, tests, people's redis-cli
+DEFAULT = "default"  # never handed out; a password so that no client is authenticated without one
 SERVICE_RULES = "~ty:* &* +@all -@dangerous"
 OPERATOR_RULES = "~* &* +@all"
 
 
 def acl_text(passwords: dict[str, str]) -> str:
     """The ACL file for ``passwords`` (user → password)."""
-    lines = ["user default off"]
+    lines = []
     for user in sorted(passwords):
-        rules = OPERATOR_RULES if user == OPERATOR else SERVICE_RULES
+        rules = OPERATOR_RULES if user in (OPERATOR, DEFAULT) else SERVICE_RULES
         lines.append(f"user {user} on >{passwords[user]} {rules}")
     return "\n".join(lines) + "\n"
 
@@ -44,7 +48,7 @@ def load_or_create(path: Path) -> dict[str, str]:
     except (FileNotFoundError, ValueError):
         passwords = {}
     changed = False
-    for user in (*SERVICE_USERS, OPERATOR):
+    for user in (*SERVICE_USERS, OPERATOR, DEFAULT):
         if not isinstance(passwords.get(user), str) or not passwords[user]:
             passwords[user] = secrets.token_urlsafe(24)
             changed = True
