@@ -17,6 +17,7 @@ import pytest
 
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_common.events import utcnow
+from trainyard_common.records import is_deleted_tenant
 from trainyard_common.store import Keys
 from tests.support.api import client_for, seed, spec_with
 
@@ -208,6 +209,11 @@ async def test_tenants_settings_round_trip_and_bad_input_names_the_field(api: Ap
             assert resp.status_code == 401 and "revoked" in resp.json()["detail"]
         listed = {t["tenant"] for t in (await admin.get("/v1/admin/tenants")).json()["tenants"]}
         assert {"tenant-a", "tenant-b", "platform"} <= listed and "short-lived" not in listed
+        assert (await admin.get("/v1/admin/tenants/short-lived")).status_code == 404
+        # the scheduler's queue file must not bring a deleted tenant's settings back: a tombstone stays
+        assert is_deleted_tenant(await api.runtime.redis.hget(Keys.tenant_config, "short-lived"))
+        assert (await admin.post("/v1/admin/tenants", json={"tenant": "short-lived"})).status_code == 201
+        assert not is_deleted_tenant(await api.runtime.redis.hget(Keys.tenant_config, "short-lived"))
 
 
 async def _mark_cancelled(api: ApiServer, job_id: str) -> None:

@@ -94,3 +94,14 @@ def test_an_unreadable_stored_entry_is_named_and_the_document_entry_kept() -> No
     assert len(problems) == 2 and "'a'" in problems[0] and "weight" in problems[0] and "'z'" in problems[1]
     unchanged, none = with_tenant_settings(base, {})
     assert unchanged == base and none == []
+
+
+def test_a_tenant_deleted_through_the_api_is_not_seeded_again_from_the_document() -> None:
+    from trainyard_common.records import DELETED_TENANT_SETTINGS
+    from trainyard_scheduler.policy import tenant_seeds, with_tenant_settings
+
+    base = parse_queue_config("tenants: {a: {weight: 3}, b: {weight: 2}}\n")
+    stored = {"a": DELETED_TENANT_SETTINGS}
+    assert set(tenant_seeds(base, stored=set(stored))) == {"b"}
+    config, problems = with_tenant_settings(base, {**stored, "b": '{"weight": 2}'})
+    assert problems == [] and "a" not in config.tenants and config.tenant("b").weight == 2

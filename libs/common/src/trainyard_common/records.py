@@ -11,6 +11,8 @@ One JSON document per key; camelCase like the API. Who writes what:
 
 from __future__ import annotations
 
+import json
+
 from datetime import datetime
 from typing import Literal
 
@@ -251,6 +253,20 @@ class TenantToken(Record):
         if self.role is not None:
             return self.role
         return "platform-admin" if self.admin else "submitter"
+
+
+DELETED_TENANT_SETTINGS = '{"deleted": true}'  # in ty:sched:tenant-config: deleted through the API, never re-seeded
+
+
+def is_deleted_tenant(raw: str | bytes | None) -> bool:
+    """Whether a ``ty:sched:tenant-config`` entry is the tombstone of a tenant deleted through the API."""
+    if raw is None:
+        return False
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("deleted") is True
 
 
 class TenantRecord(Record):

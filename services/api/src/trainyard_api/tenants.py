@@ -27,7 +27,7 @@ from redis.exceptions import WatchError
 
 from trainyard_common.errors import ConflictError, NotFoundError, SpecError
 from trainyard_common.events import TERMINAL_STATES, utcnow
-from trainyard_common.records import TenantRecord, TenantToken
+from trainyard_common.records import DELETED_TENANT_SETTINGS, TenantRecord, TenantToken, is_deleted_tenant
 from trainyard_common.store import Keys, StateStore, hash_token, token_id_of
 
 from trainyard_api.bodies import TenantCreateBody, TenantSettingsBody, TokenCreateBody
@@ -97,6 +97,8 @@ class TenantService:
     async def _settings(self) -> dict[str, dict[str, Any]]:
         out = {}
         for tenant, raw in (await self.redis.hgetall(Keys.tenant_config)).items():
+            if is_deleted_tenant(raw):
+                continue
             with contextlib.suppress(ValueError):
                 value = json.loads(raw)
                 if isinstance(value, dict):
@@ -135,6 +137,8 @@ class TenantService:
         if settings_sent:
             change = TenantSettingsBody.model_validate(body.model_dump(include=settings_sent))
             await self.redis.hset(Keys.tenant_config, body.tenant, json.dumps(merged_settings(None, change)))
+        elif is_deleted_tenant(await self.redis.hget(Keys.tenant_config, body.tenant)):
+            await self.redis.hdel(Keys.tenant_config, body.tenant)  # created again: the queue file seeds it again
         return await self.get(body.tenant)
 
     async def update(self, tenant: str, change: TenantSettingsBody) -> TenantView:
@@ -171,7 +175,8 @@ class TenantService:
                 await self._put_token(digest, token.model_copy(update={"revoked_at": now}))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hdel(Keys.tenants, tenant)
-            pipe.hdel(Keys.tenant_config, tenant)
+            # a tombstone, not a deletion: the scheduler's queue file would seed the tenant's settings again
+            pipe.hset(Keys.tenant_config, tenant, DELETED_TENANT_SETTINGS)
             await pipe.execute()
         return view.model_copy(update={"active_tokens": 0})
 

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from trainyard_common.errors import ConfigError
+from trainyard_common.records import is_deleted_tenant
 
 UNLIMITED = 1 << 62
 
@@ -194,6 +195,9 @@ def with_tenant_settings(config: QueueConfig, stored: Mapping[str, str]) -> tupl
     entry that is not a valid TenantConfig (that tenant keeps ``config``'s entry) (pure)."""
     tenants, problems = dict(config.tenants), []
     for name, raw in sorted(stored.items()):
+        if is_deleted_tenant(raw):  # deleted through the API: the document's entry no longer applies
+            tenants.pop(name, None)
+            continue
         try:
             tenants[name] = TenantConfig.model_validate_json(raw)
         except ValidationError as exc:
