@@ -206,7 +206,22 @@ class LocalStack:
                 self._spawn_service("node-agent", name=name, node_index=i)
         self._wait_ready()
         (self.s.root / "api-url").write_text(self.s.api_url + "\n")
-        return self._ensure_dev_token()
+        return self._dev_token_when_the_api_answers()
+
+    def _dev_token_when_the_api_answers(self, timeout_s: float = 60.0) -> str:
+        """:meth:`_ensure_dev_token`, retried while the API is unreachable or answers 5xx (it may still be
+        connecting to the broker right after it turned healthy); other errors at once."""
+        from trainyard_cli.client import ApiError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._ensure_dev_token()
+            except ApiError as exc:
+                transient = exc.status is None or exc.status >= 500
+                if not transient or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     async def _prepare_infra(self) -> None:
         from trainyard_common.bus import ensure_topics
