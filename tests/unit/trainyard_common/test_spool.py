@@ -30,3 +30,37 @@ def test_reader_resumes_from_offset_and_skips_partial_lines(tmp_path: Path) -> N
 
 def test_missing_file_reads_nothing(tmp_path: Path) -> None:
     assert list(SpoolReader(tmp_path / "none.jsonl").read_new()) == []
+
+
+def test_an_over_long_line_is_refused_and_skipped_however_long_it_grows(tmp_path: Path, monkeypatch) -> None:
+    from trainyard_common import spool
+
+    monkeypatch.setattr(spool, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(spool, "READ_BYTES", 400)
+    path = tmp_path / "rank-0.jsonl"
+    path.write_bytes(b'{"a": 1}\n' + b"x" * 150 + b"\n" + b"y" * 900)  # one too long, one too long and unfinished
+    reader = SpoolReader(path)
+
+    def drain() -> list[dict]:
+        out = []
+        while got := list(reader.read_new()):
+            for offset, record in got:
+                reader.offset = offset  # what the relay does after publishing
+                out.append(record)
+        return out
+
+    first = drain()
+    assert first[0] == {"a": 1}
+    assert "150 bytes" in first[1]["corrupt"] and "skipped" in first[2]["corrupt"]
+    assert all(len(str(r)) < 200 for r in first)  # never the line's bytes
+    with open(path, "ab") as fh:
+        fh.write(b"y" * 900 + b'\n{"b": 2}\n')  # the long line ends at last; the next one is read
+    assert drain() == [{"b": 2}]
+    assert reader.offset == path.stat().st_size
+    assert drain() == []
+
+
+def test_a_json_value_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text('[1, 2]\n"text"\n')
+    assert [("corrupt" in r) for _, r in SpoolReader(path).read_new()] == [True, True]

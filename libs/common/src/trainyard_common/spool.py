@@ -58,31 +58,54 @@ class SpoolWriter:
         self.close()
 
 
+MAX_LINE_BYTES = 1 << 20  # a spool line longer than this is refused (a rank runs untrusted code)
+READ_BYTES = 8 << 20  # at most this much is read per call, so a huge spool never lands in memory at once
+
+
 class SpoolReader:
-    """Reads complete lines past ``offset``; a partial last line is left for next time."""
+    """Reads complete lines past ``offset``; a partial last line is left for next time.
+
+    Bounded: at most :data:`READ_BYTES` per call, and a line longer than :data:`MAX_LINE_BYTES` is
+    yielded as ``{"corrupt": …}`` (not its bytes) and skipped to its end, however long it grows."""
 
     def __init__(self, path: Path | str, offset: int = 0) -> None:
         self.path = Path(path)
         self.offset = offset
+        self._skipping = False  # inside an over-long line: drop bytes up to its newline
 
     def read_new(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield ``(offset_after_line, record)``; commit by storing the offset after publishing."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
-                data = fh.read()
+                while self._skipping:  # inside an over-long line: drop its bytes, a chunk at a time
+                    chunk = fh.read(READ_BYTES)
+                    if not chunk:
+                        return
+                    cut = chunk.find(b"\n")
+                    self.offset += len(chunk) if cut < 0 else cut + 1
+                    if cut >= 0:
+                        self._skipping = False
+                        fh.seek(self.offset)
+                data = fh.read(READ_BYTES)
         except FileNotFoundError:
             return
-        pos = self.offset
-        for raw in data.splitlines(keepends=True):
-            if not raw.endswith(b"\n"):
-                break
-            pos += len(raw)
+        base, start = self.offset, 0
+        while (end := data.find(b"\n", start)) >= 0:
+            raw, after, start = data[start:end], base + end + 1, end + 1
             text = raw.strip()
             if not text:
+                continue
+            if len(raw) > MAX_LINE_BYTES:
+                yield after, {"corrupt": f"a spool line of {len(raw)} bytes (the limit is {MAX_LINE_BYTES})"}
                 continue
             try:
                 record = json.loads(text)
             except json.JSONDecodeError:
-                record = {"corrupt": text.decode(errors="replace")}
-            yield pos, record
+                record = {"corrupt": text[:4096].decode(errors="replace")}
+            if not isinstance(record, dict):
+                record = {"corrupt": text[:4096].decode(errors="replace")}
+            yield after, record
+        if len(data) - start > MAX_LINE_BYTES:
+            self._skipping = True
+            yield base + len(data), {"corrupt": f"a spool line longer than {MAX_LINE_BYTES} bytes: skipped to its end"}
