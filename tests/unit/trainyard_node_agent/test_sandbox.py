@@ -131,3 +131,20 @@ def test_a_rank_whose_sandbox_could_not_be_set_up_is_this_nodes_error_not_the_jo
     line = "sandbox: cannot set up the rank's sandbox: [Errno 1] mount proc on /proc: Operation not permitted"
     facts = ExitFacts(exit_code=sb.SANDBOX_EXIT, log_tail=f"{line}\n", user_code=True)
     assert classify_exit(facts) == ("error", line)
+
+
+def test_the_import_path_is_bound_back_but_never_a_platform_path(tmp_path: Path) -> None:
+    """A checkout under /tmp or the home (editable installs put its sources on sys.path) must stay
+    importable in the sandbox; the agent's working directory, which holds its state, must not appear."""
+    from trainyard_node_agent.sandbox import runtime_paths
+
+    checkout = tmp_path / "checkout" / "libs" / "trainer" / "src"
+    state_parent = tmp_path / "stack"
+    (state_parent / ".trainyard" / "artifacts").mkdir(parents=True)
+    checkout.mkdir(parents=True)
+    hidden = [state_parent / ".trainyard" / "artifacts", state_parent / ".trainyard"]
+    found = runtime_paths(hidden, search_path=["", str(checkout), str(state_parent), str(hidden[0] / "x"),
+                                               str(tmp_path / "missing")])
+    assert checkout.resolve() in found
+    assert state_parent.resolve() not in found and (hidden[0] / "x").resolve() not in found
+    assert (tmp_path / "missing").resolve() not in found

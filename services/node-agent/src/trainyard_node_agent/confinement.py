@@ -36,9 +36,11 @@ class Confinement:
         self.mode = settings.node_sandbox
         self.first_uid, self.uid_count = settings.sandbox_first_uid, settings.sandbox_uid_count
         self.layout = layout
-        self.hidden = tuple(dict.fromkeys(p.resolve() for p in (
-            layout.root, settings.code_cache_path, settings.agent_state_path.parent, *sb.host_hidden())))
-        self.runtime = sb.runtime_paths()
+        platform = tuple(p.resolve() for p in (layout.root, settings.code_cache_path, settings.agent_state_path.parent))
+        self.hidden = tuple(dict.fromkeys((*platform, *sb.host_hidden())))
+        # the import path may lie under the agent user's home (a checkout there): bound back, read-only;
+        # never anything of the platform's own paths
+        self.runtime = sb.runtime_paths(platform)
 
     @property
     def enforced(self) -> bool:

@@ -254,9 +254,21 @@ def wrap(command: Sequence[str], plan: SandboxPlan) -> list[str]:
     return [sys.executable, "-I", str(WRAPPER), plan.to_json(), "--", *command]
 
 
-def runtime_paths() -> tuple[Path, ...]:
-    """The interpreter's prefixes (a venv and the Python it was made from): what a rank needs to run at all."""
-    return tuple(dict.fromkeys(Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)))
+def runtime_paths(hidden: Sequence[Path] = (), search_path: Sequence[str] | None = None) -> tuple[Path, ...]:
+    """What a rank needs to run at all: the interpreter's prefixes (a venv and the Python it was made from)
+    and the directories on the agent's import path (``sys.path``: site-packages, and the sources of
+    editable installs, e.g. a checkout under /tmp), read-only. Never a directory that holds a ``hidden``
+    path or lies inside one (the agent's working directory, which may hold the state directory)."""
+    resolved_hidden = [h.resolve() for h in hidden]
+    found: list[Path] = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)]
+    for entry in sys.path if search_path is None else search_path:
+        if not entry:
+            continue  # the working directory
+        path = Path(entry).resolve()
+        if not path.is_dir() or any(_under(h, path) or _under(path, h) for h in resolved_hidden):
+            continue
+        found.append(path)
+    return tuple(dict.fromkeys(found))
 
 
 def host_hidden(home: Path | None = None) -> tuple[Path, ...]:
