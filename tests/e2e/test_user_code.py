@@ -197,7 +197,8 @@ def test_each_example_runs_to_success_with_its_code_pinned_and_in_the_lineage(
         owners[name] = {f.stat().st_uid for f in prefix.rglob("*.distcp")} - {0}  # its shards
     assert all(len(uids) == 1 and min(uids) >= 1_000_000_000 for uids in owners.values()), owners
     assert owners["gpt-sdk"] != owners["hf-llama"], owners
-    nodes = client.get("/v1/admin/nodes").json()["nodes"]  # and every node says so
+    admin = {"Authorization": f"Bearer {stack.admin_token_file.read_text().strip()}"}  # a platform-admin route
+    nodes = client.get("/v1/admin/nodes", headers=admin).raise_for_status().json()["nodes"]  # every node says so
     assert len(nodes) == 2 and {n["sandbox"] for n in nodes} == {"enforce"}, nodes
 
     # lineage: the final model of the Llama job names the code archive and the commit it was packed from
