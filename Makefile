@@ -46,7 +46,7 @@ demo: up ## run the tiny example job end to end on the local stack
 	$(BIN)/trainyard dev demo
 
 test: deps ## install what is missing, start what tests need, run the test suite
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 test-unit: venv ## unit tests only (no broker, no redis)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
