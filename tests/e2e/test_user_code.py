@@ -28,9 +28,8 @@ import pytest
 import yaml
 
 from tests.chaos.invariants import check_bitwise_identical
-from trainyard_cli import infra
-from trainyard_cli.devstack import prepare_and_publish
-from trainyard_cli.stack import LocalStack, StackSettings
+from tests.support.stack import running_stack
+from trainyard_cli.stack import LocalStack
 from trainyard_common.storage import uri_to_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,18 +40,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    settings = StackSettings(
-        state_dir=tmp_path_factory.mktemp("code-stack") / ".trainyard",
-        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=2, devices_per_node=4, ready_timeout_s=180,
-    )
-    stack = LocalStack(settings)
-    try:
-        stack.up()
-        prepare_and_publish(stack)
-        yield stack
-    finally:
-        stack.down()
+    yield from running_stack(tmp_path_factory, "code-stack")
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ import httpx
 import pytest
 import yaml
 
-from trainyard_cli import infra
-from trainyard_cli.devstack import prepare_and_publish
-from trainyard_cli.stack import LocalStack, StackSettings
+from trainyard_cli.stack import LocalStack
+
+from tests.support.stack import running_stack
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -100,18 +100,7 @@ spool("trainyard.checkpoints", {"eventType": "CheckpointRefused", "jobId": JOB, 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    settings = StackSettings(
-        state_dir=tmp_path_factory.mktemp("security-stack") / ".trainyard",
-        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=2, devices_per_node=4, ready_timeout_s=180,
-    )
-    stack = LocalStack(settings)
-    try:
-        stack.up()
-        prepare_and_publish(stack)
-        yield stack
-    finally:
-        stack.down()
+    yield from running_stack(tmp_path_factory, "security-stack")
 
 
 def tenant_token(stack: LocalStack, tenant: str) -> str:

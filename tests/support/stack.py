@@ -1,0 +1,28 @@
+"""A whole local stack (broker, Redis, the services, two node agents) on free ports, with the example
+dataset published: what e2e and security modules share as their module-scoped ``stack`` fixture."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from trainyard_cli import infra
+from trainyard_cli.devstack import prepare_and_publish
+from trainyard_cli.stack import LocalStack, StackSettings
+
+
+def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[LocalStack]:
+    """Up (two nodes of four CPU devices), tinycorpus@v1 published; down afterwards, whatever happened."""
+    settings = StackSettings(
+        state_dir=tmp_path_factory.mktemp(name) / ".trainyard",
+        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
+        nodes=2, devices_per_node=4, ready_timeout_s=180,
+    )
+    stack = LocalStack(settings)
+    try:
+        stack.up()
+        prepare_and_publish(stack)
+        yield stack
+    finally:
+        stack.down()
