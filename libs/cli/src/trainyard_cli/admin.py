@@ -16,9 +16,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from trainyard_common.errors import ConfigError, TrainyardError
+from trainyard_common.errors import ConfigError
 
-from trainyard_cli.client import ApiClient, ApiSpecError
+from trainyard_cli.client import ApiClient
 
 admin_app = typer.Typer(help="Administration through the API: tenants (quotas, priority), tokens (roles, expiry, "
                              "revocation), the audit log, nodes. Uses .trainyard/admin-token when present.",
@@ -116,22 +116,10 @@ def audit_table(entries: Sequence[Mapping[str, Any]]) -> Table:
 @contextmanager
 def _admin(ctx: typer.Context) -> Iterator[ApiClient]:
     """An API client with the admin token; every trainyard error becomes one line (exit 1; 2: configuration)."""
-    from trainyard_cli.config import CliConfig
+    from trainyard_cli.main import _api
 
-    config: CliConfig = ctx.obj
-    try:
-        with ApiClient(config.api_url, config.require_admin_token()) as client:
-            yield client
-    except ApiSpecError as exc:
-        err.print("[red]error:[/] the API rejected the request: "
-                  + "; ".join(f"{f or 'body'}: {m}" for f, m in exc.problems), highlight=False)
-        raise typer.Exit(1) from None
-    except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
-        raise typer.Exit(2) from None
-    except TrainyardError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
+    with _api(ctx, admin=True, what="request") as client:
+        yield client
 
 
 def _emit(body: Any, as_json: bool, table: Any) -> None:

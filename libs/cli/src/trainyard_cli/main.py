@@ -79,7 +79,7 @@ def _global_options(
 
 
 @contextmanager
-def _api(ctx: typer.Context, *, admin: bool = False) -> Iterator[ApiClient]:
+def _api(ctx: typer.Context, *, admin: bool = False, what: str = "spec") -> Iterator[ApiClient]:
     """An API client for the command (``admin``: with the admin token, see config.py); every trainyard error
     becomes a one-line message and exit 1 (2 for a configuration problem)."""
     config: CliConfig = ctx.obj
@@ -87,7 +87,7 @@ def _api(ctx: typer.Context, *, admin: bool = False) -> Iterator[ApiClient]:
         with ApiClient(config.api_url, config.require_admin_token() if admin else config.require_token()) as client:
             yield client
     except ApiSpecError as exc:
-        err.print(field_problems(exc.problems), end="")
+        err.print(field_problems(exc.problems, what), end="")
         raise typer.Exit(1) from None
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc.message}", highlight=False)

@@ -225,10 +225,10 @@ def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
     return table
 
 
-def field_problems(problems: Sequence[tuple[str, str]]) -> Text:
+def field_problems(problems: Sequence[tuple[str, str]], what: str = "spec") -> Text:
     """A 422's problems, one per line: ``  training.globalBatchSize: must be a multiple …``."""
-    text = Text("the API rejected the spec:\n", style="bold red")
+    text = Text(f"the API rejected the {what}:\n", style="bold red")
     for field, message in problems:
-        text.append(f"  {field or '(spec)'}", style="bold")
+        text.append(f"  {field or f'({what})'}", style="bold")
         text.append(f": {message}\n")
     return text
