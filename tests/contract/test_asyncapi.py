@@ -178,6 +178,19 @@ def test_payload_schemas_are_camel_case_and_refuse_what_trainyard_refuses(doc: d
     assert validator.is_valid({**good, "addedLater": 1})  # unknown fields are ignored, as consumers do
 
 
+def test_every_public_message_has_an_example_the_contract_accepts(doc: dict[str, Any]) -> None:
+    for name, message in doc["components"]["messages"].items():
+        if {"name": "public"} not in message["tags"]:
+            continue
+        assert message.get("examples"), f"public {name} has no example in contract.FLOWS"
+        for example in message["examples"]:
+            schema = message["payload"]["$ref"].removeprefix("#/components/schemas/")
+            assert not list(payload_validator(doc, schema).iter_errors(example["payload"])), name
+            assert not list(payload_validator(doc, "Headers").iter_errors(example["headers"])), name
+            assert type(ev.decode_event(ev.EVENT_TYPES[name].topic, json.dumps(example["payload"]).encode())) \
+                is ev.EVENT_TYPES[name]
+
+
 @pytest.mark.parametrize("cls", list(contract.FLOWS), ids=lambda c: c.__name__)
 def test_the_key_template_is_what_key_returns(cls: type[ev.Event]) -> None:
     fields = {name: f"<{f.alias}>" for name, f in cls.model_fields.items()}

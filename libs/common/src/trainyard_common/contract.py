@@ -19,7 +19,9 @@ import json
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import yaml
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -78,11 +80,15 @@ class Flow:
     public: bool = False  # supported for clients outside trainyard (docs/integration.md)
     unused: str | None = None  # why an event without producers or consumers is still defined
     key: str | None = None  # the partition key, for an event that overrides Event.key()
+    example: ev.Event | None = None  # shown in the document as the bus sends it
 
 
 def _sends(how: str, *parties: str) -> tuple[Producer, ...]:
     return tuple(Producer(p, how) for p in parties)
 
+
+_EXAMPLE_ID = UUID("7c9e6679-7425-40de-944b-e07fc1f90ae7")
+_EXAMPLE_AT = datetime(2026, 12, 1, 16, 50, tzinfo=UTC)
 
 _RELAYED = "relayed from a trainer rank's spool (the rank writes it, its node agent publishes it)"
 _ADMIN_ROUTE = "POST /v1/admin/nodes/{{id}}/{}, `by` = the admin"
@@ -103,7 +109,10 @@ FLOWS: dict[type[ev.Event], Flow] = {
         (Producer("scheduler", "outbox, in the same transaction as the job record"),),
         (Consumer("registry", "`succeeded` registers the final model artifact", "registry"),
          Consumer("downstream", "follows jobs: evaluates, serves or bills finished ones")),
-        public=True),
+        public=True,
+        example=ev.JobStateChanged(event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, job_id="job-5f0c2a9e41d7",
+                                   tenant="acme", state="succeeded", previous_state="running", attempt=2,
+                                   reason="reached maxSteps")),
     # nodes
     ev.NodeHeartbeat: Flow(
         "A node agent's inventory: devices, health, running allocations, drain.",
@@ -196,7 +205,12 @@ FLOWS: dict[type[ev.Event], Flow] = {
         "A dataset version's manifest is in place: register it.",
         (Producer("cli", "`trainyard dev data`"), Producer("upstream", "a data pipeline, after writing the files")),
         (Consumer("registry", "records the version; the first publish of name@version wins", "registry"),),
-        public=True, key="{name}@{version}"),
+        public=True, key="{name}@{version}",
+        example=ev.DatasetVersionPublished(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, name="wiki-en", version="2026-12-01",
+            manifest_uri="file:///srv/trainyard/artifacts/datasets/wiki-en/2026-12-01/manifest.json",
+            sha256="9f2b5c0e7a31d4c8b6e5f4a3d2c1b0a99f8e7d6c5b4a39281706f5e4d3c2b1a0", tokenizer="gpt2",
+            num_tokens=1_250_000_000)),
     # dead letters
     ev.DeadLetter: Flow(
         "A message a consumer could not decode or validate, kept with where it came from.",
@@ -345,7 +359,17 @@ def _message(cls: type[ev.Event], flow: Flow) -> dict[str, Any]:
             "key": {"type": "string", "description": f"partition key: `{key}`", "x-template": key},
             "bindingVersion": KAFKA_BINDING,
         }},
+        **({"examples": [_example(flow.example)]} if flow.example is not None else {}),
         **_parties(flow),
+    }
+
+
+def _example(event: ev.Event) -> dict[str, Any]:
+    return {
+        "name": f"{event.event_type}-example",
+        "summary": f"key `{event.key()}`",
+        "headers": {"content-type": CONTENT_TYPE, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        "payload": json.loads(event.to_bytes()),
     }
 
 
@@ -412,6 +436,8 @@ def asyncapi(
     missing = [c.__name__ for c in classes if c not in FLOWS]
     if missing:
         raise ValueError(f"contract.FLOWS does not say who publishes and consumes {', '.join(missing)}")
+    if undescribed := [t for t in topic_events if t not in TOPICS]:
+        raise ValueError(f"contract.TOPICS has no line about {', '.join(undescribed)}")
     parties = sorted({*SERVICES, *OUTSIDE})
     return {
         "asyncapi": ASYNCAPI_VERSION,
