@@ -308,7 +308,7 @@ def _payload_schemas(classes: Iterable[type[ev.Event]]) -> dict[str, Any]:
 def _drop_openapi_discriminators(node: Any) -> None:
     """Pydantic writes OpenAPI's discriminator object; AsyncAPI's is a property name (``oneOf`` stays)."""
     if isinstance(node, dict):
-        if isinstance(node.get("discriminator"), dict):
+        if isinstance(node.get("discriminator"), dict) and "propertyName" in node["discriminator"]:
             del node["discriminator"]
         for value in node.values():
             _drop_openapi_discriminators(value)
