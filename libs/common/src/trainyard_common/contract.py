@@ -9,6 +9,9 @@ as it travels), its partition key and its headers (the W3C trace context), and a
 operation for each party and topic. The API serves it at ``/v1/asyncapi.yaml`` and ``/v1/asyncapi.json``;
 tests/contract/test_asyncapi.py validates it against the official AsyncAPI 3.0.0 JSON Schema and fails
 when docs/asyncapi.yaml differs from what this module generates.
+
+A new event: add it to ``TOPIC_EVENTS``, give it a ``Flow`` here (a new topic also a line in ``TOPICS``;
+an event that overrides ``key()`` its ``key``; a public one an ``example``), and regenerate the document.
 """
 
 from __future__ import annotations
