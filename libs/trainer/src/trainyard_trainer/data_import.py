@@ -637,36 +637,57 @@ class _ShardWriter:
                                      size_bytes=len(data), num_tokens=len(ids)))
 
 
-def _encoded_stream(tasks: Iterable[Task], tokenizer: _Tokenizer, skip_bad: bool, workers: int) -> Iterator[Encoded]:
-    """Encoded tasks in task order; ``workers`` processes (a bounded window of tasks in flight)."""
-    if workers <= 1:
-        saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        try:
-            _init_worker(tokenizer.json_text, tokenizer.eos_id, skip_bad)  # one core, as asked
+class _Encoder:
+    """Encodes tasks in task order on ``workers`` processes, a bounded window of tasks in flight.
+
+    The workers are forked, and all of them before anything else starts a thread (the progress
+    bar): a spawned worker would re-import the trainer and torch (seconds each), a fork copies
+    the loaded modules. Tokenizer threads the parent may have used (training) are not touched in
+    the workers, which run their tokenizer single-threaded. One worker encodes in this process.
+    """
+
+    def __init__(self, tokenizer: _Tokenizer, skip_bad: bool, workers: int) -> None:
+        self.tokenizer, self.skip_bad, self.workers = tokenizer, skip_bad, workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._saved_env: str | None = None
+
+    def __enter__(self) -> _Encoder:
+        if self.workers <= 1:
+            self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
+            _init_worker(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad)  # one core, as asked
+            return self
+        context = multiprocessing.get_context("fork")
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                         initargs=(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad))
+        self._pool.submit(os.getpid).result()  # a fork context starts every worker at the first submit
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            return
+        _WORKER.clear()
+        if self._saved_env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = self._saved_env
+
+    def encode(self, tasks: Iterable[Task]) -> Iterator[Encoded]:
+        if self._pool is None:
             for task in tasks:
                 yield _encode(task)
-        finally:
-            _WORKER.clear()
-            if saved is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = saved
-        return
-    context = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                               initargs=(tokenizer.json_text, tokenizer.eos_id, skip_bad))
-    window: deque[Future[Encoded]] = deque()
-    try:
-        for task in tasks:
-            window.append(pool.submit(_encode, task))
-            if len(window) >= 2 * workers:
+            return
+        window: deque[Future[Encoded]] = deque()
+        try:
+            for task in tasks:
+                window.append(self._pool.submit(_encode, task))
+                if len(window) >= 2 * self.workers:
+                    yield window.popleft().result()
+            while window:
                 yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
-    except BrokenProcessPool:
-        raise DataError(f"a worker process died (out of memory?); try fewer --workers than {workers}") from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        except BrokenProcessPool:
+            raise DataError(
+                f"a worker process died (out of memory?); try fewer --workers than {self.workers}") from None
 
 
 class _Progress:
@@ -760,8 +781,8 @@ def import_dataset(
         sources: list[SourceInfo] = []
         tasks = (task for f in files for task in _tasks(f, options, sources))
         documents = skipped = 0
-        with _Progress(total_bytes, progress) as bar:
-            for encoded in _encoded_stream(tasks, tok, options.skip_bad, workers):
+        with _Encoder(tok, options.skip_bad, workers) as encoder, _Progress(total_bytes, progress) as bar:
+            for encoded in encoder.encode(tasks):
                 if encoded.error is not None:
                     raise DataError(encoded.error + ("" if options.skip_bad else "; --skip-bad skips bad records"))
                 writer.add(encoded.ids)
