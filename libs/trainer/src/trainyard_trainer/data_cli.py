@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from trainyard_common.errors import TrainyardError
-from trainyard_common.exitcodes import DATA, OK
+from trainyard_common.exitcodes import DATA, ERROR, OK
 from trainyard_common.settings import ServiceSettings, load_settings
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
 
@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     except TrainyardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return DATA
+    except OSError as exc:  # the artifact root: full, read-only, gone
+        print(f"error: cannot write under {args.artifact_root}: {exc}", file=sys.stderr)
+        return ERROR
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published (the half-built version was removed)", file=sys.stderr)
+        return ERROR
     print(_summary(path, sha, manifest))
     return OK
 
