@@ -351,3 +351,16 @@ def test_cli_import_prints_the_summary_and_errors_without_traceback(
     err = capsys.readouterr().err
     assert "z.jsonl:2: no field 'text'" in err and "Traceback" not in err
     assert not (root / "datasets" / "mine" / "v2").exists()
+
+
+def test_truncated_zstd_is_an_error_not_a_short_file(tmp_path: Path, tokenizer_file: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    frame = zstandard.ZstdCompressor().compress(jsonl([{"text": t} for t in DOCS]))
+    two_frames = tmp_path / "ok" / "two.jsonl.zst"
+    two_frames.parent.mkdir()
+    two_frames.write_bytes(frame + frame)  # concatenated frames are one valid stream
+    assert decoded_documents(build(tmp_path / "root", [str(two_frames)], tokenizer_file).manifest_path) == DOCS * 2
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(frame[: len(frame) // 2])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.zst: cannot read \(zstd stream ends inside a frame"):
+        build(tmp_path / "root2", [str(cut)], tokenizer_file, skip_bad=True)

@@ -293,7 +293,9 @@ def _encode(task: Task) -> Encoded:
     parsed = parse_records(task, _WORKER["skip_bad"])
     if parsed.error is not None:
         return Encoded(np.empty(0, np.uint32), 0, parsed.skipped, parsed.error, task.raw_bytes)
-    encodings = _WORKER["tokenizer"].encode_batch(parsed.texts, add_special_tokens=False)
+    tokenizer = _WORKER["tokenizer"]
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets
+    encodings = encode(parsed.texts, add_special_tokens=False)
     ids = join_documents((e.ids for e in encodings), _WORKER["eos_id"])
     return Encoded(ids, len(parsed.texts), parsed.skipped, None, task.raw_bytes)
 
@@ -367,10 +369,9 @@ def _glob_base(pattern: str) -> str:
 
 def _expand_url(inp: str) -> list[InputFile]:
     try:
-        import fsspec
         from fsspec.core import url_to_fs
-    except ImportError:  # pragma: no cover - fsspec is a dependency
-        raise DataError(f"input {inp}: URLs need the fsspec package") from None
+    except ImportError:
+        raise DataError(f"input {inp}: URLs need the fsspec package (pip install fsspec)") from None
     try:
         fs, root = url_to_fs(inp)
         if globlib.has_magic(root):
@@ -388,7 +389,6 @@ def _expand_url(inp: str) -> list[InputFile]:
         raise DataError(f"input {inp}: no filesystem for this URL ({exc})") from None
     except OSError as exc:
         raise DataError(f"input {inp}: cannot list ({exc})") from None
-    del fsspec
     out = []
     for p in paths:
         rel = os.path.relpath(p, base) if base else p
@@ -442,8 +442,43 @@ def _decompressed(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
             import zstandard
         except ImportError:
             raise DataError(f"{f.url}: zstd input needs the zstandard package (pip install zstandard)") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return io.BufferedReader(_ChunkReader(_zstd_chunks(zstandard, raw, f.url)), buffer_size=1 << 20)
     return io.BufferedReader(raw, buffer_size=1 << 20)
+
+
+def _zstd_chunks(zstandard: Any, raw: IO[bytes], label: str) -> Iterator[bytes]:
+    """Decompressed bytes of every zstd frame in ``raw``; a truncated last frame is an error
+    (zstandard's stream reader ends silently there)."""
+    dctx = zstandard.ZstdDecompressor()
+    obj, in_frame = dctx.decompressobj(), False
+    while chunk := raw.read(1 << 20):
+        while chunk:
+            in_frame = True
+            yield obj.decompress(chunk)
+            if obj.eof:
+                chunk, obj, in_frame = obj.unused_data, dctx.decompressobj(), False
+            else:
+                chunk = b""
+    if in_frame:
+        raise DataError(f"{label}: cannot read (zstd stream ends inside a frame: truncated?)")
+
+
+class _ChunkReader(io.RawIOBase):
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks, self.rest = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.rest:
+            try:
+                self.rest = next(self.chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buffer), len(self.rest))
+        buffer[:n], self.rest = self.rest[:n], self.rest[n:]
+        return n
 
 
 _READ_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
@@ -652,20 +687,26 @@ class _Encoder:
         self._saved_env: str | None = None
 
     def __enter__(self) -> _Encoder:
+        # Set before the fork too: tokenizers warns in a forked child unless its parallelism is configured.
+        self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if self.workers <= 1:
-            self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
             _init_worker(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad)  # one core, as asked
             return self
-        context = multiprocessing.get_context("fork")
-        self._pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                         initargs=(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad))
-        self._pool.submit(os.getpid).result()  # a fork context starts every worker at the first submit
+        try:
+            context = multiprocessing.get_context("fork")
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=context, initializer=_init_worker,
+                initargs=(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad))
+            self._pool.submit(os.getpid).result()  # a fork context starts every worker at the first submit
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-            return
         _WORKER.clear()
         if self._saved_env is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
