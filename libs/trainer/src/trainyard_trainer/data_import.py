@@ -619,7 +619,7 @@ def load_tokenizer(path: str, eos_token: str | None) -> _Tokenizer:
         text = raw.decode("utf-8")
         tokenizer = Tokenizer.from_str(text)
         model_type = str(json.loads(text).get("model", {}).get("type", "unknown")).lower()
-    except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
         raise DataError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") from None
     return _resolve(tokenizer, text, raw, eos_token, kind=f"hf-{model_type}", source="user")
 
