@@ -364,3 +364,24 @@ def test_truncated_zstd_is_an_error_not_a_short_file(tmp_path: Path, tokenizer_f
     cut.write_bytes(frame[: len(frame) // 2])
     with pytest.raises(DataError, match=r"cut\.jsonl\.zst: cannot read \(zstd stream ends inside a frame"):
         build(tmp_path / "root2", [str(cut)], tokenizer_file, skip_bad=True)
+
+
+def test_worker_processes_give_the_same_version(tmp_path: Path, corpus: Path, tokenizer_file: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forked workers (cheap: no re-import); chunks small enough that every worker gets several."""
+    monkeypatch.setattr(data_import, "CHUNK_BYTES", 4096)
+    (corpus / "many.jsonl").write_bytes(jsonl([{"text": t * 40} for t in DOCS]))
+    options = ImportOptions(shard_tokens=997)
+    results = [import_dataset(tmp_path / f"w{n}", "mine", "v1", [str(corpus)], tokenizer=str(tokenizer_file),
+                              options=options, workers=n) for n in (1, 2, 3)]
+    assert len({r.manifest_path.read_bytes() for r in results}) == 1
+    assert decoded_documents(results[2].manifest_path)[:20] == DOCS[:20]
+
+
+def test_a_bad_record_found_by_a_worker_process(tmp_path: Path, corpus: Path, tokenizer_file: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data_import, "CHUNK_BYTES", 64)  # many tasks: the bad one is in flight with others
+    (corpus / "z.jsonl").write_bytes(jsonl([{"text": t} for t in DOCS[:30]] + [{"txt": "no"}] + [{"text": "x"}] * 30))
+    with pytest.raises(DataError, match=r"z\.jsonl:31: no field 'text'"):
+        import_dataset(tmp_path / "root", "mine", "v1", [str(corpus)], tokenizer=str(tokenizer_file), workers=2)
+    assert version_traces(tmp_path / "root") == []
