@@ -134,3 +134,17 @@ async def test_a_query_parameter_given_twice_is_a_422_and_unknown_ones_are_ignor
     assert resp.status_code == 422 and [p["field"] for p in resp.json()["detail"]] == ["query.limit"]
     async with client(FailingRedis(redis_errors.ConnectionError("down"))) as c:
         assert (await c.get("/metrics?x=1&x=2")).status_code == 200
+
+
+async def test_the_event_contract_is_served_without_a_token_and_without_redis() -> None:
+    import yaml
+
+    from trainyard_common import contract
+
+    app = create_app(ApiContext(ApiSettings(), StateStore(FailingRedis(AssertionError("no command"))), None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as c:
+        as_yaml, as_json = await c.get("/v1/asyncapi.yaml"), await c.get("/v1/asyncapi.json")
+    assert as_yaml.status_code == 200 and as_yaml.headers["content-type"].startswith("application/yaml")
+    assert yaml.safe_load(as_yaml.text) == contract.asyncapi() == as_json.json()
+    assert as_yaml.text == contract.asyncapi_yaml()  # what docs/asyncapi.yaml holds
+    assert "/v1/asyncapi.yaml" not in document()["paths"]  # like /openapi.json, not an operation of the API

@@ -85,3 +85,15 @@ def test_field_problems_print_one_line_each() -> None:
 @pytest.mark.parametrize(("n", "text"), [(None, "-"), (999, "999"), (1500, "1.5k"), (3_400_000, "3.4M")])
 def test_token_counts_are_short(n: int | None, text: str) -> None:
     assert fmt_tokens(n) == text
+
+
+def test_datasets_import_is_trainyard_data_import(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n{"text": "hello again"}\n')
+    root = tmp_path / "artifacts"
+    args = ["datasets", "import", "--name", "c", "--version", "v1", "--artifact-root", str(root),
+            "--workers", "1", "--vocab-size", "260", "--no-progress"]
+    result = runner.invoke(app, [*args, str(tmp_path / "c.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert (root / "datasets" / "c" / "v1" / "manifest.json").is_file() and '"documents": 2' in result.output
+    result = runner.invoke(app, [*args[:5], "v2", *args[6:], str(tmp_path / "missing.jsonl")])
+    assert result.exit_code == 5 and not (root / "datasets" / "c" / "v2").exists()

@@ -285,5 +285,25 @@ def datasets_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     out.print(datasets_table(items))
 
 
+@datasets_app.command(
+    "import",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def datasets_import(ctx: typer.Context) -> None:
+    """Build a dataset version from your files (.txt/.jsonl/.parquet, .gz/.zst) and tokenizer.json.
+
+    The same command as ``trainyard-data import`` (its options: ``trainyard datasets import --help``);
+    it writes under the local artifact root and prints the manifest's uri and sha256.
+    """
+    try:
+        from trainyard_trainer.data_cli import main as data_main
+    except ImportError:
+        out.print("[red]error:[/red] importing datasets needs the trainyard-trainer package "
+                  "(pip install -e libs/trainer)")
+        raise typer.Exit(2) from None
+    raise typer.Exit(data_main(["import", *ctx.args]))
+
+
 if __name__ == "__main__":
     app()

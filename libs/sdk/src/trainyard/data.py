@@ -3,9 +3,13 @@
 A dataset version is a directory ``<artifact_root>/datasets/<name>/<version>/``::
 
     tokenizer.json        byte-level BPE (HF tokenizers), its sha256 recorded in the manifest
-    shard-00000.bin …     token ids, uint16 little-endian, concatenated documents separated
-                          by the ``<|endoftext|>`` token
+    shard-00000.bin …     token ids, little-endian uint16 (a vocabulary of at most 65,536) or
+                          uint32 (larger; the manifest's ``dtype`` says which), concatenated
+                          documents each followed by the end-of-document token (``separator``)
     manifest.json         written last and atomically; a directory without it is incomplete
+
+Two builders write this layout: :func:`prepare_dataset` (the tinycorpus example below) and
+``trainyard_trainer.data_import`` (``trainyard-data import``: the user's files and tokenizer).
 
 The example corpus, ``tinycorpus``, is a fixed list of Python standard-library source files
 (present on every machine with Python 3.11); each source's path relative to the stdlib and
@@ -28,7 +32,7 @@ import os
 import platform
 import shutil
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
@@ -49,7 +53,9 @@ FORMAT_VERSION = 1
 END_OF_TEXT = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 1024  # gpt-tiny@v1 and gpt-small@v1
 DEFAULT_SHARD_TOKENS = 1 << 18  # 512 KiB of uint16 per shard
-TOKEN_DTYPE = np.dtype("<u2")
+TOKEN_DTYPE = np.dtype("<u2")  # what prepare_dataset writes
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+MAX_VOCAB_SIZE = 1 << 32
 
 # The tinycorpus sources: ~3 MB of real, varied English-and-code text that every Python 3.11
 # install ships (no package from a distribution's optional split: no tkinter, lib2to3, distutils).
@@ -75,9 +81,10 @@ class _Wire(BaseModel):
 class TokenizerInfo(_Wire):
     file: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    vocab_size: int = Field(gt=0, le=65_536)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB_SIZE)
     version: str = Field(description="bpe<vocab>-<first 12 hex of the tokenizer.json sha256>")
-    kind: str = "byte-level-bpe"
+    kind: str = Field(default="byte-level-bpe",
+                      description="byte-level-bpe (trained here) or hf-<model type> (a user's tokenizer.json)")
 
 
 class ShardInfo(_Wire):
@@ -93,13 +100,30 @@ class SourceInfo(_Wire):
     size_bytes: int = Field(ge=0)
 
 
+class ImportInfo(_Wire):
+    """How ``trainyard-data import`` read its inputs (absent from manifests written by ``prepare``)."""
+
+    documents: int = Field(ge=0, description="documents encoded, each followed by the separator token")
+    skipped_records: int = Field(ge=0, description="bad records skipped (--skip-bad); 0 without it")
+    skip_bad: bool = False
+    text_field: str = Field(description="the JSONL field holding each document's text")
+    column: str = Field(description="the Parquet column holding each document's text")
+    eos_token_id: int = Field(ge=0)
+    tokenizer_source: Literal["user", "trained"]
+
+
+# Fields added after format 1 was first written: left out of manifest.json while unset, so a
+# manifest written before they existed re-serialises to the same bytes (and the same sha256).
+_ADDITIVE_FIELDS = ("import_info",)
+
+
 class DatasetManifest(_Wire):
     """``manifest.json`` of one dataset version."""
 
     format_version: int = FORMAT_VERSION
     name: str
     version: str
-    dtype: Literal["uint16"] = "uint16"
+    dtype: Literal["uint16", "uint32"] = "uint16"
     byte_order: Literal["little"] = "little"
     separator: str = END_OF_TEXT
     tokenizer: TokenizerInfo
@@ -108,14 +132,23 @@ class DatasetManifest(_Wire):
     sources: list[SourceInfo]
     source_kind: str = "python-stdlib"
     source_python: str | None = None
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: datetime | None = Field(
+        default=None,
+        description="when prepare built it; None (left out) for an import, whose manifest is a function of its inputs",
+    )
+    import_info: ImportInfo | None = None
 
     @property
     def tokenizer_version(self) -> str:
         return self.tokenizer.version
 
+    @property
+    def token_dtype(self) -> np.dtype:
+        return TOKEN_DTYPES[self.dtype]
+
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(by_alias=True, indent=2).encode()
+        unset = {f for f in (*_ADDITIVE_FIELDS, "created_at") if getattr(self, f) is None}
+        return self.model_dump_json(by_alias=True, indent=2, exclude=unset).encode()
 
 
 def load_dataset_manifest(path: Path | str) -> DatasetManifest:
@@ -160,8 +193,16 @@ def tokenizer_version(vocab_size: int, tokenizer_sha256: str) -> str:
     return f"bpe{vocab_size}-{tokenizer_sha256[:12]}"
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> str:
-    """Train a byte-level BPE on ``texts``; returns the tokenizer as canonical JSON text.
+def token_dtype_for(vocab_size: int) -> Literal["uint16", "uint32"]:
+    """The narrowest stored dtype for ids ``0 .. vocab_size - 1``."""
+    if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+        raise DataError(f"a vocabulary of {vocab_size} tokens cannot be stored (at most {MAX_VOCAB_SIZE})")
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> str:
+    """Train a byte-level BPE on ``texts`` (a sequence, or any iterable: it is streamed); returns
+    the tokenizer as canonical JSON text, its one special token :data:`END_OF_TEXT`.
 
     Deterministic for the same texts and vocabulary size (checked by the tests).
     """
@@ -177,7 +218,8 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    length = len(texts) if isinstance(texts, Sized) else None
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     if tokenizer.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, wanted at most {vocab_size}")
     return tokenizer.to_str()
@@ -342,13 +384,14 @@ class TokenDataset:
         path = self.directory / info.file
         if not path.is_file():
             raise DataError(f"dataset shard {info.file} is missing: {path}")
-        if (size := path.stat().st_size) != info.size_bytes or size != info.num_tokens * TOKEN_DTYPE.itemsize:
+        dtype = self.manifest.token_dtype
+        if (size := path.stat().st_size) != info.size_bytes or size != info.num_tokens * dtype.itemsize:
             raise DataError(f"dataset shard {info.file} has {size} bytes, manifest says {info.size_bytes}")
         if (digest := sha256_file(path)) != info.sha256:
             raise DataError(
                 f"dataset shard {info.file} sha256 {digest[:12]}… does not match manifest {info.sha256[:12]}…"
             )
-        tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if info.num_tokens else np.empty(0, TOKEN_DTYPE)
+        tokens = np.memmap(path, dtype=dtype, mode="r") if info.num_tokens else np.empty(0, dtype)
         self._open[index] = tokens
         return tokens
 

@@ -2,10 +2,14 @@
 
     trainyard-data prepare --name tinycorpus --version v1 [--artifact-root PATH]
     trainyard-data verify  --name tinycorpus --version v1 [--artifact-root PATH]
+    trainyard-data import  --name NAME --version V [--tokenizer tokenizer.json] INPUT...
 
-``prepare`` is idempotent: an existing version that verifies is left alone. Both print one
-JSON object (manifestUri, sha256, tokenizer, numTokens) on stdout, the fields a
-DatasetVersionPublished event needs.
+``prepare`` builds the tinycorpus example; ``import`` builds a version from your own files
+(.txt, .jsonl, .parquet; .gz/.zst; directories, globs, fsspec URLs) with your tokenizer.json
+or one trained on them (see trainyard_trainer.data_import). Both are idempotent: an existing
+version that verifies (and, for import, was built from the same inputs) is left alone. Each
+command prints one JSON object (manifestUri, sha256, tokenizer, numTokens) on stdout, the
+fields a DatasetVersionPublished event needs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 from pathlib import Path
 
 from trainyard_common.errors import TrainyardError
-from trainyard_common.exitcodes import DATA, OK
+from trainyard_common.exitcodes import DATA, ERROR, OK
 from trainyard_common.settings import ServiceSettings, load_settings
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
 
@@ -40,16 +44,60 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
         epilog="TRAINYARD_ARTIFACT_ROOT sets the default artifact root (now: %s)." % default_root,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command, help_text in (("prepare", "build a dataset version (idempotent)"),
-                               ("verify", "check a dataset version's files against its manifest")):
+    for command, help_text in (("prepare", "build the tinycorpus example version (idempotent)"),
+                               ("verify", "check a dataset version's files against its manifest"),
+                               ("import", "build a dataset version from your files and tokenizer")):
         p = sub.add_parser(command, help=help_text)
-        p.add_argument("--name", default="tinycorpus")
-        p.add_argument("--version", default="v1")
+        if command == "import":
+            p.add_argument("--name", required=True)
+            p.add_argument("--version", required=True)
+        else:
+            p.add_argument("--name", default="tinycorpus")
+            p.add_argument("--version", default="v1")
         p.add_argument("--artifact-root", type=Path, default=default_root)
         if command == "prepare":
             p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
             p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+        if command == "import":
+            add_import_arguments(p)
     return parser
+
+
+def add_import_arguments(p: argparse.ArgumentParser) -> None:
+    from trainyard_trainer.data_import import DEFAULT_IMPORT_SHARD_TOKENS
+
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files, directories or globs (quote them) of .txt/.jsonl/.parquet, optionally .gz/.zst; "
+                        "local paths or fsspec URLs")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json; without it a byte-level BPE of "
+                                       "--vocab-size is trained on the inputs")
+    p.add_argument("--eos-token", help="the end-of-document token (default: the tokenizer's own, e.g. <|endoftext|>)")
+    p.add_argument("--text-field", default="text", help="the JSONL field holding the text (default: text)")
+    p.add_argument("--column", default="text", help="the Parquet column holding the text (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip malformed records (counted in the manifest) instead of failing")
+    p.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
+    p.add_argument("--vocab-size", type=_positive, default=DEFAULT_VOCAB_SIZE,
+                   help="vocabulary of the tokenizer trained when --tokenizer is not given")
+    p.add_argument("--shard-tokens", type=_positive, default=DEFAULT_IMPORT_SHARD_TOKENS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def run_import(args: argparse.Namespace) -> tuple[Path, str, DatasetManifest]:
+    from trainyard_trainer.data_import import ImportOptions, import_dataset
+
+    options = ImportOptions(text_field=args.text_field, column=args.column, skip_bad=args.skip_bad,
+                            eos_token=args.eos_token, vocab_size=args.vocab_size, shard_tokens=args.shard_tokens)
+    result = import_dataset(args.artifact_root, args.name, args.version, args.inputs, tokenizer=args.tokenizer,
+                            options=options, workers=args.workers, progress=not args.no_progress)
+    return result.manifest_path, result.sha256, result.manifest
 
 
 def _summary(manifest_path: Path, sha256: str, manifest: DatasetManifest) -> str:
@@ -61,6 +109,9 @@ def _summary(manifest_path: Path, sha256: str, manifest: DatasetManifest) -> str
         "tokenizer": manifest.tokenizer.version,
         "numTokens": manifest.num_tokens,
         "shards": len(manifest.shards),
+        "dtype": manifest.dtype,
+        **({"documents": manifest.import_info.documents, "skippedRecords": manifest.import_info.skipped_records}
+           if manifest.import_info is not None else {}),
     })
 
 
@@ -74,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.artifact_root, args.name, args.version,
                 vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
             )
+        elif args.command == "import":
+            path, sha, manifest = run_import(args)
         else:
             path = ArtifactLayout(args.artifact_root).dataset_dir(args.name, args.version) / MANIFEST_FILE
             manifest = load_dataset_manifest(path)
@@ -84,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     except TrainyardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return DATA
+    except OSError as exc:  # the artifact root: full, read-only, gone
+        print(f"error: cannot write under {args.artifact_root}: {exc}", file=sys.stderr)
+        return ERROR
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published (the half-built version was removed)", file=sys.stderr)
+        return ERROR
     print(_summary(path, sha, manifest))
     return OK
 

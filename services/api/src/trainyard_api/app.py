@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
+from trainyard_common import contract
 from trainyard_common.bus import Bus
 from trainyard_common.errors import (
     AuthError,
@@ -100,7 +101,8 @@ Submit, watch and control LLM training jobs on trainyard.
   `POST /v1/training-jobs` validates it, stores it and answers `202` with the job id and
   the spec hash (sha256 of the canonical JSON, defaults filled in). A new configuration
   is a new job: there is no PATCH.
-* Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`.
+* Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`. The events trainyard
+  publishes and consumes are described by `/v1/asyncapi.yaml` (and `.json`, AsyncAPI 3.0; no token either).
   A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
   writes a development token to `.trainyard/dev-token`.
 * A token has a role: `viewer` (read the tenant's jobs, artifacts, metrics), `submitter` (+ submit, pause,
@@ -845,6 +847,15 @@ def _install_other_routes(app: FastAPI) -> None:
              response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    # The event contract (AsyncAPI 3.0), unauthenticated and outside this document like /openapi.json.
+    @app.get("/v1/asyncapi.yaml", include_in_schema=False)
+    async def asyncapi_yaml() -> Response:
+        return Response(await run_in_threadpool(contract.asyncapi_yaml), media_type="application/yaml")
+
+    @app.get("/v1/asyncapi.json", include_in_schema=False)
+    async def asyncapi_json() -> Response:
+        return Response(await run_in_threadpool(contract.asyncapi_json), media_type="application/json")
 
 
 def create_app(context: ApiContext) -> FastAPI:
