@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import string
 import re
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,15 @@ def sample_events() -> list[ev.Event]:
         ev.JobStateChanged(job_id="job-1", tenant="acme", state="running", previous_state="queued", attempt=1),
         ev.DatasetVersionPublished(name="wiki", version="v3", manifest_uri="file:///data/wiki/v3/manifest.json",
                                    sha256="ab" * 32, tokenizer="gpt2", num_tokens=1000),
+        ev.DatasetVersionPublished(name="wiki", version="v4", manifest_uri="file:///t/acme/wiki/v4/manifest.json",
+                                   sha256="ab" * 32, tenant="acme", shared_with=["beta"]),
+        ev.DatasetRejected(name="wiki", version="v4", tenant="acme", manifest_uri="file:///t/acme/wiki/v4/manifest.json",
+                           sha256="ab" * 32, reason="shard-00000.bin: sha256 differs"),
+        ev.ArtifactRegistered(artifact_id="acme/wiki@v4", kind="dataset", tenant="acme",
+                              uri="file:///t/acme/wiki/v4/manifest.json", hash="ab" * 32, dataset="acme/wiki@v4"),
+        ev.ArtifactRetired(artifact_id="art-1", kind="checkpoint", tenant="acme", job_id="job-1",
+                           uri="file:///t/acme/jobs/job-1/checkpoints/x/manifest.json", hash="cd" * 32,
+                           reason="deleted by retention"),
         ev.JobSubmitted(job_id="job-1", tenant="acme", spec=spec, spec_hash="cd" * 32),
         ev.NodeHeartbeat(node_id="node-0", host="h0", devices=[ev.DeviceInfo(index=0, type="cpu", memory_bytes=1)]),
         ev.StepMetrics(job_id="job-1", attempt=1, rank=0, step=3, loss=2.5, consumed_tokens=96, metrics={"gn": 1.0}),
@@ -158,8 +168,11 @@ async def test_what_the_bus_sends_is_what_the_document_says(doc: dict[str, Any],
     ((topic, payload, key, headers),) = sent
     message = doc["components"]["messages"][event.event_type]
     assert doc["channels"][contract.channel_id(topic)]["messages"][event.event_type]
-    template = message["bindings"]["kafka"]["key"]["x-template"]
-    assert key == template.format(**json.loads(payload))
+    fields = json.loads(payload)
+    templates = message["bindings"]["kafka"]["key"]["x-templates"]
+    applies = next(t for t in templates
+                   if all(fields.get(f) is not None for _, f, _, _ in string.Formatter().parse(t) if f))
+    assert key == applies.format(**fields)
     errors = [e.message for e in payload_validator(doc, type(event).__name__).iter_errors(json.loads(payload))]
     assert not errors, errors
     assert headers["traceparent"] == TRACEPARENT
@@ -195,8 +208,19 @@ def test_every_public_message_has_an_example_the_contract_accepts(doc: dict[str,
 def test_the_key_template_is_what_key_returns(cls: type[ev.Event]) -> None:
     fields = {name: f"<{f.alias}>" for name, f in cls.model_fields.items()}
     event = cls.model_construct(**fields)  # unvalidated placeholders: only key() is asked
-    template = contract.key_template(cls)
-    assert event.key() == template.format(**{f.alias: f"<{f.alias}>" for f in cls.model_fields.values()})
+    first = contract.key_templates(cls)[0]  # every field set: the first alternative applies
+    assert event.key() == first.format(**{f.alias: f"<{f.alias}>" for f in cls.model_fields.values()})
+
+
+@pytest.mark.parametrize("cls", [c for c in contract.FLOWS if len(contract.key_templates(c)) > 1],
+                         ids=lambda c: c.__name__)
+def test_a_key_falls_back_to_its_next_template_when_a_field_is_null(cls: type[ev.Event]) -> None:
+    first, second = contract.key_templates(cls)[:2]
+    unset = {f for _, f, _, _ in string.Formatter().parse(first) if f} - \
+        {f for _, f, _, _ in string.Formatter().parse(second) if f}
+    fields = {name: None if f.alias in unset else f"<{f.alias}>" for name, f in cls.model_fields.items()}
+    event = cls.model_construct(**fields)
+    assert event.key() == second.format(**{f.alias: f"<{f.alias}>" for f in cls.model_fields.values()})
 
 
 def test_a_new_event_without_a_flow_is_refused() -> None:

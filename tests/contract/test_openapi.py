@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from hypothesis.errors import FlakyStrategyDefinition
 from hypothesis.stateful import run_state_machine_as_test
 
 import tests.contract.checks  # noqa: F401 - registers this API's own check
@@ -60,13 +61,27 @@ def test_every_operation_answers_as_the_document_says(case: schemathesis.Case) -
 def test_sequences_of_calls_answer_as_the_document_says(api_schema: schemathesis.BaseSchema) -> None:
     """Submit a job, then read, list, pause or cancel it by the ids the answers give (the document's links)."""
 
+    failures: list[BaseException] = []
+
     class Scenarios(api_schema.as_state_machine()):  # type: ignore[misc]
         def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
             return {"headers": credentials(case)}
 
         def validate_response(self, response: schemathesis.Response, case: schemathesis.Case,
                               additional_checks: Any = None, **kwargs: Any) -> None:
-            case.validate_response(response, additional_checks=additional_checks, headers=kwargs.get("headers"),
-                                   transport_kwargs=kwargs, recorder=getattr(self, "recorder", None))
+            try:
+                case.validate_response(response, additional_checks=additional_checks, headers=kwargs.get("headers"),
+                                       transport_kwargs=kwargs, recorder=getattr(self, "recorder", None))
+            except BaseException as exc:
+                failures.append(exc)
+                raise
 
-    run_state_machine_as_test(Scenarios, settings=BUDGET)
+    try:
+        run_state_machine_as_test(Scenarios, settings=BUDGET)
+    except FlakyStrategyDefinition:
+        # The API's state outlives each scenario (a tenant created by one makes the next one's create a
+        # 409, so its links give other calls), and Hypothesis, replaying a prefix of choices, then sees
+        # other rules to draw from. Schemathesis's own runner treats this the same way: a replay that
+        # differs is not a failure, a check that failed on the way is.
+        if failures:
+            raise failures[0] from None

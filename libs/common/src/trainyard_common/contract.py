@@ -82,7 +82,8 @@ class Flow:
     consumers: tuple[Consumer, ...]
     public: bool = False  # supported for clients outside trainyard (docs/integration.md)
     unused: str | None = None  # why an event without producers or consumers is still defined
-    key: str | None = None  # the partition key, for an event that overrides Event.key()
+    key: str | None = None  # the partition key, for an event that overrides Event.key(); "a | b": the first
+    #                         template whose fields are all set (not null) in the payload
     example: ev.Event | None = None  # shown in the document as the bus sends it
 
 
@@ -207,13 +208,60 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.DatasetVersionPublished: Flow(
         "A dataset version's manifest is in place: register it.",
         (Producer("cli", "`trainyard dev data`"), Producer("upstream", "a data pipeline, after writing the files")),
-        (Consumer("registry", "records the version; the first publish of name@version wins", "registry"),),
-        public=True, key="{name}@{version}",
+        (Consumer("registry", "verifies the manifest and every shard against their sha256, then records the "
+                              "version for its tenant (first publish wins); else DatasetRejected", "registry"),),
+        public=True, key="{tenant}/{name}@{version} | {name}@{version}",
         example=ev.DatasetVersionPublished(
             event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, name="wiki-en", version="2026-12-01",
             manifest_uri="file:///srv/trainyard/artifacts/datasets/wiki-en/2026-12-01/manifest.json",
             sha256="9f2b5c0e7a31d4c8b6e5f4a3d2c1b0a99f8e7d6c5b4a39281706f5e4d3c2b1a0", tokenizer="gpt2",
             num_tokens=1_250_000_000)),
+    ev.DatasetRejected: Flow(
+        "The registry refused a published version; it stays invisible and `reason` says why.",
+        (Producer("registry", "direct, after verifying a DatasetVersionPublished"),),
+        (Consumer("upstream", "the pipeline that published it learns why (also GET /v1/datasets/{ref})"),),
+        public=True, key="{tenant}/{name}@{version} | {name}@{version}",
+        example=ev.DatasetRejected(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, name="wiki-en", version="2026-12-01", tenant="acme",
+            manifest_uri="file:///srv/trainyard/artifacts/tenants/acme/datasets/wiki-en/2026-12-01/manifest.json",
+            sha256="9f2b5c0e7a31d4c8b6e5f4a3d2c1b0a99f8e7d6c5b4a39281706f5e4d3c2b1a0",
+            reason="shard-00003.bin: sha256 differs from the manifest",
+            problems=["shard-00003.bin: sha256 differs from the manifest"])),
+    # registry (downstream)
+    ev.ArtifactRegistered: Flow(
+        "The registry recorded an artifact: a verified dataset version, a READY checkpoint or a finished "
+        "job's model, with its uri, hash and full lineage.",
+        (Producer("registry", "outbox, with the record"),),
+        (Consumer("api", "a new dataset version starts the jobs of the triggers that match it", "api-triggers"),
+         Consumer("downstream", "evaluates, serves or bills artifacts without reading internal topics")),
+        public=True, key="{jobId} | {artifactId}",
+        example=ev.ArtifactRegistered(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="art-5f0c2a9e41d7-model", kind="model",
+            tenant="acme", job_id="job-5f0c2a9e41d7", global_step=2000, consumed_tokens=65_536_000,
+            uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
+                "step-000002000-a2/manifest.json",
+            hash="sha256:4a1d0c9b8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b",
+            lineage=ev.ArtifactLineage(
+                spec_hash="0d1c2b3a4f5e6d7c8b9a0f1e2d3c4b5a6f7e8d9c0b1a2f3e4d5c6b7a8f9e0d1c",
+                code_revision="v1.4.0", dataset="acme/wiki-en@2026-12-01",
+                dataset_manifest_uri="file:///srv/trainyard/artifacts/tenants/acme/datasets/wiki-en/"
+                                     "2026-12-01/manifest.json",
+                dataset_sha256="9f2b5c0e7a31d4c8b6e5f4a3d2c1b0a99f8e7d6c5b4a39281706f5e4d3c2b1a0",
+                tokenizer="gpt2", model_config_ref="gpt-small@v1",
+                parent_checkpoint="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/"
+                                  "checkpoints/step-000001500-a1/manifest.json"))),
+    ev.ArtifactRetired: Flow(
+        "An artifact stopped being loadable (retention deleted its checkpoint, or a restore refused it).",
+        (Producer("registry", "outbox, with the retirement"),),
+        (Consumer("downstream", "stops serving or evaluating it"),),
+        public=True, key="{jobId} | {artifactId}",
+        example=ev.ArtifactRetired(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="art-5f0c2a9e41d7-s1500-a1",
+            kind="checkpoint", tenant="acme", job_id="job-5f0c2a9e41d7",
+            uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
+                "step-000001500-a1/manifest.json",
+            hash="sha256:7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d",
+            reason="deleted by retention (keepLast 3)")),
     # dead letters
     ev.DeadLetter: Flow(
         "A message a consumer could not decode or validate, kept with where it came from.",
@@ -230,7 +278,8 @@ TOPICS: dict[str, str] = {
     ev.WORKERS: "What happens to ranks: started, exited, stragglers, security violations.",
     ev.CHECKPOINTS: "Checkpoint shards, and checkpoints becoming READY, failing or refused.",
     ev.METRICS: "Per-step training metrics from every rank.",
-    ev.DATASETS: "Dataset versions published for training.",
+    ev.DATASETS: "Dataset versions published for training, and the registry's refusals.",
+    ev.REGISTRY: "What the registry recorded and retired: the public feed of artifacts for downstream services.",
     ev.DEADLETTER: "Messages a consumer refused.",
 }
 """A line about each topic, for its channel."""
@@ -280,8 +329,14 @@ def event_name(cls: type[ev.Event]) -> str:
     return str(cls.model_fields["event_type"].default)
 
 
+def key_templates(cls: type[ev.Event]) -> list[str]:
+    """The partition key as templates over the payload's fields (what ``Event.key()`` returns): the
+    first whose fields are all set in the payload applies."""
+    return [t.strip() for t in key_template(cls).split("|")]
+
+
 def key_template(cls: type[ev.Event]) -> str:
-    """The partition key as a template over the payload's fields (what ``Event.key()`` returns)."""
+    """The partition key as a template over the payload's fields; "a | b": a, else b (see key_templates)."""
     flow = FLOWS[cls]
     if cls.key is not ev.Event.key:
         if flow.key is None:
@@ -343,7 +398,7 @@ def _parties(flow: Flow) -> dict[str, list[dict[str, str]]]:
 
 def _message(cls: type[ev.Event], flow: Flow) -> dict[str, Any]:
     name = event_name(cls)
-    key = key_template(cls)
+    keys = key_templates(cls)
     who = "; ".join(f"{p.party} ({p.how})" for p in flow.producers) or "nobody"
     whom = "; ".join(f"{c.party} ({c.does})" for c in flow.consumers) or "nobody"
     description = f"Published by: {who}.\n\nConsumed by: {whom}."
@@ -359,7 +414,8 @@ def _message(cls: type[ev.Event], flow: Flow) -> dict[str, Any]:
         "headers": {"$ref": "#/components/schemas/Headers"},
         "payload": {"$ref": f"#/components/schemas/{cls.__name__}"},
         "bindings": {"kafka": {
-            "key": {"type": "string", "description": f"partition key: `{key}`", "x-template": key},
+            "key": {"type": "string", "description": "partition key: " + ", else ".join(f"`{k}`" for k in keys),
+                    "x-templates": keys},
             "bindingVersion": KAFKA_BINDING,
         }},
         **({"examples": [_example(flow.example)]} if flow.example is not None else {}),

@@ -29,10 +29,11 @@ WORKERS = "trainyard.workers"
 CHECKPOINTS = "trainyard.checkpoints"
 METRICS = "trainyard.metrics"
 DATASETS = "trainyard.datasets"
+REGISTRY = "trainyard.registry"
 DEADLETTER = "trainyard.deadletter"
 
 ALL_TOPICS: tuple[str, ...] = (
-    JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, DEADLETTER,
+    JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, REGISTRY, DEADLETTER,
 )
 
 JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
@@ -473,6 +474,10 @@ class StepMetrics(Event):
 
 
 class DatasetVersionPublished(Event):
+    """A dataset version's files and manifest are in place; the registry verifies them before the
+    version is visible. ``tenant`` owns it (its files under ``tenants/<tenant>/datasets/``); without
+    one it is the platform's, under ``datasets/``, and every tenant may train on it."""
+
     topic: ClassVar[str] = DATASETS
     event_type: Literal["DatasetVersionPublished"] = "DatasetVersionPublished"
     name: str
@@ -481,9 +486,101 @@ class DatasetVersionPublished(Event):
     sha256: str
     tokenizer: str | None = None
     num_tokens: int | None = None
+    tenant: str | None = Field(default=None, description="the owner; null: the platform's (every tenant may use it)")
+    shared_with: list[str] = Field(
+        default=[], max_length=256,
+        description='other tenants that may train on it; ["*"]: every tenant',
+    )
 
     def key(self) -> str:
-        return f"{self.name}@{self.version}"
+        return dataset_key(self.tenant, self.name, self.version)
+
+
+class DatasetRejected(Event):
+    """The registry refused a published version (its manifest or a shard does not match its sha256,
+    it is not under its owner's prefix, a different version was published under the same name):
+    it stays invisible, and ``reason`` says why."""
+
+    topic: ClassVar[str] = DATASETS
+    event_type: Literal["DatasetRejected"] = "DatasetRejected"
+    name: str
+    version: str
+    tenant: str | None = None
+    manifest_uri: str
+    sha256: str
+    reason: str
+    problems: list[str] = Field(default=[], max_length=64, description="each thing found wrong")
+    published_event_id: UUID | None = Field(default=None, description="the DatasetVersionPublished refused")
+
+    def key(self) -> str:
+        return dataset_key(self.tenant, self.name, self.version)
+
+
+def dataset_key(tenant: str | None, name: str, version: str) -> str:
+    """The qualified reference of a dataset version (also its partition key): ``tenant/name@version``,
+    or ``name@version`` for the platform's."""
+    return f"{tenant}/{name}@{version}" if tenant else f"{name}@{version}"
+
+
+# ----------------------------------------------------------------------------- registry (downstream)
+
+ArtifactKind = Literal["dataset", "checkpoint", "model"]
+
+
+class ArtifactLineage(_Wire):
+    """Where a checkpoint or model came from (the registry's lineage, as it travels)."""
+
+    spec_hash: str
+    code_revision: str
+    dataset: str
+    dataset_manifest_uri: str | None = None
+    dataset_sha256: str | None = None
+    tokenizer: str | None = None
+    model_config_ref: str | None = Field(default=None, alias="modelConfig")
+    parent_checkpoint: str | None = None
+    code_archive: str | None = None
+    code_commit: str | None = None
+
+
+class ArtifactRegistered(Event):
+    """The registry recorded an artifact: a verified dataset version, a READY checkpoint, or a finished
+    job's model. The public feed for services outside trainyard (evaluation, serving, billing)."""
+
+    topic: ClassVar[str] = REGISTRY
+    event_type: Literal["ArtifactRegistered"] = "ArtifactRegistered"
+    artifact_id: str = Field(description="a checkpoint's or model's artifact id; a dataset's qualified ref")
+    kind: ArtifactKind
+    tenant: str | None = Field(description="the owner (null: a platform dataset)")
+    uri: str = Field(description="the manifest: what a reader opens")
+    hash: str = Field(description="sha256 of the manifest (a dataset's) or the checkpoint's content hash")
+    job_id: str | None = None
+    global_step: int | None = None
+    consumed_tokens: int | None = None
+    lineage: ArtifactLineage | None = Field(default=None, description="for checkpoints and models")
+    dataset: str | None = Field(default=None, description="for a dataset: its qualified ref, tenant/name@version")
+    shared_with: list[str] = []
+    tokenizer: str | None = None
+    num_tokens: int | None = None
+
+    def key(self) -> str:
+        return self.job_id or self.artifact_id
+
+
+class ArtifactRetired(Event):
+    """An artifact stopped being loadable: its checkpoint was deleted by retention or refused at restore."""
+
+    topic: ClassVar[str] = REGISTRY
+    event_type: Literal["ArtifactRetired"] = "ArtifactRetired"
+    artifact_id: str
+    kind: ArtifactKind
+    tenant: str | None
+    uri: str
+    hash: str
+    job_id: str | None = None
+    reason: str
+
+    def key(self) -> str:
+        return self.job_id or self.artifact_id
 
 
 # ----------------------------------------------------------------------------- dead letters
@@ -520,7 +617,8 @@ TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
     METRICS: (StepMetrics,),
-    DATASETS: (DatasetVersionPublished,),
+    DATASETS: (DatasetVersionPublished, DatasetRejected),
+    REGISTRY: (ArtifactRegistered, ArtifactRetired),
     DEADLETTER: (DeadLetter,),
 }
 

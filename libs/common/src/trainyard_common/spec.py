@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -17,6 +18,28 @@ from pydantic.alias_generators import to_camel
 from trainyard_common.catalog import ModelConfig
 
 REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$"
+DATASET_REF_PATTERN = r"^(?:[a-z0-9][a-z0-9._-]{0,62}/)?[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""A dataset version: ``name@version`` (the submitter's own, else the platform's) or
+``tenant/name@version`` (that tenant's, which it owns or that is shared with it)."""
+
+
+class DatasetRef(NamedTuple):
+    """A parsed dataset reference; ``tenant`` None is unqualified (or the platform's)."""
+
+    tenant: str | None
+    name: str
+    version: str
+
+    @classmethod
+    def parse(cls, ref: str) -> DatasetRef:
+        if not re.match(DATASET_REF_PATTERN, ref):
+            raise ValueError(f"not a dataset reference (name@version or tenant/name@version): {ref!r}")
+        owner, _, rest = ref.rpartition("/")
+        name, _, version = rest.partition("@")
+        return cls(owner or None, name, version)
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.name}@{self.version}" if self.tenant else f"{self.name}@{self.version}"
 
 
 class _Wire(BaseModel):
@@ -193,7 +216,11 @@ class TrainingSpec(_Wire):
         str | ModelConfig,
         Field(alias="modelConfig", description="catalog reference name@version, or an inline model"),
     ]
-    dataset: str = Field(pattern=REF_PATTERN, description="dataset name@version")
+    dataset: str = Field(
+        pattern=DATASET_REF_PATTERN,
+        description="dataset name@version (your tenant's, else the platform's) or tenant/name@version "
+                    "(shared with you); an accepted job's spec names it qualified, as resolved",
+    )
     code_revision: str = Field(min_length=1, max_length=128)
     resources: Resources
     parallelism: Parallelism = Parallelism()

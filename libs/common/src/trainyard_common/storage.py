@@ -6,7 +6,8 @@ working directory, resolves them the same way.
 
 Layout::
 
-    <root>/datasets/<name>/<version>/{manifest.json,tokenizer.json,shard-00000.bin,…}
+    <root>/datasets/<name>/<version>/{manifest.json,tokenizer.json,shard-00000.bin,…}   (the platform's)
+    <root>/tenants/<tenant>/datasets/<name>/<version>/…                               (a tenant's)
     <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/logs/rank-<r>.log
     <root>/tenants/<tenant>/jobs/<job>/attempts/<n>/events/rank-<r>.jsonl
     <root>/tenants/<tenant>/jobs/<job>/checkpoints/step-<000000040>-a<n>/{__<r>_0.distcp,.metadata,manifest.json}
@@ -23,6 +24,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from trainyard_common.errors import StateStoreError
+from trainyard_common.spec import DatasetRef
 
 CHUNK = 4 * 1024 * 1024
 
@@ -88,8 +90,15 @@ class ArtifactLayout:
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root).expanduser().resolve()
 
-    def dataset_dir(self, name: str, version: str) -> Path:
-        return self.root / "datasets" / name / version
+    def dataset_dir(self, name: str, version: str, tenant: str | None = None) -> Path:
+        """A platform dataset under ``datasets/``; a tenant's under ``tenants/<tenant>/datasets/``."""
+        base = self.root / "tenants" / tenant / "datasets" if tenant else self.root / "datasets"
+        return base / name / version
+
+    def dataset_ref_dir(self, ref: str) -> Path:
+        """The directory of a qualified dataset reference (``name@version`` or ``tenant/name@version``)."""
+        tenant, name, version = DatasetRef.parse(ref)
+        return self.dataset_dir(name, version, tenant)
 
     def job_dir(self, tenant: str, job_id: str) -> Path:
         return self.root / "tenants" / tenant / "jobs" / job_id
