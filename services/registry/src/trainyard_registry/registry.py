@@ -49,6 +49,7 @@ from trainyard_common.records import (
     checkpoint_id,
     expects_final_checkpoint,
 )
+from trainyard_common.outbox import Outbox
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
 from trainyard_common.store import Keys, StateStore
@@ -97,8 +98,9 @@ class _MissingTries:
 class Registry:
     """Records artifacts with lineage. Handlers are idempotent."""
 
-    def __init__(self, redis: Redis, settings: RegistrySettings, *, clock: Clock = utcnow) -> None:
+    def __init__(self, redis: Redis, outbox: Outbox, settings: RegistrySettings, *, clock: Clock = utcnow) -> None:
         self.redis = redis
+        self.outbox = outbox  # what it records is announced on REGISTRY (and DATASETS) in the same MULTI
         self.store = StateStore(redis)
         self.layout = ArtifactLayout(settings.artifact_root_abs)
         self.clock = clock
@@ -264,5 +266,5 @@ def _annotate(job_id: str) -> None:
 def build_service(settings: RegistrySettings, *, clock: Clock = utcnow) -> ServiceRuntime:
     """The registry wired into a :class:`ServiceRuntime` (not started)."""
     runtime = ServiceRuntime(SERVICE_NAME, settings)
-    Registry(runtime.redis, settings, clock=clock).install(runtime)
+    Registry(runtime.redis, runtime.outbox, settings, clock=clock).install(runtime)
     return runtime
