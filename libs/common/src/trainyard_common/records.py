@@ -3,6 +3,7 @@
 One JSON document per key; camelCase like the API. Who writes what:
 
 * ``JobRecord``        api creates (SET NX); afterwards only the scheduler changes it.
+* ``TriggerRecord``    api (``POST /v1/triggers``; its jobs and last error beside it, see ``Keys``).
 * ``Progress``         api, from StepMetrics.
 * ``CheckpointRecord`` checkpoint-coordinator.
 * ``ArtifactRecord``   registry.  ``DatasetRecord`` registry (from DatasetVersionPublished).
@@ -81,6 +82,15 @@ class AttemptRecord(Record):
     )
 
 
+class TriggerOrigin(Record):
+    """A job's lineage when a trigger submitted it: which trigger, for which new dataset version."""
+
+    trigger_id: str
+    trigger_name: str
+    dataset: str = Field(description="the qualified ref of the version that started it")
+    event_id: str = Field(description="the ArtifactRegistered event that announced that version")
+
+
 class JobRecord(Record):
     job_id: str
     tenant: str
@@ -101,6 +111,9 @@ class JobRecord(Record):
     max_attempts: int = 3
     traceparent: str | None = None
     control: Literal["cancel", "pause"] | None = Field(default=None, description="pending control action")
+    triggered_by: TriggerOrigin | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came with triggers: absent from earlier records
+        description="the trigger that submitted the job, and the dataset version that set it off")
 
     @property
     def current(self) -> AttemptRecord | None:
@@ -276,3 +289,35 @@ class TenantRecord(Record):
     tenant: str
     created_at: datetime = Field(default_factory=utcnow)
     created_by: str | None = Field(default=None, description="token id of the platform admin who created it")
+
+
+TriggerSource = Literal["own", "platform", "shared"]
+"""Whose datasets a trigger watches: its tenant's own, the platform's (no tenant), or other tenants' that
+are shared with its tenant."""
+
+
+class TriggerRecord(Record):
+    """A tenant's trigger: each new verified version of a dataset whose name matches ``dataset`` (a glob)
+    and whose owner is one of ``sources`` submits a job from ``template`` with that version.
+
+    ``template`` is a training spec without ``dataset`` (camelCase, as submitted), validated at creation."""
+
+    trigger_id: str
+    tenant: str
+    name: str
+    dataset: str = Field(description="a glob over dataset names (fnmatch, case-sensitive): wiki-*, tinycorpus")
+    sources: list[TriggerSource] = ["own"]
+    template: dict[str, object]
+    enabled: bool = True
+    created_by: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class TriggerFailure(Record):
+    """The last time a trigger could not submit its job (the template no longer validates, …)."""
+
+    at: datetime
+    dataset: str
+    event_id: str
+    message: str
+    problems: list[dict[str, str]] = []

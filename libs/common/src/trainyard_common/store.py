@@ -63,6 +63,22 @@ class Keys:
     node_drain = "ty:sched:node-drain"
     checkpoint_jobs = "ty:ckpt:jobs"  # zset: jobs the coordinator's GC still looks at (its JOBS_INDEX)
     registry_live = "ty:registry:live"  # zset: jobs with artifacts not yet retired (registry's retire sweep)
+    triggers = "ty:triggers"  # hash trigger id → JSON TriggerRecord, every tenant's (api)
+
+    @staticmethod
+    def tenant_triggers(tenant: str) -> str:
+        """Hash: trigger name → trigger id, one tenant's (names are unique per tenant) (api)."""
+        return f"ty:tenant:{tenant}:triggers"
+
+    @staticmethod
+    def trigger_jobs(trigger_id: str) -> str:
+        """Hash: dataset ref → id of the job the trigger submitted for that version (api)."""
+        return f"ty:trigger:{trigger_id}:jobs"
+
+    @staticmethod
+    def trigger_failure(trigger_id: str) -> str:
+        """JSON TriggerFailure: the last time the trigger could not submit (api)."""
+        return f"ty:trigger:{trigger_id}:failure"
 
     @staticmethod
     def job(job_id: str) -> str:

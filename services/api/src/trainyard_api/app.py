@@ -50,7 +50,14 @@ from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.admin import AdminService
 from trainyard_api.audit import AuditLog, outcome_of
 from trainyard_api.auth import ForbiddenError, authenticate, require
-from trainyard_api.bodies import TENANT_PATTERN, SubmittedSpec, TenantCreateBody, TenantSettingsBody, TokenCreateBody
+from trainyard_api.bodies import (
+    TENANT_PATTERN,
+    SubmittedSpec,
+    TenantCreateBody,
+    TenantSettingsBody,
+    TokenCreateBody,
+    TriggerCreateBody,
+)
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.code import ArchiveTooLargeError, CodeService, CodeStore, GitSource, too_large_message
@@ -59,6 +66,7 @@ from trainyard_api.roles import Right, may_grant, rights
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
+    EXAMPLE_TEMPLATE,
     ArtifactList,
     AuditPage,
     CheckpointList,
@@ -80,12 +88,15 @@ from trainyard_api.schemas import (
     TenantView,
     TokenList,
     TokenView,
+    TriggerList,
+    TriggerView,
 )
 from trainyard_api.settings import ApiSettings
 from trainyard_api.telemetry import TelemetryMiddleware
 from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors, strict_body_errors
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import TenantService
+from trainyard_api.triggers import TriggerService, TriggerStore
 from trainyard_api.views import checkpoint_view, goodput_view
 
 log = logging.getLogger(__name__)
@@ -121,6 +132,9 @@ Submit, watch and control LLM training jobs on trainyard.
 
 TAGS = [
     {"name": "jobs", "description": "Submit training jobs, follow their progress, cancel, pause and resume them."},
+    {"name": "triggers", "description": "Data lands, training starts: a trigger submits a job from its template "
+                                        "for each new verified version of a dataset whose name matches (see "
+                                        "docs/triggers.md)."},
     {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
     {"name": "code", "description": "Users' training code, pinned by content: `.tar.gz` archives named by their "
@@ -183,6 +197,10 @@ class ApiContext:
         return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts, code=self.code)
 
     @property
+    def triggers(self) -> TriggerService:
+        return TriggerService(TriggerStore(self.store.redis), self.jobs)
+
+    @property
     def code(self) -> CodeService:
         """Code archives under the artifact root, and git for ``code.repo``."""
         s = self.settings
@@ -231,7 +249,7 @@ async def _tenant(
 
 
 _TARGET_PARTS = (("tenant", "tenant"), ("token_id", "token"), ("job_id", "job"), ("node_id", "node"),
-                 ("archive", "code"))
+                 ("archive", "code"), ("trigger_id", "trigger"))
 
 
 def _audit_target(request: Request) -> str:
@@ -309,6 +327,7 @@ Tenant = Annotated[TenantToken, _may(Right.READ)]
 Admin = Annotated[TenantToken, _may(Right.NODES)]
 _SUBMIT = _may(Right.SUBMIT, "job.submit")
 _UPLOAD = _may(Right.SUBMIT, "code.upload")
+_TRIGGER_CREATE = _may(Right.SUBMIT, "trigger.create")
 _TENANT_CREATE = _may(Right.MANAGE_TENANTS, "tenant.create")
 _TENANT_UPDATE = _may(Right.MANAGE_TENANTS, "tenant.update")
 _TOKEN_CREATE = _may(Right.MANAGE_TOKENS, "token.create")
@@ -316,6 +335,10 @@ _TOKEN_CREATE = _may(Right.MANAGE_TOKENS, "token.create")
 # module's namespace: every dependency a route names in its signature is a module-level name
 Submitter = Annotated[TenantToken, _SUBMIT]
 Uploader = Annotated[TenantToken, _UPLOAD]
+TriggerCreator = Annotated[TenantToken, _TRIGGER_CREATE]
+TriggerDeleter = Annotated[TenantToken, _may(Right.SUBMIT, "trigger.delete")]
+TriggerId = Annotated[str, Path(pattern=r"^trg-[0-9a-f]{12}$", description="the trigger's id, `trg-` + 12 hex",
+                                examples=["trg-5c1d9e0a7b2f"])]
 NodeReinstater = Annotated[TenantToken, _may(Right.NODES, "node.reinstate", platform=True)]
 NodeDrainer = Annotated[TenantToken, _may(Right.NODES, "node.drain", platform=True)]
 NodeUndrainer = Annotated[TenantToken, _may(Right.NODES, "node.undrain", platform=True)]
@@ -700,6 +723,59 @@ def _install_code_routes(app: FastAPI) -> None:
         return CodeArchiveView(archive=info.archive, size=info.size, files=info.files, uploaded_at=info.uploaded_at)
 
 
+_NO_TRIGGER = _error(404, "no such trigger for this tenant")
+
+
+def _install_trigger_routes(app: FastAPI) -> None:
+    @app.post(
+        "/v1/triggers", status_code=201, response_model=TriggerView, tags=["triggers"], summary="Create a trigger",
+        dependencies=[_strict_body(TriggerCreateBody, _TRIGGER_CREATE)],
+        responses={**_AUTH_ERRORS, **_NOT_JSON, **_error(409, "the tenant has a trigger of that name already"),
+                   **_invalid("an invalid body, each problem named by field; the template is checked as "
+                              "POST /v1/training-jobs checks a spec (its dataset aside), its problems named "
+                              "`template.<field>` (`template.resources.gpuCount`, `template.modelConfig`)")},
+    )
+    async def create_trigger(
+        ctx: Ctx, tenant: TriggerCreator, request: Request,
+        body: Annotated[TriggerCreateBody, Body(openapi_examples={
+            "wiki": {"summary": "train the tiny example on every new version of the tenant's wiki-* datasets",
+                     "value": {"name": "wiki-nightly", "dataset": "wiki-*", "sources": ["own"],
+                               "template": EXAMPLE_TEMPLATE}},
+            "platform": {"summary": "and on new versions of the platform's tinycorpus",
+                         "value": {"name": "tinycorpus", "dataset": "tinycorpus", "sources": ["platform"],
+                                   "template": EXAMPLE_TEMPLATE}},
+        })],
+    ) -> TriggerView:
+        """Each new verified version of a dataset whose name matches `dataset` (a glob: `wiki-*`) and whose
+        owner is one of `sources` (`own`: the tenant's; `platform`: the platform's; `shared`: other
+        tenants' shared with this one) submits a job from `template` with `dataset` set to that version's
+        qualified ref, once per version (`GET /v1/triggers/{triggerId}` lists the jobs). The job's
+        `triggeredBy` names the trigger and the version. Submitter or above."""
+        created = await ctx.triggers.create(tenant, body)
+        request.state.audit_target = f"trigger/{created.trigger_id}"
+        return created
+
+    @app.get("/v1/triggers", response_model=TriggerList, tags=["triggers"], summary="List the tenant's triggers",
+             responses=_AUTH_ERRORS)
+    async def list_triggers(ctx: Ctx, tenant: Tenant) -> TriggerList:
+        """Oldest first, each with its last failure (null when none)."""
+        return await ctx.triggers.list(tenant)
+
+    @app.get("/v1/triggers/{trigger_id}", response_model=TriggerView, tags=["triggers"], summary="Get a trigger",
+             responses={**_AUTH_ERRORS, **_NO_TRIGGER, **_invalid()})
+    async def get_trigger(ctx: Ctx, tenant: Tenant, trigger_id: TriggerId) -> TriggerView:
+        """The trigger, the jobs it started (one per dataset version) and the last version it could not
+        submit a job for, with why (`lastFailure`: e.g. a template the model catalog no longer takes)."""
+        return await ctx.triggers.get(tenant, trigger_id)
+
+    @app.delete("/v1/triggers/{trigger_id}", response_model=TriggerView, tags=["triggers"],
+                summary="Delete a trigger", responses={**_AUTH_ERRORS, **_NO_TRIGGER, **_invalid()})
+    async def delete_trigger(ctx: Ctx, tenant: TriggerDeleter, trigger_id: TriggerId) -> TriggerView:
+        """New dataset versions start nothing more; the jobs it started stay. Answers the trigger as it was.
+        Submitter or above."""
+        return await ctx.triggers.delete(tenant, trigger_id)
+
+
 TenantName = Annotated[str, Path(pattern=TENANT_PATTERN, max_length=63, description="the tenant",
                                  examples=["research"])]
 TokenId = Annotated[str, Path(pattern=r"^tok_[0-9a-f]{12}$", description="the token's id (never its secret)",
@@ -874,6 +950,7 @@ def create_app(context: ApiContext) -> FastAPI:
     _install_plan_routes(app)
     _install_goodput_and_admin_routes(app)
     _install_code_routes(app)
+    _install_trigger_routes(app)
     _install_tenant_routes(app)
     _install_other_routes(app)
     return app

@@ -16,10 +16,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from trainyard_common.catalog import ModelConfig
-from trainyard_common.records import TokenRole
+from trainyard_common.records import TokenRole, TriggerSource
 from trainyard_common.spec import REF_PATTERN, Code, Training, TrainingSpec
 from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
 
@@ -79,6 +80,27 @@ class SubmittedSpec(TrainingSpec):
     model_config_ref: Annotated[CatalogRef | BoundedModelConfig, Field(
         alias="modelConfig", description="catalog reference name@version, or an inline model")]
     training: SubmittedTraining
+
+
+TEMPLATE_DATASET = "trigger-template@placeholder"
+"""The dataset a trigger's template is checked with: never looked up (each new version fills it in)."""
+
+
+class SpecTemplate(SubmittedSpec):
+    """A training spec without `dataset`: each new dataset version a trigger matches fills it in."""
+
+    dataset: SkipJsonSchema[str] = Field(default=TEMPLATE_DATASET, exclude=True)
+
+    @field_validator("dataset")
+    @classmethod
+    def _no_dataset(cls, value: str) -> str:
+        raise PydanticCustomError("template_dataset", "a template names no dataset: each new version the trigger "
+                                                      "matches fills it in (give the names to match in `dataset` "
+                                                      "of the trigger)")
+
+    def wire_template(self) -> dict[str, Any]:
+        """The template as stored: camelCase JSON data, defaults filled in, without dataset."""
+        return self.model_dump(mode="json", by_alias=True)
 
 
 class PlanLayout(Layout):
@@ -185,3 +207,24 @@ class TokenCreateBody(_AdminBody):
         if value is not None and info.data.get("expires_at") is not None:
             raise PydanticCustomError("one_expiry", "give expiresAt or ttlSeconds, not both")
         return value
+
+
+# ----------------------------------------------------------------------------- triggers
+
+TRIGGER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DATASET_GLOB_PATTERN = r"^[A-Za-z0-9._*?!\[\]-]{1,128}$"
+"""A glob over dataset names (``*``, ``?``, ``[abc]``, ``[!abc]``), e.g. ``wiki-*``."""
+
+
+class TriggerCreateBody(_AdminBody):
+    name: str = Field(pattern=TRIGGER_NAME_PATTERN, description="unique within the tenant",
+                      examples=["wiki-nightly"])
+    dataset: str = Field(pattern=DATASET_GLOB_PATTERN,
+                         description="a glob over dataset names: each new verified version of a matching dataset "
+                                     "submits a job", examples=["wiki-*"])
+    sources: list[TriggerSource] = Field(
+        default=["own"], min_length=1, max_length=3,
+        description="whose datasets: `own` (the tenant's), `platform` (the platform's, no tenant), `shared` "
+                    "(other tenants' shared with this one)")
+    template: SpecTemplate = Field(description="the job to submit: a training spec without `dataset`")
+    enabled: bool = Field(default=True, description="false: the trigger is kept but starts nothing")

@@ -32,6 +32,7 @@ from trainyard_common.records import (
     JobRecord,
     Progress,
     TenantToken,
+    TriggerOrigin,
 )
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys, StateStore
@@ -86,12 +87,12 @@ def _past(action: str) -> str:
 
 def new_job_record(
     job_id: str, spec: TrainingSpec, token: TenantToken, *, traceparent: str | None,
-    max_attempts: int, now: datetime,
+    max_attempts: int, now: datetime, triggered_by: TriggerOrigin | None = None,
 ) -> JobRecord:
     return JobRecord(
         job_id=job_id, tenant=token.tenant, spec=spec, spec_hash=spec.spec_hash(), state="queued",
         priority=spec.priority, submitted_by=token.name, created_at=now, updated_at=now,
-        max_attempts=max_attempts, traceparent=traceparent,
+        max_attempts=max_attempts, traceparent=traceparent, triggered_by=triggered_by,
     )
 
 
@@ -133,7 +134,7 @@ class JobService:
     # submit -------------------------------------------------------------------
     async def submit(
         self, spec: TrainingSpec, token: TenantToken, *, idempotency_key: str | None = None,
-        traceparent: str | None = None,
+        traceparent: str | None = None, triggered_by: TriggerOrigin | None = None,
     ) -> Submission:
         """Validate references and memory, store the job and stage JobSubmitted.
 
@@ -142,7 +143,32 @@ class JobService:
         Idempotency-Key a retried submission returns the job it created the first time
         (created False); the same key with a different spec is a 409. With ``code.repo`` the
         revision is resolved and archived first, and the stored spec names that commit and archive.
+        ``triggered_by``: the trigger that submits it (recorded on the job as its lineage).
         """
+        spec, warnings = await self.check(spec, token)
+        job = new_job_record(
+            new_job_id(token.tenant, idempotency_key), spec, token,
+            traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(), triggered_by=triggered_by,
+        )
+        existing = await self._create(job)
+        if existing is None:
+            JOBS_SUBMITTED.inc()
+            return Submission(job, True, warnings)
+        if idempotency_key and existing.spec_hash == job.spec_hash:
+            return Submission(existing, False, warnings)
+        if idempotency_key:
+            raise ConflictError(
+                f"Idempotency-Key {idempotency_key!r} was used before for job {existing.job_id} "
+                "with a different spec; use a new key for a new job"
+            )
+        raise StateStoreError("job id collision; retry the submission")  # 48 random bits: never in practice
+
+    async def check(
+        self, spec: TrainingSpec, token: TenantToken, *, template: bool = False
+    ) -> tuple[TrainingSpec, list[str]]:
+        """What :meth:`submit` checks, storing nothing: the spec as it would be stored and the planner's
+        warnings, or InvalidSpecError listing every problem. ``template``: a trigger's template, whose
+        dataset is a placeholder that is not checked (each new version fills it in)."""
         problems: list[FieldProblem] = []
         if spec.code is not None:
             if self.code is None:
@@ -160,26 +186,12 @@ class JobService:
         memory = check_spec_memory(spec, config) if config is not None else None
         if memory is not None:
             problems.extend(memory.problems)
+        if template:
+            problems = [p for p in problems if p.field != "dataset"]
         if problems:
             JOBS_REJECTED.inc()
             raise InvalidSpecError(problems)
-        warnings = memory.warnings if memory is not None else []
-        job = new_job_record(
-            new_job_id(token.tenant, idempotency_key), spec, token,
-            traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(),
-        )
-        existing = await self._create(job)
-        if existing is None:
-            JOBS_SUBMITTED.inc()
-            return Submission(job, True, warnings)
-        if idempotency_key and existing.spec_hash == job.spec_hash:
-            return Submission(existing, False, warnings)
-        if idempotency_key:
-            raise ConflictError(
-                f"Idempotency-Key {idempotency_key!r} was used before for job {existing.job_id} "
-                "with a different spec; use a new key for a new job"
-            )
-        raise StateStoreError("job id collision; retry the submission")  # 48 random bits: never in practice
+        return spec, memory.warnings if memory is not None else []
 
     async def _create(self, job: JobRecord) -> JobRecord | None:
         """SET NX the record, index it and stage JobSubmitted in one MULTI; the existing record if taken."""

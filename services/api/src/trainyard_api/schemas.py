@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail
-from trainyard_common.records import ArtifactRecord, CheckpointState, DatasetRecord
+from trainyard_common.records import ArtifactRecord, CheckpointState, DatasetRecord, TriggerOrigin, TriggerSource
 from trainyard_common.spec import TrainingSpec
 
 # The tiny example job (examples/tiny.yaml; a unit test keeps the two equal).
@@ -211,6 +211,9 @@ class JobView(_Out):
     stragglers: list[StragglerView] = Field(default=[], description="the job's straggler reports, newest first")
     conditions: list[JobCondition] = Field(
         default=[], description="what is wrong with the running job now (CheckpointsStalled); empty when nothing")
+    triggered_by: TriggerOrigin | None = Field(
+        default=None, description="the trigger that submitted the job and the dataset version (and its "
+                                  "ArtifactRegistered event) that set it off; null for a job submitted by hand")
 
 
 class JobSummary(_Out):
@@ -406,3 +409,44 @@ class AuditEntry(_Out):
 class AuditPage(_Out):
     entries: list[AuditEntry]
     next_before: str | None = Field(default=None, description="the next (older) page's `before`; null at the end")
+
+
+# ----------------------------------------------------------------------------- triggers
+
+EXAMPLE_TEMPLATE: dict[str, Any] = {k: v for k, v in EXAMPLE_SPEC.items() if k != "dataset"}
+
+
+class TriggerJobView(_Out):
+    dataset: str = Field(description="the dataset version (qualified ref) the job trains on",
+                         examples=["acme/wiki-en@2026-12-01"])
+    job_id: str = Field(examples=["job-3f2a9c1b7e4d"])
+
+
+class TriggerFailureView(_Out):
+    at: datetime
+    dataset: str = Field(description="the version it could not submit a job for")
+    event_id: str = Field(description="the ArtifactRegistered event of that version")
+    message: str
+    problems: list[FieldErrorItem] = Field(default=[], description="the spec's problems, named by field")
+
+
+class TriggerView(_Out):
+    trigger_id: str = Field(examples=["trg-5c1d9e0a7b2f"])
+    tenant: str
+    name: str
+    dataset: str = Field(description="the glob over dataset names it matches", examples=["wiki-*"])
+    sources: list[TriggerSource] = Field(description="whose datasets it watches: own, platform, shared")
+    template: dict[str, Any] = Field(description="the spec it submits, without dataset (defaults filled in)")
+    enabled: bool
+    created_by: str | None
+    created_at: datetime
+    jobs: list[TriggerJobView] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the jobs it started, one per dataset version (GET of one trigger only)")
+    last_failure: TriggerFailureView | None = Field(
+        default=None, description="the last version it could not submit a job for (e.g. the template no "
+                                  "longer validates), with why")
+
+
+class TriggerList(_Out):
+    triggers: list[TriggerView]

@@ -3,7 +3,8 @@
 The runtime brings Redis, the bus, the outbox relay (which publishes JobSubmitted and
 JobControlRequested, NodeReinstated), the consumer of ``trainyard.metrics`` (progress, which also
 samples the planner's calibration; per-rank timing; rank 0's step ledger for goodput), the consumer
-of StragglerDetected on ``trainyard.workers``, the calibration refit loop and the goodput gauges loop. The listening
+of StragglerDetected on ``trainyard.workers``, the consumer of ArtifactRegistered on ``trainyard.registry``
+(group ``api-triggers``: new dataset versions start the jobs of the triggers that match), the calibration refit loop and the goodput gauges loop. The listening
 socket is bound before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
 """
@@ -31,6 +32,7 @@ from trainyard_api.progress import ProgressProjector
 from trainyard_api.settings import ApiSettings
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import bootstrap_admin
+from trainyard_api.triggers import TriggerFiring, TriggerStore
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class ApiServer:
         self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
         self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
+        self.triggers = TriggerFiring(TriggerStore(self.runtime.redis), lambda: self.context.jobs)
+        self.triggers.install(self.runtime)
         self.app = create_app(self.context)
         self._server: _EmbeddedServer | None = None
         self._serving: asyncio.Task[None] | None = None

@@ -32,6 +32,8 @@ from trainyard_common.spec import REF_PATTERN, TrainingSpec
 _SOURCES = ("body", "query", "path", "header", "cookie")
 _TYPE_ERROR = re.compile(r"^(\w+_type|\w+_parsing|is_instance_of|union_tag_invalid)$")
 _ROOT = "spec"
+TEMPLATE_ROOT = "template"
+"""The field of a trigger's body that holds a spec (its problems are named ``template.<field>``)."""
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,13 @@ def field_errors(errors: Sequence[Mapping[str, Any]]) -> list[FieldProblem]:
         if error.get("type") == "json_invalid":
             problems.append(FieldProblem("body", _clean_message(error)))
             continue
-        field = _format_path(loc)
+        # a spec inside the body (a trigger's ``template``): its fields are located as a spec's, under it
+        nested = loc[:1] if loc[:1] == [TEMPLATE_ROOT] else []
+        field = _format_path(loc[len(nested):])
         if error.get("type") in ("value_error", "assertion_error"):
             field = _locate_in_message(field, _clean_message(error))
+        if nested:
+            field = TEMPLATE_ROOT if field in ("", _ROOT) else f"{TEMPLATE_ROOT}.{field}"
         problem = FieldProblem(field or _ROOT, _clean_message(error))
         if problem not in problems:
             problems.append(problem)
@@ -239,6 +245,11 @@ def strict_body_errors(adapter: TypeAdapter[Any], raw: bytes) -> list[dict[str, 
 
 
 # ----------------------------------------------------------------------------- references
+
+
+def under(root: str, problems: Sequence[FieldProblem]) -> list[FieldProblem]:
+    """``problems`` of a spec nested at ``root`` of a body (``modelConfig`` → ``template.modelConfig``)."""
+    return [FieldProblem(root if p.field in ("", _ROOT) else f"{root}.{p.field}", p.message) for p in problems]
 
 
 def resolve_model_config(spec: TrainingSpec, catalog: Mapping[str, ModelConfig]) -> ModelConfig | None:

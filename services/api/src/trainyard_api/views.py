@@ -138,6 +138,7 @@ def job_view(
         rank_timing=rank_timing_views(x.ranks),
         stragglers=straggler_views(x.stragglers),
         conditions=job_conditions(job, x.protection),
+        triggered_by=job.triggered_by,
     )
 
 
