@@ -97,3 +97,31 @@ async def test_follow_job_shows_progress_until_the_job_succeeds(server: ApiServe
     text = buffer.getvalue()
     assert code == EXIT_SUCCEEDED, text
     assert f"{job_id} succeeded at step 40" in text and "loss 1.2500" in text
+
+
+async def test_triggers_create_list_show_delete_and_a_rejected_template(server: ApiServer, tmp_path: Path) -> None:
+    code, out = await cli(server, "triggers", "create", "--dataset", "tiny*", "--source", "platform",
+                          "--template", str(REPO / "examples" / "tiny.yaml"))
+    assert code == 0, out
+    assert "left out" in out  # the example names a dataset: each new version fills it in
+    trigger_id = out.split("created trigger ", 1)[1].split()[0]
+    assert trigger_id.startswith("trg-") and "(tiny)" in out
+
+    code, out = await cli(server, "triggers", "list")
+    assert code == 0 and trigger_id in out and "tiny*" in out and "platform" in out
+
+    code, out = await cli(server, "triggers", "show", trigger_id)
+    assert code == 0 and "gpt-tiny@v1" in out and "no jobs started yet" in out
+    code, out = await cli(server, "triggers", "show", trigger_id, "--json")
+    assert code == 0 and json.loads(out)["triggerId"] == trigger_id
+
+    spec = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    spec["resources"]["gpus"] = 2
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    code, out = await cli(server, "triggers", "create", "--dataset", "wiki-*", "--template", str(tmp_path / "bad.yaml"))
+    assert code == 1 and "rejected the trigger" in out and "template.resources.gpus:" in out
+
+    code, out = await cli(server, "triggers", "delete", trigger_id)
+    assert code == 0 and f"deleted trigger {trigger_id}" in out
+    code, out = await cli(server, "triggers", "show", trigger_id)
+    assert code == 1 and "no trigger" in out

@@ -137,6 +137,7 @@ class Job(_In):
     checkpoint_advice: dict[str, Any] | None = None
     stragglers: list[dict[str, Any]] = []
     conditions: list[dict[str, Any]] = []
+    triggered_by: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -187,6 +188,36 @@ class CodeArchive(_In):
     size: int
     files: int
     uploaded_at: datetime | None = None
+
+
+class TriggerJob(_In):
+    dataset: str
+    job_id: str
+
+
+class TriggerFailure(_In):
+    at: datetime | None = None
+    dataset: str
+    message: str
+    problems: list[dict[str, str]] = []
+
+
+class Trigger(_In):
+    trigger_id: str
+    tenant: str | None = None
+    name: str
+    dataset: str
+    sources: list[str] = []
+    template: dict[str, Any] = {}
+    enabled: bool = True
+    created_by: str | None = None
+    created_at: datetime | None = None
+    jobs: list[TriggerJob] | None = None
+    last_failure: TriggerFailure | None = None
+
+
+class _Triggers(_In):
+    triggers: list[Trigger]
 
 
 class Dataset(_In):
@@ -322,6 +353,19 @@ class ApiClient:
 
     def datasets(self) -> list[Dataset]:
         return _parse(self._request("GET", "/v1/datasets"), _Datasets).datasets
+
+    def create_trigger(self, body: Mapping[str, Any]) -> Trigger:
+        """POST /v1/triggers; ``ApiSpecError`` lists every bad field (``template.…``) on a 422."""
+        return _parse(self._request("POST", "/v1/triggers", json=dict(body)), Trigger)
+
+    def triggers(self) -> list[Trigger]:
+        return _parse(self._request("GET", "/v1/triggers"), _Triggers).triggers
+
+    def get_trigger(self, trigger_id: str) -> Trigger:
+        return _parse(self._request("GET", f"/v1/triggers/{trigger_id}"), Trigger)
+
+    def delete_trigger(self, trigger_id: str) -> Trigger:
+        return _parse(self._request("DELETE", f"/v1/triggers/{trigger_id}"), Trigger)
 
     def health(self) -> dict[str, Any]:
         response = self._request("GET", "/healthz")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ from trainyard_cli.render import (
     job_detail,
     jobs_table,
     state_text,
+    trigger_detail,
+    triggers_table,
 )
 
 app = typer.Typer(
@@ -44,9 +47,13 @@ app = typer.Typer(
 jobs_app = typer.Typer(help="List, inspect, follow and control jobs.", no_args_is_help=True)
 artifacts_app = typer.Typer(help="Registry artifacts (checkpoints, final models) with lineage.", no_args_is_help=True)
 datasets_app = typer.Typer(help="Datasets published to the registry.", no_args_is_help=True)
+triggers_app = typer.Typer(
+    help="Data lands, training starts: a trigger submits a job from a template for each new verified version "
+         "of a dataset whose name matches (docs/triggers.md).", no_args_is_help=True)
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(datasets_app, name="datasets")
+app.add_typer(triggers_app, name="triggers")
 app.add_typer(dev_app, name="dev")
 app.add_typer(admin_app, name="admin")
 admin_app.add_typer(credentials_app, name="credentials")
@@ -303,6 +310,83 @@ def datasets_import(ctx: typer.Context) -> None:
                   "(pip install -e libs/trainer)")
         raise typer.Exit(2) from None
     raise typer.Exit(data_main(["import", *ctx.args]))
+
+
+# ----------------------------------------------------------------------------- triggers
+
+TriggerArg = Annotated[str, typer.Argument(help="trigger id (trg-…)")]
+TRIGGER_CREATE_HELP = """Create a trigger: each new verified version of a dataset whose name matches --dataset submits a job from --template with that version.
+
+--template is a training spec (YAML or JSON, the same as for `trainyard submit`) without dataset: a dataset it names is left out, since each new version fills it in. The API checks it as it checks a submission; a problem is named template.<field>. The job is submitted once per version, however often the version is announced; `trainyard triggers show` lists the jobs it started and, when a version could not start one (say the template no longer validates), why.
+
+Whose datasets: --source own (your tenant's, the default), platform (the platform's, such as tinycorpus), shared (other tenants' shared with yours); repeat it for several.
+"""
+
+
+def _trigger_name(glob: str) -> str:
+    """The default name: the glob's letters (``wiki-*`` → ``wiki``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "", glob).strip("._-")[:64] or "trigger"
+
+
+@triggers_app.command("create", help=TRIGGER_CREATE_HELP)
+def triggers_create(
+    ctx: typer.Context,
+    dataset: Annotated[str, typer.Option("--dataset", metavar="GLOB",
+                                         help="dataset names to match, a glob: 'wiki-*', tinycorpus")],
+    template: Annotated[Path, typer.Option("--template", metavar="SPEC",
+                                           help="the job to submit: a training spec, YAML or JSON (- reads stdin)")],
+    name: Annotated[str | None, typer.Option(
+        help="unique within your tenant (default: the glob's letters, wiki-* → wiki)")] = None,
+    source: Annotated[list[str] | None, typer.Option(
+        "--source", metavar="own|platform|shared", help="whose datasets (repeatable; default: own)")] = None,
+    disabled: Annotated[bool, typer.Option("--disabled", help="create it switched off (it starts nothing)")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    spec = _load(template)
+    if "dataset" in spec:
+        err.print(f"note: the template's dataset {spec['dataset']!r} is left out: each new version fills it in",
+                  highlight=False)
+    spec = {k: v for k, v in spec.items() if k != "dataset"}
+    body = {"name": name or _trigger_name(dataset), "dataset": dataset, "sources": source or ["own"],
+            "template": spec, "enabled": not disabled}
+    with _api(ctx, what="trigger") as client:
+        created = client.create_trigger(body)
+    if as_json:
+        _print_json(created.model_dump(mode="json", by_alias=True))
+        return
+    out.print(f"created trigger [bold]{created.trigger_id}[/] ({created.name}): new versions of "
+              f"{created.dataset} ({', '.join(created.sources)}) submit its job", highlight=False)
+
+
+@triggers_app.command("list")
+def triggers_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Your tenant's triggers, oldest first, with their last failure."""
+    with _api(ctx) as client:
+        items = client.triggers()
+    if as_json:
+        _print_json([t.model_dump(mode="json", by_alias=True) for t in items])
+        return
+    out.print(triggers_table(items))
+
+
+@triggers_app.command("show")
+def triggers_show(ctx: typer.Context, trigger_id: TriggerArg, as_json: JsonFlag = False) -> None:
+    """A trigger: what it matches and submits, the jobs it started, its last failure."""
+    with _api(ctx) as client:
+        if as_json:
+            _print_json(client.get_json(f"/v1/triggers/{trigger_id}"))
+            return
+        trigger = client.get_trigger(trigger_id)
+    out.print(trigger_detail(trigger))
+
+
+@triggers_app.command("delete")
+def triggers_delete(ctx: typer.Context, trigger_id: TriggerArg) -> None:
+    """Delete a trigger: new versions start nothing more; the jobs it started stay."""
+    with _api(ctx) as client:
+        deleted = client.delete_trigger(trigger_id)
+    out.print(f"deleted trigger [bold]{deleted.trigger_id}[/] ({deleted.name}); "
+              f"the {len(deleted.jobs or [])} job(s) it started stay", highlight=False)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from trainyard_cli.client import Artifact, Checkpoint, Dataset, Job, JobSummary
+from trainyard_cli.client import Artifact, Checkpoint, Dataset, Job, JobSummary, Trigger
 
 STATE_STYLES = {
     "queued": "yellow",
@@ -139,6 +139,9 @@ def job_detail(job: Job) -> RenderableType:
         ("updated", fmt_time(job.updated_at)),
     ]
     rows.extend(code_rows(spec.get("code")))
+    if job.triggered_by:
+        t = job.triggered_by
+        rows.append(("triggered by", f"{t.get('triggerName')} ({t.get('triggerId')}), new version {t.get('dataset')}"))
     if job.queued_reason:
         kind = f" ({job.queued_reason_kind})" if job.queued_reason_kind else ""
         rows.append(("waiting", job.queued_reason + kind))
@@ -232,3 +235,49 @@ def field_problems(problems: Sequence[tuple[str, str]], what: str = "spec") -> T
         text.append(f"  {field or f'({what})'}", style="bold")
         text.append(f": {message}\n")
     return text
+
+
+def triggers_table(items: Sequence[Trigger]) -> Table:
+    """``triggers list``: one row per trigger, with its last failure when it has one."""
+    table = Table(title="triggers", title_justify="left", header_style="bold")
+    table.add_column("TRIGGER", no_wrap=True)
+    for column in ("NAME", "DATASET", "SOURCES", "MODEL", "ENABLED", "LAST FAILURE"):
+        table.add_column(column, overflow="fold")
+    for t in items:
+        model = t.template.get("modelConfig")
+        failure = f"{t.last_failure.dataset}: {t.last_failure.message}" if t.last_failure else "-"
+        table.add_row(t.trigger_id, t.name, t.dataset, ",".join(t.sources),
+                      model if isinstance(model, str) else "inline", "yes" if t.enabled else "no", failure)
+    return table
+
+
+def trigger_detail(t: Trigger) -> RenderableType:
+    """``triggers show``: what it matches, what it submits, the jobs it started and its last failure."""
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    model = t.template.get("modelConfig")
+    resources = t.template.get("resources") or {}
+    for key, value in (
+        ("trigger", t.trigger_id), ("name", t.name), ("tenant", t.tenant or "-"),
+        ("dataset", f"{t.dataset}  (names matched; sources: {', '.join(t.sources)})"),
+        ("enabled", "yes" if t.enabled else "no"),
+        ("model", model if isinstance(model, str) else "inline"),
+        ("resources", f"{resources.get('gpuCount', '?')} x {resources.get('gpuType', '?')}"),
+        ("created", f"{fmt_time(t.created_at)} by {t.created_by or '-'}"),
+    ):
+        facts.add_row(key, value)
+    parts: list[RenderableType] = [facts]
+    if t.last_failure is not None:
+        f = t.last_failure
+        text = Text(f"last failure ({fmt_time(f.at)}, {f.dataset}): {f.message}\n", style="red")
+        for p in f.problems:
+            text.append(f"  {p.get('field', '')}: {p.get('message', '')}\n")
+        parts.append(text)
+    jobs = Table(title="jobs started", title_justify="left", header_style="bold")
+    jobs.add_column("DATASET", overflow="fold")
+    jobs.add_column("JOB")
+    for j in t.jobs or []:
+        jobs.add_row(j.dataset, j.job_id)
+    parts.append(jobs if t.jobs else Text("no jobs started yet", style="dim"))
+    return Group(*parts)
