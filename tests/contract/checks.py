@@ -66,6 +66,12 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# a trigger's template is checked as a submission is (its dataset aside), its problems named under template
+RULES_BEYOND_THE_SCHEMA["POST /v1/triggers"] = [
+    (rf"template\.(?:{field})", message) for field, message in RULES_BEYOND_THE_SCHEMA["POST /v1/training-jobs"]
+    if field != "dataset"]
+
+
 def unexplained_problems(operation: str, detail: object) -> list[dict[str, str]]:
     """The problems of a 422 body that no rule of ``operation`` explains (all of them when it has none)."""
     rules = RULES_BEYOND_THE_SCHEMA.get(operation, [])

@@ -17,3 +17,10 @@ def test_a_rule_beyond_the_schema_is_excused_and_anything_else_is_not() -> None:
     # a rule is the field's: the same words on another field are not excused
     assert unexplained_problems("POST /v1/plan", [unknown]) == [unknown]
     assert unexplained_problems("GET /v1/training-jobs", "not a list") == [{"field": "", "message": "not a list"}]
+
+
+def test_a_triggers_template_is_excused_the_rules_of_a_submission_under_template_but_not_its_dataset() -> None:
+    unknown = {"field": "template.modelConfig", "message": "unknown model 'gpt-huge@v9': the model catalog has …"}
+    bare = {"field": "modelConfig", "message": unknown["message"]}
+    dataset = {"field": "template.dataset", "message": "unknown dataset 'x@1': it is not in the dataset registry"}
+    assert unexplained_problems("POST /v1/triggers", [unknown, bare, dataset]) == [bare, dataset]

@@ -18,7 +18,7 @@ from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_TEMPLATE
 from trainyard_common.events import ArtifactRegistered
 from trainyard_common.outbox import Outbox
-from trainyard_common.records import DatasetRecord, TriggerRecord
+from trainyard_common.records import DELETED_TENANT_SETTINGS, DatasetRecord, TriggerRecord
 from trainyard_common.store import Keys, StateStore
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, seed
 
@@ -142,6 +142,9 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
         record = TriggerRecord.model_validate_json(await store.redis.hget(Keys.triggers, broken["triggerId"]))
         retired = record.model_copy(update={"template": {**record.template, "modelConfig": "gpt-retired@v1"}})
         await store.redis.hset(Keys.triggers, broken["triggerId"], retired.dumps())
+        # tenant-b's trigger would match too, but tenant-b is deleted (as DELETE /v1/admin/tenants/… leaves it)
+        gone = (await b.post("/v1/triggers", json=trigger_body())).json()
+        await store.redis.hset(Keys.tenant_config, "tenant-b", DELETED_TENANT_SETTINGS)
         for name, version in (("tinycorpus", "v2"), ("brokencorpus", "v1"), ("books", "v1")):
             await verified(store, name, version)
 
@@ -187,6 +190,8 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
         assert failure["dataset"] == "brokencorpus@v1" and "does not validate" in failure["message"]
         assert [p["field"] for p in failure["problems"]] == ["modelConfig"]
         assert "gpt-retired@v1" in failure["problems"][0]["message"]
+        view = (await b.get(f"/v1/triggers/{gone['triggerId']}")).json()
+        assert view["jobs"] == [] and "was deleted" in view["lastFailure"]["message"]
 
 
 async def _has(jobs: Awaitable[dict[str, str]], dataset: str) -> bool:

@@ -116,9 +116,9 @@ Submit, watch and control LLM training jobs on trainyard.
   publishes and consumes are described by `/v1/asyncapi.yaml` (and `.json`, AsyncAPI 3.0; no token either).
   A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
   writes a development token to `.trainyard/dev-token`.
-* A token has a role: `viewer` (read the tenant's jobs, artifacts, metrics), `submitter` (+ submit, pause,
-  resume, cancel, upload code), `tenant-admin` (+ the tenant's tokens and audit log), `platform-admin`
-  (everything, every tenant: tenants, quotas, nodes). A token that is unknown, revoked or expired gets `401`
+* A token has a role: `viewer` (read the tenant's jobs, artifacts, metrics, triggers), `submitter` (+ submit,
+  pause, resume, cancel, upload code, create and delete triggers), `tenant-admin` (+ the tenant's tokens and
+  audit log), `platform-admin` (everything, every tenant: tenants, quotas, nodes). A token that is unknown, revoked or expired gets `401`
   saying which; a role without the right (or another tenant's resource) gets `403` naming the role needed.
   See docs/tenants.md.
 * Invalid input is a `422` whose `detail` lists every bad field by its dotted camelCase
@@ -871,7 +871,7 @@ def _install_tenant_routes(app: FastAPI) -> None:
                                             description="`nextBefore` of the previous page")] = None,
     ) -> AuditPage:
         """Every administrative action and every control action on a job (submit, pause, resume, cancel,
-        code upload): who (token id, name, tenant, role), what (action, target), when, and the outcome
+        code upload, trigger create and delete): who (token id, name, tenant, role), what (action, target), when, and the outcome
         (ok, denied, not-found, conflict, invalid, failed). A platform-admin reads all of it (or one
         tenant's with `tenant`), a tenant-admin its own tenant's."""
         if tenant is None and Right.ALL_TENANTS not in rights(reader.effective_role):

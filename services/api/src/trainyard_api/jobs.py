@@ -189,7 +189,8 @@ class JobService:
         if template:
             problems = [p for p in problems if p.field != "dataset"]
         if problems:
-            JOBS_REJECTED.inc()
+            if not template:
+                JOBS_REJECTED.inc()
             raise InvalidSpecError(problems)
         return spec, memory.warnings if memory is not None else []
 

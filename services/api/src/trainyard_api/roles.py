@@ -1,7 +1,7 @@
 """Who may do what: the roles of API tokens and the pure decisions over them (no I/O, clock injected).
 
-    viewer          read its tenant's jobs, checkpoints, artifacts, metrics, goodput, datasets, plans, code
-    submitter       viewer + submit, pause, resume, cancel its tenant's jobs, upload code
+    viewer          read its tenant's jobs, checkpoints, artifacts, metrics, goodput, datasets, plans, code, triggers
+    submitter       viewer + submit, pause, resume, cancel its tenant's jobs, upload code, create/delete triggers
     tenant-admin    submitter + manage its tenant's tokens, read its tenant's audit log and settings
     platform-admin  everything, for every tenant: tenants, quotas, nodes, every tenant's goodput, the audit log
 

@@ -24,9 +24,11 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
-from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError, TrainyardError
+from trainyard_common.bus import is_retryable
+from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import REGISTRY, ArtifactRegistered, utcnow
-from trainyard_common.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord
+from trainyard_common.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord, is_deleted_tenant
+from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import DatasetRef
 from trainyard_common.store import Keys
 
@@ -168,6 +170,10 @@ class TriggerStore:
     async def record_job(self, trigger_id: str, dataset: str, job_id: str) -> None:
         await self.redis.hsetnx(Keys.trigger_jobs(trigger_id), dataset, job_id)
 
+    async def tenant_deleted(self, tenant: str) -> bool:
+        """Whether ``tenant`` was deleted through the API (its triggers start nothing then)."""
+        return is_deleted_tenant(await self.redis.hget(Keys.tenant_config, tenant))
+
     async def failure(self, trigger_id: str) -> TriggerFailure | None:
         raw = await self.redis.get(Keys.trigger_failure(trigger_id))
         return TriggerFailure.model_validate_json(raw) if raw else None
@@ -236,8 +242,9 @@ class TriggerFiring:
     """The consumer of ArtifactRegistered: a new dataset version submits the jobs of the triggers it matches.
 
     ``jobs`` gives the JobService to submit through (the API's, with its code service and settings).
-    A version a trigger cannot submit for is recorded as the trigger's last failure; an outage (Redis) is
-    raised, and the bus retries the event with back-off."""
+    A version a trigger cannot submit for is recorded as the trigger's last failure — whatever the reason,
+    so one trigger's failure never keeps the others from their jobs nor holds up the partition; an outage
+    (Redis) is raised, and the bus retries the event with back-off (what was submitted is not doubled)."""
 
     def __init__(self, store: TriggerStore, jobs: Callable[[], JobService], *,
                  clock: Callable[[], datetime] = utcnow) -> None:
@@ -245,7 +252,7 @@ class TriggerFiring:
         self.jobs = jobs
         self.clock = clock
 
-    def install(self, runtime: Any) -> str:
+    def install(self, runtime: ServiceRuntime) -> str:
         """Subscribe to REGISTRY in group ``<prefix>.api-triggers``, de-duplicated by event id."""
         return runtime.bus.subscribe(
             REGISTRY, {ArtifactRegistered: self.on_artifact_registered},
@@ -261,6 +268,9 @@ class TriggerFiring:
         dataset = event.dataset
         if (done := await self.store.job_for(trigger.trigger_id, dataset)) is not None:
             return done
+        if await self.store.tenant_deleted(trigger.tenant):
+            await self._failed(trigger, event, f"tenant {trigger.tenant!r} was deleted: its triggers start nothing", [])
+            return None
         token = trigger_token(trigger)
         key = idempotency_key(trigger.trigger_id, dataset)
         origin = TriggerOrigin(trigger_id=trigger.trigger_id, trigger_name=trigger.name, dataset=dataset,
@@ -282,10 +292,11 @@ class TriggerFiring:
         except InvalidSpecError as exc:
             await self._failed(trigger, event, "the template does not validate with this dataset", exc.problems)
             return None
-        except TrainyardError as exc:
-            if exc.retryable:
+        except Exception as exc:  # noqa: BLE001 - recorded on the trigger; the other triggers still fire
+            if is_retryable(exc):
                 raise
-            await self._failed(trigger, event, exc.message, [])
+            log.exception("trigger %s: submitting for %s failed", trigger.trigger_id, dataset)
+            await self._failed(trigger, event, getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", [])
             return None
         await self.store.record_job(trigger.trigger_id, dataset, job_id)
         return job_id
