@@ -145,8 +145,11 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
         # tenant-b's trigger would match too, but tenant-b is deleted (as DELETE /v1/admin/tenants/… leaves it)
         gone = (await b.post("/v1/triggers", json=trigger_body())).json()
         await store.redis.hset(Keys.tenant_config, "tenant-b", DELETED_TENANT_SETTINGS)
-        for name, version in (("tinycorpus", "v2"), ("brokencorpus", "v1"), ("books", "v1")):
+        for name, version in (("tinycorpus", "v2"), ("tinycorpus", "v3"), ("brokencorpus", "v1"), ("books", "v1")):
             await verified(store, name, version)
+        # tenant-a has a tinycorpus@v3 of its own: the platform's v3, unqualified, would resolve to it
+        own = DatasetRecord(name="tinycorpus", version="v3", manifest_uri="file:///own/manifest.json", sha256="cd" * 32)
+        await store.redis.hset(Keys.datasets, "tenant-a/tinycorpus@v3", own.dumps())
 
         async def jobs_of(trigger_id: str) -> dict[str, str]:
             resp = await a.get(f"/v1/triggers/{trigger_id}")
@@ -168,12 +171,14 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
         # 2. delivered again, published again (a fresh event; and with the trigger's record of the job lost,
         #    so that only the submission's Idempotency-Key stands between it and a second job), a name no
         #    trigger matches, another tenant's dataset not shared with tenant-a, a trigger whose template no
-        #    longer validates; then tinycorpus@v2, which is handled after all of them
+        #    longer validates, a platform version tenant-a's own shadows; then tinycorpus@v2, which is handled
+        #    after all of them
         await store.redis.hdel(Keys.trigger_jobs(tiny["triggerId"]), "tinycorpus@v1")
         for event in (first, dataset_registered("tinycorpus@v1", None, event_id=uuid.uuid4()),
                       dataset_registered("books@v1", None),
                       dataset_registered("tenant-b/tinycorpus@v1", "tenant-b", ["tenant-c"]),
                       dataset_registered("brokencorpus@v1", None),
+                      dataset_registered("tinycorpus@v3", None),
                       dataset_registered("tinycorpus@v2", None)):
             await bus.publish(event)
         await eventually("the job for tinycorpus@v2", lambda: _has(jobs_of(tiny["triggerId"]), "tinycorpus@v2"))
@@ -190,6 +195,8 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
         assert failure["dataset"] == "brokencorpus@v1" and "does not validate" in failure["message"]
         assert [p["field"] for p in failure["problems"]] == ["modelConfig"]
         assert "gpt-retired@v1" in failure["problems"][0]["message"]
+        shadowed = (await a.get(f"/v1/triggers/{tiny['triggerId']}")).json()["lastFailure"]
+        assert shadowed["dataset"] == "tinycorpus@v3" and "tenant-a/tinycorpus@v3" in shadowed["message"]
         view = (await b.get(f"/v1/triggers/{gone['triggerId']}")).json()
         assert view["jobs"] == [] and "was deleted" in view["lastFailure"]["message"]
 

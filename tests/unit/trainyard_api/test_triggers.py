@@ -11,7 +11,14 @@ from pydantic import TypeAdapter
 
 from trainyard_api.bodies import TEMPLATE_DATASET, TriggerCreateBody
 from trainyard_api.schemas import EXAMPLE_SPEC, EXAMPLE_TEMPLATE
-from trainyard_api.triggers import idempotency_key, matching_triggers, trigger_spec, trigger_token, visible_as
+from trainyard_api.triggers import (
+    idempotency_key,
+    matching_triggers,
+    shadowing_ref,
+    trigger_spec,
+    trigger_token,
+    visible_as,
+)
 from trainyard_api.validation import FieldProblem, field_errors, strict_body_errors, under
 from trainyard_common.events import ArtifactRegistered
 from trainyard_common.records import TriggerRecord
@@ -73,6 +80,12 @@ def test_visible_as_names_the_source_a_dataset_is_for_the_triggers_tenant() -> N
     assert visible_as(t, None, []) == "platform"
     assert visible_as(t, "globex", ["acme"]) == "shared"
     assert visible_as(t, "globex", []) is None
+
+
+def test_a_platform_version_is_shadowed_by_the_tenants_own_of_the_same_name_and_version() -> None:
+    assert shadowing_ref(trigger(), registered("wiki-en@v1", None)) == "acme/wiki-en@v1"
+    assert shadowing_ref(trigger(), registered("acme/wiki-en@v1", "acme")) is None
+    assert shadowing_ref(trigger(), registered("globex/wiki-en@v1", "globex", ["*"])) is None
 
 
 # ----------------------------------------------------------------------------- the job a trigger submits

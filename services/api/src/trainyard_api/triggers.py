@@ -26,7 +26,7 @@ from redis.exceptions import RedisError, WatchError
 
 from trainyard_common.bus import is_retryable
 from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
-from trainyard_common.events import REGISTRY, ArtifactRegistered, utcnow
+from trainyard_common.events import REGISTRY, ArtifactRegistered, dataset_key, utcnow
 from trainyard_common.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord, is_deleted_tenant
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import DatasetRef
@@ -81,6 +81,15 @@ def matching_triggers(triggers: Iterable[TriggerRecord], event: ArtifactRegister
     return [t for t in triggers
             if t.enabled and fnmatch.fnmatchcase(ref.name, t.dataset)
             and visible_as(t, event.tenant, event.shared_with) is not None]
+
+
+def shadowing_ref(trigger: TriggerRecord, event: ArtifactRegistered) -> str | None:
+    """For a platform version, the tenant's own dataset of the same name@version, which a submission of the
+    unqualified ref would pick instead (the platform's cannot be named qualified); None otherwise."""
+    if event.tenant is not None or event.dataset is None:
+        return None
+    ref = DatasetRef.parse(event.dataset)
+    return dataset_key(trigger.tenant, ref.name, ref.version)
 
 
 def idempotency_key(trigger_id: str, dataset: str) -> str:
@@ -271,13 +280,19 @@ class TriggerFiring:
         if await self.store.tenant_deleted(trigger.tenant):
             await self._failed(trigger, event, f"tenant {trigger.tenant!r} was deleted: its triggers start nothing", [])
             return None
+        jobs = self.jobs()
+        if (own := shadowing_ref(trigger, event)) and await jobs.store.get_dataset(own) is not None:
+            await self._failed(trigger, event, f"the platform's {dataset} cannot be submitted for tenant "
+                                               f"{trigger.tenant!r}: its own {own} has the same name and version, "
+                                               "and a submission of the unqualified ref trains on that one", [])
+            return None
         token = trigger_token(trigger)
         key = idempotency_key(trigger.trigger_id, dataset)
         origin = TriggerOrigin(trigger_id=trigger.trigger_id, trigger_name=trigger.name, dataset=dataset,
                                event_id=str(event.event_id))
         try:
             spec = trigger_spec(trigger.template, dataset)
-            submitted = await self.jobs().submit(spec, token, idempotency_key=key, triggered_by=origin)
+            submitted = await jobs.submit(spec, token, idempotency_key=key, triggered_by=origin)
             job_id = submitted.job.job_id
             if submitted.created:
                 TRIGGER_JOBS.inc()
