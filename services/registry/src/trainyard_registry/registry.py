@@ -182,17 +182,17 @@ class Registry:
     async def retire_sweep(self) -> None:
         """Mark retired the artifacts whose checkpoint record is DELETED (retention) or FAILED."""
         for job_id in await self.redis.zrange(Keys.registry_live, 0, -1):
+            # Asked before the records are read: a deletion the GC made before it is done is in them.
+            gc_done = await self._gc_done(job_id)
             artifacts = await self.store.list_artifacts(job_id)
             records = await self.store.list_checkpoints(job_id)
             for changed in retirements(artifacts, records, now=self.clock()):
                 await self._retire_artifact(job_id, changed.artifact_id, changed.retired_reason or "retired")
-            if await self._settled(job_id, artifacts):
-                await self.redis.zrem(Keys.registry_live, job_id)
+            if gc_done or all(a.retired_at is not None for a in await self.store.list_artifacts(job_id)):
+                await self.redis.zrem(Keys.registry_live, job_id)  # nothing more to retire
 
-    async def _settled(self, job_id: str, artifacts: list[ArtifactRecord]) -> bool:
-        """Nothing more to retire: no artifact is live, or the job ended and its GC is done."""
-        if all(a.retired_at is not None for a in await self.store.list_artifacts(job_id)):
-            return True
+    async def _gc_done(self, job_id: str) -> bool:
+        """The job ended and the coordinator's GC is done with it: none of its checkpoints will go any more."""
         job = await self.store.get_job(job_id)
         gc_pending = await self.redis.zscore(Keys.checkpoint_jobs, job_id) is not None
         return job is not None and job.state in TERMINAL_STATES and not gc_pending
