@@ -18,6 +18,7 @@ from trainyard_registry.lineage import (
     registered,
     retire,
     retired_notice,
+    retirements,
 )
 from tests.unit.trainyard_registry.test_lineage import DATASET, MANIFEST, NOW, PARENT, job, ready
 from tests.unit.trainyard_registry.test_retirement import LATER, record
@@ -79,6 +80,12 @@ def test_a_retirement_announces_the_artifact_and_why() -> None:
     assert (event.uri, event.hash) == (artifact.uri, artifact.hash)
     assert event.reason == "checkpoint step-000000040-a2 deleted by retention: keepLast 3"
     assert ev.decode_event(ev.REGISTRY, event.to_bytes()) == event
+
+
+def test_a_retirement_by_retention_says_the_policy_once() -> None:
+    (changed,) = retirements([checkpoint_artifact(job(), ready(), DATASET, now=NOW)],
+                             [record("DELETED", reason="retention: keepLast=3")], now=LATER)
+    assert changed.retired_reason == "checkpoint step-000000040-a2 deleted by retention: keepLast=3"
 
 
 def test_a_live_artifact_has_no_retirement_to_announce() -> None:

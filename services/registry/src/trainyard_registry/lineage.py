@@ -142,8 +142,10 @@ def retired_since_ready(ready: CheckpointReady, record: CheckpointRecord | None)
 
 
 def retirement_reason(record: CheckpointRecord) -> str:
+    """``checkpoint step-000001500-a1 deleted by retention: keepLast=3`` (the record's reason, said once)."""
     what = "deleted by retention" if record.state == "DELETED" else "failed"
-    return f"checkpoint {record.checkpoint_id} {what}: {record.reason}" if record.reason else \
+    detail = (record.reason or "").removeprefix("retention: ")
+    return f"checkpoint {record.checkpoint_id} {what}: {detail}" if detail else \
         f"checkpoint {record.checkpoint_id} {what}"
 
 
