@@ -122,7 +122,8 @@ async def test_the_registry_follower_keeps_what_is_loadable(env: dict[str, Any],
     manifest.parent.mkdir()
     manifest.write_text("{}")
     lineage = ev.ArtifactLineage(spec_hash="sha256:" + "a" * 64, code_revision="v1", dataset="acme/wiki@v1")
-    common = dict(tenant="acme", job_id="job-docs", hash="sha256:" + "c" * 64, lineage=lineage)
+    common: dict[str, Any] = {"tenant": "acme", "job_id": "job-docs", "hash": "sha256:" + "c" * 64,
+                              "lineage": lineage}
     step20 = ev.ArtifactRegistered(artifact_id="job-docs/checkpoint/step-000000020-a1", kind="checkpoint",
                                    uri=path_to_uri(manifest), global_step=20, **common)
     step40 = ev.ArtifactRegistered(artifact_id="job-docs/checkpoint/step-000000040-a1", kind="checkpoint",

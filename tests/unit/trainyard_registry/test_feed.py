@@ -8,7 +8,7 @@ from uuid import UUID
 import pytest
 
 from trainyard_common import events as ev
-from trainyard_common.records import Lineage
+from trainyard_common.records import JobRecord, Lineage
 from trainyard_common.spec import Code
 from trainyard_registry.lineage import (
     artifact_lineage,
@@ -26,7 +26,7 @@ from tests.unit.trainyard_registry.test_retirement import LATER, record
 EVENT_ID = UUID("00000000-0000-4000-8000-000000000001")
 
 
-def code_job():  # noqa: ANN201 - JobRecord
+def code_job() -> JobRecord:
     return job(code=Code(archive="sha256:" + "a" * 64, commit="0123abc" + "0" * 33, entrypoint=["python", "train.py"])
                .model_dump(mode="json", by_alias=True))
 
