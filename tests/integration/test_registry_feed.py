@@ -7,6 +7,7 @@ feed from the beginning, so nothing it announced can be missed."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,11 +17,13 @@ from trainyard_checkpoint_coordinator import CoordinatorSettings
 from trainyard_checkpoint_coordinator import build_service as build_coordinator
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
-from trainyard_common.records import CheckpointRecord
+from trainyard_common.outbox import Outbox
+from trainyard_common.records import ArtifactRecord, CheckpointRecord, Lineage
 from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import StateStore, connect_redis
 from trainyard_registry import RegistrySettings
 from trainyard_registry import build_service as build_registry
+from trainyard_registry.lineage import registered
 from tests.integration.test_coordinator import (
     TENANT,
     Stack,
@@ -158,3 +161,24 @@ async def test_a_late_ready_for_a_retired_checkpoint_announces_registered_then_r
     recorded = next(a for a in await stack.store.list_artifacts(job_id) if a.global_step == 30)
     assert recorded.retired_at is not None  # the record and the feed agree
     assert stack.tail.of(ev.DeadLetter) == []
+
+
+async def test_concurrent_creates_of_one_artifact_announce_it_once(env: dict[str, Any]) -> None:
+    """Registry instances racing on one artifact (a rebalance mid-handler): one creates it and announces it."""
+    store = StateStore(connect_redis(env["redis_url"]))
+    outbox = Outbox(store.redis, "registry-race")
+    artifact = ArtifactRecord(
+        artifact_id="job-race/checkpoint/step-000000020-a1", job_id="job-race", tenant=TENANT, type="checkpoint",
+        uri="file:///art/job-race/step-000000020-a1/manifest.json", hash="sha256:" + "c" * 64, producer_attempt=1,
+        global_step=20, lineage=Lineage(spec_hash="sha256:spec", code_revision="rev", dataset="tinycorpus@v1"))
+
+    def stage(pipe: Any) -> None:
+        outbox.stage(pipe, registered(artifact, now=ev.utcnow()))
+
+    try:
+        created = await asyncio.gather(*(store.create_artifact(artifact, stage) for _ in range(8)))
+        assert sorted(created) == [False] * 7 + [True]
+        assert await outbox.pending() == 1
+        assert await store.list_artifacts("job-race") == [artifact]
+    finally:
+        await store.redis.aclose()
