@@ -22,6 +22,7 @@ from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
 from trainyard_common.storage import sha256_file, uri_to_path
+from tests.support.downstream import RegistryFollower
 from tests.support.otlp import OtlpSink
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +49,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, sink: OtlpSink) -> Iterator[
     stack = LocalStack(settings, extra_env={
         "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        # retention and the registry's retire sweep soon after a checkpoint, so a retirement is seen quickly
+        "TRAINYARD_GC_INTERVAL_S": "2",
+        "TRAINYARD_RETIRE_INTERVAL_S": "1",
     })
     try:
         stack.up()
@@ -170,6 +174,56 @@ def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSin
     while time.monotonic() < deadline and not SERVICES_IN_TRACE <= sink.services_in_trace(trace_id):
         time.sleep(0.5)
     assert SERVICES_IN_TRACE <= sink.services_in_trace(trace_id), sink.services_in_trace(trace_id)
+
+
+def test_a_downstream_consumer_follows_the_registry_feed(stack: LocalStack, dataset: str) -> None:
+    """A service outside trainyard (plain aiokafka, its own group and JSON decoding) follows trainyard.registry
+    while a short job runs: each checkpoint and the final model is announced once, with the uri, hash and
+    lineage the API shows, and the checkpoint retention deletes is announced retired."""
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec["name"] = "followed-downstream"
+    spec["training"]["maxSteps"] = 20
+    spec["checkpointPolicy"] = {"everySteps": 10, "keepLast": 1}  # step 10 goes once step 20 is READY
+    topic = f"{stack.s.topic_namespace}trainyard.registry"
+    with RegistryFollower(stack.kafka_bootstrap, topic, group="downstream-eval") as feed, \
+            client_for(stack) as client:
+        job_id = client.post("/v1/training-jobs", json=spec).raise_for_status().json()["jobId"]
+        job = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=300)
+        assert job["state"] == "succeeded", json.dumps(job)[:3000]
+
+        feed.wait(lambda: feed.events(eventType="ArtifactRetired", jobId=job_id),
+                  timeout_s=120, what=f"the retirement of {job_id}'s step 10")
+        model = feed.wait(lambda: feed.events(eventType="ArtifactRegistered", jobId=job_id, kind="model"),
+                          timeout_s=60, what=f"{job_id}'s model")
+        body = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+
+    artifacts = {a["artifactId"]: a for a in body["artifacts"]}
+    registered = feed.events(eventType="ArtifactRegistered", jobId=job_id)
+    assert sorted(e["artifactId"] for e in registered) == sorted(artifacts), "each artifact announced once"
+    assert {(a["type"], a["globalStep"]) for a in artifacts.values()} == {("checkpoint", 10), ("checkpoint", 20),
+                                                                         ("model", 20)}
+    for event in registered:
+        artifact = artifacts[event["artifactId"]]
+        assert (event["kind"], event["tenant"], event["globalStep"], event["consumedTokens"]) == (
+            artifact["type"], artifact["tenant"], artifact["globalStep"], artifact["consumedTokens"])
+        assert (event["uri"], event["hash"]) == (artifact["uri"], artifact["hash"])
+        assert _set(event["lineage"]) == _set(artifact["lineage"])
+        assert event["lineage"]["dataset"] == "tinycorpus@v1" and event["lineage"]["datasetSha256"]
+        manifest = json.loads(uri_to_path(event["uri"]).read_text()) if artifact["retiredAt"] is None else None
+        assert manifest is None or manifest["contentHash"] == event["hash"]  # the uri opens what the hash names
+    assert len(model) == 1 and model[0]["globalStep"] == 20
+
+    (gone,) = feed.events(eventType="ArtifactRetired", jobId=job_id)
+    step10 = artifacts[gone["artifactId"]]
+    assert (step10["type"], step10["globalStep"]) == ("checkpoint", 10) and step10["retiredAt"]
+    assert (gone["kind"], gone["uri"], gone["hash"]) == ("checkpoint", step10["uri"], step10["hash"])
+    assert "deleted by retention" in gone["reason"]
+    assert not uri_to_path(gone["uri"]).exists()  # retired: its manifest is gone
+
+
+def _set(fields: dict) -> dict:
+    """A JSON object without its null fields (the API leaves some out, the feed sends them as null)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def job_trace_id(stack: LocalStack, job_id: str) -> str:

@@ -1,7 +1,8 @@
 """docs/integration.md's examples run as written against the suite's broker (tansu): a pipeline outside
 trainyard publishes with confluent-kafka (librdkafka) what trainyard decodes, on the partition trainyard's
 own producer picks for the key; a follower outside trainyard (plain aiokafka) sees each JobStateChanged
-once, and skips the platform's other job events."""
+once, and skips the platform's other job events; the registry's follower keeps what is loadable from the
+feed alone, each announcement applied once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from trainyard_common import contract
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus, ensure_topics
+from trainyard_common.storage import path_to_uri
 
 DOC = Path(__file__).parents[2] / "docs" / "integration.md"
 
@@ -99,3 +101,47 @@ async def test_an_aiokafka_follower_sees_each_job_state_change_once(env: dict[st
     assert [(e["eventType"], e["state"]) for e in handled] == [("JobStateChanged", "running"),
                                                                ("JobStateChanged", "succeeded")]
     assert handled[0]["eventId"] == str(running.event_id)
+
+
+async def test_the_registry_follower_keeps_what_is_loadable(env: dict[str, Any], tmp_path: Path) -> None:
+    bootstrap, namespace = env["kafka_bootstrap"], env["topic_namespace"]
+    await ensure_topics(bootstrap, partitions=2, topics=[ev.REGISTRY], namespace=namespace)
+    follower = example("### The registry's feed with aiokafka")
+    handled: list[dict[str, Any]] = []
+    last = asyncio.Event()
+    apply = follower["handle"]
+
+    async def handle(event: dict[str, Any]) -> None:
+        await apply(event)
+        handled.append(event)
+        if event["eventType"] == "ArtifactRetired":
+            last.set()
+
+    follower["handle"] = handle
+    manifest = tmp_path / "step 20" / "manifest.json"  # a space: the uri is quoted
+    manifest.parent.mkdir()
+    manifest.write_text("{}")
+    lineage = ev.ArtifactLineage(spec_hash="sha256:" + "a" * 64, code_revision="v1", dataset="acme/wiki@v1")
+    common: dict[str, Any] = {"tenant": "acme", "job_id": "job-docs", "hash": "sha256:" + "c" * 64,
+                              "lineage": lineage}
+    step20 = ev.ArtifactRegistered(artifact_id="job-docs/checkpoint/step-000000020-a1", kind="checkpoint",
+                                   uri=path_to_uri(manifest), global_step=20, **common)
+    step40 = ev.ArtifactRegistered(artifact_id="job-docs/checkpoint/step-000000040-a1", kind="checkpoint",
+                                   uri="file:///art/40/manifest.json", global_step=40, **common)
+    model = step40.model_copy(update={"event_id": ev.uuid4(), "artifact_id": "job-docs/model/step-000000040-a1",
+                                      "kind": "model"})
+    gone = ev.ArtifactRetired(artifact_id=step20.artifact_id, kind="checkpoint", tenant="acme", job_id="job-docs",
+                              uri=step20.uri, hash=step20.hash, reason="deleted by retention: keepLast=1")
+    async with Bus(bootstrap, service_name="docs-test", topic_namespace=namespace) as bus:
+        for event in (step20, step20, step40, model, gone):  # one key: one partition, in this order
+            await bus.publish(event)
+    assert follower["manifest_path"](step20.uri) == manifest  # the uri resolves to the file
+    task = asyncio.create_task(follower["follow_registry"](bootstrap, f"{namespace}{ev.REGISTRY}"))
+    try:
+        await asyncio.wait_for(last.wait(), 60)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [e["eventId"] for e in handled] == [str(e.event_id) for e in (step20, step40, model, gone)]  # once each
+    assert sorted(follower["loadable"]) == sorted([step40.artifact_id, model.artifact_id])
+    assert follower["loadable"][model.artifact_id]["lineage"]["dataset"] == "acme/wiki@v1"

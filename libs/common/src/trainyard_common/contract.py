@@ -236,7 +236,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
          Consumer("downstream", "evaluates, serves or bills artifacts without reading internal topics")),
         public=True, key="{jobId} | {artifactId}",
         example=ev.ArtifactRegistered(
-            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="art-5f0c2a9e41d7-model", kind="model",
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="job-5f0c2a9e41d7/model/step-000002000-a2", kind="model",
             tenant="acme", job_id="job-5f0c2a9e41d7", global_step=2000, consumed_tokens=65_536_000,
             uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
                 "step-000002000-a2/manifest.json",
@@ -256,12 +256,12 @@ FLOWS: dict[type[ev.Event], Flow] = {
         (Consumer("downstream", "stops serving or evaluating it"),),
         public=True, key="{jobId} | {artifactId}",
         example=ev.ArtifactRetired(
-            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="art-5f0c2a9e41d7-s1500-a1",
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="job-5f0c2a9e41d7/checkpoint/step-000001500-a1",
             kind="checkpoint", tenant="acme", job_id="job-5f0c2a9e41d7",
             uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
                 "step-000001500-a1/manifest.json",
             hash="sha256:7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d",
-            reason="deleted by retention (keepLast 3)")),
+            reason="checkpoint step-000001500-a1 deleted by retention: keepLast=3")),
     # dead letters
     ev.DeadLetter: Flow(
         "A message a consumer could not decode or validate, kept with where it came from.",
@@ -295,12 +295,14 @@ ENVELOPE: dict[str, str] = {
 
 DESCRIPTION = f"""\
 The events trainyard's services exchange over Kafka, and the ones clients outside trainyard publish
-(`DatasetVersionPublished`) and follow (`JobStateChanged`); messages tagged `public` are those.
+(`DatasetVersionPublished`) and follow (`JobStateChanged`, and the registry's feed on `trainyard.registry`:
+`ArtifactRegistered`, `ArtifactRetired`); messages tagged `public` are those.
 
 * **Encoding**: one JSON object per message (`{CONTENT_TYPE}`), camelCase field names. Every event
   carries {", ".join(f"`{k}`" for k in ENVELOPE)}.
 * **Keys**: the Kafka key is the partition key in each message's kafka binding: the job id for job
-  events, the node id for node events (`name@version` for datasets), so per-job order holds within a topic.
+  events, the node id for node events (`name@version` for datasets; on the registry's feed the job id, or
+  the dataset's ref), so per-job order holds within a topic.
 * **Headers**: `content-type`, and the W3C trace context (`traceparent`, `tracestate`) of the span that
   published it; a consumer that continues the trace extracts it.
 * **Delivery**: at least once. Consumers commit after handling, deduplicate by `eventId` and ignore

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
 
 from trainyard_common.errors import StateStoreError
 from trainyard_common.records import (
@@ -280,6 +282,25 @@ class StateStore:
     async def put_artifact(self, record: ArtifactRecord) -> bool:
         """Idempotent by artifact id; False when it was recorded before."""
         return bool(await self.redis.hsetnx(Keys.artifacts(record.job_id), record.artifact_id, record.dumps()))
+
+    async def create_artifact(self, record: ArtifactRecord, stage: Callable[[Pipeline], None]) -> bool:
+        """Record an artifact unless its id is recorded already, with what ``stage`` queues (the outbox's
+        events) in the same MULTI; False, and nothing staged, when it was recorded before."""
+        key = Keys.artifacts(record.job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    if await pipe.hexists(key, record.artifact_id):
+                        await pipe.reset()
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, record.artifact_id, record.dumps())
+                    stage(pipe)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
 
     async def get_dataset(self, ref: str) -> DatasetRecord | None:
         raw = await self.redis.hget(Keys.datasets, ref)

@@ -11,7 +11,8 @@ DESCRIPTION = """\
 trainyard registry: records every dataset version (trainyard.datasets), every READY
 checkpoint (trainyard.checkpoints) and the final model of every succeeded job
 (trainyard.jobs) as artifacts with lineage (spec hash, code revision, dataset manifest and
-sha256, tokenizer, model config, parent checkpoint, producing attempt, content hash).
+sha256, tokenizer, model config, parent checkpoint, producing attempt, content hash), and
+announces each record and retirement on trainyard.registry (ArtifactRegistered, ArtifactRetired).
 The API serves them at GET /v1/registry/artifacts?jobId=. Runs until SIGTERM or SIGINT."""
 
 

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
+from uuid import UUID, uuid4
 
 from trainyard_common.events import CheckpointReady, DatasetVersionPublished
 from trainyard_common.records import (
@@ -20,6 +21,7 @@ from trainyard_common.records import (
     Lineage,
     checkpoint_id,
 )
+from trainyard_common.events import ArtifactLineage, ArtifactRegistered, ArtifactRetired
 from trainyard_common.spec import TrainingSpec, canonical_json
 
 ArtifactType = Literal["checkpoint", "model"]
@@ -140,8 +142,10 @@ def retired_since_ready(ready: CheckpointReady, record: CheckpointRecord | None)
 
 
 def retirement_reason(record: CheckpointRecord) -> str:
+    """``checkpoint step-000001500-a1 deleted by retention: keepLast=3`` (the record's reason, said once)."""
     what = "deleted by retention" if record.state == "DELETED" else "failed"
-    return f"checkpoint {record.checkpoint_id} {what}: {record.reason}" if record.reason else \
+    detail = (record.reason or "").removeprefix("retention: ")
+    return f"checkpoint {record.checkpoint_id} {what}: {detail}" if detail else \
         f"checkpoint {record.checkpoint_id} {what}"
 
 
@@ -165,6 +169,50 @@ def retirements(
         if (changed := retire(artifact, retirement_reason(record), now=now)) is not None:
             retired.append(changed)
     return retired
+
+
+# --------------------------------------------------------------------------- the feed (trainyard.registry)
+
+
+def artifact_lineage(lineage: Lineage) -> ArtifactLineage:
+    """The record's lineage as it travels on the feed (same fields, the wire's camelCase)."""
+    return ArtifactLineage.model_validate(lineage.model_dump(mode="json", by_alias=True))
+
+
+def registered(artifact: ArtifactRecord, *, now: datetime, event_id: UUID | None = None) -> ArtifactRegistered:
+    """What the feed announces when ``artifact`` is recorded (as recorded live: a retirement follows
+    as its own ArtifactRetired, so a follower that applies the events in order ends where the record is)."""
+    return ArtifactRegistered(
+        event_id=event_id or uuid4(),
+        occurred_at=now,
+        artifact_id=artifact.artifact_id,
+        kind=artifact.type,
+        tenant=artifact.tenant,
+        uri=artifact.uri,
+        hash=artifact.hash,
+        job_id=artifact.job_id,
+        global_step=artifact.global_step,
+        consumed_tokens=artifact.consumed_tokens,
+        lineage=artifact_lineage(artifact.lineage),
+        tokenizer=artifact.lineage.tokenizer,
+    )
+
+
+def retired_notice(artifact: ArtifactRecord, *, now: datetime, event_id: UUID | None = None) -> ArtifactRetired:
+    """What the feed announces when ``artifact`` (marked retired) stops being loadable."""
+    if artifact.retired_at is None:
+        raise ValueError(f"artifact {artifact.artifact_id} is not retired")
+    return ArtifactRetired(
+        event_id=event_id or uuid4(),
+        occurred_at=now,
+        artifact_id=artifact.artifact_id,
+        kind=artifact.type,
+        tenant=artifact.tenant,
+        uri=artifact.uri,
+        hash=artifact.hash,
+        job_id=artifact.job_id,
+        reason=artifact.retired_reason or "retired",
+    )
 
 
 # --------------------------------------------------------------------------- datasets

@@ -9,7 +9,14 @@
   (jobs with live artifacts are indexed in ``Keys.registry_live``);
 * JOBS / JobStateChanged(succeeded) → ``ArtifactRecord`` type "model" (latest READY checkpoint).
 
-Artifact ids are deterministic and written with HSETNX, so re-deliveries are no-ops.
+What it records and retires is announced on REGISTRY, the public feed (``ArtifactRegistered`` /
+``ArtifactRetired``), staged in the outbox in the MULTI that writes the record: the transaction
+that creates an artifact announces it, the one that retires it announces that, so a redelivery
+announces nothing twice. A late CheckpointReady for a checkpoint retired since announces
+Registered then Retired (one MULTI), so a follower that applies the feed in order ends where
+the record is.
+
+Artifact ids are deterministic and created only when absent, so re-deliveries are no-ops.
 Events on different topics arrive in any order: when a record an event needs is not there
 yet, the handler raises a retryable error (the bus re-delivers after back-off), and after
 ``missing_retry_limit`` tries a non-retryable one (the bus dead-letters it), so a partition
@@ -27,6 +34,7 @@ from typing import Any
 
 from opentelemetry import trace
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from trainyard_common.errors import ConflictError, NotFoundError
@@ -38,6 +46,7 @@ from trainyard_common.events import (
     CheckpointReady,
     CheckpointRefused,
     DatasetVersionPublished,
+    Event,
     JobStateChanged,
     utcnow,
 )
@@ -61,7 +70,9 @@ from trainyard_registry.lineage import (
     dataset_record,
     model_artifact,
     ready_mismatch,
+    registered,
     retire,
+    retired_notice,
     retired_since_ready,
     retirements,
     split_ref,
@@ -139,10 +150,10 @@ class Registry:
         raw = await self.redis.hget(Keys.checkpoints(event.job_id), checkpoint_id(event.global_step, event.attempt))
         record = CheckpointRecord.model_validate_json(raw) if raw else None
         if job.tenant == event.tenant and (retired := retired_since_ready(event, record)):
-            # A late event for a checkpoint deleted or refused since: lineage kept, marked retired.
+            # A late event for a checkpoint deleted or refused since: lineage kept, marked retired;
+            # announced as registered, then retired.
             artifact = checkpoint_artifact(job, event, await self._dataset(job.spec.dataset), now=self.clock())
-            artifact = retire(artifact, retired, now=self.clock()) or artifact
-            if not await self.store.put_artifact(artifact):
+            if not await self._put(artifact, retired=retired):
                 await self._retire_artifact(job.job_id, artifact.artifact_id, retired)
             log.info("CheckpointReady for retired %s recorded as retired: %s", artifact.artifact_id, retired)
             self._tries.done(str(event.event_id))
@@ -171,17 +182,17 @@ class Registry:
     async def retire_sweep(self) -> None:
         """Mark retired the artifacts whose checkpoint record is DELETED (retention) or FAILED."""
         for job_id in await self.redis.zrange(Keys.registry_live, 0, -1):
+            # Asked before the records are read: a deletion the GC made before it is done is in them.
+            gc_done = await self._gc_done(job_id)
             artifacts = await self.store.list_artifacts(job_id)
             records = await self.store.list_checkpoints(job_id)
             for changed in retirements(artifacts, records, now=self.clock()):
                 await self._retire_artifact(job_id, changed.artifact_id, changed.retired_reason or "retired")
-            if await self._settled(job_id, artifacts):
-                await self.redis.zrem(Keys.registry_live, job_id)
+            if gc_done or all(a.retired_at is not None for a in await self.store.list_artifacts(job_id)):
+                await self.redis.zrem(Keys.registry_live, job_id)  # nothing more to retire
 
-    async def _settled(self, job_id: str, artifacts: list[ArtifactRecord]) -> bool:
-        """Nothing more to retire: no artifact is live, or the job ended and its GC is done."""
-        if all(a.retired_at is not None for a in await self.store.list_artifacts(job_id)):
-            return True
+    async def _gc_done(self, job_id: str) -> bool:
+        """The job ended and the coordinator's GC is done with it: none of its checkpoints will go any more."""
         job = await self.store.get_job(job_id)
         gc_pending = await self.redis.zscore(Keys.checkpoint_jobs, job_id) is not None
         return job is not None and job.state in TERMINAL_STATES and not gc_pending
@@ -198,6 +209,7 @@ class Registry:
                         return None
                     pipe.multi()
                     pipe.hset(key, artifact_id, changed.dumps())
+                    self.outbox.stage(pipe, retired_notice(changed, now=self.clock()))
                     await pipe.execute()
                     log.info("artifact %s retired: %s", artifact_id, reason)
                     return changed
@@ -232,12 +244,26 @@ class Registry:
             raise self._tries.missing(event_id, f"job {job_id} has no record")
         return job
 
-    async def _put(self, artifact: ArtifactRecord) -> None:
-        await self.redis.zadd(Keys.registry_live, {artifact.job_id: self.clock().timestamp()})
-        if await self.store.put_artifact(artifact):
-            log.info("artifact %s recorded: %s %s", artifact.artifact_id, artifact.uri, artifact.hash)
+    async def _put(self, artifact: ArtifactRecord, *, retired: str | None = None) -> bool:
+        """Record ``artifact`` (already retired, for ``retired``) and announce it, unless it was
+        recorded before; False then, and nothing announced."""
+        now = self.clock()
+        events: list[Event] = [registered(artifact, now=now)]
+        if retired is not None:
+            artifact = retire(artifact, retired, now=now) or artifact
+            events.append(retired_notice(artifact, now=now))
         else:
-            log.debug("artifact %s was recorded before", artifact.artifact_id)
+            await self.redis.zadd(Keys.registry_live, {artifact.job_id: now.timestamp()})
+
+        def stage(pipe: Pipeline) -> None:
+            for event in events:
+                self.outbox.stage(pipe, event)
+
+        if await self.store.create_artifact(artifact, stage):
+            log.info("artifact %s recorded: %s %s", artifact.artifact_id, artifact.uri, artifact.hash)
+            return True
+        log.debug("artifact %s was recorded before", artifact.artifact_id)
+        return False
 
     async def _dataset(self, ref: str) -> DatasetRecord | None:
         """The dataset's record, else what its manifest in the artifact store says, else None."""
