@@ -192,6 +192,8 @@ class CodeArchive(_In):
 class Dataset(_In):
     name: str
     version: str
+    tenant: str | None = None  # the owner; None: the platform's
+    shared_with: list[str] = []
     manifest_uri: str
     sha256: str
     tokenizer: str | None = None
@@ -323,6 +325,14 @@ class ApiClient:
     def datasets(self) -> list[Dataset]:
         return _parse(self._request("GET", "/v1/datasets"), _Datasets).datasets
 
+    def caller_tenant(self) -> str | None:
+        """The token's tenant (where its own dataset versions live)."""
+        return _parse(self._request("GET", "/v1/datasets"), _Datasets).tenant
+
+    def publish_dataset(self, body: Mapping[str, Any]) -> DatasetPublished:
+        """POST /v1/datasets: announce a version of the caller's tenant (the registry verifies it)."""
+        return _parse(self._request("POST", "/v1/datasets", json=dict(body)), DatasetPublished)
+
     def health(self) -> dict[str, Any]:
         response = self._request("GET", "/healthz")
         return dict(response.json())
@@ -421,4 +431,11 @@ class _Artifacts(_In):
 
 
 class _Datasets(_In):
+    tenant: str | None = None
     datasets: list[Dataset]
+
+
+class DatasetPublished(_In):
+    dataset: str
+    state: str
+    manifest_uri: str

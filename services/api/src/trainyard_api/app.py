@@ -837,7 +837,7 @@ def _install_other_routes(app: FastAPI) -> None:
     async def list_datasets(ctx: Ctx, tenant: Tenant) -> DatasetList:
         """The verified versions the caller may train on: its tenant's, the platform's, and those shared
         with its tenant (`tenant` is the owner, null for the platform's; `sharedWith` whom it is shared with)."""
-        return DatasetList(datasets=await ctx.datasets.list(tenant))
+        return DatasetList(tenant=tenant.tenant, datasets=await ctx.datasets.list(tenant))
 
     @app.post("/v1/datasets", status_code=202, response_model=DatasetPublished, tags=["datasets"],
               summary="Publish a dataset version", dependencies=[_strict_body(DatasetPublishBody, _PUBLISH)],

@@ -247,6 +247,7 @@ class ArtifactList(_Out):
 
 
 class DatasetList(_Out):
+    tenant: str = Field(description="the caller's tenant: its own versions live under tenants/<tenant>/datasets/")
     datasets: list[DatasetRecord] = Field(description="the verified versions the caller may use: its own, "
                                                       "the platform's, and those shared with its tenant")
 
