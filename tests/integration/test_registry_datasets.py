@@ -5,9 +5,11 @@ lists, resolves and accepts for training only what the caller's tenant may use."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +164,28 @@ async def test_a_tenant_publishes_through_the_api_and_only_those_it_shares_with_
         assert resp.status_code == 202, resp.text
         job = (await a.get(f"/v1/training-jobs/{resp.json()['jobId']}")).json()
         assert job["spec"]["dataset"] == f"{A}/private@v1"
+
+
+async def test_datasets_import_publish_builds_under_the_callers_prefix_and_the_registry_verifies_it(
+    stack: tuple[Stack, TopicTail], api: ApiServer, tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from trainyard_cli.main import app
+
+    s, tail = stack
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(200)))
+    args = ["--api-url", api.url, "--token", TOKEN_A, "datasets", "import", "--publish", "--share", B,
+            "--name", "notes", "--version", "v1", "--artifact-root", str(s.layout.root), "--vocab-size", "300",
+            "--workers", "1", "--no-progress", str(corpus)]
+    result = await asyncio.to_thread(CliRunner().invoke, app, args)
+    assert result.exit_code == 0, result.output
+    manifest = s.layout.dataset_dir("notes", "v1", A) / "manifest.json"
+    assert manifest.is_file() and not s.layout.dataset_dir("notes", "v1").exists()  # under A's prefix only
+
+    record = await wait_for(lambda: s.store.get_dataset(f"{A}/notes@v1"), what="the imported version verified")
+    assert (record.sha256, record.shared_with) == (sha256_file(manifest), [B])
+    await wait_for(lambda: registered(tail, f"{A}/notes@v1"), what="ArtifactRegistered")
+    async with client_for(api.url, TOKEN_B) as b:
+        assert (await b.get(f"/v1/datasets/{A}/notes@v1")).json()["state"] == "verified"
