@@ -41,7 +41,7 @@ R = TypeVar("R", bound=Record)
 
 class Keys:
     jobs = "ty:jobs"
-    datasets = "ty:datasets"  # hash qualified ref (tenant/name@version | name@version) → JSON DatasetRecord (verified)
+    datasets = "ty:datasets"  # hash qualified ref (tenant/name@version, name@version) → JSON DatasetRecord
     dataset_rejections = "ty:dataset-rejections"  # hash qualified ref → JSON DatasetRejection (the latest refusal)
     nodes = "ty:nodes"
     tokens = "ty:tokens"  # hash sha256(token) → JSON TenantToken (revoked ones kept, with revokedAt)

@@ -41,7 +41,7 @@ from trainyard_common.errors import (
 from trainyard_common.events import JobState
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import TenantToken
-from trainyard_common.spec import ARCHIVE_PATTERN, DATASET_REF_PATTERN, REF_PATTERN
+from trainyard_common.spec import ARCHIVE_PATTERN, DATASET_REF_PATTERN
 from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
