@@ -18,6 +18,7 @@ from trainyard_common.events import CheckpointRef
 from trainyard_common.records import AttemptRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import path_to_uri, sha256_file
+from tests.support.datasets import published, write_dataset
 from tests.integration.test_coordinator import (
     SPEC,
     TENANT,
@@ -29,9 +30,6 @@ from tests.integration.test_coordinator import (
     wait_for,
     write_shards,
 )
-
-DATASET_URI = "file:///data/tinycorpus/v1/manifest.json"
-
 
 @pytest.fixture
 async def stack(env: dict[str, Any]) -> AsyncIterator[Stack]:
@@ -47,9 +45,9 @@ def registry_group(stack: Stack, topic: str) -> str:
     return f"{stack.env['group_prefix']}.registry"
 
 
-def dataset_event(sha: str, **kw: object) -> ev.DatasetVersionPublished:
-    return ev.DatasetVersionPublished(name="tinycorpus", version="v1", manifest_uri=DATASET_URI, sha256=sha,
-                                      tokenizer="byte-bpe@v1", **kw)
+def dataset_event(stack: Stack, name: str = "tinycorpus", **kw: object) -> ev.DatasetVersionPublished:
+    """A well-formed platform version written under the stack's artifact root, and its announcement."""
+    return published(write_dataset(stack.layout, name, "v1"), tokenizer="byte-bpe@v1", **kw)
 
 
 async def resumed_job(stack: Stack, job_id: str) -> tuple[int, str]:
@@ -71,24 +69,6 @@ async def resumed_job(stack: Stack, job_id: str) -> tuple[int, str]:
         ],
     ))
     return epochs[1], parent
-
-
-async def test_datasets_are_recorded_once_and_a_conflicting_republish_is_dead_lettered(stack: Stack) -> None:
-    first = dataset_event("a" * 64, num_tokens=1234)
-    conflicting = dataset_event("b" * 64)
-    await publish(stack, first, first, dataset_event("a" * 64), conflicting)
-    later = ev.DatasetVersionPublished(name="tinycorpus", version="v2", manifest_uri=DATASET_URI, sha256="c" * 64)
-    await publish(stack, later)
-
-    await wait_for(lambda: stack.store.get_dataset("tinycorpus@v2"), what="later dataset")
-    letter = (await wait_for(
-        lambda: stack.tail.of(ev.DeadLetter, consumer_group=registry_group(stack, ev.DATASETS)),
-        what="dead letter"))[0][0]
-    assert "ConflictError" in letter.error and "refused" in letter.error
-    assert json.loads(base64.b64decode(letter.raw_b64))["eventId"] == str(conflicting.event_id)
-    kept = await stack.store.get_dataset("tinycorpus@v1")
-    assert kept is not None and kept.sha256 == "a" * 64 and kept.num_tokens == 1234  # the first one stays
-    assert len(stack.tail.of(ev.DeadLetter)) == 1
 
 
 class _Messages(logging.Handler):
@@ -117,7 +97,8 @@ async def test_job_success_before_ready_checkpoint_still_yields_a_model_artifact
 ) -> None:
     job_id = "job-model"
     epoch, parent = await resumed_job(stack, job_id)
-    await publish(stack, dataset_event("d" * 64))
+    dataset = dataset_event(stack)
+    await publish(stack, dataset)
     await wait_for(lambda: stack.store.get_dataset("tinycorpus@v1"), what="dataset")
 
     # Topics are not ordered with each other: the success arrives before any checkpoint is READY.
@@ -139,13 +120,13 @@ async def test_job_success_before_ready_checkpoint_still_yields_a_model_artifact
         assert (artifact.uri, artifact.hash) == (record.manifest_uri, record.content_hash)
         assert (artifact.producer_attempt, artifact.global_step, artifact.tenant) == (2, 40, TENANT)
         assert artifact.lineage.parent_checkpoint == parent
-        assert (artifact.lineage.dataset_manifest_uri, artifact.lineage.dataset_sha256) == (DATASET_URI, "d" * 64)
+        assert (artifact.lineage.dataset_manifest_uri, artifact.lineage.dataset_sha256) == (
+            dataset.manifest_uri, dataset.sha256)
         assert artifact.lineage.tokenizer == "byte-bpe@v1"
 
     # A re-delivered success records nothing new.
     await publish(stack, ev.JobStateChanged(job_id=job_id, tenant=TENANT, state="succeeded", attempt=2))
-    marker = ev.DatasetVersionPublished(name="marker", version="v1", manifest_uri=DATASET_URI, sha256="e" * 64)
-    await publish(stack, marker)
+    await publish(stack, dataset_event(stack, "marker"))
     await wait_for(lambda: stack.store.get_dataset("marker@v1"), what="marker")
     assert len(await stack.store.list_artifacts(job_id)) == 2
 

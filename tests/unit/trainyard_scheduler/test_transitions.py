@@ -17,7 +17,7 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
@@ -672,3 +672,27 @@ def test_a_violation_of_an_old_attempt_still_fails_the_job_and_one_for_an_ended_
     failed = tr.security_violation(job, violation(job), at(5)).job
     assert not tr.security_violation(failed, violation(job), at(6)).changed
     assert not tr.security_violation(job, violation(job, tenant="t2"), at(6)).changed
+
+
+# --------------------------------------------------------------------------- datasets of a submitted job
+
+
+def _dataset(tenant: str | None, shared_with: list[str] | None = None) -> DatasetRecord:
+    return DatasetRecord(name="wiki", version="v1", tenant=tenant, shared_with=shared_with or [],
+                         manifest_uri="file:///x/manifest.json", sha256="a" * 64)
+
+
+@pytest.mark.parametrize(("ref", "tenant", "record", "refused"), [
+    ("a/wiki@v1", "a", _dataset("a"), False),            # its own
+    ("a/wiki@v1", "b", _dataset("a"), True),             # another tenant's, not shared (a forged event)
+    ("a/wiki@v1", "b", _dataset("a", ["b"]), False),     # shared with it
+    ("a/wiki@v1", "b", _dataset("a", ["*"]), False),     # shared with every tenant
+    ("a/wiki@v1", "a", None, True),                      # a tenant's ref never passes unverified
+    ("wiki@v1", "b", _dataset(None), False),             # the platform's
+    ("wiki@v1", "b", None, False),                       # the platform's files, published before verification
+])
+def test_dataset_refusal(ref: str, tenant: str, record: DatasetRecord | None, refused: bool) -> None:
+    reason = tr.dataset_refusal(ref, tenant, record)
+    assert (reason is not None) is refused
+    if reason is not None:
+        assert repr(ref) in reason

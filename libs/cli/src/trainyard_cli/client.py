@@ -223,6 +223,8 @@ class _Triggers(_In):
 class Dataset(_In):
     name: str
     version: str
+    tenant: str | None = None  # the owner; None: the platform's
+    shared_with: list[str] = []
     manifest_uri: str
     sha256: str
     tokenizer: str | None = None
@@ -366,6 +368,13 @@ class ApiClient:
 
     def delete_trigger(self, trigger_id: str) -> Trigger:
         return _parse(self._request("DELETE", f"/v1/triggers/{trigger_id}"), Trigger)
+    def caller_tenant(self) -> str | None:
+        """The token's tenant (where its own dataset versions live)."""
+        return _parse(self._request("GET", "/v1/datasets"), _Datasets).tenant
+
+    def publish_dataset(self, body: Mapping[str, Any]) -> DatasetPublished:
+        """POST /v1/datasets: announce a version of the caller's tenant (the registry verifies it)."""
+        return _parse(self._request("POST", "/v1/datasets", json=dict(body)), DatasetPublished)
 
     def health(self) -> dict[str, Any]:
         response = self._request("GET", "/healthz")
@@ -465,4 +474,11 @@ class _Artifacts(_In):
 
 
 class _Datasets(_In):
+    tenant: str | None = None
     datasets: list[Dataset]
+
+
+class DatasetPublished(_In):
+    dataset: str
+    state: str
+    manifest_uri: str

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import sys
@@ -283,7 +285,7 @@ def artifacts_list(
 
 @datasets_app.command("list")
 def datasets_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
-    """Published dataset versions."""
+    """Verified dataset versions you may train on: your tenant's, the platform's, and those shared with you."""
     with _api(ctx) as client:
         items = client.datasets()
     if as_json:
@@ -301,7 +303,10 @@ def datasets_import(ctx: typer.Context) -> None:
     """Build a dataset version from your files (.txt/.jsonl/.parquet, .gz/.zst) and tokenizer.json.
 
     The same command as ``trainyard-data import`` (its options: ``trainyard datasets import --help``);
-    it writes under the local artifact root and prints the manifest's uri and sha256.
+    it writes under the local artifact root and prints the manifest's uri and sha256. With
+    ``--publish`` (and ``--share TENANT``, repeatable; ``--share '*'``: every tenant) it writes under
+    your tenant's prefix and then publishes the version (POST /v1/datasets); the registry verifies
+    it before anyone may train on it (``trainyard datasets list`` shows it then).
     """
     try:
         from trainyard_trainer.data_cli import main as data_main
@@ -309,7 +314,55 @@ def datasets_import(ctx: typer.Context) -> None:
         out.print("[red]error:[/red] importing datasets needs the trainyard-trainer package "
                   "(pip install -e libs/trainer)")
         raise typer.Exit(2) from None
-    raise typer.Exit(data_main(["import", *ctx.args]))
+    args, publish, shares = _publish_options(list(ctx.args))
+    if not publish:
+        raise typer.Exit(data_main(["import", *args]))
+    with _api(ctx) as client:
+        tenant = client.caller_tenant()
+    if tenant is None or _option(args, "--tenant") not in (None, tenant):
+        err.print(f"[red]error:[/] --publish imports into your token's tenant ({tenant}); drop --tenant",
+                  highlight=False)
+        raise typer.Exit(2)
+    if _option(args, "--tenant") is None:
+        args += ["--tenant", tenant]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = data_main(["import", *args])
+    typer.echo(printed.getvalue(), nl=False)
+    if code != 0:
+        raise typer.Exit(code)
+    summary = json.loads(printed.getvalue().strip().splitlines()[-1])
+    with _api(ctx, what="request") as client:
+        published = client.publish_dataset({
+            "name": summary["name"], "version": summary["version"], "sha256": summary["sha256"],
+            "sharedWith": shares, "tokenizer": summary.get("tokenizer"), "numTokens": summary.get("numTokens")})
+    err.print(f"published {published.dataset}: the registry verifies it before it can be used "
+              f"(`trainyard datasets list`)", highlight=False)
+
+
+def _publish_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
+    """``--publish`` and ``--share T`` (ours) taken out of the import's arguments."""
+    rest, publish, shares = [], False, []
+    items = iter(args)
+    for arg in items:
+        if arg == "--publish":
+            publish = True
+        elif arg == "--share":
+            shares.append(next(items, ""))
+        elif arg.startswith("--share="):
+            shares.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return rest, publish, shares
+
+
+def _option(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 # ----------------------------------------------------------------------------- triggers

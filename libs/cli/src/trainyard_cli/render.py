@@ -107,11 +107,12 @@ def artifacts_table(items: Sequence[Artifact]) -> Table:
 
 def datasets_table(items: Sequence[Dataset]) -> Table:
     table = Table(title="datasets", title_justify="left", header_style="bold")
-    for column in ("DATASET", "TOKENIZER", "TOKENS", "SHA256", "MANIFEST"):
+    for column in ("DATASET", "OWNER", "SHARED WITH", "TOKENIZER", "TOKENS", "SHA256", "MANIFEST"):
         table.add_column(column, overflow="fold")
     for d in items:
-        table.add_row(f"{d.name}@{d.version}", d.tokenizer or "-", fmt_tokens(d.num_tokens), d.sha256[:16],
-                      d.manifest_uri)
+        ref = f"{d.tenant}/{d.name}@{d.version}" if d.tenant else f"{d.name}@{d.version}"
+        table.add_row(ref, d.tenant or "platform", ", ".join(d.shared_with) or "-", d.tokenizer or "-",
+                      fmt_tokens(d.num_tokens), d.sha256[:16], d.manifest_uri)
     return table
 
 

@@ -207,7 +207,8 @@ FLOWS: dict[type[ev.Event], Flow] = {
     # datasets
     ev.DatasetVersionPublished: Flow(
         "A dataset version's manifest is in place: register it.",
-        (Producer("cli", "`trainyard dev data`"), Producer("upstream", "a data pipeline, after writing the files")),
+        (Producer("api", "outbox, on POST /v1/datasets (tenant: the caller's; manifestUri under its prefix)"),
+         Producer("cli", "`trainyard dev data`"), Producer("upstream", "a data pipeline, after writing the files")),
         (Consumer("registry", "verifies the manifest and every shard against their sha256, then records the "
                               "version for its tenant (first publish wins); else DatasetRejected", "registry"),),
         public=True, key="{tenant}/{name}@{version} | {name}@{version}",
@@ -218,7 +219,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
             num_tokens=1_250_000_000)),
     ev.DatasetRejected: Flow(
         "The registry refused a published version; it stays invisible and `reason` says why.",
-        (Producer("registry", "direct, after verifying a DatasetVersionPublished"),),
+        (Producer("registry", "outbox, with the rejection record, after verifying a DatasetVersionPublished"),),
         (Consumer("upstream", "the pipeline that published it learns why (also GET /v1/datasets/{ref})"),),
         public=True, key="{tenant}/{name}@{version} | {name}@{version}",
         example=ev.DatasetRejected(

@@ -13,15 +13,23 @@ One JSON document per key; camelCase like the API. Who writes what:
 from __future__ import annotations
 
 import json
-
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, NodeAssignment, PlacementDetail, utcnow
-from trainyard_common.spec import TrainingSpec
+from trainyard_common.events import (
+    CheckpointRef,
+    DeviceInfo,
+    JobState,
+    NodeAssignment,
+    PlacementDetail,
+    dataset_key,
+    utcnow,
+)
+from trainyard_common.spec import DatasetRef, TrainingSpec
 
 
 class Record(BaseModel):
@@ -216,8 +224,12 @@ class ArtifactRecord(Record):
 
 
 class DatasetRecord(Record):
+    """A verified dataset version (the registry writes it only after its manifest and shards check out)."""
+
     name: str
     version: str
+    tenant: str | None = Field(default=None, description="the owner; null: the platform's (every tenant may use it)")
+    shared_with: list[str] = Field(default=[], description='other tenants that may train on it; ["*"]: every tenant')
     manifest_uri: str
     sha256: str
     tokenizer: str | None = None
@@ -226,7 +238,55 @@ class DatasetRecord(Record):
 
     @property
     def ref(self) -> str:
-        return f"{self.name}@{self.version}"
+        """The qualified reference: ``tenant/name@version``, or ``name@version`` for the platform's."""
+        return dataset_key(self.tenant, self.name, self.version)
+
+
+class DatasetRejection(Record):
+    """A published version the registry refused (kept apart from verified ones, so it never shadows one)."""
+
+    name: str
+    version: str
+    tenant: str | None = None
+    manifest_uri: str
+    sha256: str
+    reason: str
+    problems: list[str] = []
+    published_event_id: str | None = None
+    rejected_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def ref(self) -> str:
+        return dataset_key(self.tenant, self.name, self.version)
+
+
+def dataset_visible(record: DatasetRecord, tenant: str | None) -> bool:
+    """May ``tenant`` see and train on ``record``: the platform's, its own, or shared with it (or with "*")."""
+    if record.tenant is None or "*" in record.shared_with:
+        return True
+    return tenant is not None and (record.tenant == tenant or tenant in record.shared_with)
+
+
+def dataset_candidates(ref: str, tenant: str | None) -> list[str]:
+    """The qualified refs ``ref`` may mean for ``tenant``, in order: an unqualified ``n@v`` is the
+    tenant's own ``tenant/n@v``, else the platform's ``n@v``; a qualified one is itself."""
+    parsed = DatasetRef.parse(ref)
+    if parsed.tenant is not None:
+        return [str(parsed)]
+    own = [dataset_key(tenant, parsed.name, parsed.version)] if tenant else []
+    return [*own, str(parsed)]
+
+
+def resolve_dataset(
+    ref: str, tenant: str | None, records: Mapping[str, DatasetRecord]
+) -> DatasetRecord | None:
+    """The dataset ``ref`` names for ``tenant`` among ``records`` (by qualified ref); None when it is
+    unknown or not visible to it (the same answer, so another tenant's names do not leak)."""
+    for candidate in dataset_candidates(ref, tenant):
+        record = records.get(candidate)
+        if record is not None and dataset_visible(record, tenant):
+            return record
+    return None
 
 
 class NodeRecord(Record):

@@ -26,12 +26,16 @@ from trainyard_common.records import (
     ArtifactRecord,
     CheckpointRecord,
     DatasetRecord,
+    DatasetRejection,
     JobRecord,
     NodeRecord,
     Progress,
     Record,
     TenantToken,
     TokenRole,
+    dataset_candidates,
+    dataset_visible,
+    resolve_dataset,
 )
 
 R = TypeVar("R", bound=Record)
@@ -39,7 +43,8 @@ R = TypeVar("R", bound=Record)
 
 class Keys:
     jobs = "ty:jobs"
-    datasets = "ty:datasets"
+    datasets = "ty:datasets"  # hash qualified ref (tenant/name@version, name@version) → JSON DatasetRecord
+    dataset_rejections = "ty:dataset-rejections"  # hash qualified ref → JSON DatasetRejection (the latest refusal)
     nodes = "ty:nodes"
     tokens = "ty:tokens"  # hash sha256(token) → JSON TenantToken (revoked ones kept, with revokedAt)
     tenants = "ty:tenants"  # hash tenant → JSON TenantRecord (api)
@@ -303,8 +308,20 @@ class StateStore:
                     continue
 
     async def get_dataset(self, ref: str) -> DatasetRecord | None:
+        """The verified version under its qualified ref (no visibility check: see resolve_dataset)."""
         raw = await self.redis.hget(Keys.datasets, ref)
         return DatasetRecord.model_validate_json(raw) if raw else None
+
+    async def resolve_dataset(self, ref: str, tenant: str | None) -> DatasetRecord | None:
+        """What ``ref`` (qualified or not) names for ``tenant``; None when unknown or not visible to it."""
+        candidates = dataset_candidates(ref, tenant)
+        raws = await self.redis.hmget(Keys.datasets, candidates)
+        records = {c: DatasetRecord.model_validate_json(raw) for c, raw in zip(candidates, raws) if raw}
+        return resolve_dataset(ref, tenant, records)
+
+    async def get_dataset_rejection(self, ref: str) -> DatasetRejection | None:
+        raw = await self.redis.hget(Keys.dataset_rejections, ref)
+        return DatasetRejection.model_validate_json(raw) if raw else None
 
     async def put_dataset(self, record: DatasetRecord) -> None:
         await self.redis.hset(Keys.datasets, record.ref, record.dumps())
@@ -313,8 +330,10 @@ class StateStore:
         """Record a dataset version unless one is recorded already (first publish wins)."""
         return bool(await self.redis.hsetnx(Keys.datasets, record.ref, record.dumps()))
 
-    async def list_datasets(self) -> list[DatasetRecord]:
-        return await self._hvals(Keys.datasets, DatasetRecord)
+    async def list_datasets(self, tenant: str | None = None, *, every: bool = False) -> list[DatasetRecord]:
+        """The verified versions ``tenant`` may see (``every``: all of them, for operators and tests)."""
+        records = await self._hvals(Keys.datasets, DatasetRecord)
+        return records if every else [r for r in records if dataset_visible(r, tenant)]
 
     # nodes ------------------------------------------------------------------
     async def list_nodes(self) -> list[NodeRecord]:

@@ -210,8 +210,7 @@ class Run:
 
     @property
     def dataset_manifest_path(self) -> Path:
-        name, version = self.spec.dataset.split("@", 1)
-        return self.layout.dataset_dir(name, version) / MANIFEST_FILE
+        return self.layout.dataset_ref_dir(self.spec.dataset) / MANIFEST_FILE
 
     def dataset(self) -> DatasetManifest:
         """The manifest of the spec's dataset (tokenizer, vocabulary size, shards)."""

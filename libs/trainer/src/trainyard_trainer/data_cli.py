@@ -2,7 +2,7 @@
 
     trainyard-data prepare --name tinycorpus --version v1 [--artifact-root PATH]
     trainyard-data verify  --name tinycorpus --version v1 [--artifact-root PATH]
-    trainyard-data import  --name NAME --version V [--tokenizer tokenizer.json] INPUT...
+    trainyard-data import  --name NAME --version V [--tenant T] [--tokenizer tokenizer.json] INPUT...
 
 ``prepare`` builds the tinycorpus example; ``import`` builds a version from your own files
 (.txt, .jsonl, .parquet; .gz/.zst; directories, globs, fsspec URLs) with your tokenizer.json
@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
 from trainyard_common.errors import TrainyardError
+from trainyard_common.events import dataset_key
 from trainyard_common.exitcodes import DATA, ERROR, OK
 from trainyard_common.settings import ServiceSettings, load_settings
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
@@ -55,6 +57,10 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
             p.add_argument("--name", default="tinycorpus")
             p.add_argument("--version", default="v1")
         p.add_argument("--artifact-root", type=Path, default=default_root)
+        if command != "prepare":
+            p.add_argument("--tenant", type=_tenant, default=None,
+                           help="the owning tenant: its files go under tenants/<tenant>/datasets/ "
+                                "(default: the platform's, under datasets/)")
         if command == "prepare":
             p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
             p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
@@ -83,6 +89,12 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _tenant(text: str) -> str:
+    if not re.match(r"^[a-z0-9][a-z0-9._-]{0,62}$", text):
+        raise argparse.ArgumentTypeError(f"not a tenant name (lower-case letters, digits, . _ -): {text!r}")
+    return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -96,7 +108,8 @@ def run_import(args: argparse.Namespace) -> tuple[Path, str, DatasetManifest]:
     options = ImportOptions(text_field=args.text_field, column=args.column, skip_bad=args.skip_bad,
                             eos_token=args.eos_token, vocab_size=args.vocab_size, shard_tokens=args.shard_tokens)
     result = import_dataset(args.artifact_root, args.name, args.version, args.inputs, tokenizer=args.tokenizer,
-                            options=options, workers=args.workers, progress=not args.no_progress)
+                            options=options, workers=args.workers, progress=not args.no_progress,
+                            tenant=args.tenant)
     return result.manifest_path, result.sha256, result.manifest
 
 
@@ -128,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "import":
             path, sha, manifest = run_import(args)
         else:
-            path = ArtifactLayout(args.artifact_root).dataset_dir(args.name, args.version) / MANIFEST_FILE
+            path = ArtifactLayout(args.artifact_root).dataset_dir(args.name, args.version, args.tenant) / MANIFEST_FILE
             manifest = load_dataset_manifest(path)
             if problems := verify_dataset(path.parent, manifest):
-                print(f"error: {args.name}@{args.version} does not verify: {'; '.join(problems)}", file=sys.stderr)
+                ref = dataset_key(args.tenant, args.name, args.version)
+                print(f"error: {ref} does not verify: {'; '.join(problems)}", file=sys.stderr)
                 return DATA
             sha = sha256_file(path)
     except TrainyardError as exc:

@@ -784,6 +784,7 @@ def import_dataset(
     workers: int | None = None,
     progress: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    tenant: str | None = None,
 ) -> ImportResult:
     """Build dataset ``name@version`` under the artifact ``root`` from ``inputs``.
 
@@ -794,7 +795,7 @@ def import_dataset(
     """
     started = time.monotonic()
     workers = max(1, workers or os.cpu_count() or 1)
-    final = ArtifactLayout(root).dataset_dir(name, version)
+    final = ArtifactLayout(root).dataset_dir(name, version, tenant)  # a tenant's under its prefix
     manifest_path = final / MANIFEST_FILE
 
     # 1. inputs and tokenizer

@@ -40,8 +40,8 @@ from trainyard_common.errors import (
 )
 from trainyard_common.events import JobState
 from trainyard_common.outbox import Outbox
-from trainyard_common.records import DatasetRecord, TenantToken
-from trainyard_common.spec import ARCHIVE_PATTERN, REF_PATTERN
+from trainyard_common.records import TenantToken
+from trainyard_common.spec import ARCHIVE_PATTERN, DATASET_REF_PATTERN
 from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import StateStore
 from trainyard_common.tracing import current_traceparent
@@ -52,6 +52,7 @@ from trainyard_api.audit import AuditLog, outcome_of
 from trainyard_api.auth import ForbiddenError, authenticate, require
 from trainyard_api.bodies import (
     TENANT_PATTERN,
+    DatasetPublishBody,
     SubmittedSpec,
     TenantCreateBody,
     TenantSettingsBody,
@@ -61,6 +62,7 @@ from trainyard_api.bodies import (
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.code import ArchiveTooLargeError, CodeService, CodeStore, GitSource, too_large_message
+from trainyard_api.datasets import DatasetService
 from trainyard_api.jobs import JobService
 from trainyard_api.roles import Right, may_grant, rights
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
@@ -73,6 +75,8 @@ from trainyard_api.schemas import (
     CodeArchiveView,
     ControlResponse,
     DatasetList,
+    DatasetPublished,
+    DatasetView,
     DrainResponse,
     ErrorMessage,
     FieldErrors,
@@ -209,6 +213,10 @@ class ApiContext:
                                      local_repos=s.api_git_local_repos))
 
     @property
+    def datasets(self) -> DatasetService:
+        return DatasetService(self.store, self.outbox, ArtifactLayout(self.settings.artifact_root_abs))
+
+    @property
     def admin(self) -> AdminService:
         return AdminService(self.store, self.outbox)
 
@@ -328,6 +336,7 @@ Admin = Annotated[TenantToken, _may(Right.NODES)]
 _SUBMIT = _may(Right.SUBMIT, "job.submit")
 _UPLOAD = _may(Right.SUBMIT, "code.upload")
 _TRIGGER_CREATE = _may(Right.SUBMIT, "trigger.create")
+_PUBLISH = _may(Right.SUBMIT, "dataset.publish")
 _TENANT_CREATE = _may(Right.MANAGE_TENANTS, "tenant.create")
 _TENANT_UPDATE = _may(Right.MANAGE_TENANTS, "tenant.update")
 _TOKEN_CREATE = _may(Right.MANAGE_TOKENS, "token.create")
@@ -339,6 +348,7 @@ TriggerCreator = Annotated[TenantToken, _TRIGGER_CREATE]
 TriggerDeleter = Annotated[TenantToken, _may(Right.SUBMIT, "trigger.delete")]
 TriggerId = Annotated[str, Path(pattern=r"^trg-[0-9a-f]{12}$", description="the trigger's id, `trg-` + 12 hex",
                                 examples=["trg-5c1d9e0a7b2f"])]
+Publisher = Annotated[TenantToken, _PUBLISH]
 NodeReinstater = Annotated[TenantToken, _may(Right.NODES, "node.reinstate", platform=True)]
 NodeDrainer = Annotated[TenantToken, _may(Right.NODES, "node.drain", platform=True)]
 NodeUndrainer = Annotated[TenantToken, _may(Right.NODES, "node.undrain", platform=True)]
@@ -895,15 +905,40 @@ def _install_other_routes(app: FastAPI) -> None:
     @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"], summary="List datasets",
              responses=_AUTH_ERRORS)
     async def list_datasets(ctx: Ctx, tenant: Tenant) -> DatasetList:
-        return DatasetList(datasets=await ctx.jobs.datasets())
+        """The verified versions the caller may train on: its tenant's, the platform's, and those shared
+        with its tenant (`tenant` is the owner, null for the platform's; `sharedWith` whom it is shared with)."""
+        return DatasetList(tenant=tenant.tenant, datasets=await ctx.datasets.list(tenant))
 
-    @app.get("/v1/datasets/{ref}", response_model=DatasetRecord, tags=["datasets"], summary="Get a dataset",
-             responses={**_AUTH_ERRORS, **_error(404, "not published"), **_invalid()})
+    @app.post("/v1/datasets", status_code=202, response_model=DatasetPublished, tags=["datasets"],
+              summary="Publish a dataset version", dependencies=[_strict_body(DatasetPublishBody, _PUBLISH)],
+              responses={
+                  202: {"headers": {"Location": {"description": "where to poll the version's state",
+                                                 "required": True, "schema": {"type": "string"}}}},
+                  **_AUTH_ERRORS, **_NOT_JSON, **_invalid("a body field out of bounds, named by field")})
+    async def publish_dataset(ctx: Ctx, tenant: Publisher, request: Request, response: Response,
+                              body: DatasetPublishBody) -> DatasetPublished:
+        """Announce a version of the caller's tenant whose files are in place under its prefix
+        (`tenants/<tenant>/datasets/<name>/<version>/`, see `trainyard datasets import`). The registry
+        verifies the manifest's sha256 and every shard before the version is visible; `GET` the
+        `Location` to see it `verified`, or `rejected` with the reason. Submitter or above."""
+        published = await ctx.datasets.publish(tenant, body)
+        request.state.audit_target = f"dataset/{published.dataset}"
+        response.headers["Location"] = f"{ctx.settings.public_url}/v1/datasets/{published.dataset}"
+        return published
+
+    @app.get("/v1/datasets/{ref:path}", response_model=DatasetView, tags=["datasets"], summary="Get a dataset",
+             responses={**_AUTH_ERRORS, **_error(404, "not published, not verified, or not visible to the "
+                                                      "caller's tenant"), **_invalid()})
     async def get_dataset(
         ctx: Ctx, tenant: Tenant,
-        ref: Annotated[str, Path(pattern=REF_PATTERN, description="name@version", examples=["tinycorpus@v1"])],
-    ) -> DatasetRecord:
-        return await ctx.jobs.dataset(ref)
+        ref: Annotated[str, Path(pattern=DATASET_REF_PATTERN, max_length=256,
+                                 description="name@version (the caller's own, else the platform's) or "
+                                             "tenant/name@version",
+                                 examples=["tinycorpus@v1"])],
+    ) -> DatasetView:
+        """A verified version the caller may use; for the version's owner, also one the registry
+        rejected (`state` rejected, with `reason` and `problems`). Anything else is a 404."""
+        return await ctx.datasets.get(tenant, ref)
 
     @app.get("/healthz", response_model=Health, tags=["operations"], summary="Liveness and readiness",
              responses={503: {"model": Health, "description": "Redis or the broker is unavailable"}})

@@ -185,6 +185,20 @@ class TenantCreateBody(TenantSettingsBody):
     tenant: str = Field(pattern=TENANT_PATTERN, description="the new tenant's name", examples=["research"])
 
 
+class DatasetPublishBody(_AdminBody):
+    """A version of the caller's tenant whose files are in place under its prefix
+    (``tenants/<tenant>/datasets/<name>/<version>/``, e.g. by ``trainyard datasets import``)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", examples=["wiki-en"])
+    version: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                         examples=["2026-12-01"])
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of its manifest.json")
+    shared_with: list[Annotated[str, Field(pattern=r"^(\*|[a-z0-9][a-z0-9._-]{0,62})$")]] = Field(
+        default=[], max_length=256, description='other tenants that may train on it; ["*"]: every tenant')
+    tokenizer: str | None = Field(default=None, max_length=256)
+    num_tokens: int | None = Field(default=None, ge=0, le=MAX_SAFE_INTEGER)
+
+
 class TokenCreateBody(_AdminBody):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]*$",
                       description="a label (shown as submittedBy and in the audit log)", examples=["ci-pipeline"])

@@ -28,7 +28,6 @@ from trainyard_common.outbox import Outbox
 from trainyard_common.records import (
     ArtifactRecord,
     CheckpointRecord,
-    DatasetRecord,
     JobRecord,
     Progress,
     TenantToken,
@@ -174,8 +173,11 @@ class JobService:
             if self.code is None:
                 raise InvalidSpecError([FieldProblem("code", "this API takes no code: submit without code")])
             spec, problems = await self.code.pin(spec, token.tenant)
-        dataset = await self.store.get_dataset(spec.dataset)
+        # the dataset as this tenant may use it; the stored spec (and its hash) names it qualified
+        dataset = await self.store.resolve_dataset(spec.dataset, token.tenant)
         problems.extend(check_references(spec, catalog=self.catalog, dataset_known=dataset is not None))
+        if dataset is not None and dataset.ref != spec.dataset:
+            spec = spec.model_copy(update={"dataset": dataset.ref})
         if spec.init_from is not None:
             parent = await self.store.get_job(spec.init_from.job_id)
             known = parent is not None and parent.tenant == token.tenant
@@ -296,18 +298,6 @@ class JobService:
     async def artifacts(self, token: TenantToken, job_id: str) -> list[ArtifactRecord]:
         await self.get(token, job_id)
         return [a for a in await self.store.list_artifacts(job_id) if a.tenant == token.tenant]
-
-    async def dataset(self, ref: str) -> DatasetRecord:
-        record = await self.store.get_dataset(ref)
-        if record is None:
-            raise NotFoundError(
-                f"no dataset {ref!r} in the registry; `make data` (or `trainyard dev data`) "
-                "publishes the example tinycorpus@v1"
-            )
-        return record
-
-    async def datasets(self) -> list[DatasetRecord]:
-        return sorted(await self.store.list_datasets(), key=lambda d: (d.name, d.version))
 
     # control ------------------------------------------------------------------
     async def control(

@@ -250,7 +250,23 @@ class ArtifactList(_Out):
 
 
 class DatasetList(_Out):
-    datasets: list[DatasetRecord]
+    tenant: str = Field(description="the caller's tenant: its own versions live under tenants/<tenant>/datasets/")
+    datasets: list[DatasetRecord] = Field(description="the verified versions the caller may use: its own, "
+                                                      "the platform's, and those shared with its tenant")
+
+
+class DatasetView(DatasetRecord):
+    """A dataset version: verified (usable), or — shown to its owner only — rejected, with why."""
+
+    state: Literal["verified", "rejected"]
+    reason: str | None = Field(default=None, description="why the registry refused it (state rejected)")
+    problems: list[str] = Field(default=[], description="each thing the registry found wrong")
+
+
+class DatasetPublished(_Out):
+    dataset: str = Field(description="its qualified ref, tenant/name@version", examples=["acme/wiki-en@2026-12-01"])
+    state: Literal["pending"] = "pending"
+    manifest_uri: str = Field(description="where the registry reads and verifies its manifest")
 
 
 class Health(_Out):

@@ -306,9 +306,10 @@ def check_references(
     if not dataset_known:
         problems.append(FieldProblem(
             "dataset",
-            f"unknown dataset {spec.dataset!r}: it is not in the dataset registry. Publish it first "
-            "(a DatasetVersionPublished event; `make data` or `trainyard dev data` builds and publishes "
-            "the example tinycorpus@v1); GET /v1/datasets lists what is published",
+            f"unknown dataset {spec.dataset!r}: no verified version of that name your tenant may use "
+            "(its own, the platform's, or one shared with it). Publish it first (POST /v1/datasets or "
+            "`trainyard datasets import --publish`; `make data` or `trainyard dev data` publishes the example "
+            "tinycorpus@v1); GET /v1/datasets lists what you may use",
         ))
     return problems
 

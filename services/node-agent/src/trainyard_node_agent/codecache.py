@@ -157,10 +157,9 @@ class RankPaths:
 def rank_paths(layout: ArtifactLayout, *, tenant: str, job_id: str, attempt: int, rank: int, dataset: str,
                code_dir: Path, working_dir: str | None) -> RankPaths:
     """The paths of one rank of user code (no I/O)."""
-    name, _, version = dataset.partition("@")
     attempt_dir = layout.attempt_dir(tenant, job_id, attempt)
     return RankPaths(
-        code_dir=code_dir, cwd=code_dir / (working_dir or "."), datasets=(layout.dataset_dir(name, version),),
+        code_dir=code_dir, cwd=code_dir / (working_dir or "."), datasets=(layout.dataset_ref_dir(dataset),),
         checkpoints=layout.checkpoints_dir(tenant, job_id), scratch=attempt_dir / "scratch" / f"rank-{rank}",
         attempt_dir=attempt_dir,
     )

@@ -102,8 +102,8 @@ class Confinement:
 
 
 def dataset_dir(layout: ArtifactLayout, dataset: str) -> Path:
-    name, _, version = dataset.partition("@")
-    return layout.dataset_dir(name, version)
+    """The spec's dataset (qualified: a tenant's under its prefix, else the platform's)."""
+    return layout.dataset_ref_dir(dataset)
 
 
 def scrubbed(base_env: Mapping[str, str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
-"""trainyard registry: artifacts (checkpoints, final models) and their lineage.
+"""trainyard registry: verified dataset versions, artifacts (checkpoints, final models) and their lineage.
 
-Pure record building is in :mod:`.lineage`; :class:`Registry` is the I/O shell;
+Pure record building is in :mod:`.lineage`, the checks a published dataset version must pass in
+:mod:`.verification`; :class:`Registry` is the I/O shell;
 :func:`build_service` wires it into a ``ServiceRuntime``.
 """
 
@@ -14,6 +15,7 @@ from trainyard_registry.lineage import (
 )
 from trainyard_registry.registry import Registry, build_service
 from trainyard_registry.settings import RegistrySettings
+from trainyard_registry.verification import version_problems
 
 __all__ = [
     "Registry",
@@ -25,4 +27,5 @@ __all__ = [
     "dataset_conflict",
     "model_artifact",
     "model_config_ref",
+    "version_problems",
 ]

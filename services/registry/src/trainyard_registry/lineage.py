@@ -12,17 +12,20 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID, uuid4
 
-from trainyard_common.events import CheckpointReady, DatasetVersionPublished
+from trainyard_common.events import ArtifactRegistered, CheckpointReady, DatasetRejected, DatasetVersionPublished
 from trainyard_common.records import (
     ArtifactRecord,
     CheckpointRecord,
     DatasetRecord,
+    DatasetRejection,
     JobRecord,
     Lineage,
     checkpoint_id,
 )
 from trainyard_common.events import ArtifactLineage, ArtifactRegistered, ArtifactRetired
-from trainyard_common.spec import TrainingSpec, canonical_json
+from trainyard_common.spec import DatasetRef, TrainingSpec, canonical_json
+
+from trainyard_registry.verification import MAX_PROBLEMS, rejection_reason
 
 ArtifactType = Literal["checkpoint", "model"]
 
@@ -219,9 +222,12 @@ def retired_notice(artifact: ArtifactRecord, *, now: datetime, event_id: UUID | 
 
 
 def dataset_record(event: DatasetVersionPublished, *, now: datetime) -> DatasetRecord:
+    """The record of a verified version, owned by the event's tenant (None: the platform's)."""
     return DatasetRecord(
         name=event.name,
         version=event.version,
+        tenant=event.tenant,
+        shared_with=sorted(set(event.shared_with)),
         manifest_uri=event.manifest_uri,
         sha256=event.sha256,
         tokenizer=event.tokenizer,
@@ -230,23 +236,44 @@ def dataset_record(event: DatasetVersionPublished, *, now: datetime) -> DatasetR
     )
 
 
-def dataset_conflict(existing: DatasetRecord, new: DatasetRecord) -> str | None:
+def dataset_conflict(existing: DatasetRecord, new: DatasetVersionPublished | DatasetRecord) -> str | None:
     """Why ``new`` may not replace ``existing`` (None for an idempotent re-publish).
 
-    A dataset version is immutable: the same name@version with other content is refused.
+    A dataset version is immutable: the same ref with other content is refused.
     """
     if existing.sha256 != new.sha256:
         return (
-            f"dataset {existing.ref} was published with sha256 {existing.sha256}; "
+            f"dataset {existing.ref} was already published with sha256 {existing.sha256}; "
             f"a re-publish with sha256 {new.sha256} is refused (a new version needs a new name@version)"
         )
     return None
 
 
-def split_ref(ref: str) -> tuple[str, str]:
-    """``name@version`` → (name, version)."""
-    name, _, version = ref.partition("@")
-    return name, version
+def dataset_registered(record: DatasetRecord, *, now: datetime) -> ArtifactRegistered:
+    """The public announcement of a verified version (staged with its record)."""
+    return ArtifactRegistered(
+        occurred_at=now, artifact_id=record.ref, kind="dataset", tenant=record.tenant, uri=record.manifest_uri,
+        hash=record.sha256, dataset=record.ref, shared_with=record.shared_with, tokenizer=record.tokenizer,
+        num_tokens=record.num_tokens,
+    )
+
+
+def dataset_rejection(
+    event: DatasetVersionPublished, problems: Sequence[str], *, now: datetime
+) -> tuple[DatasetRejection, DatasetRejected]:
+    """The refusal of a published version: the record the API shows its owner, and the event."""
+    reason = rejection_reason(problems)
+    record = DatasetRejection(
+        name=event.name, version=event.version, tenant=event.tenant, manifest_uri=event.manifest_uri,
+        sha256=event.sha256, reason=reason, problems=list(problems[:MAX_PROBLEMS]),
+        published_event_id=str(event.event_id), rejected_at=now,
+    )
+    rejected = DatasetRejected(
+        occurred_at=now, name=event.name, version=event.version, tenant=event.tenant,
+        manifest_uri=event.manifest_uri, sha256=event.sha256, reason=reason, problems=record.problems,
+        published_event_id=event.event_id,
+    )
+    return record, rejected
 
 
 def tokenizer_ref(value: Any) -> str | None:
@@ -266,11 +293,12 @@ def dataset_from_manifest(
     ref: str, manifest_uri: str, sha256: str, manifest: Mapping[str, Any], *, now: datetime
 ) -> DatasetRecord:
     """A dataset record read from the dataset's manifest on disk (no DatasetVersionPublished seen)."""
-    name, version = split_ref(ref)
+    tenant, name, version = DatasetRef.parse(ref)
     num_tokens = manifest.get("numTokens", manifest.get("num_tokens"))
     return DatasetRecord(
         name=name,
         version=version,
+        tenant=tenant,
         manifest_uri=manifest_uri,
         sha256=sha256,
         tokenizer=tokenizer_ref(manifest.get("tokenizer")),

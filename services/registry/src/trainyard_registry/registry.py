@@ -1,7 +1,9 @@
 """The registry's I/O shell: datasets, checkpoint artifacts and model artifacts with lineage.
 
-* DATASETS / DatasetVersionPublished → ``DatasetRecord`` (first publish wins; a different
-  sha256 for the same name@version is refused and dead-lettered);
+* DATASETS / DatasetVersionPublished → verified (manifest under its owner's prefix, its sha256,
+  every shard's size and sha256: :mod:`.verification`) → ``DatasetRecord`` keyed by the qualified
+  ref + ArtifactRegistered(kind="dataset") in one MULTI; else a ``DatasetRejection`` +
+  DatasetRejected (also for a different sha256 of a ref recorded already: the first stays);
 * CHECKPOINTS / CheckpointReady → ``ArtifactRecord`` type "checkpoint" (one for a checkpoint that was
   READY and is DELETED or refused since is recorded already retired, never dead-lettered);
 * CHECKPOINTS / CheckpointRefused → that checkpoint's artifact is marked retired;
@@ -26,10 +28,12 @@ is never blocked forever.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -37,7 +41,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, NotFoundError
+from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import (
     CHECKPOINTS,
     DATASETS,
@@ -48,6 +52,7 @@ from trainyard_common.events import (
     DatasetVersionPublished,
     Event,
     JobStateChanged,
+    dataset_key,
     utcnow,
 )
 from trainyard_common.records import (
@@ -60,7 +65,7 @@ from trainyard_common.records import (
 )
 from trainyard_common.outbox import Outbox
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
+from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file, uri_to_path
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_registry.lineage import (
@@ -68,6 +73,8 @@ from trainyard_registry.lineage import (
     dataset_conflict,
     dataset_from_manifest,
     dataset_record,
+    dataset_registered,
+    dataset_rejection,
     model_artifact,
     ready_mismatch,
     registered,
@@ -75,9 +82,17 @@ from trainyard_registry.lineage import (
     retired_notice,
     retired_since_ready,
     retirements,
-    split_ref,
 )
 from trainyard_registry.settings import RegistrySettings
+from trainyard_registry.verification import (
+    FileSeen,
+    Listed,
+    VersionSeen,
+    listed_files,
+    plain_file_name,
+    ref_problem,
+    version_problems,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +147,81 @@ class Registry:
 
     # ------------------------------------------------------------------ datasets
     async def on_dataset_published(self, event: DatasetVersionPublished) -> None:
-        """Record a dataset version; the first publish of a name@version wins."""
-        record = dataset_record(event, now=self.clock())
-        if await self.redis.hsetnx(Keys.datasets, record.ref, record.dumps()):
-            log.info("dataset %s recorded (%s)", record.ref, record.sha256)
+        """Verify a published version, then record it for its tenant and announce it (ArtifactRegistered),
+        or record and announce why not (DatasetRejected). The first verified publish of a ref wins."""
+        ref = dataset_key(event.tenant, event.name, event.version)
+        existing = await self.store.get_dataset(ref) if ref_problem(event) is None else None
+        if existing is None:
+            problems = await self._verify(event)
+            if not problems:
+                record = dataset_record(event, now=self.clock())
+                if (existing := await self._record_dataset(record)) is None:
+                    log.info("dataset %s verified and recorded (%s)", ref, record.sha256)
+                    return
+        if existing is not None:  # recorded before (or by a racing publish)
+            if (conflict := dataset_conflict(existing, event)) is None:
+                log.info("dataset %s re-published with the same sha256: nothing to do", ref)
+                return
+            problems = [conflict]
+        await self._reject(event, problems)
+
+    async def _verify(self, event: DatasetVersionPublished) -> list[str]:
+        if problem := ref_problem(event):
+            return [problem]
+        return version_problems(event, await asyncio.to_thread(self._read_version, event))
+
+    def _read_version(self, event: DatasetVersionPublished) -> VersionSeen:
+        """What the event points at, read from the artifact store (blocking: run in a thread)."""
+        expected = self.layout.dataset_dir(event.name, event.version, event.tenant)
+        try:
+            path = uri_to_path(event.manifest_uri).resolve()
+        except (StateStoreError, OSError, RuntimeError):
+            return VersionSeen(expected_dir=str(expected), manifest_path=None, inside=False)
+        if not (path.is_relative_to(expected) and path.is_file()):
+            return VersionSeen(expected_dir=str(expected), manifest_path=str(path), inside=False)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return VersionSeen(expected_dir=str(expected), manifest_path=str(path), inside=True)
+        try:
+            manifest: Any = json.loads(raw)
+        except ValueError:
+            manifest = None
+        files = {item.file: _file_seen(path.parent, item) for item in listed_files(manifest)
+                 if plain_file_name(item.file)}
+        return VersionSeen(expected_dir=str(expected), manifest_path=str(path), inside=True,
+                           sha256=hashlib.sha256(raw).hexdigest(), manifest=manifest, files=files)
+
+    async def _record_dataset(self, record: DatasetRecord) -> DatasetRecord | None:
+        """Record a verified version and stage its ArtifactRegistered in one MULTI; the version recorded
+        before instead, when there is one (nothing is written then)."""
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(Keys.datasets)
+                    if raw := await pipe.hget(Keys.datasets, record.ref):
+                        return DatasetRecord.model_validate_json(raw)
+                    pipe.multi()
+                    pipe.hset(Keys.datasets, record.ref, record.dumps())
+                    pipe.hdel(Keys.dataset_rejections, record.ref)
+                    self.outbox.stage(pipe, dataset_registered(record, now=self.clock()))
+                    await pipe.execute()
+                    return None
+                except WatchError:
+                    continue
+
+    async def _reject(self, event: DatasetVersionPublished, problems: list[str]) -> None:
+        """Keep why the version was refused (apart from verified ones) and stage DatasetRejected, once per
+        published event (a re-delivery changes nothing)."""
+        record, rejected = dataset_rejection(event, problems, now=self.clock())
+        previous = await self.store.get_dataset_rejection(record.ref)
+        if previous is not None and previous.published_event_id == record.published_event_id:
             return
-        existing = await self.store.get_dataset(record.ref)
-        if existing is not None and (problem := dataset_conflict(existing, record)):
-            log.error("%s", problem)
-            raise ConflictError(problem)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(Keys.dataset_rejections, record.ref, record.dumps())
+            self.outbox.stage(pipe, rejected)
+            await pipe.execute()
+        log.warning("dataset %s rejected: %s", record.ref, record.reason)
 
     # ------------------------------------------------------------------ checkpoints
     async def on_checkpoint_ready(self, event: CheckpointReady) -> None:
@@ -275,7 +356,7 @@ class Registry:
         return record
 
     def _dataset_from_disk(self, ref: str) -> DatasetRecord | None:
-        path = self.layout.dataset_dir(*split_ref(ref)) / "manifest.json"
+        path = self.layout.dataset_ref_dir(ref) / "manifest.json"
         try:
             manifest: Any = json.loads(path.read_bytes())
             digest = sha256_file(path)
@@ -283,6 +364,20 @@ class Registry:
             return None
         manifest = manifest if isinstance(manifest, dict) else {}
         return dataset_from_manifest(ref, path_to_uri(path), digest, manifest, now=self.clock())
+
+
+def _file_seen(directory: Path, item: Listed) -> FileSeen:
+    """The size and (streamed) sha256 of one listed file, if it is a regular file in ``directory``."""
+    path = directory / item.file
+    try:
+        if path.resolve().parent != directory or not path.is_file():
+            return FileSeen(size=None)
+        size = path.stat().st_size
+        if item.size is not None and size != item.size:
+            return FileSeen(size=size)
+        return FileSeen(size=size, sha256=sha256_file(path))
+    except OSError:
+        return FileSeen(size=None)
 
 
 def _annotate(job_id: str) -> None:

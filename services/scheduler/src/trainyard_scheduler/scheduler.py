@@ -507,6 +507,8 @@ class Scheduler:
         if existing and existing.spec_hash != event.spec_hash:
             log.warning("JobSubmitted for %s carries spec %s but the job has %s; keeping the stored job",
                         event.job_id, event.spec_hash, existing.spec_hash)
+        if existing and existing.state not in TERMINAL_STATES and await self._refuse_dataset(existing):
+            return
         if existing and existing.state not in TERMINAL_STATES:
             await self.redis.sadd(SchedulerKeys.active, event.job_id)
             if created:
@@ -514,6 +516,16 @@ class Scheduler:
         log.info("job %s %s (tenant %s, %d %s devices)", event.job_id,
                  "created from JobSubmitted" if created else "already known",
                  event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
+
+    async def _refuse_dataset(self, job: JobRecord) -> bool:
+        """Fail (never place) a job whose dataset its tenant may not read; True when it was refused."""
+        record = await self.store.get_dataset(job.spec.dataset)
+        if (reason := tr.dataset_refusal(job.spec.dataset, job.tenant, record)) is None:
+            return False
+        log.warning("job %s of tenant %s refused: %s", job.job_id, job.tenant, reason)
+        await self._mutate(job.job_id, lambda current, _: tr.fail_unstartable(current, reason, self.clock()),
+                           label="dataset refused")
+        return True
 
     async def on_control(self, event: JobControlRequested) -> None:
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:

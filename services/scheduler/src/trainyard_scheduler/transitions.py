@@ -70,7 +70,15 @@ from trainyard_common.events import (
     WorkerStarted,
 )
 from trainyard_common.exitcodes import RETRYABLE_REASONS
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, expects_final_checkpoint
+from trainyard_common.records import (
+    AttemptRecord,
+    CheckpointRecord,
+    DatasetRecord,
+    JobRecord,
+    dataset_visible,
+    expects_final_checkpoint,
+)
+from trainyard_common.spec import DatasetRef
 
 from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
@@ -277,6 +285,26 @@ def fail_unstartable(job: JobRecord, reason: str, now: datetime) -> Outcome:
     events: list[Event] = []
     _set_state(new, "failed", events, reason=f"config: {reason} (not retryable)")
     return Outcome(new, events, note=f"job failed: {reason}")
+
+
+def dataset_refusal(dataset: str, tenant: str, record: DatasetRecord | None) -> str | None:
+    """Why a job of ``tenant`` may not read ``dataset`` (its spec's ref, as the readers take it: qualified,
+    or the platform's); None when it may. ``record`` is the verified version under that ref, if any.
+
+    The API accepts only visible versions and stores the ref qualified, so this refuses what reached the
+    bus some other way (a forged JobSubmitted). A platform ref with no record passes: the platform's
+    files are every tenant's (a stack whose example data predates verification); a tenant's never does.
+    """
+    try:
+        owner = DatasetRef.parse(dataset).tenant
+    except ValueError:
+        owner = "?"
+    if record is not None and dataset_visible(record, tenant):
+        return None
+    if record is None and owner is None:
+        return None
+    return (f"dataset {dataset!r} is not a verified version tenant {tenant!r} may use "
+            "(not published, not verified, or not shared with it)")
 
 
 def security_violation(job: JobRecord, event: SecurityViolation, now: datetime) -> Outcome:
