@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 
@@ -21,7 +23,9 @@ from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
-from trainyard_common.storage import sha256_file, uri_to_path
+from trainyard_common.storage import ArtifactLayout, sha256_file, uri_to_path
+from tests.support import corpora
+from tests.support.cli import trainyard
 from tests.support.downstream import RegistryFollower
 from tests.support.otlp import OtlpSink
 
@@ -219,6 +223,83 @@ def test_a_downstream_consumer_follows_the_registry_feed(stack: LocalStack, data
     assert (gone["kind"], gone["uri"], gone["hash"]) == ("checkpoint", step10["uri"], step10["hash"])
     assert "deleted by retention" in gone["reason"]
     assert not uri_to_path(gone["uri"]).exists()  # retired: its manifest is gone
+
+
+def test_a_users_corpus_and_tokenizer_land_and_a_trigger_trains_on_them(
+    stack: LocalStack, dataset: str, tmp_path: Path,
+) -> None:
+    """Data in, as an upstream pipeline brings it: a trigger waits for the tenant's `user-corpus`; a JSONL
+    corpus (plain and gzip) is imported with the user's own tokenizer.json of 70,000 tokens (uint32 ids) and
+    published (`trainyard datasets import --publish`); the registry verifies it; the trigger submits one job on
+    the new version, which trains on it; the artifacts name that version in their lineage; and the tokens the
+    loader reads back decode to the original documents."""
+    from tokenizers import Tokenizer
+
+    from trainyard_trainer.data import TokenDataset
+
+    vocabulary = corpora.words()
+    tokenizer = corpora.train_bpe(tmp_path / "tokenizer.json", vocabulary)
+    documents = corpora.documents(vocabulary, count=300)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "part-0.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(documents[:150])))
+    (tmp_path / "corpus" / "part-1.jsonl.gz").write_bytes(gzip.compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in documents[150:]).encode(), mtime=0))
+
+    template = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    del template["dataset"]
+    template |= {"name": "on-new-user-corpus",
+                 "modelConfig": {"vocabSize": corpora.LARGE_VOCAB, "nLayers": 1, "nHeads": 2, "dModel": 32,
+                                 "maxSeqLen": 32}}
+    template["training"] |= {"maxSteps": 4, "sequenceLength": 32, "lrSchedule": {"name": "constant"}}
+    template["checkpointPolicy"] = {"everySteps": 4, "keepLast": 1}
+    (tmp_path / "template.yaml").write_text(yaml.safe_dump(template))
+    made = trainyard(stack, "triggers", "create", "--dataset", "user-corpus", "--template",
+                     str(tmp_path / "template.yaml"), "--json")
+    assert made.returncode == 0, made.stdout + made.stderr
+    trigger_id = json.loads(made.stdout)["triggerId"]
+
+    imported = trainyard(stack, "datasets", "import", "--publish", "--name", "user-corpus", "--version", "v1",
+                         "--tokenizer", str(tokenizer), "--artifact-root", str(stack.s.artifact_root),
+                         "--workers", "2", "--no-progress", str(tmp_path / "corpus"), timeout_s=600)
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+
+    with client_for(stack) as client:
+        deadline = time.monotonic() + 120
+        while not (started := client.get(f"/v1/triggers/{trigger_id}").raise_for_status().json()["jobs"]):
+            assert time.monotonic() < deadline, "the trigger started no job on the verified version"
+            time.sleep(1.0)
+        ((ref, job_id),) = [(j["dataset"], j["jobId"]) for j in started]
+        assert ref == "dev/user-corpus@v1"
+        version = client.get(f"/v1/datasets/{ref}").raise_for_status().json()
+        job = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=300)
+        assert job["state"] == "succeeded", json.dumps(job)[:3000]
+        assert job["spec"]["dataset"] == ref and job["triggeredBy"]["triggerId"] == trigger_id
+        artifacts = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+        again = client.get(f"/v1/triggers/{trigger_id}").raise_for_status().json()["jobs"]
+
+    assert again == started  # one job for the version, however often it is announced
+    manifest_path = ArtifactLayout(stack.s.artifact_root).dataset_dir("user-corpus", "v1", "dev") / "manifest.json"
+    assert version["state"] == "verified" and version["sha256"] == sha256_file(manifest_path)
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["dtype"] == "uint32" and manifest["tokenizer"]["vocabSize"] == corpora.LARGE_VOCAB
+    assert manifest["tokenizer"]["sha256"] == sha256_file(tokenizer)  # the user's tokenizer, byte for byte
+    lineages = [a["lineage"] for a in artifacts["artifacts"]]
+    assert lineages and all(l["dataset"] == ref and l["datasetSha256"] == version["sha256"] for l in lineages)
+
+    # What the loader serves, read back from the version the job trained on, decodes to the documents.
+    data, seq = TokenDataset(manifest_path, 32), 32
+    shards = [np.fromfile(manifest_path.parent / s["file"], dtype="<u4") for s in manifest["shards"]]
+    for index, tokens in enumerate(shards):  # the windows of each shard, in order, are that shard
+        windows = [data.window(i) for i in range(len(data)) if data.locate(i)[0] == index]
+        served = np.concatenate([*(w[:seq] for w in windows), windows[-1][seq:]])
+        assert len(tokens) - len(served) < seq and np.array_equal(served, tokens[: len(served)])
+    stream = np.concatenate(shards)
+    assert int(stream.max()) > 65_535  # ids beyond uint16, stored and served
+    eos = manifest["importInfo"]["eosTokenId"]
+    decoder = Tokenizer.from_file(str(manifest_path.parent / "tokenizer.json"))
+    cuts = np.flatnonzero(stream == eos)
+    assert [decoder.decode(part[:-1].tolist()) for part in np.split(stream, cuts + 1)[:-1]] == documents
 
 
 def _set(fields: dict) -> dict:

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from tests.chaos.invariants import check_bitwise_identical
+from tests.support.cli import trainyard
 from tests.support.stack import running_stack
 from trainyard_cli.stack import LocalStack
 from trainyard_common.storage import uri_to_path
@@ -48,14 +48,6 @@ def client(stack: LocalStack) -> Iterator[httpx.Client]:
     token = stack.token_file.read_text().strip()
     with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
         yield c
-
-
-def trainyard(stack: LocalStack, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRAINYARD_TOKEN", "TRAINYARD_API_URL")}
-    token = stack.token_file.read_text().strip()
-    return subprocess.run(  # noqa: S603 - the CLI as a user runs it
-        [sys.executable, "-m", "trainyard_cli", "--api-url", stack.s.api_url, "--token", token, *args],
-        cwd=cwd, env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 def submit(stack: LocalStack, tmp: Path, example: str, **changes: Any) -> str:

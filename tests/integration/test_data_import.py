@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -27,43 +26,26 @@ from trainyard_common.errors import DataError
 from trainyard_trainer.data import TokenDataset
 from trainyard_trainer.data_import import ImportOptions, import_dataset
 
-VOCAB = 70_000
+from tests.support import corpora
+
+VOCAB = corpora.LARGE_VOCAB
 SEQ = 16
 
 
 @pytest.fixture(scope="module")
 def words() -> list[str]:
-    rng = random.Random(15)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return sorted({"".join(rng.choice(letters) for _ in range(rng.randint(5, 9))) for _ in range(80_000)})
+    return corpora.words()
 
 
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory: pytest.TempPathFactory, words: list[str]) -> Path:
     """A byte-level BPE trained to 70,000 tokens on text with ~80,000 distinct words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=1, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    lines = [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
-    tok.train_from_iterator(lines * 2, trainer=trainer)
-    assert tok.get_vocab_size() == VOCAB
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return corpora.train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json", words)
 
 
 @pytest.fixture(scope="module")
 def documents(words: list[str]) -> list[str]:
-    rng = random.Random(16)
-    punctuation = ["", ".", ",", "!", " —", "\n"]
-    return [
-        " ".join(rng.choice(words) + rng.choice(punctuation) for _ in range(rng.randint(1, 40)))
-        for _ in range(600)
-    ]
+    return corpora.documents(words)
 
 
 @pytest.fixture

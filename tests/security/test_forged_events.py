@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -29,6 +26,7 @@ import yaml
 
 from trainyard_cli.stack import LocalStack
 
+from tests.support.cli import trainyard
 from tests.support.stack import running_stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,17 +116,10 @@ def tenant_token(stack: LocalStack, tenant: str) -> str:
     return asyncio.run(issue())
 
 
-def trainyard(stack: LocalStack, token: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRAINYARD_TOKEN", "TRAINYARD_API_URL")}
-    return subprocess.run(  # noqa: S603 - the CLI as a user runs it
-        [sys.executable, "-m", "trainyard_cli", "--api-url", stack.s.api_url, "--token", token, *args],
-        cwd=REPO, env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-
-
 def submit(stack: LocalStack, token: str, spec: dict[str, Any], code: Path, tmp: Path) -> str:
     spec_file = tmp / f"{spec['name']}.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
-    done = trainyard(stack, token, "submit", str(spec_file), "--code", str(code))
+    done = trainyard(stack, "submit", str(spec_file), "--code", str(code), token=token)
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = done.stdout.split()[1]
     assert job_id.startswith("job-"), done.stdout
