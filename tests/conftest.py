@@ -22,6 +22,11 @@ from trainyard_cli import infra
 settings.register_profile("trainyard", deadline=None, print_blob=True)
 settings.load_profile("trainyard")
 
+# The embedded broker answers a consumer group's join after about half the session timeout (3 s of the
+# default 6 s): the stacks the tests start (their services inherit this environment) join in 1.5 s. It
+# only moves a dead consumer's partitions sooner; nothing in the platform depends on the value.
+os.environ.setdefault("TRAINYARD_CONSUMER_SESSION_TIMEOUT_MS", "3000")
+
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -108,6 +113,8 @@ def env(kafka_bootstrap: str, redis_server_url: str, unique: str, tmp_path: Path
         "group_prefix": f"g{unique}",
         "artifact_root": tmp_path / "artifacts",
         "topic_partitions": 2,
+        # the embedded broker answers a group join after about half the session timeout: 1 s, not 3
+        "consumer_session_timeout_ms": 2000,
     }
 
 

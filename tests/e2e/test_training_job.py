@@ -272,6 +272,9 @@ def test_a_users_corpus_and_tokenizer_land_and_a_trigger_trains_on_them(
         ((ref, job_id),) = [(j["dataset"], j["jobId"]) for j in started]
         assert ref == "dev/user-corpus@v1"
         version = client.get(f"/v1/datasets/{ref}").raise_for_status().json()
+        small = yaml.safe_load((REPO / "examples/tiny.yaml").read_text()) | {"dataset": "user-corpus@v1"}
+        refused = client.post("/v1/training-jobs", json=small)  # gpt-tiny's 1,024 ids cannot embed 70,000
+        assert refused.status_code == 422 and [p["field"] for p in refused.json()["detail"]] == ["modelConfig"]
         job = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=300)
         assert job["state"] == "succeeded", json.dumps(job)[:3000]
         assert job["spec"]["dataset"] == ref and job["triggeredBy"]["triggerId"] == trigger_id
@@ -281,6 +284,7 @@ def test_a_users_corpus_and_tokenizer_land_and_a_trigger_trains_on_them(
     assert again == started  # one job for the version, however often it is announced
     manifest_path = ArtifactLayout(stack.s.artifact_root).dataset_dir("user-corpus", "v1", "dev") / "manifest.json"
     assert version["state"] == "verified" and version["sha256"] == sha256_file(manifest_path)
+    assert (version["vocabSize"], version["dtype"]) == (corpora.LARGE_VOCAB, "uint32")
     manifest = json.loads(manifest_path.read_text())
     assert manifest["dtype"] == "uint32" and manifest["tokenizer"]["vocabSize"] == corpora.LARGE_VOCAB
     assert manifest["tokenizer"]["sha256"] == sha256_file(tokenizer)  # the user's tokenizer, byte for byte

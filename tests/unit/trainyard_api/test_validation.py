@@ -169,3 +169,17 @@ def test_a_reference_that_is_not_name_at_version_says_so() -> None:
         SubmittedSpec.model_validate(spec_with(modelConfig=""))
     assert [(p.field, "name@version" in p.message) for p in field_errors(info.value.errors())] == [
         ("modelConfig", True)]
+
+
+@pytest.mark.parametrize(("model", "vocab", "field"), [
+    ({**INLINE, "vocabSize": 1024}, 70_000, "modelConfig.vocabSize"),  # an inline model names its field
+    ("gpt-tiny@v1", 50_257, "modelConfig"),                            # a catalog model: the reference
+    ({**INLINE, "vocabSize": 70_000}, 70_000, None),                   # exactly the tokenizer's: fits
+    ("gpt-tiny@v1", None, None),                                       # the registry does not know it
+])
+def test_a_model_smaller_than_the_datasets_vocabulary_is_refused(model: Any, vocab: int | None,
+                                                                 field: str | None) -> None:
+    problems = check_references(spec(modelConfig=model), catalog=MODEL_CATALOG, dataset_known=True,
+                                dataset_vocab=vocab)
+    assert [p.field for p in problems] == ([field] if field else [])
+    assert field is None or f"vocabSize >= {vocab}" in problems[0].message

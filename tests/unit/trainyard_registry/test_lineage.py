@@ -140,6 +140,18 @@ def test_dataset_republish() -> None:
     assert "refused" in (dataset_conflict(first, other) or "")
 
 
+def test_a_verified_manifest_says_what_a_dataset_is_whatever_the_event_claims() -> None:
+    event = DatasetVersionPublished(name="corpus", version="v1", tenant="acme", manifest_uri=DATASET.manifest_uri,
+                                    sha256="d" * 64, tokenizer="what-i-say@v1", num_tokens=1)
+    manifest = {"numTokens": 123_456, "dtype": "uint32",
+                "tokenizer": {"file": "tokenizer.json", "vocabSize": 70_000, "version": "bpe70000-0123456789ab"}}
+    record = dataset_record(event, now=NOW, manifest=manifest)
+    assert (record.num_tokens, record.tokenizer, record.vocab_size, record.dtype) == (
+        123_456, "bpe70000-0123456789ab", 70_000, "uint32")
+    bare = dataset_record(event, now=NOW, manifest={"tokenizer": {"vocabSize": True}})  # nothing usable in it
+    assert (bare.num_tokens, bare.tokenizer, bare.vocab_size, bare.dtype) == (1, "what-i-say@v1", None, None)
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [("byte-bpe@v1", "byte-bpe@v1"), ({"name": "bpe", "version": "v2"}, "bpe@v2"), ({"name": "bpe"}, "bpe"),

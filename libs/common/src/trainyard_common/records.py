@@ -234,6 +234,8 @@ class DatasetRecord(Record):
     sha256: str
     tokenizer: str | None = None
     num_tokens: int | None = None
+    vocab_size: int | None = Field(default=None, description="its tokenizer's vocabulary, from the verified manifest")
+    dtype: str | None = Field(default=None, description="how its token ids are stored (uint16, uint32)")
     published_at: datetime = Field(default_factory=utcnow)
 
     @property

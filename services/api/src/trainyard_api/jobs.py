@@ -175,7 +175,8 @@ class JobService:
             spec, problems = await self.code.pin(spec, token.tenant)
         # the dataset as this tenant may use it; the stored spec (and its hash) names it qualified
         dataset = await self.store.resolve_dataset(spec.dataset, token.tenant)
-        problems.extend(check_references(spec, catalog=self.catalog, dataset_known=dataset is not None))
+        problems.extend(check_references(spec, catalog=self.catalog, dataset_known=dataset is not None,
+                                         dataset_vocab=dataset.vocab_size if dataset is not None else None))
         if dataset is not None and dataset.ref != spec.dataset:
             spec = spec.model_copy(update={"dataset": dataset.ref})
         if spec.init_from is not None:

@@ -277,10 +277,12 @@ def check_init_from(spec: TrainingSpec, *, parent_known: bool, ready_steps: Sequ
 
 
 def check_references(
-    spec: TrainingSpec, *, catalog: Mapping[str, ModelConfig], dataset_known: bool
+    spec: TrainingSpec, *, catalog: Mapping[str, ModelConfig], dataset_known: bool,
+    dataset_vocab: int | None = None,
 ) -> list[FieldProblem]:
     """What a structurally valid spec can still get wrong: unknown model or dataset, a model
-    that cannot take the requested sequence length or tensor-parallel degree."""
+    that cannot take the requested sequence length or tensor-parallel degree, or whose vocabulary
+    is smaller than the dataset's tokenizer's (``dataset_vocab``, when the registry knows it)."""
     problems: list[FieldProblem] = []
     model = resolve_model_config(spec, catalog)
     if model is None:
@@ -297,6 +299,13 @@ def check_references(
                 "training.sequenceLength",
                 f"sequenceLength ({spec.training.sequence_length}) exceeds maxSeqLen "
                 f"({model.max_seq_len}) of {label}",
+            ))
+        if dataset_vocab is not None and model.vocab_size < dataset_vocab:
+            problems.append(FieldProblem(
+                "modelConfig.vocabSize" if not isinstance(spec.model_config_ref, str) else "modelConfig",
+                f"{label} has a vocabulary of {model.vocab_size}, but dataset {spec.dataset!r} was tokenized "
+                f"with {dataset_vocab} tokens: its ids would not fit the embedding. Use a model with vocabSize "
+                f">= {dataset_vocab} (inline: modelConfig.vocabSize), or a dataset tokenized for this model",
             ))
         if model.n_heads % spec.parallelism.tensor:
             problems.append(FieldProblem(

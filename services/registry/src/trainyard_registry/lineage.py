@@ -221,8 +221,14 @@ def retired_notice(artifact: ArtifactRecord, *, now: datetime, event_id: UUID | 
 # --------------------------------------------------------------------------- datasets
 
 
-def dataset_record(event: DatasetVersionPublished, *, now: datetime) -> DatasetRecord:
-    """The record of a verified version, owned by the event's tenant (None: the platform's)."""
+def dataset_record(
+    event: DatasetVersionPublished, *, now: datetime, manifest: Mapping[str, Any] | None = None
+) -> DatasetRecord:
+    """The record of a verified version, owned by the event's tenant (None: the platform's). What the
+    verified ``manifest`` says (tokens, tokenizer, vocabulary, dtype) wins over what the event claims."""
+    manifest = manifest if isinstance(manifest, Mapping) else {}
+    tokenizer = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), Mapping) else {}
+    num_tokens, vocab = manifest.get("numTokens"), tokenizer.get("vocabSize")
     return DatasetRecord(
         name=event.name,
         version=event.version,
@@ -230,10 +236,16 @@ def dataset_record(event: DatasetVersionPublished, *, now: datetime) -> DatasetR
         shared_with=sorted(set(event.shared_with)),
         manifest_uri=event.manifest_uri,
         sha256=event.sha256,
-        tokenizer=event.tokenizer,
-        num_tokens=event.num_tokens,
+        tokenizer=tokenizer_ref(tokenizer.get("version")) or event.tokenizer,
+        num_tokens=num_tokens if _count(num_tokens) else event.num_tokens,
+        vocab_size=vocab if _count(vocab) else None,
+        dtype=manifest.get("dtype") if isinstance(manifest.get("dtype"), str) else None,
         published_at=now,
     )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def dataset_conflict(existing: DatasetRecord, new: DatasetVersionPublished | DatasetRecord) -> str | None:
@@ -295,6 +307,8 @@ def dataset_from_manifest(
     """A dataset record read from the dataset's manifest on disk (no DatasetVersionPublished seen)."""
     tenant, name, version = DatasetRef.parse(ref)
     num_tokens = manifest.get("numTokens", manifest.get("num_tokens"))
+    tokenizer = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), Mapping) else {}
+    vocab = tokenizer.get("vocabSize")
     return DatasetRecord(
         name=name,
         version=version,
@@ -303,5 +317,6 @@ def dataset_from_manifest(
         sha256=sha256,
         tokenizer=tokenizer_ref(manifest.get("tokenizer")),
         num_tokens=num_tokens if isinstance(num_tokens, int) else None,
+        vocab_size=vocab if _count(vocab) else None,
         published_at=now,
     )

@@ -152,9 +152,9 @@ class Registry:
         ref = dataset_key(event.tenant, event.name, event.version)
         existing = await self.store.get_dataset(ref) if ref_problem(event) is None else None
         if existing is None:
-            problems = await self._verify(event)
+            problems, manifest = await self._verify(event)
             if not problems:
-                record = dataset_record(event, now=self.clock())
+                record = dataset_record(event, now=self.clock(), manifest=manifest)
                 if (existing := await self._record_dataset(record)) is None:
                     log.info("dataset %s verified and recorded (%s)", ref, record.sha256)
                     return
@@ -165,10 +165,12 @@ class Registry:
             problems = [conflict]
         await self._reject(event, problems)
 
-    async def _verify(self, event: DatasetVersionPublished) -> list[str]:
+    async def _verify(self, event: DatasetVersionPublished) -> tuple[list[str], Any]:
+        """The problems of a published version, and the manifest that was checked."""
         if problem := ref_problem(event):
-            return [problem]
-        return version_problems(event, await asyncio.to_thread(self._read_version, event))
+            return [problem], None
+        seen = await asyncio.to_thread(self._read_version, event)
+        return version_problems(event, seen), seen.manifest
 
     def _read_version(self, event: DatasetVersionPublished) -> VersionSeen:
         """What the event points at, read from the artifact store (blocking: run in a thread)."""
