@@ -122,7 +122,7 @@ async def test_job_success_before_ready_checkpoint_still_yields_a_model_artifact
         assert artifact.lineage.parent_checkpoint == parent
         assert (artifact.lineage.dataset_manifest_uri, artifact.lineage.dataset_sha256) == (
             dataset.manifest_uri, dataset.sha256)
-        assert artifact.lineage.tokenizer == "byte-bpe@v1"
+        assert artifact.lineage.tokenizer == "bpe512-test"  # the verified manifest's, not the event's claim
 
     # A re-delivered success records nothing new.
     await publish(stack, ev.JobStateChanged(job_id=job_id, tenant=TENANT, state="succeeded", attempt=2))
