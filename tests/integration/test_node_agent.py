@@ -26,6 +26,7 @@ from trainyard_common.events import GangAllocated, JobSubmitted, WorkerExited, W
 from trainyard_node_agent import AgentKeys
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
+from tests.support.datasets import verified
 
 class Services:
     """Starts and stops service processes; whatever is still running at the end is killed."""
@@ -150,6 +151,7 @@ async def test_restarted_agent_adopts_running_ranks_reports_lost_ones_and_sigter
         control.write_text(
             json.dumps({"sturdy": {"sleep": {"1": forever, "2": forever, "3": forever}}}))
         spec = make_spec(2)
+        await verified(store, spec.dataset)
         assert await store.create_job(JobRecord(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
         await publisher.publish(JobSubmitted(job_id="sturdy", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 

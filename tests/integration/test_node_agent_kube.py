@@ -28,6 +28,7 @@ from trainyard_common.bus import Bus, ensure_topics
 from trainyard_common.events import GangAllocated, JobSubmitted, NodeDrained, NodeUndrained
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
+from tests.support.datasets import verified
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NODE, KUBE_NODE, TOKEN = "node-k", "gpu-node-17", "sa-token-123"
@@ -117,6 +118,7 @@ async def test_a_cordoned_kubernetes_node_is_drained_until_uncordoned(env: dict[
         assert drained.by == "kubernetes"
         spec = make_spec(2)
         job = JobRecord(job_id="cordoned", tenant="t1", spec=spec, spec_hash=spec.spec_hash())
+        await verified(store, spec.dataset)
         assert await store.create_job(job)
         await publisher.publish(JobSubmitted(job_id="cordoned", tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 

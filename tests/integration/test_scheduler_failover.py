@@ -26,6 +26,7 @@ from trainyard_common.events import DeviceInfo, GangAllocated, JobSubmitted, Nod
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import SchedulerKeys
+from tests.support.datasets import verified
 
 NODES = ("n0", "n1", "n2")
 # admit_pause_s holds each placement between its lease grant and its attempt record, so the test can act
@@ -138,6 +139,7 @@ async def test_failover_mid_allocation_never_double_books(env: dict[str, Any], p
 
     async def submit(job_id: str) -> None:
         spec = make_spec(4)
+        await verified(store, spec.dataset)
         assert await store.create_job(JobRecord(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
         await bus.publish(JobSubmitted(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 

@@ -42,6 +42,7 @@ from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place
+from tests.support.datasets import verified
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 NODES = ("node-a", "node-b")
@@ -63,6 +64,7 @@ class Rig:
     async def submit(self, job_id: str, spec: TrainingSpec, *, max_attempts: int = 3) -> None:
         record = JobRecord(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash(),
                            max_attempts=max_attempts)
+        await verified(self.store, spec.dataset)
         assert await self.store.create_job(record)
         await self.bus.publish(JobSubmitted(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash()))
 

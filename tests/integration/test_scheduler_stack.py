@@ -50,6 +50,7 @@ from trainyard_node_agent import AgentKeys, NodeAgent, NodeAgentSettings
 from trainyard_scheduler import Scheduler, SchedulerSettings
 
 from tests.integration.scheduler_workload import control_file_for
+from tests.support.datasets import verified
 
 WORKLOAD = Path(__file__).with_name("scheduler_workload.py")
 WAIT_S = 60.0
@@ -166,6 +167,7 @@ class Stack:
         """What the API does: store the JobRecord (queued), then publish JobSubmitted."""
         record = JobRecord(job_id=job_id, tenant=tenant, spec=spec, spec_hash=spec.spec_hash(),
                            priority=spec.priority, max_attempts=max_attempts)
+        await verified(self.store, spec.dataset)
         assert await self.store.create_job(record)
         await self.publisher.publish(JobSubmitted(job_id=job_id, tenant=tenant, spec=spec,
                                                   spec_hash=spec.spec_hash()))

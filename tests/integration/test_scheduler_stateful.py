@@ -63,6 +63,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place
 from trainyard_scheduler.scheduler import Scheduler, SchedulerKeys, attempt_devices
 from trainyard_scheduler.settings import SchedulerSettings
+from tests.support.datasets import verified
 
 LONG = os.environ.get("TRAINYARD_LONG_TESTS") == "1"
 SEEN: Counter[str] = Counter()  # what the runs exercised (printed with -s)
@@ -255,6 +256,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         async def go() -> None:
             record = JobRecord(job_id=job_id, tenant=tenant, spec=spec, spec_hash=spec.spec_hash(),
                                priority=priority, max_attempts=50, created_at=self.now)
+            await verified(self.store, spec.dataset)
             assert await self.store.create_job(record)  # what the API does, then JobSubmitted
             await self._deliver(JobSubmitted(job_id=job_id, tenant=tenant, spec=spec, spec_hash=spec.spec_hash()))
 
@@ -410,6 +412,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec = make_spec(1, 1, 0)
         job = JobRecord(job_id=job_id, tenant="b", spec=spec, spec_hash=spec.spec_hash(), max_attempts=50,
                         created_at=self.now)
+        await verified(self.store, spec.dataset)
         assert await self.store.create_job(job)
         await self._deliver(JobSubmitted(job_id=job_id, tenant="b", spec=spec, spec_hash=spec.spec_hash()))
         self.submitted.append(job_id)

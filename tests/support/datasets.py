@@ -9,7 +9,10 @@ import shutil
 from pathlib import Path
 
 from trainyard_common import events as ev
+from trainyard_common.records import DatasetRecord
+from trainyard_common.spec import DatasetRef
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
+from trainyard_common.store import StateStore
 
 
 def write_dataset(layout: ArtifactLayout, name: str, version: str, tenant: str | None = None,
@@ -50,3 +53,14 @@ def published(manifest: Path, tenant: str | None = None, **fields: object) -> ev
                                  "manifest_uri": path_to_uri(manifest), "sha256": sha256_file(manifest),
                                  "tokenizer": "bpe512-test", "num_tokens": doc["numTokens"]}
     return ev.DatasetVersionPublished(**(values | fields))
+
+
+async def verified(store: StateStore, ref: str = "tinycorpus@v1") -> DatasetRecord:
+    """The registry's record of a verified version ``ref`` (as it writes it after checking the files), for
+    tests that publish JobSubmitted straight on the bus: the scheduler places only jobs whose dataset is a
+    verified version their tenant may read."""
+    tenant, name, version = DatasetRef.parse(ref)
+    record = DatasetRecord(name=name, version=version, tenant=tenant, sha256="0" * 64,
+                           manifest_uri=f"file:///datasets/{name}/{version}/manifest.json")
+    await store.put_dataset(record)
+    return record

@@ -689,7 +689,7 @@ def _dataset(tenant: str | None, shared_with: list[str] | None = None) -> Datase
     ("a/wiki@v1", "b", _dataset("a", ["*"]), False),     # shared with every tenant
     ("a/wiki@v1", "a", None, True),                      # a tenant's ref never passes unverified
     ("wiki@v1", "b", _dataset(None), False),             # the platform's
-    ("wiki@v1", "b", None, False),                       # the platform's files, published before verification
+    ("wiki@v1", "b", None, True),                        # the platform's files, never verified: read by no job
 ])
 def test_dataset_refusal(ref: str, tenant: str, record: DatasetRecord | None, refused: bool) -> None:
     reason = tr.dataset_refusal(ref, tenant, record)

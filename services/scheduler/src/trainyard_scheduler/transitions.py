@@ -78,7 +78,6 @@ from trainyard_common.records import (
     dataset_visible,
     expects_final_checkpoint,
 )
-from trainyard_common.spec import DatasetRef
 
 from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
@@ -292,16 +291,11 @@ def dataset_refusal(dataset: str, tenant: str, record: DatasetRecord | None) -> 
     or the platform's); None when it may. ``record`` is the verified version under that ref, if any.
 
     The API accepts only visible versions and stores the ref qualified, so this refuses what reached the
-    bus some other way (a forged JobSubmitted). A platform ref with no record passes: the platform's
-    files are every tenant's (a stack whose example data predates verification); a tenant's never does.
+    bus some other way (a forged JobSubmitted): a version that was never verified (the platform's too:
+    files under ``datasets/`` that the registry refused, or never saw, are read by no job), or one that is
+    not the job's tenant's to read.
     """
-    try:
-        owner = DatasetRef.parse(dataset).tenant
-    except ValueError:
-        owner = "?"
     if record is not None and dataset_visible(record, tenant):
-        return None
-    if record is None and owner is None:
         return None
     return (f"dataset {dataset!r} is not a verified version tenant {tenant!r} may use "
             "(not published, not verified, or not shared with it)")
