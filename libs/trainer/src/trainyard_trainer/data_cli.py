@@ -51,12 +51,14 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
                                ("import", "build a dataset version from your files and tokenizer")):
         p = sub.add_parser(command, help=help_text)
         if command == "import":
-            p.add_argument("--name", required=True)
-            p.add_argument("--version", required=True)
+            p.add_argument("--name", required=True, help="the dataset's name (letters, digits, . _ -): wiki-en")
+            p.add_argument("--version", required=True,
+                           help="its version; a version is immutable, new data is a new version: 2026-12-01")
         else:
-            p.add_argument("--name", default="tinycorpus")
-            p.add_argument("--version", default="v1")
-        p.add_argument("--artifact-root", type=Path, default=default_root)
+            p.add_argument("--name", default="tinycorpus", help="the dataset's name (default: tinycorpus)")
+            p.add_argument("--version", default="v1", help="its version (default: v1)")
+        p.add_argument("--artifact-root", type=Path, default=default_root,
+                       help=f"the artifact store's root (default: {default_root}; TRAINYARD_ARTIFACT_ROOT sets it)")
         if command != "prepare":
             p.add_argument("--tenant", type=_tenant, default=None,
                            help="the owning tenant: its files go under tenants/<tenant>/datasets/ "
@@ -85,7 +87,8 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_positive, default=None, help="processes (default: all cores)")
     p.add_argument("--vocab-size", type=_positive, default=DEFAULT_VOCAB_SIZE,
                    help="vocabulary of the tokenizer trained when --tokenizer is not given")
-    p.add_argument("--shard-tokens", type=_positive, default=DEFAULT_IMPORT_SHARD_TOKENS)
+    p.add_argument("--shard-tokens", type=_positive, default=DEFAULT_IMPORT_SHARD_TOKENS,
+                   help=f"tokens per shard file (default: {DEFAULT_IMPORT_SHARD_TOKENS:,})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
