@@ -115,21 +115,23 @@ class Stack:
         return record if record and record.state != "PENDING" else None
 
 
-async def start_stack(env: dict[str, Any], *, with_registry: bool = False, **coordinator: object) -> Stack:
-    """The coordinator (and, when asked, the registry) running in-process, plus a publisher and a tail.
+async def start_stack(env: dict[str, Any], *, with_registry: bool = False, registry: dict[str, Any] | None = None,
+                      tail_topics: tuple[str, ...] = (ev.CHECKPOINTS, ev.DEADLETTER), **coordinator: object) -> Stack:
+    """The coordinator (and, when asked, the registry, with ``registry`` settings) running in-process,
+    plus a publisher and a tail of ``tail_topics``.
 
     Each consumer group join costs the broker a few seconds, so the registry runs only where
     a test looks at its records.
     """
     runtimes = [build_coordinator(CoordinatorSettings(**env, **coordinator))]
     if with_registry:
-        runtimes.append(build_registry(RegistrySettings(**env)))
+        runtimes.append(build_registry(RegistrySettings(**env, **(registry or {}))))
     await runtimes[0].start()  # creates the namespaced topics too
     await asyncio.gather(*(runtime.start() for runtime in runtimes[1:]))
     bus = Bus(env["kafka_bootstrap"], service_name="test-ranks", group_prefix=env["group_prefix"],
               topic_namespace=env["topic_namespace"])
     await bus.start()
-    tail = TopicTail(env["kafka_bootstrap"], env["topic_namespace"], (ev.CHECKPOINTS, ev.DEADLETTER))
+    tail = TopicTail(env["kafka_bootstrap"], env["topic_namespace"], tail_topics)
     await tail.start()
     return Stack(env, bus, StateStore(connect_redis(env["redis_url"])), tail,
                  ArtifactLayout(env["artifact_root"]), runtimes)

@@ -13,24 +13,18 @@ from typing import Any
 
 import pytest
 
-from trainyard_checkpoint_coordinator import CoordinatorSettings
-from trainyard_checkpoint_coordinator import build_service as build_coordinator
 from trainyard_common import events as ev
-from trainyard_common.bus import Bus
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import ArtifactRecord, CheckpointRecord, Lineage
-from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import StateStore, connect_redis
-from trainyard_registry import RegistrySettings
-from trainyard_registry import build_service as build_registry
 from trainyard_registry.lineage import registered
 from tests.integration.test_coordinator import (
     TENANT,
     Stack,
-    TopicTail,
     given_job,
     publish,
     shard_events,
+    start_stack,
     stop_stack,
     wait_for,
     write_shards,
@@ -39,17 +33,7 @@ from tests.integration.test_coordinator import (
 
 @pytest.fixture
 async def stack(env: dict[str, Any]) -> AsyncIterator[Stack]:
-    runtimes = [build_coordinator(CoordinatorSettings(**env)),
-                build_registry(RegistrySettings(**env, retire_interval_s=0.5))]
-    await runtimes[0].start()  # creates the namespaced topics
-    await runtimes[1].start()
-    bus = Bus(env["kafka_bootstrap"], service_name="test-ranks", group_prefix=env["group_prefix"],
-              topic_namespace=env["topic_namespace"])
-    await bus.start()
-    tail = TopicTail(env["kafka_bootstrap"], env["topic_namespace"], (ev.CHECKPOINTS, ev.REGISTRY, ev.DEADLETTER))
-    await tail.start()
-    s = Stack(env, bus, StateStore(connect_redis(env["redis_url"])), tail, ArtifactLayout(env["artifact_root"]),
-              runtimes)
+    s = await start_stack(env, with_registry=True, registry={"retire_interval_s": 0.5}, tail_topics=(ev.CHECKPOINTS, ev.REGISTRY, ev.DEADLETTER))
     try:
         yield s
     finally:
