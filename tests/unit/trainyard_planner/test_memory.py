@@ -217,3 +217,27 @@ def test_more_tensor_parallelism_never_increases_memory(model: Transformer, layo
     small = estimate_memory(model, layout).used_bytes_per_device
     large = estimate_memory(model, layout.model_copy(update={"tp": layout.tp * 2})).used_bytes_per_device
     assert large <= small
+
+
+def test_grouped_query_attention_keeps_narrower_keys_and_values() -> None:
+    # Korthikanti's 34sbh counts Q, K and V at 2sbh each; with 8 kv heads of 64, K and V are 1/8 as wide.
+    mha = Transformer(n_layers=80, d_model=8192, n_heads=64, d_ff=4 * 8192, vocab_size=32000, seq_len=4096)
+    gqa = mha.model_copy(update={"n_kv_heads": 8})
+    sbh = 4096 * 8192
+    assert activation_bytes_per_layer(mha) - activation_bytes_per_layer(gqa) == 4 * sbh * (1 - 1 / 8)
+    assert activation_bytes_per_layer(gqa, recompute=Recompute.FULL) == activation_bytes_per_layer(
+        mha, recompute=Recompute.FULL)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tensor_parallel_ranks_hold_a_share_of_the_narrower_keys_and_values(tp: int) -> None:
+    # Llama 2 70B's attention: 64 query heads share 8 kv heads; tp divides both.
+    mha = Transformer(n_layers=80, d_model=8192, n_heads=64, d_ff=28672, vocab_size=32000, seq_len=4096,
+                      gated_mlp=True, biases=False, learned_positions=False, tied_embeddings=False)
+    gqa = mha.model_copy(update={"n_kv_heads": 8})
+    sbh, layout = 4096 * 8192, Layout(tp=tp)
+    # activations: each rank keeps 1/tp of K and V, which are 1/8 as wide as MHA's
+    assert activation_bytes_per_layer(mha, tp=tp) - activation_bytes_per_layer(gqa, tp=tp) == 4 * sbh * (1 - 1 / 8) / tp
+    # model states: the K/V weights are 2 h x (kv heads x 128) per layer, 1/tp of them per rank
+    saved = estimate_memory(mha, layout).parameters_per_device - estimate_memory(gqa, layout).parameters_per_device
+    assert saved == pytest.approx(80 * 2 * 8192 * (8192 - 8 * 128) / tp)

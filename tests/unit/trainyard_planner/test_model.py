@@ -36,6 +36,12 @@ PUBLISHED = [
                                seq_len=4096, gated_mlp=True, biases=False, learned_positions=False,
                                tied_embeddings=False),
      6_738_415_616, 0),
+    # Llama 2 70B: grouped-query attention with 8 kv heads of 64 heads, SwiGLU 28672; its released
+    # checkpoint holds 68,976,648,192.
+    ("Llama 2 70B", Transformer(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                                vocab_size=32000, seq_len=4096, gated_mlp=True, biases=False,
+                                learned_positions=False, tied_embeddings=False),
+     68_976_648_192, 0),
 ]
 
 
@@ -63,3 +69,19 @@ def test_pipeline_stage_holds_its_layers_and_the_embedding() -> None:
 def test_width_must_split_into_heads() -> None:
     with pytest.raises(ValueError, match="divisible by nHeads"):
         Transformer(n_layers=2, d_model=100, n_heads=3, vocab_size=10, seq_len=8)
+
+
+def test_llama_catalog_models_take_the_llama_shape() -> None:
+    config = MODEL_CATALOG["llama-1b@v1"]
+    model = Transformer.from_model_config(config)
+    assert (model.tied_embeddings, model.learned_positions, model.biases, model.gated_mlp) == (False, False, False, True)
+    assert model.n_kv_heads == 4 and model.kv_width == 4 * 64
+    assert model.exact_parameters == 1_100_048_384  # TinyLlama-1.1B's released checkpoint
+    gpt = Transformer.from_model_config(MODEL_CATALOG["gpt-tiny@v1"])
+    assert (gpt.tied_embeddings, gpt.learned_positions, gpt.biases, gpt.gated_mlp, gpt.n_kv_heads) == (
+        True, True, True, False, None)
+
+
+def test_kv_heads_must_divide_heads() -> None:
+    with pytest.raises(ValueError, match="nKvHeads"):
+        Transformer(n_layers=1, d_model=64, n_heads=4, n_kv_heads=3, vocab_size=10, seq_len=8)

@@ -12,6 +12,7 @@ from trainyard_common.records import AttemptRecord, CheckpointRecord, DatasetRec
 from trainyard_common.spec import TrainingSpec
 from trainyard_registry.lineage import (
     artifact_id,
+    artifact_lineage,
     build_lineage,
     checkpoint_artifact,
     dataset_conflict,
@@ -166,3 +167,17 @@ def test_dataset_from_manifest() -> None:
                                    {"tokenizer": {"name": "byte-bpe", "version": "v1"}, "numTokens": 99}, now=NOW)
     assert (record.name, record.version, record.sha256, record.tokenizer, record.num_tokens) == (
         "tinycorpus", "v1", "f" * 64, "byte-bpe@v1", 99)
+
+
+def test_a_job_started_from_a_hugging_face_directory_names_it_in_every_artifact_and_others_do_not() -> None:
+    from trainyard_common.records import HuggingFaceStart
+
+    started = job(initFrom={"huggingFace": "models/tiny"}).model_copy(update={"hugging_face_start": HuggingFaceStart(
+        directory="models/tiny", uri="file:///art/tenants/t/models/tiny", config_sha256="a" * 64,
+        weight_files={"model.safetensors": 1024})})
+    for attempt in (1, 2):  # the fresh start and the attempt that resumed from the job's own checkpoint
+        assert build_lineage(started, attempt, DATASET).parent_hugging_face == "file:///art/tenants/t/models/tiny"
+    assert artifact_lineage(build_lineage(started, 1, DATASET)).parent_hugging_face == (
+        "file:///art/tenants/t/models/tiny")
+    plain = build_lineage(job(), 1, DATASET)
+    assert plain.parent_hugging_face is None and "parentHuggingFace" not in plain.model_dump(by_alias=True)

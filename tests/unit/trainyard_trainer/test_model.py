@@ -2,14 +2,14 @@ import pytest
 import torch
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_trainer.model import GPT, build_model
+from trainyard_trainer.model import GPT, build_model, model_class
 
 
 @pytest.mark.parametrize("ref", sorted(MODEL_CATALOG))
 def test_parameter_count_matches_the_catalog_formula(ref: str) -> None:
     config = MODEL_CATALOG[ref]
     with torch.device("meta"):  # gpt-1b would need 5 GB of real memory
-        model = GPT(config)
+        model = model_class(config)(config)
     assert model.num_parameters() == config.num_parameters
 
 
@@ -66,3 +66,20 @@ def test_build_model_is_seeded_and_leaves_the_global_generator_alone() -> None:
 def test_sequence_longer_than_the_model_is_refused() -> None:
     with pytest.raises(ValueError, match="maxSeqLen"):
         GPT(tiny())(torch.zeros(1, 13, dtype=torch.long))
+
+
+@pytest.mark.parametrize("config", [
+    *(MODEL_CATALOG[ref] for ref in sorted(MODEL_CATALOG)),
+    ModelConfig(vocab_size=97, n_layers=3, n_heads=2, d_model=8, d_ff=20, max_seq_len=11),
+    ModelConfig(architecture="llama", vocab_size=97, n_layers=3, n_heads=4, d_model=32, d_ff=40, max_seq_len=11),
+    ModelConfig(architecture="llama", vocab_size=97, n_layers=3, n_heads=4, n_kv_heads=2, d_model=32, d_ff=40,
+                max_seq_len=11),
+    ModelConfig(architecture="llama", vocab_size=97, n_layers=1, n_heads=4, n_kv_heads=1, d_model=32, max_seq_len=5),
+], ids=lambda c: f"{c.architecture}-L{c.n_layers}-d{c.d_model}-h{c.n_heads}-kv{c.kv_heads}-v{c.vocab_size}")
+def test_planner_counts_exactly_the_parameters_of_the_built_model(config: ModelConfig) -> None:
+    from trainyard_planner import Transformer
+
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert Transformer.from_model_config(config).exact_parameters == built == config.num_parameters

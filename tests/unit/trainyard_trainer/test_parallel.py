@@ -45,6 +45,29 @@ def test_impossible_plans_say_why(kwargs: dict, message: str) -> None:
         plan(**kwargs)
 
 
+LLAMA = ModelConfig(architecture="llama", vocab_size=40, n_layers=4, n_heads=4, n_kv_heads=2, d_model=16,
+                    max_seq_len=8)
+
+
+def test_llama_takes_every_layout_the_gpt_does() -> None:
+    assert (plan(4, config=LLAMA, tensor=2).tp, plan(4, config=LLAMA, pipeline=2).pp) == (2, 2)
+    assert plan(4, config=LLAMA, tensor=2, pipeline=2).dp == 1
+    assert [plan(2, config=LLAMA, sharding=s).zero_stage for s in ("ddp", "zero1", "zero2", "fsdp")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("config", "tensor", "message"), [
+    # 4 query heads would split over 4 ranks, but 2 kv heads cannot: each rank needs its queries' kv head
+    (LLAMA, 4, r"parallelism.tensor 4 must divide the model's nHeads \(4\), nKvHeads \(2\) and FFN width \(64\)"),
+    (LLAMA.model_copy(update={"n_kv_heads": 1}), 2, r"nKvHeads \(1\)"),
+    (LLAMA.model_copy(update={"d_ff": 42}), 4, r"FFN width \(42\)"),
+    (CONFIG, 3, r"must divide the model's nHeads \(4\) and FFN width"),  # no kv heads named for MHA
+])
+def test_tensor_parallelism_must_split_whole_query_and_kv_heads(config: ModelConfig, tensor: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plan(tensor * 2, local=tensor * 2, tensor=tensor, config=config)
+    assert plan(4, tensor=2, config=config.model_copy(update={"n_kv_heads": None, "d_ff": None})).tp == 2
+
+
 def test_tensor_parallel_with_data_parallel_shards_dp_with_fsdp() -> None:
     p = plan(4, tensor=2, sharding="ddp")
     assert (p.dp, p.tp, p.sharding) == (2, 2, "fsdp") and "DDP" in p.notes[0]
@@ -75,6 +98,33 @@ def test_a_pipeline_stage_keeps_its_layers_under_their_own_names() -> None:
     assert not any(n.startswith(("blocks.0.", "blocks.1.", "wpe")) for n in names1)
     whole = build_model(CONFIG, seed=0, device=torch.device("cpu"))
     assert names0 | names1 == {n for n, _ in whole.named_parameters()}
+
+
+def test_a_llama_pipeline_stage_keeps_its_layers_under_their_own_names() -> None:
+    stages = [build_model(LLAMA, seed=0, device=torch.device("cpu")) for _ in range(3)]
+    for index, model in enumerate(stages):
+        keep_stage(model, index, 3)
+    names = [{n for n, _ in m.named_parameters()} for m in stages]
+    assert {"embed_tokens.weight", "blocks.1.self_attn.k_proj.weight"} <= names[0]
+    assert not names[0] & {"norm.weight", "lm_head.weight"}
+    assert {n.split(".")[1] for n in names[1]} == {"2"}  # a middle stage: its layers, nothing else
+    assert {"norm.weight", "lm_head.weight", "blocks.3.mlp.down_proj.weight"} <= names[2]
+    assert "embed_tokens.weight" not in names[2]  # untied: the head is the last stage's own
+    whole = {n for n, _ in build_model(LLAMA, seed=0, device=torch.device("cpu")).named_parameters()}
+    assert names[0] | names[1] | names[2] == whole and sum(map(len, names)) == len(whole)
+
+
+@pytest.mark.parametrize("config", [CONFIG, LLAMA], ids=["gpt2", "llama"])
+def test_stages_run_in_sequence_compute_the_whole_models_logits(config: ModelConfig) -> None:
+    """Each stage embeds, positions (llama: its own rotary tables) and projects as the whole model."""
+    whole = build_model(config, seed=0, device=torch.device("cpu"))
+    idx = torch.randint(0, config.vocab_size, (2, config.max_seq_len))
+    expected, _ = whole(idx)
+    x = idx
+    for index in range(3):
+        stage = keep_stage(build_model(config, seed=0, device=torch.device("cpu")), index, 3)
+        x = stage(x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
 
 def test_clip_grad_norm_matches_torch() -> None:

@@ -58,6 +58,10 @@ class CheckpointManifest(_Wire):
     def to_bytes(self) -> bytes:
         return self.model_dump_json(by_alias=True, indent=2).encode()
 
+    def total_bytes(self) -> int:
+        """Bytes of every file it lists: the shards and the shared (extra) files."""
+        return sum(s.size_bytes for s in self.shards) + sum(f.size_bytes for f in self.extra_files)
+
 
 def content_hash(shards: Sequence[ShardEntry], extra_files: Sequence[FileDigest] = ()) -> str:
     """sha256 over the ordered (rank, size, sha256) of every shard and shared file.

@@ -24,7 +24,10 @@ masks, ``s`` sequence, ``b`` micro-batch, ``h`` width, ``a`` heads, ``t`` tensor
     full recomputation                   2sbh  (2sbh/t with sequence parallelism)
 
 The 24 of the split part is ``8 + 4f/h`` with FFN width ``f`` (16 of it is the MLP's GeLU input
-and output at ``f = 4h``); other widths and gated MLPs scale that part. With pipeline parallelism
+and output at ``f = 4h``); other widths and gated MLPs scale that part. Under grouped-query
+attention K and V (4 of the 24) are ``kv heads / heads`` as wide; each tensor-parallel rank holds
+``1/t`` of them too, since ``t`` divides the kv heads (see :mod:`.recommend`), as it holds ``1/t``
+of the narrower K/V weights counted in ``Psi``. With pipeline parallelism
 the first stage holds ``p`` micro-batches of ``L/p`` layers under 1F1B, i.e. ``L`` layers' worth
 whatever ``p`` is (§4.2.3); the interleaved schedule multiplies that by ``1 + (p-1)/(p v)``.
 The output layer adds ``4sbh/t (1 + V/h)`` (norm, projection input, fp32 logits; §4.3) on the last
@@ -103,6 +106,19 @@ def model_states_bytes(parameters: float, bytes_per_parameter: BytesPerParameter
     return parameters * bytes_per_parameter.total
 
 
+def model_states_per_device(
+    model: Transformer, layout: Layout, bytes_per_parameter: BytesPerParameter = MIXED_PRECISION_ADAM,
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes on the fullest device: the ZeRO stage divides by ``dp``
+    what it shards, ``tp`` and the fullest pipeline stage split the parameters."""
+    bpp, dp, stage = bytes_per_parameter, layout.dp, layout.zero_stage
+    params = model.stage_parameters(layout.pp) / layout.tp
+    weights = bpp.weights * params / (dp if stage >= ZeroStage.PARAMETERS else 1)
+    gradients = bpp.gradients * params / (dp if stage >= ZeroStage.GRADIENTS else 1)
+    optimizer = bpp.optimizer_total * params / (dp if stage >= ZeroStage.OPTIMIZER else 1)
+    return weights, gradients, optimizer
+
+
 def activation_bytes_per_layer(
     model: Transformer,
     *,
@@ -119,7 +135,8 @@ def activation_bytes_per_layer(
         return 2 * sbh / (tp if sequence_parallel else 1)
     mlp = (8 if model.gated_mlp else 4) * s * b * f
     replicated = 10 * sbh  # layer-norm inputs, QKV and MLP inputs, two dropout masks
-    split = 8 * sbh + mlp  # Q, K, V, projection input, MLP intermediates
+    kv = 4 * sbh * model.kv_width // model.attention_width  # K and V: narrower than Q under GQA
+    split = 4 * sbh + kv + mlp  # Q, K, V, projection input, MLP intermediates
     attention = 0 if recompute is Recompute.SELECTIVE else 5 * a * s * s * b  # softmax, mask, dropout
     if sequence_parallel:
         return (replicated + split + attention) / tp
@@ -164,11 +181,9 @@ def estimate_memory(
     """Model states (ZeRO stage over ``dp``, split by ``tp`` and ``pp``) plus activations, per device."""
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    bpp, dp, stage = bytes_per_parameter, layout.dp, layout.zero_stage
+    bpp = bytes_per_parameter
     params = model.stage_parameters(layout.pp) / layout.tp
-    weights = bpp.weights * params / (dp if stage >= ZeroStage.PARAMETERS else 1)
-    gradients = bpp.gradients * params / (dp if stage >= ZeroStage.GRADIENTS else 1)
-    optimizer = bpp.optimizer_total * params / (dp if stage >= ZeroStage.OPTIMIZER else 1)
+    weights, gradients, optimizer = model_states_per_device(model, layout, bpp)
     states = weights + gradients + optimizer
     activations = activations_bytes_per_device(model, layout)
     used = states + activations

@@ -31,6 +31,8 @@ class ModelConfigLike(Protocol):
     n_heads: int
     d_model: int
     max_seq_len: int
+    architecture: str
+    n_kv_heads: int | None
 
     @property
     def ffn_width(self) -> int: ...
@@ -55,6 +57,9 @@ class Transformer(Model):
     learned_positions: bool = True
     biases: bool = True
     gated_mlp: bool = Field(default=False, description="SwiGLU-style MLP with three matrices")
+    n_kv_heads: int | None = Field(
+        default=None, gt=0, description="key/value heads (grouped-query attention); nHeads when omitted",
+    )
     declared_parameters: int | None = Field(
         default=None, gt=0,
         description="a parameter count given by the user; used for model states instead of the shape's",
@@ -64,6 +69,8 @@ class Transformer(Model):
     def _heads_divide_width(self) -> Transformer:
         if self.d_head is None and self.d_model % self.n_heads:
             raise ValueError(f"dModel ({self.d_model}) must be divisible by nHeads ({self.n_heads})")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"nHeads ({self.n_heads}) must be divisible by nKvHeads ({self.n_kv_heads})")
         return self
 
     @property
@@ -80,10 +87,20 @@ class Transformer(Model):
         return self.n_heads * self.head_dim
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_heads`` under grouped-query attention, else one per query head."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: kv heads times head width."""
+        return self.kv_heads * self.head_dim
+
+    @property
     def parameters_per_layer(self) -> int:
-        h, f, q, bias = self.d_model, self.ffn_width, self.attention_width, int(self.biases)
+        h, f, q, kv, bias = self.d_model, self.ffn_width, self.attention_width, self.kv_width, int(self.biases)
         norms = 2 * (h + bias * h)
-        attention = 4 * h * q + bias * (3 * q + h)
+        attention = 2 * h * q + 2 * h * kv + bias * (q + 2 * kv + h)  # q and out, k and v
         matrices = 3 if self.gated_mlp else 2
         mlp = matrices * h * f + bias * ((matrices - 1) * f + h)
         return norms + attention + mlp
@@ -128,11 +145,18 @@ class Transformer(Model):
 
     @classmethod
     def from_model_config(cls, config: ModelConfigLike, *, seq_len: int | None = None) -> Transformer:
-        """The shape of a catalog model; ``seq_len`` defaults to its maximum sequence length."""
+        """The shape of a catalog model; ``seq_len`` defaults to its maximum sequence length.
+
+        ``llama``: RMSNorm and linears without biases, rotary (not learned) positions, SwiGLU,
+        an untied head, and ``nKvHeads`` key/value heads.
+        """
+        llama = config.architecture == "llama"
         return cls(
             n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads,
             d_ff=config.ffn_width, vocab_size=config.vocab_size,
             seq_len=seq_len or config.max_seq_len,
+            tied_embeddings=not llama, learned_positions=not llama, biases=not llama, gated_mlp=llama,
+            n_kv_heads=config.n_kv_heads if llama else None,
         )
 
     @classmethod

@@ -37,7 +37,7 @@ from trainyard.checkpoint import (
     verify_files_shared,
 )
 from trainyard.context import Context
-from trainyard.runrecord import RefusedCheckpoint, RestoreRecord
+from trainyard.runrecord import RUN_RECORD_FILE, RefusedCheckpoint, RestoreRecord, written_cpu_threads
 from trainyard.settings import RankSettings
 from trainyard.state import Progress
 
@@ -118,6 +118,8 @@ def restore(job: JobLike, state: MutableMapping[str, Stateful], ctx: Context, la
     record.manifest_uri = choice.candidate.manifest_uri
     record.global_step = progress.global_step
     record.world_size = manifest.world_size
+    record.cpu_threads = written_cpu_threads(
+        layout.attempt_dir(manifest.tenant, manifest.job_id, manifest.attempt) / RUN_RECORD_FILE)
     record.rng = "restored" if same_world else (
         f"reseeded: written by {manifest.world_size} ranks, this attempt has {settings.world_size}")
     record.seconds = time.perf_counter() - started

@@ -1,5 +1,6 @@
 """trainyard_trainer: what runs inside each torch rank — data, model, parallelism, the
-training loop, checkpoint I/O and metrics — plus the ``trainyard-data`` dataset builder."""
+training loop, checkpoint I/O and metrics — plus the ``trainyard-data`` dataset builder and
+the ``trainyard-export`` conversion to Hugging Face model directories (:mod:`trainyard_trainer.hf`)."""
 
 from trainyard_trainer.checkpoint import (
     Candidate,
@@ -21,8 +22,16 @@ from trainyard_trainer.data import (
     prepare_dataset,
     verify_dataset,
 )
+from trainyard_trainer.hf import (
+    ExportListing,
+    checkpoint_model_state,
+    from_hf_state_dict,
+    read_hf_model,
+    to_hf_state_dict,
+    write_hf_model,
+)
 from trainyard_trainer.metrics import DEVICE_PEAK_FLOPS, PeakFlops, device_peak_flops, flops_per_token, mfu
-from trainyard_trainer.model import GPT, build_model
+from trainyard_trainer.model import GPT, Llama, build_model
 from trainyard_trainer.parallel import (
     CollectiveTimer,
     ParallelModel,
@@ -54,7 +63,9 @@ __all__ = [
     "Checkpointer",
     "CollectiveTimer",
     "DatasetManifest",
+    "ExportListing",
     "GlobalSampler",
+    "Llama",
     "ModelState",
     "OptimizerState",
     "ParallelModel",
@@ -77,12 +88,14 @@ __all__ = [
     "batch_layout",
     "build_lr_scheduler",
     "build_model",
+    "checkpoint_model_state",
     "checkpoint_state",
     "choose_checkpoint",
     "clip_grad_norm",
     "device_peak_flops",
     "find_ready_checkpoints",
     "flops_per_token",
+    "from_hf_state_dict",
     "load_dataset_manifest",
     "lr_multiplier",
     "mfu",
@@ -90,8 +103,11 @@ __all__ = [
     "parallelize",
     "plan_boundary",
     "prepare_dataset",
+    "read_hf_model",
     "resolve_plan",
     "sample_position",
     "save_checkpoint",
+    "to_hf_state_dict",
     "verify_dataset",
+    "write_hf_model",
 ]

@@ -1,4 +1,4 @@
-"""Parallelism applied to a model from outside (torchtitan style); the GPT never knows how it is split.
+"""Parallelism applied to a model from outside (torchtitan style); a network never knows how it is split.
 
 A run's layout is a :class:`ParallelPlan` (pure, checked once): ``world = pp x dp x tp``, laid out
 on a device mesh ``(pp, dp, tp)`` with ``tp`` innermost so that a tensor-parallel group is a run
@@ -120,10 +120,11 @@ def resolve_plan(
                 "with ZeRO/FSDP sharding are not wired in this trainer"
             )
     if tensor > 1:
-        if config.n_heads % tensor or config.ffn_width % tensor:
+        if config.n_heads % tensor or config.kv_heads % tensor or config.ffn_width % tensor:
+            kv = f", nKvHeads ({config.kv_heads})" if config.kv_heads != config.n_heads else ""
             raise ConfigError(
-                f"parallelism.tensor {tensor} must divide the model's nHeads ({config.n_heads}) and FFN width "
-                f"({config.ffn_width})"
+                f"parallelism.tensor {tensor} must divide the model's nHeads ({config.n_heads}){kv} and FFN "
+                f"width ({config.ffn_width}): each rank computes whole query and key/value heads"
             )
         if tensor > local_world_size or local_world_size % tensor:
             raise ConfigError(
@@ -245,18 +246,41 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool) -
     return model
 
 
+# Per architecture, a block's projections split by output columns and by input rows.
+_TP_COLUMNS = {
+    "gpt2": ("attn.qkv", "mlp.fc"),
+    "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+}
+_TP_ROWS = {
+    "gpt2": ("attn.out", "mlp.proj"),
+    "llama": ("self_attn.o_proj", "mlp.down_proj"),
+}
+
+
+def tp_block_plan(architecture: str) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of one block of ``architecture``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {**{name: ColwiseParallel() for name in _TP_COLUMNS[architecture]},
+            **{name: RowwiseParallel() for name in _TP_ROWS[architecture]}}
+
+
 def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
     """Megatron-style tensor parallelism of attention and MLP in every block (inside one node).
 
-    QKV and the MLP input projection are split by output columns (whole heads per rank, see
-    ``CausalSelfAttention``), the attention output and MLP output projections by input rows;
-    each block therefore does one all-reduce after attention and one after the MLP, forward
-    and backward. Embeddings, norms and the (tied) output head stay replicated.
+    The projections into attention and into the MLP are split by output columns, the attention
+    output and MLP output projections by input rows; each block therefore does one all-reduce
+    after attention and one after the MLP, forward and backward. Column splits hand each rank
+    whole heads: GPT's fused head-major QKV (see ``CausalSelfAttention``); llama's q, k and v
+    separately, ``nHeads / tp`` query heads and ``nKvHeads / tp`` key/value heads, which are the
+    very kv heads its query heads share (``resolve_plan`` makes ``tp`` divide both). Attention
+    reads its local head counts from the widths it holds; SwiGLU's gate and up split alike, so
+    their product is elementwise per rank. Embeddings, norms and the output head (tied or not)
+    stay replicated.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    plan = tp_block_plan(model.config.architecture)
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, plan)
     return model
@@ -346,10 +370,10 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: dist.Process
 
 @dataclass
 class ParallelModel:
-    """A GPT with parallelism applied, and what the training step needs to know about it.
+    """A network (GPT or Llama) with parallelism applied, and what the training step needs to know of it.
 
-    ``model`` is the bare GPT (its FQNs name the checkpoint's entries); ``module`` is what the
-    forward pass is called on (the DDP wrapper, the FSDP/TP-transformed GPT itself, …).
+    ``model`` is the bare network (its FQNs name the checkpoint's entries); ``module`` is what the
+    forward pass is called on (the DDP wrapper, the FSDP/TP-transformed network itself, …).
     """
 
     model: nn.Module
@@ -398,7 +422,7 @@ class ParallelModel:
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         exclude = []
-        if self.plan.pp > 1 and self.is_last_stage and not self.is_first_stage:
+        if self.tied_group is not None and self.is_last_stage and not self.is_first_stage:
             exclude = [self.model.wte.weight]  # counted on the first stage
         return clip_grad_norm(self.model.parameters(), max_norm, group=self.pp_group, exclude_from_norm=exclude)
 
@@ -462,10 +486,11 @@ def parallelize(
     if plan.pp > 1 and plan.dp > 1:
         result.dp_group = dp_group
     if plan.pp > 1:
-        from trainyard_trainer.pipeline import PipelineRunner, tied_embedding_group
+        from trainyard_trainer.pipeline import PipelineRunner, ties_embedding, tied_embedding_group
 
         result.pp_group = mesh["pp"].get_group()
-        result.tied_group = tied_embedding_group(plan, rank)
+        if ties_embedding(model):  # llama's output head is its own parameter, on the last stage only
+            result.tied_group = tied_embedding_group(plan, rank)
         result.pipeline = PipelineRunner(
             module, stage=pp_rank, stages=plan.pp, device=device, group=result.pp_group,
             loss_fn=loss_fn, micro_batches=micro_batches,

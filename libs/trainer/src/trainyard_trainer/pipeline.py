@@ -1,12 +1,18 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` (runs on gloo and NCCL).
 
-A rank of stage ``s`` keeps layers ``split_layers(n_layers, pp)[s]`` of the GPT; the other blocks
-are replaced by parameterless placeholders, so every kept parameter keeps its plain FQN and a
-pipeline checkpoint reshards into any other layout by name. The first stage also keeps the
-token and position embeddings, the last the final norm and the output head, which is tied to the
-token embedding: both stages hold a copy of ``wte`` (initialised identically from the seed) and
-:meth:`ParallelModel.finish_gradients` sums its gradient over the two before the optimizer step,
-so the copies stay identical (Megatron's tied-embedding rule). DCP writes the shared entry once.
+A rank of stage ``s`` keeps layers ``split_layers(n_layers, pp)[s]`` of the model; the other
+blocks are replaced by parameterless placeholders, so every kept parameter keeps its plain FQN
+and a pipeline checkpoint reshards into any other layout by name. The first stage also keeps the
+input embedding, the last the final norm and the output head:
+
+- ``gpt2`` (:class:`GPTStage`): token and position embeddings first; the output head is tied to
+  the token embedding, so both stages hold a copy of ``wte`` (initialised identically from the
+  seed) and :meth:`ParallelModel.finish_gradients` sums its gradient over the two before the
+  optimizer step, so the copies stay identical (Megatron's tied-embedding rule). DCP writes the
+  shared entry once.
+- ``llama`` (:class:`LlamaStage`): ``embed_tokens`` first, ``norm`` and the untied ``lm_head``
+  last, nothing shared. Rotary positions have no parameters: every stage computes the same
+  ``cos``/``sin`` tables for the sequence it receives, as the whole model does once.
 
 The step: this rank's ``grad_accumulation`` micro batches, concatenated, are the schedule's
 micro batches (1F1B when there are at least as many micro batches as stages, else GPipe); the
@@ -18,6 +24,7 @@ reducer refuses). Runs on gloo (CPU) and NCCL alike.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainyard_trainer.model import GPT, Llama, rotary_tables
 from trainyard_trainer.parallel import ParallelPlan
 
 
@@ -40,8 +48,10 @@ def split_layers(n_layers: int, stages: int) -> list[range]:
     return ranges
 
 
-class StageModule(nn.Module):
-    """The part of a GPT one pipeline stage runs: tokens or hidden states in, hidden states or logits out."""
+class StageModule(nn.Module, ABC):
+    """The part of a model one pipeline stage runs: tokens or hidden states in, hidden states or
+    logits out. One subclass per architecture says how (:meth:`run`) and what a stage drops
+    (:meth:`drop_unused`)."""
 
     def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -54,6 +64,20 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_forward is not None and not x.is_meta:
             self.pre_forward()
+        return self.run(x)
+
+    @abstractmethod
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's layers (and the embedding / head when it is the first / last)."""
+
+    @staticmethod
+    @abstractmethod
+    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+        """Remove the modules this stage never runs, so they hold no memory and no optimizer state."""
+
+
+class GPTStage(StageModule):
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         m = self.model
         if self.first:
             positions = torch.arange(x.shape[1], device=x.device)
@@ -64,6 +88,45 @@ class StageModule(nn.Module):
             x = F.linear(m.ln_f(x), m.wte.weight)
         return x
 
+    @staticmethod
+    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+        if not first:
+            model.wpe = None
+        if not (first or last):
+            model.wte = None  # the last stage keeps it: the output head is tied to it
+        if not last:
+            model.ln_f = None
+
+
+class LlamaStage(StageModule):
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        if self.first:
+            x = m.drop(m.embed_tokens(x))
+        # Hidden states arrive in the embedding's dtype, so these are the tables Llama.forward builds.
+        cos, sin = rotary_tables(x.shape[1], m.config.head_dim, device=x.device, dtype=x.dtype)
+        for index in self.layers:
+            x = m.blocks[index](x, cos, sin)
+        if self.last:
+            x = m.lm_head(m.norm(x))
+        return x
+
+    @staticmethod
+    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+        if not first:
+            model.embed_tokens = None
+        if not last:
+            model.norm = None
+            model.lm_head = None
+
+
+_STAGES: dict[type[nn.Module], type[StageModule]] = {GPT: GPTStage, Llama: LlamaStage}
+
+
+def ties_embedding(model: nn.Module) -> bool:
+    """Whether the output head is the token embedding (first and last stage then share it)."""
+    return isinstance(model, GPT)
+
 
 def keep_stage(model: nn.Module, stage: int, stages: int) -> StageModule:
     """Drop from ``model`` (in place) what stage ``stage`` of ``stages`` does not run."""
@@ -72,13 +135,9 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> StageModule:
     for index in range(len(model.blocks)):
         if index not in layers:
             model.blocks[index] = nn.Identity()
-    if not first:
-        model.wpe = None
-    if not (first or last):
-        model.wte = None
-    if not last:
-        model.ln_f = None
-    return StageModule(model, layers, first=first, last=last)
+    stage_class = _STAGES[type(model)]
+    stage_class.drop_unused(model, first=first, last=last)
+    return stage_class(model, layers, first=first, last=last)
 
 
 def tied_embedding_group(plan: ParallelPlan, rank: int) -> dist.ProcessGroup | None:
@@ -97,7 +156,7 @@ def tied_embedding_group(plan: ParallelPlan, rank: int) -> dist.ProcessGroup | N
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's loss: mean token cross-entropy, computed in fp32."""
+    """The models' loss: mean token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

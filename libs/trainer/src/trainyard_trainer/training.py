@@ -46,6 +46,7 @@ from trainyard.runrecord import (
     RunRecord,
     StopRecord,
     ThroughputRecord,
+    cpu_threads_change,
     local_environment,
 )
 from trainyard.runtime import Runtime
@@ -58,6 +59,7 @@ from trainyard_common.errors import ConfigError, DataError, NonFiniteError
 from trainyard_common.events import GangAllocated, StepMetrics
 from trainyard_common.spec import TrainingSpec
 
+from trainyard_trainer.hfstart import maybe_init_from_hugging_face
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import (
     CollectiveTimer,
@@ -454,6 +456,17 @@ def train(job: Job, run: Run) -> Progress:
                                  requested_manifest_uri=ref.manifest_uri if ref else None)).failed(exc)
         raise
     assert run.restored is not None
+    if runtime.device.type == "cpu" and (
+            change := cpu_threads_change(run.restored.cpu_threads, [e["cpu_threads"] for e in environments])):
+        run.restored.cpu_threads_note = change
+        if settings.rank == 0:
+            log.warning("restore: %s", change)
+    try:
+        maybe_init_from_hugging_face(spec, job.model_config, trainee.pm.model, run.restored, run.layout,
+                                     settings.tenant)
+    except BaseException as exc:
+        keeper_for(run.restored).failed(exc)
+        raise
     loader.last_start = loader.sampler.position
     keeper = keeper_for(run.restored)
     if keeper.record is not None:
@@ -495,6 +508,7 @@ def _initial_record(job: Job, batch: BatchLayout, environments: list[dict[str, A
             python=mine["python"], torch=mine["torch"], cuda=mine["cuda"], cudnn=mine["cudnn"], nccl=mine["nccl"],
             platform=mine["platform"], backend=runtime.backend, device=str(runtime.device),
             hostnames=[e["hostname"] for e in environments], code_revision=spec.code_revision,
+            cpu_threads=[e["cpu_threads"] for e in environments],
         ),
         batch=BatchRecord(
             micro_batch_size=batch.micro_batch, data_parallel=batch.dp, grad_accumulation=batch.grad_accumulation,

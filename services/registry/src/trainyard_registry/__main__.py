@@ -13,7 +13,11 @@ checkpoint (trainyard.checkpoints) and the final model of every succeeded job
 (trainyard.jobs) as artifacts with lineage (spec hash, code revision, dataset manifest and
 sha256, tokenizer, model config, parent checkpoint, producing attempt, content hash), and
 announces each record and retirement on trainyard.registry (ArtifactRegistered, ArtifactRetired).
-The API serves them at GET /v1/registry/artifacts?jobId=. Runs until SIGTERM or SIGINT."""
+On ExportRequested (trainyard.exports: POST /v1/registry/artifacts/{id}/export, or a spec's
+export) it converts a READY checkpoint into a Hugging Face model directory with trainyard-export
+(TRAINYARD_EXPORT_COMMAND, TRAINYARD_EXPORT_TIMEOUT_S) and records it as an export artifact, or
+announces ExportFailed. The API serves them at GET /v1/registry/artifacts?jobId=. Runs until
+SIGTERM or SIGINT."""
 
 
 def main(argv: list[str] | None = None) -> None:

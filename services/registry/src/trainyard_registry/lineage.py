@@ -64,6 +64,7 @@ def build_lineage(job: JobRecord, producer_attempt: int, dataset: DatasetRecord 
         parent_checkpoint=start.manifest_uri if start else None,
         code_archive=code.archive if code else None,
         code_commit=code.commit if code else None,
+        parent_hugging_face=job.hugging_face_start.uri if job.hugging_face_start else None,
     )
 
 

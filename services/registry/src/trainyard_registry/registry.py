@@ -9,7 +9,11 @@
 * CHECKPOINTS / CheckpointRefused → that checkpoint's artifact is marked retired;
 * a periodic retire sweep marks retired the artifacts whose checkpoint retention has DELETED
   (jobs with live artifacts are indexed in ``Keys.registry_live``);
-* JOBS / JobStateChanged(succeeded) → ``ArtifactRecord`` type "model" (latest READY checkpoint).
+* JOBS / JobStateChanged(succeeded) → ``ArtifactRecord`` type "model" (latest READY checkpoint); when the
+  job's spec says ``export``, its ExportRequested (requestedBy "spec") and requested ExportRecord are staged
+  in the same MULTI;
+* EXPORTS / ExportRequested → :class:`.exporter.Exporter` (its own consumer group): an ``export`` artifact
+  (a Hugging Face model directory) or ExportFailed.
 
 What it records and retires is announced on REGISTRY, the public feed (``ArtifactRegistered`` /
 ``ArtifactRetired``), staged in the outbox in the MULTI that writes the record: the transaction
@@ -51,6 +55,7 @@ from trainyard_common.events import (
     CheckpointRefused,
     DatasetVersionPublished,
     Event,
+    ExportRequested,
     JobStateChanged,
     dataset_key,
     utcnow,
@@ -68,6 +73,8 @@ from trainyard_common.service import ServiceRuntime
 from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file, uri_to_path
 from trainyard_common.store import Keys, StateStore
 
+from trainyard_registry.exporter import Exporter
+from trainyard_registry.exports import auto_export, requested_record
 from trainyard_registry.lineage import (
     checkpoint_artifact,
     dataset_conflict,
@@ -132,6 +139,7 @@ class Registry:
         self.clock = clock
         self._tries = _MissingTries(settings.missing_retry_limit)
         self.retire_interval_s = settings.retire_interval_s
+        self.exporter = Exporter(redis, outbox, settings, clock=clock)
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe to datasets, checkpoints and jobs (one consumer group, one consumer)."""
@@ -142,8 +150,9 @@ class Registry:
             (JOBS, {JobStateChanged: self.on_job_state_changed}),
         )
         for topic, handlers in routes:
-            runtime.bus.subscribe(topic, handlers, deduper_factory=runtime.deduper)
+            runtime.bus.subscribe(topic, handlers, deduper_factory=runtime.deduper, background=True)
         runtime.add_loop("retire-sweep", self.retire_sweep, every_s=self.retire_interval_s)
+        self.exporter.install(runtime)
 
     # ------------------------------------------------------------------ datasets
     async def on_dataset_published(self, event: DatasetVersionPublished) -> None:
@@ -317,8 +326,15 @@ class Registry:
                 str(event.event_id), f"job {event.job_id} succeeded but has no READY checkpoint yet"
             )
         artifact = model_artifact(job, latest, await self._dataset(job.spec.dataset), now=self.clock())
-        await self._put(artifact)
+        await self._put(artifact, export=await self._auto_export(artifact, job))
         self._tries.done(str(event.event_id))
+
+    async def _auto_export(self, artifact: ArtifactRecord, job: JobRecord) -> ExportRequested | None:
+        """The spec's export of the final model, unless that export was asked for already (by the API)."""
+        request = auto_export(artifact, job.spec, now=self.clock())
+        if request is None or await self.redis.exists(Keys.export(request.export_id)):
+            return None
+        return request
 
     # ------------------------------------------------------------------ helpers
     async def _job(self, event_id: str, job_id: str) -> JobRecord:
@@ -327,11 +343,15 @@ class Registry:
             raise self._tries.missing(event_id, f"job {job_id} has no record")
         return job
 
-    async def _put(self, artifact: ArtifactRecord, *, retired: str | None = None) -> bool:
+    async def _put(self, artifact: ArtifactRecord, *, retired: str | None = None,
+                   export: ExportRequested | None = None) -> bool:
         """Record ``artifact`` (already retired, for ``retired``) and announce it, unless it was
-        recorded before; False then, and nothing announced."""
+        recorded before; False then, and nothing announced. ``export``: its conversion, requested in the
+        same MULTI (with the export's record)."""
         now = self.clock()
         events: list[Event] = [registered(artifact, now=now)]
+        if export is not None:
+            events.append(export)
         if retired is not None:
             artifact = retire(artifact, retired, now=now) or artifact
             events.append(retired_notice(artifact, now=now))
@@ -339,6 +359,8 @@ class Registry:
             await self.redis.zadd(Keys.registry_live, {artifact.job_id: now.timestamp()})
 
         def stage(pipe: Pipeline) -> None:
+            if export is not None:
+                pipe.set(Keys.export(export.export_id), requested_record(export, now=now).dumps(), nx=True)
             for event in events:
                 self.outbox.stage(pipe, event)
 
