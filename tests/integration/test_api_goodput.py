@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from redis.asyncio import Redis
+
 from trainyard_api import ApiServer, ApiSettings
+from trainyard_api.accounting import GoodputAccountant
+from trainyard_api.app import ApiContext, create_app
+from trainyard_api.steptiming import StepTimingStore
 from trainyard_cli.main import app as cli
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
+from trainyard_common.outbox import Outbox
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, NodeRecord
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys
+from trainyard_common.store import Keys, StateStore
 from tests.integration.test_api import event_of, find_record
-from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
+from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, seed, spec_with
 from tests.integration.test_api_calibration import eventually
 
 ADMIN = "token-admin"
@@ -178,3 +184,80 @@ async def test_admin_lists_nodes_with_quarantine_and_reinstates_through_the_outb
     assert code == 0 and "node-b reinstated by olga" in out
     code, out = await asyncio.to_thread(run, TOKEN_A, "list")
     assert code == 1 and "needs platform-admin" in out
+
+
+# ----------------------------------------------------------------------------- goodput over time
+
+H0 = datetime(2026, 1, 1, tzinfo=UTC)  # a bucket start (epoch seconds divisible by 300)
+
+
+def clock_at(moment: list[datetime]) -> Callable[[], datetime]:
+    return lambda: moment[0]
+
+
+async def test_refresh_records_each_tenants_cumulative_ledger_and_the_route_answers_its_intervals(
+    env: dict, redis: Redis,
+) -> None:
+    """A running 2-rank job started at 0 s: refreshed at 300 s (no step yet), again in the same bucket,
+    then at 900 s after 100 one-second steps (the first done at 311 s) saved by a READY checkpoint."""
+    store = StateStore(redis)
+    await seed(store, admin=True)
+    spec = TrainingSpec.model_validate(spec_with())
+    job_id = "job-history"
+    await store.create_job(JobRecord(
+        job_id=job_id, tenant="tenant-a", spec=spec, spec_hash=spec.spec_hash(), state="running",
+        attempts=[AttemptRecord(attempt=1, allocation_id="a1", epoch=1, world_size=2, state="running", started_at=H0)]))
+    stale = int((H0 - timedelta(days=31)).timestamp())
+    await redis.hset(Keys.goodput_history("tenant-a"), str(stale), json.dumps({"allocated": 1.0}))
+    now = [H0 + timedelta(seconds=300)]
+    timing = StepTimingStore(redis)
+    accountant = GoodputAccountant(store, timing, clock=clock_at(now))
+
+    await accountant.refresh()
+    now[0] = H0 + timedelta(seconds=310)  # the same bucket: overwritten, as a second API process would
+    await GoodputAccountant(store, timing, clock=clock_at(now)).refresh()
+    history = await redis.hgetall(Keys.goodput_history("tenant-a"))
+    bucket_300 = str(int(H0.timestamp()) + 300)
+    assert list(history) == [bucket_300]  # the 31-day-old sample was trimmed in the same pass
+    assert json.loads(history[bucket_300])["allocated"] == 2 * 310
+
+    for step in range(1, 101):
+        await timing.on_step_metrics(ev.StepMetrics(
+            job_id=job_id, tenant="tenant-a", attempt=1, rank=0, step=step, loss=2.0, consumed_tokens=step * 2048,
+            step_seconds=1.0, occurred_at=H0 + timedelta(seconds=310 + step)))
+    await store.put_checkpoint(CheckpointRecord(job_id=job_id, tenant="tenant-a", attempt=1, epoch=1, global_step=100,
+                                                world_size=2, state="READY", manifest_uri="file:///m100",
+                                                content_hash="h100"))
+    now[0] = H0 + timedelta(seconds=900)
+    await accountant.refresh()
+
+    app = create_app(ApiContext(ApiSettings(**env), store, Outbox(redis, "api")))
+    transport = httpx.ASGITransport(app=app)
+    async with client_for("http://api", TOKEN_A, transport=transport) as a:
+        body = (await a.get("/v1/goodput/history")).json()
+        assert body["tenant"] == "tenant-a" and body["bucketSeconds"] == 300
+        (interval,) = body["intervals"]
+        assert (interval["start"], interval["end"]) == ("2026-01-01T00:05:00Z", "2026-01-01T00:15:00Z")
+        # 300 s → 900 s of 2 ranks; launch ended at 310 s (10 s more than at the 310 s sample), 100 steps saved
+        assert interval["allocatedDeviceSeconds"] == 2 * (900 - 310)
+        assert interval["productiveDeviceSeconds"] == 2 * 100
+        assert interval["wasted"]["launchRestore"] == 0.0  # already 2 x 310 s at the 310 s sample
+        assert interval["wasted"]["idle"] == 2 * (900 - 310 - 100)
+        assert interval["inFlightDeviceSeconds"] == 0.0
+        assert interval["goodput"] == pytest.approx(200 / 1180)
+        window = {"since": "2026-01-01T00:15:00Z"}
+        assert (await a.get("/v1/goodput/history", params=window)).json()["intervals"] == []
+        window = {"since": "2026-01-01T01:10:00+01:00", "until": "2026-01-01T00:12:00Z"}
+        assert len((await a.get("/v1/goodput/history", params=window)).json()["intervals"]) == 1
+        window = {"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"}  # an empty window
+        assert (await a.get("/v1/goodput/history", params=window)).json()["intervals"] == []
+        for bad in ("1767225600", "2026-01-01T00:10:00", "yesterday"):  # epoch, naive, prose: not RFC 3339
+            resp = await a.get("/v1/goodput/history", params={"since": bad})
+            assert resp.status_code == 422 and resp.json()["detail"][0]["field"] == "query.since", bad
+        assert (await a.get("/v1/goodput/history", params={"all": "true"})).status_code == 403
+    async with client_for("http://api", TOKEN_B, transport=transport) as b:
+        assert (await b.get("/v1/goodput/history")).json()["intervals"] == []
+    async with client_for("http://api", TOKEN_ADMIN, transport=transport) as admin:
+        everyone = (await admin.get("/v1/goodput/history", params={"all": "true"})).json()
+        assert list(everyone["tenants"]) == ["tenant-a"] and everyone["intervals"] == []
+        assert everyone["tenants"]["tenant-a"] == body["intervals"]

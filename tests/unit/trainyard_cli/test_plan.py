@@ -70,6 +70,26 @@ def test_the_seeds_compute_and_checkpoint_numbers(runner: CliRunner) -> None:
     assert young == pytest.approx((2 * 100 * 50_000 * 3600 / 1024) ** 0.5)
 
 
+def test_compute_says_which_flops_a_published_rate_counts(runner: CliRunner) -> None:
+    """Narayanan et al. 2021 §5.1: GPT-3 175B, 300B tokens, 1024 A100s at 140 TFLOP/s is ~34 days,
+    because that rate counts full recomputation (8·N·D); read as model FLOPs (the default) it says
+    25.4 days. Both counts are printed either way."""
+    args = ("compute", "--params", "175e9", "--tokens", "300e9", "--devices", "1024", "--peak-tflops", "140",
+            "--mfu", "1")
+    model = plan_json(runner, *args)
+    assert model["flopsCounted"] == "model" and model["trainingTime"]["counts"] == "model"
+    assert model["trainingTime"]["days"] == pytest.approx(25.4, abs=0.05)
+    hardware = plan_json(runner, *args, "--flops", "hardware", "--recompute", "full")
+    assert hardware["trainingTime"]["counts"] == "hardware" and hardware["recompute"] == "full"
+    assert hardware["trainingTime"]["days"] == pytest.approx(34, rel=0.03)
+    assert hardware["hardwareFlops"] == pytest.approx(8 / 6 * hardware["modelFlops"], rel=0.01)
+    assert hardware["trainingFlops"] == model["trainingFlops"] == pytest.approx(6 * 175e9 * 300e9)
+    table = runner.invoke(app, ["plan", *args, "--flops", "hardware", "--recompute", "full"])
+    assert table.exit_code == 0, table.output
+    assert "model FLOPs (6·N·D)" in table.output and "hardware FLOPs (recompute full)" in table.output
+    assert "time to train (hardware FLOPs)" in table.output
+
+
 def test_bubble_compares_the_three_schedules(runner: CliRunner) -> None:
     data = plan_json(runner, "bubble", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2")
     by_name = {row["schedule"]: row for row in data["schedules"]}

@@ -130,3 +130,14 @@ def test_bandwidth_factor_scales_the_time_not_the_volume() -> None:
 ])
 def test_bottleneck(fits: bool, compute: float, comm: float, expected: Bottleneck) -> None:
     assert bottleneck(fits=fits, compute_seconds=compute, comm_seconds=comm) is expected
+
+
+def test_grouped_query_attention_exchanges_what_full_attention_does_under_tensor_parallelism() -> None:
+    """The TP collectives carry a layer's b s h output: narrower K/V stay inside each rank."""
+    mha = Transformer(n_layers=22, d_model=2048, n_heads=32, d_ff=5632, vocab_size=32000, seq_len=2048,
+                      gated_mlp=True, biases=False, learned_positions=False, tied_embeddings=False)
+    gqa = mha.model_copy(update={"n_kv_heads": 4})
+    topology = Topology.for_device(device_spec("h100-80gb"))
+    layout = Layout(tp=4, micro_batch=2, microbatches=4, sequence_parallel=True)
+    full, grouped = estimate_comm(mha, layout, topology), estimate_comm(gqa, layout, topology)
+    assert grouped.tp_bytes == full.tp_bytes == 4 * 22 * 4 * allreduce_bytes(2 * 2 * 2048 * 2048, 4)

@@ -97,3 +97,15 @@ def test_cpu_device_uses_the_measured_peak() -> None:
     cpu = cpu_device(measured_peak_flops=5e10, memory_bytes=8e9)
     assert cpu.peak_flops == 5e10
     assert training_time(6e15, devices=2, peak_flops_per_device=cpu.peak_flops).seconds == 6e4
+
+
+def test_llama_flops_count_its_own_parameters_and_every_query_head() -> None:
+    from trainyard_common.catalog import MODEL_CATALOG
+
+    config = MODEL_CATALOG["llama-1b@v1"]
+    model = Transformer.from_model_config(config, seq_len=2048)
+    # 6N with the untied head and narrow K/V in N; the attention term counts all 32 query heads.
+    assert model_flops_per_token(model) == 6 * 1_100_048_384 + 12 * 22 * 2048 * 2048
+    mha = model.model_copy(update={"n_kv_heads": None})
+    assert mha.exact_parameters > model.exact_parameters
+    assert model_flops_per_token(mha) - model_flops_per_token(model) == 6 * (mha.exact_parameters - model.exact_parameters)

@@ -72,6 +72,26 @@ def test_tensor_parallel_must_divide_heads() -> None:
     assert any("tensor 8 does not divide 12 attention heads" in r for r in reasons_for(result, tp=8))
 
 
+def test_tensor_parallel_must_divide_the_kv_heads_of_grouped_query_attention() -> None:
+    llama = Transformer.from_model_config(MODEL_CATALOG["llama-1b@v1"], seq_len=2048)  # 32 heads, 4 kv heads
+    result = recommend(llama, H100, devices=8, global_batch=64)
+    refused = reasons_for(result, tp=8)
+    assert refused and all("tensor 8 does not divide 4 key/value heads (grouped-query attention)" in r for r in refused)
+    for tp in (2, 4):
+        assert not any("key/value" in reason for r in reasons_for(result, tp=tp) for reason in r)
+    assert result.accepted and {e.layout.tp for e in result.accepted} <= {1, 2, 4}
+    mha = llama.model_copy(update={"n_kv_heads": None})  # the same shape with a kv head per query head
+    assert not any("key/value" in reason for r in reasons_for(recommend(mha, H100, devices=8, global_batch=64), tp=8)
+                   for reason in r)
+
+
+def test_tensor_parallel_must_divide_the_ffn_width() -> None:
+    model = Transformer(n_layers=4, d_model=512, n_heads=8, d_ff=1380, vocab_size=1000, seq_len=128)
+    result = recommend(model, H100, devices=8, global_batch=64)
+    assert any("tensor 8 does not divide the FFN width 1380" in r for r in reasons_for(result, tp=8))
+    assert not any("FFN" in reason for r in reasons_for(result, tp=4) for reason in r)
+
+
 def test_pipeline_must_divide_layers() -> None:
     model = Transformer(n_layers=6, d_model=512, n_heads=8, vocab_size=1000, seq_len=128)
     result = recommend(model, H100, devices=8, global_batch=64)

@@ -32,6 +32,7 @@ from trainyard_planner import (
     BytesPerParameter,
     Candidate,
     DeviceSpec,
+    FlopsCount,
     Layout,
     LinkTier,
     MemoryBreakdown,
@@ -49,6 +50,8 @@ from trainyard_planner import (
     device_spec,
     estimate_memory,
     estimate_step,
+    hardware_flops_per_token,
+    hardware_training_flops,
     inflight_microbatches,
     job_mtbf,
     model_flops_per_token,
@@ -390,32 +393,51 @@ def compute_command(
     device: DeviceOpt = "h100-80gb", peak_tflops: PeakOpt = None,
     mfu: Annotated[float, typer.Option("--mfu", min=0.001, max=1.0, help="model FLOPs utilisation; 1 when "
                                        "--peak-tflops is already the sustained rate")] = 0.4,
+    flops_counted: Annotated[FlopsCount, typer.Option(
+        "--flops", help="what --peak-tflops x --mfu counts: model FLOPs (6·N·D, what MFU divides) or hardware "
+                        "FLOPs (recomputation included, as Megatron-LM's achieved TFLOP/s)")] = FlopsCount.MODEL,
+    recompute: Annotated[Recompute, typer.Option(
+        "--recompute", help="activation recomputation the hardware FLOPs include (full: 8·N·D)")] = Recompute.NONE,
     as_json: JsonOpt = False,
 ) -> None:
-    """Training FLOPs (6·N·D), FLOPs per token with attention, and days to train.
+    """Training FLOPs (model 6·N·D and hardware), FLOPs per token, and days to train.
 
     The seed's: 6 x 70e9 x 1e12 = 4.2e23 FLOPs, about 63 days on 256
     devices sustaining 300 TFLOP/s:
 
         trainyard plan compute --params 70e9 --tokens 1e12 --devices 256
         --peak-tflops 300 --mfu 1
+
+    A published rate that counts full recomputation (Megatron-LM: GPT-3
+    175B at 140 TFLOP/s on 1024 A100s, ~34 days for 300B tokens):
+
+        trainyard plan compute --params 175e9 --tokens 300e9 --devices 1024
+        --peak-tflops 140 --mfu 1 --flops hardware --recompute full
     """
     shape, label = resolve_model(model, params, seq_len, vocab)
     peak = peak_tflops * 1e12 if peak_tflops else resolve_device(device).peak_flops
     flops = training_flops(shape.parameters, tokens)
-    time = _build("compute", lambda: training_time(flops, devices=devices, peak_flops_per_device=peak, mfu=mfu))
+    hardware = hardware_training_flops(shape, tokens, recompute)
+    counted = hardware if flops_counted is FlopsCount.HARDWARE else flops
+    time = _build("compute", lambda: training_time(counted, devices=devices, peak_flops_per_device=peak, mfu=mfu,
+                                                   counts=flops_counted))
 
     def data() -> dict[str, Any]:
         return {"model": _model_wire(shape, label), "tokens": tokens, "trainingFlops": flops,
+                "modelFlops": model_flops_per_token(shape) * tokens, "hardwareFlops": hardware,
                 "modelFlopsPerToken": model_flops_per_token(shape),
-                "attentionFlopsPerToken": attention_flops_per_token(shape), "trainingTime": time.wire()}
+                "hardwareFlopsPerToken": hardware_flops_per_token(shape, recompute),
+                "attentionFlopsPerToken": attention_flops_per_token(shape), "recompute": recompute.value,
+                "flopsCounted": flops_counted.value, "trainingTime": time.wire()}
 
     def view() -> RenderableType:
+        rate = "MFU" if flops_counted is FlopsCount.MODEL else "hardware utilisation"
         return Group(_model_line(shape, label), _table("compute", [
-            ("training FLOPs (6·N·D)", f"{flops:.3g}"),
-            ("FLOPs per token, with attention", f"{model_flops_per_token(shape):.3g}"),
-            ("devices x peak x MFU", f"{devices} x {peak / 1e12:.4g} TFLOP/s x {mfu:.0%}"),
-            ("time to train", f"{time.days:.1f} days ({time.seconds:.3g} s)"),
+            ("model FLOPs (6·N·D)", f"{flops:.3g}"),
+            ("model FLOPs per token, with attention", f"{model_flops_per_token(shape):.3g}"),
+            (f"hardware FLOPs (recompute {recompute.value})", f"{hardware:.3g}"),
+            (f"devices x peak x {rate}", f"{devices} x {peak / 1e12:.4g} TFLOP/s x {mfu:.0%}"),
+            (f"time to train ({flops_counted.value} FLOPs)", f"{time.days:.1f} days ({time.seconds:.3g} s)"),
         ]))
 
     _emit(as_json, data, view)

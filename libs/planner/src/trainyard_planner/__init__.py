@@ -12,7 +12,8 @@ scheduler (does a gang fit), the CLI (``trainyard plan …``) and the dashboard'
 - :mod:`step`: one step's time under a layout;
 - :mod:`checkpoint`: size, write time, storage, Young and Daly intervals, wasted fraction;
 - :mod:`recommend`: feasible layouts ranked, rejected ones explained;
-- :mod:`calibrate`: correction factors per device type from measured samples.
+- :mod:`calibrate`: correction factors per device type from measured samples;
+- :mod:`lab`: the dashboard Lab's sweeps (memory vs parameters, scaling vs bandwidth, checkpoint interval).
 
 Every result is a frozen pydantic model whose ``wire()`` is camelCase JSON
 (``MemoryBreakdown.wire()["modelStatesBytesPerDevice"]``).
@@ -31,8 +32,12 @@ from trainyard_planner.comm import (
     bottleneck, comm_to_compute_ratio, estimate_comm, reduce_scatter_bytes,
 )
 from trainyard_planner.compute import (
-    DEVICES, DeviceSpec, TrainingTime, attention_flops_per_token, cpu_device, device_spec,
-    hardware_flops_per_token, mfu, model_flops_per_token, training_flops, training_time,
+    DEVICES, DeviceSpec, FlopsCount, TrainingTime, attention_flops_per_token, cpu_device, device_spec,
+    hardware_flops_per_token, hardware_training_flops, mfu, model_flops_per_token, training_flops, training_time,
+)
+from trainyard_planner.lab import (
+    CheckpointLab, MemoryLab, ScalingLab, Sharding, checkpoint_lab, lab_topology, memory_lab, node_counts,
+    scaling_lab,
 )
 from trainyard_planner.layout import FSDP, Layout, Recompute, Schedule, ZeroStage
 from trainyard_planner.memory import (
@@ -56,20 +61,25 @@ __all__ = [
     "BytesPerParameter",
     "Calibration",
     "Candidate",
+    "CheckpointLab",
     "CheckpointPlan",
     "CommEstimate",
     "Comparison",
     "DeviceCalibration",
     "DeviceSpec",
+    "FlopsCount",
     "Layout",
     "LinkTier",
     "MemoryBreakdown",
+    "MemoryLab",
     "Recommendation",
     "Recompute",
     "RejectedLayout",
     "Sample",
     "SampleKind",
+    "ScalingLab",
     "Schedule",
+    "Sharding",
     "StepEstimate",
     "Tier",
     "Topology",
@@ -88,6 +98,7 @@ __all__ = [
     "candidates",
     "check_fits",
     "checkpoint_bytes",
+    "checkpoint_lab",
     "comm_to_compute_ratio",
     "compare",
     "cpu_device",
@@ -100,15 +111,20 @@ __all__ = [
     "estimate_step",
     "fit",
     "hardware_flops_per_token",
+    "hardware_training_flops",
     "inflight_microbatches",
     "job_mtbf",
+    "lab_topology",
     "layout_bubble_ratio",
+    "memory_lab",
     "mfu",
     "model_flops_per_token",
     "model_states_bytes",
+    "node_counts",
     "plan_checkpoint",
     "recommend",
     "reduce_scatter_bytes",
+    "scaling_lab",
     "storage_bytes",
     "training_flops",
     "training_time",

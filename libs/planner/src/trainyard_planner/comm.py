@@ -16,7 +16,8 @@ Per step, per device (``Psi`` parameters on the device, ``m`` micro-batches, ``L
   the 1.5x of the ZeRO paper (§7.2.2);
 - tensor parallel (Megatron-LM): 2 all-reduces of the ``b s h`` activations per layer forward and 2
   backward (2 more with full recomputation); sequence parallelism turns each into a reduce-scatter
-  + all-gather of the same volume;
+  + all-gather of the same volume. The volume is a layer's output, whatever the heads: grouped-query
+  attention narrows K and V inside each rank, not what the ranks exchange;
 - pipeline parallel: each micro-batch's activation forward and its gradient backward, ``b s h``
   16-bit values, across each stage boundary (divided by ``t`` with sequence parallelism), ``v``
   times with ``v`` interleaved chunks.

@@ -5,9 +5,24 @@ backward). The attention-aware count per token is PaLM's (Chowdhery et al. 2022,
 ``6N + 12 L H Q T`` with ``L`` layers, ``H`` heads of width ``Q`` (``H Q = d_model``) and sequence
 ``T``; MFU = achieved tokens/s x that count / (devices x peak). Recomputation adds hardware FLOPs
 (the layers' forward again, about ``2N + 4LHQT`` per token, when full) but not model FLOPs, so MFU ignores it.
+
+Model FLOPs or hardware FLOPs. A published throughput says which it counts, and time to train must
+divide the same count: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", §5.1) quote achieved TFLOP/s that include full activation
+recomputation, ``8 N`` per token instead of ``6 N`` (their end-to-end time ``8 T P / (n X)``), so
+GPT-3 175B on 300B tokens at 140 TFLOP/s on 1024 A100s is ~34 days, not the 25 days ``6 N D``
+gives at the same rate. :class:`FlopsCount` names the two; :func:`training_time` takes the FLOPs the
+rate counts, :func:`hardware_training_flops` gives the hardware count (with the attention and
+logits terms their own per-iteration formula keeps, about 3 % above ``8 T P`` for GPT-3).
+
+Both architectures use the same count with their own exact ``N``: for ``llama`` that includes the
+untied output head and the narrower K/V projections of grouped-query attention, while the
+attention term keeps ``H`` query heads (every query head scores against its shared K/V head).
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 from pydantic import Field
 
@@ -46,24 +61,51 @@ def hardware_flops_per_token(model: Transformer, recompute: Recompute | str = Re
     return flops
 
 
+def hardware_training_flops(model: Transformer, tokens: float, recompute: Recompute | str = Recompute.NONE) -> float:
+    """What the devices execute over ``tokens``: :func:`hardware_flops_per_token` x ``D``
+    (about ``8 N D`` with full recomputation)."""
+    return hardware_flops_per_token(model, recompute) * tokens
+
+
+class FlopsCount(StrEnum):
+    """What a throughput (a peak x MFU, an achieved TFLOP/s) counts.
+
+    ``model``: the model's own FLOPs, ``6 N`` per token (what MFU divides, PaLM's definition);
+    ``hardware``: what the devices run, recomputation included (Megatron-LM's achieved TFLOP/s,
+    hardware FLOPs utilisation)."""
+
+    MODEL = "model"
+    HARDWARE = "hardware"
+
+
 class TrainingTime(Model):
-    flops: float
+    flops: float = Field(description="the FLOPs divided by the rate: model (6ND) or hardware, as `counts` says")
     devices: int
     peak_flops_per_device: float
     mfu: float
     seconds: float
     days: float
+    counts: FlopsCount = Field(default=FlopsCount.MODEL,
+                               description="what `flops` and the rate (peak x mfu) count: model or hardware FLOPs")
 
 
-def training_time(flops: float, *, devices: int, peak_flops_per_device: float, mfu: float = 1.0) -> TrainingTime:
+def training_time(
+    flops: float,
+    *,
+    devices: int,
+    peak_flops_per_device: float,
+    mfu: float = 1.0,
+    counts: FlopsCount | str = FlopsCount.MODEL,
+) -> TrainingTime:
     """``FLOPs / (devices x peak x MFU)``. With ``mfu=1`` the peak is what each device sustains:
-    4.2e23 / (256 x 3e14) = 5.47e6 s, about 63 days."""
+    4.2e23 / (256 x 3e14) = 5.47e6 s, about 63 days. ``counts`` records which FLOPs both sides
+    count (the caller passes model FLOPs with a model-FLOPs rate, hardware with hardware)."""
     if devices < 1 or peak_flops_per_device <= 0 or not 0 < mfu <= 1:
         raise ValueError("devices must be >= 1, the peak positive and mfu in (0, 1]")
     seconds = flops / (devices * peak_flops_per_device * mfu)
     return TrainingTime(
         flops=flops, devices=devices, peak_flops_per_device=peak_flops_per_device, mfu=mfu,
-        seconds=seconds, days=seconds / SECONDS_PER_DAY,
+        seconds=seconds, days=seconds / SECONDS_PER_DAY, counts=FlopsCount(counts),
     )
 
 

@@ -3,7 +3,10 @@ words why each of the others fails.
 
 Candidates: every ``tp x pp x dp = devices`` with ``tp`` and ``pp`` dividing the device count,
 every ZeRO stage (stages above 0 only when ``dp > 1``, where they shard something), every
-micro-batch size offered and every recomputation mode. Sequence parallelism is on whenever
+micro-batch size offered and every recomputation mode. A candidate that cannot be built is
+rejected with its reason: ``tp`` must divide the attention heads, the key/value heads (fewer under
+grouped-query attention: each rank computes whole kv heads, those its query heads share) and the
+FFN width, as the trainer's tensor parallelism needs. Sequence parallelism is on whenever
 ``tp > 1`` (same communication volume, less memory). Feasible layouts are ranked by estimated step
 time, then by memory.
 """
@@ -83,6 +86,11 @@ def shape_reasons(candidate: Candidate, model: Transformer, topology: Topology, 
         reasons.append(f"tensor {c.tp} exceeds the {topology.domain}-device NVLink domain")
     if model.n_heads % c.tp:
         reasons.append(f"tensor {c.tp} does not divide {model.n_heads} attention heads")
+    if model.kv_heads != model.n_heads and model.kv_heads % c.tp:
+        # each rank computes whole key/value heads, the ones its query heads share (the trainer's rule)
+        reasons.append(f"tensor {c.tp} does not divide {model.kv_heads} key/value heads (grouped-query attention)")
+    if model.ffn_width % c.tp:
+        reasons.append(f"tensor {c.tp} does not divide the FFN width {model.ffn_width}")
     if c.pp > model.n_layers:
         reasons.append(f"pipeline {c.pp} exceeds {model.n_layers} layers")
     elif model.n_layers % c.pp:

@@ -3,8 +3,11 @@
 A job's ledger is computed from its record (attempts), its checkpoint records and rank 0's step
 timing (``steptiming.py``). A finished job's ledger never changes again, so it is kept in
 ``Keys.goodput_final`` and later sums read it instead of recomputing. Tenant sums walk the tenant's
-job index. ``refresh()`` (a loop of the API process) recomputes every tenant's sum and sets the
-``trainyard_goodput_device_seconds{tenant,kind}`` gauges; requests never touch the gauges.
+job index. ``refresh()`` (a loop of the API process) recomputes every tenant's sum, sets the
+``trainyard_goodput_device_seconds{tenant,kind}`` gauges (requests never touch them) and records the
+sums as the tenant's goodput history: ``Keys.goodput_history(tenant)``, one field per bucket of
+``bucket_s`` (HSET overwrites, so API processes refreshing the same bucket agree), fields older than
+``retention_s`` trimmed in the same pass (see :mod:`.goodput_history`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from collections.abc import Callable
 from datetime import datetime
 
 from prometheus_client import Gauge
+from redis.exceptions import RedisError
 
+from trainyard_common.errors import StateStoreError
 from trainyard_common.events import TERMINAL_STATES, utcnow
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_api.goodput import KINDS, Ledger, job_ledger
+from trainyard_api.goodput_history import Sample, bucket_start, expired_buckets, parse_samples
 from trainyard_api.steptiming import StepTimingStore
 
 log = logging.getLogger(__name__)
@@ -31,17 +37,22 @@ GOODPUT = Gauge(
     ["tenant", "kind"],
 )
 _BATCH = 200
+HISTORY_BUCKET_S = 300
+HISTORY_RETENTION_S = 30 * 86400.0
 
 
 class GoodputAccountant:
     """Ledgers of jobs and tenants."""
 
     def __init__(self, store: StateStore, timing: StepTimingStore, *,
-                 clock: Callable[[], datetime] = utcnow) -> None:
+                 clock: Callable[[], datetime] = utcnow, history_bucket_s: int = HISTORY_BUCKET_S,
+                 history_retention_s: float = HISTORY_RETENTION_S) -> None:
         self.store = store
         self.redis = store.redis
         self.timing = timing
         self.clock = clock
+        self.history_bucket_s = history_bucket_s
+        self.history_retention_s = history_retention_s
 
     async def job(self, job: JobRecord) -> Ledger:
         """The job's ledger (the stored final one when the job is finished)."""
@@ -81,12 +92,42 @@ class GoodputAccountant:
             offset += len(ids)
 
     async def refresh(self) -> dict[str, Ledger]:
-        """Recompute every tenant's ledger and set the gauges (a loop of the API process)."""
+        """Recompute every tenant's ledger, set the gauges and record the history (a loop of the API process)."""
+        now = self.clock().timestamp()
         ledgers = await self.all_tenants()
         for tenant, ledger in ledgers.items():
             for kind, seconds in ledger.seconds().items():
                 GOODPUT.labels(tenant, kind).set(seconds)
+        await self.record_history(ledgers, now_s=now)
         return ledgers
+
+    async def record_history(self, ledgers: dict[str, Ledger], *, now_s: float) -> None:
+        """1. each tenant's cumulative seconds under the current bucket  2. drop buckets past the retention."""
+        bucket = str(bucket_start(now_s, self.history_bucket_s))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for tenant, ledger in ledgers.items():
+                pipe.hset(Keys.goodput_history(tenant), bucket, json.dumps(ledger.seconds()))
+                pipe.sadd(Keys.goodput_history_tenants, tenant)
+            await pipe.execute()
+        for tenant in ledgers:
+            key = Keys.goodput_history(tenant)
+            fields = [int(f) for f in await self.redis.hkeys(key) if str(f).isdigit()]
+            if old := expired_buckets(fields, now_s=now_s, retention_s=self.history_retention_s):
+                await self.redis.hdel(key, *(str(b) for b in old))
+
+    async def history(self, tenant: str) -> list[Sample]:
+        """The tenant's recorded cumulative samples, oldest first."""
+        try:
+            return parse_samples(await self.redis.hgetall(Keys.goodput_history(tenant)))
+        except RedisError as exc:
+            raise StateStoreError(f"cannot read the goodput history of {tenant}: {exc!r}") from exc
+
+    async def history_tenants(self) -> list[str]:
+        """The tenants that have a goodput history, sorted."""
+        try:
+            return sorted(await self.redis.smembers(Keys.goodput_history_tenants))
+        except RedisError as exc:
+            raise StateStoreError(f"cannot list the goodput histories: {exc!r}") from exc
 
 
 __all__ = ["GOODPUT", "KINDS", "GoodputAccountant"]

@@ -1,0 +1,130 @@
+// Charts drawn with SVG and tables: no library, nothing to download. The line chart draws exactly the points
+// it is given (the API already down-sampled them, shape-preserving), and reports a dragged step range so the
+// page can ask the API for that range in full detail.
+
+import { h, num } from "./format.js";
+
+const SVG = "http://www.w3.org/2000/svg";
+function s(tag, attrs = {}) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  return el;
+}
+
+function extent(values) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of values) if (Number.isFinite(v)) { if (v < lo) lo = v; if (v > hi) hi = v; }
+  if (lo === Infinity) return [0, 1];
+  if (lo === hi) return [lo - (Math.abs(lo) || 1) * 0.05, hi + (Math.abs(hi) || 1) * 0.05];
+  return [lo, hi];
+}
+
+/**
+ * A line chart of `steps` → `values` in an <svg>; `onZoom(fromStep, toStep)` when the user drags a range.
+ * `data-points` on the first polyline says how many points it draws. `lines` adds more series over the same
+ * x values (`[{name, values, color}]`), `hline` a horizontal reference (`{value, label}`), `logX` a log axis.
+ */
+export function lineChart({ name, label, steps, values, onZoom, format = num, formatX, lines = [], hline = null, logX = false, logY = false }) {
+  const W = 600, H = 200, L = 56, R = 10, T = 10, B = 24;
+  const svg = s("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${label}: ${steps.length} points`, "data-series": name });
+  if (!steps.length) {
+    const t = s("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }); t.textContent = "no data yet"; svg.append(t);
+    return svg;
+  }
+  const fx = logX ? Math.log10 : (v) => v;
+  const [x0, x1] = steps.length > 1 ? [fx(steps[0]), fx(steps[steps.length - 1])] : [fx(steps[0]) - 1, fx(steps[0]) + 1];
+  const fy = logY ? (v) => (v > 0 ? Math.log10(v) : NaN) : (v) => v;
+  const [y0, y1] = extent([...values, ...lines.flatMap((l) => l.values), ...(hline ? [hline.value] : [])].map(fy));
+  const x = (v) => L + ((fx(v) - x0) / (x1 - x0 || 1)) * (W - L - R);
+  const yt = (u) => T + (1 - (u - y0) / (y1 - y0 || 1)) * (H - T - B);
+  const y = (v) => yt(fy(v));
+  const text = (attrs, content) => { const t = s("text", attrs); t.textContent = content; svg.append(t); };
+  for (let i = 0; i <= 4; i++) {
+    const u = y0 + ((y1 - y0) * i) / 4;
+    svg.append(s("line", { class: "grid", x1: L, x2: W - R, y1: yt(u), y2: yt(u) }));
+    text({ x: L - 4, y: yt(u) + 4, "text-anchor": "end" }, format(logY ? 10 ** u : u));
+  }
+  for (let i = 0; i <= 4; i++) {
+    const u = x0 + ((x1 - x0) * i) / 4, v = logX ? 10 ** u : u;
+    text({ x: L + ((u - x0) / (x1 - x0 || 1)) * (W - L - R), y: H - 6, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle" }, formatX ? formatX(v) : logX ? num(v) : Math.round(v).toLocaleString("en-US"));
+  }
+  svg.append(s("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }), s("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
+  if (hline && Number.isFinite(hline.value)) {
+    svg.append(s("line", { x1: L, x2: W - R, y1: y(hline.value), y2: y(hline.value), stroke: "#b3261e", "stroke-dasharray": "4 3" }));
+    text({ x: W - R - 2, y: y(hline.value) - 4, "text-anchor": "end" }, hline.label);
+  }
+  const polyline = (vals, attrs) => {
+    const pts = [];
+    for (let i = 0; i < steps.length; i++) if (Number.isFinite(fy(vals[i]))) pts.push(`${x(steps[i]).toFixed(1)},${y(vals[i]).toFixed(1)}`);
+    svg.append(s("polyline", { points: pts.join(" "), "data-points": pts.length, ...attrs }));
+  };
+  polyline(values, {});
+  for (const l of lines) polyline(l.values, { style: `stroke:${l.color}`, "data-line": l.name });
+  if (onZoom) dragToZoom(svg, { W, L, R, x0, x1, onZoom });
+  return svg;
+}
+
+/** A legend for a chart's lines. */
+export function chartLegend(items) {
+  return h("div", { class: "legend" }, ...items.map((i) => h("span", {}, h("span", { class: "swatch", style: `background:${i.color}` }), i.label)));
+}
+
+function dragToZoom(svg, { W, L, R, x0, x1, onZoom }) {
+  const sel = s("rect", { class: "sel", y: 0, height: "100%", width: 0, visibility: "hidden" });
+  svg.append(sel);
+  const stepAt = (evt) => {
+    const box = svg.getBoundingClientRect();
+    const px = ((evt.clientX - box.left) / box.width) * W;
+    return x0 + ((Math.min(Math.max(px, L), W - R) - L) / (W - L - R)) * (x1 - x0);
+  };
+  const toX = (step) => L + ((step - x0) / (x1 - x0 || 1)) * (W - L - R);
+  let start = null;
+  svg.addEventListener("pointerdown", (e) => { start = stepAt(e); svg.setPointerCapture(e.pointerId); });
+  svg.addEventListener("pointermove", (e) => {
+    if (start == null) return;
+    const a = toX(Math.min(start, stepAt(e))), b = toX(Math.max(start, stepAt(e)));
+    sel.setAttribute("x", a); sel.setAttribute("width", Math.max(b - a, 0)); sel.setAttribute("visibility", "visible");
+  });
+  svg.addEventListener("pointerup", (e) => {
+    if (start == null) return;
+    const a = Math.round(Math.min(start, stepAt(e))), b = Math.round(Math.max(start, stepAt(e)));
+    start = null; sel.setAttribute("visibility", "hidden");
+    if (b - a >= 2) onZoom(a, b);
+  });
+}
+
+const HEAT = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"];
+
+/**
+ * A heat map: a row per rank (`<tr data-rank>`), a cell per step bucket, darker = more seconds.
+ * `stragglers` is a Set of ranks to mark.
+ */
+export function heatMap({ ranks, series, stragglers = new Set(), label }) {
+  const ids = Object.keys(ranks).sort((a, b) => Number(a) - Number(b));
+  let hi = 0;
+  for (const r of ids) for (const v of ranks[r][series]?.values || []) if (Number.isFinite(v) && v > hi) hi = v;
+  const table = h("table", { class: "heatmap", "aria-label": label, "data-series": series });
+  const body = h("tbody");
+  for (const r of ids) {
+    const { steps = [], values = [] } = ranks[r][series] || {};
+    const slow = stragglers.has(Number(r));
+    const row = h("tr", { "data-rank": r, class: slow ? "straggler" : null },
+      h("th", { scope: "row" }, `rank ${r}`, slow ? " ⚠ straggler" : ""));
+    values.forEach((v, i) => {
+      const level = hi > 0 && Number.isFinite(v) ? Math.min(HEAT.length - 1, Math.floor((v / hi) * (HEAT.length - 1) + 0.5)) : 0;
+      row.append(h("td", { style: `background:${HEAT[level]}`, title: `rank ${r}, step ${steps[i]}: ${num(v)} s` }));
+    });
+    body.append(row);
+  }
+  table.append(body);
+  const legend = h("div", { class: "legend" }, "0 s",
+    ...HEAT.map((c) => h("span", { class: "swatch", style: `background:${c}` })), `${num(hi)} s`);
+  return h("div", { class: "heatmap-wrap" }, table, legend);
+}
+
+/** A horizontal stacked bar of named parts (`[{label, value, color}]`). */
+export function stackedBar(parts, total) {
+  const sum = total || parts.reduce((a, p) => a + (p.value || 0), 0) || 1;
+  return h("div", { class: "stack", role: "img", "aria-label": parts.map((p) => `${p.label} ${((100 * (p.value || 0)) / sum).toFixed(1)} %`).join(", ") },
+    ...parts.filter((p) => p.value > 0).map((p) => h("span", { style: `width:${(100 * p.value) / sum}%;background:${p.color}`, title: `${p.label}: ${((100 * p.value) / sum).toFixed(1)} %` })));
+}

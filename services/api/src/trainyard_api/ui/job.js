@@ -1,0 +1,274 @@
+// Job: state and progress (live), spec and lineage, attempts timeline, curves, per-rank heat map,
+// checkpoints, goodput, log tail per rank; actions; "Open in the Lab".
+
+import { api, liveJobs, stream } from "./api.js";
+import { bytes, h, int, notify, num, pct, rate, seconds, stateBadge, when } from "./format.js";
+import { heatMap, lineChart, stackedBar } from "./charts.js";
+import { actionsFor, control, etaSeconds } from "./jobs.js";
+
+const CURVES = [["loss", "Loss"], ["lr", "Learning rate"], ["tokensPerSecond", "Tokens/s"], ["mfu", "MFU"]];
+const TIMING = [["computeSeconds", "compute"], ["collectiveSeconds", "collective"], ["dataWaitSeconds", "data wait"], ["checkpointSeconds", "checkpoint"]];
+const WASTE_COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", idle: "#c9ced6" };
+const MAX_POINTS = 2000;
+const HEAT_BUCKETS = 60;
+
+/** The Lab's inputs from what the job says of itself: model, layout, measured step and checkpoint times. */
+export function labQuery(view) {
+  const spec = view.spec, t = spec.training || {}, p = spec.parallelism || {}, r = spec.resources || {};
+  const q = new URLSearchParams();
+  q.set("model", typeof spec.modelConfig === "string" ? spec.modelConfig : JSON.stringify(spec.modelConfig));
+  q.set("device", r.gpuType || "");
+  q.set("devices", String(r.gpuCount || 1));
+  const perNode = Number(String(r.topology || "").match(/^(\d+)-device/)?.[1]);
+  if (perNode) q.set("devicesPerNode", String(perNode));
+  if (p.data) q.set("data", String(p.data));
+  if (t.microBatchSize) q.set("microBatch", String(t.microBatchSize));
+  if (t.sequenceLength) q.set("sequenceLength", String(t.sequenceLength));
+  if (t.globalBatchSize) q.set("globalBatch", String(t.globalBatchSize));
+  const timing = view.rankTiming || [];
+  const step = timing.length ? Math.max(...timing.map((x) => x.stepSeconds - (x.checkpointSeconds || 0))) : null;
+  if (step > 0) {
+    q.set("stepSeconds", step.toPrecision(4));
+    const last = view.attempts.at(-1);
+    if (last) q.set("measuredNodes", String(new Set(last.nodes).size || 1));
+  }
+  const writes = (view.checkpoints || []).map((c) => c.writeSeconds).filter((w) => w > 0);
+  if (writes.length) q.set("writeSeconds", Math.max(...writes).toPrecision(4));
+  else if (view.checkpointAdvice?.inputs?.writeSeconds) q.set("writeSeconds", String(view.checkpointAdvice.inputs.writeSeconds));
+  return q;
+}
+
+function section(id, title, ...children) {
+  return h("section", { class: "card", id, "aria-labelledby": `${id}-h` }, h("h2", { id: `${id}-h` }, title), ...children);
+}
+
+function header(view, ctx, refresh) {
+  const pr = view.progress || {};
+  const max = pr.maxSteps || view.spec.training?.maxSteps;
+  const done = max ? Math.min(1, (pr.globalStep || 0) / max) : 0;
+  const eta = ["queued", "running"].includes(view.state)
+    ? etaSeconds({ state: view.state, maxSteps: max, globalStep: pr.globalStep, createdAt: view.attempts.at(-1)?.startedAt || view.createdAt, updatedAt: pr.updatedAt || view.updatedAt, etaSeconds: view.etaSeconds })
+    : null;
+  const label = view.name || view.jobId;
+  return h("div", { class: "card", id: "job-header" },
+    h("h1", {}, label, " ", stateBadge(view.state, "job-state")),
+    h("div", { class: "grid" },
+      h("div", {},
+        h("div", { class: "bar", id: "job-progress", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": max, "aria-valuenow": pr.globalStep || 0, "aria-label": "training progress" }, h("span", { style: `width:${(done * 100).toFixed(1)}%` })),
+        h("div", { id: "job-step" }, `step ${int(pr.globalStep || 0)} of ${int(max)}`, eta != null ? ` · about ${seconds(eta)} left` : ""),
+        view.queuedReason ? h("p", { class: "notice", id: "job-queued-reason" }, `Waiting: ${view.queuedReason}`) : null,
+        view.reason ? h("p", { class: "muted", id: "job-reason" }, view.reason) : null),
+      h("dl", { class: "kv" },
+        h("dt", {}, "loss"), h("dd", {}, num(pr.lastLoss, 4)),
+        h("dt", {}, "tokens/s"), h("dd", {}, rate(pr.tokensPerSecond, "tok")),
+        h("dt", {}, "MFU"), h("dd", {}, pr.mfu == null ? "—" : pct(pr.mfu)),
+        h("dt", {}, "goodput"), h("dd", {}, pct(view.goodput?.goodput))),
+      h("div", { class: "actions" },
+        ...actionsFor(view.state).map((action) => h("button", {
+          type: "button", id: `action-${action}`, "data-action": action, class: action === "cancel" ? "danger" : null,
+          onclick: async () => { try { await control(ctx, view.jobId, action, label); await refresh(); } catch (e) { notify(e.message); } },
+        }, action[0].toUpperCase() + action.slice(1))),
+        h("a", { href: `#/lab?${labQuery(view)}`, id: "open-lab" }, "Open in the Lab"))));
+}
+
+function lineage(view, artifacts) {
+  const spec = view.spec;
+  const parent = spec.initFrom?.jobId
+    ? h("a", { class: "node", href: `#/jobs/${spec.initFrom.jobId}` }, `from ${spec.initFrom.jobId}${spec.initFrom.globalStep != null ? ` @ step ${spec.initFrom.globalStep}` : ""}`)
+    : spec.initFrom?.huggingFace ? h("span", { class: "node" }, `from ${spec.initFrom.huggingFace.path || spec.initFrom.huggingFace.uri || "a Hugging Face directory"}`) : null;
+  const ready = view.checkpoints.filter((c) => c.state === "READY").length;
+  const exports = artifacts.filter((a) => a.type === "export");
+  const models = artifacts.filter((a) => a.type === "model");
+  const arrow = () => h("span", { class: "arrow", "aria-hidden": "true" }, "→");
+  const children = view.children || []; // job ids started from this one (their initFrom.jobId), newest first
+  return h("div", {},
+    h("div", { class: "lineage", id: "lineage", "aria-label": "lineage" },
+      parent, parent ? arrow() : null,
+      h("span", { class: "node" }, `dataset ${spec.dataset}`), arrow(),
+      h("span", { class: "node" }, `job ${view.jobId}`), arrow(),
+      h("span", { class: "node" }, `${view.attempts.length} attempt${view.attempts.length === 1 ? "" : "s"}`), arrow(),
+      h("span", { class: "node" }, `${ready} READY checkpoint${ready === 1 ? "" : "s"}`), arrow(),
+      h("span", { class: "node" }, `${models.length} model${models.length === 1 ? "" : "s"}, ${exports.length} export${exports.length === 1 ? "" : "s"}`),
+      ...children.map((c) => [arrow(), h("a", { class: "node", href: `#/jobs/${c}`, "data-child": c }, `child ${c}`)]).flat()),
+    h("details", {}, h("summary", {}, "Spec"), h("pre", {}, JSON.stringify(spec, null, 2))));
+}
+
+function attemptsTimeline(view) {
+  if (!view.attempts.length) return h("p", { class: "muted" }, "No attempt yet.");
+  const now = Date.now();
+  const t0 = Math.min(...view.attempts.map((a) => Date.parse(a.startedAt)));
+  const t1 = Math.max(...view.attempts.map((a) => (a.endedAt ? Date.parse(a.endedAt) : now)), t0 + 1000);
+  const rows = view.attempts.map((a) => {
+    const s = Date.parse(a.startedAt), e = a.endedAt ? Date.parse(a.endedAt) : now;
+    const kind = ["succeeded", "running", "failed"].includes(a.state) ? a.state : "other";
+    return h("div", { class: "row", "data-attempt": a.attempt },
+      h("span", {}, `attempt ${a.attempt}`),
+      h("div", { class: "track" }, h("span", { class: `seg seg-${kind}`, style: `left:${((s - t0) / (t1 - t0)) * 100}%;width:${((e - s) / (t1 - t0)) * 100}%`, title: `${a.state}: ${when(a.startedAt)} – ${when(a.endedAt)}` })));
+  });
+  const table = h("table", {}, h("thead", {}, h("tr", {}, ...["#", "State", "Nodes", "Ranks", "Started", "Ended", "From checkpoint", "Why it ended"].map((t) => h("th", { scope: "col" }, t)))),
+    h("tbody", {}, ...view.attempts.map((a) => h("tr", {},
+      h("td", {}, a.attempt), h("td", {}, stateBadge(a.state)), h("td", {}, a.nodes.join(", ")), h("td", { class: "num" }, a.worldSize),
+      h("td", {}, when(a.startedAt)), h("td", {}, when(a.endedAt)),
+      h("td", {}, a.startCheckpoint ? `step ${a.startCheckpoint.globalStep ?? a.startCheckpoint.checkpointId ?? ""}` : "—"),
+      h("td", {}, a.failureReason || a.interruption || "—")))));
+  return h("div", {}, h("div", { class: "timeline", id: "attempts-timeline" }, ...rows), table);
+}
+
+function checkpointsTable(view) {
+  if (!view.checkpoints.length) return h("p", { class: "muted" }, "No checkpoint yet.");
+  return h("table", { id: "checkpoints" },
+    h("thead", {}, h("tr", {}, ...["Checkpoint", "State", "Step", "Attempt", "Size", "Write time", "Created", "Reason"].map((t) => h("th", { scope: "col" }, t)))),
+    h("tbody", {}, ...view.checkpoints.map((c) => h("tr", { "data-checkpoint": c.checkpointId },
+      h("td", {}, c.checkpointId), h("td", {}, stateBadge(c.state)), h("td", { class: "num" }, int(c.globalStep)), h("td", { class: "num" }, c.attempt),
+      h("td", { class: "num" }, c.sizeBytes != null ? bytes(c.sizeBytes) : "—"), h("td", { class: "num" }, seconds(c.writeSeconds)),
+      h("td", {}, when(c.createdAt)), h("td", {}, c.reason || "—")))));
+}
+
+function goodputBreakdown(g) {
+  if (!g) return h("p", { class: "muted" }, "Nothing allocated yet.");
+  const parts = [{ label: "productive", value: g.productiveDeviceSeconds, color: "#5fae7a" },
+    { label: "in flight", value: g.inFlightDeviceSeconds, color: "#9ecae1" },
+    ...Object.entries(g.wasted || {}).map(([k, v]) => ({ label: k, value: v, color: WASTE_COLORS[k] || "#999" }))];
+  return h("div", { id: "goodput" },
+    h("p", {}, h("span", { class: "big" }, pct(g.goodput)), " of ", seconds(g.allocatedDeviceSeconds), " device-time allocated was productive"),
+    stackedBar(parts, g.allocatedDeviceSeconds),
+    h("table", {}, h("tbody", {}, ...parts.map((p) => h("tr", {}, h("th", { scope: "row" }, h("span", { class: "swatch", style: `background:${p.color}` }), p.label),
+      h("td", { class: "num" }, seconds(p.value)), h("td", { class: "num" }, g.allocatedDeviceSeconds ? pct(p.value / g.allocatedDeviceSeconds) : "—"))))));
+}
+
+function curvesSection(jobId, ctx) {
+  const from = h("input", { id: "zoom-from", type: "number", min: 0, step: 1, inputmode: "numeric" });
+  const to = h("input", { id: "zoom-to", type: "number", min: 0, step: 1, inputmode: "numeric" });
+  const info = h("p", { class: "muted", id: "curves-info", "aria-live": "polite" });
+  const grid = h("div", { class: "charts", id: "curves" });
+  const zoomForm = h("form", { class: "inline", "aria-label": "Step range" },
+    h("label", { for: "zoom-from" }, "From step", from), h("label", { for: "zoom-to" }, "To step", to),
+    h("button", { type: "submit", id: "zoom-apply" }, "Zoom"), h("button", { type: "button", id: "zoom-reset" }, "Whole run"));
+  let range = null;
+  async function load() {
+    const q = new URLSearchParams({ series: CURVES.map((c) => c[0]).join(","), maxPoints: String(MAX_POINTS) });
+    if (range) { q.set("fromStep", String(range[0])); q.set("toStep", String(range[1])); }
+    const m = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
+    grid.replaceChildren(...CURVES.map(([name, label]) => {
+      const sr = m.series[name] || { steps: [], values: [], totalPoints: 0 };
+      return h("figure", { "data-curve": name, "data-total": sr.totalPoints },
+        h("figcaption", {}, h("strong", {}, label), h("span", { class: "muted" }, ` ${int(sr.steps.length)} of ${int(sr.totalPoints)} steps`)),
+        lineChart({ name, label, steps: sr.steps, values: sr.values, onZoom: (a, b) => { from.value = a; to.value = b; range = [a, b]; load(); } }));
+    }));
+    info.className = "muted";
+    info.textContent = `steps ${int(m.fromStep)}–${int(m.toStep)} · ${m.method === "all" ? "every step" : `down-sampled (${m.method}) to at most ${int(MAX_POINTS)} points`} · drag across a chart to zoom`;
+  }
+  zoomForm.addEventListener("submit", (e) => { e.preventDefault(); range = from.value && to.value ? [Number(from.value), Number(to.value)] : null; load().catch(showError(info)); });
+  zoomForm.querySelector("#zoom-reset").addEventListener("click", () => { range = null; from.value = ""; to.value = ""; load().catch(showError(info)); });
+  const fail = (e) => { info.textContent = `The metric history could not be read: ${e.message}`; info.className = "error"; };
+  return { el: section("curves-section", "Curves", zoomForm, info, grid), load: () => (range ? Promise.resolve() : load()), fail };
+}
+
+function heatSection(jobId, ctx, stragglersOf) {
+  const select = h("select", { id: "heat-series" }, ...TIMING.map(([v, l]) => h("option", { value: v }, l)));
+  const holder = h("div", { id: "heatmap" });
+  let data = null;
+  const draw = () => {
+    if (!data) return;
+    if (!data.ranks || !Object.keys(data.ranks).length) { holder.replaceChildren(h("p", { class: "muted" }, "No per-rank timing yet.")); return; }
+    holder.replaceChildren(heatMap({ ranks: data.ranks, series: select.value, stragglers: stragglersOf(), label: `${select.selectedOptions[0].textContent} seconds per rank over steps` }));
+  };
+  select.addEventListener("change", draw);
+  const fail = (e) => holder.replaceChildren(h("p", { class: "error" }, `The per-rank timing could not be read: ${e.message}`));
+  async function load() {
+    const q = new URLSearchParams({ series: TIMING.map((t) => t[0]).join(","), byRank: "true", maxPoints: String(HEAT_BUCKETS) });
+    data = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
+    draw();
+  }
+  return { el: section("heat-section", "Time per rank", h("form", { class: "inline", onsubmit: (e) => e.preventDefault() }, h("label", { for: "heat-series" }, "Show", select)), holder, h("p", { class: "muted" }, "One row per rank, one cell per group of steps (the mean); stragglers the platform reported are marked ⚠.")), load, fail, redraw: draw };
+}
+
+function logsSection(view, ctx) {
+  const attempt = h("select", { id: "log-attempt" });
+  const rank = h("select", { id: "log-rank" });
+  const follow = h("input", { type: "checkbox", id: "log-follow", checked: true });
+  const pre = h("pre", { class: "logs", id: "logs", tabindex: 0, "aria-label": "log lines", "aria-live": "off" });
+  let reader = null;
+  const fill = (v) => {
+    const last = v.attempts.at(-1);
+    const prevA = attempt.value;
+    attempt.replaceChildren(...v.attempts.map((a) => h("option", { value: a.attempt }, `attempt ${a.attempt} (${a.state})`)));
+    attempt.value = prevA || (last ? String(last.attempt) : "");
+    const world = (v.attempts.find((a) => String(a.attempt) === attempt.value) || last)?.worldSize || 0;
+    const prevR = rank.value;
+    rank.replaceChildren(...Array.from({ length: world }, (_, i) => h("option", { value: i }, `rank ${i}`)));
+    rank.value = prevR && Number(prevR) < world ? prevR : "0";
+  };
+  async function load() {
+    reader?.abort();
+    if (!attempt.value) { pre.textContent = "No attempt yet."; return; }
+    reader = new AbortController();
+    ctx.signal.addEventListener("abort", () => reader.abort(), { once: true });
+    const q = new URLSearchParams({ attempt: attempt.value, rank: rank.value || "0", tail: "200", follow: String(follow.checked) });
+    pre.textContent = "";
+    const append = (t) => { const stick = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4; pre.append(t); if (stick) pre.scrollTop = pre.scrollHeight; };
+    try { await stream(`/v1/training-jobs/${view.jobId}/logs?${q}`, append, reader.signal); }
+    catch (e) { if (!reader.signal.aborted) append(`\n[${e.message}]\n`); }
+  }
+  for (const el of [attempt, rank, follow]) el.addEventListener("change", () => { if (el === attempt) fill(current); load(); });
+  let current = view;
+  fill(view);
+  const form = h("form", { class: "inline", onsubmit: (e) => { e.preventDefault(); load(); } },
+    h("label", { for: "log-attempt" }, "Attempt", attempt), h("label", { for: "log-rank" }, "Rank", rank),
+    h("label", { class: "check", for: "log-follow" }, follow, "Follow"), h("button", { type: "submit" }, "Reload"));
+  return { el: section("logs-section", "Logs", form, pre), load, update: (v) => { const had = attempt.options.length; current = v; fill(v); if (attempt.options.length !== had) { attempt.value = String(v.attempts.at(-1).attempt); load(); } } };
+}
+
+const showError = (el) => (e) => { el.textContent = e.message; el.classList.add("error"); };
+
+export async function render(main, { id }, ctx) {
+  let view = await api(`/v1/training-jobs/${id}`, { signal: ctx.signal });
+  const artifacts = await api(`/v1/registry/artifacts?jobId=${id}`, { signal: ctx.signal }).then((a) => a.artifacts, () => []);
+  const head = h("div", {});
+  const lin = section("lineage-section", "Spec and lineage");
+  const att = section("attempts-section", "Attempts");
+  const cks = section("checkpoints-section", "Checkpoints");
+  const good = section("goodput-section", "Goodput");
+  const stragglers = () => new Set((view.stragglers || []).filter((s) => s.attempt === view.attempts.at(-1)?.attempt).map((s) => s.rank));
+  const curves = curvesSection(id, ctx);
+  const heat = heatSection(id, ctx, stragglers);
+  const logs = logsSection(view, ctx);
+  const paint = () => {
+    const focused = document.activeElement?.id; // a keyboard user keeps their place across live updates
+    head.replaceChildren(header(view, ctx, refresh));
+    lin.replaceChildren(lin.firstChild, lineage(view, artifacts));
+    att.replaceChildren(att.firstChild, attemptsTimeline(view));
+    cks.replaceChildren(cks.firstChild, checkpointsTable(view));
+    good.replaceChildren(good.firstChild, goodputBreakdown(view.goodput));
+    if (focused && document.activeElement?.id !== focused) document.getElementById(focused)?.focus();
+  };
+  async function refresh() {
+    view = await api(`/v1/training-jobs/${id}`, { signal: ctx.signal });
+    paint();
+    logs.update(view);
+    await loadMetrics();
+  }
+  // the curves and the heat map say for themselves when their data cannot be read; the rest still updates
+  const loadMetrics = () => Promise.all([
+    curves.load().catch((e) => { if (!ctx.signal.aborted) curves.fail(e); }),
+    heat.load().catch((e) => { if (!ctx.signal.aborted) heat.fail(e); }),
+  ]);
+  paint();
+  main.replaceChildren(h("p", {}, h("a", { href: "#/jobs" }, "← Jobs")), head, curves.el, heat.el,
+    h("div", { class: "grid" }, att, good), cks, logs.el, lin);
+  await loadMetrics();
+  logs.load();
+
+  // live: each job event (state, progress, attempts, checkpoints) refreshes the page, at most every 1 s
+  let pending = null, lastState = view.state;
+  const schedule = () => {
+    if (pending) return;
+    pending = setTimeout(async () => { pending = null; try { await refresh(); } catch (e) { if (!ctx.signal.aborted) console.warn(e.message); } }, 1000);
+  };
+  ctx.signal.addEventListener("abort", () => clearTimeout(pending), { once: true });
+  liveJobs({
+    jobId: id, signal: ctx.signal,
+    onJob: (j) => { if (j.jobId === id && (j.state !== lastState || j.globalStep !== view.progress?.globalStep || j.attempts !== view.attempts.length || j.updatedAt !== view.updatedAt)) { lastState = j.state; schedule(); } },
+    poll: refresh,
+  });
+}
