@@ -9,13 +9,17 @@ accumulation = global), the same optimizer, schedule and gradient clipping, trai
   the global sampler, shard verification, the run record, StepMetrics appended to the spool
   every step, the loss all-reduce, timing, an async checkpoint at the end;
 
-on 1 rank and on 2-rank DDP (gloo, CPU, one thread per rank), in the same run, alternating.
-Throughput is steady-state tokens/s: tokens per median interval between step ends (the first
+on 1 rank and on 2-rank DDP (gloo, CPU), in the same run, alternating, twice: with one
+intra-op thread per rank (the old comparison), and with each rank's share of the machine's
+cores (what the node agent gives a rank: usable cores // ranks, ``TRAINYARD_CPU_THREADS``),
+the hand-written loop calling ``torch.set_num_threads`` with the same count. A world whose
+share is one thread is measured once. Throughput is steady-state tokens/s: tokens per median interval between step ends (the first
 WARMUP steps and the final step, which waits for its checkpoint, are left out); the figure per
 configuration is the best of REPEATS runs (as timeit does: interference only ever slows a run
 down). Target: trainer / baseline >= 0.97.
 
-    python bench/trainer_overhead/run.py [--steps 60] [--repeats 4] [--device cpu|cuda]
+    python bench/trainer_overhead/run.py [--steps 40] [--repeats 2] [--device cpu|cuda] [--threads 1,share]
+                                         [--json PATH]
 
 ``--device cuda`` runs the same comparison on GPUs (nccl, bf16 autocast): see bench/gpu/run.sh.
 """
@@ -58,24 +62,39 @@ def spec_wire(args: argparse.Namespace, world: int) -> dict:
     }
 
 
-def rank_env(rank: int, world: int, port: int, extra: dict[str, str]) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, threads: int, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OTEL_"))}
     env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OTEL_TRACES_EXPORTER": "none",
-                "OMP_NUM_THREADS": "1", **extra})
+                "OMP_NUM_THREADS": str(threads), **extra})
     return env
+
+
+def thread_counts(choice: str, world: int) -> list[int]:
+    """The intra-op thread counts to compare for ``world`` ranks: ``1`` and/or ``share`` (the node
+    agent's rule, ``cpu_thread_share``), each once."""
+    from trainyard_node_agent.admission import cpu_thread_share
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    counts = [1 if c == "1" else cpu_thread_share(cores, world) if c == "share" else int(c) for c in choice.split(",")]
+    return list(dict.fromkeys(counts))
 
 
 # ----------------------------------------------------------------------------- the trainyard trainer
 
 
-def run_trainer(args: argparse.Namespace, root: Path, world: int, run: int) -> list[float]:
+def job_id(world: int, run: int, threads: int = 1) -> str:
+    """The job a :func:`run_trainer` run writes its artifacts under."""
+    return f"bench-{world}-{threads}-{run}"
+
+
+def run_trainer(args: argparse.Namespace, root: Path, world: int, run: int, threads: int = 1) -> list[float]:
     from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
     from trainyard_common.spec import TrainingSpec
     from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
 
     spec = TrainingSpec.model_validate(spec_wire(args, world))
-    layout, port, job = ArtifactLayout(root), free_port(), f"bench-{world}-{run}"
+    layout, port, job = ArtifactLayout(root), free_port(), job_id(world, run, threads)
     allocation = GangAllocated(
         job_id=job, tenant="bench", attempt=1, allocation_id="a", epoch=1, world_size=world,
         master_addr="127.0.0.1", master_port=port, spec=spec, spec_hash=spec.spec_hash(),
@@ -86,13 +105,13 @@ def run_trainer(args: argparse.Namespace, root: Path, world: int, run: int) -> l
     atomic_write_bytes(alloc_file, allocation.to_bytes())
     procs = []
     for rank in range(world):
-        env = rank_env(rank, world, port, {
+        env = rank_env(rank, world, port, threads, {
             "TRAINYARD_BACKEND": "nccl" if args.device == "cuda" else "gloo", "TRAINYARD_DEVICE_INDEX": str(rank),
             "TRAINYARD_JOB_ID": job, "TRAINYARD_TENANT": "bench", "TRAINYARD_ATTEMPT": "1", "TRAINYARD_EPOCH": "1",
             "TRAINYARD_ALLOCATION_ID": "a", "TRAINYARD_ARTIFACT_ROOT": str(root),
             "TRAINYARD_ALLOCATION_FILE": str(alloc_file),
             "TRAINYARD_EVENTS_FILE": str(layout.rank_events("bench", job, 1, rank)),
-            "TRAINYARD_PEAK_FLOPS": "1e12", "TRAINYARD_LOG_LEVEL": "WARNING",
+            "TRAINYARD_PEAK_FLOPS": "1e12", "TRAINYARD_LOG_LEVEL": "WARNING", "TRAINYARD_CPU_THREADS": str(threads),
         })
         env.update({k: v for k, v in EXTRA_ENV.items() if v is not None})
         for key in [k for k, v in EXTRA_ENV.items() if v is None]:
@@ -126,7 +145,7 @@ def baseline_rank(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
     torch.manual_seed(1)
@@ -168,12 +187,13 @@ def baseline_rank(args: argparse.Namespace) -> None:
         print("ENDS " + json.dumps(ends), flush=True)
 
 
-def run_baseline(args: argparse.Namespace, root: Path, world: int) -> list[float]:
+def run_baseline(args: argparse.Namespace, root: Path, world: int, threads: int) -> list[float]:
     port = free_port()
     data = root / "datasets" / "tinycorpus" / "v1"
     argv = [sys.executable, __file__, "--baseline-rank", "--steps", str(args.steps), "--device", args.device,
-            "--data", str(data), "--model-json", json.dumps(args.model_json), "--batch-json", json.dumps(args.batch)]
-    procs = [subprocess.Popen(argv, env=rank_env(r, world, port, {}), stdout=subprocess.PIPE, text=True)
+            "--data", str(data), "--model-json", json.dumps(args.model_json), "--batch-json", json.dumps(args.batch),
+            "--rank-threads", str(threads)]
+    procs = [subprocess.Popen(argv, env=rank_env(r, world, port, threads, {}), stdout=subprocess.PIPE, text=True)
              for r in range(world)]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -182,25 +202,39 @@ def run_baseline(args: argparse.Namespace, root: Path, world: int) -> list[float
     return json.loads(line[5:])
 
 
+def step_intervals(ends: list[float]) -> list[float]:
+    """Step-end to step-end intervals, the first WARMUP steps and the last one (it waits for its
+    checkpoint) left out."""
+    window = ends[WARMUP - 1:-1]
+    return [b - a for a, b in zip(window, window[1:], strict=False)]
+
+
 def steady_tokens_per_second(ends: list[float], tokens_per_step: int) -> float:
     """Tokens per median step interval (step end to step end: everything a step costs, reporting included).
 
-    The first WARMUP steps and the last one (it waits for its checkpoint) are left out; the median
-    keeps a neighbour's burst of CPU use on a shared machine from deciding the figure.
+    The median keeps a neighbour's burst of CPU use on a shared machine from deciding the figure.
     """
-    window = ends[WARMUP - 1:-1]
-    return tokens_per_step / statistics.median(b - a for a, b in zip(window, window[1:], strict=False))
+    return tokens_per_step / statistics.median(step_intervals(ends))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--worlds", default="1,2", help="rank counts to compare, e.g. 1,2 or 1,8")
+    parser.add_argument("--threads", default="1,share",
+                        help="intra-op threads per rank to compare (CPU): 1, share (usable cores // ranks) or a figure")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     parser.add_argument("--model-json", type=json.loads, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch-json", type=json.loads, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-threads", dest="threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model_json = args.model_json or CPU_MODEL
@@ -208,6 +242,7 @@ def main() -> None:
     if args.baseline_rank:
         baseline_rank(args)
         return
+    choice = args.threads
 
     from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
 
@@ -215,21 +250,45 @@ def main() -> None:
     try:
         prepare_dataset(root, "tinycorpus", "v1", sources=STDLIB_SOURCES[:12])
         tokens = args.batch["globalBatchSize"] * args.batch["sequenceLength"]
-        results: dict[int, dict[str, list[float]]] = {}
+        configs = [(int(w), t) for w in args.worlds.split(",")
+                   for t in (thread_counts(choice, int(w)) if args.device == "cpu" else [1])]
+        results: dict[tuple[int, int], dict[str, list[list[float]]]] = {}
         for run in range(args.repeats):
-            for world in (int(w) for w in args.worlds.split(",")):
-                mine = results.setdefault(world, {"baseline": [], "trainer": []})
+            for world, threads in configs:
+                mine = results.setdefault((world, threads), {"baseline": [], "trainer": []})
                 order = ("baseline", "trainer") if run % 2 == 0 else ("trainer", "baseline")
                 for who in order:
-                    ends = run_baseline(args, root, world) if who == "baseline" else run_trainer(args, root, world, run)
-                    mine[who].append(steady_tokens_per_second(ends, tokens))
+                    ends = (run_baseline(args, root, world, threads) if who == "baseline"
+                            else run_trainer(args, root, world, run, threads))
+                    mine[who].append(ends)
         print(f"model {args.model_json}, batch {args.batch}, {args.steps} steps, {args.device}; steady-state tokens/s "
-              f"(best of {args.repeats})")
-        for world, mine in results.items():
-            base, ours = max(mine["baseline"]), max(mine["trainer"])
-            print(f"  {world} rank(s): hand-written loop {base:10.1f} tok/s   trainyard trainer {ours:10.1f} tok/s   "
-                  f"runs {[round(v) for v in mine['baseline']]} / {[round(v) for v in mine['trainer']]}")
-            print(f"RATIO trainer/baseline tokens/s, {world} rank(s) = {ours / base:.3f}   (target >= 0.97)")
+              f"(best of {args.repeats}); step p50/p99 of the best run")
+        figures = []
+        for (world, threads), mine in results.items():
+            rates = {who: [steady_tokens_per_second(e, tokens) for e in runs] for who, runs in mine.items()}
+            best = {who: runs[max(range(len(runs)), key=rates[who].__getitem__)] for who, runs in mine.items()}
+            steps = {who: step_intervals(e) for who, e in best.items()}
+            base, ours = max(rates["baseline"]), max(rates["trainer"])
+            label = f"{world} rank(s) x {threads} thread(s)"
+            print(f"  {label}: hand-written loop {base:10.1f} tok/s   trainyard trainer {ours:10.1f} tok/s   "
+                  f"runs {[round(v) for v in rates['baseline']]} / {[round(v) for v in rates['trainer']]}")
+            print(f"    step p50/p99 ms: loop {1e3 * percentile(steps['baseline'], .5):.1f}/"
+                  f"{1e3 * percentile(steps['baseline'], .99):.1f}   trainer {1e3 * percentile(steps['trainer'], .5):.1f}/"
+                  f"{1e3 * percentile(steps['trainer'], .99):.1f}")
+            print(f"RATIO trainer/baseline tokens/s, {label} = {ours / base:.3f}   (target >= 0.97)")
+            figures.append({
+                "world": world, "threadsPerRank": threads, "baselineTokensPerSecond": base,
+                "trainerTokensPerSecond": ours, "ratio": ours / base,
+                **{f"{who}StepP{q}Ms": 1e3 * percentile(steps[who], q / 100) for who in steps for q in (50, 99)},
+            })
+        single = {f["world"]: f["trainerTokensPerSecond"] for f in figures if f["threadsPerRank"] == 1}
+        for f in figures:
+            if f["threadsPerRank"] > 1 and f["world"] in single:
+                print(f"RATIO trainer tokens/s, {f['world']} rank(s), {f['threadsPerRank']} threads / 1 thread = "
+                      f"{f['trainerTokensPerSecond'] / single[f['world']]:.3f}")
+        if args.json is not None:
+            args.json.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "device": args.device,
+                                             "cores": len(os.sched_getaffinity(0)), "results": figures}, indent=2))
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
 

@@ -23,16 +23,20 @@ schemathesis.serializer.alias("application/gzip", "application/octet-stream")
 RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
     "POST /v1/training-jobs": [
         ("modelConfig", r"^unknown model |does not fit one "),  # the catalog; the planner's memory estimate
-        ("modelConfig.dModel", r"must be divisible by nHeads"),
+        ("modelConfig.dModel", r"must be divisible by nHeads|must be even for architecture 'llama'"),
+        ("modelConfig.nHeads", r"must be divisible by nKvHeads"),  # grouped-query attention
+        ("modelConfig.nKvHeads", r"applies only to architecture 'llama'"),
         ("dataset", r"^unknown dataset "),  # the dataset registry
         ("parallelism", r"must equal resources\.gpuCount"),
-        ("parallelism.tensor", r"must divide nHeads"),
+        ("parallelism.tensor", r"must divide (nHeads|nKvHeads|the FFN width)"),  # whole heads per TP rank
         ("resources.gpuType", r"GB per device and this job needs"),
         ("training.globalBatchSize", r"must be a multiple of microBatchSize"),
         ("training.sequenceLength", r"exceeds maxSeqLen"),
         (r"checkpointPolicy\.\w+", r"set exactly one of everySteps or everyMinutes|with auto, set at most one"),
-        ("initFrom.jobId", r"^unknown job |has no READY checkpoint"),  # an earlier job of the tenant
-        ("initFrom.globalStep", r"has no READY checkpoint at step"),
+        ("initFrom.jobId", r"^unknown job |has no READY checkpoint|names exactly one of jobId"),  # a tenant's job
+        ("initFrom.globalStep", r"has no READY checkpoint at step|goes with jobId, not huggingFace"),
+        # a directory under the tenant's prefix of the artifact store, of the spec's model's shape
+        ("initFrom.huggingFace", r"^cannot start from |is not the shape of |must stay inside your tenant's prefix"),
         # code: one of archive / repo + revision; what git and the tenant's uploads say
         ("code.archive", r"^code needs archive |^no code archive \S+ was uploaded for this tenant|archives to"),
         ("code.repo", r"needs code\.revision|neither a URL nor an absolute path|^no directory |not a git repository|"
@@ -56,7 +60,9 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
     ],
     "POST /v1/plan": [
         ("model", r"^unknown model "),
-        (r"model(\.dModel)?", r"must be divisible by nHeads"),
+        (r"model(\.dModel)?", r"must be divisible by nHeads|must be even for architecture 'llama'"),
+        (r"model(\.nHeads)?", r"must be divisible by nKvHeads"),
+        (r"model(\.nKvHeads)?", r"applies only to architecture 'llama'"),
         ("sequenceLength", r"exceeds maxSeqLen"),
         ("device", r"unknown device"),
         ("layout", r"must equal devices"),
@@ -64,6 +70,14 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         ("checkpoint", r"out of the range of the planner's arithmetic"),  # e.g. exp(restart / MTBF)
     ],
 }
+
+
+# the Lab names its model and device as POST /v1/plan does; the ends of its memory curve must ascend, and a
+# tensor-parallel degree must split a node and the model's heads
+_LAB_MODEL = [rule for rule in RULES_BEYOND_THE_SCHEMA["POST /v1/plan"] if rule[0] in (
+    "model", r"model(\.dModel)?", r"model(\.nHeads)?", r"model(\.nKvHeads)?", "sequenceLength", "device")]
+RULES_BEYOND_THE_SCHEMA["POST /v1/lab/memory"] = [*_LAB_MODEL, ("curveTo", r"must be above curveFrom")]
+RULES_BEYOND_THE_SCHEMA["POST /v1/lab/scaling"] = [*_LAB_MODEL, ("tensor", r"^tensor \(\d+\) must divide ")]
 
 
 # a trigger's template is checked as a submission is (its dataset aside), its problems named under template

@@ -26,7 +26,7 @@ import tests.contract.checks  # noqa: F401 - registers this API's own check
 from tests.support.api import api_in_thread
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
-BUDGET = settings(max_examples=25, stateful_step_count=4, deadline=None, derandomize=True, database=None,
+BUDGET = settings(max_examples=10, stateful_step_count=4, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
 
 pytestmark = [

@@ -107,3 +107,34 @@ def test_interpreter_env_is_the_shared_part_of_every_rank_env() -> None:
     assert env == {"PATH": "/bin", "HOME": "/root", "TRAINYARD_SHARDING": "fsdp", "PYTHONUNBUFFERED": "1",
                    "OMP_NUM_THREADS": "1"}
     assert "OMP_NUM_THREADS" not in interpreter_env(base, cpu_threads=None)
+
+
+@pytest.mark.parametrize(("cores", "ranks", "pinned", "share"), [
+    (16, 1, None, 16),  # one rank: the whole node
+    (16, 4, None, 4),
+    (16, 3, None, 5),  # the remainder stays idle rather than oversubscribe a rank
+    (2, 2, None, 1),
+    (2, 4, None, 1),  # more ranks than cores: still one thread each
+    (1, 0, None, 1),
+    (16, 4, 2, 2),  # TRAINYARD_CPU_THREADS_PER_RANK pins it
+    (2, 1, 8, 8),
+])
+def test_each_rank_gets_its_share_of_the_cores(cores: int, ranks: int, pinned: int | None, share: int) -> None:
+    from trainyard_node_agent.admission import cpu_thread_share
+
+    assert cpu_thread_share(cores, ranks, pinned=pinned) == share
+
+
+def test_rank_env_carries_the_thread_share(tmp_path: Path) -> None:
+    event = gang()
+    share = event.nodes[0]
+    env = rank_env(event, share, share.ranks[0], base_env={"OMP_NUM_THREADS": "3"}, backend="gloo",
+                   artifact_root=tmp_path, allocation_file=tmp_path / "a.json", events_file=tmp_path / "e.jsonl",
+                   traceparent=None, cpu_threads=4)
+    assert env["TRAINYARD_CPU_THREADS"] == "4"  # what the rank sets torch to
+    assert env["OMP_NUM_THREADS"] == "3"  # an operator's own OpenMP setting is left alone
+    none = rank_env(event, share, share.ranks[0], base_env={}, backend="nccl", artifact_root=tmp_path,
+                    allocation_file=tmp_path / "a.json", events_file=tmp_path / "e.jsonl", traceparent=None,
+                    cpu_threads=None)
+    assert "TRAINYARD_CPU_THREADS" not in none and "OMP_NUM_THREADS" not in none
+    assert NodeAgentSettings(node_id="n", cpu_threads_per_rank=2).cpu_threads_per_rank == 2

@@ -148,3 +148,11 @@ def test_the_import_path_is_bound_back_but_never_a_platform_path(tmp_path: Path)
     assert checkout.resolve() in found
     assert state_parent.resolve() not in found and (hidden[0] / "x").resolve() not in found
     assert (tmp_path / "missing").resolve() not in found
+
+
+def test_a_hugging_face_start_directory_is_bound_read_only() -> None:
+    weights = ROOT / "tenants/acme/models/tiny"
+    plan = sb.plan_rank(sb.RankView(**{**VIEW.__dict__, "start_weights": weights}), uid=1, gid=1, hidden=HIDDEN)
+    assert sb.Bind(str(weights), writable=False, optional=True) in plan.binds
+    assert not any(b.path == str(ROOT / "tenants/acme/models") for b in plan.binds)  # only that directory
+    assert not any(b.path == str(weights) for b in sb.plan_rank(VIEW, uid=1, gid=1, hidden=HIDDEN).binds)

@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainyard_trainer.runrecord import (
@@ -53,3 +54,40 @@ def test_local_environment() -> None:
     env = local_environment()
     assert env["python"] == sys.version.split()[0] and env["torch"] == torch.__version__
     assert env["hostname"] and env["cuda"] == torch.version.cuda
+    assert env["cpu_threads"] == torch.get_num_threads()
+
+
+def test_the_writers_cpu_threads_come_from_its_run_record(tmp_path: Path) -> None:
+    from trainyard_trainer.runrecord import written_cpu_threads
+
+    r = record()
+    r.environment.cpu_threads = [4]
+    r.write(tmp_path / "a1" / "run-record.json")
+    assert written_cpu_threads(tmp_path / "a1" / "run-record.json") == [4]
+    assert written_cpu_threads(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{")
+    assert written_cpu_threads(tmp_path / "bad.json") is None
+    old = json.loads((tmp_path / "a1" / "run-record.json").read_text())
+    del old["environment"]["cpuThreads"]  # a record written before the field
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert written_cpu_threads(tmp_path / "old.json") is None
+
+
+@pytest.mark.parametrize(("written", "now", "says"), [
+    (None, [2, 2], None),  # the writer's counts unknown: nothing to compare
+    ([], [2], None),
+    ([2, 2], [2, 2], None),
+    ([4, 4], [2, 2], "written with 4 CPU threads per rank, this attempt runs 2"),
+    ([2, 1], [2, 2], "written with 2/1 CPU threads per rank, this attempt runs 2"),
+    ([2, 2], [2], None),  # elastic (another world size): the same count on every rank
+    ([4, 4], [2], "written with 4 CPU threads per rank, this attempt runs 2"),
+    ([2, 1], [1, 2], "written with 2/1 CPU threads per rank, this attempt runs 1/2"),
+])
+def test_a_resume_with_other_cpu_threads_is_reported(written: list[int] | None, now: list[int],
+                                                     says: str | None) -> None:
+    from trainyard_trainer.runrecord import cpu_threads_change
+
+    note = cpu_threads_change(written, now)
+    assert (note is None) == (says is None)
+    if says is not None:
+        assert note is not None and says in note and "not bitwise" in note

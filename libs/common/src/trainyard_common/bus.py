@@ -18,7 +18,7 @@ import base64
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
@@ -164,9 +164,13 @@ class Bus:
         group_prefix: str = "trainyard",
         topic_namespace: str = "",
         session_timeout_ms: int = 6000,
+        fetch_max_wait_ms: int = 500,
+        background_fetch_max_wait_ms: int = 500,
         auth: KafkaAuth = PLAINTEXT,
     ) -> None:
         self.session_timeout_ms = session_timeout_ms
+        self.fetch_max_wait_ms = fetch_max_wait_ms
+        self.background_fetch_max_wait_ms = background_fetch_max_wait_ms
         self.service_name = service_name
         self.group_prefix = group_prefix
         self.bootstrap = bootstrap
@@ -180,6 +184,9 @@ class Bus:
             acks="all",
             graceful_timeout=10.0,
             logger=logging.getLogger(f"faststream.{service_name}"),
+            # faststream logs "Received" / "Processed" for every message at this level: DEBUG, so a service's
+            # INFO log says what its handlers decided, not two lines per StepMetrics (and no I/O per message)
+            log_level=logging.DEBUG,
             security=auth.security(),
         )
         self._started = False
@@ -258,6 +265,8 @@ class Bus:
         group: str | None = None,
         deduper_factory: Callable[[str], Deduper] | None = None,
         max_backoff_s: float = 10.0,
+        offset_reset: Literal["earliest", "latest"] = "earliest",
+        background: bool = False,
     ) -> str:
         """Route each event of ``topic`` to the handler of its class; returns the group id.
 
@@ -265,6 +274,10 @@ class Bus:
         types share a topic and each consumer takes the ones it needs. All topics of one
         group are read by one consumer (one group join at start-up, not one per topic), so
         call this before :meth:`start`.
+
+        ``background``: nobody waits on this group's events (metrics, the registry's records), so its
+        consumer fetches with the longer ``background_fetch_max_wait_ms``; a group is background only if
+        every subscription to it says so.
         """
         if self._started:
             raise RuntimeError("subscribe before Bus.start()")
@@ -276,6 +289,8 @@ class Bus:
         if deduper_factory is not None:
             route.dedupers[topic] = deduper_factory(group_id)
         route.max_backoff_s = max_backoff_s
+        route.offset_reset = offset_reset
+        route.background = background if len(route.handlers) == 1 else route.background and background
         return group_id
 
     def _register_subscribers(self) -> None:
@@ -283,12 +298,13 @@ class Bus:
             self.broker.subscriber(
                 *[self.physical(t) for t in route.handlers],
                 group_id=group_id,
-                auto_offset_reset="earliest",
+                auto_offset_reset=route.offset_reset,
                 ack_policy=AckPolicy.NACK_ON_ERROR,
                 max_poll_interval_ms=600_000,
                 # A group join takes about half the session timeout on the embedded broker.
                 session_timeout_ms=self.session_timeout_ms,
                 heartbeat_interval_ms=max(self.session_timeout_ms // 3, 500),
+                fetch_max_wait_ms=self.background_fetch_max_wait_ms if route.background else self.fetch_max_wait_ms,
             )(_entry_point(_Dispatcher(self, group_id, route)))
 
 
@@ -306,6 +322,8 @@ class _GroupRoute:
     handlers: dict[str, dict[type[ev.Event], Handler]] = field(default_factory=dict)
     dedupers: dict[str, Deduper] = field(default_factory=dict)
     max_backoff_s: float = 10.0
+    offset_reset: Literal["earliest", "latest"] = "earliest"
+    background: bool = False
 
 
 class _Dispatcher:

@@ -3,6 +3,10 @@ in one MULTI; a relay publishes them afterwards and deletes each once the broker
 
 A crash between publish and delete re-publishes on restart; consumers are idempotent by
 ``eventId``, so that is harmless. A broker outage only delays events, never loses them.
+
+The relay is woken when a pipeline that staged events has executed (not when they are staged:
+a relay woken then could look before the MULTI lands, find nothing and sleep a whole idle poll
+with the events waiting; that lost wake-up cost every event hop up to ``idle_poll_s``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class Outbox:
         self._wake = asyncio.Event()
 
     def stage(self, pipe: Pipeline, event: Event, *, traceparent: str | None = None) -> None:
-        """Queue ``event`` inside the caller's MULTI pipeline."""
+        """Queue ``event`` inside the caller's MULTI pipeline; the relay wakes once the pipeline executed."""
         pipe.xadd(
             self.key,
             {
@@ -38,7 +42,23 @@ class Outbox:
                 "traceparent": traceparent or current_traceparent() or "",
             },
         )
-        self._wake.set()
+        self._wake_after(pipe)
+
+    def _wake_after(self, pipe: Pipeline) -> None:
+        """Wrap this pipeline's ``execute`` (once) so the relay is woken after it ran, whatever it returned."""
+        if getattr(pipe, "_outbox_wakes", None) is self._wake:
+            return
+        execute = pipe.execute
+        wake = self._wake
+
+        async def execute_then_wake(*args: object, **kwargs: object) -> object:
+            try:
+                return await execute(*args, **kwargs)
+            finally:
+                wake.set()
+
+        pipe.execute = execute_then_wake  # type: ignore[method-assign]
+        pipe._outbox_wakes = wake  # type: ignore[attr-defined]
 
     async def put(self, *events: Event, traceparent: str | None = None) -> None:
         """Stage events on their own (no other state change to pair them with)."""

@@ -46,6 +46,17 @@ class ServiceSettings(BaseSettings):
     consumer_session_timeout_ms: int = Field(
         default=6000, ge=1000, description="Kafka consumer session timeout; a dead consumer's partitions move after it"
     )
+    consumer_fetch_max_wait_ms: int = Field(
+        default=500, ge=1, le=30_000,
+        description="how long a consumer's fetch waits for records when there are none. Apache Kafka answers a "
+                    "waiting fetch as soon as a record arrives, so this only paces idle polling; the embedded local "
+                    "broker (tansu) answers at the end of the wait, so there it is the latency of every event hop "
+                    "(the local stack sets 20)")
+    consumer_background_fetch_max_wait_ms: int = Field(
+        default=500, ge=1, le=30_000,
+        description="the same for consumers nobody waits on (metrics, the registry's records, triggers, the "
+                    "dashboard's live feed): on the embedded broker a longer wait polls less when idle (the local "
+                    "stack sets 250)")
     reconcile_interval_s: float = Field(default=5.0, gt=0)
 
     @property
@@ -81,6 +92,22 @@ def load_settings(cls: type[S], **overrides: object) -> S:
         )
         raise ConfigError(f"invalid configuration: {problems}") from exc
 
+
+
+def settings_env(settings: BaseSettings) -> dict[str, str]:
+    """``settings`` as the environment variables that parse back to it (for a child process of the service)."""
+    import json
+
+    prefix = settings.model_config.get("env_prefix", "")
+    out = {}
+    for name, value in settings.model_dump(mode="json").items():
+        raw = getattr(settings, name)
+        if isinstance(raw, SecretStr):
+            value = raw.get_secret_value()
+        if value is None:
+            continue
+        out[f"{prefix}{name}".upper()] = value if isinstance(value, str) else json.dumps(value)
+    return out
 
 
 def settings_help(cls: type[BaseSettings]) -> str:

@@ -27,6 +27,7 @@ from trainyard_common.records import (
     CheckpointRecord,
     DatasetRecord,
     DatasetRejection,
+    ExportRecord,
     JobRecord,
     NodeRecord,
     Progress,
@@ -71,6 +72,13 @@ class Keys:
     checkpoint_jobs = "ty:ckpt:jobs"  # zset: jobs the coordinator's GC still looks at (its JOBS_INDEX)
     registry_live = "ty:registry:live"  # zset: jobs with artifacts not yet retired (registry's retire sweep)
     triggers = "ty:triggers"  # hash trigger id → JSON TriggerRecord, every tenant's (api)
+    # stream of {"kind": "job"|"node", "id"}: a job record or a node's placement-relevant state (drain,
+    # quarantine, reputation, devices) changed, appended in the MULTI that changed it; bounded. The scheduler's
+    # leader reads it to keep its snapshot current and is woken by it (see :func:`stage_change`).
+    changes = "ty:changes"
+    # set: ids of jobs stored but not yet taken in by the scheduler (it checks them, then moves them to its active
+    # set); written with the record, so a scheduler that reloads finds every job however far behind it is
+    incoming_jobs = "ty:sched:incoming"
 
     @staticmethod
     def tenant_triggers(tenant: str) -> str:
@@ -99,6 +107,11 @@ class Keys:
     def tenant_audit(tenant: str) -> str:
         """Stream: the audit entries whose target is in ``tenant`` (api), bounded."""
         return f"ty:audit:tenant:{tenant}"
+
+    @staticmethod
+    def job_children(job_id: str) -> str:
+        """Sorted set: ids of the jobs whose ``initFrom.jobId`` is this job → their creation time (api)."""
+        return f"ty:job:{job_id}:children"
 
     @staticmethod
     def progress(job_id: str) -> str:
@@ -158,10 +171,22 @@ class Keys:
         return f"ty:job:{job_id}:stragglers"
 
     goodput_final = "ty:goodput:final"  # hash job id → JSON {tenant, ledger}: ledgers of finished jobs (api)
+    goodput_history_tenants = "ty:goodput:hist-tenants"  # set: tenants with a goodput history (api)
+
+    @staticmethod
+    def goodput_history(tenant: str) -> str:
+        """Hash: bucket start (epoch seconds) → JSON of the tenant's cumulative ledger seconds by kind (api)."""
+        return f"ty:goodput:hist:{tenant}"
 
     @staticmethod
     def artifacts(job_id: str) -> str:
         return f"ty:artifacts:{job_id}"
+
+    @staticmethod
+    def export(export_id: str) -> str:
+        """JSON ExportRecord: an export's progress (the api or the registry writes it requested, with its
+        ExportRequested; the registry ready or failed)."""
+        return f"ty:export:{export_id}"
 
     @staticmethod
     def epoch(job_id: str) -> str:
@@ -182,6 +207,20 @@ class Keys:
     @staticmethod
     def health(service: str, instance: str) -> str:
         return f"ty:health:{service}:{instance}"
+
+
+CHANGES_MAXLEN = 100_000
+"""About how many entries :data:`Keys.changes` keeps (a reader further behind reloads everything)."""
+
+
+def stage_change(pipe: Pipeline, kind: str, ident: str) -> None:
+    """Append ``{kind, id}`` to :data:`Keys.changes` inside the caller's MULTI (kind: ``job`` or ``node``)."""
+    pipe.xadd(Keys.changes, {"kind": kind, "id": ident}, maxlen=CHANGES_MAXLEN, approximate=True)
+
+
+async def note_change(redis: Redis, kind: str, ident: str) -> None:
+    """:func:`stage_change` on its own, after a change made without a MULTI."""
+    await redis.xadd(Keys.changes, {"kind": kind, "id": ident}, maxlen=CHANGES_MAXLEN, approximate=True)
 
 
 def hash_token(token: str) -> str:
@@ -242,13 +281,20 @@ class StateStore:
         if created:
             score = job.created_at.timestamp()
             async with self.redis.pipeline(transaction=True) as pipe:
+                stage_change(pipe, "job", job.job_id)
+                pipe.sadd(Keys.incoming_jobs, job.job_id)
                 pipe.zadd(Keys.jobs, {job.job_id: score})
                 pipe.zadd(Keys.tenant_jobs(job.tenant), {job.job_id: score})
+                if job.spec.init_from is not None and job.spec.init_from.job_id:
+                    pipe.zadd(Keys.job_children(job.spec.init_from.job_id), {job.job_id: score})
                 await pipe.execute()
         return bool(created)
 
     async def put_job(self, job: JobRecord) -> None:
-        await self.redis.set(Keys.job(job.job_id), job.dumps())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(Keys.job(job.job_id), job.dumps())
+            stage_change(pipe, "job", job.job_id)
+            await pipe.execute()
 
     async def list_job_ids(self, tenant: str | None = None, *, limit: int = 100, offset: int = 0) -> list[str]:
         key = Keys.tenant_jobs(tenant) if tenant else Keys.jobs
@@ -306,6 +352,13 @@ class StateStore:
                     return True
                 except WatchError:
                     continue
+
+    async def get_artifact(self, job_id: str, artifact_id: str) -> ArtifactRecord | None:
+        raw = await self.redis.hget(Keys.artifacts(job_id), artifact_id)
+        return ArtifactRecord.model_validate_json(raw) if raw else None
+
+    async def get_export(self, export_id: str) -> ExportRecord | None:
+        return await self._get(Keys.export(export_id), ExportRecord)
 
     async def get_dataset(self, ref: str) -> DatasetRecord | None:
         """The verified version under its qualified ref (no visibility check: see resolve_dataset)."""

@@ -42,6 +42,9 @@ class Environment(_Wire):
     backend: str
     device: str
     hostnames: list[str] = Field(description="host of each rank, by rank")
+    cpu_threads: list[int] = Field(
+        default=[], description="intra-op CPU threads of each rank, by rank: on CPU, part of what a bitwise "
+                                "resume needs to match (reductions are chunked by the thread count)")
     code_revision: str
 
 
@@ -83,6 +86,15 @@ class RestoreRecord(_Wire):
     refused: list[RefusedCheckpoint] = []
     rng: str = Field(default="restored", description="restored | reseeded (different world size) | fresh")
     seconds: float = 0.0
+    cpu_threads: list[int] | None = Field(
+        default=None, description="CPU threads of each rank of the attempt that wrote the checkpoint (from its "
+                                  "run record); None when unknown")
+    cpu_threads_note: str | None = Field(
+        default=None, description="set when this attempt runs other CPU thread counts than the checkpoint's "
+                                  "writer: it resumes anyway, but not bitwise identically")
+    hugging_face_uri: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the Hugging Face directory (initFrom.huggingFace) whose weights the model started from")
 
 
 class CheckpointRecord(_Wire):
@@ -163,6 +175,34 @@ class RunRecord(_Wire):
         atomic_write_bytes(path, self.model_dump_json(by_alias=True, indent=2).encode())
 
 
+def written_cpu_threads(record_path: Path) -> list[int] | None:
+    """The CPU threads of each rank that the run record at ``record_path`` says (the attempt that
+    wrote a checkpoint); None when there is no record, it does not parse, or it predates the field."""
+    try:
+        threads = RunRecord.model_validate_json(record_path.read_bytes()).environment.cpu_threads
+    except (OSError, ValueError):
+        return None
+    return threads or None
+
+
+def cpu_threads_change(written: list[int] | None, now: list[int]) -> str | None:
+    """What a resume should say when its ranks run other CPU thread counts than the checkpoint's
+    writer (None when they match or the writer's are unknown). Pure.
+
+    The policy is the world size's: a difference is no reason to refuse a checkpoint (a job may
+    move to a node with other cores), but the resumed run then sums in another order and is not
+    bitwise identical to an uninterrupted one; the run record says so."""
+    same = written == now if len(written or []) == len(now) else set(written or []) == set(now)  # elastic: by count
+    if not written or same:
+        return None
+    return (f"the checkpoint was written with {_threads(written)} CPU threads per rank, this attempt runs "
+            f"{_threads(now)}: training continues, but not bitwise identically to an uninterrupted run")
+
+
+def _threads(counts: list[int]) -> str:
+    return str(counts[0]) if len(set(counts)) == 1 else "/".join(map(str, counts))
+
+
 def local_environment() -> dict[str, Any]:
     """This process's versions and host (the part of :class:`Environment` each rank knows alone)."""
     nccl = None
@@ -179,4 +219,5 @@ def local_environment() -> dict[str, Any]:
         "nccl": nccl,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
+        "cpu_threads": torch.get_num_threads(),
     }

@@ -3,10 +3,19 @@
 The runtime brings Redis, the bus, the outbox relay (which publishes JobSubmitted and
 JobControlRequested, NodeReinstated), the consumer of ``trainyard.metrics`` (progress, which also
 samples the planner's calibration; per-rank timing; rank 0's step ledger for goodput), the consumer
-of StragglerDetected on ``trainyard.workers``, the consumer of ArtifactRegistered on ``trainyard.registry``
+of StragglerDetected on ``trainyard.workers``, the metric history (every rank's StepMetrics, see
+metrics_history.py), the live-updates hub (its own consumer group, see live.py), the consumer of ArtifactRegistered on ``trainyard.registry``
 (group ``api-triggers``: new dataset versions start the jobs of the triggers that match), the calibration refit loop and the goodput gauges loop. The listening
 socket is bound before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
+
+With ``api_workers`` > 1 this process also starts that many minus one HTTP workers (``python -m
+trainyard_api`` with ``api_worker_index`` and the listening socket's descriptor): they accept on the same
+socket and serve requests, each with its own outbox (``ty:outbox:api-w<i>``, relayed by that worker; a
+worker restarted under the same index relays what its predecessor left) and its own live-updates hub, but
+run no consumer of metrics, stragglers or triggers and no goodput loop — those stay here, once. What a
+request reads and writes is in Redis, so any worker answers any request alike, idempotency keys included
+(the job id derives from the key; the record is created under WATCH). A worker that exits is started again.
 """
 
 from __future__ import annotations
@@ -14,8 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +36,14 @@ import uvicorn
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.events import METRICS, WORKERS, StepMetrics, StragglerDetected
 from trainyard_common.service import ServiceRuntime
+from trainyard_common.settings import settings_env
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.calibrator import Calibrator
+from trainyard_api.dashboard_routes import job_summaries
+from trainyard_api.live import LiveHub
+from trainyard_api.metrics_history import MetricHistory
 from trainyard_api.progress import ProgressProjector
 from trainyard_api.settings import ApiSettings
 from trainyard_api.steptiming import StepTimingStore
@@ -38,12 +54,20 @@ log = logging.getLogger(__name__)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; ConfigError saying what to do when the port is taken."""
+    """A bound, listening TCP socket; ConfigError saying what to do when the port is taken.
+
+    SO_REUSEADDR only for a named port (a restarted API takes its port back at once). Port 0 goes without it:
+    with it the kernel may hand out an ephemeral port that a client connection also holds, and listen()
+    then fails with EADDRINUSE after the bind succeeded."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP, and
+    # with Nagle on, a response written as headers then body waited for the client's delayed ACK: ~40 ms a request
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if port != 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # here, so a taken port is this clear error and not uvicorn's
     except OSError as exc:
         sock.close()
         raise ConfigError(
@@ -68,19 +92,31 @@ class ApiServer:
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
-        self.runtime = ServiceRuntime("api", settings)
+        self.primary = settings.api_worker_index == 0
+        self.runtime = ServiceRuntime("api", settings,
+                                      outbox_name=None if self.primary else f"api-w{settings.api_worker_index}")
         self.calibrator = Calibrator(self.runtime.store, settings)
         self.projector = ProgressProjector(self.runtime.redis, calibrator=self.calibrator)
         self.timing = StepTimingStore(self.runtime.redis, max_points=settings.goodput_max_points)
-        self.accounting = GoodputAccountant(self.runtime.store, self.timing)
-        self.runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics})
-        self.runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler})
+        self.accounting = GoodputAccountant(self.runtime.store, self.timing,
+                                            history_bucket_s=settings.goodput_history_bucket_s,
+                                            history_retention_s=settings.goodput_history_retention_s)
         self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
-        self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
         self.triggers = TriggerFiring(TriggerStore(self.runtime.redis), lambda: self.context.jobs)
-        self.triggers.install(self.runtime)
+        if self.primary:  # what runs once however many HTTP workers serve
+            self.runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, background=True)
+            self.runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler}, background=True)
+            self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
+            self.triggers.install(self.runtime)
+            self.runtime.add_loop("http-workers", self._keep_workers, every_s=1.0)
+        self._workers: dict[int, subprocess.Popen[bytes]] = {}
+        self._sock: socket.socket | None = None
+        self.history = MetricHistory(self.runtime.redis)
+        self.live = LiveHub(lambda ids: job_summaries(self.runtime.redis, ids))
+        self.live.install(self.runtime.bus)
         self.app = create_app(self.context)
+        self.app.state.live, self.app.state.history = self.live, self.history
         self._server: _EmbeddedServer | None = None
         self._serving: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -90,6 +126,7 @@ class ApiServer:
     async def on_step_metrics(self, m: StepMetrics) -> None:
         """Every rank's timing breakdown and rank 0's step ledger, then rank 0's progress."""
         await self.timing.on_step_metrics(m)
+        await self.history.on_step_metrics(m)
         await self.projector.on_step_metrics(m)
 
     @property
@@ -97,13 +134,18 @@ class ApiServer:
         return f"http://{self.settings.api_host}:{self.port or self.settings.api_port}"
 
     async def start(self) -> None:
-        sock = bind_socket(self.settings.api_host, self.settings.api_port)
+        if self.settings.api_listen_fd is not None:  # an HTTP worker: the primary's listening socket
+            sock = socket.socket(fileno=self.settings.api_listen_fd)
+        else:
+            sock = bind_socket(self.settings.api_host, self.settings.api_port)
+        self._sock = sock
         self.port = sock.getsockname()[1]
         if self.settings.api_port == 0:  # Location headers must carry the real port
             self.context.settings = self.settings.model_copy(update={"api_port": self.port})
         try:
             await self.runtime.start()
             await self._maybe_bootstrap()
+            self.live.start()
             config = uvicorn.Config(
                 self.app, log_config=None, access_log=self.settings.api_access_log, lifespan="off",
                 server_header=False, timeout_graceful_shutdown=10,
@@ -115,7 +157,47 @@ class ApiServer:
             sock.close()
             await self.aclose()
             raise
-        log.info("api listening on %s (public URL %s)", self.url, self.context.settings.public_url)
+        if self.primary:
+            self._keep_workers_now()
+        log.info("api %slistening on %s (public URL %s)",
+                 "" if self.primary else f"HTTP worker {self.settings.api_worker_index} ", self.url,
+                 self.context.settings.public_url)
+
+    # ------------------------------------------------------------------ HTTP workers
+    async def _keep_workers(self) -> None:
+        self._keep_workers_now()
+
+    def _keep_workers_now(self) -> None:
+        """Start the HTTP workers that are not running (at start, and again when one exited)."""
+        if self._sock is None or self._closed:
+            return
+        for index in range(1, self.settings.api_workers):
+            proc = self._workers.get(index)
+            if proc is not None and proc.poll() is None:
+                continue
+            if proc is not None:
+                log.warning("API HTTP worker %d exited with %s; starting it again", index, proc.returncode)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
+            env.update(settings_env(self.settings))  # this process's settings, however they were given
+            env.update({"TRAINYARD_API_WORKER_INDEX": str(index), "TRAINYARD_API_LISTEN_FD": str(self._sock.fileno()),
+                        "TRAINYARD_API_PORT": str(self.port)})
+            for primary_only in ("TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE", "TRAINYARD_METRICS_PORT"):
+                env.pop(primary_only, None)
+            self._workers[index] = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                [sys.executable, "-m", "trainyard_api"], env=env, pass_fds=(self._sock.fileno(),),
+                stdin=subprocess.DEVNULL)
+
+    async def _stop_workers(self, timeout_s: float = 15.0) -> None:
+        for proc in self._workers.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(p.poll() is None for p in self._workers.values()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for proc in self._workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
     async def _maybe_bootstrap(self) -> None:
         """The first platform-admin token, into TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE, when none exists."""
@@ -161,12 +243,15 @@ class ApiServer:
         if self._closed:
             return
         self._closed = True
+        await self._stop_workers()
+        await self.live.aclose()  # ends the event streams, so the HTTP server's graceful stop is not held
         if self._server is not None:
             self._server.should_exit = True
         if self._serving is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._serving
         await self.runtime.aclose()
+        await self.history.aclose()
 
     async def __aenter__(self) -> ApiServer:
         await self.start()

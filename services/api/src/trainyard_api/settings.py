@@ -36,6 +36,13 @@ class ApiSettings(ServiceSettings):
     api_max_page_limit: int = Field(default=500, gt=0, description="largest page a client may ask for")
     api_max_attempts: int = Field(default=3, gt=0, le=100, description="attempt budget of a new job")
     api_access_log: bool = Field(default=False, description="log every HTTP request (uvicorn access log)")
+    api_workers: int = Field(
+        default=1, ge=1, le=64,
+        description="HTTP worker processes on the one port: this process plus api_workers - 1 that serve requests "
+                    "only (each with its own outbox); the consumers and the refresh loops run here alone")
+    api_worker_index: int = Field(default=0, ge=0, description="set by the API for its HTTP workers (1, 2, …)")
+    api_listen_fd: int | None = Field(
+        default=None, ge=0, description="set by the API for its HTTP workers: the listening socket they share")
     api_max_code_bytes: int = Field(
         default=codetree.MAX_ARCHIVE_BYTES, gt=0,
         description="largest code archive PUT /v1/code/{archive} takes, and code.repo may archive to (bytes)")
@@ -79,6 +86,11 @@ class ApiSettings(ServiceSettings):
 
     goodput_refresh_s: float = Field(default=30.0, gt=0,
                                      description="how often the trainyard_goodput_device_seconds gauges are refreshed")
+    goodput_history_bucket_s: int = Field(
+        default=300, gt=0, description="width of a goodput history bucket: each refresh overwrites its tenant's "
+                                       "sample of the current bucket (GET /v1/goodput/history)")
+    goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
+                                               description="how long goodput history samples are kept")
     goodput_max_points: int = Field(
         default=4096, gt=1, description="newest steps per attempt whose cumulative step time is kept (older steps "
                                         "are interpolated); bounds the goodput read model's memory per attempt")

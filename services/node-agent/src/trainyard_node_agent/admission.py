@@ -56,6 +56,15 @@ def pick_backend(setting: str, device_type: str, *, has_nvidia_smi: bool) -> str
     return "nccl" if device_type != "cpu" and has_nvidia_smi else "gloo"
 
 
+def cpu_thread_share(usable_cores: int, ranks_here: int, *, pinned: int | None = None) -> int:
+    """Intra-op CPU threads for each of the ``ranks_here`` ranks of one attempt on this node:
+    ``pinned`` when the operator set ``TRAINYARD_CPU_THREADS_PER_RANK``, else an equal share of the
+    usable cores, at least one (no rank is left without a thread, none oversubscribes the others)."""
+    if pinned is not None:
+        return pinned
+    return max(1, usable_cores // max(1, ranks_here))
+
+
 def interpreter_env(base_env: Mapping[str, str], *, cpu_threads: int | None = 1,
                     extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """What every rank's environment shares (the agent's own minus its settings, plus the operator's
@@ -91,6 +100,10 @@ def rank_env(
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
     then the contract, which wins (the spec already refuses a code.env that names its variables).
+
+    ``cpu_threads`` (CPU nodes): this rank's share of the node's cores (:func:`cpu_thread_share`),
+    as ``TRAINYARD_CPU_THREADS`` (the rank sets torch's intra-op threads to it, also in a warm
+    interpreter that imported torch before it knew its rank) and ``OMP_NUM_THREADS`` unless set.
 
     ``interpreter_dir`` (user code): put first on PATH, so the entrypoint's ``python`` (or
     ``torchrun``) is the node's training environment — torch and the SDK — not whatever the host
@@ -130,5 +143,6 @@ def rank_env(
     if traceparent:
         env["TRACEPARENT"] = traceparent
     if cpu_threads is not None:
+        env["TRAINYARD_CPU_THREADS"] = str(cpu_threads)  # the rank's torch.set_num_threads: what its record says
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
     return env

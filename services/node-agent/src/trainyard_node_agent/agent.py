@@ -91,7 +91,15 @@ from trainyard_common.tracing import current_traceparent
 
 from trainyard_node_agent import kube
 from trainyard_node_agent import ranks as rp
-from trainyard_node_agent.admission import Launch, Refuse, interpreter_env, judge, pick_backend, rank_env
+from trainyard_node_agent.admission import (
+    Launch,
+    Refuse,
+    cpu_thread_share,
+    interpreter_env,
+    judge,
+    pick_backend,
+    rank_env,
+)
 from trainyard_node_agent.classify import ExitFacts, classify_exit
 from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
 from trainyard_node_agent.confinement import Confinement, scrubbed
@@ -183,14 +191,19 @@ class NodeAgent:
             if settings.kube_node_name else None
         self.pool = WarmPool(
             settings.warm_ranks, settings.warm_module,
-            interpreter_env(self.base_env, cpu_threads=self._cpu_threads, extra=settings.rank_env),
+            # one thread while importing: the rank's own share is set when it starts (TRAINYARD_CPU_THREADS)
+            interpreter_env(self.base_env, cpu_threads=1 if settings.device_type == "cpu" else None,
+                            extra=settings.rank_env),
             settings.agent_state_path.parent / "warm.log",
         ) if settings.warm_ranks > 0 else None
+        self._usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.code_cache = CodeCache(settings.code_cache_path, self.layout, max_bytes=settings.code_cache_max_bytes)
 
-    @property
-    def _cpu_threads(self) -> int | None:
-        return 1 if self.settings.device_type == "cpu" else None
+    def _cpu_threads(self, ranks_here: int) -> int | None:
+        """Each rank's share of this node's cores, on a CPU node (None elsewhere: torch's default)."""
+        if self.settings.device_type != "cpu":
+            return None
+        return cpu_thread_share(self._usable_cores, ranks_here, pinned=self.settings.cpu_threads_per_rank)
 
     def install(self) -> None:
         """Subscribe (a group of its own: every agent sees every allocation), heartbeat, watchdogs."""
@@ -537,7 +550,7 @@ class NodeAgent:
         env = rank_env(
             event, share, slot, base_env=self.base_env, backend=self.backend,
             artifact_root=self.layout.root, allocation_file=allocation_file, events_file=rank.spool.path,
-            traceparent=traceparent, cpu_threads=self._cpu_threads, extra=self.settings.rank_env,
+            traceparent=traceparent, cpu_threads=self._cpu_threads(len(share.ranks)), extra=self.settings.rank_env,
             checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
                                                             event.attempt),
             exit_note_file=rank.note_file,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainyard_common.errors import ConfigError
 from trainyard_common.events import GangAllocated
+from trainyard_common.hfdir import HfDirError, resolve_start
 from trainyard_common.storage import ArtifactLayout, uri_to_path
 
 from trainyard_node_agent import launcher
@@ -87,11 +88,12 @@ class Confinement:
             return Confined(list(command), None)
         uid = self.uid_of(event.job_id)
         start = uri_to_path(event.start_checkpoint.manifest_uri).parent if event.start_checkpoint else None
+        weights = start_weights(self.layout, event)
         view = sb.RankView(
             attempt_dir=self.layout.attempt_dir(event.tenant, event.job_id, event.attempt),
             checkpoints=self.layout.checkpoints_dir(event.tenant, event.job_id), scratch=scratch,
             datasets=tuple(datasets) or (dataset_dir(self.layout, event.spec.dataset),), code_dir=code_dir,
-            cwd=cwd, start_checkpoint=start, calibration=self.layout.root.joinpath(*sb.CALIBRATION),
+            cwd=cwd, start_checkpoint=start, start_weights=weights, calibration=self.layout.root.joinpath(*sb.CALIBRATION),
             runtime=self.runtime,
         )
         sb.apply_ownership(sb.ownership(view, events_file=events_file, exit_dir=exit_file.parent, uid=uid, gid=uid))
@@ -99,6 +101,19 @@ class Confinement:
                             start_error_file=Path(launcher.start_error_file_for(str(exit_file))))
         log.debug("rank %d of %s confined as uid %d: %s", rank, event.allocation_id, uid, plan.to_json())
         return Confined(sb.wrap(command, plan), uid)
+
+
+def start_weights(layout: ArtifactLayout, event: GangAllocated) -> Path | None:
+    """The ``initFrom.huggingFace`` directory the ranks may read (symlinks resolved), or None: none named,
+    or it resolves outside the job's tenant prefix (not bound: the trainer then fails saying so)."""
+    init = event.spec.init_from
+    if init is None or init.hugging_face is None:
+        return None
+    try:
+        return resolve_start(layout, event.tenant, init.hugging_face)
+    except HfDirError as exc:
+        log.warning("not showing job %s's ranks its initFrom.huggingFace directory: %s", event.job_id, exc)
+        return None
 
 
 def dataset_dir(layout: ArtifactLayout, dataset: str) -> Path:

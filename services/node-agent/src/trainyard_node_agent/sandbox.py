@@ -16,7 +16,9 @@ that shows them only their own paths.
   node that runs one tenant's trusted code only. Said loudly at start-up and in the heartbeat.
 
 What a rank sees (:func:`plan_rank`, pure): its code tree and datasets read-only, the start
-checkpoint read-only when it belongs to another job (``initFrom``), the peak-FLOP/s calibration
+checkpoint read-only when it belongs to another job (``initFrom``), the Hugging Face directory it
+starts from read-only (``initFrom.huggingFace``: resolved by the agent, and only when it resolves
+inside the job's tenant prefix; a symlink in it pointing elsewhere dangles), the peak-FLOP/s calibration
 cache read-only; its job's checkpoint prefix and its attempt directory writable. Within the attempt
 directory file ownership (:func:`ownership`, applied by the agent before the launch, as root) keeps
 the agent's own files out of the rank's reach: the directory is root's, group-writable for the job
@@ -168,6 +170,7 @@ class RankView:
     code_dir: Path | None = None  # read-only
     cwd: Path | None = None  # default: scratch
     start_checkpoint: Path | None = None  # read-only when outside the job's prefix (initFrom)
+    start_weights: Path | None = None  # a Hugging Face directory (initFrom.huggingFace, resolved), read-only
     calibration: Path | None = None  # read-only, optional
     runtime: tuple[Path, ...] = ()  # the interpreter's prefixes, read-only (bound back if under a cover)
 
@@ -184,6 +187,8 @@ def plan_rank(view: RankView, *, uid: int, gid: int, hidden: Sequence[Path], pri
     maybe = [*view.datasets]
     if view.start_checkpoint is not None and not _under(view.start_checkpoint, view.checkpoints):
         maybe.append(view.start_checkpoint)
+    if view.start_weights is not None:
+        maybe.append(view.start_weights)
     binds += [Bind(str(p), optional=True) for p in maybe]
     if view.calibration is not None:
         binds.append(Bind(str(view.calibration), optional=True))

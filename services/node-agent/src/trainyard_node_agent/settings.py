@@ -88,6 +88,11 @@ class NodeAgentSettings(ServiceSettings):
     )
     confirm_after_s: float = Field(default=10.0, gt=0, description="how long an announcement may take to be applied")
     confirm_max_age_s: float = Field(default=3600.0, gt=0, description="after this, an announcement is given up")
+    cpu_threads_per_rank: int | None = Field(
+        default=None, ge=1,
+        description="intra-op CPU threads of each rank on a CPU node; unset = the usable cores (CPU affinity) "
+                    "divided by the ranks of the attempt on this node, at least 1",
+    )
     warm_ranks: int = Field(
         default=0, ge=0, le=1024,
         description="interpreters kept ready with the trainer already imported (a new attempt's ranks start "

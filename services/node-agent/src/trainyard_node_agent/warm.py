@@ -13,7 +13,9 @@ the exit file, waits for it and records its exit status, and exits the same way.
 before a launch means the agent no longer needs it: it exits 0.
 
 Variables read while importing (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``…) come from the
-interpreter's own environment, which the agent sets like a rank's.
+interpreter's own environment, which the agent sets like a rank's (one thread: the rank's share of
+the cores is not known yet). The rank sets torch's threads from its ``TRAINYARD_CPU_THREADS`` when
+it starts, which wins over what the interpreter imported torch with.
 """
 
 from __future__ import annotations

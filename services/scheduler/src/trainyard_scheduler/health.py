@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from trainyard_common.errors import ConfigError
+from trainyard_common.records import NodeRecord
 
 # ----------------------------------------------------------------------------- stragglers
 
@@ -222,6 +223,45 @@ def quarantine_floor(node_id: str, *, capacity: Mapping[str, Mapping[str, int]],
 
 
 # ----------------------------------------------------------------------------- saying why a job waits
+
+
+def live_nodes(records: Iterable[NodeRecord], now: datetime, node_timeout_s: float) -> list[NodeRecord]:
+    """Nodes that are healthy and heart-beat within ``node_timeout_s`` of ``now``."""
+    horizon = now - timedelta(seconds=node_timeout_s)
+    return [n for n in records if n.healthy and n.last_seen >= horizon]
+
+
+def placeable_nodes(live: Iterable[NodeRecord], *, quarantined: Collection[str],
+                    drained: Collection[str]) -> list[NodeRecord]:
+    """Of the live nodes, those neither quarantined nor drained."""
+    return [n for n in live if not n.quarantined and n.node_id not in quarantined and n.node_id not in drained]
+
+
+def penalties(reputation: Mapping[str, Mapping[str, float | str]], now: datetime,
+              policy: ReputationPolicy) -> dict[str, float]:
+    """Each node's decayed failure score (stored JSON dicts), rounded; scores under 0.01 are left out."""
+    scores = {n: decayed(NodeScore.from_dict(dict(v)), now, policy) for n, v in reputation.items()}
+    return {n: round(v, 3) for n, v in scores.items() if v >= 0.01}
+
+
+def out_of_service(live: Iterable[NodeRecord], placeable: Collection[str], *, quarantine: Mapping[str, Mapping],
+                   drains: Mapping[str, Mapping]) -> list[OutOfService]:
+    """Live nodes not placed on (quarantined or drained), for the queued reasons."""
+    out = []
+    for node in live:
+        if node.node_id in placeable:
+            continue
+        kinds: dict[str, int] = {}
+        for d in node.devices:
+            if d.healthy:
+                kinds[d.type] = kinds.get(d.type, 0) + 1
+        q, d = quarantine.get(node.node_id), drains.get(node.node_id)
+        if q is not None:
+            until = datetime.fromisoformat(q["until"]) if q.get("until") else None
+            out.append(OutOfService(node.node_id, kinds, "quarantined", q.get("reason", ""), q.get("by"), until))
+        elif d is not None:
+            out.append(OutOfService(node.node_id, kinds, "drained", d.get("reason", ""), d.get("by")))
+    return out
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -77,20 +77,22 @@ from trainyard_common.events import (
     utcnow,
 )
 from trainyard_common.leases import Device
-from trainyard_common.records import CheckpointRecord, JobRecord, NodeRecord
+from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.store import Keys
+from trainyard_common.store import Keys, note_change, stage_change
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import health
 from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
 from trainyard_scheduler import transitions as tr
-from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
+from trainyard_scheduler.fencing import FencedLeases, Leadership
+from trainyard_scheduler.keys import SchedulerKeys
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
 from trainyard_scheduler.policy import QueueConfig, parse_queue_config, tenant_seeds, with_tenant_settings
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.sizing import min_device_memory
+from trainyard_scheduler.snapshot import HeldAllocation, Snapshot, SnapshotCache
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.scheduler")
@@ -106,17 +108,6 @@ QUARANTINE_WITHHELD = Counter(
 _MGET_CHUNK = 500
 
 
-class SchedulerKeys:
-    """Redis keys the scheduler owns (besides the shared ones in ``trainyard_common.store.Keys``)."""
-
-    active = "ty:sched:active"  # ids of jobs not yet terminal
-    port = "ty:sched:rdzv-port"  # rendezvous port counter
-    leader = LeaderKeys.leader  # "<epoch> <instance>" of the scheduler that runs the tick
-    leader_epoch = LeaderKeys.epoch  # incremented at every takeover
-    queue_config = Keys.queue_config
-    tenant_config = Keys.tenant_config  # hash tenant → TenantConfig JSON: the API's settings, and the seeds
-
-
 @dataclass(frozen=True)
 class Facts:
     """Durable facts a transition may need besides the job record (read under the same WATCH)."""
@@ -126,16 +117,6 @@ class Facts:
 
 
 Decide = Callable[[JobRecord, Facts], tr.Outcome]
-
-
-@dataclass
-class HeldAllocation:
-    """An allocation that still holds at least one device lease."""
-
-    job_id: str
-    allocation_id: str
-    epoch: int
-    devices: list[Device] = field(default_factory=list)
 
 
 def _trace_id(traceparent: str | None) -> str | None:
@@ -165,6 +146,12 @@ def attempt_devices(job: JobRecord) -> list[Device]:
     if current is None:
         return []
     return [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in current.devices)]
+
+
+def _placement_changed(previous: NodeRecord | None, record: NodeRecord) -> bool:
+    """Whether a heartbeat changed what placement reads of a node (beyond its ``lastSeen``)."""
+    fields = ("host", "rack", "nvlink_domain", "network_tier", "devices", "healthy", "boot_id", "sandbox")
+    return previous is None or any(getattr(previous, f) != getattr(record, f) for f in fields)
 
 
 def _remaining_seconds(job: JobRecord) -> float | None:
@@ -213,8 +200,12 @@ class Scheduler:
         self._next_config: datetime | None = None
         self._discovered_all = False
         self._jobs_cache: dict[str, tuple[str, JobRecord]] = {}
+        # the leader's picture of jobs, nodes and leases, kept current from Keys.changes (snapshot.py)
+        self.cache = SnapshotCache(runtime.redis, clock=clock, node_refresh_s=settings.node_refresh_s)
+        self._changes_cursor: str | None = None  # the watcher's place in Keys.changes
         self._wake = asyncio.Event()  # set: run the tick now, not at the next tick_s
         self._memory: dict[str, int] = {}
+        self._requests: dict[str, tuple[JobRecord, GangRequest]] = {}  # job id → (record, its gang request)
 
     def install(self) -> None:
         """Subscribe to the topics and register the tick; call before ``runtime.start()``."""
@@ -234,8 +225,10 @@ class Scheduler:
                       group=group, deduper_factory=dedupe)
         if self.settings.straggler_detection:
             # Its own group: the per-step firehose never delays job events, and costs one dict update each.
-            bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, group=f"{group}-metrics")
+            bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, group=f"{group}-metrics", background=True)
         self.runtime.add_loop("tick", self.tick, self.settings.tick_s, wake=self._wake)
+        # a job submitted through the API (or changed by either instance) wakes the pass without a broker hop
+        self.runtime.add_loop("changes", self.watch_changes, 0.0)
         # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
         self.runtime.add_loop("leader", self.lead, self.leadership.ttl_ms / 3000)
 
@@ -274,6 +267,9 @@ class Scheduler:
             drained=drain["reason"] if drain else None, boot_id=event.boot_id, sandbox=event.sandbox,
         )
         await self.store.put_node(record)
+        if _placement_changed(previous, record):
+            await self._node_changed(event.node_id)
+        self.cache.note_node(record)
         await self.leases.renew_node(event.node_id, [d.index for d in event.devices])
 
     async def _maybe_change_drain(self, event: NodeHeartbeat, previous: NodeRecord | None) -> dict | None:
@@ -287,10 +283,12 @@ class Scheduler:
             entry = {"reason": f"its node agent is stopping ({event.host})", "by": "node-agent",
                      "at": self.clock().isoformat(), "bootId": event.boot_id}
             await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
+            await self._node_changed(event.node_id)
             log.warning("node %s drained: %s", event.node_id, entry["reason"])
             self.wake_at(None)
         elif change == "end":
             await self.redis.hdel(Keys.node_drain, event.node_id)
+            await self._node_changed(event.node_id)
             log.warning("node %s undrained: its node agent restarted", event.node_id)
             self.wake_at(None)
             return None
@@ -303,15 +301,22 @@ class Scheduler:
         entry = {"reason": event.reason, "by": event.by or "admin", "at": event.occurred_at.isoformat(),
                  "bootId": node.boot_id if node else None}
         await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
+        await self._node_changed(event.node_id)
         await self._show_drain(event.node_id, event.reason)
         log.warning("node %s drained by %s: %s", event.node_id, event.by or "admin", event.reason)
         self.wake_at(None)
 
     async def on_undrained(self, event: NodeUndrained) -> None:
         await self.redis.hdel(Keys.node_drain, event.node_id)
+        await self._node_changed(event.node_id)
         await self._show_drain(event.node_id, None)
         log.warning("node %s undrained by %s: %s", event.node_id, event.by or "admin", event.reason)
         self.wake_at(None)
+
+    async def _node_changed(self, node_id: str) -> None:
+        """Something placement-relevant about the node changed: the leader's snapshot re-reads the nodes."""
+        self.cache.nodes_changed()
+        await note_change(self.redis, "node", node_id)
 
     async def _show_drain(self, node_id: str, reason: str | None) -> None:
         await self._mirror_on_node(node_id, "drained", reason)
@@ -334,6 +339,7 @@ class Scheduler:
             entry = {"reason": event.reason, "by": event.by or "admin", "score": event.score,
                      "until": event.until.isoformat() if event.until else None, "at": event.occurred_at.isoformat()}
             await self.redis.hset(Keys.node_quarantine, event.node_id, json.dumps(entry))
+            await self._node_changed(event.node_id)
         await self._show_quarantine(event.node_id, event.reason)
         log.warning("node %s quarantined by %s: %s", event.node_id, event.by or "admin", event.reason)
 
@@ -353,6 +359,7 @@ class Scheduler:
             pipe.multi()
             pipe.hdel(Keys.node_quarantine, node_id)
             pipe.hdel(Keys.node_reputation, node_id)
+            stage_change(pipe, "node", node_id)
             if publish:
                 self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=reason, by=by))
             await pipe.execute()
@@ -378,6 +385,7 @@ class Scheduler:
                 staged: list = list(events)
                 pipe.multi()
                 pipe.hset(Keys.node_reputation, node_id, json.dumps(score.to_dict()))
+                stage_change(pipe, "node", node_id)
                 quarantine = health.should_quarantine(score.score, quarantined, self.reputation)
                 withheld = await self._quarantine_withheld(node_id) if quarantine else None
                 quarantine = quarantine and withheld is None
@@ -443,6 +451,7 @@ class Scheduler:
                     continue
                 pipe.multi()
                 pipe.hdel(Keys.node_quarantine, node_id)
+                stage_change(pipe, "node", node_id)
                 self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=why, by="reputation"))
                 try:
                     await pipe.execute()
@@ -457,20 +466,16 @@ class Scheduler:
     async def available_nodes(self, now: datetime, *, include_quarantined: bool = False) -> list[NodeRecord]:
         """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) neither quarantined
         nor drained."""
-        horizon = now - timedelta(seconds=self.settings.node_timeout_s)
-        live = [n for n in await self.store.list_nodes() if n.healthy and n.last_seen >= horizon]
+        live = health.live_nodes(await self.store.list_nodes(), now, self.settings.node_timeout_s)
         if include_quarantined:
             return live
-        out = set(await self.redis.hkeys(Keys.node_quarantine)) | set(await self.redis.hkeys(Keys.node_drain))
-        return [n for n in live if not n.quarantined and n.node_id not in out]
+        return health.placeable_nodes(live, quarantined=set(await self.redis.hkeys(Keys.node_quarantine)),
+                                      drained=set(await self.redis.hkeys(Keys.node_drain)))
 
     async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
         """Each node's decayed failure score: higher = used last among equal choices."""
-        now = self.clock()
         raw = await self.redis.hgetall(Keys.node_reputation)
-        scores = {n: health.decayed(health.NodeScore.from_dict(json.loads(v)), now, self.reputation)
-                  for n, v in raw.items()}
-        return {n: round(v, 3) for n, v in scores.items() if v >= 0.01}
+        return health.penalties({n: json.loads(v) for n, v in raw.items()}, self.clock(), self.reputation)
 
     # ------------------------------------------------------------------ stragglers
     async def on_step_metrics(self, event: StepMetrics) -> None:
@@ -507,15 +512,26 @@ class Scheduler:
         if existing and existing.spec_hash != event.spec_hash:
             log.warning("JobSubmitted for %s carries spec %s but the job has %s; keeping the stored job",
                         event.job_id, event.spec_hash, existing.spec_hash)
-        if existing and existing.state not in TERMINAL_STATES and await self._refuse_dataset(existing):
-            return
-        if existing and existing.state not in TERMINAL_STATES:
-            await self.redis.sadd(SchedulerKeys.active, event.job_id)
-            if created:
-                self.wake_at(None)
+        if existing and existing.state not in TERMINAL_STATES and await self._take_in(existing) \
+                and tr.is_pending(existing):  # the API stored it first ("already known"): it still waits for a pass
+            self.wake_at(None)
         log.info("job %s %s (tenant %s, %d %s devices)", event.job_id,
                  "created from JobSubmitted" if created else "already known",
                  event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
+
+    async def _take_in(self, job: JobRecord) -> bool:
+        """A job new to the scheduler (its JobSubmitted, or the change log): refused if its tenant may not read
+        its dataset, else added to the active set. Idempotent; False when refused."""
+        refused = await self._refuse_dataset(job)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if not refused:
+                pipe.sadd(SchedulerKeys.active, job.job_id)
+            pipe.srem(Keys.incoming_jobs, job.job_id)
+            await pipe.execute()
+        if refused:
+            return False
+        self.cache.accepted.add(job.job_id)
+        return True
 
     async def _refuse_dataset(self, job: JobRecord) -> bool:
         """Fail (never place) a job whose dataset its tenant may not read; True when it was refused."""
@@ -601,6 +617,7 @@ class Scheduler:
             self._leading = epoch
             self._leading_since = self.clock()  # heartbeats before this were not watched: blame waits a timeout
             self._next_reconcile = None  # a new leader repairs first (orphans of its predecessor)
+            self.cache.reset()  # and builds its snapshot from Redis
         return self._leading
 
     async def tick(self) -> None:
@@ -612,63 +629,102 @@ class Scheduler:
                 await self.load_queue_config()
                 self._next_config = now + timedelta(seconds=self.settings.reconcile_interval_s)
             return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             await self.schedule(epoch)
         except FencingError as exc:
             log.warning("a newer scheduler leads (%s); standing by", exc)
             self._leading = None
             self.leadership.epoch = None
+        took = loop.time() - started
+        if took > 0.01:  # a long pass (a deep queue): rest before the next one, whatever wakes it meanwhile
+            await asyncio.sleep(took * self.settings.pass_rest_ratio)
 
     async def schedule(self, epoch: int) -> None:
-        """Phases 2–6 of the tick (see the module docstring), as leader ``epoch``."""
+        """One pass as leader ``epoch``: 1. repair when due  2. snapshot (only what changed is re-read)
+        3. take in new jobs  4. drains and preemptions in progress  5. plan (pure)  6. apply."""
         now = self.clock()
+        await self._maybe_reconcile(now, epoch)
+        view = await self.cache.refresh()
+        jobs = dict(view.jobs)
+        await self._take_in_new(view.new_jobs, jobs)
+        await self._advance_drains(jobs, epoch, view.drains)
+        await self._advance_preemptions(jobs, epoch)
+        live = health.live_nodes(view.nodes, now, self.settings.node_timeout_s)
+        nodes = health.placeable_nodes(live, quarantined=view.quarantine.keys(), drained=view.drains.keys())
+        decisions = self._plan(jobs, nodes, view, now)
+        out = health.out_of_service(live, {n.node_id for n in nodes}, quarantine=view.quarantine, drains=view.drains)
+        await self._apply(decisions, jobs, epoch, nodes=nodes, out=out)
+
+    async def _maybe_reconcile(self, now: datetime, epoch: int) -> None:
         if self._next_reconcile is None or now >= self._next_reconcile:
             await self.reconcile(now, epoch)
             self._next_reconcile = now + timedelta(seconds=self.settings.reconcile_interval_s)
-        jobs = {j.job_id: j for j in await self.active_jobs()}
-        await self._advance_drains(jobs, epoch)
-        await self._advance_preemptions(jobs, epoch)
-        nodes = await self.available_nodes(now)
-        held = await self.held_allocations()
+
+    async def _take_in_new(self, new: tuple[str, ...], jobs: dict[str, JobRecord]) -> None:
+        """Jobs the change log showed first (a submission through the API, before its JobSubmitted arrives):
+        what :meth:`_take_in` does, their datasets read in one round trip and the accepted ones added in one."""
+        if not new:
+            return
+        refs = sorted({jobs[i].spec.dataset for i in new})
+        found = dict(zip(refs, await self.redis.hmget(Keys.datasets, refs), strict=True))
+        accepted = []
+        for job_id in new:
+            job = jobs[job_id]
+            raw = found[job.spec.dataset]
+            if tr.dataset_refusal(job.spec.dataset, job.tenant,
+                                  DatasetRecord.model_validate_json(raw) if raw else None) is None:
+                accepted.append(job_id)
+            elif not await self._take_in(job):  # refused: fails it (read again, as the handler does)
+                jobs.pop(job_id, None)
+        if accepted:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.sadd(SchedulerKeys.active, *accepted)
+                pipe.srem(Keys.incoming_jobs, *accepted)
+                await pipe.execute()
+            self.cache.accepted.update(accepted)
+
+    def _plan(self, jobs: dict[str, JobRecord], nodes: list[NodeRecord], view: Snapshot,
+              now: datetime) -> list:
+        """The decisions of this pass over the snapshot (pure but for the spec-memory cache)."""
         leased: dict[str, set[int]] = {}
-        for allocation in held.values():
+        for allocation in view.held.values():
             for device in allocation.devices:
                 leased.setdefault(device.node_id, set()).add(device.index)
         running = [r for j in jobs.values() if (r := self._running(j)) is not None]
         for r in running:  # a live attempt's devices stay taken even if a lease key expired
             for device in r.devices:
                 leased.setdefault(device.node_id, set()).add(device.index)
-        snapshot = ClusterSnapshot.build(nodes, leased, penalties=await self.node_penalties(nodes))
-        pending = [self._pending(j, running) for j in jobs.values() if tr.is_pending(j)]
-        decisions = plan(snapshot, pending, now, running=running, policy=self.queue)
-        await self._apply(decisions, jobs, epoch, nodes=nodes, now=now)
+        cluster = ClusterSnapshot.build(nodes, leased, penalties=health.penalties(view.reputation, now,
+                                                                                   self.reputation))
+        preempting: dict[str, list[str]] = {}
+        for r in running:
+            if r.preempted_by is not None:
+                preempting.setdefault(r.preempted_by, []).append(r.job_id)
+        pending = [self._pending(j, tuple(preempting.get(j.job_id, ()))) for j in jobs.values() if tr.is_pending(j)]
+        if len(self._requests) > 2 * len(pending) + 100:
+            self._requests = {k: v for k, v in self._requests.items() if k in jobs}
+        return plan(cluster, pending, now, running=running, policy=self.queue)
 
-    async def _out_of_service(self, placeable: list[NodeRecord], now: datetime) -> list[health.OutOfService]:
-        """Live nodes not placed on (quarantined or drained), for the queued reasons."""
-        ids = {n.node_id for n in placeable}
-        quarantine, drains = await self.quarantined_nodes(), await self.drained_nodes()
-        out = []
-        for node in await self.available_nodes(now, include_quarantined=True):
-            if node.node_id in ids:
-                continue
-            kinds: dict[str, int] = {}
-            for d in node.devices:
-                if d.healthy:
-                    kinds[d.type] = kinds.get(d.type, 0) + 1
-            q, d = quarantine.get(node.node_id), drains.get(node.node_id)
-            if q is not None:
-                until = datetime.fromisoformat(q["until"]) if q.get("until") else None
-                out.append(health.OutOfService(node.node_id, kinds, "quarantined", q.get("reason", ""), q.get("by"),
-                                               until))
-            elif d is not None:
-                out.append(health.OutOfService(node.node_id, kinds, "drained", d.get("reason", ""), d.get("by")))
-        return out
+    async def watch_changes(self) -> None:
+        """Wake the pass as soon as Keys.changes has something new (while leading; a standby sleeps)."""
+        if self._leading is None:
+            self._changes_cursor = None
+            await asyncio.sleep(min(self.settings.tick_s, 0.5))
+            return
+        if self._changes_cursor is None:
+            last = await self.redis.xrevrange(Keys.changes, count=1)
+            self._changes_cursor = last[0][0] if last else "0-0"
+        got = await self.redis.xread({Keys.changes: self._changes_cursor}, count=1000, block=1000)
+        if got:
+            self._changes_cursor = got[0][1][-1][0]
+            self.wake_at(None)
 
     async def _apply(self, decisions: list, jobs: dict[str, JobRecord], epoch: int, *,
-                     nodes: list[NodeRecord] | None = None, now: datetime | None = None) -> None:
+                     nodes: list[NodeRecord] | None = None, out: list[health.OutOfService] | None = None) -> None:
         notes = 0
-        out: list[health.OutOfService] | None = None  # read once, at the first waiting job
-        have: dict[str, int] = {}  # healthy devices per type on placeable nodes
+        have: dict[str, int] | None = None  # healthy devices per type on placeable nodes
         for decision in decisions:
             try:
                 if isinstance(decision, Admit):
@@ -679,9 +735,9 @@ class Scheduler:
                 elif isinstance(decision, Wait) and decision.reason is not None:
                     job = jobs[decision.job_id]
                     reason, kind = decision.reason, decision.kind
-                    if nodes is not None and out is None:
-                        out = await self._out_of_service(nodes, now or self.clock())
-                        for n in nodes:
+                    if have is None:
+                        have = {}
+                        for n in nodes or ():
                             for dev in n.devices:
                                 if dev.healthy:
                                     have[dev.type] = have.get(dev.type, 0) + 1
@@ -698,6 +754,8 @@ class Scheduler:
                                        label="waiting", fence=epoch)
             except LeaseConflictError as exc:
                 log.info("placement of %s raced another allocation, retrying next tick: %s", decision.job_id, exc)
+                self.cache.leases_changed()
+                self.wake_at(None)
 
     def _priority(self, job: JobRecord) -> int:
         return self.queue.priority(job.tenant, job.priority)
@@ -715,22 +773,29 @@ class Scheduler:
                           started_at=current.started_at, preempted_by=current.preempted_by, admitted_priority=aged,
                           expected_end=current.started_at + timedelta(seconds=remaining) if remaining else None)
 
-    def _pending(self, job: JobRecord, running: list[RunningJob]) -> PendingJob:
-        if job.spec_hash not in self._memory:
-            if len(self._memory) > 10_000:
-                self._memory.clear()
-            self._memory[job.spec_hash] = min_device_memory(job.spec)
+    def _pending(self, job: JobRecord, preempting: tuple[str, ...]) -> PendingJob:
+        """The planner's view of a queued job; its gang request is kept while the record is the same object
+        (the snapshot hands out the same record until it changes)."""
+        cached = self._requests.get(job.job_id)
+        if cached is None or cached[0] is not job:
+            if job.spec_hash not in self._memory:
+                if len(self._memory) > 10_000:
+                    self._memory.clear()
+                self._memory[job.spec_hash] = min_device_memory(job.spec)
+            cached = self._requests[job.job_id] = (
+                job, GangRequest.from_spec(job.spec, min_memory_bytes=self._memory[job.spec_hash]))
         return PendingJob(
-            job_id=job.job_id,
-            request=GangRequest.from_spec(job.spec, min_memory_bytes=self._memory[job.spec_hash]),
-            submitted_at=job.created_at, priority=self._priority(job),
-            not_before=tr.retry_not_before(job, self.policy), tenant=job.tenant,
-            preempting=tuple(r.job_id for r in running if r.preempted_by == job.job_id),
+            job_id=job.job_id, request=cached[1], submitted_at=job.created_at, priority=self._priority(job),
+            not_before=tr.retry_not_before(job, self.policy), tenant=job.tenant, preempting=preempting,
             expected_duration_s=_remaining_seconds(job),
         )
 
     async def _admit(self, job_id: str, placement: Placement, epoch: int) -> None:
-        """Reserve (leases, fenced Lua), persist (attempt + GangAllocated in one fenced MULTI), undo on conflict."""
+        """Reserve (leases, fenced Lua), persist (attempt + GangAllocated in one fenced MULTI), undo on conflict.
+
+        Four round trips for a new job: WATCH, GET, the lease grant (its Lua refuses a stale leader) with the
+        port counter beside it, and the MULTI (WATCHing the leader epoch: a takeover after the grant fails it).
+        """
         devices = placement.devices()
         async with self.redis.pipeline(transaction=True) as pipe:
             await pipe.watch(Keys.job(job_id), SchedulerKeys.leader_epoch)
@@ -738,7 +803,6 @@ class Scheduler:
             job = JobRecord.model_validate_json(raw) if raw else None
             if job is None or not tr.is_pending(job):
                 return
-            await self._check_epoch(pipe, epoch)
             settling = await self._settling_checkpoint(job)
             if settling is not None:  # placing now would fence it out; decided again next tick
                 reason = (f"checkpoint: waiting up to {self.settings.checkpoint_settle_s:.0f}s for "
@@ -752,6 +816,7 @@ class Scheduler:
             try:
                 start = await self._start_checkpoint(job)
             except ConfigError as exc:
+                await self._check_epoch(pipe, epoch)  # no lease grant fences this write
                 outcome = tr.fail_unstartable(job, str(exc), self.clock())
                 self._stage(pipe, job_id, outcome)
                 with contextlib.suppress(WatchError):  # changed meanwhile: decided again next tick
@@ -759,11 +824,16 @@ class Scheduler:
                     log.warning("job %s cannot start: %s", job_id, exc)
                 return
             every = await self._advised_interval(job)
-            lease_epoch = await self.leases.acquire(epoch, job_id, allocation_id, devices)
+            granted, port = await asyncio.gather(self.leases.acquire(epoch, job_id, allocation_id, devices),
+                                                 self._next_port(), return_exceptions=True)
+            if isinstance(granted, BaseException):
+                raise granted
+            lease_epoch = granted
             try:
+                if isinstance(port, BaseException):
+                    raise port
                 if self.settings.admit_pause_s:
                     await asyncio.sleep(self.settings.admit_pause_s)
-                port = await self._next_port()
                 with self._job_span(job, "scheduler.place"):
                     outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
                                        master_port=port, start_checkpoint=start, now=self.clock(),
@@ -796,9 +866,8 @@ class Scheduler:
 
         await self._mutate(victim, decide, label="preempt", fence=epoch)
 
-    async def _advance_drains(self, jobs: dict[str, JobRecord], epoch: int) -> None:
+    async def _advance_drains(self, jobs: dict[str, JobRecord], epoch: int, drains: dict[str, dict]) -> None:
         """Ask the live attempts on drained nodes to checkpoint and stop (once; the pause protocol)."""
-        drains = await self.drained_nodes()
         if not drains:
             return
         for job in list(jobs.values()):
@@ -863,13 +932,15 @@ class Scheduler:
 
     async def _start_checkpoint(self, job: JobRecord) -> CheckpointRef | None:
         """The job's latest READY checkpoint; before it has one, the ``initFrom`` job's checkpoint
-        (the trainer then takes only its weights). ConfigError: ``initFrom`` names none READY."""
-        latest = await self.store.latest_ready_checkpoint(job.job_id)
+        (the trainer then takes only its weights). ConfigError: ``initFrom`` names none READY.
+        ``initFrom.huggingFace`` is no checkpoint: the trainer reads that directory (named in the spec)
+        when it has none of its own."""
+        latest = await self.store.latest_ready_checkpoint(job.job_id) if job.attempts else None  # none before
         if latest is not None and latest.manifest_uri:
             return CheckpointRef(manifest_uri=latest.manifest_uri, global_step=latest.global_step,
                                  attempt=latest.attempt, content_hash=latest.content_hash)
         init = job.spec.init_from
-        if init is None:
+        if init is None or init.job_id is None:
             return None
         parent = await self.store.get_job(init.job_id)
         ready = [c for c in await self.store.list_checkpoints(init.job_id)
@@ -933,6 +1004,7 @@ class Scheduler:
                                                                 attempt_devices(job))
                 log.warning("job %s: restored %d expired lease(s) of allocation %s%s", job.job_id, restored,
                             current.allocation_id, f" ({conflicts} held by others!)" if conflicts else "")
+        await self.cache.verify()  # the snapshot, reloaded whole: what the change log missed is counted
 
     async def load_queue_config(self) -> None:
         """The queue policy: the document from Redis (wins) or the file (a bad one is logged and the last good
@@ -976,20 +1048,29 @@ class Scheduler:
         return self._queue_base, source
 
     async def _discover_jobs(self, now: datetime) -> None:
-        """Jobs the API stored whose JobSubmitted never reached us still get scheduled."""
+        """Jobs stored without a trace the scheduler follows (no JobSubmitted, no incoming entry: a record
+        written by an older API) become incoming, so the pass takes them in; incoming entries of jobs that
+        ended before they were taken in are dropped."""
         if self._discovered_all:
             since = (now - timedelta(seconds=_DISCOVERY_WINDOW_S)).timestamp()
             ids = await self.redis.zrangebyscore(Keys.jobs, since, "+inf")
         else:
             ids = await self.redis.zrange(Keys.jobs, 0, -1)
-        known = await self.redis.smembers(SchedulerKeys.active)
-        missing = [i for i in ids if i not in known]
+        active, incoming = await self.redis.smembers(SchedulerKeys.active), await self.redis.smembers(Keys.incoming_jobs)
+        missing = [i for i in ids if i not in active and i not in incoming]
         for start in range(0, len(missing), _MGET_CHUNK):
             jobs = await self.store.get_jobs(missing[start:start + _MGET_CHUNK])
             live = [j.job_id for j in jobs if j.state not in TERMINAL_STATES]
             if live:
-                await self.redis.sadd(SchedulerKeys.active, *live)
+                await self.redis.sadd(Keys.incoming_jobs, *live)
                 log.info("discovered %d job(s) from the store: %s", len(live), ", ".join(live[:10]))
+        waiting = sorted(incoming)
+        for start in range(0, len(waiting), _MGET_CHUNK):
+            chunk = waiting[start:start + _MGET_CHUNK]
+            got = {j.job_id: j for j in await self.store.get_jobs(chunk)}
+            gone = [i for i in chunk if i not in got or got[i].state in TERMINAL_STATES or i in active]
+            if gone:
+                await self.redis.srem(Keys.incoming_jobs, *gone)
         self._discovered_all = True
 
     async def active_jobs(self) -> list[JobRecord]:
@@ -1088,6 +1169,7 @@ class Scheduler:
         """Inside the caller's span: the record, its events (outbox) and the active-set entry."""
         pipe.multi()  # type: ignore[attr-defined]
         pipe.set(Keys.job(job_id), outcome.job.dumps())  # type: ignore[attr-defined]
+        stage_change(pipe, "job", job_id)  # type: ignore[arg-type]
         parent = current_traceparent() or outcome.job.traceparent
         for event in outcome.events:
             self.runtime.outbox.stage(pipe, event, traceparent=parent)  # type: ignore[arg-type]

@@ -17,7 +17,16 @@ class SchedulerSettings(ServiceSettings):
         description="a node is available while its last heartbeat is younger than this; after it, the node's "
                     "allocations are revoked and their jobs requeued",
     )
-    tick_s: float = Field(default=1.0, gt=0, description="seconds between scheduling passes")
+    tick_s: float = Field(default=1.0, gt=0, description="seconds between scheduling passes when nothing changes "
+                          "(a change — a submission, a job or node state — starts a pass at once)")
+    pass_rest_ratio: float = Field(
+        default=1.0, ge=0,
+        description="after a pass that took over 10 ms (a deep queue), the next one waits this many times as long, "
+                    "so that passes woken by a burst of submissions leave CPU to the rest (1: at most half a core)")
+    node_refresh_s: float = Field(
+        default=1.0, gt=0,
+        description="the leader re-reads the node records at least this often for their heartbeats' times (a node "
+                    "change — drain, quarantine, devices — is read at once)")
     rendezvous_port_min: int = Field(default=29400, gt=1024, lt=65536,
                                      description="lowest torch.distributed rendezvous port handed out")
     rendezvous_port_max: int = Field(default=29999, gt=1024, lt=65536,
