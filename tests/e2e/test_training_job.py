@@ -117,6 +117,17 @@ def wait_for_state(client: httpx.Client, job_id: str, states: set[str], timeout_
     raise AssertionError(f"job {job_id} still {job.get('state')} after {timeout_s}s: {json.dumps(job)[:2000]}")
 
 
+def wait_for_artifacts(client: httpx.Client, job_id: str, kinds: set[str], timeout_s: float) -> list[dict]:
+    """The job's registry artifacts once every kind in ``kinds`` is among them (or the last answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        arts = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+        arts = arts.get("artifacts", arts) if isinstance(arts, dict) else arts
+        if kinds <= {a["type"] for a in arts} or time.monotonic() > deadline:
+            return arts
+        time.sleep(0.5)
+
+
 def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSink) -> None:
     assert dataset == "tinycorpus@v1"
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
@@ -152,9 +163,9 @@ def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSin
             assert sha256_file(path) == shard["sha256"]
         assert manifest["contentHash"] == final["contentHash"]
 
-        # -- registry: checkpoint artifacts and the final model, with lineage
-        arts = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
-        arts = arts.get("artifacts", arts) if isinstance(arts, dict) else arts
+        # -- registry: checkpoint artifacts and the final model, with lineage. The registry records the model
+        # when it consumes the job's `succeeded`, which the API may show a moment earlier.
+        arts = wait_for_artifacts(client, job_id, {"checkpoint", "model"}, timeout_s=60)
         kinds = {a["type"] for a in arts}
         assert kinds == {"checkpoint", "model"}
         model = next(a for a in arts if a["type"] == "model")

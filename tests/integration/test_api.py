@@ -190,6 +190,34 @@ async def test_a_tenant_cannot_see_or_touch_another_tenants_jobs(app_url) -> Non
         assert (await a.patch(f"/v1/training-jobs/{job_id}", json={})).status_code == 405
 
 
+async def test_jobs_started_from_a_job_are_its_children_newest_first(app_url) -> None:
+    transport, store = app_url
+    async with client_for("http://api", TOKEN_A, transport=transport) as a, \
+            client_for("http://api", TOKEN_B, transport=transport) as b:
+        parent = (await a.post("/v1/training-jobs", json=EXAMPLE_SPEC)).json()["jobId"]
+        await store.put_checkpoint(CheckpointRecord(
+            job_id=parent, tenant="tenant-a", attempt=1, epoch=1, global_step=20, world_size=2, state="READY",
+            manifest_uri="file:///ckpt/manifest.json", content_hash="sha256:" + "c" * 64, size_bytes=4096,
+        ))
+        assert (await a.get(f"/v1/training-jobs/{parent}")).json()["children"] == []
+
+        child_spec = spec_with(initFrom={"jobId": parent, "globalStep": 20}, name="child-1")
+        first = await a.post("/v1/training-jobs", json=child_spec, headers={"Idempotency-Key": "child-1"})
+        assert first.status_code == 202, first.text
+        again = await a.post("/v1/training-jobs", json=child_spec, headers={"Idempotency-Key": "child-1"})
+        assert again.json()["jobId"] == first.json()["jobId"]  # a retried submission adds no second child
+        second = await a.post("/v1/training-jobs", json=spec_with(initFrom={"jobId": parent}, name="child-2"))
+        assert second.status_code == 202, second.text
+        # another tenant cannot start from it (422), so it never becomes a child
+        assert (await b.post("/v1/training-jobs", json=spec_with(initFrom={"jobId": parent}))).status_code == 422
+
+        view = (await a.get(f"/v1/training-jobs/{parent}")).json()
+        assert view["children"] == [second.json()["jobId"], first.json()["jobId"]]
+        assert view["checkpoints"][0]["sizeBytes"] == 4096
+        child = (await a.get(f"/v1/training-jobs/{first.json()['jobId']}")).json()
+        assert child["spec"]["initFrom"]["jobId"] == parent and child["children"] == []
+
+
 # ----------------------------------------------------------------------------- with the broker
 
 

@@ -35,6 +35,7 @@ ROUTES: list[tuple[str, str, str, Any]] = [
     ("viewer", "GET", "/v1/datasets", None),
     ("viewer", "GET", "/v1/datasets/tinycorpus@v1", None),
     ("viewer", "GET", "/v1/goodput", None),
+    ("viewer", "GET", "/v1/goodput/history", None),
     ("viewer", "GET", f"/v1/code/{JUNK_ID}", None),
     ("submitter", "POST", "/v1/training-jobs", spec_with(name="table")),
     ("submitter", "POST", f"/v1/training-jobs/{NO_JOB}/pause", None),
@@ -54,6 +55,7 @@ ROUTES: list[tuple[str, str, str, Any]] = [
     ("platform-admin", "GET", "/v1/admin/nodes", None),
     ("platform-admin", "POST", "/v1/admin/nodes/node-x/drain", None),
     ("platform-admin", "GET", "/v1/goodput?all=true", None),
+    ("platform-admin", "GET", "/v1/goodput/history?all=true", None),
     ("platform-admin", "GET", "/v1/admin/audit?tenant=tenant-b", None),
 ]
 ROLES = ("viewer", "submitter", "tenant-admin", "platform-admin")
@@ -280,3 +282,20 @@ async def test_tokens_from_before_roles_keep_their_meaning(env: dict) -> None:
             assert {"tenant-a", "tenant-b", "ops"} <= {t["tenant"] for t in listed}
             roles = {t["name"]: t["role"] for t in (await admin.get("/v1/admin/tenants/ops/tokens")).json()["tokens"]}
             assert roles == {"olga": "platform-admin"}
+
+
+async def test_whoami_says_each_tokens_tenant_role_and_rights_and_refuses_an_unknown_one(
+        api: ApiServer, tokens: dict[str, str]) -> None:
+    for role in ROLES:
+        async with client_for(api.url, tokens[role]) as client:
+            resp = await client.get("/v1/whoami")
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["role"] == role
+        assert body["tenant"] == ("tenant-a" if role != "platform-admin" else body["tenant"])
+        assert ("nodes" in body["rights"]) == (role == "platform-admin")
+        assert ("submit" in body["rights"]) == (role != "viewer")
+        assert tokens[role] not in resp.text  # never the secret
+    async with client_for(api.url, "not-a-token") as client:
+        resp = await client.get("/v1/whoami")
+    assert resp.status_code == 401 and "token" in resp.json()["detail"]

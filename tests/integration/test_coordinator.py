@@ -250,6 +250,8 @@ async def test_all_shards_make_a_ready_checkpoint_with_manifest_event_and_artifa
     assert [Path(uri_to_path(f.uri)).name for f in manifest.extra_files] == [".metadata"]
     assert manifest.extra_files[0].sha256 == sha256_file(paths[-1])
     assert manifest.content_hash == record.content_hash
+    assert record.size_bytes == sum(p.stat().st_size for p in paths)  # the shards and .metadata on disk
+    assert record.size_bytes == sum(s.size_bytes for s in manifest.shards) + manifest.extra_files[0].size_bytes
     assert not [p for p in manifest_path.parent.iterdir() if p.name.startswith(".manifest.json.tmp")]
 
     # CheckpointReady went out, in the job's trace.

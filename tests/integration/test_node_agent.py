@@ -194,7 +194,7 @@ async def test_restarted_agent_adopts_running_ranks_reports_lost_ones_and_sigter
         lost = await tap.wait(WorkerExited, 2, job_id="sturdy", attempt=2, timeout_s=90)
         assert {(e.reason, e.exit_code) for e in lost} == {("lost", -9)}, lost
         failed = _async_job(store, lambda j: len(j.attempts) > 1 and j.attempts[1].state == "failed")
-        await poll(failed, "the scheduler to fail attempt 2", timeout_s=30)
+        await poll(failed, "the scheduler to fail attempt 2", timeout_s=90)  # a hang guard, as above
         job = await store.get_job("sturdy")
         assert job is not None and (job.attempts[1].failure_reason or "").startswith("lost:"), job.attempts[1]
 

@@ -431,9 +431,11 @@ def test_elastic_resume_2_to_1_to_2_ranks(
 ) -> None:
     layout = ArtifactLayout(root)
     at2 = write_manifest(shards_of(first_run, 2))
-    # attempt 3: one rank (accumulation 4 instead of 2), synchronous checkpoints
+    # attempt 3: one rank (accumulation 4 instead of 2), synchronous checkpoints, and the two-rank runs'
+    # CPU threads (by default one rank would take all the cores: the sums' order would change with them too)
+    threads = str(first_run.record["environment"]["cpuThreads"][0])
     one = run_attempt(root, "job-a", attempt=3, start=ref_for(at2), world=1,
-                      env={"TRAINYARD_CHECKPOINT_MODE": "sync"})
+                      env={"TRAINYARD_CHECKPOINT_MODE": "sync", "TRAINYARD_CPU_THREADS": threads})
     assert one.codes == [0], "\n".join(one.logs)
     batch = one.record["batch"]
     assert (batch["dataParallel"], batch["gradAccumulation"], batch["specDataParallel"]) == (1, 4, 2)

@@ -32,7 +32,7 @@ from trainyard_common.events import (
     WorkerStarted,
 )
 from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.spec import TrainingSpec
+from trainyard_common.spec import InitFrom, TrainingSpec
 from trainyard_common.storage import ArtifactLayout, path_to_uri
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
@@ -315,3 +315,54 @@ async def test_an_init_from_checkpoint_of_another_job_is_read_only_and_alone(
     assert "Read-only file system" in seen["write"], seen
     assert json.loads((base / "step-000000020-a1" / "manifest.json").read_text()) == {"step": 20}
     await LeaseManager(rig.redis).release(event.allocation_id, event.epoch, [Device(NODE, 0)])
+
+
+# initFrom.huggingFace: the directory is readable, read-only, and alone; one that resolves into another tenant is
+# not shown at all (the agent binds only a directory inside the job's tenant prefix).
+HF_START = r"""
+import json, os, pathlib
+allocation = json.loads(pathlib.Path(os.environ["TRAINYARD_ALLOCATION_FILE"]).read_text())
+tenant_dir = pathlib.Path(os.environ["TRAINYARD_ARTIFACT_ROOT"], "tenants", os.environ["TRAINYARD_TENANT"])
+start = tenant_dir / allocation["spec"]["initFrom"]["huggingFace"]
+seen = {}
+try:
+    start = start.resolve()
+    seen["config"] = json.loads((start / "config.json").read_text())
+    seen["siblings"] = sorted(os.listdir(start.parent))
+    try:
+        (start / "config.json").write_text("{}")
+        seen["write"] = "written"
+    except OSError as exc:
+        seen["write"] = f"{type(exc).__name__}: {exc}"
+except OSError as exc:
+    seen["error"] = f"{type(exc).__name__}"
+own = tenant_dir / "jobs" / os.environ["TRAINYARD_JOB_ID"] / "checkpoints"
+own.mkdir(parents=True, exist_ok=True)
+(own / "seen.json").write_text(json.dumps(seen))
+"""
+
+
+async def test_a_hugging_face_start_is_read_only_and_alone_and_never_another_tenants(
+        rig: Rig, layout: ArtifactLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for tenant, name in ((ATTACKER_TENANT, "mine"), (ATTACKER_TENANT, "other-of-mine"), (VICTIM_TENANT, "secret")):
+        layout.model_dir(tenant, name).mkdir(parents=True)
+        (layout.model_dir(tenant, name) / "config.json").write_text(json.dumps({"name": name}))
+    (layout.tenant_dir(ATTACKER_TENANT) / "models" / "borrowed").symlink_to(layout.model_dir(VICTIM_TENANT, "secret"))
+    start_agent(rig, tmp_path, monkeypatch)
+    await heartbeat_after(rig.tap)
+    code = store_archive(layout, ATTACKER_TENANT, tmp_path / "hf", {"main.py": HF_START})
+    events = []
+    for device, (job, directory) in enumerate((("hf-own", "models/mine"), ("hf-borrowed", "models/borrowed"))):
+        spec = code_spec(code, {}).model_copy(update={"init_from": InitFrom(hugging_face=directory)})
+        events.append(await gang(rig, job, ATTACKER_TENANT, device, spec))
+        (exited,) = await rig.tap.wait(WorkerExited, job_id=job, timeout_s=60)
+        assert (exited.exit_code, exited.reason) == (0, "ok"), exited
+    own = json.loads((layout.checkpoints_dir(ATTACKER_TENANT, "hf-own") / "seen.json").read_text())
+    assert own["config"] == {"name": "mine"}
+    assert own["siblings"] == ["mine"], "the tenant's other models stay hidden"
+    assert "Read-only file system" in own["write"], own
+    borrowed = json.loads((layout.checkpoints_dir(ATTACKER_TENANT, "hf-borrowed") / "seen.json").read_text())
+    assert borrowed == {"error": "FileNotFoundError"}, borrowed  # the victim's directory is not there at all
+    assert json.loads((layout.model_dir(VICTIM_TENANT, "secret") / "config.json").read_text()) == {"name": "secret"}
+    for device, event in enumerate(events):
+        await LeaseManager(rig.redis).release(event.allocation_id, event.epoch, [Device(NODE, device)])

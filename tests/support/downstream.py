@@ -1,5 +1,6 @@
-"""A downstream service that is not trainyard code: it follows ``trainyard.registry`` with a plain aiokafka
-consumer in a group of its own and decodes the JSON itself. Nothing from trainyard is imported here, so
+"""A downstream service that is not trainyard code: it follows ``trainyard.registry`` (artifacts registered
+and retired, exports that failed) with a plain aiokafka consumer in a group of its own and decodes the JSON
+itself. Nothing from trainyard is imported here, so
 what it sees is what the public contract (docs/asyncapi.yaml) promises, not what trainyard's models accept.
 
 It runs in a thread of its own (an event loop there), beside a synchronous end-to-end test.
@@ -61,7 +62,7 @@ class RegistryFollower:
             self._error = exc
 
     def _handle(self, event: dict[str, Any]) -> None:
-        if event.get("eventType") not in ("ArtifactRegistered", "ArtifactRetired"):
+        if event.get("eventType") not in ("ArtifactRegistered", "ArtifactRetired", "ExportFailed"):
             return  # ignore what it does not know
         with self._lock:
             if event["eventId"] in self._seen:

@@ -181,3 +181,23 @@ def test_the_example_job_fits_silently() -> None:
     spec = TrainingSpec.model_validate({**EXAMPLE_SPEC, "resources": {"gpuType": "a100-40gb", "gpuCount": 2}})
     check = check_spec_memory(spec, config_of("gpt-tiny@v1"))
     assert not check.problems and not check.warnings and check.memory is not None
+
+
+def test_time_to_train_divides_the_flops_the_rate_counts() -> None:
+    """Narayanan et al. 2021 §5.1: 140 TFLOP/s per A100 counting full recomputation trains GPT-3 175B
+    on 300B tokens with 1024 GPUs in ~34 days; the same rate read as model FLOPs says 25.4."""
+    body = {"model": {"parameters": 175e9}, "devices": 1024, "tokens": 300e9, "mfu": 1,
+            "layout": {"dp": 1024, "recompute": "full"},
+            "device": {"name": "a100-140", "peakFlops": 140e12, "memoryBytes": 80e9,
+                       "nvlinkBandwidth": 300e9, "networkBandwidth": 25e9}}
+    model = planned(body)["compute"]
+    assert model["flopsCounted"] == "model" and model["trainingTime"]["days"] == pytest.approx(25.4, abs=0.05)
+    hardware = planned({**body, "flops": "hardware"})["compute"]
+    assert hardware["recompute"] == "full" and hardware["trainingTime"]["counts"] == "hardware"
+    assert hardware["trainingTime"]["days"] == pytest.approx(34, rel=0.03)
+    assert hardware["hardwareFlops"] == pytest.approx(hardware["hardwareFlopsPerToken"] * 300e9)
+    # without a given mfu each count runs at the estimate's own utilisation of it (hardware: MFU x hardware /
+    # model FLOPs per token), which leaves the attention term 6ND omits: a little longer than 6ND's
+    estimated = planned({**body, "mfu": None, "flops": "hardware"})["compute"]["trainingTime"]
+    as_model = planned({**body, "mfu": None})["compute"]["trainingTime"]
+    assert estimated["days"] > as_model["days"] > 0

@@ -116,6 +116,35 @@ def test_tensor_parallelism_must_divide_heads() -> None:
     assert [p.field for p in problems] == ["parallelism.tensor"]
 
 
+@pytest.mark.parametrize("axis", ["tensor", "pipeline"])
+def test_llama_takes_tensor_and_pipeline_parallelism(axis: str) -> None:
+    s = spec(**{"modelConfig": "llama-tiny@v1", "parallelism.data": 1, f"parallelism.{axis}": 2,
+                "resources.gpuCount": 2, "training.globalBatchSize": 16})
+    assert check_references(s, catalog=MODEL_CATALOG, dataset_known=True) == []
+
+
+LLAMA_INLINE = {**INLINE, "architecture": "llama", "nHeads": 8, "nKvHeads": 2, "dFf": 176}
+
+
+@pytest.mark.parametrize(("model", "tensor", "says"), [
+    # 8 query heads split over 4 ranks, but 2 kv heads cannot: every rank needs its queries' kv heads
+    (LLAMA_INLINE, 4, "must divide nKvHeads (2) of the inline model: each rank computes whole heads; choose a "
+                      "parallelism.tensor that divides all of 8, 2, 176"),
+    ({**LLAMA_INLINE, "dFf": 170}, 4, "must divide nKvHeads (2) and the FFN width (dFf) (170) of"),
+    ("llama-tiny@v1", 4, "must divide nKvHeads (2) of llama-tiny@v1"),
+    ({**INLINE, "nHeads": 8}, 3, "must divide nHeads (8) and the FFN width (4 x dModel) (256) of"),
+])
+def test_tensor_parallelism_must_divide_kv_heads_and_ffn_width(model: Any, tensor: int, says: str) -> None:
+    s = spec(**{"modelConfig": model, "parallelism.data": 1, "parallelism.tensor": tensor,
+                "resources.gpuCount": tensor, "training.globalBatchSize": 8 * tensor})
+    problems = check_references(s, catalog=MODEL_CATALOG, dataset_known=True)
+    assert [p.field for p in problems] == ["parallelism.tensor"]
+    assert says in problems[0].message
+    divides = spec(**{"modelConfig": model, "parallelism.data": 1, "parallelism.tensor": 2, "resources.gpuCount": 2,
+                      "training.globalBatchSize": 16})
+    assert check_references(divides, catalog=MODEL_CATALOG, dataset_known=True) == []
+
+
 @pytest.mark.parametrize(("init", "known", "steps", "field"), [
     (None, False, [], None),
     ({"jobId": "job-a"}, True, [20, 40], None),

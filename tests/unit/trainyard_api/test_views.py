@@ -11,7 +11,8 @@ from trainyard_api.app import ApiContext, create_app
 from trainyard_api.auth import bearer_token
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.settings import ApiSettings
-from trainyard_api.views import job_summary, job_view
+from trainyard_api.goodput_history import GoodputInterval
+from trainyard_api.views import JobExtras, goodput_interval_view, job_summary, job_view
 from trainyard_common.errors import AuthError
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
 from trainyard_common.spec import TrainingSpec
@@ -49,12 +50,39 @@ def test_job_view_has_the_documented_camelcase_fields() -> None:
     assert body["checkpoints"][0]["manifestUri"] == "file:///m.json"
 
 
+def test_children_sizes_and_goodput_intervals_in_camelcase() -> None:
+    ckpt = CheckpointRecord(job_id="job-0123456789ab", tenant="t", attempt=1, epoch=3, global_step=20,
+                            world_size=2, state="READY", size_bytes=3 << 20)
+    old = ckpt.model_copy(update={"size_bytes": None, "global_step": 10})
+    body = job_view(job(), None, [ckpt, old], JobExtras(children=["job-b", "job-a"])).model_dump(
+        mode="json", by_alias=True)
+    assert body["children"] == ["job-b", "job-a"]
+    assert [c["sizeBytes"] for c in body["checkpoints"]] == [3 << 20, None]
+    assert job_view(job(), None, []).children == []
+    interval = goodput_interval_view(GoodputInterval(1_767_225_600, 1_767_225_900, 600.0, 150.0, 0.0, 450.0,
+                                                     {"idle": 450.0}))
+    assert interval.model_dump(mode="json", by_alias=True) == {
+        "start": "2026-01-01T00:00:00Z", "end": "2026-01-01T00:05:00Z", "allocatedDeviceSeconds": 600.0,
+        "productiveDeviceSeconds": 150.0, "inFlightDeviceSeconds": 0.0, "wastedDeviceSeconds": 450.0,
+        "goodput": 0.25, "goodputToDate": None, "wasted": {"idle": 450.0}}
+
+
 def test_a_queued_job_says_why_and_takes_max_steps_from_the_spec() -> None:
     body = job_view(job(), None, []).model_dump(by_alias=True)
     assert body["queuedReason"] == "needs 2 devices"
     assert body["progress"]["globalStep"] == 0 and body["progress"]["maxSteps"] == 40
     row = job_summary(job(), None).model_dump(by_alias=True)
     assert row["model"] == "gpt-tiny@v1" and row["gpuCount"] == 2 and row["queuedReason"] == "needs 2 devices"
+
+
+def test_a_running_job_row_carries_its_pace_and_an_eta_others_do_not() -> None:
+    progress = Progress(attempt=1, global_step=30, max_steps=40, tokens_per_second=2048.0, mfu=0.4,
+                        step_seconds=0.5)
+    row = job_summary(job(state="running"), progress)
+    assert (row.tokens_per_second, row.mfu, row.eta_seconds) == (2048.0, 0.4, 5.0)  # 10 steps left x 0.5 s
+    assert job_summary(job(state="succeeded"), progress).eta_seconds is None
+    assert job_summary(job(state="running"), progress.model_copy(update={"step_seconds": None})).eta_seconds is None
+    assert job_summary(job(), None).model_dump(by_alias=True)["etaSeconds"] is None
 
 
 def test_example_spec_matches_examples_tiny_yaml() -> None:

@@ -199,6 +199,8 @@ def test_ready_record_and_its_event() -> None:
     assert pending.state == "PENDING" and pending.checkpoint_id == "step-000000040-a1"
     ready = settle_ready(pending, outcome, current_epoch=3, now=NOW)
     assert ready.state == "READY" and ready.manifest_uri == outcome.manifest_uri and ready.ready_at == NOW
+    assert ready.size_bytes == 100 + 101 + META.size_bytes  # both shards and the shared .metadata
+    assert pending.size_bytes is None
     event = settled_event(ready)
     assert isinstance(event, CheckpointReady)
     assert (event.job_id, event.attempt, event.epoch, event.global_step, event.world_size) == ("job-1", 1, 3, 40, 2)

@@ -18,8 +18,7 @@ def test_flops_per_token_is_palms_and_agrees_with_the_planner(ref: str) -> None:
     c = MODEL_CATALOG[ref]
     seq = c.max_seq_len
     assert flops_per_token(c, seq) == 6 * c.num_parameters + 12 * c.n_layers * c.d_model * seq
-    planner = Transformer(vocab_size=c.vocab_size, n_layers=c.n_layers, n_heads=c.n_heads, d_model=c.d_model,
-                          seq_len=seq)
+    planner = Transformer.from_model_config(c, seq_len=seq)
     assert flops_per_token(c, seq) == pytest.approx(model_flops_per_token(planner))
 
 

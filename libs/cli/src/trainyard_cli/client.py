@@ -181,6 +181,37 @@ class Artifact(_In):
     consumed_tokens: int = 0
     lineage: dict[str, Any] = {}
     created_at: datetime | None = None
+    retired_at: datetime | None = None
+    retired_reason: str | None = None
+
+
+class ExportFile(_In):
+    name: str
+    size: int
+    sha256: str
+
+
+class ExportState(_In):
+    export_id: str
+    checkpoint_artifact_id: str
+    job_id: str
+    format: str
+    state: str
+    uri: str | None = None
+    hash: str | None = None
+    reason: str | None = None
+    problems: list[str] = []
+
+
+class ArtifactView(_In):
+    """``GET /v1/registry/artifacts/{id}``: an artifact, or an export in whatever state it is."""
+
+    artifact_id: str
+    type: str
+    state: str
+    artifact: Artifact | None = None
+    export: ExportState | None = None
+    files: list[ExportFile] | None = None
 
 
 class CodeArchive(_In):
@@ -350,11 +381,50 @@ class ApiClient:
     def cancel(self, job_id: str) -> ControlAccepted:
         return self.control(job_id, "cancel")
 
+    def logs(self, job_id: str, *, attempt: int | None = None, rank: int = 0, tail: int = 200,
+             follow: bool = False) -> Iterator[str]:
+        """A rank's log, chunk by chunk; with ``follow`` until its attempt ends (GET …/logs)."""
+        params: dict[str, Any] = {"rank": rank, "tail": tail, "follow": str(follow).lower()}
+        if attempt is not None:
+            params["attempt"] = attempt
+        timeout = httpx.Timeout(self._http.timeout.connect, read=None) if follow else self._http.timeout
+        try:
+            with self._http.stream("GET", f"/v1/training-jobs/{job_id}/logs", params=params,
+                                   timeout=timeout) as response:
+                if response.is_error:
+                    response.read()
+                    raise error_for(response)
+                yield from response.iter_text()
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
+
     def artifacts(self, job_id: str) -> list[Artifact]:
         return _parse(self._request("GET", "/v1/registry/artifacts", params={"jobId": job_id}), _Artifacts).artifacts
 
     def datasets(self) -> list[Dataset]:
         return _parse(self._request("GET", "/v1/datasets"), _Datasets).datasets
+
+    def request_export(self, artifact_id: str, fmt: str) -> ArtifactView:
+        """POST /v1/registry/artifacts/{id}/export: the export (requested, or ready already)."""
+        return _parse(self._request("POST", f"/v1/registry/artifacts/{artifact_id}/export", json={"format": fmt}),
+                      ArtifactView)
+
+    def get_artifact(self, artifact_id: str) -> ArtifactView:
+        return _parse(self._request("GET", f"/v1/registry/artifacts/{artifact_id}"), ArtifactView)
+
+    def download_export_file(self, export_id: str, name: str, sink: Callable[[bytes], None]) -> None:
+        """Stream one file of a ready export into ``sink``, chunk by chunk."""
+        timeout = httpx.Timeout(self._http.timeout.connect, read=300.0, write=None, pool=None)
+        try:
+            with self._http.stream("GET", f"/v1/registry/artifacts/{export_id}/files/{name}",
+                                   timeout=timeout) as response:
+                if response.is_error:
+                    response.read()
+                    raise error_for(response)
+                for chunk in response.iter_bytes(UPLOAD_CHUNK):
+                    sink(chunk)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.base_url, exc) from exc
 
     def create_trigger(self, body: Mapping[str, Any]) -> Trigger:
         """POST /v1/triggers; ``ApiSpecError`` lists every bad field (``template.…``) on a 422."""

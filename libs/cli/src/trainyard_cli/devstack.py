@@ -51,6 +51,7 @@ def up() -> None:
         raise _fail(exc) from None
     console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}   example dataset {ref}")
     console.print(f"dev token (tenant 'dev', tenant-admin): {token}   (also in {stack.token_file})")
+    console.print(f"dashboard: {stack.s.api_url}/ui/  (sign in with the dev token; docs/dashboard.md)")
     if stack.admin_token_file.exists():
         console.print(f"platform-admin token: in {stack.admin_token_file} (`trainyard admin …` uses it)")
     console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")

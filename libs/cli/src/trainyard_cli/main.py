@@ -26,7 +26,9 @@ from trainyard_cli.admin import admin_app
 from trainyard_cli.credentials import credentials_app
 from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
 from trainyard_cli.devstack import dev_app
+from trainyard_cli.export import Exporting, next_steps, pick_checkpoint
 from trainyard_cli.follow import follow_job
+from trainyard_cli.models import models_app
 from trainyard_cli.plan import plan_app
 from trainyard_cli.render import (
     artifacts_table,
@@ -47,7 +49,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 jobs_app = typer.Typer(help="List, inspect, follow and control jobs.", no_args_is_help=True)
-artifacts_app = typer.Typer(help="Registry artifacts (checkpoints, final models) with lineage.", no_args_is_help=True)
+artifacts_app = typer.Typer(help="Registry artifacts (checkpoints, final models, exports) with lineage.",
+                            no_args_is_help=True)
 datasets_app = typer.Typer(help="Datasets published to the registry.", no_args_is_help=True)
 triggers_app = typer.Typer(
     help="Data lands, training starts: a trigger submits a job from a template for each new verified version "
@@ -56,6 +59,7 @@ app.add_typer(jobs_app, name="jobs")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(triggers_app, name="triggers")
+app.add_typer(models_app, name="models")
 app.add_typer(dev_app, name="dev")
 app.add_typer(admin_app, name="admin")
 admin_app.add_typer(credentials_app, name="credentials")
@@ -229,6 +233,23 @@ def jobs_follow(
         raise typer.Exit(follow_job(client, job_id, console=err, timeout_s=timeout))
 
 
+@jobs_app.command("logs")
+def jobs_logs(
+    ctx: typer.Context,
+    job_id: JobArg,
+    rank: Annotated[int, typer.Option(min=0, help="which rank's log")] = 0,
+    attempt: Annotated[int | None, typer.Option(min=0, help="which attempt (default: the newest)")] = None,
+    tail: Annotated[int, typer.Option(min=0, help="lines from the end")] = 200,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new lines until the attempt ends")]
+    = False,
+) -> None:
+    """A rank's log: its last lines, or followed while the attempt runs."""
+    with _api(ctx) as client:
+        for chunk in client.logs(job_id, attempt=attempt, rank=rank, tail=tail, follow=follow):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+
 def _control(ctx: typer.Context, job_id: str, action: str) -> None:
     with _api(ctx) as client:
         accepted = client.control(job_id, action)
@@ -281,6 +302,53 @@ def artifacts_list(
             return
         items = client.artifacts(job)
     out.print(artifacts_table(items))
+
+
+EXPORT_HELP = """Export a job's READY checkpoint as a Hugging Face model directory, and download it.
+
+Picks the job's latest READY checkpoint (or the one at --step), asks the registry to convert it (POST /v1/registry/artifacts/{id}/export) and follows the export until it is ready. The registry first verifies every shard against the checkpoint's manifest, then gathers the full model whatever layout it was trained in (DDP, FSDP, tensor or pipeline parallel) and writes config.json (GPT2LMHeadModel or LlamaForCausalLM), model.safetensors, generation_config.json and the dataset's tokenizer (tokenizer.json, tokenizer_config.json). The export is recorded as an artifact (<job>/export/<checkpoint>/hf) with the checkpoint's lineage; asking again for the same checkpoint returns the same export.
+
+With --out DIR every file is downloaded and checked against its sha256 (the listing trainyard-export.json against the export's hash, each file against the listing) before DIR appears; then
+
+    AutoModelForCausalLM.from_pretrained("DIR"); AutoTokenizer.from_pretrained("DIR")
+
+A spec with `export: {format: hf}` is exported like this automatically when the job succeeds.
+"""
+
+
+@app.command("export", help=EXPORT_HELP)
+def export_command(
+    ctx: typer.Context,
+    job_id: JobArg,
+    step: Annotated[int | None, typer.Option("--step", min=0, show_default=False,
+                                             help="the READY checkpoint at this global step (default: the latest)")
+                    ] = None,
+    fmt: Annotated[str, typer.Option("--format", help="hf: a Hugging Face model directory")] = "hf",
+    out_dir: Annotated[Path | None, typer.Option("--out", metavar="DIR", show_default=False,
+                                                 help="download the export into DIR (must not exist, or be empty)")
+                       ] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="ask for the export and return at once")] = False,
+    timeout: Annotated[float | None, typer.Option(help="stop following after this many seconds")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    if no_wait and out_dir is not None:
+        err.print("[red]error:[/] --out waits for the export to download it; leave out --no-wait", highlight=False)
+        raise typer.Exit(2)
+    with _api(ctx, what="body") as client:
+        exporting = Exporting(client, err)
+        checkpoint = pick_checkpoint(job_id, client.artifacts(job_id), step)
+        view = exporting.request(checkpoint, fmt)
+        err.print(f"export {view.artifact_id} of {checkpoint.artifact_id}: {view.state}", highlight=False)
+        if not no_wait:
+            view = exporting.follow(view, timeout_s=timeout)
+            if out_dir is not None:
+                exporting.download(view, out_dir)
+    if as_json:
+        _print_json(view.model_dump(mode="json", by_alias=True))
+    elif no_wait:
+        out.print(f"follow it: trainyard export {job_id} --step {checkpoint.global_step}", highlight=False)
+    else:
+        out.print(next_steps(view, out_dir.resolve() if out_dir is not None else None), highlight=False)
 
 
 @datasets_app.command("list")

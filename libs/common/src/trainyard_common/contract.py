@@ -230,11 +230,13 @@ FLOWS: dict[type[ev.Event], Flow] = {
             problems=["shard-00003.bin: sha256 differs from the manifest"])),
     # registry (downstream)
     ev.ArtifactRegistered: Flow(
-        "The registry recorded an artifact: a verified dataset version, a READY checkpoint or a finished "
-        "job's model, with its uri, hash and full lineage.",
-        (Producer("registry", "outbox, with the record"),),
+        "The registry recorded an artifact: a verified dataset version, a READY checkpoint, a finished "
+        "job's model or an export of a checkpoint (kind `export`: a Hugging Face model directory, hash the "
+        "sha256 of its trainyard-export.json listing), with its uri, hash and full lineage.",
+        (Producer("registry", "outbox, with the record (an export's: with its ExportRecord ready)"),),
         (Consumer("api", "a new dataset version starts the jobs of the triggers that match it", "api-triggers"),
-         Consumer("downstream", "evaluates, serves or bills artifacts without reading internal topics")),
+         Consumer("downstream", "evaluates, serves or bills artifacts without reading internal topics; an "
+                                "export loads with transformers' from_pretrained")),
         public=True, key="{jobId} | {artifactId}",
         example=ev.ArtifactRegistered(
             event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="job-5f0c2a9e41d7/model/step-000002000-a2", kind="model",
@@ -263,6 +265,32 @@ FLOWS: dict[type[ev.Event], Flow] = {
                 "step-000001500-a1/manifest.json",
             hash="sha256:7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d",
             reason="checkpoint step-000001500-a1 deleted by retention: keepLast=3")),
+    ev.ExportFailed: Flow(
+        "An export could not be made: its checkpoint is retired, fails verification against its manifest, "
+        "or cannot be converted; `reason` says which and no directory is left.",
+        (Producer("registry", "outbox, with the ExportRecord failed, after an ExportRequested"),),
+        (Consumer("downstream", "the service waiting for the export learns why (the API shows the same "
+                                "reason: GET /v1/registry/artifacts/{exportId}, `trainyard export`)"),),
+        public=True, key="{jobId}",
+        example=ev.ExportFailed(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, export_id="job-5f0c2a9e41d7/export/step-000002000-a2/hf",
+            checkpoint_artifact_id="job-5f0c2a9e41d7/checkpoint/step-000002000-a2", job_id="job-5f0c2a9e41d7",
+            tenant="acme", format="hf",
+            reason="checkpoint verification failed: rank-00001.distcp: sha256 differs from the manifest",
+            problems=["rank-00001.distcp: sha256 differs from the manifest"])),
+    # exports
+    ev.ExportRequested: Flow(
+        "Convert a READY checkpoint into another format (`hf`: a Hugging Face model directory).",
+        (Producer("api", "outbox, on POST /v1/registry/artifacts/{id}/export, with the ExportRecord requested"),
+         Producer("registry", "outbox, with the model artifact of a job whose spec says export "
+                              "(requestedBy `spec`)")),
+        (Consumer("registry", "verifies the checkpoint, converts it (trainyard-export) and records an export "
+                              "artifact (ArtifactRegistered kind export), else ExportFailed", "registry-exports"),),
+        key="{jobId}",
+        example=ev.ExportRequested(
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, export_id="job-5f0c2a9e41d7/export/step-000002000-a2/hf",
+            checkpoint_artifact_id="job-5f0c2a9e41d7/checkpoint/step-000002000-a2", job_id="job-5f0c2a9e41d7",
+            tenant="acme", format="hf", requested_by="tok_3f2a9c1b7e4d")),
     # dead letters
     ev.DeadLetter: Flow(
         "A message a consumer could not decode or validate, kept with where it came from.",
@@ -280,7 +308,9 @@ TOPICS: dict[str, str] = {
     ev.CHECKPOINTS: "Checkpoint shards, and checkpoints becoming READY, failing or refused.",
     ev.METRICS: "Per-step training metrics from every rank.",
     ev.DATASETS: "Dataset versions published for training, and the registry's refusals.",
-    ev.REGISTRY: "What the registry recorded and retired: the public feed of artifacts for downstream services.",
+    ev.REGISTRY: "What the registry recorded and retired: the public feed of artifacts for downstream services "
+                 "(and the exports it could not make).",
+    ev.EXPORTS: "Requests to convert a READY checkpoint into another format (a Hugging Face model directory).",
     ev.DEADLETTER: "Messages a consumer refused.",
 }
 """A line about each topic, for its channel."""
@@ -297,7 +327,7 @@ ENVELOPE: dict[str, str] = {
 DESCRIPTION = f"""\
 The events trainyard's services exchange over Kafka, and the ones clients outside trainyard publish
 (`DatasetVersionPublished`) and follow (`JobStateChanged`, and the registry's feed on `trainyard.registry`:
-`ArtifactRegistered`, `ArtifactRetired`); messages tagged `public` are those.
+`ArtifactRegistered`, `ArtifactRetired`, `ExportFailed`); messages tagged `public` are those.
 
 * **Encoding**: one JSON object per message (`{CONTENT_TYPE}`), camelCase field names. Every event
   carries {", ".join(f"`{k}`" for k in ENVELOPE)}.

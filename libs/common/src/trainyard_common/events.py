@@ -30,10 +30,11 @@ CHECKPOINTS = "trainyard.checkpoints"
 METRICS = "trainyard.metrics"
 DATASETS = "trainyard.datasets"
 REGISTRY = "trainyard.registry"
+EXPORTS = "trainyard.exports"
 DEADLETTER = "trainyard.deadletter"
 
 ALL_TOPICS: tuple[str, ...] = (
-    JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, REGISTRY, DEADLETTER,
+    JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, REGISTRY, EXPORTS, DEADLETTER,
 )
 
 JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
@@ -524,7 +525,8 @@ def dataset_key(tenant: str | None, name: str, version: str) -> str:
 
 # ----------------------------------------------------------------------------- registry (downstream)
 
-ArtifactKind = Literal["dataset", "checkpoint", "model"]
+ArtifactKind = Literal["dataset", "checkpoint", "model", "export"]
+ExportFormat = Literal["hf"]
 
 
 class ArtifactLineage(_Wire):
@@ -540,23 +542,29 @@ class ArtifactLineage(_Wire):
     parent_checkpoint: str | None = None
     code_archive: str | None = None
     code_commit: str | None = None
+    parent_hugging_face: str | None = Field(
+        default=None, description="the Hugging Face directory (file:// URI) the job's weights started from")
 
 
 class ArtifactRegistered(Event):
-    """The registry recorded an artifact: a verified dataset version, a READY checkpoint, or a finished
-    job's model. The public feed for services outside trainyard (evaluation, serving, billing)."""
+    """The registry recorded an artifact: a verified dataset version, a READY checkpoint, a finished
+    job's model, or an export of a checkpoint (``kind`` export: a Hugging Face model directory). The
+    public feed for services outside trainyard (evaluation, serving, billing)."""
 
     topic: ClassVar[str] = REGISTRY
     event_type: Literal["ArtifactRegistered"] = "ArtifactRegistered"
-    artifact_id: str = Field(description="a checkpoint's or model's artifact id; a dataset's qualified ref")
+    artifact_id: str = Field(description="a checkpoint's, model's or export's artifact id; a dataset's qualified ref")
     kind: ArtifactKind
     tenant: str | None = Field(description="the owner (null: a platform dataset)")
-    uri: str = Field(description="the manifest: what a reader opens")
-    hash: str = Field(description="sha256 of the manifest (a dataset's) or the checkpoint's content hash")
+    uri: str = Field(description="the manifest: what a reader opens (an export: its directory)")
+    hash: str = Field(description="sha256 of the manifest (a dataset's), the checkpoint's content hash, or an "
+                                  "export's: sha256 of its file listing, trainyard-export.json")
     job_id: str | None = None
     global_step: int | None = None
     consumed_tokens: int | None = None
-    lineage: ArtifactLineage | None = Field(default=None, description="for checkpoints and models")
+    lineage: ArtifactLineage | None = Field(default=None, description="for checkpoints, models and exports (an "
+                                                                       "export's parentCheckpoint: the checkpoint "
+                                                                       "it was converted from)")
     dataset: str | None = Field(default=None, description="for a dataset: its qualified ref, tenant/name@version")
     shared_with: list[str] = []
     tokenizer: str | None = None
@@ -581,6 +589,53 @@ class ArtifactRetired(Event):
 
     def key(self) -> str:
         return self.job_id or self.artifact_id
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+def export_id(checkpoint_artifact_id: str, fmt: str) -> str:
+    """An export's artifact id: ``<job>/export/<checkpoint dir name>/<format>``, one per checkpoint and
+    format (so a second request for the same conversion is the same export)."""
+    job_id, _, name = checkpoint_artifact_id.split("/", 2)
+    return f"{job_id}/export/{name}/{fmt}"
+
+
+class ExportRequested(Event):
+    """Convert a READY checkpoint into another format (``hf``: a Hugging Face model directory).
+    From the API (``POST /v1/registry/artifacts/{id}/export``) or the registry itself when a job whose
+    spec says ``export`` succeeds; the registry verifies the checkpoint, converts it and answers with
+    ``ArtifactRegistered(kind=export)`` or ``ExportFailed``."""
+
+    topic: ClassVar[str] = EXPORTS
+    event_type: Literal["ExportRequested"] = "ExportRequested"
+    export_id: str = Field(description="the export's artifact id, export_id(checkpoint, format)")
+    checkpoint_artifact_id: str
+    job_id: str
+    tenant: str
+    format: ExportFormat
+    requested_by: str = Field(description="who asked: a token id, or 'spec' for the spec's export")
+
+    def key(self) -> str:
+        return self.job_id
+
+
+class ExportFailed(Event):
+    """An export could not be made: the checkpoint is retired, fails verification, or cannot be
+    converted (the reason says which). Nothing is left under the export's directory."""
+
+    topic: ClassVar[str] = REGISTRY
+    event_type: Literal["ExportFailed"] = "ExportFailed"
+    export_id: str
+    checkpoint_artifact_id: str
+    job_id: str
+    tenant: str
+    format: ExportFormat
+    reason: str
+    problems: list[str] = Field(default=[], max_length=64, description="each thing found wrong")
+
+    def key(self) -> str:
+        return self.job_id
 
 
 # ----------------------------------------------------------------------------- dead letters
@@ -618,7 +673,8 @@ TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
     METRICS: (StepMetrics,),
     DATASETS: (DatasetVersionPublished, DatasetRejected),
-    REGISTRY: (ArtifactRegistered, ArtifactRetired),
+    REGISTRY: (ArtifactRegistered, ArtifactRetired, ExportFailed),
+    EXPORTS: (ExportRequested,),
     DEADLETTER: (DeadLetter,),
 }
 

@@ -99,6 +99,21 @@ class TriggerOrigin(Record):
     event_id: str = Field(description="the ArtifactRegistered event that announced that version")
 
 
+class HuggingFaceStart(Record):
+    """The Hugging Face directory a job starts from (``initFrom.huggingFace``), as the API found it at
+    submission: enough to tell later whether the directory the job loaded is still that one."""
+
+    directory: str = Field(description="as the spec names it, relative to the tenant's prefix")
+    uri: str = Field(description="file:// URI of the directory, symlinks resolved")
+    config_sha256: str = Field(description="sha256 of its config.json")
+    weight_files: dict[str, int] = Field(description="safetensors file -> size in bytes")
+    index_sha256: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                     description="sha256 of model.safetensors.index.json, when sharded")
+    export_sha256: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                      description="sha256 of trainyard-export.json (the export artifact's hash), "
+                                                  "when the directory is a trainyard export")
+
+
 class JobRecord(Record):
     job_id: str
     tenant: str
@@ -122,6 +137,9 @@ class JobRecord(Record):
     triggered_by: TriggerOrigin | None = Field(
         default=None, exclude_if=lambda v: v is None,  # came with triggers: absent from earlier records
         description="the trigger that submitted the job, and the dataset version that set it off")
+    hugging_face_start: HuggingFaceStart | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came with initFrom.huggingFace (issue #16)
+        description="the Hugging Face directory it starts from (initFrom.huggingFace), as found at submission")
 
     @property
     def current(self) -> AttemptRecord | None:
@@ -179,6 +197,10 @@ class CheckpointRecord(Record):
     deleted_at: datetime | None = Field(
         default=None, description="when its files were removed (retention of a READY one, GC of a FAILED one)"
     )
+    size_bytes: int | None = Field(
+        default=None, ge=0, description="bytes of its manifest's shards and shared files, set when it became READY "
+                                        "(null on records older than the field, and before READY)"
+    )
 
     @property
     def checkpoint_id(self) -> str:
@@ -203,13 +225,17 @@ class Lineage(Record):
                                      description="sha256:<hex> of the code archive the job ran")
     code_commit: str | None = Field(default=None, exclude_if=lambda v: v is None,
                                     description="the git commit of that code, when known")
+    # came with initFrom.huggingFace (issue #16): absent unless the job started from a Hugging Face directory
+    parent_hugging_face: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="file:// URI of the Hugging Face directory the job's weights started from")
 
 
 class ArtifactRecord(Record):
     artifact_id: str
     job_id: str
     tenant: str
-    type: Literal["checkpoint", "model"]
+    type: Literal["checkpoint", "model", "export"]
     uri: str
     hash: str
     producer_attempt: int
@@ -221,6 +247,28 @@ class ArtifactRecord(Record):
         default=None, description="when its checkpoint stopped being loadable (deleted by retention, refused at restore)"
     )
     retired_reason: str | None = Field(default=None, description="why it was retired")
+
+
+ExportState = Literal["requested", "ready", "failed"]
+
+
+class ExportRecord(Record):
+    """An export's progress (``ty:export:<id>``); once ``ready`` its ``ArtifactRecord`` (type export)
+    holds the directory and hash, like any artifact."""
+
+    export_id: str
+    checkpoint_artifact_id: str
+    job_id: str
+    tenant: str
+    format: str
+    state: ExportState = "requested"
+    requested_by: str
+    requested_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+    uri: str | None = Field(default=None, description="the export directory, once ready")
+    hash: str | None = Field(default=None, description="sha256 of its file listing, once ready")
+    reason: str | None = Field(default=None, description="why it failed")
+    problems: list[str] = []
 
 
 class DatasetRecord(Record):

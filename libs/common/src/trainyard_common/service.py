@@ -63,6 +63,8 @@ class ServiceRuntime:
             group_prefix=settings.group_prefix,
             topic_namespace=settings.topic_namespace,
             session_timeout_ms=settings.consumer_session_timeout_ms,
+            fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
+            background_fetch_max_wait_ms=settings.consumer_background_fetch_max_wait_ms,
             auth=KafkaAuth.from_settings(settings),
         )
         # One outbox per writer identity: instances of a per-node service must not relay each other's.

@@ -137,22 +137,53 @@ class Training(_Wire):
     )
 
 
-class InitFrom(_Wire):
-    """Start a new job from another job's READY checkpoint: a new configuration is a new job,
-    linked to the old one (there is no PATCH). Only the model weights are taken; the optimizer,
-    schedule, data position and step counter start fresh under the new spec."""
+def _unset(v: object) -> bool:
+    return v is None
 
-    job_id: str = Field(min_length=1, max_length=128, description="the earlier job (same tenant)")
+
+#: A Hugging Face model directory, relative to the tenant's prefix in the artifact store:
+#: ``models/<name>`` (``trainyard models import``) or an export's ``jobs/<job>/exports/<checkpoint>/hf``.
+#: (``.`` and ``..`` components are refused by the model's validator.)
+HF_DIR_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+){0,15}$"
+
+
+class InitFrom(_Wire):
+    """Start a new job from trained weights: another job's READY checkpoint (``jobId``, optionally
+    ``globalStep``) or a Hugging Face model directory (``huggingFace``: a GPT-2 or Llama directory of
+    the caller's tenant, e.g. an export or one brought in with ``trainyard models import``). A new
+    configuration is a new job, linked to the old one (there is no PATCH). Only the model weights are
+    taken; the optimizer, schedule, data position and step counter start fresh under the new spec."""
+
+    job_id: str | None = Field(default=None, min_length=1, max_length=128, exclude_if=_unset,
+                               description="the earlier job (same tenant)")
     global_step: int | None = Field(
         default=None, ge=0, description="its READY checkpoint at this step; unset: its latest READY one")
+    hugging_face: str | None = Field(
+        default=None, max_length=512, pattern=HF_DIR_PATTERN, exclude_if=_unset,
+        description="a Hugging Face model directory under your tenant's prefix: models/<name> "
+                    "(trainyard models import) or an export's jobs/<job>/exports/<checkpoint>/hf",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InitFrom:
+        if (self.job_id is None) == (self.hugging_face is None):
+            raise ValueError("initFrom names exactly one of jobId (a READY checkpoint) or huggingFace (a directory)")
+        if self.hugging_face is not None and {".", ".."} & set(self.hugging_face.split("/")):
+            raise ValueError("initFrom.huggingFace must stay inside your tenant's prefix (no . or .. components)")
+        if self.hugging_face is not None and self.global_step is not None:
+            raise ValueError("initFrom.globalStep goes with jobId, not huggingFace")
+        return self
+
+
+class Export(_Wire):
+    """Convert the job's final checkpoint when it succeeds (``format: hf``: a Hugging Face model
+    directory that ``transformers`` loads), recorded in the registry as an ``export`` artifact."""
+
+    format: Literal["hf"] = Field(description="hf: config.json, model.safetensors, tokenizer files")
 
 
 ARCHIVE_PATTERN = r"^sha256:[0-9a-f]{64}$"
 COMMIT_PATTERN = r"^[0-9a-f]{40}([0-9a-f]{24})?$"
-
-
-def _unset(v: object) -> bool:
-    return v is None
 
 
 class Code(_Wire):
@@ -235,6 +266,10 @@ class TrainingSpec(_Wire):
     code: Code | None = Field(
         default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
         description="the user's training code, pinned by content; unset: the built-in trainer",
+    )
+    export: Export | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="export the final checkpoint when the job succeeds (format hf: a transformers directory)",
     )
 
     @model_validator(mode="after")

@@ -13,13 +13,18 @@ Layout::
     <root>/tenants/<tenant>/jobs/<job>/checkpoints/step-<000000040>-a<n>/{__<r>_0.distcp,.metadata,manifest.json}
     <root>/tenants/<tenant>/code/sha256/<hex>.tar.gz     (a code archive, named by its sha256)
     <root>/tenants/<tenant>/code/sha256/<hex>.json       (what the API recorded of it: size, files, uploadedAt)
+    <root>/tenants/<tenant>/jobs/<job>/exports/<checkpoint dir>/<format>/{config.json,model.safetensors,…,
+                                                                           trainyard-export.json}
+    <root>/tenants/<tenant>/models/<name>/…              (a Hugging Face directory brought in)
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -27,6 +32,37 @@ from trainyard_common.errors import StateStoreError
 from trainyard_common.spec import DatasetRef
 
 CHUNK = 4 * 1024 * 1024
+EXPORT_LISTING = "trainyard-export.json"
+"""An export directory's file listing, written last: every other file with its size and sha256 (the
+export artifact's hash is this file's sha256)."""
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    name: str
+    size: int
+    sha256: str
+
+
+def export_listing(raw: bytes) -> list[ListedFile]:
+    """The files an export's ``trainyard-export.json`` lists: plain names in the directory, each with its
+    size and sha256. ValueError for anything else."""
+    doc = json.loads(raw)
+    entries = doc.get("files") if isinstance(doc, dict) else None
+    if isinstance(entries, dict):
+        entries = [{"name": k, **v} for k, v in entries.items() if isinstance(v, dict)]
+    if not isinstance(entries, list):
+        raise ValueError(f"{EXPORT_LISTING} has no list of files")
+    files = []
+    for entry in entries:
+        name = entry.get("name", entry.get("file", entry.get("path"))) if isinstance(entry, dict) else None
+        size = entry.get("size", entry.get("sizeBytes")) if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if not (isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")
+                and name != EXPORT_LISTING and isinstance(size, int) and size >= 0 and isinstance(digest, str)):
+            raise ValueError(f"{EXPORT_LISTING} has an entry that is not a file of the directory: {entry!r:.200}")
+        files.append(ListedFile(name, size, digest.removeprefix("sha256:")))
+    return files
 
 
 def path_to_uri(path: Path | str) -> str:
@@ -117,6 +153,21 @@ class ArtifactLayout:
 
     def checkpoint_dir(self, tenant: str, job_id: str, attempt: int, step: int) -> Path:
         return self.checkpoints_dir(tenant, job_id) / f"step-{step:09d}-a{attempt}"
+
+    def exports_dir(self, tenant: str, job_id: str) -> Path:
+        return self.job_dir(tenant, job_id) / "exports"
+
+    def export_dir(self, tenant: str, job_id: str, checkpoint_name: str, fmt: str) -> Path:
+        """A checkpoint's conversion: ``tenants/<t>/jobs/<job>/exports/<checkpoint dir name>/<format>``."""
+        return self.exports_dir(tenant, job_id) / checkpoint_name / fmt
+
+    def tenant_dir(self, tenant: str) -> Path:
+        """The tenant's prefix; ``initFrom.huggingFace`` is relative to it."""
+        return self.root / "tenants" / tenant
+
+    def model_dir(self, tenant: str, name: str) -> Path:
+        """A Hugging Face model directory brought in with ``trainyard models import``."""
+        return self.tenant_dir(tenant) / "models" / name
 
     @staticmethod
     def manifest_path(checkpoint_dir: Path) -> Path:

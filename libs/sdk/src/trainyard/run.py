@@ -66,7 +66,15 @@ from trainyard.policy import BoundaryAgreement, checkpoint_policy
 from trainyard.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
 from trainyard.restore import restore as restore_state
 from trainyard.runrecord import CheckpointPolicyRecord, RestoreRecord
-from trainyard.runtime import Runtime, configure_determinism, init_distributed, select_runtime, shutdown_distributed
+from trainyard.runtime import (
+    Runtime,
+    configure_determinism,
+    init_distributed,
+    rank_cpu_threads,
+    select_runtime,
+    shutdown_distributed,
+    usable_cores,
+)
 from trainyard.sampler import GlobalSampler
 from trainyard.settings import RankSettings
 from trainyard.state import Progress, RngState
@@ -140,7 +148,8 @@ class Run:
             raise ConfigError(f"allocation has world size {allocation.world_size}, WORLD_SIZE is {settings.world_size}")
         runtime = select_runtime(settings)
         training = allocation.spec.training
-        configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic)
+        configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic,
+                              cpu_threads=rank_cpu_threads(settings, usable_cores()))
         init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
         try:
             ctx = open_context(settings.rank, settings.world_size)

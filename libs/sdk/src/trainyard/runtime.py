@@ -71,18 +71,50 @@ def autocast_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cuda" and bf16_ok else None
 
 
-def configure_determinism(runtime: Runtime, *, seed: int, rank: int, deterministic: bool) -> None:
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a cgroup or taskset narrows it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def rank_cpu_threads(settings: RankSettings, cores: int) -> int:
+    """This rank's intra-op CPU threads: ``TRAINYARD_CPU_THREADS`` (the node agent's share), else
+    ``OMP_NUM_THREADS`` (its first figure), else an equal share of ``cores`` among the node's ranks
+    (the agent's rule, for ranks started without it). Pure."""
+    if settings.cpu_threads is not None:
+        return settings.cpu_threads
+    head = (settings.omp_num_threads or "").split(",")[0].strip()
+    if head.isdigit() and int(head) > 0:
+        return int(head)
+    return max(1, cores // settings.local_world_size)
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Intra-op threads to ``threads`` (and inter-op, while torch still allows it: only once, before
+    any inter-op work; a warm interpreter that imported torch earlier still gets its intra-op count)."""
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(threads)
+
+
+def configure_determinism(runtime: Runtime, *, seed: int, rank: int, deterministic: bool,
+                          cpu_threads: int = 1) -> None:
     """Seed this rank's torch generators and pin the numerics.
 
     Each rank gets its own stream (``seed + rank``: dropout masks differ across data-parallel
     ranks, as they should); the model is initialised from ``seed`` alone, see ``build_model``.
     The global ``random`` module is left unseeded on purpose: tracing draws span ids from it
-    (see ``RngState``). On CPU a single intra-op thread keeps reductions in one order, so a
-    resumed run is bitwise identical to an uninterrupted one.
+    (see ``RngState``). On CPU the rank runs ``cpu_threads`` intra-op threads: torch's CPU
+    kernels split a reduction into chunks by the thread count, so for a fixed count they sum in
+    the same order every time and a resumed run is bitwise identical to an uninterrupted one
+    with the same count (the run record says each rank's count; a resume with another count is
+    reported there, see ``cpu_threads_change``).
     """
     torch.manual_seed(seed + rank)
     if runtime.device.type == "cpu":
-        torch.set_num_threads(1)
+        set_cpu_threads(cpu_threads)
         torch.use_deterministic_algorithms(deterministic)
         return
     if deterministic:

@@ -78,6 +78,15 @@ class RankSettings(BaseSettings):
         default="async", validation_alias="TRAINYARD_CHECKPOINT_MODE",
         description="async: shards are written while training continues; sync: training waits",
     )
+    cpu_threads: int | None = Field(
+        default=None, ge=1, validation_alias="TRAINYARD_CPU_THREADS",
+        description="intra-op CPU threads of this rank (the node agent gives each rank its share of the node's "
+                    "cores); default OMP_NUM_THREADS, else the usable cores / LOCAL_WORLD_SIZE",
+    )
+    omp_num_threads: str | None = Field(
+        default=None, validation_alias="OMP_NUM_THREADS",
+        description="OpenMP's thread count, the fallback of TRAINYARD_CPU_THREADS",
+    )
     peak_flops: float | None = Field(
         default=None, gt=0, validation_alias="TRAINYARD_PEAK_FLOPS",
         description="peak FLOP/s of one device for MFU; default from the device table or a CPU matmul probe",

@@ -10,22 +10,25 @@ AuthError 401 (its ForbiddenError, a role without the right: 403), NotFoundError
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, BeforeValidator, TypeAdapter
 from redis import exceptions as redis_errors
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.routing import Match, Route
 
 from trainyard_common import contract
@@ -53,6 +56,7 @@ from trainyard_api.auth import ForbiddenError, authenticate, require
 from trainyard_api.bodies import (
     TENANT_PATTERN,
     DatasetPublishBody,
+    ExportBody,
     SubmittedSpec,
     TenantCreateBody,
     TenantSettingsBody,
@@ -62,14 +66,19 @@ from trainyard_api.bodies import (
 from trainyard_api.calibration import CalibrationReport, report
 from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.code import ArchiveTooLargeError, CodeService, CodeStore, GitSource, too_large_message
+from trainyard_api.dashboard import install_dashboard
 from trainyard_api.datasets import DatasetService
+from trainyard_api.exports import ExportService
+from trainyard_api.goodput_history import intervals
 from trainyard_api.jobs import JobService
+from trainyard_api.lab import install_lab_routes
 from trainyard_api.roles import Right, may_grant, rights
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan
 from trainyard_api.schemas import (
     EXAMPLE_SPEC,
     EXAMPLE_TEMPLATE,
     ArtifactList,
+    ArtifactView,
     AuditPage,
     CheckpointList,
     CodeArchiveView,
@@ -81,6 +90,8 @@ from trainyard_api.schemas import (
     ErrorMessage,
     FieldErrors,
     Health,
+    GoodputHistory,
+    GoodputIntervalView,
     GoodputReport,
     IssuedToken,
     JobPage,
@@ -94,6 +105,7 @@ from trainyard_api.schemas import (
     TokenView,
     TriggerList,
     TriggerView,
+    WhoAmI,
 )
 from trainyard_api.settings import ApiSettings
 from trainyard_api.telemetry import TelemetryMiddleware
@@ -101,7 +113,7 @@ from trainyard_api.validation import FieldProblem, InvalidSpecError, field_error
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import TenantService
 from trainyard_api.triggers import TriggerService, TriggerStore
-from trainyard_api.views import checkpoint_view, goodput_view
+from trainyard_api.views import checkpoint_view, goodput_interval_view, goodput_view
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +151,8 @@ TAGS = [
     {"name": "triggers", "description": "Data lands, training starts: a trigger submits a job from its template "
                                         "for each new verified version of a dataset whose name matches (see "
                                         "docs/triggers.md)."},
-    {"name": "registry", "description": "Artifacts (READY checkpoints, final models) with their lineage."},
+    {"name": "registry", "description": "Artifacts (READY checkpoints, final models, exports) with their lineage; "
+                                        "exporting a checkpoint as a Hugging Face model directory."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
     {"name": "code", "description": "Users' training code, pinned by content: `.tar.gz` archives named by their "
                                   "sha256 (`trainyard submit --code DIR` uploads them); a job names one in "
@@ -147,6 +160,9 @@ TAGS = [
     {"name": "planning", "description": "Capacity planning: memory per device, step time, communication, "
                                         "pipeline bubble, checkpoint interval, ranked layouts; calibrated per "
                                         "device type by what the platform measured."},
+    {"name": "lab", "description": "The dashboard's Lab on the planner's own numbers: memory per device against "
+                                   "model size, scaling across nodes against interconnect bandwidth, the "
+                                   "checkpoint interval's redo against overhead."},
     {"name": "goodput", "description": "Allocated vs productive vs wasted device-time (lost work, launch and "
                                        "restore, checkpoint stalls, hangs, idle), per tenant."},
     {"name": "admin", "description": "Administration: tenants (quotas, priority), their tokens (roles, expiry, "
@@ -183,6 +199,30 @@ _AUTH_ERRORS: Responses = {**_UNAUTHORIZED, **_FORBIDDEN, **_UNAVAILABLE}
 _JOB_ERRORS: Responses = {**_AUTH_ERRORS, **_error(404, "no such job for this tenant"), **_invalid()}
 _ADMIN_ERRORS: Responses = {**_UNAUTHORIZED, **_UNAVAILABLE,
                             **_error(403, "not a platform-admin token (or not one of this tenant's admins)")}
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_ARTIFACT_ID = rf"{_NAME}/(?:(?:checkpoint|model)/{_NAME}|export/{_NAME}/{_NAME})"
+_EXPORT_ID = rf"{_NAME}/export/{_NAME}/{_NAME}"
+ARTIFACT_ID_PATTERN = rf"^{_ARTIFACT_ID}$"
+"""An artifact id: ``<job>/checkpoint|model/<name>``, an export's ``<job>/export/<checkpoint>/<format>``."""
+EXPORT_ID_PATTERN = rf"^{_EXPORT_ID}$"
+
+
+class _IdConvertor(Convertor[str]):
+    """A path parameter holding an id with slashes, and nothing more: ``…/{id}/export`` and
+    ``…/{id}/files/{name}`` are then never also a plain ``GET …/{id}``."""
+
+    def __init__(self, regex: str) -> None:
+        self.regex = regex
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("artifact", _IdConvertor(_ARTIFACT_ID))
+register_url_convertor("export", _IdConvertor(_EXPORT_ID))
 MAX_OFFSET = 2**31 - 1
 """Largest list offset or page size a client may send (a page past the end is empty)."""
 
@@ -198,7 +238,8 @@ class ApiContext:
 
     @property
     def jobs(self) -> JobService:
-        return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts, code=self.code)
+        return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts, code=self.code,
+                          layout=ArtifactLayout(self.settings.artifact_root_abs))
 
     @property
     def triggers(self) -> TriggerService:
@@ -217,6 +258,10 @@ class ApiContext:
         return DatasetService(self.store, self.outbox, ArtifactLayout(self.settings.artifact_root_abs))
 
     @property
+    def exports(self) -> ExportService:
+        return ExportService(self.store, self.outbox, ArtifactLayout(self.settings.artifact_root_abs))
+
+    @property
     def admin(self) -> AdminService:
         return AdminService(self.store, self.outbox)
 
@@ -230,7 +275,10 @@ class ApiContext:
 
     @property
     def accounting(self) -> GoodputAccountant:
-        return GoodputAccountant(self.store, StepTimingStore(self.store.redis))
+        s = self.settings
+        return GoodputAccountant(self.store, StepTimingStore(self.store.redis),
+                                 history_bucket_s=s.goodput_history_bucket_s,
+                                 history_retention_s=s.goodput_history_retention_s)
 
     @property
     def calibrations(self) -> CalibrationStore:
@@ -257,7 +305,7 @@ async def _tenant(
 
 
 _TARGET_PARTS = (("tenant", "tenant"), ("token_id", "token"), ("job_id", "job"), ("node_id", "node"),
-                 ("archive", "code"), ("trigger_id", "trigger"))
+                 ("archive", "code"), ("trigger_id", "trigger"), ("artifact_id", "artifact"))
 
 
 def _audit_target(request: Request) -> str:
@@ -337,6 +385,7 @@ _SUBMIT = _may(Right.SUBMIT, "job.submit")
 _UPLOAD = _may(Right.SUBMIT, "code.upload")
 _TRIGGER_CREATE = _may(Right.SUBMIT, "trigger.create")
 _PUBLISH = _may(Right.SUBMIT, "dataset.publish")
+_EXPORT = _may(Right.SUBMIT, "artifact.export")
 _TENANT_CREATE = _may(Right.MANAGE_TENANTS, "tenant.create")
 _TENANT_UPDATE = _may(Right.MANAGE_TENANTS, "tenant.update")
 _TOKEN_CREATE = _may(Right.MANAGE_TOKENS, "token.create")
@@ -367,6 +416,16 @@ NodeId = Annotated[str, Path(max_length=128, description="the node id", examples
 DrainReason = Annotated[str | None, Query(max_length=500, description="why (shown to the jobs that wait)")]
 JobId = Annotated[str, Path(max_length=128, description="job id, `job-` + 12 hex",
                              examples=["job-3f2a9c1b7e4d"])]
+ExportRequester = Annotated[TenantToken, _EXPORT]
+ArtifactId = Annotated[str, Path(min_length=1, max_length=512, pattern=ARTIFACT_ID_PATTERN,
+                                 description="`<job>/<kind>/<name>` (see GET /v1/registry/artifacts?jobId=)",
+                                 examples=["job-3f2a9c1b7e4d/checkpoint/step-000000040-a1"])]
+ExportId = Annotated[str, Path(min_length=1, max_length=512, pattern=EXPORT_ID_PATTERN,
+                               description="an export's id, `<job>/export/<checkpoint>/<format>`",
+                               examples=["job-3f2a9c1b7e4d/export/step-000000040-a1/hf"])]
+ExportFileName = Annotated[str, Path(max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                     description="a file the export's listing names",
+                                     examples=["model.safetensors"])]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -616,6 +675,20 @@ def _install_plan_routes(app: FastAPI) -> None:
                       min_samples=s.calibration_min_samples, max_samples=s.calibration_max_samples, limit=limit)
 
 
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _rfc3339(value: object) -> object:
+    """A query instant as the document promises it (format date-time): pydantic alone would also take epoch
+    numbers and naive times."""
+    if isinstance(value, str) and not _RFC3339.fullmatch(value):
+        raise ValueError(f"{value!r} is not an RFC 3339 date-time with an offset, e.g. 2026-12-01T00:00:00Z")
+    return value
+
+
+Instant = Annotated[datetime, BeforeValidator(_rfc3339)]
+
+
 def _install_goodput_and_admin_routes(app: FastAPI) -> None:
     @app.get("/v1/goodput", response_model=GoodputReport, tags=["goodput"],
              summary="The tenant's goodput ledger",
@@ -636,6 +709,36 @@ def _install_goodput_and_admin_routes(app: FastAPI) -> None:
             require(tenant, Right.ALL_TENANTS)
             others = {name: goodput_view(v) for name, v in (await accounting.all_tenants()).items()}
         return GoodputReport(tenant=tenant.tenant, jobs=jobs, ledger=goodput_view(ledger), tenants=others)
+
+    @app.get("/v1/goodput/history", response_model=GoodputHistory, tags=["goodput"],
+             summary="The tenant's goodput over time",
+             responses={**_AUTH_ERRORS, **_invalid()})
+    async def get_goodput_history(
+        ctx: Ctx, tenant: Tenant,
+        since: Annotated[Instant | None, Query(description="only intervals that end after this instant")] = None,
+        until: Annotated[Instant | None, Query(description="only intervals that start before this instant")] = None,
+        all_tenants: Annotated[bool, Query(alias="all", description="every tenant's history (platform-admin)")] = False,
+    ) -> GoodputHistory:
+        """Allocated, productive, in-flight and wasted device-seconds (by cause) per interval, oldest
+        first, with each interval's goodput (Δproductive ÷ Δallocated; null when nothing was
+        allocated). Every `TRAINYARD_GOODPUT_REFRESH_S` the API samples each tenant's cumulative
+        ledger (the one `GET /v1/goodput` answers) into a bucket of `TRAINYARD_GOODPUT_HISTORY_BUCKET_S`
+        (default 300 s; the latest sample of a bucket wins); an interval runs from one sampled bucket
+        start to the next, so a gap while no API ran is one long interval. Samples are kept for
+        `TRAINYARD_GOODPUT_HISTORY_RETENTION_S` (default 30 days). `since` and `until` (RFC 3339, with
+        an offset) keep the intervals that overlap them (none when `since` is after `until`)."""
+        accounting = ctx.accounting
+        window = {"since": since.timestamp() if since else None, "until": until.timestamp() if until else None}
+
+        async def of(name: str) -> list[GoodputIntervalView]:
+            return [goodput_interval_view(i) for i in intervals(await accounting.history(name), **window)]
+
+        others = None
+        if all_tenants:
+            require(tenant, Right.ALL_TENANTS)
+            others = {name: await of(name) for name in await accounting.history_tenants()}
+        return GoodputHistory(tenant=tenant.tenant, bucket_seconds=accounting.history_bucket_s,
+                              intervals=await of(tenant.tenant), tenants=others)
 
     @app.get("/v1/admin/nodes", response_model=NodeList, tags=["admin"], summary="List nodes",
              responses=_ADMIN_ERRORS)
@@ -892,15 +995,26 @@ def _install_tenant_routes(app: FastAPI) -> None:
 
 
 def _install_other_routes(app: FastAPI) -> None:
+    @app.get("/v1/whoami", response_model=WhoAmI, tags=["admin"], summary="The caller's token: tenant, name, role",
+             responses=_AUTH_ERRORS)
+    async def whoami(tenant: Tenant) -> WhoAmI:
+        """What the token acts as and may do (the dashboard shows the admin views only to platform-admins)."""
+        role = tenant.effective_role
+        return WhoAmI(tenant=tenant.tenant, name=tenant.name, token_id=tenant.token_id, role=role,
+                      rights=sorted(r.value for r in rights(role)))
+
     @app.get("/v1/registry/artifacts", response_model=ArtifactList, tags=["registry"],
              summary="List a job's artifacts with lineage", responses=_JOB_ERRORS)
     async def list_artifacts(
         ctx: Ctx, tenant: Tenant,
         job_id: Annotated[str, Query(alias="jobId", max_length=128, description="the job whose artifacts to list")],
     ) -> ArtifactList:
-        """Checkpoint and final-model artifacts: spec hash, code revision, dataset manifest and hash,
-        tokenizer, producing attempt, content hash."""
+        """Checkpoint, final-model and export artifacts: spec hash, code revision, dataset manifest and hash,
+        tokenizer, producing attempt, content hash (an export's: the sha256 of its trainyard-export.json;
+        its lineage's `parentCheckpoint` the checkpoint it was converted from)."""
         return ArtifactList(job_id=job_id, artifacts=await ctx.jobs.artifacts(tenant, job_id))
+
+    _install_export_routes(app)
 
     @app.get("/v1/datasets", response_model=DatasetList, tags=["datasets"], summary="List datasets",
              responses=_AUTH_ERRORS)
@@ -969,6 +1083,60 @@ def _install_other_routes(app: FastAPI) -> None:
         return Response(await run_in_threadpool(contract.asyncapi_json), media_type="application/json")
 
 
+_ARTIFACT_404 = _error(404, "no such artifact (or export) for this tenant")
+
+
+def _install_export_routes(app: FastAPI) -> None:
+    @app.get("/v1/registry/artifacts/{export_id:export}/files/{name}", tags=["registry"],
+             summary="Download a file of a ready export", response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes"},
+                        **_AUTH_ERRORS, **_ARTIFACT_404, **_error(409, "the export is not ready (or failed)"),
+                        **_invalid()})
+    async def get_export_file(ctx: Ctx, tenant: Tenant, export_id: ExportId, name: ExportFileName) -> FileResponse:
+        """One file of the caller's tenant's ready export, streamed: only the names its
+        `trainyard-export.json` lists (and that listing itself); `GET` the export for their sizes and
+        sha256. `trainyard export <job> --out DIR` downloads them all and checks each."""
+        path = await ctx.exports.file(tenant, export_id, name)
+        return FileResponse(path, media_type="application/octet-stream", filename=name)
+
+    @app.post("/v1/registry/artifacts/{artifact_id:artifact}/export", status_code=202, response_model=ArtifactView,
+              tags=["registry"], summary="Export a checkpoint (a Hugging Face model directory)",
+              dependencies=[_strict_body(ExportBody, _EXPORT)],
+              responses={
+                  200: {"model": ArtifactView, "description": "that export is ready already"},
+                  202: {"headers": {"Location": {"description": "the export: GET it until it is ready or failed",
+                                                 "required": True, "schema": {"type": "string"}}}},
+                  **_AUTH_ERRORS, **_NOT_JSON, **_ARTIFACT_404,
+                  **_error(409, "the artifact cannot be exported: retired (its checkpoint deleted by retention or "
+                                "refused at restore; the message says why and what to export instead), or not a "
+                                "checkpoint or model"),
+                  **_invalid("an unknown `format` (only `hf`), or another body field")})
+    async def export_artifact(ctx: Ctx, tenant: ExportRequester, request: Request, response: Response,
+                              artifact_id: ArtifactId, body: ExportBody) -> ArtifactView:
+        """Convert a READY checkpoint (or a job's model) into `format` (`hf`: config.json,
+        model.safetensors, generation_config.json, tokenizer.json + tokenizer_config.json, which
+        transformers' `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load). The
+        registry verifies every shard against the checkpoint's manifest first, gathers the full state
+        whatever the layout (DDP, FSDP, TP, PP) and records the directory as an `export` artifact
+        (`<job>/export/<checkpoint>/<format>`) with the checkpoint's lineage. The same checkpoint and
+        format is the same export: while it is requested this answers `202` with it, once ready `200`; after
+        it failed a new request retries. `GET` the `Location` to follow it. Submitter or above."""
+        view, asked = await ctx.exports.request(tenant, artifact_id, body.format)
+        request.state.audit_target = f"artifact/{artifact_id}"
+        request.state.audit_detail = f"export {view.artifact_id}" + ("" if asked else f" ({view.state} already)")
+        response.headers["Location"] = f"{ctx.settings.public_url}/v1/registry/artifacts/{view.artifact_id}"
+        if view.state == "ready":
+            response.status_code = 200
+        return view
+
+    @app.get("/v1/registry/artifacts/{artifact_id:artifact}", response_model=ArtifactView, tags=["registry"],
+             summary="Get an artifact or an export", responses={**_AUTH_ERRORS, **_ARTIFACT_404, **_invalid()})
+    async def get_artifact(ctx: Ctx, tenant: Tenant, artifact_id: ArtifactId) -> ArtifactView:
+        """One artifact of the caller's tenant (checkpoint, model or export, with lineage), or an export's
+        state: `requested`, `ready` (with its `files`), or `failed` with the `reason` and `problems`."""
+        return await ctx.exports.get(tenant, artifact_id)
+
+
 def create_app(context: ApiContext) -> FastAPI:
     """The REST API over ``context``."""
     app = FastAPI(
@@ -983,9 +1151,17 @@ def create_app(context: ApiContext) -> FastAPI:
     _install_error_handlers(app)
     _install_job_routes(app)
     _install_plan_routes(app)
+    install_lab_routes(app, read=_may(Right.READ), strict_body=_strict_body, responses={
+        **_AUTH_ERRORS, **_NOT_JSON, **_invalid("invalid input, each problem named by field; also an unknown model or "
+                                                "device, or a tensor degree the node or the model's heads cannot "
+                                                "be split by")}, assumptions=lambda r: _context(r).settings.assumptions)
     _install_goodput_and_admin_routes(app)
     _install_code_routes(app)
     _install_trigger_routes(app)
     _install_tenant_routes(app)
     _install_other_routes(app)
+    from trainyard_api.dashboard_routes import install_dashboard_routes  # it imports this module's names
+
+    install_dashboard_routes(app)
+    install_dashboard(app)
     return app

@@ -12,7 +12,7 @@ downstream takes it as the parent.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
@@ -197,6 +197,13 @@ class DatasetPublishBody(_AdminBody):
         default=[], max_length=256, description='other tenants that may train on it; ["*"]: every tenant')
     tokenizer: str | None = Field(default=None, max_length=256)
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_SAFE_INTEGER)
+
+
+class ExportBody(_AdminBody):
+    """What to convert a checkpoint into."""
+
+    format: Literal["hf"] = Field(description="hf: a Hugging Face model directory (config.json, model.safetensors, "
+                                              "tokenizer.json) that transformers' from_pretrained loads")
 
 
 class TokenCreateBody(_AdminBody):

@@ -8,6 +8,7 @@ never stored without its event nor announced without being stored.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -22,19 +23,22 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
+from trainyard_common.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
 from trainyard_common.outbox import Outbox
+from trainyard_common.hfdir import HfDir, inspect_dir, resolve_start
 from trainyard_common.records import (
     ArtifactRecord,
     CheckpointRecord,
+    HuggingFaceStart,
     JobRecord,
     Progress,
     TenantToken,
     TriggerOrigin,
 )
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore
+from trainyard_common.storage import ArtifactLayout, path_to_uri
+from trainyard_common.store import Keys, StateStore, stage_change
 from trainyard_common.tracing import current_traceparent, job_context
 
 from trainyard_api.accounting import GoodputAccountant
@@ -42,7 +46,14 @@ from trainyard_api.code import CodeService
 from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
 from trainyard_api.steptiming import StepTimingStore
-from trainyard_api.validation import FieldProblem, InvalidSpecError, check_init_from, check_references, resolve_model_config
+from trainyard_api.validation import (
+    FieldProblem,
+    InvalidSpecError,
+    check_hugging_face_start,
+    check_init_from,
+    check_references,
+    resolve_model_config,
+)
 from trainyard_api.views import JobExtras, job_summary, job_view
 
 log = logging.getLogger(__name__)
@@ -87,12 +98,37 @@ def _past(action: str) -> str:
 def new_job_record(
     job_id: str, spec: TrainingSpec, token: TenantToken, *, traceparent: str | None,
     max_attempts: int, now: datetime, triggered_by: TriggerOrigin | None = None,
+    hugging_face_start: HuggingFaceStart | None = None,
 ) -> JobRecord:
     return JobRecord(
         job_id=job_id, tenant=token.tenant, spec=spec, spec_hash=spec.spec_hash(), state="queued",
         priority=spec.priority, submitted_by=token.name, created_at=now, updated_at=now,
         max_attempts=max_attempts, traceparent=traceparent, triggered_by=triggered_by,
+        hugging_face_start=hugging_face_start,
     )
+
+
+def parent_job_id(job: JobRecord) -> str | None:
+    """The job this one starts from (``initFrom.jobId``), if any."""
+    init = job.spec.init_from
+    return init.job_id if init is not None else None
+
+
+def hugging_face_start(relative: str, found: HfDir) -> HuggingFaceStart:
+    """What a job records of the directory it starts from."""
+    return HuggingFaceStart(directory=relative, uri=path_to_uri(found.path), config_sha256=found.config_sha256,
+                            weight_files=dict(found.weight_files), index_sha256=found.index_sha256,
+                            export_sha256=found.export_sha256)
+
+
+def find_start(layout: ArtifactLayout | None, tenant: str, relative: str) -> HfDir | ConfigError:
+    """The tenant's directory ``relative`` inspected, or why it cannot start a job (file system I/O)."""
+    if layout is None:
+        return ConfigError("this API has no artifact store to find Hugging Face directories in; use initFrom.jobId")
+    try:
+        return inspect_dir(resolve_start(layout, tenant, relative))
+    except ConfigError as exc:
+        return exc
 
 
 # ----------------------------------------------------------------------------- the shell
@@ -119,6 +155,7 @@ class JobService:
         catalog: Mapping[str, ModelConfig] = MODEL_CATALOG,
         clock: Callable[[], datetime] = utcnow,
         code: CodeService | None = None,
+        layout: ArtifactLayout | None = None,
     ) -> None:
         self.store = store
         self.redis: Redis = store.redis
@@ -127,6 +164,7 @@ class JobService:
         self.catalog = catalog
         self.clock = clock
         self.code = code
+        self.layout = layout  # the artifact store, where initFrom.huggingFace directories are
         self.timing = StepTimingStore(self.redis)
         self.accounting = GoodputAccountant(store, self.timing, clock=clock)
 
@@ -144,10 +182,11 @@ class JobService:
         revision is resolved and archived first, and the stored spec names that commit and archive.
         ``triggered_by``: the trigger that submits it (recorded on the job as its lineage).
         """
-        spec, warnings = await self.check(spec, token)
+        spec, warnings, start = await self._check(spec, token)
         job = new_job_record(
             new_job_id(token.tenant, idempotency_key), spec, token,
             traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(), triggered_by=triggered_by,
+            hugging_face_start=start,
         )
         existing = await self._create(job)
         if existing is None:
@@ -168,7 +207,15 @@ class JobService:
         """What :meth:`submit` checks, storing nothing: the spec as it would be stored and the planner's
         warnings, or InvalidSpecError listing every problem. ``template``: a trigger's template, whose
         dataset is a placeholder that is not checked (each new version fills it in)."""
+        spec, warnings, _ = await self._check(spec, token, template=template)
+        return spec, warnings
+
+    async def _check(
+        self, spec: TrainingSpec, token: TenantToken, *, template: bool = False
+    ) -> tuple[TrainingSpec, list[str], HuggingFaceStart | None]:
+        """:meth:`check`, and what the job records of its ``initFrom.huggingFace`` directory."""
         problems: list[FieldProblem] = []
+        start: HuggingFaceStart | None = None
         if spec.code is not None:
             if self.code is None:
                 raise InvalidSpecError([FieldProblem("code", "this API takes no code: submit without code")])
@@ -179,10 +226,17 @@ class JobService:
                                          dataset_vocab=dataset.vocab_size if dataset is not None else None))
         if dataset is not None and dataset.ref != spec.dataset:
             spec = spec.model_copy(update={"dataset": dataset.ref})
-        if spec.init_from is not None:
-            parent = await self.store.get_job(spec.init_from.job_id)
+        init = spec.init_from
+        if init is not None and init.hugging_face is not None:
+            found = await asyncio.to_thread(find_start, self.layout, token.tenant, init.hugging_face)
+            start_problems = check_hugging_face_start(spec, resolve_model_config(spec, self.catalog), found)
+            problems.extend(start_problems)
+            if isinstance(found, HfDir) and not start_problems:
+                start = hugging_face_start(init.hugging_face, found)
+        elif init is not None and init.job_id is not None:
+            parent = await self.store.get_job(init.job_id)
             known = parent is not None and parent.tenant == token.tenant
-            ready = [c.global_step for c in await self.store.list_checkpoints(spec.init_from.job_id)
+            ready = [c.global_step for c in await self.store.list_checkpoints(init.job_id)
                      if c.state == "READY"] if known else []
             problems.extend(check_init_from(spec, parent_known=known, ready_steps=ready))
         config = resolve_model_config(spec, self.catalog)
@@ -195,10 +249,11 @@ class JobService:
             if not template:
                 JOBS_REJECTED.inc()
             raise InvalidSpecError(problems)
-        return spec, memory.warnings if memory is not None else []
+        return spec, memory.warnings if memory is not None else [], start
 
     async def _create(self, job: JobRecord) -> JobRecord | None:
-        """SET NX the record, index it and stage JobSubmitted in one MULTI; the existing record if taken."""
+        """SET NX the record, index it (and under its ``initFrom`` parent) and stage JobSubmitted in one
+        MULTI; the existing record if taken."""
         key = Keys.job(job.job_id)
         score = job.created_at.timestamp()
         event = JobSubmitted(
@@ -216,8 +271,12 @@ class JobService:
                             return JobRecord.model_validate_json(raw)
                         pipe.multi()
                         pipe.set(key, job.dumps(), nx=True)
+                        stage_change(pipe, "job", job.job_id)  # wakes the scheduler (no broker hop)
+                        pipe.sadd(Keys.incoming_jobs, job.job_id)
                         pipe.zadd(Keys.jobs, {job.job_id: score})
                         pipe.zadd(Keys.tenant_jobs(job.tenant), {job.job_id: score})
+                        if parent := parent_job_id(job):  # checked to be the same tenant's job
+                            pipe.zadd(Keys.job_children(parent), {job.job_id: score})
                         self.outbox.stage(pipe, event, traceparent=job.traceparent)
                         await pipe.execute()
                         return None
@@ -239,6 +298,13 @@ class JobService:
         progress = await self.store.get_progress(job_id)
         checkpoints = await self.store.list_checkpoints(job_id)
         return job_view(job, progress, checkpoints, await self._extras(job))
+
+    async def children(self, job_id: str) -> list[str]:
+        """Ids of the jobs that start from ``job_id`` (initFrom.jobId), newest first."""
+        try:
+            return list(await self.redis.zrevrange(Keys.job_children(job_id), 0, -1))
+        except RedisError as exc:
+            raise StateStoreError(f"cannot read the children of job {job_id}: {exc!r}") from exc
 
     async def _extras(self, job: JobRecord) -> JobExtras:
         """Advice (coordinator), goodput, per-rank timing of the current attempt, stragglers."""
@@ -262,6 +328,7 @@ class JobService:
             goodput=await self.accounting.job(job),
             ranks=await self.timing.ranks(job.job_id, current.attempt) if current else {},
             stragglers=await self.timing.stragglers(job.job_id),
+            children=await self.children(job.job_id),
         )
 
     async def list(self, token: TenantToken, *, state: str | None, limit: int, offset: int) -> JobPage:

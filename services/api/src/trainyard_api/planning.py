@@ -57,6 +57,7 @@ from trainyard_planner import (
     CheckpointPlan,
     DeviceCalibration,
     DeviceSpec,
+    FlopsCount,
     Layout,
     LinkTier,
     MemoryBreakdown,
@@ -73,6 +74,7 @@ from trainyard_planner import (
     device_spec,
     estimate_memory,
     estimate_step,
+    hardware_flops_per_token,
     job_mtbf,
     model_flops_per_token,
     plan_checkpoint,
@@ -235,7 +237,14 @@ class PlanRequest(_In):
                               description="share of peak while computing")
     dp_overlap: float = Field(default=0.0, ge=0, le=1, description="share of DP communication hidden by backward")
     tokens: float | None = Field(default=None, ge=1, le=1e18, description="training tokens, for time to train")
-    mfu: float | None = Field(default=None, ge=1e-4, le=1, description="default: the estimated layout's MFU")
+    mfu: float | None = Field(default=None, ge=1e-4, le=1,
+                              description="share of the peak sustained, counting the FLOPs `flops` names; default: "
+                                          "the estimated layout's (its MFU, or its hardware utilisation)")
+    flops: FlopsCount = Field(
+        default=FlopsCount.MODEL,
+        description='what peak x mfu counts for time to train: "model" FLOPs (6ND, what MFU divides) or '
+                    '"hardware" FLOPs (the layout\'s recomputation included: full is ~8ND; Megatron-LM\'s '
+                    "published TFLOP/s count these)")
     checkpoint: PlanCheckpoint | None = None
     limit: int = Field(default=10, gt=0, le=1000, description="layouts listed per kind when recommending")
     calibrate: bool = Field(default=True, description="add estimates corrected by what the platform measured on "
@@ -257,8 +266,14 @@ class ModelSummary(_Out):
 class ComputeSummary(_Out):
     model_flops_per_token: float = Field(description="6N + 12 L H Q T (PaLM appendix B)")
     attention_flops_per_token: float
+    hardware_flops_per_token: float = Field(description="model FLOPs per token plus what the layout's "
+                                                        "recomputation runs again")
+    recompute: Recompute = Field(description="the recomputation the hardware FLOPs include (the layout's)")
     tokens_per_step: int | None
-    training_flops: float | None = Field(description="6 N D, with `tokens`")
+    training_flops: float | None = Field(description="model FLOPs, 6 N D, with `tokens`")
+    hardware_flops: float | None = Field(default=None, description="hardware FLOPs per token x D, with `tokens`")
+    flops_counted: FlopsCount = Field(default=FlopsCount.MODEL,
+                                      description="which of the two trainingTime divides (the request's `flops`)")
     training_time: TrainingTime | None
 
 
@@ -464,18 +479,26 @@ def plan(
         step = _in("layout", lambda: estimate_step(model, layout, device, topology, **common))
         chosen = step
 
-    # 3. compute and time to train
+    # 3. compute and time to train, dividing model or hardware FLOPs by a rate that counts the same
     tokens_per_step = chosen.tokens_per_step if chosen else None
+    recompute = chosen.layout.recompute if chosen else Recompute.NONE
+    per_token, hardware_per_token = model_flops_per_token(model), hardware_flops_per_token(model, recompute)
     time_to_train = None
-    total_flops = None
+    total_flops = hardware_flops = None
     if request.tokens is not None:
         total_flops = training_flops(model.parameters, request.tokens)
-        mfu = request.mfu or (chosen.mfu if chosen else DEFAULT_MFU)
+        hardware_flops = hardware_per_token * request.tokens
+        hardware = request.flops is FlopsCount.HARDWARE
+        estimated = chosen.mfu * (hardware_per_token / per_token if hardware else 1.0) if chosen else DEFAULT_MFU
+        mfu = request.mfu or estimated
         time_to_train = _in("mfu", lambda: training_time(
-            total_flops, devices=devices, peak_flops_per_device=device.peak_flops, mfu=min(1.0, mfu)))
+            hardware_flops if hardware else total_flops, devices=devices, peak_flops_per_device=device.peak_flops,
+            mfu=min(1.0, mfu), counts=request.flops))
     compute = ComputeSummary(
-        model_flops_per_token=model_flops_per_token(model), attention_flops_per_token=attention_flops_per_token(model),
-        tokens_per_step=tokens_per_step, training_flops=total_flops, training_time=time_to_train,
+        model_flops_per_token=per_token, attention_flops_per_token=attention_flops_per_token(model),
+        hardware_flops_per_token=hardware_per_token, recompute=recompute,
+        tokens_per_step=tokens_per_step, training_flops=total_flops, hardware_flops=hardware_flops,
+        flops_counted=request.flops, training_time=time_to_train,
     )
 
     # 4. checkpoint

@@ -9,7 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail
-from trainyard_common.records import ArtifactRecord, CheckpointState, DatasetRecord, TriggerOrigin, TriggerSource
+from trainyard_common.records import (
+    ArtifactRecord,
+    CheckpointState,
+    DatasetRecord,
+    ExportRecord,
+    HuggingFaceStart,
+    TriggerOrigin,
+    TriggerSource,
+)
 from trainyard_common.spec import TrainingSpec
 
 # The tiny example job (examples/tiny.yaml; a unit test keeps the two equal).
@@ -103,6 +111,9 @@ class CheckpointView(_Out):
     deleted_at: datetime | None = Field(
         default=None, description="when its files were removed (retention of a READY one: state DELETED; "
                                   "garbage collection of a FAILED one)")
+    size_bytes: int | None = Field(
+        default=None, description="bytes of its shards and shared files as its manifest lists them (known once "
+                                  "READY; null for a checkpoint recorded before sizes were kept)")
 
 
 class GoodputView(_Out):
@@ -214,6 +225,13 @@ class JobView(_Out):
     triggered_by: TriggerOrigin | None = Field(
         default=None, description="the trigger that submitted the job and the dataset version (and its "
                                   "ArtifactRegistered event) that set it off; null for a job submitted by hand")
+    hugging_face_start: HuggingFaceStart | None = Field(
+        default=None, description="the Hugging Face directory it starts from (initFrom.huggingFace) as the API "
+                                  "found it at submission: config.json's sha256 and the weight files")
+    children: list[str] = Field(
+        default=[], description="ids of the tenant's jobs that start from this one (their initFrom.jobId), newest "
+                                "first; the parent, if any, is spec.initFrom.jobId",
+        examples=[["job-7d1e0c4b9a2f"]])
 
 
 class JobSummary(_Out):
@@ -232,6 +250,10 @@ class JobSummary(_Out):
     updated_at: datetime
     queued_reason: str | None
     reason: str | None
+    tokens_per_second: float | None = Field(default=None, description="rank 0's latest tokens/s (whole job)")
+    mfu: float | None = Field(default=None, description="rank 0's latest model FLOPs utilisation")
+    eta_seconds: float | None = Field(
+        default=None, description="while running: steps left x the latest step time; null when unknown")
 
 
 class JobPage(_Out):
@@ -247,6 +269,28 @@ class CheckpointList(_Out):
 class ArtifactList(_Out):
     job_id: str
     artifacts: list[ArtifactRecord]
+
+
+class ExportFile(_Out):
+    name: str = Field(description="a file of the export directory", examples=["model.safetensors"])
+    size: int = Field(ge=0, description="bytes")
+    sha256: str = Field(description="hex sha256 of its bytes (trainyard-export.json's own: the export's hash)")
+
+
+class ArtifactView(_Out):
+    """One artifact (any type), or an export in whatever state it is."""
+
+    artifact_id: str = Field(examples=["job-3f2a9c1b7e4d/export/step-000000040-a1/hf"])
+    type: Literal["checkpoint", "model", "export"]
+    state: Literal["ready", "retired", "requested", "failed"] = Field(
+        description="a checkpoint or model: ready or retired; an export: requested, ready or failed")
+    artifact: ArtifactRecord | None = Field(default=None, description="the record, with lineage (an export: once "
+                                                                      "ready)")
+    export: ExportRecord | None = Field(default=None, description="an export's progress: requestedBy, reason and "
+                                                                  "problems when it failed")
+    files: list[ExportFile] | None = Field(
+        default=None, description="a ready export's files (trainyard-export.json first), each downloadable at "
+                                  "GET /v1/registry/artifacts/{exportId}/files/{name}")
 
 
 class DatasetList(_Out):
@@ -282,6 +326,36 @@ class GoodputReport(_Out):
     ledger: GoodputView
     tenants: dict[str, GoodputView] | None = Field(
         default=None, exclude_if=lambda v: v is None, description="every tenant's ledger (present with ?all=true)")
+
+
+class GoodputIntervalView(_Out):
+    """Device-seconds between two consecutive samples of a tenant's cumulative ledger."""
+
+    start: datetime = Field(description="the earlier sample's bucket start")
+    end: datetime = Field(description="the later sample's bucket start")
+    allocated_device_seconds: float = Field(description="Δ allocated")
+    productive_device_seconds: float = Field(description="Δ productive")
+    in_flight_device_seconds: float = Field(
+        description="Δ in flight (negative when in-flight work was saved or lost in the interval)")
+    wasted_device_seconds: float = Field(description="Δ wasted")
+    goodput: float | None = Field(
+        description="Δproductive ÷ Δallocated; null when nothing was allocated. It can pass 1: steps count as "
+                    "productive when a checkpoint saves them, which may be an interval after they ran")
+    goodput_to_date: float | None = Field(
+        default=None, description="productive ÷ allocated over everything up to the interval's end (within [0, 1]; "
+                                  "what the Goodput page draws)")
+    wasted: dict[str, float] = Field(description="Δ of each kind of waste",
+                                     examples=[{"lostWork": 40.0, "launchRestore": 12.5, "checkpointStall": 3.1,
+                                                "hang": 0.0, "idle": 2.4}])
+
+
+class GoodputHistory(_Out):
+    tenant: str = Field(description="the caller's tenant")
+    bucket_seconds: int = Field(description="the sampling bucket (TRAINYARD_GOODPUT_HISTORY_BUCKET_S)")
+    intervals: list[GoodputIntervalView] = Field(description="the caller's tenant's intervals, oldest first")
+    tenants: dict[str, list[GoodputIntervalView]] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="every tenant's intervals (present with ?all=true, platform-admin)")
 
 
 class NodeQuarantineView(_Out):
@@ -406,6 +480,16 @@ class TokenList(_Out):
 
 class IssuedToken(TokenView):
     token: str = Field(description="the secret: shown once, only its sha256 is stored")
+
+
+class WhoAmI(_Out):
+    """The caller's token, as the API reads it (never the secret)."""
+
+    tenant: str
+    name: str
+    token_id: str | None = Field(default=None, examples=["tok_3f2a9c1b7e4d"])
+    role: Literal["viewer", "submitter", "tenant-admin", "platform-admin"]
+    rights: list[str] = Field(description="what the role may do (docs/tenants.md)", examples=[["read", "submit"]])
 
 
 class AuditEntry(_Out):

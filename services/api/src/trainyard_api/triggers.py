@@ -265,7 +265,8 @@ class TriggerFiring:
         """Subscribe to REGISTRY in group ``<prefix>.api-triggers``, de-duplicated by event id."""
         return runtime.bus.subscribe(
             REGISTRY, {ArtifactRegistered: self.on_artifact_registered},
-            group=f"{runtime.settings.group_prefix}.{TRIGGER_GROUP}", deduper_factory=runtime.deduper)
+            group=f"{runtime.settings.group_prefix}.{TRIGGER_GROUP}", deduper_factory=runtime.deduper,
+            background=True)
 
     async def on_artifact_registered(self, event: ArtifactRegistered) -> None:
         for trigger in matching_triggers(await self.store.all(), event):

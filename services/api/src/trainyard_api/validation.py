@@ -25,7 +25,8 @@ from typing import Any, NoReturn
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import SpecError
+from trainyard_common.errors import ConfigError, SpecError
+from trainyard_common.hfdir import HfDir, inline_config, shape_differences
 from trainyard_common.spec import REF_PATTERN, TrainingSpec
 
 # FastAPI prefixes a location with where the value came from; only the body is the spec.
@@ -262,7 +263,7 @@ def check_init_from(spec: TrainingSpec, *, parent_known: bool, ready_steps: Sequ
     """``initFrom`` must name a job of the caller's tenant with a READY checkpoint (at ``globalStep``
     when given). ``parent_known``: the job exists for this tenant; ``ready_steps``: its READY steps."""
     init = spec.init_from
-    if init is None:
+    if init is None or init.job_id is None:
         return []
     if not parent_known:
         return [FieldProblem("initFrom.jobId", f"unknown job {init.job_id!r}: initFrom names an earlier job "
@@ -274,6 +275,47 @@ def check_init_from(spec: TrainingSpec, *, parent_known: bool, ready_steps: Sequ
         return [FieldProblem("initFrom.globalStep", f"job {init.job_id!r} has no READY checkpoint at step "
                                                     f"{init.global_step}; READY steps: {steps}")]
     return []
+
+
+def tensor_parallel_problems(model: ModelConfig, tensor: int, label: str) -> list[FieldProblem]:
+    """The trainer's rule for ``parallelism.tensor``: each rank computes whole query heads, whole
+    key/value heads (llama's grouped-query attention has fewer) and an equal share of the FFN."""
+    widths = [("nHeads", model.n_heads)]
+    if model.kv_heads != model.n_heads:
+        widths.append(("nKvHeads", model.kv_heads))
+    widths.append(("the FFN width (dFf)" if model.d_ff is not None else "the FFN width (4 x dModel)",
+                   model.ffn_width))
+    failing = [(name, value) for name, value in widths if value % tensor]
+    if not failing:
+        return []
+    named = " and ".join(f"{name} ({value})" for name, value in failing)
+    return [FieldProblem("parallelism.tensor", f"tensor parallelism ({tensor}) must divide {named} of {label}: each "
+                                               "rank computes whole heads; choose a parallelism.tensor that divides "
+                                               "all of " + ", ".join(str(v) for _, v in widths))]
+
+
+HF_FIELD = "initFrom.huggingFace"
+
+
+def check_hugging_face_start(spec: TrainingSpec, model: ModelConfig | None,
+                             found: HfDir | ConfigError) -> list[FieldProblem]:
+    """``initFrom.huggingFace`` must be a usable directory (``found``: what
+    :func:`~trainyard_common.hfdir.inspect_dir` found there, or why it refused) whose model has the
+    shape of the spec's ``model`` (None: the spec's model is unknown, which is reported on its own)."""
+    if spec.init_from is None or spec.init_from.hugging_face is None:
+        return []
+    name = spec.init_from.hugging_face
+    if isinstance(found, ConfigError):
+        return [FieldProblem(HF_FIELD, f"cannot start from {name!r}: {found.message}")]
+    if model is None:
+        return []
+    differences = shape_differences(model, found.config)
+    if not differences:
+        return []
+    label = spec.model_config_ref if isinstance(spec.model_config_ref, str) else "the inline modelConfig"
+    return [FieldProblem(HF_FIELD, (
+        f"the model in {name!r} is not the shape of {label}: {'; '.join(differences)}. Train the directory's "
+        f"model: set modelConfig to {inline_config(found.config)}"))]
 
 
 def check_references(
@@ -307,11 +349,7 @@ def check_references(
                 f"with {dataset_vocab} tokens: its ids would not fit the embedding. Use a model with vocabSize "
                 f">= {dataset_vocab} (inline: modelConfig.vocabSize), or a dataset tokenized for this model",
             ))
-        if model.n_heads % spec.parallelism.tensor:
-            problems.append(FieldProblem(
-                "parallelism.tensor",
-                f"tensor parallelism ({spec.parallelism.tensor}) must divide nHeads ({model.n_heads}) of {label}",
-            ))
+        problems.extend(tensor_parallel_problems(model, spec.parallelism.tensor, label))
     if not dataset_known:
         problems.append(FieldProblem(
             "dataset",

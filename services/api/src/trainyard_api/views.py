@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
 
 from trainyard_api.goodput import WASTE_KINDS, Ledger
+from trainyard_api.goodput_history import GoodputInterval
 from trainyard_api.schemas import (
     AttemptView,
     CheckpointAdviceView,
     CheckpointView,
+    GoodputIntervalView,
     GoodputView,
     JobCondition,
     JobSummary,
@@ -37,6 +40,7 @@ class JobExtras:
     ranks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     stragglers: Sequence[Mapping[str, Any]] = ()
     protection: Mapping[str, Any] | None = None  # the coordinator's checkpoint-protection verdict
+    children: Sequence[str] = ()  # jobs started from this one (initFrom.jobId), newest first
 
 
 def goodput_view(ledger: Ledger) -> GoodputView:
@@ -45,6 +49,15 @@ def goodput_view(ledger: Ledger) -> GoodputView:
         allocated_device_seconds=s["allocated"], productive_device_seconds=s["productive"],
         wasted_device_seconds=s["wasted"], in_flight_device_seconds=s["inFlight"], goodput=ledger.goodput,
         wasted={k: s[k] for k in WASTE_KINDS},
+    )
+
+
+def goodput_interval_view(i: GoodputInterval) -> GoodputIntervalView:
+    return GoodputIntervalView(
+        start=datetime.fromtimestamp(i.start, UTC), end=datetime.fromtimestamp(i.end, UTC),
+        allocated_device_seconds=i.allocated, productive_device_seconds=i.productive,
+        in_flight_device_seconds=i.in_flight, wasted_device_seconds=i.wasted, goodput=i.goodput,
+        goodput_to_date=i.goodput_to_date, wasted=dict(i.wasted_by_kind),
     )
 
 
@@ -106,7 +119,7 @@ def checkpoint_view(c: CheckpointRecord) -> CheckpointView:
         checkpoint_id=c.checkpoint_id, state=c.state, global_step=c.global_step, attempt=c.attempt,
         world_size=c.world_size, manifest_uri=c.manifest_uri, content_hash=c.content_hash,
         consumed_tokens=c.consumed_tokens, reason=c.reason, created_at=c.created_at, ready_at=c.ready_at,
-        write_seconds=c.write_seconds, deleted_at=c.deleted_at,
+        write_seconds=c.write_seconds, deleted_at=c.deleted_at, size_bytes=c.size_bytes,
     )
 
 
@@ -139,6 +152,8 @@ def job_view(
         stragglers=straggler_views(x.stragglers),
         conditions=job_conditions(job, x.protection),
         triggered_by=job.triggered_by,
+        hugging_face_start=job.hugging_face_start,
+        children=list(x.children),
     )
 
 
@@ -172,4 +187,14 @@ def job_summary(job: JobRecord, progress: Progress | None) -> JobSummary:
         updated_at=job.updated_at,
         queued_reason=job.queued_reason if job.state == "queued" else None,
         reason=job.reason,
+        tokens_per_second=progress.tokens_per_second if progress else None,
+        mfu=progress.mfu if progress else None,
+        eta_seconds=eta_seconds(job, progress),
     )
+
+
+def eta_seconds(job: JobRecord, progress: Progress | None) -> float | None:
+    """Steps left times the latest step time, while the job runs (None before a step time is known)."""
+    if job.state != "running" or progress is None or not progress.step_seconds:
+        return None
+    return max(0, job.spec.training.max_steps - progress.global_step) * progress.step_seconds

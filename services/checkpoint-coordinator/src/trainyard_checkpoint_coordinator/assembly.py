@@ -360,6 +360,7 @@ def settle_ready(
             "first_shard_at": timing.first_at,
             "last_shard_at": timing.last_at,
             "write_seconds": timing.write_seconds,
+            "size_bytes": manifest.total_bytes(),
         }
     )
 

@@ -143,8 +143,10 @@ class Coordinator:
         # a backlog of thousands after an outage) never queue in front of the shard reports, and their
         # retries never hold checkpoints up. They are idempotent on their own (max, once per attempt).
         measuring = f"{group}{MEASUREMENTS_GROUP_SUFFIX}"
-        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=measuring)
-        runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=measuring)
+        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=measuring,
+                              background=True)
+        runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=measuring,
+                              background=True)
         runtime.add_loop("pending-sweep", self.sweep, every_s=self.settings.sweep_interval_s)
         runtime.add_loop("garbage-collection", self.collector.collect, every_s=self.settings.gc_interval_s)
         runtime.add_loop("interval-advice", self.measurements.advise_all, every_s=self.settings.advice_interval_s)
@@ -316,9 +318,7 @@ class Coordinator:
             self._count_failed(key, record)
             return
         metrics.CHECKPOINTS.labels("ready").inc()
-        metrics.CHECKPOINT_BYTES.observe(
-            sum(s.size_bytes for s in manifest.shards) + sum(f.size_bytes for f in manifest.extra_files)
-        )
+        metrics.CHECKPOINT_BYTES.observe(manifest.total_bytes())
         log.info("%s READY: %d shards, %s, manifest %s", key, len(manifest.shards),
                  manifest.content_hash, complete.manifest_uri)
         await self._after_ready(key.job_id)

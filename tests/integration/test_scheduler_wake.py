@@ -1,0 +1,62 @@
+"""A JobSubmitted wakes the scheduling pass for the job it names, whoever stored the job first: the API
+stores it before the event ("already known" to the scheduler), and that job must not wait for the tick."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from trainyard_common.events import JobSubmitted
+from trainyard_common.records import AttemptRecord, JobRecord
+from trainyard_common.service import ServiceRuntime
+from trainyard_common.spec import TrainingSpec
+from trainyard_common.store import StateStore
+from trainyard_scheduler import Scheduler, SchedulerSettings
+from trainyard_scheduler.scheduler import SchedulerKeys
+from tests.support.api import spec_with
+from tests.support.datasets import verified
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def scheduler(env: dict[str, Any]) -> AsyncIterator[Scheduler]:
+    settings = SchedulerSettings(**env, tick_s=3600, reconcile_interval_s=3600, instance_id="wake-test")
+    runtime = ServiceRuntime("scheduler", settings)
+    s = Scheduler(runtime, settings)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+        await runtime.aclose()
+
+
+def submitted(job: JobRecord) -> JobSubmitted:
+    return JobSubmitted(job_id=job.job_id, tenant=job.tenant, spec=job.spec, spec_hash=job.spec_hash)
+
+
+async def test_a_job_the_api_stored_first_wakes_the_pass(scheduler: Scheduler) -> None:
+    store: StateStore = scheduler.store
+    spec = TrainingSpec.model_validate(spec_with())
+    await verified(store, spec.dataset)
+    queued = JobRecord(job_id="job-wake-1", tenant="t1", spec=spec, spec_hash=spec.spec_hash())
+    assert await store.create_job(queued)  # what the API does before it publishes JobSubmitted
+
+    assert not scheduler._wake.is_set()
+    await scheduler.on_job_submitted(submitted(queued))
+    assert scheduler._wake.is_set()  # scheduled now, not at the next tick (an hour away here)
+    assert "job-wake-1" in await scheduler.redis.smembers(SchedulerKeys.active)
+
+
+async def test_a_redelivered_submission_of_a_running_job_does_not(scheduler: Scheduler) -> None:
+    store: StateStore = scheduler.store
+    spec = TrainingSpec.model_validate(spec_with())
+    await verified(store, spec.dataset)
+    running = JobRecord(job_id="job-wake-2", tenant="t1", spec=spec, spec_hash=spec.spec_hash(), state="running",
+                        attempts=[AttemptRecord(attempt=1, allocation_id="a1", epoch=1, world_size=2,
+                                                state="running")])
+    assert await store.create_job(running)
+    await scheduler.on_job_submitted(submitted(running))
+    assert not scheduler._wake.is_set()
