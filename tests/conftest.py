@@ -32,6 +32,10 @@ os.environ.setdefault("TRAINYARD_CONSUMER_SESSION_TIMEOUT_MS", "3000")
 # and measures no latency: 50 ms costs each hop ~15 ms more and an idle stack a third less CPU (0.3 → 0.2 core).
 os.environ.setdefault("TRAINYARD_CONSUMER_FETCH_MAX_WAIT_MS", "50")
 os.environ.setdefault("TRAINYARD_CONSUMER_BACKGROUND_FETCH_MAX_WAIT_MS", "250")
+# Node agents keep warm interpreters by default (one per device, sized to memory): each costs seconds of CPU to
+# import torch when an agent starts, and the suite starts dozens of stacks on two cores. Tests that are about
+# warm interpreters ask for them (tests/integration/test_node_agent_failures.py, tests/unit/.../test_warm.py).
+os.environ.setdefault("TRAINYARD_WARM_RANKS", "0")
 # Every stack's scheduler hands out rendezvous ports from the same counter start (29400 up), and the stacks of two
 # pytest workers share 127.0.0.1: their first jobs would both rendezvous on 29400, and one attempt would fail with
 # "address in use". Each worker gets its own slice of the range.

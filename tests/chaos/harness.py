@@ -100,12 +100,14 @@ class ChaosRig:
     @classmethod
     @contextlib.contextmanager
     def running(cls, state_dir: Path, *, seed: int, nodes: int = 2, devices: int = 4,
-                extra_env: dict[str, str] | None = None, say: Callable[[str], None] = print) -> Iterator[ChaosRig]:
+                extra_env: dict[str, str] | None = None, say: Callable[[str], None] = print,
+                base_env: dict[str, str] | None = None) -> Iterator[ChaosRig]:
+        """``base_env``: the stack's settings under ``extra_env`` (default CHAOS_ENV; ``{}``: the defaults)."""
         settings = StackSettings(
             state_dir=state_dir, kafka_port=infra.free_port(), redis_port=infra.free_port(),
             api_port=infra.free_port(), nodes=nodes, devices_per_node=devices, ready_timeout_s=180,
         )
-        stack = LocalStack(settings, extra_env={**CHAOS_ENV, **(extra_env or {})})
+        stack = LocalStack(settings, extra_env={**(CHAOS_ENV if base_env is None else base_env), **(extra_env or {})})
         rig = cls(stack, random.Random(seed), say=say)
         try:
             stack.up()

@@ -40,6 +40,7 @@ from trainyard_common.records import AttemptRecord, JobRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import StateStore, connect_redis
 from trainyard_node_agent.agent import AgentKeys
+from trainyard_node_agent.sandbox import job_uid
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NODE = "node-f"
@@ -262,15 +263,14 @@ async def test_restart_while_redis_is_down_adopts_ranks_from_the_local_table(env
         server.stop()
 
 
-async def test_warm_interpreters_become_ranks_and_report_like_cold_ones(rig: Rig, tmp_path: Path,
+async def test_warm_interpreters_become_sandboxed_ranks_and_report_like_cold_ones(rig: Rig, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     modules = tmp_path / "modules"
     modules.mkdir()
     (modules / "progress_rank.py").write_text("def main():\n" + textwrap.indent(PROGRESS, "    "))
     monkeypatch.setenv("PYTHONPATH", str(modules))
     rig.services.start("trainyard_node_agent", "agent", **{**rig.agent_settings, "warm_ranks": 2,
-                                                          "warm_module": "progress_rank",
-                                                          "node_sandbox": "trusted-single-tenant"})
+                                                          "warm_module": "progress_rank"})  # sandboxed: the default
     await heartbeat_after(rig.tap)
     await asyncio.sleep(3.0)  # the pool fills in the background
     await rig.gang("warm")
@@ -278,6 +278,10 @@ async def test_warm_interpreters_become_ranks_and_report_like_cold_ones(rig: Rig
     await rig.tap.wait(StepMetrics, 4, job_id="warm", timeout_s=60)
     parents = {_cmdline(_ppid(e.pid)) for e in started.values()}
     assert all("warm.py progress_rank" in p for p in parents), parents
+    for e in started.values():  # each rank entered its sandbox: the job's uid, a mount namespace of its own
+        uid = int(Path(f"/proc/{e.pid}/status").read_text().split("Uid:")[1].split()[0])
+        assert uid == job_uid("warm", first=1_000_000_000, count=2**20), uid
+        assert os.readlink(f"/proc/{e.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
     os.kill(started[0].pid, signal.SIGKILL)
     (killed,) = await rig.tap.wait(WorkerExited, job_id="warm", rank=0, timeout_s=60)
     assert (killed.exit_code, killed.reason) == (-9, "killed")

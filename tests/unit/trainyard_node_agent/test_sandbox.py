@@ -118,11 +118,10 @@ def test_root_keeps_the_attempt_directory_and_the_spool_directory_the_rank_owns_
     assert owned[VIEW.checkpoints] == (42, 42, 0o755, True)
 
 
-def test_warm_interpreters_cannot_be_sandboxed() -> None:
-    with pytest.raises(ValueError, match="TRAINYARD_WARM_RANKS cannot be used with TRAINYARD_NODE_SANDBOX=enforce"):
-        NodeAgentSettings(node_id="n", warm_ranks=2)
-    assert NodeAgentSettings(node_id="n", warm_ranks=2, node_sandbox="trusted-single-tenant").warm_ranks == 2
-    assert NodeAgentSettings(node_id="n").node_sandbox == "enforce"
+def test_warm_interpreters_work_on_a_sandboxed_node_and_are_sized_by_default() -> None:
+    assert NodeAgentSettings(node_id="n", warm_ranks=2).warm_ranks == 2  # each enters its rank's sandbox
+    default = NodeAgentSettings(node_id="n")
+    assert default.node_sandbox == "enforce" and default.warm_ranks is None  # None: warmpool.auto_size
 
 
 def test_a_rank_whose_sandbox_could_not_be_set_up_is_this_nodes_error_not_the_jobs() -> None:

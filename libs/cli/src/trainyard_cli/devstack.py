@@ -16,6 +16,7 @@ from rich.table import Table
 from trainyard_cli.client import ApiClient
 from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common.errors import TrainyardError
+from trainyard_common.records import NodeRecord
 
 dev_app = typer.Typer(
     help="Run the local stack on this host: a Kafka-protocol broker, Redis, the five services "
@@ -39,6 +40,17 @@ def _fail(exc: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
+def node_line(node: NodeRecord) -> str:
+    """What `make up` says about a node: devices, confinement, warm interpreters."""
+    kinds = sorted({d.type for d in node.devices})
+    warm = ("warm interpreters: unknown (an older agent)" if node.warm_interpreters is None else
+            f"{node.warm_interpreters} warm interpreter(s) for fast restarts" if node.warm_interpreters else
+            "no warm interpreters (ranks start cold)")
+    return (f"{node.node_id}: {len(node.devices)} {'/'.join(kinds) or 'no'} device(s), ranks "
+            f"{'sandboxed' if node.sandbox == 'enforce' else 'UNSANDBOXED' if node.sandbox else 'confined: unknown'}, "
+            f"{warm} (TRAINYARD_WARM_RANKS; default: one per device, sized to memory)")
+
+
 @dev_app.command()
 def up() -> None:
     """Start everything (idempotent), wait until healthy, publish the example dataset (tinycorpus@v1,
@@ -50,6 +62,8 @@ def up() -> None:
     except TrainyardError as exc:
         raise _fail(exc) from None
     console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}   example dataset {ref}")
+    for node in stack.nodes():
+        console.print(f"  {node_line(node)}")
     console.print(f"dev token (tenant 'dev', tenant-admin): {token}   (also in {stack.token_file})")
     console.print(f"dashboard: {stack.s.api_url}/ui/  (sign in with the dev token; docs/dashboard.md)")
     if stack.admin_token_file.exists():

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_cli import infra, redisacl
 from trainyard_common.errors import ConfigError, InfrastructureError
+from trainyard_common.records import NodeRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
 
 SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
@@ -384,6 +385,16 @@ class LocalStack:
         except httpx.HTTPError:
             missing.append("api /healthz (no answer)")
         return missing
+
+    def nodes(self) -> list[NodeRecord]:
+        """The node inventory as the scheduler recorded it from the agents' heartbeats."""
+        async def read() -> list[NodeRecord]:
+            redis = connect_redis(self.redis_url)
+            try:
+                return await StateStore(redis).list_nodes()
+            finally:
+                await redis.aclose()
+        return sorted(asyncio.run(read()), key=lambda n: n.node_id)
 
     # ------------------------------------------------------------------ down
     def down(self, timeout_s: float = 20.0) -> list[str]:

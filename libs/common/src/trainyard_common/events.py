@@ -137,6 +137,11 @@ class NodeHeartbeat(Event):
         default=None, description="how the node confines ranks: 'enforce' (each job's ranks as their own user, in a "
                                   "mount namespace showing only their own paths) or 'trusted-single-tenant' "
                                   "(unsandboxed); None from agents older than the field")
+    warm_interpreters: int | None = Field(
+        default=None, ge=0,
+        description="interpreters the agent keeps with the trainer imported, so a new attempt's ranks start in "
+                    "them instead of a cold python (TRAINYARD_WARM_RANKS; by default sized to the node's devices "
+                    "and memory); None from agents older than the field")
 
 
 class NodeQuarantined(Event):

@@ -352,6 +352,7 @@ class NodeRecord(Record):
     drained: str | None = Field(default=None, description="why it takes no new work (a drain), while drained")
     boot_id: str | None = Field(default=None, description="its node agent's incarnation (a restart changes it)")
     sandbox: str | None = Field(default=None, description="how its agent confines ranks (NodeHeartbeat.sandbox)")
+    warm_interpreters: int | None = Field(default=None, description="NodeHeartbeat.warmInterpreters")
 
 
 TokenRole = Literal["viewer", "submitter", "tenant-admin", "platform-admin"]

@@ -1065,7 +1065,7 @@ def _install_other_routes(app: FastAPI) -> None:
             redis_ok, pending = False, None
         broker_ok = ctx.bus is not None and ctx.bus.started
         body = Health(status="ok" if redis_ok and broker_ok else "degraded", redis=redis_ok,
-                      broker=broker_ok, outbox_pending=pending)
+                      broker=broker_ok, outbox_pending=pending, worker=ctx.settings.api_worker_index)
         return JSONResponse(body.model_dump(by_alias=True), status_code=200 if body.status == "ok" else 503)
 
     @app.get("/metrics", tags=["operations"], summary="Prometheus metrics",

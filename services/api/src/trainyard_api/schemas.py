@@ -318,6 +318,8 @@ class Health(_Out):
     redis: bool
     broker: bool
     outbox_pending: int | None = None
+    worker: int = Field(default=0, description="the HTTP worker process that answered (0: the primary; "
+                                               "TRAINYARD_API_WORKERS starts more on the same port)")
 
 
 class GoodputReport(_Out):

@@ -164,6 +164,11 @@ class ApiServer:
                  self.context.settings.public_url)
 
     # ------------------------------------------------------------------ HTTP workers
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        """index → pid of the HTTP workers running now (not this process)."""
+        return {i: p.pid for i, p in self._workers.items() if p.poll() is None}
+
     async def _keep_workers(self) -> None:
         self._keep_workers_now()
 

@@ -58,7 +58,6 @@ from redis.exceptions import RedisError
 
 from trainyard_common.codetree import CodeTreeError, archive_hex
 from trainyard_common.events import (
-    ALL_TOPICS,
     ALLOCATIONS,
     CHECKPOINTS,
     Event,
@@ -67,7 +66,6 @@ from trainyard_common.events import (
     DeadLetter,
     DeviceInfo,
     GangAllocated,
-    METRICS,
     NodeDrained,
     NodeHeartbeat,
     NodeAssignment,
@@ -102,12 +100,12 @@ from trainyard_node_agent.admission import (
 )
 from trainyard_node_agent.classify import ExitFacts, classify_exit
 from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
-from trainyard_node_agent.confinement import Confinement, scrubbed
+from trainyard_node_agent.confinement import Confined, Confinement, scrubbed
 from trainyard_node_agent.confirmation import Announcement, explain
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.relay import RankIdentity, Refusal, check_line
 from trainyard_node_agent.settings import NodeAgentSettings
-from trainyard_node_agent.warmpool import WarmPool
+from trainyard_node_agent.warmpool import WarmPool, auto_size, mem_available_bytes
 from trainyard_node_agent.watchdog import Liveness, RankProgress, find_hangs, observe
 
 log = logging.getLogger(__name__)
@@ -189,13 +187,15 @@ class NodeAgent:
         self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
                                        token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
             if settings.kube_node_name else None
+        self.warm_ranks = settings.warm_ranks if settings.warm_ranks is not None else \
+            auto_size(settings.device_count, mem_available_bytes())
         self.pool = WarmPool(
-            settings.warm_ranks, settings.warm_module,
+            self.warm_ranks, settings.warm_module,
             # one thread while importing: the rank's own share is set when it starts (TRAINYARD_CPU_THREADS)
             interpreter_env(self.base_env, cpu_threads=1 if settings.device_type == "cpu" else None,
                             extra=settings.rank_env),
             settings.agent_state_path.parent / "warm.log",
-        ) if settings.warm_ranks > 0 else None
+        ) if self.warm_ranks > 0 else None
         self._usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.code_cache = CodeCache(settings.code_cache_path, self.layout, max_bytes=settings.code_cache_max_bytes)
 
@@ -282,6 +282,9 @@ class NodeAgent:
         for rank in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
             rank.liveness = baseline(rank, time.monotonic())
         self._serving = True
+        log.info("%d warm interpreter(s) for the built-in trainer's ranks (%s)", self.warm_ranks,
+                 "TRAINYARD_WARM_RANKS" if self.settings.warm_ranks is not None else
+                 "one per device, at most an eighth of the available memory at 512 MiB each")
         if self.pool is not None:
             self.pool.fill()
         for rank in list(self.ranks.values()):
@@ -367,6 +370,7 @@ class NodeAgent:
             draining=self._closing,
             boot_id=self.boot_id,
             sandbox=s.node_sandbox,
+            warm_interpreters=self.warm_ranks,
         )
 
     async def heartbeat(self) -> None:
@@ -564,13 +568,13 @@ class NodeAgent:
             await self._report_exit(rank, 127, "error", clash)
             return
         try:
-            command = self._confined(event, slot, rank, paths,
-                                     code.entrypoint if code is not None else self.settings.rank_command)
+            confined = self._confined(event, slot, rank, paths,
+                                      code.entrypoint if code is not None else self.settings.rank_command)
             if code is not None and paths is not None:
                 # User code starts cold: warm interpreters hold the built-in trainer already imported.
-                rank.process = await rp.spawn(command, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
+                rank.process = await rp.spawn(confined.command, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
             else:
-                rank.process = await self._start_rank(command, env, rank.log_path, rank.exit_file)
+                rank.process = await self._start_rank(confined, env, rank.log_path, rank.exit_file)
         except OSError as exc:
             log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
             await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
@@ -590,29 +594,29 @@ class NodeAgent:
         rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
 
     def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
-                  command: list[str]) -> list[str]:
+                  command: list[str]) -> Confined:
         """The rank's command in its sandbox (:mod:`confinement`; as it is on a trusted node)."""
         attempt_dir = self.layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         return self.sandbox.confine(
             command, event, rank=slot.rank, events_file=rank.spool.path, exit_file=rank.exit_file,
             scratch=paths.scratch if paths is not None else attempt_dir / "scratch" / f"rank-{slot.rank}",
             code_dir=paths.code_dir if paths is not None else None, cwd=paths.cwd if paths is not None else None,
-            datasets=paths.datasets if paths is not None else ()).command
+            datasets=paths.datasets if paths is not None else ())
 
-    async def _start_rank(self, command: list[str], env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
-        """The built-in trainer: in a warm interpreter when one is ready (never on a sandboxed node), else
-        ``command`` cold under the launcher."""
+    async def _start_rank(self, confined: Confined, env: Mapping[str, str], log_path: Path, exit_file: Path) -> Any:
+        """The built-in trainer: in a warm interpreter when one is ready (which enters the rank's sandbox on a
+        sandboxed node), else the confined command cold under the launcher."""
         warm = self.pool.take() if self.pool is not None else None
         if warm is not None:
             rp.clear_exit_files(exit_file)
             try:
-                await WarmPool.launch(warm, env=env, log_path=log_path, exit_file=exit_file)
+                await WarmPool.launch(warm, env=env, log_path=log_path, exit_file=exit_file, sandbox=confined.plan)
                 return warm
             except (OSError, ConnectionError) as exc:
                 log.warning("a warm interpreter failed to take the rank (%r); starting it cold", exc)
                 with contextlib.suppress(ProcessLookupError):
                     warm.kill()
-        return await rp.spawn(command, env, log_path, exit_file)
+        return await rp.spawn(confined.command, env, log_path, exit_file)
 
     async def _collect_code(self) -> None:
         """Delete quarantined code trees no live rank runs; evict least recently used trees past the cache

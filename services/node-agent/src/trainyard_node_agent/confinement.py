@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Confined:
-    """A rank's command, wrapped (or as it was, on a trusted node), and the uid it runs as (None: the agent's)."""
+    """A rank's command, wrapped (or as it was, on a trusted node), the uid it runs as (None: the agent's) and
+    its sandbox plan as JSON (None on a trusted node): a warm interpreter enters it itself (:mod:`warm`)."""
 
     command: list[str]
     uid: int | None
+    plan: str | None = None
 
 
 class Confinement:
@@ -85,7 +87,7 @@ class Confinement:
                 datasets: Sequence[Path] = ()) -> Confined:
         """Prepare the rank's files for its user and wrap ``command`` (as it is on a trusted node)."""
         if not self.enforced:
-            return Confined(list(command), None)
+            return Confined(list(command), None, None)
         uid = self.uid_of(event.job_id)
         start = uri_to_path(event.start_checkpoint.manifest_uri).parent if event.start_checkpoint else None
         weights = start_weights(self.layout, event)
@@ -100,7 +102,7 @@ class Confinement:
         plan = sb.plan_rank(view, uid=uid, gid=uid, hidden=self.hidden,
                             start_error_file=Path(launcher.start_error_file_for(str(exit_file))))
         log.debug("rank %d of %s confined as uid %d: %s", rank, event.allocation_id, uid, plan.to_json())
-        return Confined(sb.wrap(command, plan), uid)
+        return Confined(sb.wrap(command, plan), uid, plan.to_json())
 
 
 def start_weights(layout: ArtifactLayout, event: GangAllocated) -> Path | None:

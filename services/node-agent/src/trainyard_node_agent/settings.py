@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
 from trainyard_common.settings import ServiceSettings
@@ -93,11 +93,13 @@ class NodeAgentSettings(ServiceSettings):
         description="intra-op CPU threads of each rank on a CPU node; unset = the usable cores (CPU affinity) "
                     "divided by the ranks of the attempt on this node, at least 1",
     )
-    warm_ranks: int = Field(
-        default=0, ge=0, le=1024,
+    warm_ranks: int | None = Field(
+        default=None, ge=0, le=1024,
         description="interpreters kept ready with the trainer already imported (a new attempt's ranks start "
-                    "in one instead of a cold python: seconds faster); 0 = off. Each holds the memory of an "
-                    "imported torch",
+                    "in one instead of a cold python: seconds faster); each holds the memory of an imported "
+                    "torch (~330 MB on CPU). Unset: one per device, as many as an eighth of the memory available "
+                    "at start holds at 512 MiB each (warmpool.auto_size); 0 = off. On a sandboxed node a warm "
+                    "interpreter enters the rank's sandbox when it becomes the rank",
     )
     warm_module: str = Field(
         default="trainyard_trainer.__main__",
@@ -139,16 +141,6 @@ class NodeAgentSettings(ServiceSettings):
     @property
     def code_cache_path(self) -> Path:
         return self.code_cache_dir or self.agent_state_path.parent / "code-cache"
-
-    @model_validator(mode="after")
-    def _warm_ranks_are_unconfined(self) -> NodeAgentSettings:
-        if self.node_sandbox == "enforce" and self.warm_ranks > 0:
-            raise ValueError(
-                "TRAINYARD_WARM_RANKS cannot be used with TRAINYARD_NODE_SANDBOX=enforce: a warm interpreter starts "
-                "before it knows its job, so it cannot run as the job's user in the job's sandbox; set "
-                "TRAINYARD_WARM_RANKS=0, or TRAINYARD_NODE_SANDBOX=trusted-single-tenant on a node that runs one "
-                "tenant's trusted code only")
-        return self
 
     @field_validator("rank_command", mode="before")
     @classmethod

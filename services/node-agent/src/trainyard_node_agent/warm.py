@@ -5,12 +5,19 @@ interpreter has done that already: it imports ``<module>`` (default ``trainyard_
 calls its ``prewarm()`` if it has one (lazy imports a rank would make before its first step),
 prints ``ready`` on stdout, and waits for one launch on stdin, a JSON line::
 
-    {"env": {...}, "log": "<rank log>", "exitFile": "<attempt>/exit/rank-<r>.json", "argv0": "trainyard-train"}
+    {"env": {...}, "log": "<rank log>", "exitFile": "<attempt>/exit/rank-<r>.json", "argv0": "trainyard-train",
+     "sandbox": "<the rank's SandboxPlan, JSON; on a sandboxed node only>"}
 
 Then it becomes what :mod:`launcher` is for a cold start: its output goes to the rank log, it forks
 the rank (which runs ``<module>.main()`` with the rank's environment), writes the rank's pid beside
 the exit file, waits for it and records its exit status, and exits the same way. EOF on stdin
 before a launch means the agent no longer needs it: it exits 0.
+
+With ``sandbox`` the forked rank first does what the exec wrapper (:mod:`sandbox`) does for a cold rank —
+its own mount namespace showing only its paths, the job's uid/gid, no new privileges — and only then runs
+``main()``; the interpreter itself stays the agent's user, to record the rank's exit as the launcher would.
+A sandbox that cannot be entered ends the rank with the wrapper's exit status and message, so the agent
+reports it the same way. What the interpreter imported before it knew its job is the platform's own code.
 
 Variables read while importing (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``…) come from the
 interpreter's own environment, which the agent sets like a rank's (one thread: the rank's share of
@@ -31,22 +38,39 @@ from pathlib import Path
 from types import ModuleType
 
 
-def _load_launcher() -> ModuleType:
-    """The sibling :mod:`launcher` (the exit-file protocol), loaded by path under a private name:
-    this runs as a script, and importing the package would pull in the whole agent."""
-    spec = importlib.util.spec_from_file_location("_trainyard_launcher", Path(__file__).with_name("launcher.py"))
+def _load_sibling(name: str) -> ModuleType:
+    """A sibling module (standard library only), loaded by path under a private name: this runs as a
+    script, and importing the package would pull in the whole agent."""
+    spec = importlib.util.spec_from_file_location(f"_trainyard_{name}", Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
 
-launcher = _load_launcher()
+launcher = _load_sibling("launcher")  # the exit-file protocol
+sandbox = _load_sibling("sandbox")  # entering a rank's sandbox
 
 
-def _run_rank(module: object, argv0: str) -> int:
+def _confine(plan_json: str) -> int | None:
+    """Enter the rank's sandbox (in the forked rank, before anything of it runs); the wrapper's exit
+    status when that fails, else None."""
+    plan = sandbox.SandboxPlan.from_json(plan_json)
+    try:
+        sandbox.enter(plan)
+    except OSError as exc:
+        print(f"{sandbox.SANDBOX_FAILURE} the rank's sandbox: {exc}", file=sys.stderr, flush=True)
+        return int(sandbox.SANDBOX_EXIT)
+    os.environ.update(plan.env)
+    return None
+
+
+def _run_rank(module: object, argv0: str, plan_json: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    if plan_json is not None and (refused := _confine(plan_json)) is not None:
+        return refused
     sys.argv = [argv0]
     try:
         code = module.main()  # type: ignore[attr-defined]
@@ -82,6 +106,8 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(log)  # the rank holds its log as stdout/stderr only
+    os.close(devnull)
     os.environ.clear()
     os.environ.update(launch["env"])
     exit_file = launch["exitFile"]
@@ -90,7 +116,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: None)
     pid = os.fork()
     if pid == 0:
-        os._exit(_run_rank(module, launch.get("argv0", "trainyard-train")))
+        os._exit(_run_rank(module, launch.get("argv0", "trainyard-train"), launch.get("sandbox")))
     launcher.write_atomically(launcher.pid_file_for(exit_file), str(pid))
     while True:
         try:

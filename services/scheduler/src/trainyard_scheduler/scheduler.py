@@ -265,6 +265,7 @@ class Scheduler:
             network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
             quarantined=json.loads(quarantine)["reason"] if quarantine else None,
             drained=drain["reason"] if drain else None, boot_id=event.boot_id, sandbox=event.sandbox,
+            warm_interpreters=event.warm_interpreters,
         )
         await self.store.put_node(record)
         if _placement_changed(previous, record):

@@ -33,7 +33,11 @@ class SchedulerSettings(ServiceSettings):
                                      description="highest rendezvous port handed out")
     max_attempts: int = Field(default=3, gt=0,
                               description="failed attempts allowed for jobs the scheduler creates itself")
-    retry_backoff_s: float = Field(default=2.0, ge=0, description="back-off after the first failed attempt")
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0,
+        description="back-off after the first failed attempt since progress (a rank lost after the job made "
+                    "progress is retried about this soon; a job that fails again without progress waits twice "
+                    "as long each time)")
     retry_backoff_max_s: float = Field(default=60.0, ge=0, description="back-off cap (doubles per failure)")
     checkpoint_settle_s: float = Field(
         default=15.0, ge=0,

@@ -108,7 +108,7 @@ class Outcome:
 class RetryPolicy:
     """Back-off and budget of retries (see the module docstring)."""
 
-    backoff_s: float = 2.0
+    backoff_s: float = 0.5
     max_backoff_s: float = 60.0
     max_total_failures: int | None = None
 
