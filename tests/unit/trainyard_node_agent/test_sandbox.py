@@ -118,7 +118,8 @@ def test_root_keeps_the_attempt_directory_and_the_spool_directory_the_rank_owns_
     assert owned[VIEW.checkpoints] == (42, 42, 0o755, True)
 
 
-def test_warm_interpreters_work_on_a_sandboxed_node_and_are_sized_by_default() -> None:
+def test_warm_interpreters_work_on_a_sandboxed_node_and_are_sized_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRAINYARD_WARM_RANKS", raising=False)  # the suite turns them off (tests/conftest.py)
     assert NodeAgentSettings(node_id="n", warm_ranks=2).warm_ranks == 2  # each enters its rank's sandbox
     default = NodeAgentSettings(node_id="n")
     assert default.node_sandbox == "enforce" and default.warm_ranks is None  # None: warmpool.auto_size
