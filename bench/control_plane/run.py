@@ -13,7 +13,9 @@ ports, a temporary directory, tinycorpus@v1 published) is started, and in the sa
                    the 202 does) to the GangAllocated event with that jobId; also from the 202's arrival (read by an aiokafka
                    consumer of its own group, at the latest offset, started before the first submission).
                    Each job is cancelled right after its GangAllocated and the next one is submitted once it
-                   is terminal, so the cluster is idle at every submission (one uncounted warm-up first)
+                   is terminal and its rank has exited (a warm interpreter starts it within ~0.1 s: WorkerStarted
+                   = WorkerExited on trainyard.workers), so the cluster is idle at every submission (one
+                   uncounted warm-up first)
     (2) sustained  an open loop of POSTs at ``--rate``/s for ``--seconds`` s (each POST is sent at its
                    scheduled moment, whatever the earlier ones are doing; its latency counts from that
                    moment). The jobs ask for more devices than the cluster has, so they are accepted and
@@ -22,6 +24,10 @@ ports, a temporary directory, tinycorpus@v1 published) is started, and in the sa
                    accepted job is cancelled; the run waits until each is terminal and listed
                    (GET /v1/training-jobs, every page). lost = accepted − listed, which must be 0
     (3) first step examples/tiny.yaml: the 202 response → its first StepMetrics on the metrics topic
+
+Before each phase the run waits until the host's CPU has been quiet (under half a core busy) for 8 s in a
+row (at most 180 s): the node agents refill their warm interpreters in the background (importing torch, seconds of
+CPU each) once no rank has started or ended for 5 s, and on this 2-core machine that would be measured too.
 
 Every figure is also given as a ratio to the broker round trip (p50 to p50, p99 to p99). ``--quick`` is
 a short run (few samples, a 10 s open loop) for the smoke test. Goals (not asserted): (1) p99 ≤ 10 ms;
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -52,7 +59,7 @@ from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import EMBEDDED_FETCH_MAX_WAIT_MS, LocalStack, StackSettings
 from trainyard_common.bus import ensure_topics
-from trainyard_common.events import ALLOCATIONS, METRICS, TERMINAL_STATES
+from trainyard_common.events import ALLOCATIONS, METRICS, TERMINAL_STATES, WORKERS
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -137,13 +144,15 @@ class EventWatch:
     namespace: str
     allocated: dict[str, float] = field(default_factory=dict)
     first_step: dict[str, float] = field(default_factory=dict)
+    ranks_started: dict[str, int] = field(default_factory=dict)
+    ranks_exited: dict[str, int] = field(default_factory=dict)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, bootstrap: str, namespace: str) -> EventWatch:
         consumer = AIOKafkaConsumer(
-            f"{namespace}{ALLOCATIONS}", f"{namespace}{METRICS}", bootstrap_servers=bootstrap,
+            f"{namespace}{ALLOCATIONS}", f"{namespace}{METRICS}", f"{namespace}{WORKERS}", bootstrap_servers=bootstrap,
             group_id=f"bench-control-plane-{uuid.uuid4().hex[:8]}", auto_offset_reset="latest",
             enable_auto_commit=False,
             # the stack's own consumers' wait: the embedded broker answers a waiting fetch at the end of the wait,
@@ -171,6 +180,9 @@ class EventWatch:
                 self.allocated.setdefault(job_id, now)
             elif kind == "StepMetrics":
                 self.first_step.setdefault(job_id, now)
+            elif kind in ("WorkerStarted", "WorkerExited"):
+                counts = self.ranks_started if kind == "WorkerStarted" else self.ranks_exited
+                counts[job_id] = counts.get(job_id, 0) + 1
             else:
                 continue
             self._arrived.set()
@@ -187,6 +199,19 @@ class EventWatch:
             except TimeoutError:
                 pass
         return seen[job_id]
+
+    async def ranks_gone(self, job_id: str, timeout_s: float = 30.0, quiet_s: float = 0.5) -> None:
+        """Until every rank of the job that started has exited, and none started for ``quiet_s``."""
+        deadline = time.monotonic() + timeout_s
+        quiet_until = time.monotonic() + quiet_s
+        last = self.ranks_started.get(job_id, 0)
+        while time.monotonic() < deadline:
+            started = self.ranks_started.get(job_id, 0)
+            if started != last:
+                last, quiet_until = started, time.monotonic() + quiet_s
+            if self.ranks_exited.get(job_id, 0) >= started and time.monotonic() >= quiet_until:
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         if self._task:
@@ -252,6 +277,7 @@ async def placement(api: httpx.AsyncClient, watch: EventWatch, submissions: int
         arrived = await watch.wait(watch.allocated, job_id, timeout_s=30.0)
         (await api.post(f"/v1/training-jobs/{job_id}/cancel")).raise_for_status()
         await wait_terminal(api, job_id)
+        await watch.ranks_gone(job_id)  # an idle cluster: the cancelled job's rank is not still stopping
         if i == 0:
             continue
         if arrived is None:
@@ -349,6 +375,28 @@ async def first_step(api: httpx.AsyncClient, watch: EventWatch, timeout_s: float
 # ----------------------------------------------------------------------------- the run
 
 
+def _busy_ticks() -> tuple[int, int]:
+    fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+async def host_quiet(limit_cores: float = 0.5, for_s: int = 8, timeout_s: float = 180.0) -> float:
+    """Wait until the host's CPU has been quiet (under ``limit_cores`` busy) for ``for_s`` seconds in a row —
+    longer than the agents wait before they refill their warm interpreters (5 s) — so that background work
+    after a phase (each refill imports torch: seconds of CPU) is done before the next phase measures.
+    Returns the seconds waited (at most ``timeout_s``)."""
+    started = time.monotonic()
+    cores = os.cpu_count() or 1
+    quiet = 0
+    while quiet < for_s and time.monotonic() - started < timeout_s:
+        busy0, total0 = _busy_ticks()
+        await asyncio.sleep(1.0)
+        busy1, total1 = _busy_ticks()
+        quiet = quiet + 1 if total1 > total0 and (busy1 - busy0) / (total1 - total0) * cores < limit_cores else 0
+    return time.monotonic() - started
+
+
 async def sustained_phase(api: httpx.AsyncClient, args: argparse.Namespace, devices: int,
                           baseline: dict[str, Any]) -> dict[str, Any]:
     """(2) as figures: the open loop, then every accepted job cancelled, terminal and listed."""
@@ -383,16 +431,19 @@ async def measure(stack: LocalStack, token: str, args: argparse.Namespace) -> di
     async with httpx.AsyncClient(base_url=stack.s.api_url, headers=headers, timeout=60.0, limits=limits) as api:
         try:
             say(f"(1) {args.submissions} sequential submissions: POST sent → GangAllocated")
+            await host_quiet()
             phase = time.monotonic()
             placed, after_202, missed = await placement(api, watch, args.submissions)
             walls = {"placement": time.monotonic() - phase}
             say(f"(2) {args.rate:g}/s for {args.seconds:g} s, open loop; then every job cancelled")
+            await host_quiet()
             phase = time.monotonic()
             # twice the cluster: never placed (--placeable: one device, placed as devices free up, ranks run)
             devices = 1 if args.placeable else stack.s.nodes * stack.s.devices_per_node * 2
             load = await sustained_phase(api, args, devices, baseline)
             walls["sustained"] = time.monotonic() - phase
             say("(3) examples/tiny.yaml: 202 → first StepMetrics")
+            await host_quiet()
             phase = time.monotonic()
             step = await first_step(api, watch, timeout_s=args.step_timeout)
             walls["first_step"] = time.monotonic() - phase

@@ -21,7 +21,8 @@ import os, signal, sys
 IMPORTED_AT_START = os.environ.get("ROLE", "none")
 
 def main():
-    print(f"imported as {IMPORTED_AT_START}, running as {os.environ['ROLE']}, argv {sys.argv}", flush=True)
+    print(f"imported as {IMPORTED_AT_START}, running as {os.environ['ROLE']}, argv {sys.argv}, nice {os.nice(0)}",
+          flush=True)
     if os.environ.get("SECRET"):
         print(f"uid {os.getuid()} gid {os.getgid()} sees secret {os.path.exists(os.environ['SECRET'])} "
               f"plan env {os.environ.get('FROM_PLAN')}", flush=True)
@@ -38,6 +39,9 @@ def warm_rank(tmp_path: Path, env: dict[str, str], plan: sb.SandboxPlan | None =
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     assert proc.stdout.readline().strip() == b"ready"
+    # as root the interpreter imported at the lowest priority (background work); the rank runs at normal
+    nice = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    assert nice == (19 if os.geteuid() == 0 else 0), nice
     log, exit_file = tmp_path / "logs" / "rank-0.log", tmp_path / "exit" / "rank-0.json"
     log.parent.mkdir()
     launch = {"env": {"PATH": os.environ["PATH"], "ROLE": "rank", **env}, "log": str(log), "exitFile": str(exit_file)}
@@ -51,7 +55,7 @@ def warm_rank(tmp_path: Path, env: dict[str, str], plan: sb.SandboxPlan | None =
 def test_the_rank_runs_with_its_own_environment_and_its_exit_is_recorded(tmp_path: Path) -> None:
     code, log, exit_file = warm_rank(tmp_path, {"CODE": "3"})
     assert code == 3 and read_exit_file(exit_file) == 3
-    assert "imported as interpreter, running as rank, argv ['trainyard-train']" in log.read_text()
+    assert "imported as interpreter, running as rank, argv ['trainyard-train'], nice 0" in log.read_text()
     assert json.loads(exit_file.read_text())["pid"] == int(exit_file.with_suffix(".pid").read_text())
 
 

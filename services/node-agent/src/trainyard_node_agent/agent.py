@@ -183,6 +183,7 @@ class NodeAgent:
         self._background: set[asyncio.Task[None]] = set()
         self._unreported: dict[str, rp.RankProcess] = {}  # ended while no agent watched them
         self._announced: dict[str, Announcement] = {}  # published, not yet seen applied
+        self._ranks_changed_at = float("-inf")  # monotonic time a rank last started or ended here
         self._sent_ahead: dict[str, set[str]] = {}  # rank key -> event ids relayed ahead of a held-up line
         self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
                                        token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
@@ -286,7 +287,7 @@ class NodeAgent:
                  "TRAINYARD_WARM_RANKS" if self.settings.warm_ranks is not None else
                  "one per device, at most an eighth of the available memory at 512 MiB each")
         if self.pool is not None:
-            self.pool.fill()
+            self.pool.fill()  # the first; the warm-pool loop starts the rest, one at a time
         for rank in list(self.ranks.values()):
             if rank.adopted and rank.watcher is None:
                 await self._persist(rank)
@@ -451,11 +452,15 @@ class NodeAgent:
 
     async def refill_pool(self) -> None:
         """Top the warm pool up, but not while a rank of this node is still starting (it would
-        compete for the CPU with the very start-up the pool is meant to shorten)."""
+        compete for the CPU with the very start-up the pool is meant to shorten), nor within
+        ``warm_refill_quiet_s`` of a rank starting or ending (importing torch costs seconds of CPU: a
+        burst of short jobs would pay it per job; real failures are far apart)."""
         if self.pool is None or not self._serving:
             return
         if any(r.running and not (r.liveness.reported or r.liveness.printed) for r in self.ranks.values()):
             return
+        if time.monotonic() - self._ranks_changed_at < self.settings.warm_refill_quiet_s:
+            return  # ranks came or went just now (a burst of short jobs, a restart): import once it is quiet
         self.pool.fill()
 
     async def _lease_holders(self, indices: list[int]) -> dict[int, dict[str, Any] | None]:
@@ -592,6 +597,7 @@ class NodeAgent:
         await self.runtime.outbox.put(started, traceparent=traceparent)
         await self._track(started, "started", rank, traceparent)
         rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
+        self._ranks_changed_at = time.monotonic()
 
     def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
                   command: list[str]) -> Confined:
@@ -649,6 +655,7 @@ class NodeAgent:
             log.exception("watching rank %s failed", rank.key)
         finally:
             self.ranks.pop(rank.key, None)
+            self._ranks_changed_at = time.monotonic()
 
     async def _wait_a_little(self, rank: rp.RankProcess) -> bool:
         """Up to one spool poll; True once the rank has ended."""

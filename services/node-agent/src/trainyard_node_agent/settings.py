@@ -101,6 +101,10 @@ class NodeAgentSettings(ServiceSettings):
                     "at start holds at 512 MiB each (warmpool.auto_size); 0 = off. On a sandboxed node a warm "
                     "interpreter enters the rank's sandbox when it becomes the rank",
     )
+    warm_refill_quiet_s: float = Field(
+        default=5.0, ge=0,
+        description="the warm pool is refilled only once no rank of this node has started or ended for this long",
+    )
     warm_module: str = Field(
         default="trainyard_trainer.__main__",
         description="the module a warm interpreter imports in advance; its main() is the rank",

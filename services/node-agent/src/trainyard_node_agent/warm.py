@@ -19,6 +19,11 @@ its own mount namespace showing only its paths, the job's uid/gid, no new privil
 A sandbox that cannot be entered ends the rank with the wrapper's exit status and message, so the agent
 reports it the same way. What the interpreter imported before it knew its job is the platform's own code.
 
+Run as root (an agent that can take priority back), an interpreter imports at the lowest CPU priority
+(nice ``IMPORT_NICE``): refilling the pool is background work and must not slow the control plane or
+running ranks on a small host. The agent sets the priority back to normal when it hands the interpreter
+a launch (and the interpreter does so itself before it forks the rank), so the rank runs at normal priority.
+
 Variables read while importing (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``…) come from the
 interpreter's own environment, which the agent sets like a rank's (one thread: the rank's share of
 the cores is not known yet). The rank sets torch's threads from its ``TRAINYARD_CPU_THREADS`` when
@@ -87,8 +92,14 @@ def _run_rank(module: object, argv0: str, plan_json: str | None = None) -> int:
     return code if isinstance(code, int) else (0 if code is None else 1)
 
 
+IMPORT_NICE = 19
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a checkpoint request is the rank's business (see launcher)
+    may_renice = os.geteuid() == 0  # only root takes the priority back afterwards
+    if may_renice:
+        os.setpriority(os.PRIO_PROCESS, 0, IMPORT_NICE)
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # run as a script: our sibling modules must not shadow top-level names
     module = importlib.import_module(argv[0] if argv else "trainyard_trainer.__main__")
@@ -101,6 +112,8 @@ def main(argv: list[str]) -> int:
     if not line.strip():
         return 0
     launch = json.loads(line)
+    if may_renice:  # the rank (forked from this thread) runs at normal priority
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     log = os.open(launch["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

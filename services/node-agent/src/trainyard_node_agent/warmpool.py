@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -69,8 +70,9 @@ class WarmPool:
         return len(self._ready)
 
     def fill(self) -> None:
-        """Start interpreters until ``size`` are ready or starting."""
-        while not self._closed and len(self._ready) + len(self._starting) < self.size:
+        """Start the next interpreter while fewer than ``size`` are ready or starting — one at a time (each
+        imports torch: several at once on a small host would take every core from everything else)."""
+        if not self._closed and not self._starting and len(self._ready) < self.size:
             task = asyncio.create_task(self._start_one())
             self._starting.add(task)
             task.add_done_callback(self._starting.discard)
@@ -115,6 +117,9 @@ class WarmPool:
                      exit_file: Path, sandbox: str | None = None) -> None:
         """Turn a ready interpreter into the rank (``sandbox``: the rank's plan, JSON, on a sandboxed node)."""
         assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # taken while still importing at low priority (see warm): finish at normal
+            if os.geteuid() == 0:
+                os.setpriority(os.PRIO_PROCESS, proc.pid, 0)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_file.parent.mkdir(parents=True, exist_ok=True)
         launch: dict[str, object] = {"env": dict(env), "log": str(log_path), "exitFile": str(exit_file)}
