@@ -92,7 +92,7 @@ from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, 
 from trainyard_scheduler.policy import QueueConfig, parse_queue_config, tenant_seeds, with_tenant_settings
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.sizing import min_device_memory
-from trainyard_scheduler.snapshot import HeldAllocation, Snapshot, SnapshotCache
+from trainyard_scheduler.snapshot import HeldAllocation, Snapshot, SnapshotCache, read_held_allocations
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.scheduler")
@@ -1100,19 +1100,7 @@ class Scheduler:
 
     async def held_allocations(self) -> dict[str, HeldAllocation]:
         """Every allocation holding a device lease, from the lease keys themselves."""
-        keys = [k async for k in self.redis.scan_iter(match=Keys.lease("*", "*"), count=500)]  # type: ignore[arg-type]
-        held: dict[str, HeldAllocation] = {}
-        for start in range(0, len(keys), _MGET_CHUNK):
-            chunk = keys[start:start + _MGET_CHUNK]
-            for key, raw in zip(chunk, await self.redis.mget(chunk), strict=True):
-                if not raw:
-                    continue
-                node_id, index = key.removeprefix("ty:lease:").rsplit(":", 1)
-                holder = json.loads(raw)
-                entry = held.setdefault(holder["allocationId"], HeldAllocation(
-                    holder["jobId"], holder["allocationId"], int(holder["epoch"])))
-                entry.devices.append(Device(node_id, int(index)))
-        return held
+        return await read_held_allocations(self.redis)
 
     # ------------------------------------------------------------------ applying a transition
     async def _check_epoch(self, pipe: object, epoch: int) -> None:

@@ -219,19 +219,7 @@ class SnapshotCache:
 
     async def rescan_leases(self) -> None:
         """Every allocation holding a device lease, from the lease keys themselves."""
-        keys = [k async for k in self.redis.scan_iter(match=Keys.lease("*", "*"), count=500)]  # type: ignore[arg-type]
-        held: dict[str, HeldAllocation] = {}
-        for start in range(0, len(keys), _CHUNK):
-            chunk = keys[start:start + _CHUNK]
-            for key, raw in zip(chunk, await self.redis.mget(chunk), strict=True):
-                if not raw:
-                    continue
-                node_id, index = key.removeprefix("ty:lease:").rsplit(":", 1)
-                holder = json.loads(raw)
-                entry = held.setdefault(holder["allocationId"], HeldAllocation(
-                    holder["jobId"], holder["allocationId"], int(holder["epoch"])))
-                entry.devices.append(Device(node_id, int(index)))
-        self._held = held
+        self._held = await read_held_allocations(self.redis)
         self._ended.clear()
 
     def _effective_held(self) -> dict[str, HeldAllocation]:
@@ -246,3 +234,20 @@ def _id_after(a: str, b: str) -> bool:
     ams, _, aseq = a.partition("-")
     bms, _, bseq = b.partition("-")
     return (int(ams), int(aseq or 0)) > (int(bms), int(bseq or 0))
+
+
+async def read_held_allocations(redis: Redis) -> dict[str, HeldAllocation]:
+    """Every allocation holding a device lease, read from the lease keys themselves (allocation id → holder)."""
+    keys = [k async for k in redis.scan_iter(match=Keys.lease("*", "*"), count=500)]  # type: ignore[arg-type]
+    held: dict[str, HeldAllocation] = {}
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start:start + _CHUNK]
+        for key, raw in zip(chunk, await redis.mget(chunk), strict=True):
+            if not raw:
+                continue
+            node_id, index = key.removeprefix("ty:lease:").rsplit(":", 1)
+            holder = json.loads(raw)
+            entry = held.setdefault(holder["allocationId"], HeldAllocation(
+                holder["jobId"], holder["allocationId"], int(holder["epoch"])))
+            entry.devices.append(Device(node_id, int(index)))
+    return held
