@@ -101,3 +101,16 @@ def test_quarantine_at_the_threshold_and_back_after_decay() -> None:
     assert h.should_reinstate(h.decayed(score, until + timedelta(seconds=60), REP), "reputation", REP)
     assert not h.should_reinstate(0.0, "admin-alice", REP)  # an admin's quarantine waits for an admin
     assert h.quarantine_until(0.5, T0, REP) == T0
+
+
+def test_a_quarantine_is_recorded_the_same_way_whoever_decided_it() -> None:
+    from trainyard_common.events import NodeQuarantined
+
+    at = T0
+    by_score = NodeQuarantined(node_id="n1", reason="failure score 3.10", score=3.1, until=at, by="reputation",
+                               occurred_at=at)
+    assert h.quarantine_entry(by_score) == {"reason": "failure score 3.10", "by": "reputation", "score": 3.1,
+                                                 "until": at.isoformat(), "at": at.isoformat()}
+    by_hand = NodeQuarantined(node_id="n1", reason="bad DIMM", occurred_at=at)
+    assert h.quarantine_entry(by_hand) == {"reason": "bad DIMM", "by": "admin", "score": None, "until": None,
+                                                "at": at.isoformat()}

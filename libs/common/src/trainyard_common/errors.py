@@ -8,6 +8,7 @@
     ├── AuthError                       missing or wrong credentials
     ├── ConflictError                   a state transition that is not allowed now
     ├── FencingError                    a write carrying a stale epoch (a zombie's write)
+    │   └── StaleLeaderError            a scheduler's write under a leader epoch another instance replaced
     ├── LeaseConflictError              a device already held by another live allocation
     ├── InfrastructureError             broker / Redis / filesystem trouble   (retryable)
     │   ├── BusError
@@ -66,6 +67,10 @@ class ConflictError(TrainyardError):
 
 class FencingError(TrainyardError):
     """A write carrying an epoch older than the current one; the writer is a zombie."""
+
+
+class StaleLeaderError(FencingError):
+    """The writer led the scheduler under a leader epoch that is no longer current: it lost leadership."""
 
 
 class LeaseConflictError(TrainyardError):

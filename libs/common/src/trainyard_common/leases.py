@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from trainyard_common.errors import FencingError, LeaseConflictError
+from trainyard_common.errors import FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.store import Keys
 
 # Every fenced script: KEYS[1] is the leader-epoch key and ARGV[1] the expected value ('' = unfenced;
@@ -155,6 +155,8 @@ def _translate(exc: ResponseError) -> Exception:
     text = str(exc)
     if text.startswith("LEASE_CONFLICT"):
         return LeaseConflictError(text)
+    if text.startswith("STALE_LEADER"):
+        return StaleLeaderError(text)
     return FencingError(text)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from trainyard_common.errors import ConfigError
+from trainyard_common.events import NodeQuarantined
 from trainyard_common.records import NodeRecord
 
 # ----------------------------------------------------------------------------- stragglers
@@ -327,3 +328,9 @@ def drain_change(entry: Mapping[str, object] | None, *, draining: bool, boot_id:
     if entry.get("by") == "node-agent" and entry.get("bootId") is None:
         return "end"  # drained by an agent too old to say who it was: any heartbeat not draining ends it
     return "keep"
+
+
+def quarantine_entry(event: NodeQuarantined) -> dict[str, object]:
+    """The ``ty:sched:node-quarantine`` value a quarantine is recorded as (by the reputation or an admin). Pure."""
+    return {"reason": event.reason, "by": event.by or "admin", "score": event.score,
+            "until": event.until.isoformat() if event.until else None, "at": event.occurred_at.isoformat()}

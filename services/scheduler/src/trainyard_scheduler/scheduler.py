@@ -51,7 +51,7 @@ from opentelemetry import trace
 from prometheus_client import Counter
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError
+from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.events import (
     CHECKPOINTS,
     JOBS,
@@ -337,9 +337,7 @@ class Scheduler:
     async def on_quarantined(self, event: NodeQuarantined) -> None:
         """An admin's quarantine is recorded; the reputation's own was written before it was published."""
         if event.by != "reputation":
-            entry = {"reason": event.reason, "by": event.by or "admin", "score": event.score,
-                     "until": event.until.isoformat() if event.until else None, "at": event.occurred_at.isoformat()}
-            await self.redis.hset(Keys.node_quarantine, event.node_id, json.dumps(entry))
+            await self.redis.hset(Keys.node_quarantine, event.node_id, json.dumps(health.quarantine_entry(event)))
             await self._node_changed(event.node_id)
         await self._show_quarantine(event.node_id, event.reason)
         log.warning("node %s quarantined by %s: %s", event.node_id, event.by or "admin", event.reason)
@@ -394,11 +392,10 @@ class Scheduler:
                     until = health.quarantine_until(score.score, now, self.reputation)
                     why = (f"failure score {score.score:.2f} reached {self.reputation.quarantine_at:g} "
                            f"(latest: {reason})")
-                    pipe.hset(Keys.node_quarantine, node_id, json.dumps({
-                        "reason": why, "by": "reputation", "score": score.score, "until": until.isoformat(),
-                        "at": now.isoformat()}))
-                    staged.append(NodeQuarantined(node_id=node_id, reason=why, score=round(score.score, 3),
-                                                  until=until, by="reputation"))
+                    event = NodeQuarantined(node_id=node_id, reason=why, score=round(score.score, 3),
+                                            until=until, by="reputation", occurred_at=now)
+                    pipe.hset(Keys.node_quarantine, node_id, json.dumps(health.quarantine_entry(event)))
+                    staged.append(event)
                 for event in staged:
                     self.runtime.outbox.stage(pipe, event)
                 try:
@@ -634,13 +631,19 @@ class Scheduler:
         started = loop.time()
         try:
             await self.schedule(epoch)
-        except FencingError as exc:
+        except StaleLeaderError as exc:
             log.warning("a newer scheduler leads (%s); standing by", exc)
-            self._leading = None
-            self.leadership.epoch = None
+            self._stand_by()
+        except FencingError as exc:  # a fenced write refused for another reason: lead again from scratch
+            log.warning("a fenced write was refused (%s); the pass ends, leadership is taken again", exc)
+            self._stand_by()
         took = loop.time() - started
         if took > 0.01:  # a long pass (a deep queue): rest before the next one, whatever wakes it meanwhile
             await asyncio.sleep(took * self.settings.pass_rest_ratio)
+
+    def _stand_by(self) -> None:
+        self._leading = None
+        self.leadership.epoch = None
 
     async def schedule(self, epoch: int) -> None:
         """One pass as leader ``epoch``: 1. repair when due  2. snapshot (only what changed is re-read)
@@ -839,17 +842,17 @@ class Scheduler:
                     outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
                                        master_port=port, start_checkpoint=start, now=self.clock(),
                                        checkpoint_every_steps=every)
-                    if not outcome.changed:
-                        raise WatchError(outcome.note or "job changed")
-                    self._stage(pipe, job_id, outcome)
-                    await pipe.execute()
-            except WatchError:
-                await self._release(allocation_id, lease_epoch, devices)
-                log.info("job %s or the leader changed while it was being placed; placement undone", job_id)
-                return
+                    written = outcome.changed and await self._try_execute(pipe, job_id, outcome)
             except BaseException:
                 await self._release(allocation_id, lease_epoch, devices)
                 raise
+            if not written:  # the transition declined, or the job or the leader epoch changed under WATCH
+                await self._release(allocation_id, lease_epoch, devices)
+                if outcome.changed:
+                    log.info("job %s or the leader changed while it was being placed; placement undone", job_id)
+                else:
+                    log.info("job %s: placement undone (%s)", job_id, outcome.note or "no longer placeable")
+                return
         detail = placement.detail
         log.info("job %s: %s (allocation %s, epoch %d, world %d, score %.2f, %s)", job_id, outcome.note,
                  allocation_id, lease_epoch, placement.world_size, placement.score,
@@ -1106,7 +1109,7 @@ class Scheduler:
     async def _check_epoch(self, pipe: object, epoch: int) -> None:
         current = await pipe.get(SchedulerKeys.leader_epoch)  # type: ignore[attr-defined]
         if int(current or 0) != epoch:
-            raise FencingError(f"STALE_LEADER epoch {epoch}, current {current}")
+            raise StaleLeaderError(f"STALE_LEADER epoch {epoch}, current {current}")
 
     async def _mutate(self, job_id: str, decide: Decide, *, need_checkpoints: bool = False,
                       label: str = "update", fence: int | None = None) -> tr.Outcome | None:
@@ -1133,11 +1136,8 @@ class Scheduler:
                         log.debug("job %s (%s): %s", job_id, label, outcome.note)
                     return outcome
                 with self._job_span(job, f"scheduler.{label.replace(' ', '_')}"):
-                    self._stage(pipe, job_id, outcome)
-                    try:
-                        await pipe.execute()
-                    except WatchError:
-                        continue
+                    if not await self._try_execute(pipe, job_id, outcome):
+                        continue  # lost the race: decide again on what is there now
             if outcome.note:
                 log.info("job %s (%s): %s", job_id, label, outcome.note)
             if outcome.release is not None:
@@ -1153,6 +1153,15 @@ class Scheduler:
                     await self.blame_node(node_id, reason, weight)
             return outcome
         raise ConflictError(f"job {job_id}: too many concurrent updates", retryable=True)
+
+    async def _try_execute(self, pipe: object, job_id: str, outcome: tr.Outcome) -> bool:
+        """Stage ``outcome`` and run the MULTI; False when a WATCHed key changed (lost the race: nothing written)."""
+        self._stage(pipe, job_id, outcome)
+        try:
+            await pipe.execute()  # type: ignore[attr-defined]
+        except WatchError:
+            return False
+        return True
 
     def _stage(self, pipe: object, job_id: str, outcome: tr.Outcome) -> None:
         """Inside the caller's span: the record, its events (outbox) and the active-set entry."""
@@ -1172,9 +1181,11 @@ class Scheduler:
         devices = [Device(d.node_id, int(d.index)) for d in devices]
         try:
             await self.leases.release(allocation_id, epoch, devices, leader_epoch=fence)
-        except FencingError as exc:
-            if fence is not None and "STALE_LEADER" in str(exc):
+        except StaleLeaderError:
+            if fence is not None:  # this instance no longer leads: the pass ends (tick stands by)
                 raise
+            log.warning("release of %s refused: a newer leader took over", allocation_id)
+        except FencingError as exc:
             log.warning("release of %s refused: %s", allocation_id, exc)
 
     @contextlib.contextmanager

@@ -8,8 +8,13 @@ Choosing a good layout is the planning endpoint's job, not the scheduler's.
 
 from __future__ import annotations
 
+import logging
+
 from trainyard_common.catalog import ModelConfig, resolve_model
+from trainyard_common.errors import TrainyardError
 from trainyard_common.spec import TrainingSpec
+
+log = logging.getLogger(__name__)
 
 
 def min_device_memory(spec: TrainingSpec) -> int:
@@ -26,5 +31,7 @@ def min_device_memory(spec: TrainingSpec) -> int:
                         micro_batch=spec.training.micro_batch_size, microbatches=spec.grad_accumulation,
                         recompute=Recompute.FULL)
         return int(estimate_memory(model, layout, headroom=0.0).required_bytes_per_device)
-    except Exception:  # noqa: BLE001 - an estimate we cannot make never blocks a job
+    except (TrainyardError, ValueError, ArithmeticError) as exc:  # an estimate we cannot make never blocks a job
+        log.warning("no device-memory floor for a job of model %s (the memory check is off for it): %s",
+                    spec.model_config_ref if isinstance(spec.model_config_ref, str) else "<inline>", exc)
         return 0
