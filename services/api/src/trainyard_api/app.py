@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -229,23 +230,24 @@ MAX_OFFSET = 2**31 - 1
 
 @dataclass
 class ApiContext:
-    """What the routes need from the process: state, the outbox, the bus (for health)."""
+    """What the routes need from the process: state, the outbox, the bus (for health), and the services
+    over them — each built once, on first use (none keeps per-request state)."""
 
     settings: ApiSettings
     store: StateStore
     outbox: Outbox
     bus: Bus | None = None
 
-    @property
+    @cached_property
     def jobs(self) -> JobService:
         return JobService(self.store, self.outbox, max_attempts=self.settings.api_max_attempts, code=self.code,
                           layout=ArtifactLayout(self.settings.artifact_root_abs))
 
-    @property
+    @cached_property
     def triggers(self) -> TriggerService:
         return TriggerService(TriggerStore(self.store.redis), self.jobs)
 
-    @property
+    @cached_property
     def code(self) -> CodeService:
         """Code archives under the artifact root, and git for ``code.repo``."""
         s = self.settings
@@ -253,34 +255,34 @@ class ApiContext:
                            GitSource(timeout_s=s.api_git_timeout_s, max_bytes=s.api_max_code_bytes,
                                      local_repos=s.api_git_local_repos))
 
-    @property
+    @cached_property
     def datasets(self) -> DatasetService:
         return DatasetService(self.store, self.outbox, ArtifactLayout(self.settings.artifact_root_abs))
 
-    @property
+    @cached_property
     def exports(self) -> ExportService:
         return ExportService(self.store, self.outbox, ArtifactLayout(self.settings.artifact_root_abs))
 
-    @property
+    @cached_property
     def admin(self) -> AdminService:
         return AdminService(self.store, self.outbox)
 
-    @property
+    @cached_property
     def tenants(self) -> TenantService:
         return TenantService(self.store)
 
-    @property
+    @cached_property
     def audit(self) -> AuditLog:
         return AuditLog(self.store.redis, max_entries=self.settings.api_audit_max_entries)
 
-    @property
+    @cached_property
     def accounting(self) -> GoodputAccountant:
         s = self.settings
         return GoodputAccountant(self.store, StepTimingStore(self.store.redis),
                                  history_bucket_s=s.goodput_history_bucket_s,
                                  history_retention_s=s.goodput_history_retention_s)
 
-    @property
+    @cached_property
     def calibrations(self) -> CalibrationStore:
         """The planner's calibration samples and fit (written by the Calibrator of ``server.py``)."""
         return CalibrationStore(self.store.redis, max_samples=self.settings.calibration_max_samples)
