@@ -10,7 +10,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from trainyard_cli import plan as plan_module
+from trainyard_cli import session as session_module
 from trainyard_cli.client import ApiClient
 from trainyard_cli.main import app
 from trainyard_common.catalog import MODEL_CATALOG
@@ -196,7 +196,7 @@ def api_requests(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
             return httpx.Response(401, json={"detail": "unknown token"})
         return httpx.Response(200, json=REPORT if "deviceType" not in request.url.params else {**REPORT, "devices": []})
 
-    monkeypatch.setattr(plan_module, "ApiClient",
+    monkeypatch.setattr(session_module, "ApiClient",  # every command's client comes from session.api_session
                         lambda url, token: ApiClient(url, token, transport=httpx.MockTransport(answer)))
     return seen
 

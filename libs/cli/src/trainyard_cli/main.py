@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
 from trainyard_common import codetree
-from trainyard_common.errors import ConfigError, TrainyardError
+from trainyard_common.errors import ConfigError
 
 from trainyard_cli import codepack
 
-from trainyard_cli.client import ApiClient, ApiSpecError
+from trainyard_cli.client import ApiClient
 from trainyard_cli.admin import admin_app
 from trainyard_cli.credentials import credentials_app
 from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
@@ -30,11 +30,11 @@ from trainyard_cli.export import Exporting, next_steps, pick_checkpoint
 from trainyard_cli.follow import follow_job
 from trainyard_cli.models import models_app
 from trainyard_cli.plan import plan_app
+from trainyard_cli.session import api_session
 from trainyard_cli.render import (
     artifacts_table,
     checkpoints_table,
     datasets_table,
-    field_problems,
     job_detail,
     jobs_table,
     state_text,
@@ -93,21 +93,9 @@ def _global_options(
 
 @contextmanager
 def _api(ctx: typer.Context, *, admin: bool = False, what: str = "spec") -> Iterator[ApiClient]:
-    """An API client for the command (``admin``: with the admin token, see config.py); every trainyard error
-    becomes a one-line message and exit 1 (2 for a configuration problem)."""
-    config: CliConfig = ctx.obj
-    try:
-        with ApiClient(config.api_url, config.require_admin_token() if admin else config.require_token()) as client:
-            yield client
-    except ApiSpecError as exc:
-        err.print(field_problems(exc.problems, what), end="")
-        raise typer.Exit(1) from None
-    except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
-        raise typer.Exit(2) from None
-    except TrainyardError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
+    """An API client for the command (``admin``: with the admin token, see config.py); see session.py."""
+    with api_session(ctx.obj, admin=admin, what=what) as client:
+        yield client
 
 
 def _print_json(data: Any) -> None:

@@ -31,7 +31,7 @@ from rich.progress import (
     TextColumn,
     TransferSpeedColumn,
 )
-from trainyard_common.errors import ConfigError
+from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_common.hfdir import HfDir, inline_config, inspect_dir
 from trainyard_common.storage import CHUNK, ArtifactLayout, fsync_dir
 
@@ -171,7 +171,7 @@ def _tenant(ctx: typer.Context, tenant: str | None) -> str:
     try:
         with ApiClient(config.api_url, config.require_token()) as client:
             found = client.caller_tenant()
-    except Exception as exc:  # noqa: BLE001 - any reason the API cannot say: ask for --tenant
+    except TrainyardError as exc:  # the client raises the tree (client.py): any reason the API cannot say
         raise ConfigError(f"cannot ask the API for your token's tenant ({exc}): pass --tenant") from None
     if found is None:
         raise ConfigError("the API did not say which tenant your token belongs to: pass --tenant")

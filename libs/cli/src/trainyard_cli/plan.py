@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConfigError, TrainyardError
+from trainyard_common.errors import ConfigError
 from trainyard_planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,
@@ -61,7 +61,8 @@ from trainyard_planner import (
     training_time,
 )
 
-from trainyard_cli.client import ApiClient, ApiSpecError
+from trainyard_cli.client import ApiClient
+from trainyard_cli.session import api_session
 from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
 
 T = TypeVar("T")
@@ -672,19 +673,11 @@ KIND_TITLES = {"step_time": "step time", "checkpoint_write": "checkpoint stall",
 
 @contextmanager
 def _api(ctx: typer.Context) -> Iterator[ApiClient]:
-    """A client from the global --api-url / --token (or the stack's files); errors are one line."""
+    """A client from the global --api-url / --token (or the stack's files); see session.py."""
     config = ctx.find_object(CliConfig) or CliConfig(api_url=resolve_api_url(None, Path.cwd()),
                                                      token=resolve_token(None, Path.cwd()))
-    try:
-        with ApiClient(config.api_url, config.require_token()) as client:
-            yield client
-    except ApiSpecError as exc:
-        _fail("; ".join(f"{f}: {m}" if f else m for f, m in exc.problems))
-    except ConfigError as exc:
-        _fail(exc.message)
-    except TrainyardError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
-        raise typer.Exit(1) from None
+    with api_session(config) as client:
+        yield client
 
 
 @plan_app.command("calibration")
