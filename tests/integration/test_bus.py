@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from trainyard_common import events as ev
-from trainyard_common.bus import Bus, Deduper, ensure_topics
+from trainyard_common.bus import Bus, Deduper, RetryPolicy, ensure_topics
 from trainyard_common.errors import StateStoreError, TrainyardError
 
 
@@ -93,6 +93,39 @@ async def test_failing_handler_is_dead_lettered_retryable_one_is_retried(env: di
         await wait_until(lambda: 3 in handled and 2 in handled and letters)
     assert attempts[1] == 1 and attempts[2] == 3
     assert "handler error: TrainyardError" in letters[0].error
+
+
+async def test_a_message_backing_off_holds_up_only_its_partition_not_the_groups_other_topics(env: dict) -> None:
+    """One group reads NODES and WORKERS. A heartbeat whose handler fails (retryable) waits a minute before
+    its next try: meanwhile the group's other topic is handled (a back-off used to sleep the whole group),
+    and the failing message is not tried again before its back-off (its partition is paused, not hot-looped)."""
+    bus = await make_bus(env)
+    tries: list[int] = []
+    others: list[str] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        tries.append(e.seq)
+        raise StateStoreError("redis blinked")  # retryable, every time
+
+    async def on_started(e: ev.WorkerStarted) -> None:
+        others.append(e.job_id)
+
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, retry=RetryPolicy(first_s=60.0, max_s=60.0))
+    bus.subscribe(ev.WORKERS, {ev.WorkerStarted: on_started})
+    async with bus:
+        await bus.publish(heartbeat(seq=1))
+        await wait_until(lambda: tries == [1])
+        for i in range(3):
+            await bus.publish(ev.WorkerStarted(job_id=f"job-{i}", attempt=1, allocation_id="a", epoch=1,
+                                               node_id="n1", rank=0, pid=1, log_uri="file:///logs/rank-0.log"))
+        await wait_until(lambda: len(others) == 3)  # within the wait: well before the heartbeat's minute is up
+        assert tries == [1]  # not tried again before its back-off
+    assert sorted(others) == ["job-0", "job-1", "job-2"]
+
+
+def test_the_retry_policy_doubles_from_its_first_delay_up_to_its_cap() -> None:
+    policy = RetryPolicy(first_s=0.5, max_s=3.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4, 5, 100)] == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
 
 
 async def test_duplicate_event_ids_have_no_effect(env: dict, redis) -> None:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from faststream import AckPolicy
@@ -93,8 +95,23 @@ class KafkaAuth:
 PLAINTEXT = KafkaAuth()
 _tracer = trace.get_tracer("trainyard.bus")
 
-Handler = Callable[[Any], Awaitable[None]]
+Handler = Callable[[Any], Awaitable[None]]  # called with an instance of the event class it is routed for
 SEEN_TTL_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a message whose handler failed with a retryable error is tried again: after ``first_s``,
+    doubling per failure of the same message up to ``max_s``. Its partition waits meanwhile (paused,
+    so nothing after it on that partition is handled out of order); the group's other partitions and
+    topics go on."""
+
+    first_s: float = 0.4
+    max_s: float = 10.0
+
+    def delay(self, failures: int) -> float:
+        """Seconds before try ``failures + 1`` (``failures`` >= 1). Pure."""
+        return min(self.max_s, self.first_s * 2 ** min(max(failures - 1, 0), 16))
 
 
 async def ensure_topics(
@@ -265,6 +282,7 @@ class Bus:
         group: str | None = None,
         deduper_factory: Callable[[str], Deduper] | None = None,
         max_backoff_s: float = 10.0,
+        retry: RetryPolicy | None = None,
         offset_reset: Literal["earliest", "latest"] = "earliest",
         background: bool = False,
     ) -> str:
@@ -274,6 +292,9 @@ class Bus:
         types share a topic and each consumer takes the ones it needs. All topics of one
         group are read by one consumer (one group join at start-up, not one per topic), so
         call this before :meth:`start`.
+
+        ``retry`` (or ``max_backoff_s``, the cap of the default policy): how a retryable failure of this
+        topic's handlers is tried again (:class:`RetryPolicy`); each subscription keeps its own.
 
         ``background``: nobody waits on this group's events (metrics, the registry's records), so its
         consumer fetches with the longer ``background_fetch_max_wait_ms``; a group is background only if
@@ -288,7 +309,7 @@ class Bus:
         route.handlers[topic] = dict(handlers)
         if deduper_factory is not None:
             route.dedupers[topic] = deduper_factory(group_id)
-        route.max_backoff_s = max_backoff_s
+        route.retry[topic] = retry or RetryPolicy(first_s=min(0.4, max_backoff_s), max_s=max_backoff_s)
         route.offset_reset = offset_reset
         route.background = background if len(route.handlers) == 1 else route.background and background
         return group_id
@@ -321,13 +342,32 @@ def _entry_point(dispatcher: _Dispatcher) -> Callable[[KafkaMessage], Awaitable[
 class _GroupRoute:
     handlers: dict[str, dict[type[ev.Event], Handler]] = field(default_factory=dict)
     dedupers: dict[str, Deduper] = field(default_factory=dict)
-    max_backoff_s: float = 10.0
+    retry: dict[str, RetryPolicy] = field(default_factory=dict)  # per topic: each subscription's own
     offset_reset: Literal["earliest", "latest"] = "earliest"
     background: bool = False
 
 
+@dataclass(frozen=True)
+class _Delivery:
+    """One record as the dispatcher sees it: where it came from, and the event it decoded to."""
+
+    topic: str  # logical (without the namespace)
+    partition: int
+    offset: int
+    record: Any
+    event: ev.Event
+    parent: Any  # the producer's trace context
+
+    @property
+    def where(self) -> tuple[str, int, int]:
+        return self.topic, self.partition, self.offset
+
+
 class _Dispatcher:
-    """decode → dedupe → handler → mark seen; dead-letter or retry on failure."""
+    """Each record, in separate steps: decode (a record that is no event of ours is dead-lettered) →
+    handle once (dedupe, the handler of its class, mark seen) → on failure, retry per message
+    (:class:`RetryPolicy`: its partition is paused for the back-off, the rest of the group goes on) or
+    dead-letter."""
 
     def __init__(self, bus: Bus, group: str, route: _GroupRoute) -> None:
         self.bus, self.group, self.route = bus, group, route
@@ -338,59 +378,83 @@ class _Dispatcher:
         return physical[len(ns):] if ns and physical.startswith(ns) else physical
 
     async def __call__(self, message: KafkaMessage) -> None:
-        record = message.raw_message
+        delivery = await self._decode(message.raw_message)
+        if delivery is None:
+            return
+        handler = self.route.handlers.get(delivery.topic, {}).get(type(delivery.event))
+        if handler is None:
+            return  # another consumer's event on a shared topic
+        with self._span(delivery) as span:
+            try:
+                await self._handle_once(delivery, handler, span)
+            except Exception as exc:  # noqa: BLE001 - classified in _on_failure, never lost
+                span.record_exception(exc)
+                await self._on_failure(message, delivery, exc)
+
+    async def _decode(self, record: Any) -> _Delivery | None:
+        """The record's event, or None once it is dead-lettered as not one."""
         topic = self.logical(record.topic)
-        partition, offset = record.partition, record.offset
-        where = (topic, partition, offset)
-        raw: bytes = record.value or b""
-        headers = {k: (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in (record.headers or [])}
-        parent = _PROPAGATOR.extract(headers)
         try:
-            event = ev.decode_event(topic, raw)
+            event = ev.decode_event(topic, record.value or b"")
         except (ValidationError, ValueError) as exc:
             await self._dead_letter(record, topic, f"invalid event: {_short(exc)}")
-            return
-        handler = self.route.handlers.get(topic, {}).get(type(event))
-        if handler is None:
-            return
-        with _tracer.start_as_current_span(
-            f"{topic} process {event.event_type}",
-            context=parent,
-            kind=trace.SpanKind.CONSUMER,
+            return None
+        headers = {k: (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in (record.headers or [])}
+        return _Delivery(topic, record.partition, record.offset, record, event, _PROPAGATOR.extract(headers))
+
+    def _span(self, d: _Delivery) -> Any:
+        return _tracer.start_as_current_span(
+            f"{d.topic} process {d.event.event_type}", context=d.parent, kind=trace.SpanKind.CONSUMER,
             attributes={
-                "messaging.system": "kafka",
-                "messaging.destination.name": topic,
-                "messaging.consumer.group.name": self.group,
-                "messaging.kafka.offset": offset,
-                "trainyard.event_type": event.event_type,
-                "trainyard.event_id": str(event.event_id),
+                "messaging.system": "kafka", "messaging.destination.name": d.topic,
+                "messaging.consumer.group.name": self.group, "messaging.kafka.offset": d.offset,
+                "trainyard.event_type": d.event.event_type, "trainyard.event_id": str(d.event.event_id),
             },
-        ) as span:
-            deduper = self.route.dedupers.get(topic)
-            try:
-                if deduper and await deduper.seen(str(event.event_id)):
-                    span.set_attribute("trainyard.duplicate", True)
-                    return
-                await handler(event)
-                if deduper:
-                    await deduper.mark(str(event.event_id))
-                self._failures.pop(where, None)
-            except Exception as exc:  # noqa: BLE001 - classified below, never lost
-                span.record_exception(exc)
-                if is_retryable(exc) and self.bus.stopping:
-                    # Do not hold up shutdown: leave the message uncommitted; the group re-delivers it.
-                    raise NackMessage() from exc
-                if is_retryable(exc):
-                    n = self._failures.get(where, 0) + 1
-                    self._failures[where] = n
-                    delay = min(self.route.max_backoff_s, 0.2 * 2 ** min(n, 10))
-                    log.warning("%s: retryable error on %s@%s/%s (try %d, retry in %.1fs): %r",
-                                self.group, topic, partition, offset, n, delay, exc)
-                    await asyncio.sleep(delay)
-                    raise NackMessage() from exc
-                log.exception("%s: handler failed for %s@%s/%s; dead-lettering", self.group,
-                              topic, partition, offset)
-                await self._dead_letter(record, topic, f"handler error: {type(exc).__name__}: {_short(exc)}")
+        )
+
+    async def _handle_once(self, d: _Delivery, handler: Handler, span: Any) -> None:
+        deduper = self.route.dedupers.get(d.topic)
+        if deduper and await deduper.seen(str(d.event.event_id)):
+            span.set_attribute("trainyard.duplicate", True)
+            return
+        await handler(d.event)
+        if deduper:
+            await deduper.mark(str(d.event.event_id))
+        self._failures.pop(d.where, None)
+
+    async def _on_failure(self, message: KafkaMessage, d: _Delivery, exc: Exception) -> None:
+        """Retry a retryable error (the message again after its back-off); dead-letter anything else."""
+        if not is_retryable(exc):
+            log.error("%s: handler failed for %s@%s/%s; dead-lettering", self.group, d.topic, d.partition,
+                      d.offset, exc_info=exc)
+            await self._dead_letter(d.record, d.topic, f"handler error: {type(exc).__name__}: {_short(exc)}")
+            return
+        if self.bus.stopping:  # do not hold up shutdown: uncommitted, the group delivers it again
+            raise NackMessage() from exc
+        n = self._failures.get(d.where, 0) + 1
+        self._failures[d.where] = n
+        delay = self.route.retry.get(d.topic, RetryPolicy()).delay(n)
+        log.warning("%s: retryable error on %s@%s/%s (try %d, again in %.1fs): %r",
+                    self.group, d.topic, d.partition, d.offset, n, delay, exc)
+        await self._pause(message, d.record, delay)
+        raise NackMessage() from exc  # faststream seeks the partition back to this record
+
+    @staticmethod
+    async def _pause(message: KafkaMessage, record: Any, delay: float) -> None:
+        """Stop fetching the record's partition for ``delay`` seconds (only it: the group's other partitions
+        and topics are read meanwhile). Without a consumer to pause, wait here instead (the old way)."""
+        consumer = getattr(message, "consumer", None)
+        if consumer is None or not hasattr(consumer, "pause"):  # pragma: no cover - faststream gives its consumer
+            await asyncio.sleep(delay)
+            return
+        tp = TopicPartition(record.topic, record.partition)
+        consumer.pause(tp)
+
+        def resume() -> None:
+            with contextlib.suppress(Exception):  # revoked meanwhile, or the consumer stopped: nothing to resume
+                consumer.resume(tp)
+
+        asyncio.get_running_loop().call_later(delay, resume)
 
     async def _dead_letter(self, record: Any, topic: str, error: str) -> None:
         letter = ev.DeadLetter(
