@@ -39,10 +39,12 @@ os.environ.setdefault("TRAINYARD_WARM_RANKS", "0")
 # Every stack's scheduler hands out rendezvous ports from the same counter start (29400 up), and the stacks of two
 # pytest workers share 127.0.0.1: their first jobs would both rendezvous on 29400, and one attempt would fail with
 # "address in use". Each worker gets its own slice of the range.
+# (Within the default range 29400-29999, which tests check ports against.)
 if (_worker := os.environ.get("PYTEST_XDIST_WORKER", "")).startswith("gw"):
-    _slice = 29400 + 300 * (int(_worker[2:]) % 20)
-    os.environ.setdefault("TRAINYARD_RENDEZVOUS_PORT_MIN", str(_slice))
-    os.environ.setdefault("TRAINYARD_RENDEZVOUS_PORT_MAX", str(_slice + 299))
+    _width = 600 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _first = 29400 + _width * (int(_worker[2:]) % max(1, 600 // max(_width, 1)))
+    os.environ.setdefault("TRAINYARD_RENDEZVOUS_PORT_MIN", str(_first))
+    os.environ.setdefault("TRAINYARD_RENDEZVOUS_PORT_MAX", str(_first + _width - 1))
 
 
 @pytest.fixture(scope="session")

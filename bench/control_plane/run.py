@@ -506,13 +506,13 @@ def main() -> None:
                         help="(2) with 1-device jobs that are placed as devices free up (their ranks run on "
                              "this machine) instead of jobs that stay queued")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run (20 round trips, 5 submissions, a 10 s open loop): the smoke test's")
+                        help="a short run (20 round trips, 3 submissions, a 4 s open loop): the smoke test's")
     parser.add_argument("--quiet-for", type=int, default=8,
                         help="seconds of a quiet host CPU to wait for before each phase (0: do not wait)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     if args.quick:  # the smoke test runs beside other tests: the host is never quiet, and nothing is measured
-        args.samples, args.submissions, args.seconds = min(args.samples, 20), min(args.submissions, 5), 10.0
+        args.samples, args.submissions, args.seconds = min(args.samples, 20), min(args.submissions, 3), 4.0
         args.quiet_for = 0
     started = time.monotonic()
     with private_stack(nodes=2, devices=4) as stack:

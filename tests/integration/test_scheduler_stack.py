@@ -370,8 +370,9 @@ async def test_failed_rank_retries_with_a_higher_epoch_and_stale_epochs_are_refu
         ["running", "queued", "running", "succeeded"]
     assert await poll(lambda: _no_leases(s), "leases released")
 
-    # A GangAllocated from a zombie scheduler with the old epoch is refused by the agent.
-    node = first.nodes[0].node_id
+    # A GangAllocated from a zombie scheduler with the old epoch is refused by the agent: by epoch on a node
+    # that ran attempt 2 (it saw the newer epoch; a node of attempt 1 only refuses it for its released leases)
+    node = next(n.node_id for n in first.nodes if n.node_id in {m.node_id for m in second.nodes})
     forged = first.model_copy(update={"event_id": uuid.uuid4(), "allocation_id": "forged"})
     await s.publisher.publish(forged)
 
