@@ -61,8 +61,18 @@ def up_and_submit_two(trainyard: LocalCli, spec_file: Path) -> list[str]:
     return ids
 
 
+def drain_cli(tmp_path: Path) -> LocalCli:
+    """The local stack for these tests, without straggler detection: they hold that maintenance blames no
+    node, and on a CI host shared with other tests' ranks a rank can really run 1.5x slower than its peer for
+    a minute — a straggler report (a node score) that belongs to another feature
+    (tests/integration/test_scheduler_health.py), not to draining."""
+    cli = LocalCli(tmp_path, nodes=2)
+    cli.env["TRAINYARD_STRAGGLER_DETECTION"] = "false"
+    return cli
+
+
 def test_make_down_drains_running_jobs_and_make_up_resumes_them(tmp_path: Path) -> None:
-    trainyard = LocalCli(tmp_path, nodes=2)
+    trainyard = drain_cli(tmp_path)
     url = trainyard.redis_url
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["training"]["maxSteps"] = 100_000  # trains until the test is done with it
@@ -151,7 +161,7 @@ def test_every_node_agent_killed_at_once_blames_no_node(tmp_path: Path) -> None:
     """kill -9 of every node agent at once (no drain: nobody said goodbye): every node goes silent together,
     which is no node's fault — the attempts are interrupted (control plane), nobody is blamed, no failure
     budget is spent, and they resume once the agents are back."""
-    trainyard = LocalCli(tmp_path, nodes=2)
+    trainyard = drain_cli(tmp_path)
     url = trainyard.redis_url
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["training"]["maxSteps"] = 100_000
