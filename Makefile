@@ -11,9 +11,10 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many worker processes, a test file per worker at a time (its module-scoped
 # stacks stay in one process; each worker starts its own broker and Redis). Most of the suite waits on brokers,
-# subprocesses and ranks (two workers kept the 2 cores ~55% busy): three workers finish the suite in ~90% of two's
-# time on a 2-core machine (779 s vs 860 s here). TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 3
+# subprocesses and ranks (two workers keep the 2 cores ~55% busy), but three were no faster here (779-858 s vs
+# 828-860 s with two, across runs) and load the stacks' ranks more (more stragglers, slower starts). The long files
+# are handed out first (tests/conftest.py). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 
 .PHONY: venv deps up down logs status demo data test test-unit test-long chaos bench clean help
 
