@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 # `make test` runs the suite in this many worker processes, a test file per worker at a time (its module-scoped
 # stacks stay in one process; each worker starts its own broker and Redis). Most of the suite waits on brokers,
 # subprocesses and ranks (two workers keep the 2 cores ~55% busy), but three were no faster here (779-858 s vs
-# 828-860 s with two, across runs) and load the stacks' ranks more (more stragglers, slower starts). The long files
-# are handed out first (tests/conftest.py). TEST_WORKERS=0: serial.
+# 828-860 s with two, across runs) and load the stacks' ranks more (more stragglers, slower starts). Handing out the
+# long files first was slower too (1,036 s: the heavy files then run side by side). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 
 .PHONY: venv deps up down logs status demo data test test-unit test-long chaos bench clean help

@@ -141,17 +141,3 @@ def env_vars(env: dict[str, object]) -> dict[str, str]:
     """``env`` as TRAINYARD_* environment variables for a subprocess."""
     return {f"TRAINYARD_{k.upper()}": str(v) for k, v in env.items()}
 
-
-# The long files first: `make test` hands whole files to its workers in collection order, so a long end-to-end
-# file collected last (tests/security sorts after tests/integration) ran alone at the end while the other worker
-# sat idle. Unit tests, many and short, go last and fill the gaps. Order within a file is kept.
-_FILE_ORDER = ("tests/chaos/", "tests/e2e/", "tests/security/", "tests/browser/", "tests/contract/",
-               "tests/integration/", "tests/unit/")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid
-        return next((i for i, prefix in enumerate(_FILE_ORDER) if path.startswith(prefix)), len(_FILE_ORDER))
-
-    items.sort(key=rank)  # stable: each file stays together, in its own order
