@@ -139,29 +139,29 @@ class Exporter:
 
     async def _ready(self, record: ExportRecord, artifact: Any) -> None:
         """Artifact, ready record and ArtifactRegistered in one MULTI (unless it is ready already)."""
-        key = Keys.export(record.export_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    current = ExportRecord.model_validate_json(raw) if raw else record
-                    if current.state == "ready":
-                        await pipe.reset()
-                        return
-                    now = self.clock()
-                    pipe.multi()
-                    pipe.hset(Keys.artifacts(artifact.job_id), artifact.artifact_id, artifact.dumps())
-                    pipe.set(key, ready_record(current, artifact, now=now).dumps())
-                    self.outbox.stage(pipe, registered(artifact, now=now))
-                    await pipe.execute()
-                    log.info("export %s ready: %s %s", artifact.artifact_id, artifact.uri, artifact.hash)
-                    return
-                except WatchError:
-                    continue
+        def stage(pipe: Any, current: ExportRecord) -> None:
+            now = self.clock()
+            pipe.hset(Keys.artifacts(artifact.job_id), artifact.artifact_id, artifact.dumps())
+            pipe.set(Keys.export(record.export_id), ready_record(current, artifact, now=now).dumps())
+            self.outbox.stage(pipe, registered(artifact, now=now))
+
+        if await self._transition(record, applies=lambda current: current.state != "ready", stage=stage):
+            log.info("export %s ready: %s %s", artifact.artifact_id, artifact.uri, artifact.hash)
 
     async def _fail(self, record: ExportRecord, refused: Refuse) -> None:
         """The record failed and ExportFailed in one MULTI (unless it is ready or failed already)."""
+        def stage(pipe: Any, current: ExportRecord) -> None:
+            changed, event = failed(current, refused, now=self.clock())
+            pipe.set(Keys.export(record.export_id), changed.dumps())
+            self.outbox.stage(pipe, event)
+
+        if await self._transition(record, applies=lambda current: current.state == "requested", stage=stage):
+            log.warning("export %s failed: %s", record.export_id, refused.reason)
+
+    async def _transition(self, record: ExportRecord, *, applies: Callable[[ExportRecord], bool],
+                          stage: Callable[[Any, ExportRecord], None]) -> bool:
+        """WATCH the export's record; if ``applies`` to what is stored (else the request's ``record``), write what
+        ``stage`` stages in one MULTI, deciding again when the record changed meanwhile. False: nothing to do."""
         key = Keys.export(record.export_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -169,16 +169,13 @@ class Exporter:
                     await pipe.watch(key)
                     raw = await pipe.get(key)
                     current = ExportRecord.model_validate_json(raw) if raw else record
-                    if current.state != "requested":
+                    if not applies(current):
                         await pipe.reset()
-                        return
-                    changed, event = failed(current, refused, now=self.clock())
+                        return False
                     pipe.multi()
-                    pipe.set(key, changed.dumps())
-                    self.outbox.stage(pipe, event)
+                    stage(pipe, current)
                     await pipe.execute()
-                    log.warning("export %s failed: %s", record.export_id, refused.reason)
-                    return
+                    return True
                 except WatchError:
                     continue
 

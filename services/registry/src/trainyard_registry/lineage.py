@@ -22,7 +22,7 @@ from trainyard_common.records import (
     Lineage,
     checkpoint_id,
 )
-from trainyard_common.events import ArtifactLineage, ArtifactRegistered, ArtifactRetired
+from trainyard_common.events import ArtifactLineage, ArtifactRetired
 from trainyard_common.spec import DatasetRef, TrainingSpec, canonical_json
 
 from trainyard_registry.verification import MAX_PROBLEMS, rejection_reason
