@@ -11,7 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from trainyard_api import ApiServer, ApiSettings
+from trainyard_api import ApiServer
 from trainyard_cli.main import app as cli
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
@@ -19,17 +19,15 @@ from trainyard_common.records import AttemptRecord, JobRecord, NodeRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import ArtifactLayout
 from tests.integration.test_api_calibration import eventually
-from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
+from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, running_api, spec_with
 
 pytestmark = pytest.mark.integration
-ADMIN = "token-admin"
+ADMIN = TOKEN_ADMIN
 
 
 @pytest.fixture
 async def api(env: dict) -> AsyncIterator[ApiServer]:
-    async with ApiServer(ApiSettings(**env, api_port=0)) as server:
-        await seed(server.runtime.store)
-        await server.runtime.store.add_token(ADMIN, "ops", "olga", admin=True)
+    async with running_api(env, admin=True) as server:  # seeded, with the operator's token (ADMIN)
         yield server
 
 

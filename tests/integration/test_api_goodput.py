@@ -27,18 +27,16 @@ from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord,
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys, StateStore
 from tests.integration.test_api import event_of, find_record
-from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, seed, spec_with
+from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, running_api, seed, spec_with
 from tests.integration.test_api_calibration import eventually
 
-ADMIN = "token-admin"
+ADMIN = TOKEN_ADMIN
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
 
 
 @pytest.fixture
 async def api(env: dict) -> AsyncIterator[ApiServer]:
-    async with ApiServer(ApiSettings(**env, api_port=0, goodput_refresh_s=0.3)) as server:
-        await seed(server.runtime.store)
-        await server.runtime.store.add_token(ADMIN, "ops", "olga", admin=True)
+    async with running_api(env, admin=True, goodput_refresh_s=0.3) as server:  # with the operator's token (ADMIN)
         yield server
 
 
