@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from trainyard_common.devices import Device
 from trainyard_common.errors import FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.store import Keys
+
+__all__ = ["Device", "LeaderFence", "LeaseManager"]
 
 # Every fenced script: KEYS[1] is the leader-epoch key and ARGV[1] the expected value ('' = unfenced;
 # the key is then a placeholder and never read).
@@ -128,15 +131,6 @@ if restored > 0 then
 end
 return {restored, conflicts}
 """
-
-
-@dataclass(frozen=True)
-class Device:
-    node_id: str
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.node_id}:{self.index}"
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from datetime import datetime, timedelta
 from prometheus_client import Counter
 from redis.asyncio import Redis
 
+from trainyard_common.devices import Device
 from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.leases import Device
 from trainyard_common.records import JobRecord, NodeRecord
 from trainyard_common.store import Keys
 
