@@ -44,3 +44,14 @@ def test_failure_handling_defaults() -> None:
 def test_automatic_quarantine_and_silence_default_to_half_the_cluster() -> None:
     settings = SchedulerSettings()
     assert settings.quarantine_max_share == 0.5 and settings.silent_cluster_share == 0.5
+
+
+def test_fault_injection_wraps_the_leases_only_when_asked() -> None:
+    from redis.asyncio import Redis
+    from trainyard_scheduler.faults import PauseAfterGrant, with_faults
+    from trainyard_scheduler.fencing import FencedLeases
+
+    leases = FencedLeases(Redis(), ttl_ms=5)  # a client that never connects: the leases are only wrapped
+    assert with_faults(leases, admit_pause_s=0) is leases
+    paused = with_faults(leases, admit_pause_s=2.5)
+    assert isinstance(paused, PauseAfterGrant) and paused.pause_s == 2.5 and paused.ttl_ms == 5

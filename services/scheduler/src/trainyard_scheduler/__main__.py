@@ -7,6 +7,8 @@ import signal
 
 from trainyard_common.service import ServiceRuntime, service_main
 
+from trainyard_scheduler.faults import with_faults
+from trainyard_scheduler.fencing import FencedLeases
 from trainyard_scheduler.scheduler import Scheduler
 from trainyard_scheduler.settings import SchedulerSettings
 
@@ -24,7 +26,8 @@ SUMMARY = (
 async def serve(settings: SchedulerSettings) -> None:
     """Run one scheduler until SIGTERM/SIGINT, then close cleanly."""
     runtime = ServiceRuntime("scheduler", settings)
-    scheduler = Scheduler(runtime, settings)
+    leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
+    scheduler = Scheduler(runtime, settings, leases=with_faults(leases, admit_pause_s=settings.admit_pause_s))
     scheduler.install()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

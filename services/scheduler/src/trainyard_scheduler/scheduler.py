@@ -51,6 +51,7 @@ from opentelemetry import trace
 from prometheus_client import Counter
 from redis.exceptions import WatchError
 
+from trainyard_common.devices import Device
 from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.events import (
     CHECKPOINTS,
@@ -76,7 +77,6 @@ from trainyard_common.events import (
     WorkerStarted,
     utcnow,
 )
-from trainyard_common.leases import Device
 from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.store import Keys, note_change, stage_change
@@ -168,7 +168,8 @@ def _remaining_seconds(job: JobRecord) -> float | None:
 class Scheduler:
     """Wires the handlers and the tick onto a :class:`ServiceRuntime`; state lives in Redis."""
 
-    def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings, *, clock: Clock = utcnow) -> None:
+    def __init__(self, runtime: ServiceRuntime, settings: SchedulerSettings, *, clock: Clock = utcnow,
+                 leases: FencedLeases | None = None) -> None:
         self.runtime = runtime
         self.settings = settings
         self.redis = runtime.redis
@@ -176,7 +177,7 @@ class Scheduler:
         self.clock = clock
         self.leadership = Leadership(runtime.redis, runtime.instance,
                                      ttl_s=max(settings.leader_ttl_s, 2 * settings.tick_s))
-        self.leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
+        self.leases = leases or FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
         self.policy = tr.RetryPolicy(settings.retry_backoff_s, settings.retry_backoff_max_s,
                                      settings.max_total_failures)
         self.deadlines = tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s,
@@ -836,8 +837,6 @@ class Scheduler:
             try:
                 if isinstance(port, BaseException):
                     raise port
-                if self.settings.admit_pause_s:
-                    await asyncio.sleep(self.settings.admit_pause_s)
                 with self._job_span(job, "scheduler.place"):
                     outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
                                        master_port=port, start_checkpoint=start, now=self.clock(),

@@ -117,7 +117,8 @@ class SchedulerSettings(ServiceSettings):
                                 description="queued-reason updates written per scheduling pass at most")
     admit_pause_s: float = Field(
         default=0.0, ge=0,
-        description="fault injection for tests only: pause between taking a gang's leases and recording it",
+        description="fault injection for tests only: pause between taking a gang's leases and recording it "
+                    "(trainyard_scheduler.faults wraps the leases; the scheduler itself never reads it)",
     )
 
     @model_validator(mode="after")
