@@ -201,10 +201,11 @@ def test_ready_record_and_its_event() -> None:
     assert ready.state == "READY" and ready.manifest_uri == outcome.manifest_uri and ready.ready_at == NOW
     assert ready.size_bytes == 100 + 101 + META.size_bytes  # both shards and the shared .metadata
     assert pending.size_bytes is None
-    event = settled_event(ready)
+    event = settled_event(ready, NOW)
     assert isinstance(event, CheckpointReady)
     assert (event.job_id, event.attempt, event.epoch, event.global_step, event.world_size) == ("job-1", 1, 3, 40, 2)
     assert event.content_hash == outcome.manifest.content_hash and event.consumed_tokens == 5120
+    assert event.occurred_at == NOW
 
 
 def test_a_newer_epoch_between_verification_and_ready_fails_the_checkpoint() -> None:
@@ -212,12 +213,12 @@ def test_a_newer_epoch_between_verification_and_ready_fails_the_checkpoint() -> 
     assert isinstance(outcome, Complete)
     settled = settle_ready(pending_record(KEY, report(0), now=NOW), outcome, current_epoch=4, now=NOW)
     assert settled.state == "FAILED" and "fenced" in (settled.reason or "")
-    assert isinstance(settled_event(settled), CheckpointFailed)
+    assert isinstance(settled_event(settled, NOW), CheckpointFailed)
 
 
 def test_failed_record_and_its_event() -> None:
     failed = settle_failed(pending_record(KEY, report(0), now=NOW), "rank 1 shard is missing")
-    event = settled_event(failed)
+    event = settled_event(failed, NOW)
     assert isinstance(event, CheckpointFailed)
     assert (event.job_id, event.attempt, event.global_step, event.reason) == ("job-1", 1, 40, "rank 1 shard is missing")
 

@@ -95,6 +95,7 @@ def test_admit_appends_an_attempt_and_publishes_gang_allocated() -> None:
     assert isinstance(event, GangAllocated)
     assert (event.epoch, event.world_size, event.master_addr, event.master_port) == (7, 2, "127.0.0.1", 29401)
     assert event.start_checkpoint == start and event.spec == SPEC
+    assert event.occurred_at == T0  # the decision's clock, not the wall clock
     assert outcome.job.state == "queued"  # running only once a worker reports in
     assert tr.admit(outcome.job, placement=placement(), allocation_id="a2", epoch=8, master_port=1,
                     start_checkpoint=None, now=T0).changed is False  # not pending any more
@@ -143,6 +144,7 @@ def test_a_failed_rank_revokes_and_requeues_with_back_off() -> None:
     assert outcome.release is not None
     assert tr.is_pending(outcome.job)
     assert tr.retry_not_before(outcome.job, POLICY) == at(12)
+    assert {e.occurred_at for e in outcome.events} == {at(10)}  # every event stamped with the caller's now
     assert "attempt 2 resumes from the latest READY checkpoint" in outcome.job.queued_reason
     # the other rank, killed by the revocation, changes nothing
     late = tr.worker_exited(outcome.job, exited(job, 0, code=-15, reason="revoked"), final_ready=False,

@@ -388,11 +388,12 @@ def settle_refused(record: CheckpointRecord, event: CheckpointRefused) -> Checkp
     return record.model_copy(update={"state": "FAILED", "reason": refusal_reason(event)})
 
 
-def settled_event(record: CheckpointRecord) -> CheckpointReady | CheckpointFailed:
-    """The event announcing a settled (READY or FAILED) checkpoint record."""
+def settled_event(record: CheckpointRecord, now: datetime) -> CheckpointReady | CheckpointFailed:
+    """The event announcing a settled (READY or FAILED) checkpoint record, stamped ``now``."""
     if record.state == "READY":
         assert record.manifest_uri and record.content_hash, "a READY record names its manifest"
         return CheckpointReady(
+            occurred_at=now,
             job_id=record.job_id,
             tenant=record.tenant,
             attempt=record.attempt,
@@ -404,6 +405,7 @@ def settled_event(record: CheckpointRecord) -> CheckpointReady | CheckpointFaile
             consumed_tokens=record.consumed_tokens,
         )
     return CheckpointFailed(
+        occurred_at=now,
         job_id=record.job_id,
         tenant=record.tenant,
         attempt=record.attempt,

@@ -350,7 +350,7 @@ class Coordinator:
                     pipe.multi()
                     pipe.hset(records_key, key.checkpoint_id, settled.dumps())
                     pipe.zrem(PENDING_INDEX, _member(key))
-                    self.outbox.stage(pipe, settled_event(settled))
+                    self.outbox.stage(pipe, settled_event(settled, self.clock()))
                     await pipe.execute()
                     return settled
                 except WatchError:

@@ -240,12 +240,14 @@ def admit(
     new.queued_reason = None
     new.queued_reason_kind = None
     new.updated_at = now
-    return Outcome(new, [gang_allocated(new, attempt)], note=f"attempt {number} placed on {', '.join(attempt.nodes)}")
+    return Outcome(new, [gang_allocated(new, attempt, now)],
+                   note=f"attempt {number} placed on {', '.join(attempt.nodes)}")
 
 
-def gang_allocated(job: JobRecord, attempt: AttemptRecord) -> GangAllocated:
+def gang_allocated(job: JobRecord, attempt: AttemptRecord, now: datetime) -> GangAllocated:
     """The GangAllocated of ``attempt`` (again: same allocation id and epoch; agents dedupe by allocation)."""
     return GangAllocated(
+        occurred_at=now,
         job_id=job.job_id,
         tenant=job.tenant,
         attempt=attempt.attempt,
@@ -282,7 +284,7 @@ def fail_unstartable(job: JobRecord, reason: str, now: datetime) -> Outcome:
     new.updated_at = now
     new.queued_reason = new.queued_reason_kind = None
     events: list[Event] = []
-    _set_state(new, "failed", events, reason=f"config: {reason} (not retryable)")
+    _set_state(new, "failed", events, now, reason=f"config: {reason} (not retryable)")
     return Outcome(new, events, note=f"job failed: {reason}")
 
 
@@ -317,7 +319,7 @@ def security_violation(job: JobRecord, event: SecurityViolation, now: datetime) 
     released = _revoke_live(new, reason, events, now)
     new.control = None
     new.queued_reason = new.queued_reason_kind = None
-    _set_state(new, "failed", events, reason=reason)
+    _set_state(new, "failed", events, now, reason=reason)
     return Outcome(new, events, release=released, note=f"job failed: {reason}")
 
 
@@ -403,7 +405,8 @@ def _ask_for_checkpoint(new: JobRecord, *, reason: str, by: str | None, latest_r
     attempt.preempt_requested_at = now
     attempt.preempt_after_step = -1 if latest_ready_step is None else latest_ready_step
     return CheckpointRequested(
-        job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id, epoch=attempt.epoch,
+        occurred_at=now, job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id,
+        epoch=attempt.epoch,
         reason=reason, requested_by=by, deadline=now + timedelta(seconds=grace_s),
     )
 
@@ -425,7 +428,7 @@ def _finish_pause(new: JobRecord, how: str, now: datetime) -> Outcome:
     released = _revoke_live(new, "paused", events, now)
     new.control = None
     why = f"paused ({how})" if released is not None else "paused"
-    _set_state(new, "paused", events, reason=why)
+    _set_state(new, "paused", events, now, reason=why)
     new.queued_reason = new.queued_reason_kind = None
     new.updated_at = now
     return Outcome(new, events, release=released, note=why)
@@ -440,10 +443,11 @@ def _revoke_preempted(new: JobRecord, by: str | None, how: str, now: datetime) -
     attempt.state = "revoked"
     attempt.ended_at = now
     attempt.failure_reason = f"{who}: {how}"
-    events.append(AllocationRevoked(job_id=new.job_id, attempt=attempt.attempt, allocation_id=attempt.allocation_id,
+    events.append(AllocationRevoked(occurred_at=now, job_id=new.job_id, attempt=attempt.attempt,
+                                    allocation_id=attempt.allocation_id,
                                     epoch=attempt.epoch, reason=who))
     why = f"{who} ({how})"
-    _set_state(new, "queued", events, reason=why)
+    _set_state(new, "queued", events, now, reason=why)
     new.queued_reason = f"{why}; the next attempt resumes from the latest READY checkpoint"
     new.queued_reason_kind = "priority" if by else "preemption"
     return Outcome(new, events, release=attempt, note=why)
@@ -490,7 +494,7 @@ def _interrupt(new: JobRecord, why: str, how: str, latest_ready_step: int | None
     if released is not None:
         released.failure_reason = f"{why} ({how})"
     kind = why.split(":", 1)[0]
-    _set_state(new, "queued", events, reason=f"interrupted by {kind}")
+    _set_state(new, "queued", events, now, reason=f"interrupted by {kind}")
     start = "the latest READY checkpoint" if latest_ready_step is None else f"the checkpoint at step {latest_ready_step}"
     new.queued_reason = (f"attempt {attempt.attempt} interrupted by {why} ({how}); not a failure: attempt "
                          f"{attempt.attempt + 1} resumes from {start} by itself")
@@ -517,7 +521,7 @@ def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outco
     new.updated_at = now
     events: list[Event] = []
     if new.state == "queued":
-        _set_state(new, "running", events, reason=None)
+        _set_state(new, "running", events, now, reason=None)
     return Outcome(new, events)
 
 
@@ -575,7 +579,7 @@ def worker_exited(
     attempt.ready_step_at_end = latest_ready_step
     events: list[Event] = []
     if final_ready or not expects_final_checkpoint(new):
-        _set_state(new, "succeeded", events, reason=None)
+        _set_state(new, "succeeded", events, now, reason=None)
     return Outcome(new, events, release=attempt, note=f"attempt {attempt.attempt} completed")
 
 
@@ -606,7 +610,7 @@ def checkpoint_ready(job: JobRecord, *, global_step: int, now: datetime) -> Outc
     new = job.model_copy(deep=True)
     new.updated_at = now
     events: list[Event] = []
-    _set_state(new, "succeeded", events, reason=None)
+    _set_state(new, "succeeded", events, now, reason=None)
     return Outcome(new, events)
 
 
@@ -664,7 +668,7 @@ def request_control(job: JobRecord, action: str, reason: str | None, now: dateti
     released = _revoke_live(new, "cancelled" if action == "cancel" else "paused", events, now)
     target: JobState = "cancelled" if action == "cancel" else "paused"
     new.control = None
-    _set_state(new, target, events, reason=reason or f"{target} by request")
+    _set_state(new, target, events, now, reason=reason or f"{target} by request")
     new.queued_reason = None
     return Outcome(new, events, release=released)
 
@@ -680,7 +684,7 @@ def _resume(job: JobRecord, reason: str | None, now: datetime) -> Outcome:
     new = job.model_copy(deep=True)
     new.updated_at = now
     events: list[Event] = []
-    _set_state(new, "queued", events, reason=reason or "resumed")
+    _set_state(new, "queued", events, now, reason=reason or "resumed")
     new.queued_reason = "resumed; waiting for placement (from the latest READY checkpoint)"
     return Outcome(new, events)
 
@@ -750,7 +754,7 @@ def check_attempt(
             new = job.model_copy(deep=True)
             new.updated_at = now
             events: list[Event] = []
-            _set_state(new, "succeeded", events, reason=None)
+            _set_state(new, "succeeded", events, now, reason=None)
             return Outcome(new, events)
         waited = (now - (current.ended_at or now)).total_seconds()
         if waited > deadlines.final_checkpoint_timeout_s:
@@ -777,7 +781,7 @@ def _maybe_republish(job: JobRecord, deadlines: Deadlines, now: datetime) -> Out
     attempt.republished_at = now
     new.updated_at = now
     started = len(current.started_ranks)
-    return Outcome(new, [gang_allocated(new, attempt)],
+    return Outcome(new, [gang_allocated(new, attempt, now)],
                    note=f"{started} of {attempt.world_size} ranks started after {(now - since).total_seconds():.0f}s; "
                         f"GangAllocated {attempt.allocation_id} published again ({attempt.republished} of "
                         f"{deadlines.republish_max})")
@@ -804,7 +808,8 @@ def _nan_repeats(job: JobRecord, step: int | None) -> bool:
     return any(a.nan_step == step for a in earlier)
 
 
-def _set_state(job: JobRecord, state: JobState, events: list[Event], *, reason: str | None) -> None:
+def _set_state(job: JobRecord, state: JobState, events: list[Event], now: datetime, *,
+               reason: str | None) -> None:
     """Move ``job`` to ``state`` (in place) and queue the JobStateChanged, if it changes."""
     if job.state == state:
         return
@@ -815,6 +820,7 @@ def _set_state(job: JobRecord, state: JobState, events: list[Event], *, reason: 
     current = job.current
     events.append(
         JobStateChanged(
+            occurred_at=now,
             job_id=job.job_id,
             tenant=job.tenant,
             state=state,
@@ -836,6 +842,7 @@ def _revoke_live(job: JobRecord, why: str, events: list[Event], now: datetime) -
     current.failure_reason = why
     events.append(
         AllocationRevoked(
+            occurred_at=now,
             job_id=job.job_id,
             attempt=current.attempt,
             allocation_id=current.allocation_id,
@@ -860,6 +867,7 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
     if is_live(attempt):
         events.append(
             AllocationRevoked(
+                occurred_at=now,
                 job_id=job.job_id,
                 attempt=attempt.attempt,
                 allocation_id=attempt.allocation_id,
@@ -882,7 +890,7 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
         if job.control == "pause":
             job.control = None
             job.queued_reason = job.queued_reason_kind = None
-            _set_state(job, "paused", events, reason=f"{why}; paused as requested")
+            _set_state(job, "paused", events, now, reason=f"{why}; paused as requested")
             return Outcome(job, events, release=released, note=f"{why}; paused", blame=blamed)
         not_before = retry_not_before(job, policy)
         job.queued_reason = (
@@ -890,7 +898,7 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
             + (f" after {not_before.isoformat(timespec='seconds')}" if not_before else "")
         )
         job.queued_reason_kind = "backoff"
-        _set_state(job, "queued", events, reason=why)
+        _set_state(job, "queued", events, now, reason=why)
         return Outcome(job, events, release=released, note=why, blame=blamed)
     if not retryable:
         budget = f"{total} failed; not retryable"
@@ -901,5 +909,5 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
     why = f"{reason}: {detail} (attempt {attempt.attempt}, {budget})"
     job.queued_reason = None
     job.control = None
-    _set_state(job, "failed", events, reason=why)
+    _set_state(job, "failed", events, now, reason=why)
     return Outcome(job, events, release=released, note=f"job failed: {why}", blame=blamed)
