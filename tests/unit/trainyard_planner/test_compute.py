@@ -6,6 +6,7 @@ import pytest
 
 from trainyard_planner import (
     DEVICES,
+    DeviceSpec,
     Recompute,
     Transformer,
     cpu_device,
@@ -13,6 +14,7 @@ from trainyard_planner import (
     hardware_flops_per_token,
     mfu,
     model_flops_per_token,
+    resolve_device,
     training_flops,
     training_time,
 )
@@ -109,3 +111,25 @@ def test_llama_flops_count_its_own_parameters_and_every_query_head() -> None:
     mha = model.model_copy(update={"n_kv_heads": None})
     assert mha.exact_parameters > model.exact_parameters
     assert model_flops_per_token(mha) - model_flops_per_token(model) == 6 * (mha.exact_parameters - model.exact_parameters)
+
+
+CPU_RANK = cpu_device(10e9, 16e9, devices_per_node=4)
+
+
+@pytest.mark.parametrize(("device", "kwargs", "expected"), [
+    ("h100", {}, device_spec("h100-80gb")),
+    (device_spec("a100-40gb"), {"peak_flops": 1.0}, device_spec("a100-40gb")),  # a DeviceSpec is taken as is
+    ("h100", {"peak_flops": 5e14}, device_spec("h100").model_copy(update={"peak_flops": 5e14})),
+    ("a100", {"memory_bytes": 40e9}, device_spec("a100").model_copy(update={"memory_bytes": 40e9})),
+    ("mydev", {"peak_flops": 1e14, "memory_bytes": 2e10}, cpu_device(1e14, 2e10, name="mydev")),
+    (" CPU ", {"cpu": CPU_RANK}, CPU_RANK),  # the caller's CPU ranks
+    ("cpu", {"peak_flops": 1e11, "memory_bytes": 8e9}, cpu_device(1e11, 8e9, name="cpu")),  # none given
+])
+def test_resolve_device(device: str | DeviceSpec, kwargs: dict, expected: DeviceSpec) -> None:
+    assert resolve_device(device, **kwargs) == expected
+
+
+@pytest.mark.parametrize(("device", "kwargs"), [("mydev", {}), ("mydev", {"peak_flops": 1e14}), ("cpu", {})])
+def test_resolve_device_names_the_known_types_when_it_cannot(device: str, kwargs: dict) -> None:
+    with pytest.raises(KeyError, match="known: a100"):
+        resolve_device(device, **kwargs)

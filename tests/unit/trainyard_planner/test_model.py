@@ -85,3 +85,14 @@ def test_llama_catalog_models_take_the_llama_shape() -> None:
 def test_kv_heads_must_divide_heads() -> None:
     with pytest.raises(ValueError, match="nKvHeads"):
         Transformer(n_layers=1, d_model=64, n_heads=4, n_kv_heads=3, vocab_size=10, seq_len=8)
+
+
+@pytest.mark.parametrize("ref", sorted(MODEL_CATALOG))
+def test_transformer_for_keeps_the_catalogs_exact_count_at_any_sequence_length(ref: str) -> None:
+    """Learned positions count maxSeqLen rows even when a job trains on shorter sequences."""
+    from trainyard_planner import transformer_for
+
+    config = MODEL_CATALOG[ref]
+    short = transformer_for(config, 16)
+    assert short.seq_len == 16 and short.parameters == config.num_parameters
+    assert transformer_for(config).seq_len == config.max_seq_len

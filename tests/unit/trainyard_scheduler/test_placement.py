@@ -282,7 +282,7 @@ def test_incremental_aggregates_match_a_rebuild(ops: list[tuple[str, int, int, i
             snapshot.set_available(snapshot.node_id(pick), op == "repair")
     fresh = _fresh(snapshot)
     for tp in (1, 2, 4, 8):
-        a, b = snapshot._agg("h100", tp, 0), fresh._agg("h100", tp, 0)
+        a, b = snapshot.aggregates("h100", tp), fresh.aggregates("h100", tp)
         for level in (CLUSTER, TIER, RACK, DOMAIN):
             assert a.cap[level] == b.cap[level], (tp, level)
             assert a.idle[level] == b.idle[level], (tp, level)

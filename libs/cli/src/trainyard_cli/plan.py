@@ -46,8 +46,6 @@ from trainyard_planner import (
     bubble_fraction,
     bubble_ratio,
     checkpoint_bytes,
-    cpu_device,
-    device_spec,
     estimate_memory,
     estimate_step,
     hardware_flops_per_token,
@@ -57,8 +55,10 @@ from trainyard_planner import (
     model_flops_per_token,
     plan_checkpoint,
     recommend,
+    resolve_device,
     training_flops,
     training_time,
+    transformer_for,
 )
 
 from trainyard_cli.client import ApiClient
@@ -168,12 +168,6 @@ def _build(what: str, build: Callable[[], T]) -> T:
         _fail(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
-def transformer_for(config: ModelConfig, seq_len: int | None = None) -> Transformer:
-    """A catalog or inline model's shape, keeping its exact parameter count."""
-    shape = Transformer.from_model_config(config, seq_len=seq_len)
-    return shape.model_copy(update={"declared_parameters": config.num_parameters})
-
-
 def resolve_model(model: str | None, params: float | None, seq_len: int | None,
                   vocab: int = 32_000) -> tuple[Transformer, str]:
     """(shape, label) from --model or --params; exactly one is needed."""
@@ -220,17 +214,14 @@ def resolve_layout(**fields: Any) -> Layout:
     return _build("layout", lambda: Layout(**fields))
 
 
-def resolve_device(name: str, peak_tflops: float | None = None, memory_gb: float | None = None) -> DeviceSpec:
-    """A known device type with optional overrides, or a custom one from --peak-tflops and --memory-gb."""
+def device_option(name: str, peak_tflops: float | None = None, memory_gb: float | None = None) -> DeviceSpec:
+    """--device as :func:`trainyard_planner.resolve_device` reads it: a known type with optional overrides,
+    or a custom one from --peak-tflops and --memory-gb."""
     try:
-        device = device_spec(name)
+        return resolve_device(name, peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+                              memory_bytes=None if memory_gb is None else memory_gb * GB)
     except KeyError as exc:
-        if peak_tflops is None or memory_gb is None:
-            _fail(f"{exc.args[0]}; or describe it with --peak-tflops and --memory-gb")
-        return cpu_device(peak_tflops * 1e12, memory_gb * GB, name=name)
-    update = {k: v for k, v in (("peak_flops", peak_tflops and peak_tflops * 1e12),
-                                ("memory_bytes", memory_gb and memory_gb * GB)) if v}
-    return device.model_copy(update=update)
+        _fail(f"{exc.args[0]}; or describe it with --peak-tflops and --memory-gb")
 
 
 def resolve_topology(device: DeviceSpec, devices_per_node: int | None, nodes_per_rack: int,
@@ -365,7 +356,7 @@ def memory_command(
     layout = resolve_layout(dp=dp, tp=tp, pp=pp, zero_stage=ZeroStage(zero_stage), micro_batch=micro_batch,
                             microbatches=microbatches, sequence_parallel=sequence_parallel, recompute=recompute,
                             schedule=schedule, virtual_stages=virtual_stages)
-    target = resolve_device(device, memory_gb=memory_gb) if device else None
+    target = device_option(device, memory_gb=memory_gb) if device else None
     memory = _build("memory", lambda: estimate_memory(shape, layout, bytes_per_parameter=resolve_precision(precision),
                                                       headroom=headroom))
 
@@ -416,7 +407,7 @@ def compute_command(
         --peak-tflops 140 --mfu 1 --flops hardware --recompute full
     """
     shape, label = resolve_model(model, params, seq_len, vocab)
-    peak = peak_tflops * 1e12 if peak_tflops else resolve_device(device).peak_flops
+    peak = peak_tflops * 1e12 if peak_tflops else device_option(device).peak_flops
     flops = training_flops(shape.parameters, tokens)
     hardware = hardware_training_flops(shape, tokens, recompute)
     counted = hardware if flops_counted is FlopsCount.HARDWARE else flops
@@ -470,7 +461,7 @@ def comm_command(
     layout = resolve_layout(dp=dp, tp=tp, pp=pp, zero_stage=ZeroStage(zero_stage), micro_batch=micro_batch,
                             microbatches=microbatches, sequence_parallel=sequence_parallel, recompute=recompute,
                             schedule=schedule, virtual_stages=virtual_stages)
-    target = resolve_device(device, peak_tflops, memory_gb)
+    target = device_option(device, peak_tflops, memory_gb)
     topology = resolve_topology(target, devices_per_node, nodes_per_rack, nvlink_bandwidth, network_bandwidth,
                                 cross_rack_bandwidth)
     step = _build("comm", lambda: estimate_step(
@@ -625,7 +616,7 @@ def recommend_command(
         --devices 256 --global-batch 1024
     """
     shape, label = resolve_model(model, params, seq_len, vocab)
-    target = resolve_device(device, peak_tflops, memory_gb)
+    target = device_option(device, peak_tflops, memory_gb)
     topology = resolve_topology(target, devices_per_node, nodes_per_rack, nvlink_bandwidth, network_bandwidth,
                                 cross_rack_bandwidth)
     sizes = _build("--micro-batches", lambda: [int(x) for x in micro_batches.split(",") if x.strip()])

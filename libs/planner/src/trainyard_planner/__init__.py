@@ -3,10 +3,12 @@
 Do the memory arithmetic before choosing a layout. The API (submission-time checks), the
 scheduler (does a gang fit), the CLI (``trainyard plan …``) and the dashboard's Lab all call this:
 
-- :mod:`model`: a transformer's shape and exact parameter count;
-- :mod:`layout`: dp x tp x pp, ZeRO stage, micro-batches, recomputation, pipeline schedule;
+- :mod:`model`: a transformer's shape and exact parameter count; a model config's (:func:`transformer_for`);
+- :mod:`layout`: dp x tp x pp, ZeRO stage, micro-batches, recomputation, pipeline schedule; a
+  training spec's layout under a named assumption (:func:`spec_layout`);
 - :mod:`memory`: model states and activations per device (ZeRO, Korthikanti et al.);
-- :mod:`compute`: 6ND, PaLM's FLOPs per token, time to train, MFU, the device table;
+- :mod:`compute`: 6ND, PaLM's FLOPs per token, time to train, MFU, the device table, a named
+  device with overrides (:func:`resolve_device`);
 - :mod:`comm`: ring collectives per step over NVLink / rack / cross-rack links, the bottleneck;
 - :mod:`bubble`: GPipe, 1F1B and interleaved pipeline bubbles;
 - :mod:`step`: one step's time under a layout;
@@ -33,18 +35,21 @@ from trainyard_planner.comm import (
 )
 from trainyard_planner.compute import (
     DEVICES, DeviceSpec, FlopsCount, TrainingTime, attention_flops_per_token, cpu_device, device_spec,
-    hardware_flops_per_token, hardware_training_flops, mfu, model_flops_per_token, training_flops, training_time,
+    hardware_flops_per_token, hardware_training_flops, mfu, model_flops_per_token, resolve_device, training_flops,
+    training_time,
 )
 from trainyard_planner.lab import (
     CheckpointLab, MemoryLab, ScalingLab, Sharding, checkpoint_lab, lab_topology, memory_lab, node_counts,
     scaling_lab,
 )
-from trainyard_planner.layout import FSDP, Layout, Recompute, Schedule, ZeroStage
+from trainyard_planner.layout import (
+    FSDP, Layout, LayoutAssumption, Recompute, Schedule, SpecLike, ZeroStage, spec_layout,
+)
 from trainyard_planner.memory import (
     DEFAULT_HEADROOM, FP32_ADAM, MIXED_PRECISION_ADAM, BytesPerParameter, MemoryBreakdown,
     activation_bytes_per_layer, activations_bytes_per_device, estimate_memory, model_states_bytes,
 )
-from trainyard_planner.model import Transformer
+from trainyard_planner.model import CatalogModelLike, Transformer, transformer_for
 from trainyard_planner.recommend import (
     Candidate, Recommendation, RejectedLayout, candidates, check_fits, recommend,
 )
@@ -61,6 +66,7 @@ __all__ = [
     "BytesPerParameter",
     "Calibration",
     "Candidate",
+    "CatalogModelLike",
     "CheckpointLab",
     "CheckpointPlan",
     "CommEstimate",
@@ -69,6 +75,7 @@ __all__ = [
     "DeviceSpec",
     "FlopsCount",
     "Layout",
+    "LayoutAssumption",
     "LinkTier",
     "MemoryBreakdown",
     "MemoryLab",
@@ -80,6 +87,7 @@ __all__ = [
     "ScalingLab",
     "Schedule",
     "Sharding",
+    "SpecLike",
     "StepEstimate",
     "Tier",
     "Topology",
@@ -124,10 +132,13 @@ __all__ = [
     "plan_checkpoint",
     "recommend",
     "reduce_scatter_bytes",
+    "resolve_device",
     "scaling_lab",
+    "spec_layout",
     "storage_bytes",
     "training_flops",
     "training_time",
+    "transformer_for",
     "wasted_fraction",
     "within",
     "write_seconds",

@@ -169,3 +169,28 @@ def cpu_device(
         nvlink_bandwidth=memory_bandwidth, network_bandwidth=memory_bandwidth,
         nvlink_domain=devices_per_node,
     )
+
+
+def resolve_device(
+    device: str | DeviceSpec,
+    *,
+    peak_flops: float | None = None,
+    memory_bytes: float | None = None,
+    cpu: DeviceSpec | None = None,
+) -> DeviceSpec:
+    """The DeviceSpec a caller names: a DeviceSpec as is; ``cpu`` (any case) as ``cpu`` when the caller
+    describes its CPU ranks; a known type with ``peak_flops`` / ``memory_bytes`` overriding its
+    datasheet; an unknown name when both describe it (a :func:`cpu_device` of that name).
+    Raises :func:`device_spec`'s KeyError otherwise."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if cpu is not None and device.strip().lower() == "cpu":
+        return cpu
+    try:
+        known = device_spec(device)
+    except KeyError:
+        if peak_flops is None or memory_bytes is None:
+            raise
+        return cpu_device(peak_flops, memory_bytes, name=device)
+    overrides = {k: v for k, v in (("peak_flops", peak_flops), ("memory_bytes", memory_bytes)) if v is not None}
+    return known.model_copy(update=overrides)

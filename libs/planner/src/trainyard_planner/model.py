@@ -38,6 +38,13 @@ class ModelConfigLike(Protocol):
     def ffn_width(self) -> int: ...
 
 
+class CatalogModelLike(ModelConfigLike, Protocol):
+    """What :func:`transformer_for` reads: a model config that also knows its exact parameter count."""
+
+    @property
+    def num_parameters(self) -> int: ...
+
+
 class Transformer(Model):
     """A decoder-only transformer: pre-norm blocks of attention and MLP, embeddings, final norm.
 
@@ -178,3 +185,10 @@ class Transformer(Model):
             n_layers=depth(width), d_model=width, n_heads=max(1, width // _HEAD_DIM),
             vocab_size=vocab_size, seq_len=seq_len, declared_parameters=n,
         )
+
+
+def transformer_for(config: CatalogModelLike, seq_len: int | None = None) -> Transformer:
+    """The planner's shape of a catalog or inline model, keeping its exact parameter count
+    (learned positions count ``maxSeqLen`` rows even when a job trains on shorter sequences)."""
+    shape = Transformer.from_model_config(config, seq_len=seq_len)
+    return shape.model_copy(update={"declared_parameters": config.num_parameters})

@@ -8,6 +8,8 @@ request field.
 What the submission check assumes. The spec has no ZeRO or recomputation field, so it uses what
 the trainer runs by default (sharding and activation checkpointing are rank settings,
 ``TRAINYARD_SHARDING`` / ``TRAINYARD_ACTIVATION_CHECKPOINTING``, which the API cannot see):
+:func:`trainyard_planner.spec_layout` with ``LayoutAssumption.TRAINER_DEFAULTS`` (the scheduler's
+memory floor maps the same spec with ``MOST_FRUGAL``):
 
 - DDP over ``parallelism.data``: ZeRO stage 0, every rank holds all model states (with
   ``parallelism.tensor > 1`` the trainer switches to FSDP, so there the check overestimates);
@@ -44,6 +46,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+import trainyard_planner
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_common.errors import SpecError
 from trainyard_common.spec import TrainingSpec
@@ -59,6 +62,7 @@ from trainyard_planner import (
     DeviceSpec,
     FlopsCount,
     Layout,
+    LayoutAssumption,
     LinkTier,
     MemoryBreakdown,
     Recompute,
@@ -67,7 +71,6 @@ from trainyard_planner import (
     Topology,
     TrainingTime,
     Transformer,
-    ZeroStage,
     attention_flops_per_token,
     checkpoint_bytes,
     cpu_device,
@@ -79,8 +82,10 @@ from trainyard_planner import (
     model_flops_per_token,
     plan_checkpoint,
     recommend,
+    spec_layout,
     training_flops,
     training_time,
+    transformer_for,
 )
 
 from trainyard_api.bodies import (
@@ -112,7 +117,6 @@ DEFAULT_WRITE_BANDWIDTH = 500e6
 """Bytes/s the platform's checkpoint predictions assume for the artifact store (a local SSD's
 fsync'd sequential rate, conservatively); calibration corrects it."""
 
-SUBMISSION_RECOMPUTE = Recompute.SELECTIVE  # fused SDPA attention; see the module docstring
 PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
 _GB = 1e9
 _MAX_SECONDS = 1e12  # ~31,700 years
@@ -128,12 +132,11 @@ class Assumptions:
     write_bandwidth: float = DEFAULT_WRITE_BANDWIDTH
     efficiency: float = DEFAULT_EFFICIENCY
 
-    def device(self, name: str, *, devices: int = 1) -> DeviceSpec:
+    def device(self, name: str | DeviceSpec, *, devices: int = 1) -> DeviceSpec:
         """The DeviceSpec of a device type; ``cpu`` from the assumed peak, with ``devices`` ranks on
         one host (one shared-memory domain). Raises KeyError naming the known types."""
-        if device_type_of(name) == "cpu":
-            return cpu_device(self.cpu_peak_flops, self.cpu_memory_bytes, devices_per_node=devices)
-        return device_spec(name)
+        cpu = cpu_device(self.cpu_peak_flops, self.cpu_memory_bytes, devices_per_node=devices)
+        return trainyard_planner.resolve_device(name, cpu=cpu)
 
 
 def device_type_of(name: str) -> str:
@@ -381,13 +384,6 @@ def _in(name: str, build: Callable[[], T]) -> T:
 # ----------------------------------------------------------------------------- translation
 
 
-def transformer_for(config: ModelConfig, seq_len: int | None = None) -> Transformer:
-    """The planner's shape of a catalog or inline model, keeping its exact parameter count
-    (learned positions count ``maxSeqLen`` rows even when a job trains on shorter sequences)."""
-    shape = Transformer.from_model_config(config, seq_len=seq_len)
-    return shape.model_copy(update={"declared_parameters": config.num_parameters})
-
-
 def resolve_transformer(request: PlanRequest, catalog: Mapping[str, ModelConfig]) -> tuple[Transformer, str]:
     ref, seq_len = request.model, request.sequence_length
     if isinstance(ref, ParameterCount):
@@ -408,8 +404,7 @@ def resolve_transformer(request: PlanRequest, catalog: Mapping[str, ModelConfig]
 
 
 def resolve_device(device: str | DeviceSpec, assumptions: Assumptions | None = None, devices: int = 1) -> DeviceSpec:
-    if isinstance(device, DeviceSpec):
-        return device
+    """:func:`trainyard_planner.resolve_device` with the platform's ``cpu``; an unknown type is a 422 on ``device``."""
     try:
         return (assumptions or Assumptions()).device(device, devices=devices)
     except KeyError as exc:
@@ -640,10 +635,7 @@ def trainer_bytes_per_parameter(spec: TrainingSpec) -> BytesPerParameter:
 
 def trainer_layout(spec: TrainingSpec) -> Layout:
     """The layout the trainer runs a spec with: DDP (ZeRO 0), fused attention, no checkpointing."""
-    p = spec.parallelism
-    return Layout(dp=p.data, tp=p.tensor, pp=p.pipeline, zero_stage=ZeroStage.NONE,
-                  micro_batch=spec.training.micro_batch_size, microbatches=spec.grad_accumulation,
-                  recompute=SUBMISSION_RECOMPUTE)
+    return spec_layout(spec, assume=LayoutAssumption.TRAINER_DEFAULTS)
 
 
 def check_spec_memory(spec: TrainingSpec, config: ModelConfig, *, headroom: float = DEFAULT_HEADROOM) -> MemoryCheck:

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from operator import eq, ne
 from typing import NamedTuple
 
+from trainyard_common.devices import Device
 from trainyard_common.events import DeviceInfo, NodeAssignment, PlacementDetail, RankAssignment
-from trainyard_common.leases import Device
 from trainyard_common.records import NodeRecord
 from trainyard_common.spec import TrainingSpec
 
@@ -212,8 +212,19 @@ class Unschedulable:
 # ----------------------------------------------------------------------------- the index
 
 
-class _Agg:
-    """Usable capacity (whole TP groups of ``tp``) of one device type at every level."""
+class Aggregates:
+    """Usable capacity (whole TP groups of ``tp``) of one device type at every level.
+
+    Built and kept current by :class:`ClusterSnapshot` (:meth:`ClusterSnapshot.aggregates`); callers
+    such as the queue planner read it and never write it. Lists indexed by level (``CLUSTER``,
+    ``TIER``, ``RACK``, ``DOMAIN``) hold one entry per unit of that level:
+
+    - ``cap`` / ``idle``: usable devices now / were every healthy device free;
+    - ``best_dom`` / ``best_rack``: the largest single domain / rack ``cap`` under each cluster, tier (and rack) unit;
+    - ``idle_best_dom`` / ``idle_best_rack`` / ``idle_best_tier``: the largest single unit's ``idle``;
+    - per node ``eligible`` (available and above the memory ``floor``) and ``node_u`` (its usable devices);
+      per domain ``pooled`` (TP groups may span its nodes) and ``solo`` (one node, not pooled).
+    """
 
     __slots__ = ("kind", "tp", "floor", "pooled", "solo", "eligible", "node_u", "cap", "best_dom", "best_rack",
                  "idle", "idle_best_dom", "idle_best_rack", "idle_best_tier")
@@ -296,7 +307,7 @@ class ClusterSnapshot:
             self.healthy.append(healthy)
             self.memory.append(memory)
             self.free.append(free)
-        self._aggs: dict[tuple[str, int, int], _Agg] = {}
+        self._aggs: dict[tuple[str, int, int], Aggregates] = {}
         self._impossible: dict[tuple[object, ...], Unschedulable | None] = {}
         self._short: dict[tuple[object, ...], Unschedulable] = {}
 
@@ -343,7 +354,7 @@ class ClusterSnapshot:
 
     def free_count(self, kind: str, tp: int = 1) -> int:
         """Free devices of ``kind`` usable in whole TP groups of ``tp``."""
-        return self._agg(kind, tp, 0).cap[CLUSTER][0]
+        return self.aggregates(kind, tp).cap[CLUSTER][0]
 
     def free_devices(self, kind: str) -> int:
         return self.free_count(kind, 1)
@@ -455,7 +466,7 @@ class ClusterSnapshot:
             if kind in touched:
                 self._refresh_counts(agg, touched[kind])
 
-    def _refresh_counts(self, agg: _Agg, counts: dict[int, int]) -> None:
+    def _refresh_counts(self, agg: Aggregates, counts: dict[int, int]) -> None:
         """The fast path of :meth:`_refresh_nodes` for take/give: ``{node: free devices of the kind}``."""
         tp, node_u, eligible, node_dom, dom_rack = agg.tp, agg.node_u, agg.eligible, self.node_dom, self.dom_rack
         solo, dom_cap = agg.solo, agg.cap[DOMAIN]
@@ -480,23 +491,29 @@ class ClusterSnapshot:
         self._push_up(agg, deltas)
 
     # -- aggregates ---------------------------------------------------------------
-    def _agg(self, kind: str, tp: int, floor: int) -> _Agg:
+    def aggregates(self, kind: str, tp: int, floor: int = 0) -> Aggregates:
+        """The capacity index of ``kind`` in whole TP groups of ``tp`` on nodes whose devices have at least
+        ``floor`` bytes (0: every node), built on first use and kept current by take / give."""
         key = (kind, tp, floor)
         agg = self._aggs.get(key)
         if agg is None:
             agg = self._aggs[key] = self._build_agg(kind, tp, floor)
         return agg
 
-    def _eligible(self, n: int, agg: _Agg) -> bool:
+    def aggregates_for(self, request: GangRequest) -> Aggregates:
+        """:meth:`aggregates` for a gang's device type, TP size and memory floor."""
+        return self.aggregates(request.gpu_type, request.tensor, memory_floor(self, request))
+
+    def _eligible(self, n: int, agg: Aggregates) -> bool:
         return self.available[n] and (not agg.floor or self.memory[n].get(agg.kind, 0) >= agg.floor)
 
-    def _node_usable(self, n: int, agg: _Agg, *, idle: bool) -> int:
+    def _node_usable(self, n: int, agg: Aggregates, *, idle: bool) -> int:
         if not agg.eligible[n]:
             return 0
         count = self.healthy[n].get(agg.kind, 0) if idle else len(self.free[n].get(agg.kind, ()))
         return count // agg.tp * agg.tp
 
-    def _dom_usable(self, d: int, agg: _Agg, *, idle: bool) -> int:
+    def _dom_usable(self, d: int, agg: Aggregates, *, idle: bool) -> int:
         nodes = self.dom_nodes[d]
         if not agg.pooled[d]:
             if idle:
@@ -508,8 +525,8 @@ class ClusterSnapshot:
                 total += self.healthy[n].get(agg.kind, 0) if idle else len(self.free[n].get(agg.kind, ()))
         return total // agg.tp * agg.tp
 
-    def _build_agg(self, kind: str, tp: int, floor: int) -> _Agg:
-        agg = _Agg(kind, tp, floor)
+    def _build_agg(self, kind: str, tp: int, floor: int) -> Aggregates:
+        agg = Aggregates(kind, tp, floor)
         for nodes in self.dom_nodes:
             sizes = [self.healthy[n].get(kind, 0) for n in nodes if self.healthy[n].get(kind, 0)]
             agg.pooled.append(bool(sizes) and tp > min(sizes))
@@ -526,7 +543,7 @@ class ClusterSnapshot:
         self._refresh_idle_best(agg)
         return agg
 
-    def _refresh_nodes(self, agg: _Agg, nodes: Iterable[int], *, idle: bool,
+    def _refresh_nodes(self, agg: Aggregates, nodes: Iterable[int], *, idle: bool,
                        deltas: dict[int, int] | None = None) -> None:
         """Nodes' free devices changed (or their availability, ``idle``): update the aggregates."""
         kind, tp, free, node_u, eligible = agg.kind, agg.tp, self.free, agg.node_u, agg.eligible
@@ -561,7 +578,7 @@ class ClusterSnapshot:
             self._refresh_idle_best(agg)
         self._push_up(agg, deltas)
 
-    def _push_up(self, agg: _Agg, deltas: dict[int, int]) -> None:
+    def _push_up(self, agg: Aggregates, deltas: dict[int, int]) -> None:
         """Add per-rack capacity changes to the racks, tiers and the cluster; refresh the maxima."""
         if not deltas:
             return
@@ -574,7 +591,7 @@ class ClusterSnapshot:
         agg.cap[CLUSTER][0] += total
         self._refresh_best(agg, deltas)
 
-    def _apply_doms(self, agg: _Agg, doms: Iterable[int], *, idle: bool) -> set[int]:
+    def _apply_doms(self, agg: Aggregates, doms: Iterable[int], *, idle: bool) -> set[int]:
         """Recompute the domains' capacity and push the differences up to racks, tiers and the cluster."""
         caps = agg.idle if idle else agg.cap
         dom_cap, rack_cap, tier_cap = caps[DOMAIN], caps[RACK], caps[TIER]
@@ -598,7 +615,7 @@ class ClusterSnapshot:
         caps[CLUSTER][0] += total
         return set(deltas)
 
-    def _refresh_best(self, agg: _Agg, racks: Iterable[int]) -> None:
+    def _refresh_best(self, agg: Aggregates, racks: Iterable[int]) -> None:
         tiers = set()
         dom_cap = agg.cap[DOMAIN]
         best_rack_dom, rack_doms, rack_tier = agg.best_dom[RACK], self.rack_doms, self.rack_tier
@@ -613,12 +630,12 @@ class ClusterSnapshot:
         agg.best_dom[CLUSTER][0] = max(agg.best_dom[TIER], default=0)
         agg.best_rack[CLUSTER][0] = max(agg.best_rack[TIER], default=0)
 
-    def _refresh_idle_best(self, agg: _Agg) -> None:
+    def _refresh_idle_best(self, agg: Aggregates) -> None:
         agg.idle_best_dom = max(agg.idle[DOMAIN], default=0)
         agg.idle_best_rack = max(agg.idle[RACK], default=0)
         agg.idle_best_tier = max(agg.idle[TIER], default=0)
 
-    def best_under(self, agg: _Agg, level: int, i: int, target: int) -> int:
+    def best_under(self, agg: Aggregates, level: int, i: int, target: int) -> int:
         """The largest single ``target``-level unit capacity inside unit ``i`` of ``level``."""
         if level == target:
             return agg.cap[level][i]
@@ -642,7 +659,7 @@ def place(snapshot: ClusterSnapshot, request: GangRequest) -> Placement | Unsche
 def place_possible(snapshot: ClusterSnapshot, request: GangRequest) -> Placement | Unschedulable:
     """:func:`place` for a request already known not to be :func:`impossible`."""
     tp, need, kind = request.tensor, request.gpu_count, request.gpu_type
-    agg = snapshot._agg(kind, tp, _floor(snapshot, request))
+    agg = snapshot.aggregates_for(request)
     free = agg.cap[CLUSTER][0]
     if free < need:
         return _short(snapshot, request, agg)
@@ -665,7 +682,7 @@ def place_possible(snapshot: ClusterSnapshot, request: GangRequest) -> Placement
     return build_placement(snapshot, request, pieces)
 
 
-def smallest_level(snapshot: ClusterSnapshot, agg: _Agg, need: int) -> int:
+def smallest_level(snapshot: ClusterSnapshot, agg: Aggregates, need: int) -> int:
     """The lowest level (domain, rack, tier, else cluster) at which one unit holds ``need`` now."""
     if agg.best_dom[CLUSTER][0] >= need:
         return DOMAIN
@@ -676,7 +693,7 @@ def smallest_level(snapshot: ClusterSnapshot, agg: _Agg, need: int) -> int:
     return CLUSTER
 
 
-def descend(snapshot: ClusterSnapshot, agg: _Agg, target: int, need: int) -> int:
+def descend(snapshot: ClusterSnapshot, agg: Aggregates, target: int, need: int) -> int:
     """Best fit: at each level, the fullest child that still holds ``need`` in one ``target`` unit."""
     level, i = CLUSTER, 0
     while level < target:
@@ -697,7 +714,7 @@ def descend(snapshot: ClusterSnapshot, agg: _Agg, target: int, need: int) -> int
     return i
 
 
-def _racks_needed(snapshot: ClusterSnapshot, agg: _Agg, tier: int, need: int) -> int:
+def _racks_needed(snapshot: ClusterSnapshot, agg: Aggregates, tier: int, need: int) -> int:
     """Racks a gang of ``need`` takes in ``tier`` when the roomiest racks go first."""
     rack_cap = agg.cap[RACK]
     count = 0
@@ -709,7 +726,7 @@ def _racks_needed(snapshot: ClusterSnapshot, agg: _Agg, tier: int, need: int) ->
     return count
 
 
-def fill(snapshot: ClusterSnapshot, agg: _Agg, level: int, i: int, need: int,
+def fill(snapshot: ClusterSnapshot, agg: Aggregates, level: int, i: int, need: int,
          out: list[tuple[int, int]]) -> None:
     """Append ``(node, count)`` pieces taking ``need`` usable devices from unit ``i`` of ``level``."""
     if level == NODE:
@@ -739,7 +756,7 @@ def fill(snapshot: ClusterSnapshot, agg: _Agg, level: int, i: int, need: int,
         left.remove(c)
 
 
-def _fill_whole(snapshot: ClusterSnapshot, agg: _Agg, level: int, i: int, out: list[tuple[int, int]]) -> None:
+def _fill_whole(snapshot: ClusterSnapshot, agg: Aggregates, level: int, i: int, out: list[tuple[int, int]]) -> None:
     """Everything usable in the unit, in topology (index) order."""
     doms: list[int] = [i] if level == DOMAIN else []
     if level < DOMAIN:
@@ -754,7 +771,7 @@ def _fill_whole(snapshot: ClusterSnapshot, agg: _Agg, level: int, i: int, out: l
             out.extend((n, node_u[n]) for n in snapshot.dom_nodes[d] if node_u[n])
 
 
-def _fill_pooled(snapshot: ClusterSnapshot, agg: _Agg, d: int, need: int, out: list[tuple[int, int]]) -> None:
+def _fill_pooled(snapshot: ClusterSnapshot, agg: Aggregates, d: int, need: int, out: list[tuple[int, int]]) -> None:
     """A domain whose TP groups span nodes: fewest nodes, roomiest first."""
     nodes = [n for n in snapshot.dom_nodes[d] if snapshot._eligible(n, agg)]
     sizes = {n: len(snapshot.free[n].get(agg.kind, ())) for n in nodes}
@@ -768,7 +785,7 @@ def _fill_pooled(snapshot: ClusterSnapshot, agg: _Agg, d: int, need: int, out: l
             remaining -= take
 
 
-def _spread(snapshot: ClusterSnapshot, agg: _Agg, need: int, limit: int) -> list[tuple[int, int]] | None:
+def _spread(snapshot: ClusterSnapshot, agg: Aggregates, need: int, limit: int) -> list[tuple[int, int]] | None:
     """Balance ``need`` over racks (water-filling in TP groups); None if it cannot be done."""
     tp = agg.tp
     groups = need // tp
@@ -874,7 +891,7 @@ def describe(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[t
 # ----------------------------------------------------------------------------- refusals
 
 
-def _floor(snapshot: ClusterSnapshot, request: GangRequest) -> int:
+def memory_floor(snapshot: ClusterSnapshot, request: GangRequest) -> int:
     """The memory floor as an aggregate key: 0 when every device of the type is big enough."""
     need = request.min_memory_bytes
     if not need:
@@ -900,7 +917,7 @@ def _impossible(snapshot: ClusterSnapshot, request: GangRequest) -> Unschedulabl
     if need % tp:
         return Unschedulable(f"needs {need} devices, which is not a multiple of the tensor-parallel size {tp}",
                              False, "topology")
-    whole = snapshot._agg(kind, 1, 0)
+    whole = snapshot.aggregates(kind, 1)
     healthy = whole.idle[CLUSTER][0]
     if healthy < need:
         holders = sum(1 for n in range(snapshot.node_count()) if snapshot.available[n] and snapshot.healthy[n].get(kind))
@@ -916,7 +933,7 @@ def _impossible(snapshot: ClusterSnapshot, request: GangRequest) -> Unschedulabl
             return Unschedulable(
                 f"needs {_gib(request.min_memory_bytes)} GiB per device even fully sharded with full "
                 f"recomputation; the largest {kind} device has {_gib(biggest)} GiB", False)
-    agg = snapshot._agg(kind, tp, _floor(snapshot, request))
+    agg = snapshot.aggregates_for(request)
     largest = whole.idle_best_dom
     if tp > largest:
         return Unschedulable(f"a tensor-parallel group of {tp} must stay inside one NVLink domain; the largest "
@@ -933,7 +950,7 @@ def _impossible(snapshot: ClusterSnapshot, request: GangRequest) -> Unschedulabl
     return None
 
 
-def _short(snapshot: ClusterSnapshot, request: GangRequest, agg: _Agg) -> Unschedulable:
+def _short(snapshot: ClusterSnapshot, request: GangRequest, agg: Aggregates) -> Unschedulable:
     kind, need, tp = request.gpu_type, request.gpu_count, request.tensor
     free = snapshot.free_count(kind, 1) if tp > 1 or agg.floor else agg.cap[CLUSTER][0]
     key = (kind, need, tp, agg.floor, agg.cap[CLUSTER][0], free)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from trainyard_common.leases import Device
+from trainyard_common.devices import Device
 
 from trainyard_scheduler.placement import (
     CLUSTER,
@@ -44,11 +44,11 @@ from trainyard_scheduler.placement import (
     LEVEL_NAMES,
     RACK,
     TIER,
+    Aggregates,
     ClusterSnapshot,
     GangRequest,
     Placement,
     Unschedulable,
-    _floor,
     fill,
     impossible,
     place,
@@ -239,7 +239,6 @@ class _Pass:
     # ---------------------------------------------------------------- phases
     def run(self, pending: Iterable[PendingJob]) -> list[Decision]:
         queues: dict[str, list[tuple[int, PendingJob]]] = {}
-        shapes: set[tuple[str, int, int]] = set()
         aging = self.policy.aging
         every, step, top = aging.every_seconds, aging.step, aging.max_boost
         now = self.now
@@ -248,9 +247,7 @@ class _Pass:
             boost = int(waited // every) * step if waited > 0 and step else 0
             eff = job.priority + (boost if top is None else min(boost, top))  # effective_priority, inlined
             queues.setdefault(job.tenant, []).append((eff, job))
-            shapes.add((job.request.gpu_type, job.request.tensor, _floor(self.snapshot, job.request)))
-        for kind, tp, floor in shapes:  # build the capacity indexes up front (pass overhead, not per decision)
-            self.snapshot._agg(kind, tp, floor)
+            self.snapshot.aggregates_for(job.request)  # built up front (pass overhead, not per decision)
         for q in queues.values():
             q.sort(key=lambda e: (-e[0], e[1].submitted_at, e[1].job_id), reverse=True)  # pop() from the end
         heap = [self._head(t, q) for t, q in queues.items() if q]
@@ -433,7 +430,7 @@ class _Pass:
     def _reserve(self, job: PendingJob) -> Reservation | None:
         """Hold the free devices of the unit the head job will start in (one per device type)."""
         snap, request = self.snapshot, job.request
-        agg = snap._agg(request.gpu_type, request.tensor, _floor(snap, request))
+        agg = snap.aggregates_for(request)
         need = request.gpu_count
         level = self._idle_level(agg, need, request.mode)
         unit = 0 if level == CLUSTER else self._soonest_unit(request.gpu_type, agg, level, need)
@@ -467,10 +464,10 @@ class _Pass:
             self.backfill_until[kind] = None if until is None or reservation.start is None else min(
                 until, reservation.start)
 
-    def _soonest_unit(self, kind: str, agg: object, level: int, need: int) -> int | None:
+    def _soonest_unit(self, kind: str, agg: Aggregates, level: int, need: int) -> int | None:
         """The unit of ``level`` where the head can start soonest: by the running jobs' expected ends
         when every one of them says (the simulator), else the unit with the most free capacity now."""
-        idle, cap = agg.idle[level], agg.cap[level]  # type: ignore[attr-defined]
+        idle, cap = agg.idle[level], agg.cap[level]
         ends: dict[int, list[tuple[datetime, int]]] = {}
         for r in self.running.values():
             if r.gpu_type != kind:
@@ -498,12 +495,12 @@ class _Pass:
         units = [u for u, c in enumerate(idle) if c >= need]
         return max(units, key=lambda u: (cap[u], -u)) if units else None
 
-    def _idle_level(self, agg: object, need: int, mode: str) -> int:
+    def _idle_level(self, agg: Aggregates, need: int, mode: str) -> int:
         if mode == "spread":
             return CLUSTER
         limit = {"tier": TIER, "rack": RACK, "domain": DOMAIN}.get(mode, CLUSTER)
-        for level, best in ((DOMAIN, agg.idle_best_dom), (RACK, agg.idle_best_rack),  # type: ignore[attr-defined]
-                            (TIER, agg.idle_best_tier)):  # type: ignore[attr-defined]
+        for level, best in ((DOMAIN, agg.idle_best_dom), (RACK, agg.idle_best_rack),
+                            (TIER, agg.idle_best_tier)):
             if best >= need:
                 return max(level, limit) if limit != CLUSTER else level
         return CLUSTER
@@ -634,7 +631,7 @@ class _Pass:
         if self._fits_without(job, chosen):
             return chosen
         snap = self.snapshot
-        agg = snap._agg(kind, job.request.tensor, _floor(snap, job.request))
+        agg = snap.aggregates_for(job.request)
         level = self._idle_level(agg, need, job.request.mode)
         if level != CLUSTER:  # one unit: the cheapest victims there, smallest first
             small = sorted(candidates, key=lambda r: (r.shield, r.size, -r.started_at.timestamp(), r.job_id))
@@ -650,7 +647,7 @@ class _Pass:
         if snap.free_count(kind) + len(freed) < request.gpu_count:
             return False
         if self.place is place:
-            agg = snap._agg(kind, request.tensor, _floor(snap, request))
+            agg = snap.aggregates_for(request)
             fits = fits_after_freeing(snap, agg, request, freed)
             if fits is not None:
                 return fits
@@ -660,11 +657,11 @@ class _Pass:
         finally:
             self.snapshot.take_devices(kind, freed)
 
-    def _victims_in_unit(self, job: PendingJob, agg: object, level: int, candidates: list[RunningJob],
+    def _victims_in_unit(self, job: PendingJob, agg: Aggregates, level: int, candidates: list[RunningJob],
                          chosen: list[RunningJob]) -> list[RunningJob] | None:
         """The cheapest victim set inside one unit of ``level`` that holds the gang when idle."""
         need = job.request.gpu_count
-        idle, cap = agg.idle[level], agg.cap[level]  # type: ignore[attr-defined]
+        idle, cap = agg.idle[level], agg.cap[level]
         buckets: dict[int, list[RunningJob]] = {}
         for r in candidates:
             for u in r.units(self.snapshot, level):
@@ -718,17 +715,17 @@ class _Pass:
         return picked
 
 
-def most_free(snapshot: ClusterSnapshot, agg: object, level: int) -> int:
+def most_free(snapshot: ClusterSnapshot, agg: Aggregates, level: int) -> int:
     """The unit of ``level`` with the most usable free capacity (lowest index among equals)."""
     at, i = CLUSTER, 0
     while at < level:
         child = at + 1
-        i = max(snapshot.children(at, i), key=lambda c: (snapshot.best_under(agg, child, c, level), -c))  # type: ignore[arg-type]
+        i = max(snapshot.children(at, i), key=lambda c: (snapshot.best_under(agg, child, c, level), -c))
         at = child
     return i
 
 
-def usable_gain(snapshot: ClusterSnapshot, agg: object, freed: Iterable[Device], level: int = CLUSTER
+def usable_gain(snapshot: ClusterSnapshot, agg: Aggregates, freed: Iterable[Device], level: int = CLUSTER
                 ) -> dict[int, int] | None:
     """Usable capacity (whole TP groups) freeing ``freed`` adds, per unit of ``level``; None for pooled domains."""
     per_node: dict[int, int] = {}
@@ -736,31 +733,31 @@ def usable_gain(snapshot: ClusterSnapshot, agg: object, freed: Iterable[Device],
         n = snapshot.pos.get(d.node_id)
         if n is not None:
             per_node[n] = per_node.get(n, 0) + 1
-    tp, kind = agg.tp, agg.kind  # type: ignore[attr-defined]
+    tp, kind = agg.tp, agg.kind
     gains: dict[int, int] = {}
     for n, count in per_node.items():
-        if agg.pooled[snapshot.node_dom[n]]:  # type: ignore[attr-defined]
+        if agg.pooled[snapshot.node_dom[n]]:
             return None
-        if agg.eligible[n]:  # type: ignore[attr-defined]
+        if agg.eligible[n]:
             u = snapshot.unit_of(n, level)
-            gain = (len(snapshot.free[n].get(kind, ())) + count) // tp * tp - agg.node_u[n]  # type: ignore[attr-defined]
+            gain = (len(snapshot.free[n].get(kind, ())) + count) // tp * tp - agg.node_u[n]
             gains[u] = gains.get(u, 0) + gain
     return gains
 
 
-def fits_after_freeing(snapshot: ClusterSnapshot, agg: object, request: GangRequest,
+def fits_after_freeing(snapshot: ClusterSnapshot, agg: Aggregates, request: GangRequest,
                        freed: Sequence[Device]) -> bool | None:
     """Whether :func:`place` would place ``request`` once ``freed`` are free, by counting on the index
     (None when only placing can tell: pooled domains)."""
     need = request.gpu_count
     if request.mode == "pack" or (request.mode == "spread" and not request.spread):
         gains = usable_gain(snapshot, agg, freed)
-        return None if gains is None else agg.cap[CLUSTER][0] + sum(gains.values()) >= need  # type: ignore[attr-defined]
+        return None if gains is None else agg.cap[CLUSTER][0] + sum(gains.values()) >= need
     if request.mode == "spread":  # the N roomiest racks must hold it
         gains = usable_gain(snapshot, agg, freed, RACK)
         if gains is None:
             return None
-        caps = sorted((c + gains.get(r, 0) for r, c in enumerate(agg.cap[RACK])), reverse=True)  # type: ignore[attr-defined]
+        caps = sorted((c + gains.get(r, 0) for r, c in enumerate(agg.cap[RACK])), reverse=True)
         return sum(caps[:request.spread]) >= need
     level = {"tier": TIER, "rack": RACK, "domain": DOMAIN}.get(request.mode)
     if level is None:
@@ -768,7 +765,7 @@ def fits_after_freeing(snapshot: ClusterSnapshot, agg: object, request: GangRequ
     gains = usable_gain(snapshot, agg, freed, level)
     if gains is None:
         return None
-    caps = agg.cap[level]  # type: ignore[attr-defined]
+    caps = agg.cap[level]
     return max(caps, default=0) >= need or any(caps[u] + g >= need for u, g in gains.items())
 
 

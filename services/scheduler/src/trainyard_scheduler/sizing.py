@@ -2,7 +2,9 @@
 
 The scheduler refuses a device type only when the gang cannot fit it however it is run: the
 estimate assumes the most memory-frugal layout the trainer could use for the spec's dp × tp × pp
-(ZeRO-3 / FSDP across the data-parallel ranks, full activation recomputation, no headroom).
+(``LayoutAssumption.MOST_FRUGAL``: ZeRO-3 / FSDP across the data-parallel ranks, full activation
+recomputation), no headroom, and the planner's default (mixed-precision Adam) bytes per parameter.
+The API's submission check maps the same spec with ``LayoutAssumption.TRAINER_DEFAULTS`` instead.
 Choosing a good layout is the planning endpoint's job, not the scheduler's.
 """
 
@@ -20,16 +22,13 @@ log = logging.getLogger(__name__)
 def min_device_memory(spec: TrainingSpec) -> int:
     """Bytes per device below which the gang can never run; 0 when it cannot be estimated."""
     try:
-        from trainyard_planner import FSDP, Layout, Recompute, Transformer, ZeroStage, estimate_memory
+        from trainyard_planner import LayoutAssumption, Transformer, estimate_memory, spec_layout
 
         ref = spec.model_config_ref
         config = ref if isinstance(ref, ModelConfig) else resolve_model(ref)
+        # the shape's own count (positions up to sequenceLength), not transformer_for's declared one
         model = Transformer.from_model_config(config, seq_len=spec.training.sequence_length)
-        p = spec.parallelism
-        layout = Layout(dp=p.data, tp=p.tensor, pp=p.pipeline,
-                        zero_stage=FSDP if p.data > 1 else ZeroStage.NONE,
-                        micro_batch=spec.training.micro_batch_size, microbatches=spec.grad_accumulation,
-                        recompute=Recompute.FULL)
+        layout = spec_layout(spec, assume=LayoutAssumption.MOST_FRUGAL)
         return int(estimate_memory(model, layout, headroom=0.0).required_bytes_per_device)
     except (TrainyardError, ValueError, ArithmeticError) as exc:  # an estimate we cannot make never blocks a job
         log.warning("no device-memory floor for a job of model %s (the memory check is off for it): %s",
