@@ -21,7 +21,10 @@ from trainyard_common.errors import AuthError, NotFoundError, SpecError
 
 JOB = {
     "jobId": "job-0123456789ab", "tenant": "t", "name": "tiny", "state": "running", "specHash": "sha256:x",
-    "spec": {"modelConfig": "gpt-tiny@v1"}, "attempts": [{"attempt": 1, "state": "running", "nodes": ["n0"]}],
+    "spec": {"modelConfig": "gpt-tiny@v1"},
+    "attempts": [{"attempt": 1, "allocationId": "alloc-1", "epoch": 1, "state": "running", "nodes": ["n0"],
+                  "worldSize": 2, "startCheckpoint": None, "startedAt": "2024-05-01T12:00:00Z", "endedAt": None,
+                  "failureReason": None, "placementScore": None}],
     "progress": {"globalStep": 7, "maxSteps": 40, "consumedTokens": 1000, "lastLoss": 3.2},
     "checkpoints": [], "someFutureField": {"ignored": True},
 }

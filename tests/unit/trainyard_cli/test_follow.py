@@ -19,10 +19,15 @@ from trainyard_cli.follow import (
 )
 
 
+ATTEMPT = {"attempt": 1, "allocationId": "alloc-1", "epoch": 1, "state": "running", "nodes": ["n0"], "worldSize": 2,
+           "startCheckpoint": None, "startedAt": "2024-05-01T12:00:00Z", "endedAt": None, "failureReason": None,
+           "placementScore": None}
+
+
 def job(state: str, step: int = 0, **extra: Any) -> Job:
     return Job.model_validate({
         "jobId": "job-1", "state": state, "specHash": "sha256:x",
-        "attempts": [{"attempt": 1, "state": "running"}] if state != "queued" else [],
+        "attempts": [ATTEMPT] if state != "queued" else [],
         "progress": {"globalStep": step, "maxSteps": 40, "consumedTokens": step * 2048, "lastLoss": 2.0,
                      "tokensPerSecond": 1234.5},
         **extra,
@@ -54,8 +59,10 @@ def run(client: ScriptedClient, **kwargs: Any) -> tuple[int, str]:
 def test_follows_to_success_printing_each_state_change() -> None:
     code, text = run(ScriptedClient(
         job("queued", queuedReason="needs 2 devices"), job("running", 10), job("running", 20),
-        job("succeeded", 40, checkpoints=[{"checkpointId": "c", "state": "READY", "globalStep": 40,
-                                          "attempt": 1, "manifestUri": "file:///m.json"}]),
+        job("succeeded", 40, checkpoints=[{"checkpointId": "c", "state": "READY", "globalStep": 40, "attempt": 1,
+                                          "worldSize": 2, "manifestUri": "file:///m.json", "contentHash": None,
+                                          "consumedTokens": 81920, "reason": None,
+                                          "createdAt": "2024-05-01T12:01:00Z", "readyAt": None}]),
     ))
     assert code == EXIT_SUCCEEDED
     assert "waiting: needs 2 devices" in text and "running (attempt 1)" in text

@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from trainyard_cli.client import Checkpoint, JobSummary
 from trainyard_cli.main import app
 from trainyard_cli.render import checkpoints_table, field_problems, fmt_tokens, jobs_table
+from trainyard_common.wire import CheckpointView, JobSummary
 
 
 @pytest.fixture
@@ -65,12 +65,17 @@ def render(renderable: object) -> str:
 
 def test_tables_show_the_fields_that_matter() -> None:
     rows = [JobSummary.model_validate({"jobId": "job-0123456789ab", "name": "tiny", "state": "queued",
-                                       "specHash": "sha256:x", "globalStep": 0, "maxSteps": 40,
-                                       "gpuCount": 64, "queuedReason": "needs 64 devices, cluster has 8"})]
+                                       "specHash": "sha256:x", "model": "gpt-tiny@v1", "dataset": "tinycorpus@v1",
+                                       "gpuCount": 64, "attempts": 0, "globalStep": 0, "maxSteps": 40,
+                                       "lastLoss": None, "createdAt": "2024-05-01T12:00:00Z",
+                                       "updatedAt": "2024-05-01T12:00:00Z", "reason": None,
+                                       "queuedReason": "needs 64 devices, cluster has 8"})]
     text = render(jobs_table(rows))
     assert "job-0123456789ab" in text and "0/40" in text and "needs 64 devices" in text
-    ckpt = Checkpoint.model_validate({"checkpointId": "step-000000020-a1", "state": "READY", "globalStep": 20,
-                                      "attempt": 1, "manifestUri": "file:///m.json", "contentHash": "sha256:abc"})
+    ckpt = CheckpointView.model_validate({
+        "checkpointId": "step-000000020-a1", "state": "READY", "globalStep": 20, "attempt": 1, "worldSize": 2,
+        "manifestUri": "file:///m.json", "contentHash": "sha256:abc", "consumedTokens": 40960, "reason": None,
+        "createdAt": "2024-05-01T12:00:00Z", "readyAt": "2024-05-01T12:00:03Z"})
     text = render(checkpoints_table([ckpt]))
     assert "step-000000020-a1" in text and "READY" in text and "file:///m.json" in text
 

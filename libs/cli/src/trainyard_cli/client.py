@@ -1,8 +1,9 @@
 """A typed HTTP client for the trainyard API (httpx), sync and async.
 
-The response models here are tolerant readers of the API's JSON (unknown fields are
-ignored), so the CLI does not import the server package. Failures raise
-:class:`ApiError` subclasses whose message says what to do.
+Answers are parsed into the bodies the API publishes (``trainyard_common.wire``: one definition
+for both sides, so the CLI does not import the server package); fields it does not know are
+ignored. The job document is read here (:class:`Job`) with its spec and read models left as
+JSON. Failures raise :class:`ApiError` subclasses whose message says what to do.
 
     with ApiClient("http://127.0.0.1:8080", token) as api:
         submitted = api.submit(spec_dict)
@@ -16,10 +17,23 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel
 
 from trainyard_common.errors import AuthError, ConflictError, NotFoundError, SpecError, TrainyardError
+from trainyard_common.wire import (
+    ApiModel,
+    AttemptView,
+    CheckpointList,
+    CheckpointView,
+    CodeArchiveView,
+    ControlResponse,
+    DatasetPublished,
+    ExportFile,
+    JobPage,
+    ProgressView,
+    SubmitResponse,
+    TriggerJobView,
+)
 
 M = TypeVar("M", bound=BaseModel)
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -65,60 +79,9 @@ class ApiSpecError(ApiError, SpecError):
 # ----------------------------------------------------------------------------- models
 
 
-class _In(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
-                              protected_namespaces=())
+class Job(ApiModel):
+    """``GET /v1/training-jobs/{id}`` as the CLI reads it: the spec and the read models stay JSON."""
 
-
-class Submitted(_In):
-    job_id: str
-    state: str
-    spec_hash: str
-    warnings: list[str] = []
-
-
-class ControlAccepted(_In):
-    job_id: str
-    action: str
-    state: str
-
-
-class Attempt(_In):
-    attempt: int
-    allocation_id: str | None = None
-    epoch: int | None = None
-    state: str
-    nodes: list[str] = []
-    world_size: int | None = None
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
-    failure_reason: str | None = None
-
-
-class JobProgress(_In):
-    global_step: int = 0
-    max_steps: int | None = None
-    consumed_tokens: int = 0
-    last_loss: float | None = None
-    lr: float | None = None
-    tokens_per_second: float | None = None
-    mfu: float | None = None
-    attempt: int | None = None
-
-
-class Checkpoint(_In):
-    checkpoint_id: str
-    state: str
-    global_step: int
-    attempt: int
-    manifest_uri: str | None = None
-    content_hash: str | None = None
-    consumed_tokens: int = 0
-    created_at: datetime | None = None
-    ready_at: datetime | None = None
-
-
-class Job(_In):
     job_id: str
     tenant: str | None = None
     name: str | None = None
@@ -129,9 +92,9 @@ class Job(_In):
     updated_at: datetime | None = None
     reason: str | None = None
     queued_reason: str | None = None
-    attempts: list[Attempt] = []
-    progress: JobProgress = JobProgress()
-    checkpoints: list[Checkpoint] = []
+    attempts: list[AttemptView] = []
+    progress: ProgressView = ProgressView()
+    checkpoints: list[CheckpointView] = []
     queued_reason_kind: str | None = None
     goodput: dict[str, Any] | None = None
     checkpoint_advice: dict[str, Any] | None = None
@@ -148,29 +111,7 @@ class Job(_In):
         return self.attempts[-1].attempt if self.attempts else None
 
 
-class JobSummary(_In):
-    job_id: str
-    name: str | None = None
-    state: str
-    spec_hash: str
-    model: str | None = None
-    dataset: str | None = None
-    gpu_count: int | None = None
-    attempts: int = 0
-    global_step: int = 0
-    max_steps: int | None = None
-    last_loss: float | None = None
-    created_at: datetime | None = None
-    queued_reason: str | None = None
-    reason: str | None = None
-
-
-class JobPage(_In):
-    jobs: list[JobSummary]
-    next_offset: int | None = None
-
-
-class Artifact(_In):
+class Artifact(ApiModel):
     artifact_id: str
     job_id: str
     type: str
@@ -185,13 +126,7 @@ class Artifact(_In):
     retired_reason: str | None = None
 
 
-class ExportFile(_In):
-    name: str
-    size: int
-    sha256: str
-
-
-class ExportState(_In):
+class ExportState(ApiModel):
     export_id: str
     checkpoint_artifact_id: str
     job_id: str
@@ -203,7 +138,7 @@ class ExportState(_In):
     problems: list[str] = []
 
 
-class ArtifactView(_In):
+class ArtifactView(ApiModel):
     """``GET /v1/registry/artifacts/{id}``: an artifact, or an export in whatever state it is."""
 
     artifact_id: str
@@ -214,26 +149,14 @@ class ArtifactView(_In):
     files: list[ExportFile] | None = None
 
 
-class CodeArchive(_In):
-    archive: str
-    size: int
-    files: int
-    uploaded_at: datetime | None = None
-
-
-class TriggerJob(_In):
-    dataset: str
-    job_id: str
-
-
-class TriggerFailure(_In):
+class TriggerFailure(ApiModel):
     at: datetime | None = None
     dataset: str
     message: str
     problems: list[dict[str, str]] = []
 
 
-class Trigger(_In):
+class Trigger(ApiModel):
     trigger_id: str
     tenant: str | None = None
     name: str
@@ -243,15 +166,15 @@ class Trigger(_In):
     enabled: bool = True
     created_by: str | None = None
     created_at: datetime | None = None
-    jobs: list[TriggerJob] | None = None
+    jobs: list[TriggerJobView] | None = None
     last_failure: TriggerFailure | None = None
 
 
-class _Triggers(_In):
+class _Triggers(ApiModel):
     triggers: list[Trigger]
 
 
-class Dataset(_In):
+class Dataset(ApiModel):
     name: str
     version: str
     tenant: str | None = None  # the owner; None: the platform's
@@ -340,10 +263,10 @@ class ApiClient:
         except httpx.TransportError as exc:
             raise _unreachable(self.base_url, exc) from exc
 
-    def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> Submitted:
+    def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> SubmitResponse:
         """POST the spec; ``ApiSpecError`` lists every bad field on a 422."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return _parse(self._request("POST", "/v1/training-jobs", json=dict(spec), headers=headers), Submitted)
+        return _parse(self._request("POST", "/v1/training-jobs", json=dict(spec), headers=headers), SubmitResponse)
 
     def get_job(self, job_id: str) -> Job:
         return _parse(self._request("GET", f"/v1/training-jobs/{job_id}"), Job)
@@ -351,13 +274,13 @@ class ApiClient:
     def list_jobs(self, *, state: str | None = None, limit: int | None = None, offset: int = 0) -> JobPage:
         return _parse(self._request("GET", "/v1/training-jobs", params=_list_params(state, limit, offset)), JobPage)
 
-    def code_archive(self, archive: str) -> CodeArchive | None:
+    def code_archive(self, archive: str) -> CodeArchiveView | None:
         """The tenant's stored archive ``sha256:<hex>`` (None when it was never uploaded)."""
         response = self._request("GET", f"/v1/code/{archive}")
-        return None if response.status_code == 404 else _parse(response, CodeArchive)
+        return None if response.status_code == 404 else _parse(response, CodeArchiveView)
 
     def upload_code(self, archive: str, data: bytes, *,
-                    progress: Callable[[int], None] | None = None) -> CodeArchive:
+                    progress: Callable[[int], None] | None = None) -> CodeArchiveView:
         """PUT the archive's bytes (``progress`` gets the bytes sent so far, chunk by chunk)."""
         def chunks() -> Iterator[bytes]:
             for start in range(0, len(data), UPLOAD_CHUNK):
@@ -368,17 +291,17 @@ class ApiClient:
         headers = {"Content-Type": "application/gzip", "Content-Length": str(len(data))}
         timeout = httpx.Timeout(self._http.timeout.connect, read=300.0, write=300.0, pool=None)
         return _parse(self._request("PUT", f"/v1/code/{archive}", content=chunks(), headers=headers,
-                                    timeout=timeout), CodeArchive)
+                                    timeout=timeout), CodeArchiveView)
 
-    def checkpoints(self, job_id: str) -> list[Checkpoint]:
-        page = _parse(self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), _Checkpoints)
+    def checkpoints(self, job_id: str) -> list[CheckpointView]:
+        page = _parse(self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), CheckpointList)
         return page.checkpoints
 
-    def control(self, job_id: str, action: str) -> ControlAccepted:
+    def control(self, job_id: str, action: str) -> ControlResponse:
         """``action``: cancel, pause or resume."""
-        return _parse(self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlAccepted)
+        return _parse(self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlResponse)
 
-    def cancel(self, job_id: str) -> ControlAccepted:
+    def cancel(self, job_id: str) -> ControlResponse:
         return self.control(job_id, "cancel")
 
     def logs(self, job_id: str, *, attempt: int | None = None, rank: int = 0, tail: int = 200,
@@ -497,10 +420,10 @@ class AsyncApiClient:
         except httpx.TransportError as exc:
             raise _unreachable(self.base_url, exc) from exc
 
-    async def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> Submitted:
+    async def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> SubmitResponse:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return _parse(await self._request("POST", "/v1/training-jobs", json=dict(spec), headers=headers),
-                      Submitted)
+                      SubmitResponse)
 
     async def get_job(self, job_id: str) -> Job:
         return _parse(await self._request("GET", f"/v1/training-jobs/{job_id}"), Job)
@@ -509,13 +432,13 @@ class AsyncApiClient:
         return _parse(await self._request("GET", "/v1/training-jobs", params=_list_params(state, limit, offset)),
                       JobPage)
 
-    async def checkpoints(self, job_id: str) -> list[Checkpoint]:
-        return _parse(await self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), _Checkpoints).checkpoints
+    async def checkpoints(self, job_id: str) -> list[CheckpointView]:
+        return _parse(await self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), CheckpointList).checkpoints
 
-    async def control(self, job_id: str, action: str) -> ControlAccepted:
-        return _parse(await self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlAccepted)
+    async def control(self, job_id: str, action: str) -> ControlResponse:
+        return _parse(await self._request("POST", f"/v1/training-jobs/{job_id}/{action}"), ControlResponse)
 
-    async def cancel(self, job_id: str) -> ControlAccepted:
+    async def cancel(self, job_id: str) -> ControlResponse:
         return await self.control(job_id, "cancel")
 
     async def artifacts(self, job_id: str) -> list[Artifact]:
@@ -535,20 +458,10 @@ class AsyncApiClient:
         return response.json()
 
 
-class _Checkpoints(_In):
-    checkpoints: list[Checkpoint]
-
-
-class _Artifacts(_In):
+class _Artifacts(ApiModel):
     artifacts: list[Artifact]
 
 
-class _Datasets(_In):
+class _Datasets(ApiModel):
     tenant: str | None = None
     datasets: list[Dataset]
-
-
-class DatasetPublished(_In):
-    dataset: str
-    state: str
-    manifest_uri: str

@@ -31,8 +31,9 @@ from rich.progress import (
 
 from trainyard_common.errors import ConfigError, ConflictError, TrainyardError
 from trainyard_common.storage import EXPORT_LISTING, export_listing
+from trainyard_common.wire import ExportFile
 
-from trainyard_cli.client import ApiClient, Artifact, ArtifactView, ExportFile
+from trainyard_cli.client import ApiClient, Artifact, ArtifactView
 
 POLL_S = 1.0
 

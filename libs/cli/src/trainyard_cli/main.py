@@ -141,7 +141,7 @@ def submit(
             spec = {**spec, "code": {**spec["code"], "entrypoint": codepack.command(entrypoint)}}
         submitted = client.submit(spec, idempotency_key=idempotency_key)
         out.print(f"submitted [bold]{submitted.job_id}[/] ({submitted.state}, {submitted.spec_hash})", highlight=False)
-        for warning in submitted.warnings:
+        for warning in submitted.warnings or []:
             err.print(f"[yellow]warning:[/] {warning}", highlight=False)
         if follow:
             raise typer.Exit(follow_job(client, submitted.job_id, console=err))

@@ -11,7 +11,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from trainyard_cli.client import Artifact, Checkpoint, Dataset, Job, JobSummary, Trigger
+from trainyard_cli.client import Artifact, Dataset, Job, Trigger
+from trainyard_common.wire import CheckpointView, JobSummary
 
 STATE_STYLES = {
     "queued": "yellow",
@@ -74,7 +75,7 @@ def jobs_table(items: Sequence[JobSummary]) -> Table:
     return table
 
 
-def checkpoints_table(items: Sequence[Checkpoint], title: str = "checkpoints", *, manifests: bool = True) -> Table:
+def checkpoints_table(items: Sequence[CheckpointView], title: str = "checkpoints", *, manifests: bool = True) -> Table:
     """``manifests=False`` (inside a job's view) leaves the long manifest URIs to ``jobs checkpoints``."""
     table = Table(title=title, title_justify="left", header_style="bold")
     columns = ["CHECKPOINT", "STATE", "STEP", "ATTEMPT", "TOKENS", "CONTENT HASH", "MANIFEST", "READY AT"]

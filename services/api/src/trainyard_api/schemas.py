@@ -1,17 +1,19 @@
-"""Response bodies of the REST API (camelCase on the wire, like the spec and the events)."""
+"""Response bodies of the REST API (camelCase on the wire, like the spec and the events).
+
+The bodies the CLI reads too are defined once, in ``trainyard_common.wire``, and re-exported here
+under the same names; the rest are the API's own.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
-from trainyard_common.events import CheckpointRef, DeviceInfo, JobState, PlacementDetail
+from trainyard_common.events import DeviceInfo, JobState
 from trainyard_common.records import (
     ArtifactRecord,
-    CheckpointState,
     DatasetRecord,
     ExportRecord,
     HuggingFaceStart,
@@ -19,6 +21,74 @@ from trainyard_common.records import (
     TriggerSource,
 )
 from trainyard_common.spec import TrainingSpec
+from trainyard_common.wire import (  # the bodies the CLI reads too: defined there, published under these names
+    ApiModel,
+    AttemptView,
+    CheckpointList,
+    CheckpointView,
+    CodeArchiveView,
+    ControlResponse,
+    DatasetPublished,
+    ExportFile,
+    JobPage,
+    JobSummary,
+    ProgressView,
+    SubmitResponse,
+    TriggerJobView,
+)
+
+__all__ = [
+    "ArtifactList",
+    "ArtifactView",
+    "AttemptView",
+    "AuditEntry",
+    "AuditPage",
+    "CheckpointAdviceView",
+    "CheckpointList",
+    "CheckpointView",
+    "CodeArchiveView",
+    "ControlResponse",
+    "DatasetList",
+    "DatasetPublished",
+    "DatasetView",
+    "DrainResponse",
+    "EXAMPLE_SPEC",
+    "EXAMPLE_TEMPLATE",
+    "ErrorMessage",
+    "ExportFile",
+    "FieldErrorItem",
+    "FieldErrors",
+    "GoodputHistory",
+    "GoodputIntervalView",
+    "GoodputReport",
+    "GoodputView",
+    "Health",
+    "IssuedToken",
+    "JobCondition",
+    "JobPage",
+    "JobSummary",
+    "JobView",
+    "NodeDrainView",
+    "NodeList",
+    "NodeQuarantineView",
+    "NodeView",
+    "ProgressView",
+    "QuotaView",
+    "RankTimingView",
+    "ReinstateResponse",
+    "StragglerView",
+    "SubmitResponse",
+    "TenantList",
+    "TenantSettingsView",
+    "TenantView",
+    "TokenList",
+    "TokenView",
+    "TriggerFailureView",
+    "TriggerJobView",
+    "TriggerList",
+    "TriggerView",
+    "WhoAmI",
+]
 
 # The tiny example job (examples/tiny.yaml; a unit test keeps the two equal).
 EXAMPLE_SPEC: dict[str, Any] = {
@@ -42,78 +112,7 @@ EXAMPLE_SPEC: dict[str, Any] = {
 }
 
 
-class _Out(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, protected_namespaces=())
-
-
-class SubmitResponse(_Out):
-    job_id: str = Field(examples=["job-3f2a9c1b7e4d"])
-    state: JobState = Field(examples=["queued"])
-    spec_hash: str = Field(examples=["sha256:9b1c…"])
-    warnings: list[str] | None = Field(
-        default=None, exclude_if=lambda v: v is None,
-        description="present only when the planner has something to say, e.g. a model that fits the device's "
-                    "memory only inside the 15 % headroom")
-
-
-class ControlResponse(_Out):
-    job_id: str
-    action: Literal["cancel", "pause", "resume"]
-    state: JobState = Field(description="the job's state when the request was accepted")
-    accepted: bool = True
-
-
-class AttemptView(_Out):
-    attempt: int
-    allocation_id: str
-    epoch: int
-    state: str
-    nodes: list[str]
-    world_size: int
-    start_checkpoint: CheckpointRef | None
-    started_at: datetime
-    ended_at: datetime | None
-    failure_reason: str | None
-    interruption: str | None = Field(
-        default=None, description="why the platform stopped it without a failure: 'maintenance: …' (a drain) or "
-                                  "'control-plane: …' (most nodes silent together); no failure budget, no blame")
-    placement_score: float | None
-    placement_detail: PlacementDetail | None = Field(
-        default=None, description="how local the gang's placement is: domains, racks, tiers and the links "
-                                  "crossing them (the placement score explained)")
-
-
-class ProgressView(_Out):
-    global_step: int = 0
-    max_steps: int | None = None
-    consumed_tokens: int = 0
-    last_loss: float | None = None
-    lr: float | None = None
-    tokens_per_second: float | None = None
-    mfu: float | None = None
-    attempt: int | None = None
-    updated_at: datetime | None = None
-
-
-class CheckpointView(_Out):
-    checkpoint_id: str = Field(examples=["step-000000040-a1"])
-    state: CheckpointState
-    global_step: int
-    attempt: int
-    world_size: int
-    manifest_uri: str | None
-    content_hash: str | None
-    consumed_tokens: int
-    reason: str | None
-    created_at: datetime
-    ready_at: datetime | None
-    write_seconds: float | None = Field(default=None, description="slowest rank's save time, when reported")
-    deleted_at: datetime | None = Field(
-        default=None, description="when its files were removed (retention of a READY one: state DELETED; "
-                                  "garbage collection of a FAILED one)")
-    size_bytes: int | None = Field(
-        default=None, description="bytes of its shards and shared files as its manifest lists them (known once "
-                                  "READY; null for a checkpoint recorded before sizes were kept)")
+_Out = ApiModel
 
 
 class GoodputView(_Out):
@@ -234,47 +233,9 @@ class JobView(_Out):
         examples=[["job-7d1e0c4b9a2f"]])
 
 
-class JobSummary(_Out):
-    job_id: str
-    name: str | None
-    state: JobState
-    spec_hash: str
-    model: str = Field(description="catalog reference, or 'inline'")
-    dataset: str
-    gpu_count: int
-    attempts: int
-    global_step: int
-    max_steps: int
-    last_loss: float | None
-    created_at: datetime
-    updated_at: datetime
-    queued_reason: str | None
-    reason: str | None
-    tokens_per_second: float | None = Field(default=None, description="rank 0's latest tokens/s (whole job)")
-    mfu: float | None = Field(default=None, description="rank 0's latest model FLOPs utilisation")
-    eta_seconds: float | None = Field(
-        default=None, description="while running: steps left x the latest step time; null when unknown")
-
-
-class JobPage(_Out):
-    jobs: list[JobSummary]
-    next_offset: int | None = Field(description="pass as offset for the next page; null at the end")
-
-
-class CheckpointList(_Out):
-    job_id: str
-    checkpoints: list[CheckpointView]
-
-
 class ArtifactList(_Out):
     job_id: str
     artifacts: list[ArtifactRecord]
-
-
-class ExportFile(_Out):
-    name: str = Field(description="a file of the export directory", examples=["model.safetensors"])
-    size: int = Field(ge=0, description="bytes")
-    sha256: str = Field(description="hex sha256 of its bytes (trainyard-export.json's own: the export's hash)")
 
 
 class ArtifactView(_Out):
@@ -305,12 +266,6 @@ class DatasetView(DatasetRecord):
     state: Literal["verified", "rejected"]
     reason: str | None = Field(default=None, description="why the registry refused it (state rejected)")
     problems: list[str] = Field(default=[], description="each thing the registry found wrong")
-
-
-class DatasetPublished(_Out):
-    dataset: str = Field(description="its qualified ref, tenant/name@version", examples=["acme/wiki-en@2026-12-01"])
-    state: Literal["pending"] = "pending"
-    manifest_uri: str = Field(description="where the registry reads and verifies its manifest")
 
 
 class Health(_Out):
@@ -422,15 +377,6 @@ class FieldErrors(_Out):
     detail: list[FieldErrorItem]
 
 
-class CodeArchiveView(_Out):
-    """A stored code archive."""
-
-    archive: str = Field(description="`sha256:<hex>` of its bytes", examples=["sha256:" + "0" * 64])
-    size: int = Field(ge=0, description="bytes of the archive (compressed)")
-    files: int = Field(ge=0, description="files and symlinks in the tree")
-    uploaded_at: datetime = Field(description="when it was first stored")
-
-
 class ErrorMessage(_Out):
     detail: str
 
@@ -516,12 +462,6 @@ class AuditPage(_Out):
 # ----------------------------------------------------------------------------- triggers
 
 EXAMPLE_TEMPLATE: dict[str, Any] = {k: v for k, v in EXAMPLE_SPEC.items() if k != "dataset"}
-
-
-class TriggerJobView(_Out):
-    dataset: str = Field(description="the dataset version (qualified ref) the job trains on",
-                         examples=["acme/wiki-en@2026-12-01"])
-    job_id: str = Field(examples=["job-3f2a9c1b7e4d"])
 
 
 class TriggerFailureView(_Out):
