@@ -2,8 +2,7 @@
 
 Installed by ``create_app`` with :func:`install_dashboard_routes`; the logic is in
 :mod:`~trainyard_api.metrics_history`, :mod:`~trainyard_api.logs`, :mod:`~trainyard_api.live` and
-:mod:`~trainyard_api.cluster`. (No ``from __future__ import annotations``: the route signatures name
-dependencies imported inside the installer.)
+:mod:`~trainyard_api.cluster`.
 """
 
 from typing import Annotated, Literal
@@ -17,6 +16,8 @@ from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import Keys
 
 from trainyard_api.cluster import AdminClusterView, ClusterService, ClusterView
+from trainyard_api.deps import Admin, Ctx, JobId, Tenant
+from trainyard_api.http_errors import ADMIN_ERRORS, AUTH_ERRORS, JOB_ERRORS, invalid
 from trainyard_api.live import LiveHub, sse
 from trainyard_api.logs import RankLogs, pick_attempt
 from trainyard_api.metrics_history import CURVES, MetricHistory, parse_series
@@ -91,11 +92,9 @@ def metric_history(request: Request) -> MetricHistory:
 
 
 def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route per nested function
-    from trainyard_api.app import _ADMIN_ERRORS, _AUTH_ERRORS, _JOB_ERRORS, Admin, Ctx, JobId, Tenant, _invalid
-
     @app.get("/v1/training-jobs/{job_id}/metrics", response_model=MetricHistoryView, response_model_by_alias=True,
              response_model_exclude_none=True, tags=["jobs"], summary="A job's metric history, down-sampled",
-             responses=_JOB_ERRORS)
+             responses=JOB_ERRORS)
     async def job_metrics(
         ctx: Ctx, tenant: Tenant, job_id: JobId, request: Request,
         series: Annotated[str, Query(max_length=2000, description="comma-separated: loss, lr, tokensPerSecond, "
@@ -122,7 +121,7 @@ def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route pe
         return MetricHistoryView.model_validate(_plain(answer))
 
     @app.get("/v1/training-jobs/{job_id}/ranks", response_model=JobRanks, tags=["jobs"],
-             summary="The attempts and ranks of a job (for logs and heat maps)", responses=_JOB_ERRORS)
+             summary="The attempts and ranks of a job (for logs and heat maps)", responses=JOB_ERRORS)
     async def job_ranks(ctx: Ctx, tenant: Tenant, job_id: JobId, request: Request) -> JobRanks:
         """Each attempt with its state and ranks (0..worldSize-1), and the ranks with metric history."""
         job = await ctx.jobs.get(tenant, job_id)
@@ -136,7 +135,7 @@ def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route pe
              response_class=StreamingResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "the log's lines (streamed with follow=true)"},
-                        **_AUTH_ERRORS, **_invalid(),
+                        **AUTH_ERRORS, **invalid(),
                         404: {"description": "no such job for this tenant, or no such attempt or rank (named)",
                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/"
                                                                                   "ErrorMessage"}}}}})
@@ -170,7 +169,7 @@ def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route pe
                                              "progress (at most 2/s per job), attempts or checkpoints; "
                                              "`event: resync` when the client fell behind (re-read); "
                                              "`: keepalive` every 15 s"},
-                        **_JOB_ERRORS})
+                        **JOB_ERRORS})
     async def events(
         ctx: Ctx, tenant: Tenant, request: Request,
         job_id: Annotated[str | None, Query(alias="jobId", max_length=128, description="only this job")] = None,
@@ -187,7 +186,7 @@ def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route pe
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/cluster", response_model=ClusterView, tags=["jobs"],
-             summary="Capacity by device type and the queue", responses=_AUTH_ERRORS)
+             summary="Capacity by device type and the queue", responses=AUTH_ERRORS)
     async def cluster(ctx: Ctx, tenant: Tenant) -> ClusterView:
         """Devices per type (free, held by a job, on quarantined or draining nodes) and every queued job in
         placement order with why it waits; another tenant's job shows without its id and tenant."""
@@ -195,7 +194,7 @@ def install_dashboard_routes(app: FastAPI) -> None:  # noqa: C901 - one route pe
 
     @app.get("/v1/admin/cluster", response_model=AdminClusterView, tags=["admin"],
              summary="Racks, NVLink domains, nodes and devices, with the job holding each",
-             responses=_ADMIN_ERRORS)
+             responses=ADMIN_ERRORS)
     async def admin_cluster(ctx: Ctx, _: Admin) -> AdminClusterView:
         """The topology (docs/design.md's terms), each node's state, quarantine and reputation score, and
         which job holds each device. Platform-admin."""
