@@ -4,6 +4,9 @@
     runtime.bus.subscribe(...); runtime.add_loop("tick", tick, every_s=1.0)
     await runtime.run()          # start → wait for SIGTERM/SIGINT → aclose
 
+Every service process runs the same :func:`serve_until_signalled` over a :class:`Lifecycle` (``start()``
+then ``aclose()``): the runtime itself, or a part that owns one (the API's HTTP server, the node agent).
+
 start: logging, tracing, Redis ping, topics, subscriptions, outbox relay, health beacon,
 background loops. aclose (idempotent): stop loops, stop the broker, flush traces, close
 Redis. Background loops log and back off; one failure never kills them.
@@ -19,7 +22,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -28,11 +31,41 @@ from trainyard_common.errors import StateStoreError, TrainyardError
 from trainyard_common.outbox import Outbox
 from trainyard_common.settings import ServiceSettings, redacted
 
-S = TypeVar("S", bound=ServiceSettings)
 from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_common.tracing import setup_tracing, shutdown_tracing
 
+S = TypeVar("S", bound=ServiceSettings)
 log = logging.getLogger(__name__)
+
+
+class Lifecycle(Protocol):
+    """What a service process runs: ``start()`` (may raise: the process exits 2), then ``aclose()`` (idempotent,
+    also after a failed start)."""
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def serve_until_signalled(service: Lifecycle, name: str, stop: asyncio.Event, *,
+                                ended: Callable[[], Awaitable[object] | None] | None = None) -> None:
+    """Start ``service``; serve until SIGTERM/SIGINT sets ``stop`` (or what ``ended()`` returns after the start
+    completes, e.g. an HTTP server's task); then close it, whatever happened."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+        stopped = asyncio.ensure_future(stop.wait())
+        other = ended() if ended is not None else None
+        waiting = {stopped} | ({asyncio.ensure_future(other)} if other is not None else set())
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        log.info("%s stopping", name)
+    finally:
+        await service.aclose()
 
 
 def configure_logging(level: str, service: str) -> None:
@@ -153,16 +186,8 @@ class ServiceRuntime:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Start, then serve until SIGTERM or SIGINT, then close."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
-        try:
-            await self.start()
-            await self._stopping.wait()
-            log.info("%s stopping", self.name)
-        finally:
-            await self.aclose()
+        """Start, then serve until SIGTERM or SIGINT, then close (:func:`serve_until_signalled`)."""
+        await serve_until_signalled(self, self.name, self._stopping)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import uvicorn
 
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.events import METRICS, WORKERS, StepMetrics, StragglerDetected
-from trainyard_common.service import ServiceRuntime
+from trainyard_common.service import ServiceRuntime, serve_until_signalled
 from trainyard_common.settings import settings_env
 
 from trainyard_api.accounting import GoodputAccountant
@@ -230,19 +229,9 @@ class ApiServer:
         self._stop.set()
 
     async def run(self) -> None:
-        """Start, serve until SIGTERM/SIGINT (or the HTTP server ends), then close."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
-        try:
-            await self.start()
-            assert self._serving is not None
-            stop = asyncio.create_task(self._stop.wait())
-            await asyncio.wait({stop, self._serving}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            log.info("api stopping")
-        finally:
-            await self.aclose()
+        """Start, serve until SIGTERM/SIGINT (or the HTTP server ends), then close: the services' one lifecycle
+        (:func:`~trainyard_common.service.serve_until_signalled`)."""
+        await serve_until_signalled(self, "api", self._stop, ended=lambda: self._serving)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 from trainyard_common.service import ServiceRuntime, service_main
 
 from trainyard_scheduler.faults import with_faults
@@ -24,21 +21,13 @@ SUMMARY = (
 
 
 async def serve(settings: SchedulerSettings) -> None:
-    """Run one scheduler until SIGTERM/SIGINT, then close cleanly."""
+    """Run one scheduler until SIGTERM/SIGINT; closing gives up the leader lease first."""
     runtime = ServiceRuntime("scheduler", settings)
     leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
     scheduler = Scheduler(runtime, settings, leases=with_faults(leases, admit_pause_s=settings.admit_pause_s))
     scheduler.install()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await runtime.start()
-        await stop.wait()
-    finally:
-        await scheduler.aclose()
-        await runtime.aclose()
+    runtime.add_closer(scheduler.aclose)
+    await runtime.run()
 
 
 def main(argv: list[str] | None = None) -> None:
