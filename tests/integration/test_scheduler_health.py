@@ -138,7 +138,7 @@ async def rig(rig_env: dict[str, Any]) -> AsyncIterator[Rig]:
 
 
 async def _nodes_ready(rig: Rig) -> bool:
-    return len(await rig.scheduler.available_nodes(utcnow())) == 2
+    return len(await rig.scheduler.nodes.available_nodes(utcnow())) == 2
 
 
 async def test_a_slow_rank_is_reported_and_repeated_failures_quarantine_its_node(rig: Rig) -> None:
@@ -158,7 +158,7 @@ async def test_a_slow_rank_is_reported_and_repeated_failures_quarantine_its_node
     assert (slow.rank, slow.node_id, slow.attempt) == (6, node_of[6], 1)
     assert slow.slowdown == pytest.approx(1.6) and slow.median_compute_seconds == pytest.approx(1.0)
     assert (slow.window_steps, slow.from_step, slow.to_step) == (10, 0, 9)
-    penalties = await r.scheduler.node_penalties([])
+    penalties = await r.scheduler.nodes.node_penalties([])
     assert penalties[node_of[6]] == pytest.approx(1.0, abs=0.01)  # a straggler report counts against its node
 
     # NCCL failures of a rank on node-a, attempt after attempt, until its score reaches 1.9 (two at most).
@@ -182,7 +182,7 @@ async def test_a_slow_rank_is_reported_and_repeated_failures_quarantine_its_node
     assert quarantined.by == "reputation" and quarantined.score is not None and quarantined.score >= 1.9
     assert quarantined.until is not None and quarantined.until > utcnow()
     assert "nccl" in quarantined.reason
-    assert victim not in {n.node_id for n in await r.scheduler.available_nodes(utcnow())}
+    assert victim not in {n.node_id for n in await r.scheduler.nodes.available_nodes(utcnow())}
 
     # The 8-device job needs both nodes: it waits (with a reason) instead of landing on the quarantined one.
     job = await poll(lambda: _queued_with_reason(r, "wide"), "wide waiting for capacity", WAIT_S)
@@ -231,7 +231,7 @@ async def test_a_gang_whose_allocation_never_reached_the_broker_is_published_aga
     # What a scheduler that crashed (or a broker that lost the message) leaves: leases and an attempt
     # recorded, and no GangAllocated on the topic.
     job = JobRecord(job_id="lost-gang", tenant="t1", spec=spec, spec_hash=spec.spec_hash())
-    nodes = await r.scheduler.available_nodes(utcnow())
+    nodes = await r.scheduler.nodes.available_nodes(utcnow())
     held = await r.scheduler.held_allocations()
     leased: dict[str, set[int]] = {}
     for allocation in held.values():

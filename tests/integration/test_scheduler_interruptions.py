@@ -113,7 +113,7 @@ async def rig(kafka_bootstrap: str, redis_server_url: str,
 async def _available(r: Rig, count: int) -> bool:
     from trainyard_common.events import utcnow
 
-    return len(await r.scheduler.available_nodes(utcnow())) == count
+    return len(await r.scheduler.nodes.available_nodes(utcnow())) == count
 
 
 async def _job(r: Rig, job_id: str) -> JobRecord:
@@ -288,7 +288,7 @@ async def test_a_failing_node_is_quarantined_but_never_the_last_of_its_type(rig:
     (first,) = quarantined
     last = next(n for n in NODES if n != first)
     assert bad.count(last) >= 3  # it kept failing: its score is over the threshold, and it stays in service
-    score = await r.scheduler.node_penalties([])
+    score = await r.scheduler.nodes.node_penalties([])
     assert score[last] >= 1.9
     (event,) = await r.tap.wait(NodeQuarantined, node_id=first, timeout_s=WAIT_S)
     assert event.by == "reputation"

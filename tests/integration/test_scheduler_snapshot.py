@@ -108,7 +108,7 @@ async def scheduler(env: dict[str, Any]) -> AsyncIterator[Scheduler]:
 
 async def test_a_stored_job_is_placed_without_its_event_because_the_change_log_wakes_the_pass(
         scheduler: Scheduler) -> None:
-    await scheduler.on_heartbeat(NodeHeartbeat(node_id="n1", host="h1", devices=[
+    await scheduler.nodes.on_heartbeat(NodeHeartbeat(node_id="n1", host="h1", devices=[
         DeviceInfo(index=i, type="cpu", memory_bytes=1 << 34) for i in range(4)]))
     spec = TrainingSpec.model_validate(spec_with())
     await verified(scheduler.store, spec.dataset)

@@ -271,12 +271,12 @@ async def stack(stack_env: dict[str, Any]) -> AsyncIterator[Stack]:
 
 async def cluster_ready(s: Stack) -> None:
     async def both_nodes() -> bool:
-        nodes = await s.scheduler.available_nodes(utcnow())
+        nodes = await s.scheduler.nodes.available_nodes(utcnow())
         return len(nodes) == 2
 
     await poll(both_nodes, "both node agents in the inventory")
     # The topology the agents report is what the scheduler places by.
-    for record in await s.scheduler.available_nodes(utcnow()):
+    for record in await s.scheduler.nodes.available_nodes(utcnow()):
         assert (record.rack, record.network_tier, record.nvlink_domain) == ("rack-1", "pod-1", f"{record.node_id}-nvl")
         assert len(record.devices) == 4 and record.devices[0].memory_bytes > 0
 

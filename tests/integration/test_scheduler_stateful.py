@@ -156,7 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """What the bus does: hand the event to the handler of one scheduler instance."""
         self.history.append(event)
         s = self.schedulers[self.rng.randrange(2) if to is None else to]
-        handler = {JobSubmitted: s.on_job_submitted, NodeHeartbeat: s.on_heartbeat,
+        handler = {JobSubmitted: s.on_job_submitted, NodeHeartbeat: s.nodes.on_heartbeat,
                    WorkerStarted: s.on_worker_started, WorkerExited: s.on_worker_exited,
                    CheckpointReady: s.on_checkpoint_ready}[type(event)]
         await handler(event)  # type: ignore[operator]
@@ -438,7 +438,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.run(self._deliver(again, to=data.draw(st.integers(0, 1))))
 
     async def _placement(self, s: Scheduler, job: JobRecord) -> Placement | None:
-        nodes = await s.available_nodes(self.now)
+        nodes = await s.nodes.available_nodes(self.now)
         leased: dict[str, set[int]] = {}
         for allocation in (await s.held_allocations()).values():
             for d in allocation.devices:

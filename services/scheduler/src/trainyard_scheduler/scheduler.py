@@ -42,17 +42,15 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from opentelemetry import trace
-from prometheus_client import Counter
 from redis.exceptions import WatchError
 
 from trainyard_common.devices import Device
-from trainyard_common.errors import ConfigError, ConflictError, FencingError, LeaseConflictError, StaleLeaderError
+from trainyard_common.errors import ConfigError, FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.events import (
     CHECKPOINTS,
     JOBS,
@@ -72,21 +70,22 @@ from trainyard_common.events import (
     NodeUndrained,
     StepMetrics,
     SecurityViolation,
-    StragglerDetected,
     WorkerExited,
     WorkerStarted,
     utcnow,
 )
 from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.store import Keys, note_change, stage_change
-from trainyard_common.tracing import current_traceparent, job_context
+from trainyard_common.store import Keys
+from trainyard_common.tracing import current_traceparent
 
 from trainyard_scheduler import health
 from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, Leadership
+from trainyard_scheduler.jobtx import Decide, Facts, JobTransactions, job_span
 from trainyard_scheduler.keys import SchedulerKeys
+from trainyard_scheduler.node_health import NodeHealth
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
 from trainyard_scheduler.policy import QueueConfig, parse_queue_config, tenant_seeds, with_tenant_settings
@@ -101,44 +100,7 @@ Clock = Callable[[], datetime]
 
 _DISCOVERY_WINDOW_S = 3600.0
 _RECENT_NODE_S = 3600.0  # nodes seen within this long make up the cluster (silence, quarantine floor)
-QUARANTINE_WITHHELD = Counter(
-    "trainyard_scheduler_quarantine_withheld_total",
-    "automatic quarantines not made because they would take too much of a device type's capacity (an alert)",
-    ["device_type"])
 _MGET_CHUNK = 500
-
-
-@dataclass(frozen=True)
-class Facts:
-    """Durable facts a transition may need besides the job record (read under the same WATCH)."""
-
-    final_ready: bool = False
-    latest_ready_step: int | None = None
-
-
-Decide = Callable[[JobRecord, Facts], tr.Outcome]
-
-
-def _trace_id(traceparent: str | None) -> str | None:
-    parts = (traceparent or "").split("-")
-    return parts[1] if len(parts) >= 3 else None
-
-
-def checkpoint_facts(job: JobRecord, raw_records: list[str]) -> Facts:
-    """Whether a READY checkpoint at ``maxSteps`` exists, and the latest READY step."""
-    final, latest = False, None
-    for raw in raw_records:
-        record = CheckpointRecord.model_validate_json(raw)
-        if record.state != "READY":
-            continue
-        latest = record.global_step if latest is None else max(latest, record.global_step)
-        final = final or tr.is_final_step(job, record.global_step)
-    return Facts(final, latest)
-
-
-def final_checkpoint_ready(job: JobRecord, raw_records: list[str]) -> bool:
-    """Whether a READY checkpoint at (or past) ``maxSteps`` is among the raw CheckpointRecords."""
-    return checkpoint_facts(job, raw_records).final_ready
 
 
 def attempt_devices(job: JobRecord) -> list[Device]:
@@ -146,12 +108,6 @@ def attempt_devices(job: JobRecord) -> list[Device]:
     if current is None:
         return []
     return [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in current.devices)]
-
-
-def _placement_changed(previous: NodeRecord | None, record: NodeRecord) -> bool:
-    """Whether a heartbeat changed what placement reads of a node (beyond its ``lastSeen``)."""
-    fields = ("host", "rack", "nvlink_domain", "network_tier", "devices", "healthy", "boot_id", "sandbox")
-    return previous is None or any(getattr(previous, f) != getattr(record, f) for f in fields)
 
 
 def _remaining_seconds(job: JobRecord) -> float | None:
@@ -183,16 +139,10 @@ class Scheduler:
         self.deadlines = tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s,
                                       republish_after_s=settings.republish_after_s,
                                       republish_max=settings.republish_max)
-        self.reputation = health.ReputationPolicy(half_life_s=settings.reputation_half_life_s,
-                                                  quarantine_at=settings.quarantine_score,
-                                                  reinstate_below=settings.reinstate_score)
         self.silence = SilencePolicy(node_timeout_s=settings.node_timeout_s,
                                      cluster_share=settings.silent_cluster_share,
                                      recent_s=max(_RECENT_NODE_S, settings.node_timeout_s))
         self._leading_since: datetime | None = None
-        self.stragglers = health.StragglerDetector(health.StragglerPolicy(
-            window_steps=settings.straggler_window_steps, factor=settings.straggler_factor,
-            consecutive=settings.straggler_windows))
         self.queue = QueueConfig()
         self._queue_base = QueueConfig()  # the last good queue-config document, before tenants' own settings
         self._queue_source: str | None = None
@@ -205,6 +155,9 @@ class Scheduler:
         self.cache = SnapshotCache(runtime.redis, clock=clock, node_refresh_s=settings.node_refresh_s)
         self._changes_cursor: str | None = None  # the watcher's place in Keys.changes
         self._wake = asyncio.Event()  # set: run the tick now, not at the next tick_s
+        self.jobs = JobTransactions(runtime.redis, runtime.outbox)
+        self.nodes = NodeHealth(runtime.redis, runtime.store, runtime.outbox, self.leases, self.cache, settings,
+                                clock=clock, recent_s=self.silence.recent_s, wake_at=self.wake_at)
         self._memory: dict[str, int] = {}
         self._requests: dict[str, tuple[JobRecord, GangRequest]] = {}  # job id → (record, its gang request)
 
@@ -213,9 +166,10 @@ class Scheduler:
         bus, dedupe = self.runtime.bus, self.runtime.deduper
         # One consumer group for every topic (the bus reads them with one consumer).
         group = f"{self.settings.group_prefix}.scheduler"
-        bus.subscribe(NODES, {NodeHeartbeat: self.on_heartbeat, NodeQuarantined: self.on_quarantined,
-                              NodeReinstated: self.on_reinstated, NodeDrained: self.on_drained,
-                              NodeUndrained: self.on_undrained}, group=group)
+        nodes = self.nodes
+        bus.subscribe(NODES, {NodeHeartbeat: nodes.on_heartbeat, NodeQuarantined: nodes.on_quarantined,
+                              NodeReinstated: nodes.on_reinstated, NodeDrained: nodes.on_drained,
+                              NodeUndrained: nodes.on_undrained}, group=group)
         bus.subscribe(JOBS, {JobSubmitted: self.on_job_submitted, JobControlRequested: self.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited,
@@ -226,7 +180,7 @@ class Scheduler:
                       group=group, deduper_factory=dedupe)
         if self.settings.straggler_detection:
             # Its own group: the per-step firehose never delays job events, and costs one dict update each.
-            bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, group=f"{group}-metrics", background=True)
+            bus.subscribe(METRICS, {StepMetrics: nodes.on_step_metrics}, group=f"{group}-metrics", background=True)
         self.runtime.add_loop("tick", self.tick, self.settings.tick_s, wake=self._wake)
         # a job submitted through the API (or changed by either instance) wakes the pass without a broker hop
         self.runtime.add_loop("changes", self.watch_changes, 0.0)
@@ -251,253 +205,6 @@ class Scheduler:
     def leader_epoch(self) -> int | None:
         """The leader epoch while this instance leads."""
         return self._leading
-
-    # ------------------------------------------------------------------ inventory
-    async def on_heartbeat(self, event: NodeHeartbeat) -> None:
-        seen = min(event.occurred_at, self.clock())
-        raw = await self.redis.hget(Keys.nodes, event.node_id)
-        previous = NodeRecord.model_validate_json(raw) if raw else None
-        if previous and previous.last_seen > seen:
-            return  # an older heartbeat delivered late
-        quarantine = await self.redis.hget(Keys.node_quarantine, event.node_id)
-        drain = await self._maybe_change_drain(event, previous)
-        record = NodeRecord(
-            node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
-            network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
-            quarantined=json.loads(quarantine)["reason"] if quarantine else None,
-            drained=drain["reason"] if drain else None, boot_id=event.boot_id, sandbox=event.sandbox,
-            warm_interpreters=event.warm_interpreters,
-        )
-        await self.store.put_node(record)
-        if _placement_changed(previous, record):
-            await self._node_changed(event.node_id)
-        self.cache.note_node(record)
-        await self.leases.renew_node(event.node_id, [d.index for d in event.devices])
-
-    async def _maybe_change_drain(self, event: NodeHeartbeat, previous: NodeRecord | None) -> dict | None:
-        """A heartbeat saying ``draining`` drains the node (its agent is stopping); one from a new incarnation
-        of its agent ends any drain (the node restarted). Returns the drain in force."""
-        raw = await self.redis.hget(Keys.node_drain, event.node_id)
-        entry = json.loads(raw) if raw else None
-        change = health.drain_change(entry, draining=event.draining, boot_id=event.boot_id,
-                                     previous_boot_id=previous.boot_id if previous else None)
-        if change == "start":
-            entry = {"reason": f"its node agent is stopping ({event.host})", "by": "node-agent",
-                     "at": self.clock().isoformat(), "bootId": event.boot_id}
-            await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
-            await self._node_changed(event.node_id)
-            log.warning("node %s drained: %s", event.node_id, entry["reason"])
-            self.wake_at(None)
-        elif change == "end":
-            await self.redis.hdel(Keys.node_drain, event.node_id)
-            await self._node_changed(event.node_id)
-            log.warning("node %s undrained: its node agent restarted", event.node_id)
-            self.wake_at(None)
-            return None
-        return entry
-
-    async def on_drained(self, event: NodeDrained) -> None:
-        """An admin's drain (or a Kubernetes node drain): no new work there; its attempts checkpoint and stop."""
-        raw = await self.redis.hget(Keys.nodes, event.node_id)
-        node = NodeRecord.model_validate_json(raw) if raw else None
-        entry = {"reason": event.reason, "by": event.by or "admin", "at": event.occurred_at.isoformat(),
-                 "bootId": node.boot_id if node else None}
-        await self.redis.hset(Keys.node_drain, event.node_id, json.dumps(entry))
-        await self._node_changed(event.node_id)
-        await self._show_drain(event.node_id, event.reason)
-        log.warning("node %s drained by %s: %s", event.node_id, event.by or "admin", event.reason)
-        self.wake_at(None)
-
-    async def on_undrained(self, event: NodeUndrained) -> None:
-        await self.redis.hdel(Keys.node_drain, event.node_id)
-        await self._node_changed(event.node_id)
-        await self._show_drain(event.node_id, None)
-        log.warning("node %s undrained by %s: %s", event.node_id, event.by or "admin", event.reason)
-        self.wake_at(None)
-
-    async def _node_changed(self, node_id: str) -> None:
-        """Something placement-relevant about the node changed: the leader's snapshot re-reads the nodes."""
-        self.cache.nodes_changed()
-        await note_change(self.redis, "node", node_id)
-
-    async def _show_drain(self, node_id: str, reason: str | None) -> None:
-        await self._mirror_on_node(node_id, "drained", reason)
-
-    async def _mirror_on_node(self, node_id: str, field: str, reason: str | None) -> None:
-        """Mirror a drain or quarantine into the NodeRecord (what GET /nodes shows); placement reads its own key."""
-        raw = await self.redis.hget(Keys.nodes, node_id)
-        if raw:
-            record = NodeRecord.model_validate_json(raw)
-            if getattr(record, field) != reason:
-                setattr(record, field, reason)
-                await self.store.put_node(record)
-
-    async def drained_nodes(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_drain)).items()}
-
-    async def on_quarantined(self, event: NodeQuarantined) -> None:
-        """An admin's quarantine is recorded; the reputation's own was written before it was published."""
-        if event.by != "reputation":
-            await self.redis.hset(Keys.node_quarantine, event.node_id, json.dumps(health.quarantine_entry(event)))
-            await self._node_changed(event.node_id)
-        await self._show_quarantine(event.node_id, event.reason)
-        log.warning("node %s quarantined by %s: %s", event.node_id, event.by or "admin", event.reason)
-
-    async def on_reinstated(self, event: NodeReinstated) -> None:
-        """An admin's clear (``by`` not "reputation") ends any quarantine and resets the node's score."""
-        if event.by == "reputation":
-            return  # written before it was published
-        await self.clear_quarantine(event.node_id, by=event.by or "admin", reason=event.reason, publish=False)
-
-    async def clear_quarantine(self, node_id: str, *, by: str, reason: str, publish: bool = True) -> bool:
-        """Admin clear: the node is placeable again and its score starts from zero; False if it was not quarantined.
-
-        ``publish``: also publish NodeReinstated (not when called for one).
-        """
-        was = await self.redis.hget(Keys.node_quarantine, node_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.multi()
-            pipe.hdel(Keys.node_quarantine, node_id)
-            pipe.hdel(Keys.node_reputation, node_id)
-            stage_change(pipe, "node", node_id)
-            if publish:
-                self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=reason, by=by))
-            await pipe.execute()
-        await self._show_quarantine(node_id, None)
-        log.warning("node %s reinstated by %s: %s", node_id, by, reason)
-        return was is not None
-
-    async def _show_quarantine(self, node_id: str, reason: str | None) -> None:
-        await self._mirror_on_node(node_id, "quarantined", reason)
-
-    async def blame_node(self, node_id: str, reason: str, weight: float, *,
-                         events: tuple[StragglerDetected, ...] = ()) -> float:
-        """Add ``weight`` to the node's decaying score (with ``events`` in the same MULTI); quarantine it
-        at the threshold. Returns the new score."""
-        now = self.clock()
-        for _ in range(50):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(Keys.node_reputation, Keys.node_quarantine)
-                raw = await pipe.hget(Keys.node_reputation, node_id)
-                quarantined = await pipe.hget(Keys.node_quarantine, node_id) is not None
-                score = health.add(health.NodeScore.from_dict(json.loads(raw)) if raw else None, weight, now,
-                                   self.reputation)
-                staged: list = list(events)
-                pipe.multi()
-                pipe.hset(Keys.node_reputation, node_id, json.dumps(score.to_dict()))
-                stage_change(pipe, "node", node_id)
-                quarantine = health.should_quarantine(score.score, quarantined, self.reputation)
-                withheld = await self._quarantine_withheld(node_id) if quarantine else None
-                quarantine = quarantine and withheld is None
-                if quarantine:
-                    until = health.quarantine_until(score.score, now, self.reputation)
-                    why = (f"failure score {score.score:.2f} reached {self.reputation.quarantine_at:g} "
-                           f"(latest: {reason})")
-                    event = NodeQuarantined(node_id=node_id, reason=why, score=round(score.score, 3),
-                                            until=until, by="reputation", occurred_at=now)
-                    pipe.hset(Keys.node_quarantine, node_id, json.dumps(health.quarantine_entry(event)))
-                    staged.append(event)
-                for event in staged:
-                    self.runtime.outbox.stage(pipe, event)
-                try:
-                    await pipe.execute()
-                except WatchError:
-                    continue
-            if quarantine:
-                await self._show_quarantine(node_id, why)
-                log.warning("node %s quarantined: %s", node_id, why)
-            elif withheld is not None:
-                kind, detail = withheld
-                QUARANTINE_WITHHELD.labels(kind).inc()
-                log.error("ALERT: node %s reached failure score %.2f (latest: %s) but is not quarantined "
-                          "automatically: %s. Look at the node; quarantine it by hand if it is faulty "
-                          "(NodeQuarantined with by=<your name>)", node_id, score.score, reason, detail)
-            return score.score
-        raise ConflictError(f"node {node_id}: too many concurrent score updates", retryable=True)
-
-    async def _quarantine_withheld(self, node_id: str) -> tuple[str, str] | None:
-        """(device type, why) when quarantining ``node_id`` would cross the floor (health.quarantine_floor)."""
-        horizon = self.clock() - timedelta(seconds=self.silence.recent_s)
-        capacity: dict[str, dict[str, int]] = {}
-        for node in await self.store.list_nodes():
-            if node.last_seen >= horizon or node.node_id == node_id:
-                kinds: dict[str, int] = {}
-                for d in node.devices:
-                    kinds[d.type] = kinds.get(d.type, 0) + 1
-                capacity[node.node_id] = kinds
-        # drained nodes are out of service too: what a quarantine may take is what is left
-        out = (set(await self.redis.hkeys(Keys.node_quarantine)) | set(await self.redis.hkeys(Keys.node_drain))) - {node_id}
-        why = health.quarantine_floor(node_id, capacity=capacity, out=out, max_share=self.settings.quarantine_max_share)
-        if why is None:
-            return None
-        kind = next(iter(sorted(capacity.get(node_id, {"unknown": 0}))))
-        return kind, why
-
-    async def _reinstate_recovered(self, now: datetime) -> None:
-        """Quarantines of the reputation whose score decayed under ``reinstate_score`` end (leader only)."""
-        entries = await self.redis.hgetall(Keys.node_quarantine)
-        for node_id, raw in entries.items():
-            entry = json.loads(raw)
-            score_raw = await self.redis.hget(Keys.node_reputation, node_id)
-            score = health.decayed(health.NodeScore.from_dict(json.loads(score_raw)) if score_raw else None,
-                                   now, self.reputation)
-            if not health.should_reinstate(score, entry.get("by"), self.reputation):
-                continue
-            why = f"failure score decayed to {score:.2f}, under {self.reputation.reinstate_below:g}"
-            async with self.redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(Keys.node_quarantine)
-                if await pipe.hget(Keys.node_quarantine, node_id) != raw:
-                    continue
-                pipe.multi()
-                pipe.hdel(Keys.node_quarantine, node_id)
-                stage_change(pipe, "node", node_id)
-                self.runtime.outbox.stage(pipe, NodeReinstated(node_id=node_id, reason=why, by="reputation"))
-                try:
-                    await pipe.execute()
-                except WatchError:
-                    continue
-            await self._show_quarantine(node_id, None)
-            log.info("node %s reinstated: %s", node_id, why)
-
-    async def quarantined_nodes(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_quarantine)).items()}
-
-    async def available_nodes(self, now: datetime, *, include_quarantined: bool = False) -> list[NodeRecord]:
-        """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) neither quarantined
-        nor drained."""
-        live = health.live_nodes(await self.store.list_nodes(), now, self.settings.node_timeout_s)
-        if include_quarantined:
-            return live
-        return health.placeable_nodes(live, quarantined=set(await self.redis.hkeys(Keys.node_quarantine)),
-                                      drained=set(await self.redis.hkeys(Keys.node_drain)))
-
-    async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
-        """Each node's decayed failure score: higher = used last among equal choices."""
-        raw = await self.redis.hgetall(Keys.node_reputation)
-        return health.penalties({n: json.loads(v) for n, v in raw.items()}, self.clock(), self.reputation)
-
-    # ------------------------------------------------------------------ stragglers
-    async def on_step_metrics(self, event: StepMetrics) -> None:
-        for found in self.stragglers.observe(event.job_id, event.attempt, event.rank, event.step,
-                                             event.compute_seconds):
-            await self._report_straggler(found)
-
-    async def _report_straggler(self, found: health.Straggler) -> None:
-        job = await self.store.get_job(found.job_id)
-        attempt = next((a for a in job.attempts if a.attempt == found.attempt), None) if job else None
-        node_id = tr.rank_nodes(attempt).get(found.rank) if attempt else None
-        if node_id is None:
-            log.warning("straggler rank %d of %s attempt %d: its node is unknown; not reported", found.rank,
-                        found.job_id, found.attempt)
-            return
-        event = StragglerDetected(
-            job_id=found.job_id, attempt=found.attempt, rank=found.rank, node_id=node_id, slowdown=found.slowdown,
-            compute_seconds=found.compute_seconds, median_compute_seconds=found.median_compute_seconds,
-            window_steps=found.window_steps, from_step=found.from_step, to_step=found.to_step)
-        score = await self.blame_node(node_id, "straggler", self.reputation.straggler_weight, events=(event,))
-        log.warning("job %s attempt %d: rank %d on %s is a straggler (%.2fx the median rank over steps %d-%d); "
-                    "node score %.2f", found.job_id, found.attempt, found.rank, node_id, found.slowdown,
-                    found.from_step, found.to_step, score)
 
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
@@ -702,7 +409,7 @@ class Scheduler:
             for device in r.devices:
                 leased.setdefault(device.node_id, set()).add(device.index)
         cluster = ClusterSnapshot.build(nodes, leased, penalties=health.penalties(view.reputation, now,
-                                                                                   self.reputation))
+                                                                                   self.nodes.reputation))
         preempting: dict[str, list[str]] = {}
         for r in running:
             if r.preempted_by is not None:
@@ -821,9 +528,9 @@ class Scheduler:
             try:
                 start = await self._start_checkpoint(job)
             except ConfigError as exc:
-                await self._check_epoch(pipe, epoch)  # no lease grant fences this write
+                await self.jobs.check_epoch(pipe, epoch)  # no lease grant fences this write
                 outcome = tr.fail_unstartable(job, str(exc), self.clock())
-                self._stage(pipe, job_id, outcome)
+                self.jobs.stage(pipe, job_id, outcome)
                 with contextlib.suppress(WatchError):  # changed meanwhile: decided again next tick
                     await pipe.execute()
                     log.warning("job %s cannot start: %s", job_id, exc)
@@ -837,11 +544,11 @@ class Scheduler:
             try:
                 if isinstance(port, BaseException):
                     raise port
-                with self._job_span(job, "scheduler.place"):
+                with job_span(job, "scheduler.place"):
                     outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
                                        master_port=port, start_checkpoint=start, now=self.clock(),
                                        checkpoint_every_steps=every)
-                    written = outcome.changed and await self._try_execute(pipe, job_id, outcome)
+                    written = outcome.changed and await self.jobs.try_execute(pipe, job_id, outcome)
             except BaseException:
                 await self._release(allocation_id, lease_epoch, devices)
                 raise
@@ -966,9 +673,9 @@ class Scheduler:
         """Repair from durable state: config, job discovery, live attempts, orphan and expired leases."""
         await self.load_queue_config()
         await self._discover_jobs(now)
-        await self._reinstate_recovered(now)
+        await self.nodes.reinstate_recovered(now)
         # Liveness, not placeability: a quarantined node's running attempts run on.
-        available = frozenset(n.node_id for n in await self.available_nodes(now, include_quarantined=True))
+        available = frozenset(n.node_id for n in await self.nodes.available_nodes(now, include_quarantined=True))
         last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
         draining = frozenset(await self.redis.hkeys(Keys.node_drain))
 
@@ -1105,75 +812,31 @@ class Scheduler:
         return await read_held_allocations(self.redis)
 
     # ------------------------------------------------------------------ applying a transition
-    async def _check_epoch(self, pipe: object, epoch: int) -> None:
-        current = await pipe.get(SchedulerKeys.leader_epoch)  # type: ignore[attr-defined]
-        if int(current or 0) != epoch:
-            raise StaleLeaderError(f"STALE_LEADER epoch {epoch}, current {current}")
-
     async def _mutate(self, job_id: str, decide: Decide, *, need_checkpoints: bool = False,
                       label: str = "update", fence: int | None = None) -> tr.Outcome | None:
-        """Optimistic read-decide-write of one job (see the module docstring); None if unknown.
+        """One job transaction (:meth:`JobTransactions.apply`), then what follows a written change: leases
+        released, the pass woken, nodes blamed. None if the job is unknown.
 
-        ``fence``: the leader epoch this write is made under; the write fails with FencingError
-        once another scheduler has taken over.
+        ``fence``: the leader epoch this write is made under; StaleLeaderError once another scheduler has taken over.
         """
-        key, ckpt_key = Keys.job(job_id), Keys.checkpoints(job_id)
-        watched = [key] + ([ckpt_key] if need_checkpoints else []) + ([SchedulerKeys.leader_epoch] if fence else [])
-        for _ in range(100):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                await pipe.watch(*watched)
-                raw = await pipe.get(key)
-                if raw is None:
-                    return None
-                if fence:
-                    await self._check_epoch(pipe, fence)
-                job = JobRecord.model_validate_json(raw)
-                facts = checkpoint_facts(job, await pipe.hvals(ckpt_key)) if need_checkpoints else Facts()
-                outcome = decide(job, facts)
-                if not outcome.changed:
-                    if outcome.note:
-                        log.debug("job %s (%s): %s", job_id, label, outcome.note)
-                    return outcome
-                with self._job_span(job, f"scheduler.{label.replace(' ', '_')}"):
-                    if not await self._try_execute(pipe, job_id, outcome):
-                        continue  # lost the race: decide again on what is there now
-            if outcome.note:
-                log.info("job %s (%s): %s", job_id, label, outcome.note)
-            if outcome.release is not None:
-                a = outcome.release
-                await self._release(a.allocation_id, a.epoch, [Device(*d.rsplit(":", 1)) for d in a.devices])
-            if tr.is_pending(outcome.job) and not tr.is_pending(job):  # requeued or resumed: place it ASAP
-                self.wake_at(tr.retry_not_before(outcome.job, self.policy))
-            elif outcome.release is not None:  # devices came free for whoever waits
-                self.wake_at(None)
-            for node_id, reason in outcome.blame:
-                weight = self.reputation.weight(reason)
-                if weight > 0:
-                    await self.blame_node(node_id, reason, weight)
+        applied = await self.jobs.apply(job_id, decide, need_checkpoints=need_checkpoints, label=label, fence=fence)
+        if applied is None:
+            return None
+        before, outcome = applied
+        if not outcome.changed:
             return outcome
-        raise ConflictError(f"job {job_id}: too many concurrent updates", retryable=True)
-
-    async def _try_execute(self, pipe: object, job_id: str, outcome: tr.Outcome) -> bool:
-        """Stage ``outcome`` and run the MULTI; False when a WATCHed key changed (lost the race: nothing written)."""
-        self._stage(pipe, job_id, outcome)
-        try:
-            await pipe.execute()  # type: ignore[attr-defined]
-        except WatchError:
-            return False
-        return True
-
-    def _stage(self, pipe: object, job_id: str, outcome: tr.Outcome) -> None:
-        """Inside the caller's span: the record, its events (outbox) and the active-set entry."""
-        pipe.multi()  # type: ignore[attr-defined]
-        pipe.set(Keys.job(job_id), outcome.job.dumps())  # type: ignore[attr-defined]
-        stage_change(pipe, "job", job_id)  # type: ignore[arg-type]
-        parent = current_traceparent() or outcome.job.traceparent
-        for event in outcome.events:
-            self.runtime.outbox.stage(pipe, event, traceparent=parent)  # type: ignore[arg-type]
-        if outcome.job.state in TERMINAL_STATES:
-            pipe.srem(SchedulerKeys.active, job_id)  # type: ignore[attr-defined]
-        else:
-            pipe.sadd(SchedulerKeys.active, job_id)  # type: ignore[attr-defined]
+        if outcome.release is not None:
+            a = outcome.release
+            await self._release(a.allocation_id, a.epoch, [Device(*d.rsplit(":", 1)) for d in a.devices])
+        if tr.is_pending(outcome.job) and not tr.is_pending(before):  # requeued or resumed: place it ASAP
+            self.wake_at(tr.retry_not_before(outcome.job, self.policy))
+        elif outcome.release is not None:  # devices came free for whoever waits
+            self.wake_at(None)
+        for node_id, reason in outcome.blame:
+            weight = self.nodes.reputation.weight(reason)
+            if weight > 0:
+                await self.nodes.blame_node(node_id, reason, weight)
+        return outcome
 
     async def _release(self, allocation_id: str, epoch: int, devices: list[Device], *,
                        fence: int | None = None) -> None:
@@ -1186,11 +849,3 @@ class Scheduler:
             log.warning("release of %s refused: a newer leader took over", allocation_id)
         except FencingError as exc:
             log.warning("release of %s refused: %s", allocation_id, exc)
-
-    @contextlib.contextmanager
-    def _job_span(self, job: JobRecord, name: str) -> Iterator[None]:
-        """A span in the job's trace: under the current span when it already belongs to it."""
-        same = _trace_id(current_traceparent()) == _trace_id(job.traceparent)
-        ctx = contextlib.nullcontext() if same or not job.traceparent else job_context(job.traceparent)
-        with ctx, _tracer.start_as_current_span(name, attributes={"trainyard.job_id": job.job_id}):
-            yield
