@@ -87,6 +87,8 @@ TAGS = [
 ]
 
 
+ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, tenants, audit, whoami, registry, datasets, operations)
+
 def create_app(context: ApiContext) -> FastAPI:
     """The REST API over ``context``: its routers in the order their paths are matched (and documented)."""
     app = FastAPI(
@@ -99,19 +101,8 @@ def create_app(context: ApiContext) -> FastAPI:
     app.state.context = context
     app.add_middleware(TelemetryMiddleware)
     install_error_handlers(app)
-    app.include_router(jobs.router)
-    app.include_router(plan.router)
-    app.include_router(lab.router)
-    app.include_router(goodput.router)
-    app.include_router(nodes.router)
-    app.include_router(code.router)
-    app.include_router(triggers.router)
-    app.include_router(tenants.router)
-    app.include_router(audit.router)
-    app.include_router(whoami.router)
-    app.include_router(registry.router)
-    app.include_router(datasets.router)
-    app.include_router(operations.router)
+    for routes in ROUTERS:  # in this order: FastAPI matches paths in the order they were added
+        app.include_router(routes.router)
     install_dashboard_routes(app)
     install_dashboard(app)
     return app
