@@ -34,3 +34,8 @@ def test_the_floor_is_below_what_the_trainer_runs_with() -> None:
     trainer = estimate_memory(model, spec_layout(spec, assume=LayoutAssumption.TRAINER_DEFAULTS), headroom=0.0)
     assert min_device_memory(spec) < trainer.required_bytes_per_device
 
+
+
+def test_a_model_the_catalog_lacks_turns_the_check_off_with_a_warning(caplog: Any) -> None:
+    assert min_device_memory(spec_of("no-such-model@v9")) == 0
+    assert "no device-memory floor" in caplog.text and "no-such-model@v9" in caplog.text

@@ -30,7 +30,8 @@ def min_device_memory(spec: TrainingSpec) -> int:
         model = Transformer.from_model_config(config, seq_len=spec.training.sequence_length)
         layout = spec_layout(spec, assume=LayoutAssumption.MOST_FRUGAL)
         return int(estimate_memory(model, layout, headroom=0.0).required_bytes_per_device)
-    except (TrainyardError, ValueError, ArithmeticError) as exc:  # an estimate we cannot make never blocks a job
+    except (TrainyardError, KeyError, ValueError, ArithmeticError) as exc:  # an estimate we cannot make never
+        # blocks a job (KeyError: a model the catalog lacks; the API refuses those at submission)
         log.warning("no device-memory floor for a job of model %s (the memory check is off for it): %s",
                     spec.model_config_ref if isinstance(spec.model_config_ref, str) else "<inline>", exc)
         return 0
