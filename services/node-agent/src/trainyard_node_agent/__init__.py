@@ -2,9 +2,10 @@
 GangAllocated assigns to it, relays their event spools, classifies how they end, kills hung
 attempts, stops them on revocation, and adopts them again after its own restart.
 
-Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`classify` (why a
-rank ended), :mod:`watchdog` (hang detection) and :mod:`confirmation` (when an announced event was
-applied); :class:`NodeAgent` is the I/O shell. Ranks start under :mod:`launcher` (cold) or in a
+Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`supervision` (a rank's
+lifecycle: :class:`RankState`, :func:`transition`), :mod:`classify` (why a rank ended), :mod:`watchdog`
+(hang detection) and :mod:`confirmation` (when an announced event was applied); :class:`NodeAgent` is
+the I/O shell, on an injected :class:`Clock`, retrying through :mod:`backoff`. Ranks start under :mod:`launcher` (cold) or in a
 warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
 A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
 trees (one per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes,
@@ -22,6 +23,7 @@ from trainyard_node_agent.admission import (
 )
 from trainyard_node_agent.agent import AgentKeys, NodeAgent, exit_file_for
 from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.clock import Clock, SystemClock
 from trainyard_node_agent.codecache import (
     CacheEntry,
     CodeCache,
@@ -36,6 +38,7 @@ from trainyard_node_agent.codecache import (
 from trainyard_node_agent.confirmation import Announcement, verdict
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
+from trainyard_node_agent.supervision import RankState, Trigger, transition
 from trainyard_node_agent.warmpool import WarmPool
 from trainyard_node_agent.watchdog import (
     Hung,
@@ -49,6 +52,7 @@ __all__ = [
     "AgentKeys",
     "Announcement",
     "CacheEntry",
+    "Clock",
     "CodeCache",
     "CodeTree",
     "Collection",
@@ -62,7 +66,10 @@ __all__ = [
     "Quarantined",
     "RankPaths",
     "RankProgress",
+    "RankState",
     "Refuse",
+    "SystemClock",
+    "Trigger",
     "WarmPool",
     "choose_evictions",
     "choose_purges",
@@ -76,5 +83,6 @@ __all__ = [
     "pick_backend",
     "rank_env",
     "rank_paths",
+    "transition",
     "verdict",
 ]

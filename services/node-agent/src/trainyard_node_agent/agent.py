@@ -33,6 +33,12 @@ Failure handling:
 
 Order: a rank's spool is drained completely before its WorkerExited is staged, so a
 final ShardWritten or StepMetrics never arrives after the exit that follows it.
+
+Where each rank is in its life (running, checkpointing, revoked, hung, …) is decided by
+:func:`supervision.transition`; the agent only applies the step (:meth:`NodeAgent._supervise`).
+Time comes from an injected :class:`~trainyard_node_agent.clock.Clock`; what fails while Redis or
+the broker is away is retried by :func:`backoff.retry`; announcements are confirmed by
+:class:`~trainyard_node_agent.announcements.Announcements`.
 """
 
 from __future__ import annotations
@@ -46,9 +52,8 @@ import os
 import shutil
 import signal
 import sys
-import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -60,7 +65,6 @@ from trainyard_common.codetree import CodeTreeError, archive_hex
 from trainyard_common.events import (
     ALLOCATIONS,
     CHECKPOINTS,
-    Event,
     AllocationRevoked,
     CheckpointRequested,
     DeadLetter,
@@ -76,18 +80,16 @@ from trainyard_common.events import (
     StepMetrics,
     WorkerExited,
     WorkerStarted,
-    utcnow,
 )
 from trainyard_common.exitcodes import CONFIG
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import Code
 from trainyard_common.spool import SpoolReader
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, uri_to_path
-from trainyard_common.records import checkpoint_id
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
 
-from trainyard_node_agent import kube
+from trainyard_node_agent import backoff, kube
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.admission import (
     Launch,
@@ -98,13 +100,16 @@ from trainyard_node_agent.admission import (
     pick_backend,
     rank_env,
 )
+from trainyard_node_agent.announcements import Announcements
 from trainyard_node_agent.classify import ExitFacts, classify_exit
+from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock, wall_datetime
 from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
 from trainyard_node_agent.confinement import Confined, Confinement, scrubbed
-from trainyard_node_agent.confirmation import Announcement, explain
+from trainyard_node_agent.confirmation import Announcement
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.relay import RankIdentity, Refusal, check_line
 from trainyard_node_agent.settings import NodeAgentSettings
+from trainyard_node_agent.supervision import Action, RankState, Trigger, exit_causes, transition, watched
 from trainyard_node_agent.warmpool import WarmPool, auto_size, mem_available_bytes
 from trainyard_node_agent.watchdog import Liveness, RankProgress, find_hangs, observe
 
@@ -112,8 +117,6 @@ log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
 LOST_EXIT_CODE = -9
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"  # in the attempt directory; read by trainyard_trainer
-DROPPED = Counter("trainyard_node_agent_announcements_dropped_total",
-                  "announcements no longer waited for although never seen applied (moot, or given up)", ["kind"])
 RELAY_REFUSED = Counter("trainyard_node_agent_spool_refused_total",
                         "spool lines not relayed: kind=violation (a claim a rank may not make: the job fails) "
                         "or malformed (unreadable; dead-lettered)", ["kind"])
@@ -163,9 +166,10 @@ class NodeAgent:
     """Wires the handlers, the heartbeat and the watchdogs onto a :class:`ServiceRuntime`."""
 
     def __init__(self, runtime: ServiceRuntime, settings: NodeAgentSettings, *,
-                 base_env: Mapping[str, str]) -> None:
+                 base_env: Mapping[str, str], clock: Clock = SYSTEM_CLOCK) -> None:
         self.runtime = runtime
         self.settings = settings
+        self.clock = clock
         self.redis = runtime.redis
         self.keys = AgentKeys(settings.node_id)
         self.layout = ArtifactLayout(settings.artifact_root)
@@ -182,9 +186,11 @@ class NodeAgent:
         self._serving = False
         self._background: set[asyncio.Task[None]] = set()
         self._unreported: dict[str, rp.RankProcess] = {}  # ended while no agent watched them
-        self._announced: dict[str, Announcement] = {}  # published, not yet seen applied
+        self.announcements = Announcements(runtime, settings, self.keys.unconfirmed, clock)
+        self._announced = self.announcements.pending  # published, not yet seen applied
         self._ranks_changed_at = float("-inf")  # monotonic time a rank last started or ended here
         self._sent_ahead: dict[str, set[str]] = {}  # rank key -> event ids relayed ahead of a held-up line
+        self._relay_failing: set[str] = set()  # rank keys whose spool the broker refuses now (logged once)
         self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
                                        token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
             if settings.kube_node_name else None
@@ -219,7 +225,7 @@ class NodeAgent:
                               min(1.0, self.settings.hang_timeout_s / 4, self.settings.first_step_timeout_s / 4))
         self.runtime.add_loop("lease-check", self.check_leases, self.settings.lease_check_s)
         self.runtime.add_loop("local-state", self._flush_local_state, 1.0)
-        self.runtime.add_loop("confirmations", self.confirm_announcements, self.settings.confirm_interval_s)
+        self.runtime.add_loop("confirmations", self.announcements.confirm, self.settings.confirm_interval_s)
         if self.pool is not None:
             self.runtime.add_loop("warm-pool", self.refill_pool, 0.5)
         if self.kube is not None:
@@ -252,15 +258,7 @@ class NodeAgent:
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             log.warning("Redis is unreachable at start-up (%r): using the local rank table %s",
                         exc, self.local.path)
-        try:
-            raw = await asyncio.wait_for(self.redis.hgetall(self.keys.unconfirmed), 5.0)
-            now = time.monotonic()
-            for text in raw.values():
-                a = Announcement(**json.loads(text))
-                a.first_at, a.last_at = now, now
-                self._announced[a.event_id] = a
-        except (RedisError, OSError, asyncio.TimeoutError, TypeError, ValueError):
-            pass
+        await self.announcements.load()
         for key, entry in merge_tables(*(t for t in (shared, local) if t is not None)).items():
             if entry.get("boot") == self.boot_id:
                 continue
@@ -269,8 +267,8 @@ class NodeAgent:
             if shared is not None and key not in shared and not running:
                 continue  # reported and forgotten already; only the local copy lagged behind
             if running:
-                rank.adopted = True
-                rank.liveness = baseline(rank, time.monotonic())
+                self._supervise(rank, Trigger.ADOPTED)
+                rank.liveness = baseline(rank, self.clock.monotonic())
                 self.ranks[key] = rank
                 log.warning("adopting rank %d of job %s attempt %d (pid %d), still running since the last agent",
                             rank.rank, rank.job_id, rank.attempt, rank.pid)
@@ -281,7 +279,7 @@ class NodeAgent:
     async def start(self) -> None:
         """After ``runtime.start()``: watch the adopted ranks; report the ones that ended unwatched."""
         for rank in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
-            rank.liveness = baseline(rank, time.monotonic())
+            rank.liveness = baseline(rank, self.clock.monotonic())
         self._serving = True
         log.info("%d warm interpreter(s) for the built-in trainer's ranks (%s)", self.warm_ranks,
                  "TRAINYARD_WARM_RANKS" if self.settings.warm_ranks is not None else
@@ -314,13 +312,11 @@ class NodeAgent:
         except Exception as exc:  # noqa: BLE001 - best effort; the heartbeat timeout says the same
             log.warning("could not send the final heartbeat: %r", exc)
         await self._drain_ranks()
-        live = [r for r in self.ranks.values() if r.running]
-        for rank in live:
-            rank.killed_by_agent = True
-            rank.stop_detail = rank.stop_detail or "the node agent stopped"
-        if live:
-            log.info("stopping %d rank(s) before shutdown", len(live))
-        await asyncio.gather(*(rp.stop(r, self.settings.kill_grace_s) for r in live))
+        stops = [self._supervise(r, Trigger.AGENT_STOPPING, "the node agent stopped")
+                 for r in list(self.ranks.values()) if r.running]
+        if stops:
+            log.info("stopping %d rank(s) before shutdown", len(stops))
+        await asyncio.gather(*(s for s in stops if s is not None))
         watchers = [r.watcher for r in list(self.ranks.values()) if r.watcher]
         if watchers:
             await asyncio.wait(watchers, timeout=15.0)
@@ -339,10 +335,10 @@ class NodeAgent:
         """A planned stop: ask every running allocation here to checkpoint and stop (the pause protocol: the
         ranks agree on a step, save it, exit 7), then wait up to ``drain_timeout_s`` for them to end."""
         timeout = self.settings.drain_timeout_s
-        live = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
+        live = [r for r in self.ranks.values() if r.running and watched(r.state)]
         if timeout <= 0 or not live:
             return
-        deadline = utcnow() + timedelta(seconds=timeout)
+        deadline = wall_datetime(self.clock) + timedelta(seconds=timeout)
         for allocation_id in sorted({r.allocation_id for r in live}):
             first = next(r for r in live if r.allocation_id == allocation_id)
             await self.on_checkpoint_requested(CheckpointRequested(
@@ -424,31 +420,46 @@ class NodeAgent:
             log.warning("ignoring checkpoint request for %s with stale epoch %d < %d", event.allocation_id,
                         event.epoch, targets[0].epoch)
             return
-        fresh = [r for r in targets if r.checkpoint_requested_epoch is None]
+        fresh = [r for r in targets if transition(r.state, Trigger.CHECKPOINT_REQUESTED, running=True).actions]
         if not fresh:
             log.info("checkpoint request for %s already delivered; ignoring the duplicate", event.allocation_id)
             return
         first = fresh[0]
         request_file = checkpoint_request_file(self.layout, first.tenant, first.job_id, first.attempt)
         atomic_write_bytes(request_file, event.to_bytes())
-        now, wall = time.monotonic(), time.time()
-        grace = (event.deadline.timestamp() - wall) if event.deadline else self.settings.hang_timeout_s
+        log.info("checkpoint requested for %d rank(s) of %s (%s%s)", len(fresh), event.allocation_id, event.reason,
+                 f", for {event.requested_by}" if event.requested_by else "")
+        now = self.clock.monotonic()
+        grace = (event.deadline.timestamp() - self.clock.wall()) if event.deadline else self.settings.hang_timeout_s
         for rank in fresh:
-            rank.checkpoint_requested_epoch = event.epoch
             rank.checkpoint_deadline = now + max(grace, 0.0)
             rank.liveness = rank.liveness.restarted(now)  # a fresh hang window once the deadline has passed
-            delivered = rp.signal_group(rank.pgid, signal.SIGUSR1)
-            log.info("checkpoint requested for rank %d of %s (%s%s): %s", rank.rank, event.allocation_id,
-                     event.reason, f", for {event.requested_by}" if event.requested_by else "",
-                     "signalled" if delivered else "request file only (the process group is gone)")
+            self._supervise(rank, Trigger.CHECKPOINT_REQUESTED)
 
     def _revoke(self, rank: rp.RankProcess, why: str) -> None:
-        if rank.revoked or rank.hang_detail is not None:
-            return
-        rank.revoked = True
-        rank.stop_detail = why
-        if rank.running:
-            self._in_background(rp.stop(rank, self.settings.kill_grace_s))
+        stop = self._supervise(rank, Trigger.REVOKED, why)
+        if stop is not None:
+            self._in_background(stop)
+
+    def _supervise(self, rank: rp.RankProcess, trigger: Trigger,
+                   detail: str | None = None) -> Coroutine[Any, Any, None] | None:
+        """Move the rank on (:func:`supervision.transition`) and signal its process group as the step says. A
+        graceful stop takes a while: it is returned (a coroutine) for the caller to await or run in the background."""
+        step = transition(rank.state, trigger, running=rank.running)
+        if step.state is not rank.state and detail is not None:
+            rank.stop_detail = detail
+        rank.state = step.state
+        stop = None
+        for action in step.actions:
+            if action is Action.KILL:
+                rp.signal_group(rank.pgid, signal.SIGKILL)
+            elif action is Action.SIGNAL_CHECKPOINT:
+                delivered = rp.signal_group(rank.pgid, signal.SIGUSR1)
+                log.info("asked rank %s to checkpoint and stop: %s", rank.key,
+                         "signalled" if delivered else "request file only (the process group is gone)")
+            elif action is Action.TERMINATE:
+                stop = rp.stop(rank, self.settings.kill_grace_s, clock=self.clock)
+        return stop
 
     async def refill_pool(self) -> None:
         """Top the warm pool up, but not while a rank of this node is still starting (it would
@@ -459,7 +470,7 @@ class NodeAgent:
             return
         if any(r.running and not (r.liveness.reported or r.liveness.printed) for r in self.ranks.values()):
             return
-        if time.monotonic() - self._ranks_changed_at < self.settings.warm_refill_quiet_s:
+        if self.clock.monotonic() - self._ranks_changed_at < self.settings.warm_refill_quiet_s:
             return  # ranks came or went just now (a burst of short jobs, a restart): import once it is quiet
         self.pool.fill()
 
@@ -472,7 +483,7 @@ class NodeAgent:
         log.warning("refusing allocation %s of job %s (epoch %d): %s", event.allocation_id, event.job_id,
                     event.epoch, reason)
         entry = json.dumps({"allocationId": event.allocation_id, "jobId": event.job_id, "epoch": event.epoch,
-                            "attempt": event.attempt, "reason": reason, "at": time.time()})
+                            "attempt": event.attempt, "reason": reason, "at": self.clock.wall()})
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lpush(self.keys.refused, entry)
             pipe.ltrim(self.keys.refused, 0, _REFUSALS_KEPT - 1)
@@ -584,20 +595,21 @@ class NodeAgent:
             log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
             await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
             return
+        self._supervise(rank, Trigger.LAUNCHED)
         rank.pgid = rank.process.pid
         rank.start_ticks = rp.start_ticks(rank.pgid)
         rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
-        rank.pid = await rp.rank_pid(rank.exit_file, rank.process) or rank.pgid
-        rank.liveness = baseline(rank, time.monotonic())
+        rank.pid = await rp.rank_pid(rank.exit_file, rank.process, clock=self.clock) or rank.pgid
+        rank.liveness = baseline(rank, self.clock.monotonic())
         self.ranks[rank.key] = rank
         await self._persist(rank, force_local=True)
         started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
                                 epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
                                 log_uri=path_to_uri(rank.log_path))
         await self.runtime.outbox.put(started, traceparent=traceparent)
-        await self._track(started, "started", rank, traceparent)
+        await self.announcements.track(started, "started", rank, traceparent)
         rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
-        self._ranks_changed_at = time.monotonic()
+        self._ranks_changed_at = self.clock.monotonic()
 
     def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
                   command: list[str]) -> Confined:
@@ -655,13 +667,13 @@ class NodeAgent:
             log.exception("watching rank %s failed", rank.key)
         finally:
             self.ranks.pop(rank.key, None)
-            self._ranks_changed_at = time.monotonic()
+            self._ranks_changed_at = self.clock.monotonic()
 
     async def _wait_a_little(self, rank: rp.RankProcess) -> bool:
         """Up to one spool poll; True once the rank has ended."""
         if rank.process is not None:
             return await rp.wait_exited(rank.process, self.settings.spool_poll_s)
-        await asyncio.sleep(self.settings.spool_poll_s)
+        await self.clock.sleep(self.settings.spool_poll_s)
         if not rp.same_process(rank.pgid, rank.start_ticks):
             rank.gone = True
         return rank.gone
@@ -670,13 +682,12 @@ class NodeAgent:
         """Measure the rank's spool (and, for user code, its log) and let the watchdog judge the growth."""
         rank.liveness = observe(rank.liveness, spool_bytes=rp.file_size(rank.spool.path),
                                 log_bytes=rp.file_size(rank.log_path) if rank.code_archive else None,
-                                now=time.monotonic())
+                                now=self.clock.monotonic())
 
     def _how_it_ended(self, rank: rp.RankProcess) -> tuple[int, str, str | None]:
         """(exit code, reason, detail) from the exit file, the process and the log."""
         recorded = rp.read_exit_file(rank.exit_file)
-        stopped_by_us = (rank.revoked or rank.hang_detail is not None or rank.killed_by_agent
-                         or rank.violation is not None)
+        causes = exit_causes(rank.state, rank.stop_detail)
         lost = None
         if recorded is not None:
             code = recorded
@@ -684,19 +695,17 @@ class NodeAgent:
             code = rank.process.returncode
         else:
             code = LOST_EXIT_CODE
-            if not stopped_by_us:
+            if not causes.stopped_by_agent:
                 lost = "the rank ended while this node agent was not its parent, and no exit status was recorded"
         now_ooms = rp.oom_kills(None) if rank.oom_kills_at_start is not None else None
         ooms = max((now_ooms or 0) - (rank.oom_kills_at_start or 0), 0) if now_ooms is not None else 0
         reason, detail = classify_exit(ExitFacts(
             exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",
-            revoked=rank.stop_detail if rank.revoked else None, hang=rank.hang_detail, lost=lost, oom_kills=ooms,
+            revoked=causes.revoked, hang=causes.hang, lost=lost, oom_kills=ooms,
             user_code=rank.code_archive is not None, progressed=rank.progressed,
-            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None, violation=rank.violation,
+            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None, violation=causes.violation,
         ))
-        if detail is None and rank.killed_by_agent:
-            detail = rank.stop_detail
-        return code, reason, detail
+        return code, reason, detail if detail is not None else causes.fallback_detail
 
     async def _relay(self, rank: rp.RankProcess, *, quiet: bool = False) -> int:
         """Publish the spool lines written since the last call, in order; returns how many.
@@ -724,15 +733,15 @@ class NodeAgent:
                         raise
                 rank.spool.offset = offset
                 published += 1
-            if rank.relay_failing:
+            if rank.key in self._relay_failing:
                 log.info("relaying the spool of rank %s works again", rank.key)
-                rank.relay_failing = False
+                self._relay_failing.discard(rank.key)
         except Exception as exc:
             if not quiet:
                 raise
-            if not rank.relay_failing:  # once per outage, not once per poll
+            if rank.key not in self._relay_failing:  # once per outage, not once per poll
                 log.warning("relaying the spool of rank %s: %r (events wait in the spool; retrying)", rank.key, exc)
-            rank.relay_failing = True
+            self._relay_failing.add(rank.key)
         if published:
             await self._persist(rank)
         return published
@@ -786,7 +795,7 @@ class NodeAgent:
                                                   traceparent=checked.traceparent)
         if isinstance(event, ShardWritten):
             rank.saved_step = max(rank.saved_step or 0, event.global_step)
-            await self._remember(Announcement(
+            await self.announcements.remember(Announcement(
                 event_id=str(event.event_id), kind="shard", topic=checked.topic, key=checked.key,
                 payload=checked.body.decode(), traceparent=checked.traceparent, job_id=rank.job_id,
                 attempt=event.attempt, allocation_id=rank.allocation_id, rank=event.rank, step=event.global_step,
@@ -811,13 +820,11 @@ class NodeAgent:
         retries) and stop every rank of its allocation here, which then exit with reason ``security``."""
         log.error("SECURITY: rank %d of job %s (tenant %s) attempt %d: %s; stopping its ranks on this node",
                   rank.rank, rank.job_id, rank.tenant, rank.attempt, refusal.reason)
-        first = rank.violation is None
+        first = rank.state is not RankState.VIOLATED
         for other in list(self.ranks.values()):
-            if other.allocation_id == rank.allocation_id and other.violation is None:
-                other.violation = (refusal.reason if other is rank
-                                   else f"rank {rank.rank} of this job was stopped: {refusal.reason}")
-                if other.running and other.pgid > 1:
-                    rp.signal_group(other.pgid, signal.SIGKILL)
+            if other.allocation_id == rank.allocation_id:
+                self._supervise(other, Trigger.VIOLATION, refusal.reason if other is rank
+                                else f"rank {rank.rank} of this job was stopped: {refusal.reason}")
         if not first:
             return
         await self.runtime.outbox.put(SecurityViolation(
@@ -827,23 +834,15 @@ class NodeAgent:
         ), traceparent=rank.traceparent)
 
     async def _drain(self, rank: rp.RankProcess) -> None:
-        """Relay until the spool is empty; retry while the broker is away (bounded when closing)."""
-        delay, deadline = 0.2, None
-        while True:
-            try:
-                while await self._relay(rank):
-                    pass
-                return
-            except Exception as exc:  # noqa: BLE001 - infrastructure trouble: wait and retry
-                if self._closing:
-                    deadline = deadline or time.monotonic() + 10.0
-                    if time.monotonic() > deadline:
-                        log.error("giving up draining the spool of %s at offset %d: %r", rank.key,
-                                  rank.spool.offset, exc)
-                        return
-                log.warning("draining the spool of %s failed: %r; retry in %.1fs", rank.key, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        """Relay until the spool is empty; retry while the broker is away (for 10 s more once closing)."""
+        async def relay_all() -> None:
+            while await self._relay(rank):
+                pass
+
+        if not await backoff.retry(relay_all, policy=backoff.INFRASTRUCTURE, clock=self.clock,
+                                   give_up=backoff.ClosingGrace(lambda: self._closing, self.clock, 10.0),
+                                   what=f"draining the spool of {rank.key}"):
+            log.error("the spool of %s stays unrelayed from offset %d", rank.key, rank.spool.offset)
 
     async def _report_exit(self, rank: rp.RankProcess, code: int, reason: str, detail: str | None) -> None:
         event = WorkerExited(
@@ -851,19 +850,12 @@ class NodeAgent:
             node_id=self.settings.node_id, rank=rank.rank, exit_code=code, reason=reason, detail=detail,
             global_step=last_step_of(rank), saved_step=rank.saved_step,
         )
-        delay = 0.2
-        while True:
-            try:
-                await self.runtime.outbox.put(event, traceparent=rank.traceparent)
-                break
-            except Exception as exc:  # noqa: BLE001 - Redis away: the exit must still be reported
-                if self._closing and delay >= 5.0:
-                    log.error("could not record the exit of %s: %r", rank.key, exc)
-                    return
-                log.warning("recording the exit of %s failed: %r; retry in %.1fs", rank.key, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        await self._track(event, "exited", rank, rank.traceparent)
+        if not await backoff.retry(  # Redis away: the exit must still be reported
+                lambda: self.runtime.outbox.put(event, traceparent=rank.traceparent),
+                policy=backoff.INFRASTRUCTURE, clock=self.clock, what=f"recording the exit of {rank.key}",
+                give_up=backoff.closing_and_capped(lambda: self._closing, backoff.INFRASTRUCTURE)):
+            return
+        await self.announcements.track(event, "exited", rank, rank.traceparent)
         log.info("rank %d of %s exited with %d (%s%s)", rank.rank, rank.allocation_id, code, reason,
                  f": {detail}" if detail else "")
 
@@ -872,27 +864,26 @@ class NodeAgent:
         """Stop every rank here of an attempt that made no progress within the hang timeout."""
         if not self._serving:
             return
-        watched = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
-        for r in watched:  # judge what the files say now, not what a busy watcher last saw
+        looked_after = [r for r in self.ranks.values() if r.running and watched(r.state)]
+        for r in looked_after:  # judge what the files say now, not what a busy watcher last saw
             self._note_progress(r)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.liveness.at, r.progressed,
                                  rp.proc_state(r.pid),
                                  saving_on_request=r.checkpoint_deadline is not None and now < r.checkpoint_deadline,
                                  output_counts=r.code_archive is not None)
-                    for r in watched]
+                    for r in looked_after]
         for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
                                first_step_timeout_s=self.settings.first_step_timeout_s):
-            targets = [r for r in watched if r.allocation_id == hung.allocation_id]
+            targets = [r for r in looked_after if r.allocation_id == hung.allocation_id]
             log.error("allocation %s is hung (%s): killing its %d rank(s) here", hung.allocation_id, hung.detail,
                       len(targets))
             for rank in targets:
-                rank.hang_detail = hung.detail
-                self._in_background(rp.stop(rank, 0))
+                self._supervise(rank, Trigger.HUNG, hung.detail)
 
     async def check_leases(self) -> None:
         """Stop running ranks whose allocation no longer holds their device lease."""
-        running = [r for r in self.ranks.values() if r.running and not r.revoked and r.hang_detail is None]
+        running = [r for r in self.ranks.values() if r.running and watched(r.state)]
         if not running:
             return
         holders = await self._lease_holders(sorted({r.device_index for r in running}))
@@ -904,55 +895,6 @@ class NodeAgent:
                        f"{rank.allocation_id} was released (its revocation did not reach this agent)")
                 log.warning("stopping rank %s: %s", rank.key, why)
                 self._revoke(rank, why)
-
-    # ------------------------------------------------------------------ end-to-end confirmation
-    async def _track(self, event: Event, kind: str, rank: rp.RankProcess, traceparent: str | None) -> None:
-        await self._remember(Announcement(
-            event_id=str(event.event_id), kind=kind, topic=event.topic, key=event.key(),  # type: ignore[arg-type]
-            payload=event.to_bytes().decode(), traceparent=traceparent, job_id=rank.job_id, attempt=rank.attempt,
-            allocation_id=rank.allocation_id, rank=rank.rank,
-        ))
-
-    async def _remember(self, a: Announcement) -> None:
-        a.first_at = a.last_at = time.monotonic()
-        self._announced[a.event_id] = a
-        try:
-            await self.redis.hset(self.keys.unconfirmed, a.event_id, json.dumps(a.__dict__))
-        except (RedisError, OSError):
-            pass  # kept in memory; only a restart during the same outage would forget it
-
-    async def confirm_announcements(self) -> None:
-        """Drop what Redis shows applied (or moot); publish the rest again."""
-        now = time.monotonic()
-        due = [a for a in list(self._announced.values()) if now - a.last_at >= self.settings.confirm_after_s]
-        jobs: dict[str, Any] = {}
-        for a in due:
-            if a.job_id not in jobs:
-                jobs[a.job_id] = await self.runtime.store.get_job(a.job_id)
-            recorded, state = False, None
-            if a.kind == "shard" and a.step is not None:
-                recorded = bool(await self.redis.hexists(Keys.shards(a.job_id, a.attempt, a.step), str(a.rank)))
-                raw = await self.redis.hget(Keys.checkpoints(a.job_id), checkpoint_id(a.step, a.attempt))
-                state = json.loads(raw).get("state") if raw else None
-            outcome, why = explain(a, jobs[a.job_id], shard_recorded=recorded, checkpoint_state=state)
-            if outcome == "pending" and now - a.first_at > self.settings.confirm_max_age_s:
-                log.error("giving up on %s %s of %s rank %d: never applied", a.kind, a.event_id, a.job_id, a.rank)
-                outcome = "moot"
-                DROPPED.labels(a.kind).inc()
-            elif outcome == "moot":
-                DROPPED.labels(a.kind).inc()
-                log.info("dropping %s of job %s attempt %d rank %d%s: never applied and it never will be: %s",
-                         a.kind, a.job_id, a.attempt, a.rank, f" step {a.step}" if a.step is not None else "", why)
-            if outcome != "pending":
-                self._announced.pop(a.event_id, None)
-                await self.redis.hdel(self.keys.unconfirmed, a.event_id)
-                continue
-            await self.runtime.bus.publish_raw_traced(a.topic, a.payload.encode(), key=a.key,
-                                                      traceparent=a.traceparent)
-            a.last_at, a.republished = time.monotonic(), a.republished + 1
-            log.warning("published %s of job %s attempt %d rank %d%s again: not applied after %.0fs "
-                        "(lost with the broker?)", a.kind, a.job_id, a.attempt, a.rank,
-                        f" step {a.step}" if a.step is not None else "", now - a.first_at)
 
     # ------------------------------------------------------------------ persistence and restarts
     async def _persist(self, rank: rp.RankProcess, *, force_local: bool = False) -> None:
@@ -966,6 +908,7 @@ class NodeAgent:
     async def _forget(self, rank: rp.RankProcess) -> None:
         self._unreported.pop(rank.key, None)
         self._sent_ahead.pop(rank.key, None)
+        self._relay_failing.discard(rank.key)
         try:
             await self.redis.hdel(self.keys.ranks, rank.key)
         except (RedisError, OSError) as exc:  # a later agent reports it again: a harmless duplicate
@@ -998,12 +941,12 @@ class NodeAgent:
         task.add_done_callback(self._background.discard)
 
     async def _flush_outbox(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if await self.runtime.outbox.pending() == 0:
-                    return
+        """Publish what the outbox holds, for up to ``timeout_s`` (best effort: the outbox is durable)."""
+        deadline = self.clock.monotonic() + timeout_s
+
+        async def relay_all() -> None:
+            while self.clock.monotonic() < deadline and await self.runtime.outbox.pending():
                 await self.runtime.outbox.relay_once(self.runtime.bus)
-            except Exception as exc:  # noqa: BLE001 - best effort; the outbox is durable
-                log.warning("flushing the outbox before shutdown: %r", exc)
-                await asyncio.sleep(0.5)
+
+        await backoff.retry(relay_all, policy=backoff.SHUTDOWN_FLUSH, give_up=backoff.past(deadline, self.clock),
+                            clock=self.clock, what="flushing the outbox before shutdown")

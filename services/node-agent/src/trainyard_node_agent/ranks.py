@@ -1,6 +1,7 @@
 """Rank processes: spawn one (through :mod:`launcher`) in its own session, so its whole process
 group can be signalled; wait for it, stop it (SIGTERM, then SIGKILL), or, after an agent
-restart, adopt it and watch it through ``/proc`` and its exit file.
+restart, adopt it and watch it through ``/proc`` and its exit file. Where a rank is in its life
+(:class:`~trainyard_node_agent.supervision.RankState`) is decided in :mod:`supervision`.
 
 The process group leader is the launcher (``pgid``); ``pid`` is the rank itself (what
 WorkerStarted reports, what an operator would signal).
@@ -15,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,8 @@ from trainyard_common.spool import SpoolReader
 
 from trainyard_node_agent import launcher
 from trainyard_node_agent.classify import parse_oom_kills
+from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock
+from trainyard_node_agent.supervision import RankState
 from trainyard_node_agent.watchdog import Liveness
 
 LAUNCHER = Path(launcher.__file__).resolve()
@@ -51,22 +53,17 @@ class RankProcess:
     pgid: int = 0  # the launcher: leader of the rank's process group
     start_ticks: int | None = None  # the launcher's start time (/proc), against pid reuse
     process: asyncio.subprocess.Process | None = None  # None when adopted (not our child)
-    adopted: bool = False
-    gone: bool = False  # an adopted rank's group leader has vanished
-    revoked: bool = False
-    killed_by_agent: bool = False  # stopped because the agent itself stopped
-    stop_detail: str | None = None
-    hang_detail: str | None = None
+    state: RankState = RankState.NEW  # changed only through supervision.transition
+    stop_detail: str | None = None  # why the agent ends it: the reason behind REVOKED, HUNG, VIOLATED, STOPPING
+    gone: bool = False  # an adopted rank's group leader has vanished (observed through /proc)
     oom_kills_at_start: int | None = None
-    liveness: Liveness = field(default_factory=lambda: Liveness(time.monotonic()))  # what the hang watchdog judges
-    relay_failing: bool = False
+    # what the hang watchdog judges; the agent starts its window at launch and adoption (agent.baseline)
+    liveness: Liveness = field(default_factory=lambda: Liveness(0.0))
     last_step: int | None = None  # the step of the last StepMetrics relayed
     saved_step: int | None = None  # the step of the last ShardWritten relayed
-    checkpoint_requested_epoch: int | None = None  # a CheckpointRequested was delivered (with this epoch)
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
     start_manifest_uri: str | None = None  # the allocation's start checkpoint (a rank may refuse it)
-    violation: str | None = None  # why the agent stopped it: a claim a rank may not make (security)
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -77,6 +74,11 @@ class RankProcess:
     def progressed(self) -> bool:
         """It wrote at least one event to its spool."""
         return self.liveness.reported
+
+    @property
+    def adopted(self) -> bool:
+        """An earlier agent launched it: not our child, watched through ``/proc``."""
+        return self.process is None and self.state is not RankState.NEW
 
     @property
     def running(self) -> bool:
@@ -107,7 +109,7 @@ class RankProcess:
             spool=SpoolReader(entry["spool"], int(entry.get("offset", 0))), traceparent=entry.get("traceparent"),
             exit_file=Path(entry.get("exitFile", "")), device_index=int(entry.get("deviceIndex", 0)),
             pgid=int(entry.get("pgid", entry["pid"])), start_ticks=entry.get("startTicks"),
-            liveness=Liveness(time.monotonic(), reported=bool(entry.get("progressed", False))),
+            liveness=Liveness(0.0, reported=bool(entry.get("progressed", False))),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
             saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
             code_archive=entry.get("codeArchive"), start_manifest_uri=entry.get("startManifestUri"),
@@ -156,16 +158,17 @@ def clear_exit_files(exit_file: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout_s: float = 5.0) -> int | None:
+async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout_s: float = 5.0, *,
+                   clock: Clock = SYSTEM_CLOCK) -> int | None:
     """The rank's pid as the launcher wrote it; None if the launcher ended or was slow."""
     pid_file = Path(launcher.pid_file_for(str(exit_file)))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    deadline = clock.monotonic() + timeout_s
+    while clock.monotonic() < deadline:
         with contextlib.suppress(FileNotFoundError, ValueError):
             return int(pid_file.read_text().strip())
         if process.returncode is not None:
             return None
-        await asyncio.sleep(0.01)
+        await clock.sleep(0.01)
     return None
 
 
@@ -209,24 +212,24 @@ def signal_group(pgid: int, sig: signal.Signals) -> bool:
     return True
 
 
-async def stop(rank: RankProcess, grace_s: float) -> None:
+async def stop(rank: RankProcess, grace_s: float, *, clock: Clock = SYSTEM_CLOCK) -> None:
     """SIGTERM the rank's process group, SIGKILL whatever is left after ``grace_s`` (at once if 0)."""
     if rank.running and grace_s > 0:
         signal_group(rank.pgid, signal.SIGTERM)
-        await _wait_until_ended(rank, grace_s)
+        await _wait_until_ended(rank, grace_s, clock)
     # SIGKILL works on stopped processes too; children that outlive the rank (dataloader workers, …) go too.
     signal_group(rank.pgid, signal.SIGKILL)
-    await _wait_until_ended(rank, 5.0)
+    await _wait_until_ended(rank, 5.0, clock)
 
 
-async def _wait_until_ended(rank: RankProcess, timeout_s: float) -> None:
+async def _wait_until_ended(rank: RankProcess, timeout_s: float, clock: Clock) -> None:
     if rank.process is not None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(rank.process.wait(), timeout_s)
         return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and same_process(rank.pgid, rank.start_ticks):
-        await asyncio.sleep(0.05)
+    deadline = clock.monotonic() + timeout_s
+    while clock.monotonic() < deadline and same_process(rank.pgid, rank.start_ticks):
+        await clock.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- /proc
