@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # long files first was slower too (1,036 s: the heavy files then run side by side). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 
-.PHONY: venv deps up down logs status demo data test test-unit test-long chaos bench clean help
+.PHONY: venv deps up observe down logs status demo data test test-unit test-long chaos bench clean help
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -30,11 +30,14 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES)) -e 'libs/cli[dev]' -r requirements-dev.txt
 	@touch $(STAMP)
 
-deps: venv ## install system packages the local stack needs (redis-server)
+deps: venv ## install system packages the local stack needs (redis-server; prometheus for make observe)
 	@scripts/ensure-system-deps.sh
 
 up: deps ## start broker, redis, the five services and 2 node agents, publish the example dataset; print API URL + token
 	$(BIN)/trainyard dev up
+
+observe: deps ## make up, plus Prometheus scraping every service and node agent (rules: deploy/prometheus); prints its URL
+	TRAINYARD_PROMETHEUS=1 $(BIN)/trainyard dev up
 
 down: ## drain running jobs (they checkpoint and stop; they resume after 'make up'), then stop exactly what 'make up' started
 	@if [ -x $(BIN)/trainyard ]; then $(BIN)/trainyard dev down; else echo "nothing to stop (no .venv)"; fi

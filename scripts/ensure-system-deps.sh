@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Installs the system packages trainyard's local stack and tests need, when missing: redis-server, and
-# chromium + chromium-driver for the dashboard's browser tests.
+# chromium + chromium-driver for the dashboard's browser tests, prometheus (+ promtool) for `make observe` and
+# the alert-rule tests.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 # the dashboard's browser tests (tests/browser): headless Chromium driven through Selenium
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+# `make observe` (TRAINYARD_PROMETHEUS=1) and tests/integration/test_prometheus_*.py: prometheus and promtool
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# Redis high availability (`TRAINYARD_REDIS_HA=1 make up`, tests/integration/test_redis_failover.py): Sentinel
+command -v redis-sentinel >/dev/null 2>&1 || need+=(redis-sentinel)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing ${need[*]} with apt-get…"
@@ -16,6 +21,12 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   # Debian starts a system redis on 6379 on install; ours runs on its own port, stop theirs.
   (command -v systemctl >/dev/null && systemctl stop redis-server 2>/dev/null) || true
   (service redis-server stop >/dev/null 2>&1) || true
+  # the same for Debian's prometheus (:9090) and the node exporter it recommends (:9100): ours runs per stack
+  (command -v systemctl >/dev/null && systemctl stop prometheus prometheus-node-exporter 2>/dev/null) || true
+  (service prometheus stop >/dev/null 2>&1; service prometheus-node-exporter stop >/dev/null 2>&1) || true
+  # and Debian's sentinel (:26379): the HA setups start their own sentinels
+  (command -v systemctl >/dev/null && systemctl stop redis-sentinel 2>/dev/null) || true
+  (service redis-sentinel stop >/dev/null 2>&1) || true
 else
   echo "trainyard needs: ${need[*]}" >&2
   echo "install it with your package manager, e.g.: sudo apt-get install -y ${need[*]}" >&2

@@ -23,7 +23,7 @@ dev_app = typer.Typer(
     "and simulated nodes (CPU ranks, gloo). Configure with TRAINYARD_* variables "
     "(TRAINYARD_KAFKA_PORT, TRAINYARD_REDIS_PORT, TRAINYARD_API_PORT, TRAINYARD_NODES, "
     "TRAINYARD_DEVICES_PER_NODE, TRAINYARD_STATE_DIR, TRAINYARD_DRAIN_TIMEOUT_S: how long `down` lets running "
-    "jobs checkpoint and stop).",
+    "jobs checkpoint and stop; TRAINYARD_PROMETHEUS=1: also run Prometheus over every service and node agent).",
     no_args_is_help=True,
 )
 console = Console(stderr=True)
@@ -66,6 +66,9 @@ def up() -> None:
         console.print(f"  {node_line(node)}")
     console.print(f"dev token (tenant 'dev', tenant-admin): {token}   (also in {stack.token_file})")
     console.print(f"dashboard: {stack.s.api_url}/ui/  (sign in with the dev token; docs/dashboard.md)")
+    if stack.prometheus_url:
+        console.print(f"prometheus: {stack.prometheus_url}  (every service and node agent; rules from "
+                      "deploy/prometheus/rules; docs/production.md#monitoring)")
     if stack.admin_token_file.exists():
         console.print(f"platform-admin token: in {stack.admin_token_file} (`trainyard admin …` uses it)")
     console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")

@@ -22,7 +22,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainyard_cli import infra, redisacl
+from trainyard_cli import infra, observe, redisacl
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.records import NodeRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
@@ -58,6 +58,10 @@ class StackSettings(BaseSettings):
         description="`down` drains first: node agents ask running attempts to checkpoint and stop, for up to "
                     "this long (0: stop at once); the jobs resume from that checkpoint after `up`",
     )
+    prometheus: bool = Field(default=False, description="also run Prometheus scraping every service and node agent "
+                                                        "(`make observe`; trainyard_cli.observe)")
+    prometheus_port: int = Field(default=0, ge=0, lt=65536, description="Prometheus' port (0: a free one)")
+    prometheus_scrape_interval_s: float = Field(default=5.0, gt=0)
 
     @property
     def root(self) -> Path:
@@ -135,6 +139,11 @@ class LocalStack:
     @property
     def redis_users_file(self) -> Path:
         return self.s.root / "redis-users.json"
+
+    @property
+    def prometheus_url(self) -> str | None:
+        """The stack's Prometheus, when it runs one (written by :meth:`up`)."""
+        return _first_line(self.s.root / "prometheus-url") or None
 
     @property
     def token_file(self) -> Path:
@@ -221,6 +230,8 @@ class LocalStack:
             name = f"node-agent-{i}"
             if name not in alive:
                 self._spawn_service("node-agent", name=name, node_index=i)
+        if self.s.prometheus and "prometheus" not in alive:
+            self._start_prometheus()
         self._wait_ready()
         (self.s.root / "api-url").write_text(self.s.api_url + "\n")
         return self._dev_token_when_the_api_answers()
@@ -333,6 +344,10 @@ class LocalStack:
                     "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
                 }
             )
+        if self.s.prometheus:  # a metrics port and a scrape target of its own
+            port = infra.free_port()
+            env["TRAINYARD_METRICS_PORT"] = str(port)
+            observe.write_target(self.s.root, name, service, port)
         log_path = self.s.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
@@ -342,6 +357,19 @@ class LocalStack:
             )
         self._record(name, proc.pid)
         self.say(f"started {name} (pid {proc.pid}); log {log_path}")
+
+    def _start_prometheus(self) -> None:
+        port = self.s.prometheus_port or infra.free_port()
+        launched = observe.start_prometheus(self.s.root, port, self.s.log_dir / "prometheus.log",
+                                            scrape_interval_s=self.s.prometheus_scrape_interval_s)
+        self._record("prometheus", launched.process.pid)
+        (self.s.root / "prometheus-url").write_text(launched.address + "\n")
+        self.say(f"started prometheus on {launched.address} (storage {self.s.root / 'prometheus' / 'data'})")
+        unscraped = [c.name for c in self.running() if c.name not in ("broker", "redis", "prometheus")
+                     and not (observe.targets_dir(self.s.root) / f"{c.name}.json").exists()]
+        if unscraped:
+            self.say(f"{', '.join(unscraped)} already ran without a metrics port: `make down`, then `make observe`, "
+                     "to scrape them too")
 
     def _wait_ready(self) -> None:
         """Every service beacons its health key; the API answers; every node has reported."""
@@ -422,6 +450,7 @@ class LocalStack:
                         "start)" if left else ""))
         stopped += self._stop(services, timeout_s)
         stopped += self._stop(infra_, timeout_s)
+        observe.forget(self.s.root, stopped)
         return stopped
 
     def _stop(self, group: list[Component], timeout_s: float) -> list[str]:

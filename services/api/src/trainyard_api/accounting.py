@@ -7,7 +7,8 @@ job index. ``refresh()`` (a loop of the API process) recomputes every tenant's s
 ``trainyard_goodput_device_seconds{tenant,kind}`` gauges (requests never touch them) and records the
 sums as the tenant's goodput history: ``Keys.goodput_history(tenant)``, one field per bucket of
 ``bucket_s`` (HSET overwrites, so API processes refreshing the same bucket agree), fields older than
-``retention_s`` trimmed in the same pass (see :mod:`.goodput_history`).
+``retention_s`` trimmed in the same pass (see :mod:`.goodput_history`). The same walk keeps the per-job
+series current (``trainyard_job_goodput_ratio``; :mod:`.jobmetrics`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainyard_common.store import Keys, StateStore
 
 from trainyard_api.goodput import KINDS, Ledger, job_ledger
 from trainyard_api.goodput_history import Sample, bucket_start, expired_buckets, parse_samples
+from trainyard_api.jobmetrics import JobSeries
 from trainyard_api.steptiming import StepTimingStore
 
 log = logging.getLogger(__name__)
@@ -46,13 +48,14 @@ class GoodputAccountant:
 
     def __init__(self, store: StateStore, timing: StepTimingStore, *,
                  clock: Callable[[], datetime] = utcnow, history_bucket_s: int = HISTORY_BUCKET_S,
-                 history_retention_s: float = HISTORY_RETENTION_S) -> None:
+                 history_retention_s: float = HISTORY_RETENTION_S, series: JobSeries | None = None) -> None:
         self.store = store
         self.redis = store.redis
         self.timing = timing
         self.clock = clock
         self.history_bucket_s = history_bucket_s
         self.history_retention_s = history_retention_s
+        self.series = series  # per-job series (step time, goodput) the refresh walk keeps current
 
     async def job(self, job: JobRecord) -> Ledger:
         """The job's ledger (the stored final one when the job is finished)."""
@@ -79,25 +82,34 @@ class GoodputAccountant:
                 return total, count
             offset += len(ids)
 
-    async def all_tenants(self) -> dict[str, Ledger]:
-        """Every tenant's ledger, in one walk over the job index."""
+    async def all_tenants(self, each: Callable[[JobRecord, Ledger], None] | None = None) -> dict[str, Ledger]:
+        """Every tenant's ledger, in one walk over the job index (``each`` sees every job's ledger)."""
         ledgers: dict[str, Ledger] = {}
         offset = 0
         while True:
             ids = await self.store.list_job_ids(None, limit=_BATCH, offset=offset)
             for job in await self.store.get_jobs(ids):
-                ledgers.setdefault(job.tenant, Ledger()).add(await self.job(job))
+                ledger = await self.job(job)
+                ledgers.setdefault(job.tenant, Ledger()).add(ledger)
+                if each is not None:
+                    each(job, ledger)
             if len(ids) < _BATCH:
                 return ledgers
             offset += len(ids)
 
     async def refresh(self) -> dict[str, Ledger]:
         """Recompute every tenant's ledger, set the gauges and record the history (a loop of the API process)."""
-        now = self.clock().timestamp()
-        ledgers = await self.all_tenants()
+        when = self.clock()
+        now = when.timestamp()
+        series = self.series
+        if series is not None:
+            series.begin()
+        ledgers = await self.all_tenants(each=None if series is None else lambda j, lg: series.observe(j, lg, when))
         for tenant, ledger in ledgers.items():
             for kind, seconds in ledger.seconds().items():
                 GOODPUT.labels(tenant, kind).set(seconds)
+        if series is not None:
+            series.prune(when)
         await self.record_history(ledgers, now_s=now)
         return ledgers
 

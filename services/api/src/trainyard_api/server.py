@@ -41,6 +41,7 @@ from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.calibrator import Calibrator
 from trainyard_api.dashboard_routes import job_summaries
+from trainyard_api.jobmetrics import JobSeries
 from trainyard_api.live import LiveHub
 from trainyard_api.metrics_history import MetricHistory
 from trainyard_api.progress import ProgressProjector
@@ -97,9 +98,11 @@ class ApiServer:
         self.calibrator = Calibrator(self.runtime.store, settings)
         self.projector = ProgressProjector(self.runtime.redis, calibrator=self.calibrator)
         self.timing = StepTimingStore(self.runtime.redis, max_points=settings.goodput_max_points)
+        self.series = JobSeries(linger_s=settings.job_metrics_linger_s)  # per-job Prometheus series
         self.accounting = GoodputAccountant(self.runtime.store, self.timing,
                                             history_bucket_s=settings.goodput_history_bucket_s,
-                                            history_retention_s=settings.goodput_history_retention_s)
+                                            history_retention_s=settings.goodput_history_retention_s,
+                                            series=self.series)
         self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
         self.triggers = TriggerFiring(TriggerStore(self.runtime.redis), lambda: self.context.jobs)
@@ -127,6 +130,7 @@ class ApiServer:
         await self.timing.on_step_metrics(m)
         await self.history.on_step_metrics(m)
         await self.projector.on_step_metrics(m)
+        self.series.on_step(m)
 
     @property
     def url(self) -> str:

@@ -91,6 +91,9 @@ class ApiSettings(ServiceSettings):
                                        "sample of the current bucket (GET /v1/goodput/history)")
     goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
                                                description="how long goodput history samples are kept")
+    job_metrics_linger_s: float = Field(
+        default=900.0, ge=0, description="how long a finished job's Prometheus series (trainyard_job_step_seconds, "
+                                         "trainyard_job_goodput_ratio, …) are still served before they are removed")
     goodput_max_points: int = Field(
         default=4096, gt=1, description="newest steps per attempt whose cumulative step time is kept (older steps "
                                         "are interpolated); bounds the goodput read model's memory per attempt")

@@ -42,6 +42,7 @@ from trainyard_common.store import Keys, StateStore, note_change, stage_change
 from trainyard_scheduler import health
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases
+from trainyard_scheduler.metrics import STRAGGLERS
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.snapshot import SnapshotCache
 
@@ -319,6 +320,7 @@ class NodeHealth:
             compute_seconds=found.compute_seconds, median_compute_seconds=found.median_compute_seconds,
             window_steps=found.window_steps, from_step=found.from_step, to_step=found.to_step)
         score = await self.blame_node(node_id, "straggler", self.reputation.straggler_weight, events=(event,))
+        STRAGGLERS.inc()
         log.warning("job %s attempt %d: rank %d on %s is a straggler (%.2fx the median rank over steps %d-%d); "
                     "node score %.2f", found.job_id, found.attempt, found.rank, node_id, found.slowdown,
                     found.from_step, found.to_step, score)

@@ -85,6 +85,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, Leadership
 from trainyard_scheduler.jobtx import Decide, Facts, JobTransactions, job_span
 from trainyard_scheduler.keys import SchedulerKeys
+from trainyard_scheduler.metrics import ClusterGauges, cluster_view
 from trainyard_scheduler.node_health import NodeHealth
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
@@ -160,6 +161,7 @@ class Scheduler:
                                 clock=clock, recent_s=self.silence.recent_s, wake_at=self.wake_at)
         self._memory: dict[str, int] = {}
         self._requests: dict[str, tuple[JobRecord, GangRequest]] = {}  # job id → (record, its gang request)
+        self.gauges = ClusterGauges()  # the leader's queue and node numbers (Prometheus)
 
     def install(self) -> None:
         """Subscribe to the topics and register the tick; call before ``runtime.start()``."""
@@ -351,6 +353,7 @@ class Scheduler:
 
     def _stand_by(self) -> None:
         self._leading = None
+        self.gauges.clear()
         self.leadership.epoch = None
 
     async def schedule(self, epoch: int) -> None:
@@ -368,6 +371,10 @@ class Scheduler:
         decisions = self._plan(jobs, nodes, view, now)
         out = health.out_of_service(live, {n.node_id for n in nodes}, quarantine=view.quarantine, drains=view.drains)
         await self._apply(decisions, jobs, epoch, nodes=nodes, out=out)
+        self.gauges.publish(cluster_view(
+            [j for j in jobs.values() if tr.is_pending(j)], view.nodes, now=now,
+            node_timeout_s=self.settings.node_timeout_s, live=[n.node_id for n in live],
+            placeable=[n.node_id for n in nodes]))
 
     async def _maybe_reconcile(self, now: datetime, epoch: int) -> None:
         if self._next_reconcile is None or now >= self._next_reconcile:

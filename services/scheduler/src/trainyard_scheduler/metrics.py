@@ -1,0 +1,91 @@
+"""Prometheus gauges of the leader's view: queued jobs and how long they waited, nodes by state.
+
+``cluster_view`` is pure (the pass's jobs and nodes in, numbers out); ``publish`` sets the gauges. Labels are
+bounded: tenants and a fixed set of node states, never job ids. A standby clears them (``clear``), so only the
+leader's numbers are scraped (deploy/prometheus/rules.yml takes the max over instances).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from prometheus_client import Counter, Gauge
+
+from trainyard_common.records import JobRecord, NodeRecord
+
+NODE_STATES: tuple[str, ...] = ("placeable", "out_of_service", "unhealthy", "silent")
+
+PENDING_JOBS = Gauge("trainyard_scheduler_pending_jobs", "jobs queued and holding nothing, by tenant", ["tenant"])
+OLDEST_PENDING = Gauge(
+    "trainyard_scheduler_oldest_pending_seconds",
+    "how long the tenant's longest-waiting pending job has waited (since submission, or since its last attempt "
+    "ended)", ["tenant"])
+NODES = Gauge(
+    "trainyard_scheduler_nodes",
+    "nodes in the inventory by state: placeable; out_of_service (live but quarantined or drained); unhealthy "
+    "(reported unhealthy); silent (no heartbeat within node_timeout_s: lost)", ["state"])
+STRAGGLERS = Counter("trainyard_scheduler_stragglers_total", "StragglerDetected events the scheduler raised")
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    pending: Mapping[str, int] = field(default_factory=dict)
+    oldest_wait_s: Mapping[str, float] = field(default_factory=dict)
+    nodes: Mapping[str, int] = field(default_factory=dict)
+
+
+def waiting_since(job: JobRecord) -> datetime:
+    """When a pending job started waiting: its last attempt's end, else its submission."""
+    current = job.current
+    return current.ended_at if current is not None and current.ended_at is not None else job.created_at
+
+
+def cluster_view(pending: Iterable[JobRecord], nodes: Iterable[NodeRecord], *, now: datetime,
+                 node_timeout_s: float, live: Iterable[str], placeable: Iterable[str]) -> ClusterView:
+    """The numbers of one pass: pending jobs and the oldest wait per tenant, every known node's state."""
+    counts: dict[str, int] = {}
+    oldest: dict[str, float] = {}
+    for job in pending:
+        counts[job.tenant] = counts.get(job.tenant, 0) + 1
+        waited = max((now - waiting_since(job)).total_seconds(), 0.0)
+        oldest[job.tenant] = max(oldest.get(job.tenant, 0.0), waited)
+    live_ids, placeable_ids = set(live), set(placeable)
+    horizon = now - timedelta(seconds=node_timeout_s)
+    states = dict.fromkeys(NODE_STATES, 0)
+    for node in nodes:
+        if node.node_id in placeable_ids:
+            states["placeable"] += 1
+        elif node.node_id in live_ids:
+            states["out_of_service"] += 1
+        elif node.last_seen < horizon:
+            states["silent"] += 1
+        else:
+            states["unhealthy"] += 1
+    return ClusterView(pending=counts, oldest_wait_s=oldest, nodes=states)
+
+
+class ClusterGauges:
+    """Sets the gauges from a :class:`ClusterView`; a tenant with nothing pending any more is removed."""
+
+    def __init__(self) -> None:
+        self._tenants: set[str] = set()
+
+    def publish(self, view: ClusterView) -> None:
+        for tenant in self._tenants - set(view.pending):
+            PENDING_JOBS.remove(tenant)
+            OLDEST_PENDING.remove(tenant)
+        for tenant, count in view.pending.items():
+            PENDING_JOBS.labels(tenant).set(count)
+            OLDEST_PENDING.labels(tenant).set(view.oldest_wait_s.get(tenant, 0.0))
+        self._tenants = set(view.pending)
+        for state, count in view.nodes.items():
+            NODES.labels(state).set(count)
+
+    def clear(self) -> None:
+        """No longer leading: these numbers are another instance's to report."""
+        PENDING_JOBS.clear()
+        OLDEST_PENDING.clear()
+        NODES.clear()
+        self._tenants = set()
