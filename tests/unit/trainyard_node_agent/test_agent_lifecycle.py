@@ -67,8 +67,9 @@ def make(tmp_path: Path, rank_no: int = 0) -> tuple[NodeAgent, rp.RankProcess, F
                           spool=SpoolReader(tmp_path / f"rank-{rank_no}.jsonl"), traceparent=None,
                           exit_file=tmp_path / "exit" / f"rank-{rank_no}.json")
     rank.process = Process()  # type: ignore[assignment]
-    agent._supervise(rank, Trigger.LAUNCHED)
-    agent.ranks[rank.key] = rank
+    supervisor = agent._supervisor(rank)
+    supervisor.apply(Trigger.LAUNCHED)
+    agent.ranks[rank.key] = supervisor
     return agent, rank, clock
 
 
@@ -93,11 +94,11 @@ async def test_how_a_rank_ended_follows_what_the_agent_decided(tmp_path: Path, s
                                                                outcome: tuple[str, str | None]) -> None:
     agent, rank, _ = make(tmp_path)
     if stop and stop.startswith("revoke"):
-        agent._revoke(rank, "allocation released")
+        agent._revoke(agent.ranks[rank.key], "allocation released")
     if stop == "preempt":
-        agent._revoke(rank, "preempted for job b")
+        agent._revoke(agent.ranks[rank.key], "preempted for job b")
     if stop and stop.endswith("agent"):
-        stopping = agent._supervise(rank, Trigger.AGENT_STOPPING, "the node agent stopped")
+        stopping = agent.ranks[rank.key].apply(Trigger.AGENT_STOPPING, "the node agent stopped")
         assert stopping is not None
         exited(rank, code)
         await stopping
@@ -105,13 +106,13 @@ async def test_how_a_rank_ended_follows_what_the_agent_decided(tmp_path: Path, s
         agent.runtime.outbox = Outbox()
         await agent._violation(rank, Refusal("forged", violation=True, event_type="ShardWritten"))
     exited(rank, code)
-    assert agent._how_it_ended(rank)[1:] == outcome
+    assert agent.ranks[rank.key].how_it_ended()[1:] == outcome
 
 
 async def test_a_violation_stops_every_rank_of_the_allocation_once(tmp_path: Path) -> None:
     agent, first, _ = make(tmp_path, 0)
     _, second, _ = make(tmp_path, 1)
-    agent.ranks[second.key] = second
+    agent.ranks[second.key] = agent._supervisor(second)
     refusal = Refusal("forged", violation=True, event_type="ShardWritten")
     await agent._violation(first, refusal)
     await agent._violation(first, refusal)
@@ -131,5 +132,5 @@ async def test_a_checkpoint_request_is_delivered_once_with_its_deadline_on_the_i
     clock.now += 5
     await agent.on_checkpoint_requested(request)  # a duplicate: nothing moves
     assert rank.checkpoint_deadline == pytest.approx(clock.now - 5 + 90)
-    agent._revoke(rank, "preempted")
+    agent._revoke(agent.ranks[rank.key], "preempted")
     assert rank.state is RankState.REVOKED

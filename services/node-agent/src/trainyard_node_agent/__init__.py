@@ -4,8 +4,10 @@ attempts, stops them on revocation, and adopts them again after its own restart.
 
 Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`supervision` (a rank's
 lifecycle: :class:`RankState`, :func:`transition`), :mod:`classify` (why a rank ended), :mod:`watchdog`
-(hang detection) and :mod:`confirmation` (when an announced event was applied); :class:`NodeAgent` is
-the I/O shell, on an injected :class:`Clock`, retrying through :mod:`backoff`. Ranks start under :mod:`launcher` (cold) or in a
+(hang detection) and :mod:`confirmation` (when an announced event was applied). The I/O shells, on an
+injected :class:`Clock`, retrying through :mod:`backoff`: :class:`NodeAgent` (handlers, launch, node-wide
+loops), one :class:`RankSupervisor` per rank (its lifecycle, its watch, its exit report) and the
+:class:`SpoolRelay` (the ranks' spools onto the bus). Ranks start under :mod:`launcher` (cold) or in a
 warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
 A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
 trees (one per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes,
@@ -38,7 +40,9 @@ from trainyard_node_agent.codecache import (
 from trainyard_node_agent.confirmation import Announcement, verdict
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.settings import NodeAgentSettings
+from trainyard_node_agent.spool_relay import SpoolRelay
 from trainyard_node_agent.supervision import RankState, Trigger, transition
+from trainyard_node_agent.supervisor import RankSupervisor
 from trainyard_node_agent.warmpool import WarmPool
 from trainyard_node_agent.watchdog import (
     Hung,
@@ -67,7 +71,9 @@ __all__ = [
     "RankPaths",
     "RankProgress",
     "RankState",
+    "RankSupervisor",
     "Refuse",
+    "SpoolRelay",
     "SystemClock",
     "Trigger",
     "WarmPool",

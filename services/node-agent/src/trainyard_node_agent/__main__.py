@@ -12,9 +12,10 @@ from redis.exceptions import RedisError
 
 from trainyard_common.bus import KafkaAuth, ensure_topics
 from trainyard_common.errors import TrainyardError
-from trainyard_common.service import ServiceRuntime, service_main
+from trainyard_common.service import ServiceRuntime, serve_until_signalled, service_main
 
 from trainyard_node_agent.agent import NodeAgent
+from trainyard_node_agent.network import ipv4_interfaces, rendezvous_env
 from trainyard_node_agent.settings import NodeAgentSettings
 
 log = logging.getLogger("trainyard_node_agent")
@@ -34,25 +35,40 @@ SUMMARY = (
 async def serve(settings: NodeAgentSettings, base_env: Mapping[str, str]) -> None:
     """Run one node agent until SIGTERM/SIGINT, then stop its ranks and close."""
     runtime = ServiceRuntime("node-agent", settings, outbox_name=f"node-agent:{settings.node_id}")
+    # ranks bind gloo to the interface of the address peers reach this node at, not the hostname's
+    base_env = rendezvous_env(base_env, settings.host, ipv4_interfaces(), extra=settings.rank_env)
     agent = NodeAgent(runtime, settings, base_env=base_env)
     agent.sandbox.check()  # ConfigError (exit 2, loudly) when TRAINYARD_NODE_SANDBOX=enforce cannot be had here
     agent.install()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    try:
-        await agent.prepare()
-        if not await wait_for_dependencies(runtime, settings, stop):
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+    await serve_until_signalled(NodeAgentProcess(runtime, settings, agent, stop), "node agent", stop)
+
+
+class NodeAgentProcess:
+    """The node agent's process as a :class:`~trainyard_common.service.Lifecycle`. start: adopt what an earlier
+    agent left running, wait for Redis and the broker (returning quietly when stopped meanwhile), start the
+    runtime, then the agent. aclose: the agent (its ranks), then the runtime, bounded."""
+
+    def __init__(self, runtime: ServiceRuntime, settings: NodeAgentSettings, agent: NodeAgent,
+                 stop: asyncio.Event) -> None:
+        self.runtime, self.settings, self.agent, self.stop = runtime, settings, agent, stop
+        self._closed = False
+
+    async def start(self) -> None:
+        await self.agent.prepare()
+        if not await wait_for_dependencies(self.runtime, self.settings, self.stop):
+            return  # stopped before they came: nothing more to start, aclose follows
+        await self.runtime.start()
+        await self.agent.start()
+
+    async def aclose(self) -> None:
+        if self._closed:
             return
-        await runtime.start()
-        await agent.start()
-        await stop.wait()
-    finally:
-        await agent.aclose()
+        self._closed = True
+        await self.agent.aclose()
         log.info("closing the broker and Redis connections")
-        await close_runtime(runtime)
+        await close_runtime(self.runtime)
         log.info("closed")
 
 

@@ -31,11 +31,10 @@ Failure handling:
   a node-local file (used when Redis is down at start-up). While the broker or Redis is away,
   events wait in the spools and the outbox, heartbeats resume when they return.
 
-Order: a rank's spool is drained completely before its WorkerExited is staged, so a
-final ShardWritten or StepMetrics never arrives after the exit that follows it.
-
-Where each rank is in its life (running, checkpointing, revoked, hung, …) is decided by
-:func:`supervision.transition`; the agent only applies the step (:meth:`NodeAgent._supervise`).
+Each rank has its :class:`~trainyard_node_agent.supervisor.RankSupervisor`: it applies the rank's
+lifecycle (decided by :func:`supervision.transition`), relays its spool while it runs
+(:class:`~trainyard_node_agent.spool_relay.SpoolRelay`) and reports how it ended. The agent keeps the
+handlers, the launch, the node-wide loops (heartbeat, hangs, leases, warm pool) and the rank table.
 Time comes from an injected :class:`~trainyard_node_agent.clock.Clock`; what fails while Redis or
 the broker is away is retried by :func:`backoff.retry`; announcements are confirmed by
 :class:`~trainyard_node_agent.announcements.Announcements`.
@@ -44,30 +43,25 @@ the broker is away is retried by :func:`backoff.retry`; announcements are confir
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from trainyard_common.codetree import CodeTreeError, archive_hex
 from trainyard_common.events import (
     ALLOCATIONS,
-    CHECKPOINTS,
     AllocationRevoked,
     CheckpointRequested,
-    DeadLetter,
     DeviceInfo,
     GangAllocated,
     NodeDrained,
@@ -76,16 +70,13 @@ from trainyard_common.events import (
     NodeUndrained,
     RankAssignment,
     SecurityViolation,
-    ShardWritten,
-    StepMetrics,
-    WorkerExited,
     WorkerStarted,
 )
 from trainyard_common.exitcodes import CONFIG
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import Code
 from trainyard_common.spool import SpoolReader
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, uri_to_path
+from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
 
@@ -101,25 +92,21 @@ from trainyard_node_agent.admission import (
     rank_env,
 )
 from trainyard_node_agent.announcements import Announcements
-from trainyard_node_agent.classify import ExitFacts, classify_exit
 from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock, wall_datetime
 from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
 from trainyard_node_agent.confinement import Confined, Confinement, scrubbed
-from trainyard_node_agent.confirmation import Announcement
 from trainyard_node_agent.localstate import LocalState, merge_tables
-from trainyard_node_agent.relay import RankIdentity, Refusal, check_line
+from trainyard_node_agent.relay import Refusal
 from trainyard_node_agent.settings import NodeAgentSettings
-from trainyard_node_agent.supervision import Action, RankState, Trigger, exit_causes, transition, watched
+from trainyard_node_agent.spool_relay import SpoolRelay
+from trainyard_node_agent.supervision import RankState, Trigger, transition, watched
+from trainyard_node_agent.supervisor import RankSupervisor, SupervisorContext
 from trainyard_node_agent.warmpool import WarmPool, auto_size, mem_available_bytes
-from trainyard_node_agent.watchdog import Liveness, RankProgress, find_hangs, observe
+from trainyard_node_agent.watchdog import RankProgress, find_hangs
 
 log = logging.getLogger(__name__)
 _REFUSALS_KEPT = 100
-LOST_EXIT_CODE = -9
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"  # in the attempt directory; read by trainyard_trainer
-RELAY_REFUSED = Counter("trainyard_node_agent_spool_refused_total",
-                        "spool lines not relayed: kind=violation (a claim a rank may not make: the job fails) "
-                        "or malformed (unreadable; dead-lettered)", ["kind"])
 
 
 class AgentKeys:
@@ -144,24 +131,6 @@ def checkpoint_request_file(layout: ArtifactLayout, tenant: str, job_id: str, at
     return layout.attempt_dir(tenant, job_id, attempt) / CHECKPOINT_REQUEST_FILE
 
 
-def _event_id(record: Mapping[str, Any]) -> str | None:
-    payload = record.get("payload")
-    return str(payload["eventId"]) if isinstance(payload, dict) and "eventId" in payload else None
-
-
-def baseline(rank: rp.RankProcess, now: float) -> Liveness:
-    """A fresh hang window from ``now``, measured from the rank's files as they are (launch, adoption)."""
-    return Liveness(now, spool_bytes=rp.file_size(rank.spool.path), log_bytes=rp.file_size(rank.log_path),
-                    reported=rank.liveness.reported, printed=rank.liveness.printed)
-
-
-def last_step_of(rank: rp.RankProcess) -> int | None:
-    """The step WorkerExited reports: the trainer's exit note (its last step, the failing one after a
-    NaN, the one it checkpointed at when asked to stop), else the last StepMetrics relayed."""
-    noted = rp.read_note_step(rank.note_file)
-    return noted if noted is not None else rank.last_step
-
-
 class NodeAgent:
     """Wires the handlers, the heartbeat and the watchdogs onto a :class:`ServiceRuntime`."""
 
@@ -179,7 +148,7 @@ class NodeAgent:
                                     has_nvidia_smi=shutil.which("nvidia-smi") is not None)
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
         self.boot_id = uuid.uuid4().hex
-        self.ranks: dict[str, rp.RankProcess] = {}
+        self.ranks: dict[str, RankSupervisor] = {}  # rank key -> the supervisor of a rank launched or adopted here
         self.local = LocalState(settings.agent_state_path)
         self._seq = 0
         self._closing = False
@@ -189,8 +158,11 @@ class NodeAgent:
         self.announcements = Announcements(runtime, settings, self.keys.unconfirmed, clock)
         self._announced = self.announcements.pending  # published, not yet seen applied
         self._ranks_changed_at = float("-inf")  # monotonic time a rank last started or ended here
-        self._sent_ahead: dict[str, set[str]] = {}  # rank key -> event ids relayed ahead of a held-up line
-        self._relay_failing: set[str] = set()  # rank keys whose spool the broker refuses now (logged once)
+        self.spool_relay = SpoolRelay(runtime.bus, layout=self.layout, group=self.group,
+                                      announcements=self.announcements, persist=self._persist,
+                                      violation=self._violation, closing=lambda: self._closing, clock=clock)
+        self._context = SupervisorContext(settings, clock, self.spool_relay, runtime.outbox, self.announcements,
+                                          closing=lambda: self._closing)
         self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
                                        token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
             if settings.kube_node_name else None
@@ -267,9 +239,10 @@ class NodeAgent:
             if shared is not None and key not in shared and not running:
                 continue  # reported and forgotten already; only the local copy lagged behind
             if running:
-                self._supervise(rank, Trigger.ADOPTED)
-                rank.liveness = baseline(rank, self.clock.monotonic())
-                self.ranks[key] = rank
+                supervisor = self._supervisor(rank)
+                supervisor.apply(Trigger.ADOPTED)
+                supervisor.restart_hang_window()
+                self.ranks[key] = supervisor
                 log.warning("adopting rank %d of job %s attempt %d (pid %d), still running since the last agent",
                             rank.rank, rank.job_id, rank.attempt, rank.pid)
             else:
@@ -278,18 +251,19 @@ class NodeAgent:
 
     async def start(self) -> None:
         """After ``runtime.start()``: watch the adopted ranks; report the ones that ended unwatched."""
-        for rank in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
-            rank.liveness = baseline(rank, self.clock.monotonic())
+        for supervisor in self.ranks.values():  # waiting for Redis and the broker was not the ranks' fault
+            supervisor.restart_hang_window()
         self._serving = True
         log.info("%d warm interpreter(s) for the built-in trainer's ranks (%s)", self.warm_ranks,
                  "TRAINYARD_WARM_RANKS" if self.settings.warm_ranks is not None else
                  "one per device, at most an eighth of the available memory at 512 MiB each")
         if self.pool is not None:
             self.pool.fill()  # the first; the warm-pool loop starts the rest, one at a time
-        for rank in list(self.ranks.values()):
+        for supervisor in list(self.ranks.values()):
+            rank = supervisor.rank
             if rank.adopted and rank.watcher is None:
                 await self._persist(rank)
-                rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
+                rank.watcher = asyncio.create_task(self._watch(supervisor), name=f"rank-{rank.key}")
         for key, rank in list(self._unreported.items()):
             await self._report_unwatched(key, rank)
         self._in_background(self._collect_code())  # what an earlier incarnation quarantined and no rank uses
@@ -312,12 +286,12 @@ class NodeAgent:
         except Exception as exc:  # noqa: BLE001 - best effort; the heartbeat timeout says the same
             log.warning("could not send the final heartbeat: %r", exc)
         await self._drain_ranks()
-        stops = [self._supervise(r, Trigger.AGENT_STOPPING, "the node agent stopped")
-                 for r in list(self.ranks.values()) if r.running]
+        stops = [s.apply(Trigger.AGENT_STOPPING, "the node agent stopped")
+                 for s in list(self.ranks.values()) if s.rank.running]
         if stops:
             log.info("stopping %d rank(s) before shutdown", len(stops))
-        await asyncio.gather(*(s for s in stops if s is not None))
-        watchers = [r.watcher for r in list(self.ranks.values()) if r.watcher]
+        await asyncio.gather(*(stop for stop in stops if stop is not None))
+        watchers = [r.watcher for r in self._records() if r.watcher]
         if watchers:
             await asyncio.wait(watchers, timeout=15.0)
         for task in self._background:
@@ -335,7 +309,7 @@ class NodeAgent:
         """A planned stop: ask every running allocation here to checkpoint and stop (the pause protocol: the
         ranks agree on a step, save it, exit 7), then wait up to ``drain_timeout_s`` for them to end."""
         timeout = self.settings.drain_timeout_s
-        live = [r for r in self.ranks.values() if r.running and watched(r.state)]
+        live = [s.rank for s in self._looked_after()]
         if timeout <= 0 or not live:
             return
         deadline = wall_datetime(self.clock) + timedelta(seconds=timeout)
@@ -348,7 +322,7 @@ class NodeAgent:
         watchers = [r.watcher for r in live if r.watcher]
         if watchers:
             await asyncio.wait(watchers, timeout=timeout)
-        left = [r for r in self.ranks.values() if r.running]
+        left = [r for r in self._records() if r.running]
         log.info("drained: %d rank(s) stopped at a checkpoint%s", len(live) - len(left),
                  f"; {len(left)} still running are stopped now" if left else "")
 
@@ -361,7 +335,7 @@ class NodeAgent:
             network_tier=s.network_tier,
             devices=[DeviceInfo(index=i, type=s.device_type, memory_bytes=s.device_memory_bytes)
                      for i in range(s.device_count)],
-            running_allocations=sorted({r.allocation_id for r in self.ranks.values() if r.running}),
+            running_allocations=sorted({r.allocation_id for r in self._records() if r.running}),
             healthy=not self._closing,
             seq=self._seq,
             draining=self._closing,
@@ -399,67 +373,66 @@ class NodeAgent:
         await self._launch(event, decision)
 
     async def on_allocation_revoked(self, event: AllocationRevoked) -> None:
-        targets = [r for r in self.ranks.values() if r.allocation_id == event.allocation_id]
+        targets = self._of_allocation(event.allocation_id)
         if not targets:
             return
-        if event.epoch < targets[0].epoch:
+        if event.epoch < targets[0].rank.epoch:
             log.warning("ignoring revocation of %s with stale epoch %d < %d", event.allocation_id,
-                        event.epoch, targets[0].epoch)
+                        event.epoch, targets[0].rank.epoch)
             return
         log.info("revoking allocation %s (%s): stopping %d rank(s)", event.allocation_id, event.reason,
-                 sum(r.running for r in targets))
-        for rank in targets:
-            self._revoke(rank, event.reason)
+                 sum(s.rank.running for s in targets))
+        for supervisor in targets:
+            self._revoke(supervisor, event.reason)
 
     async def on_checkpoint_requested(self, event: CheckpointRequested) -> None:
         """Ask this allocation's ranks here to checkpoint and stop: request file, then SIGUSR1."""
-        targets = [r for r in self.ranks.values() if r.allocation_id == event.allocation_id and r.running]
+        targets = [s for s in self._of_allocation(event.allocation_id) if s.rank.running]
         if not targets:
             return
-        if event.epoch < targets[0].epoch:
+        if event.epoch < targets[0].rank.epoch:
             log.warning("ignoring checkpoint request for %s with stale epoch %d < %d", event.allocation_id,
-                        event.epoch, targets[0].epoch)
+                        event.epoch, targets[0].rank.epoch)
             return
-        fresh = [r for r in targets if transition(r.state, Trigger.CHECKPOINT_REQUESTED, running=True).actions]
+        fresh = [s for s in targets if transition(s.rank.state, Trigger.CHECKPOINT_REQUESTED, running=True).actions]
         if not fresh:
             log.info("checkpoint request for %s already delivered; ignoring the duplicate", event.allocation_id)
             return
-        first = fresh[0]
+        first = fresh[0].rank
         request_file = checkpoint_request_file(self.layout, first.tenant, first.job_id, first.attempt)
         atomic_write_bytes(request_file, event.to_bytes())
         log.info("checkpoint requested for %d rank(s) of %s (%s%s)", len(fresh), event.allocation_id, event.reason,
                  f", for {event.requested_by}" if event.requested_by else "")
         now = self.clock.monotonic()
         grace = (event.deadline.timestamp() - self.clock.wall()) if event.deadline else self.settings.hang_timeout_s
-        for rank in fresh:
+        for supervisor in fresh:
+            rank = supervisor.rank
             rank.checkpoint_deadline = now + max(grace, 0.0)
             rank.liveness = rank.liveness.restarted(now)  # a fresh hang window once the deadline has passed
-            self._supervise(rank, Trigger.CHECKPOINT_REQUESTED)
+            supervisor.apply(Trigger.CHECKPOINT_REQUESTED)
 
-    def _revoke(self, rank: rp.RankProcess, why: str) -> None:
-        stop = self._supervise(rank, Trigger.REVOKED, why)
+    def _revoke(self, supervisor: RankSupervisor, why: str) -> None:
+        stop = supervisor.apply(Trigger.REVOKED, why)
         if stop is not None:
             self._in_background(stop)
 
-    def _supervise(self, rank: rp.RankProcess, trigger: Trigger,
-                   detail: str | None = None) -> Coroutine[Any, Any, None] | None:
-        """Move the rank on (:func:`supervision.transition`) and signal its process group as the step says. A
-        graceful stop takes a while: it is returned (a coroutine) for the caller to await or run in the background."""
-        step = transition(rank.state, trigger, running=rank.running)
-        if step.state is not rank.state and detail is not None:
-            rank.stop_detail = detail
-        rank.state = step.state
-        stop = None
-        for action in step.actions:
-            if action is Action.KILL:
-                rp.signal_group(rank.pgid, signal.SIGKILL)
-            elif action is Action.SIGNAL_CHECKPOINT:
-                delivered = rp.signal_group(rank.pgid, signal.SIGUSR1)
-                log.info("asked rank %s to checkpoint and stop: %s", rank.key,
-                         "signalled" if delivered else "request file only (the process group is gone)")
-            elif action is Action.TERMINATE:
-                stop = rp.stop(rank, self.settings.kill_grace_s, clock=self.clock)
-        return stop
+    async def _violation(self, rank: rp.RankProcess, refusal: Refusal) -> None:
+        """A rank claimed what a rank may not (the spool relay found a forgery): report SecurityViolation (the
+        scheduler fails the job, no retries) and stop every rank of its allocation here, which then exit with
+        reason ``security``."""
+        log.error("SECURITY: rank %d of job %s (tenant %s) attempt %d: %s; stopping its ranks on this node",
+                  rank.rank, rank.job_id, rank.tenant, rank.attempt, refusal.reason)
+        first = rank.state is not RankState.VIOLATED
+        for other in self._of_allocation(rank.allocation_id):
+            other.apply(Trigger.VIOLATION, refusal.reason if other.rank is rank
+                        else f"rank {rank.rank} of this job was stopped: {refusal.reason}")
+        if not first:
+            return
+        await self.runtime.outbox.put(SecurityViolation(
+            job_id=rank.job_id, tenant=rank.tenant, attempt=rank.attempt, allocation_id=rank.allocation_id,
+            epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, detail=refusal.reason,
+            refused_event_type=refusal.event_type,
+        ), traceparent=rank.traceparent)
 
     async def refill_pool(self) -> None:
         """Top the warm pool up, but not while a rank of this node is still starting (it would
@@ -468,7 +441,7 @@ class NodeAgent:
         burst of short jobs would pay it per job; real failures are far apart)."""
         if self.pool is None or not self._serving:
             return
-        if any(r.running and not (r.liveness.reported or r.liveness.printed) for r in self.ranks.values()):
+        if any(r.running and not (r.liveness.reported or r.liveness.printed) for r in self._records()):
             return
         if self.clock.monotonic() - self._ranks_changed_at < self.settings.warm_refill_quiet_s:
             return  # ranks came or went just now (a burst of short jobs, a restart): import once it is quiet
@@ -534,8 +507,9 @@ class NodeAgent:
                 log.warning("job %s names the image %s for its ranks; this node agent runs them as its own "
                             "processes, in its own image", event.job_id, code.image)
             return tree
-        for slot in share.ranks:
-            await self._report_exit(self._rank_record(event, slot, traceparent, code=code), exit_code, reason, detail)
+        for slot in share.ranks:  # no rank here starts: each reports why
+            record = self._rank_record(event, slot, traceparent, code=code)
+            await self._supervisor(record).report_exit(exit_code, reason, detail)
         return None
 
     def _rank_record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
@@ -553,8 +527,11 @@ class NodeAgent:
 
     async def _launch_rank(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment,
                            allocation_file: Path, traceparent: str | None, tree: CodeTree | None) -> None:
+        """Start one rank: 1. its record and, for user code, its paths 2. its environment 3. its process, in its
+        sandbox 4. its supervisor takes over (:meth:`_started`). What keeps it from starting is its exit."""
         code = event.spec.code if tree is not None else None
-        rank = self._rank_record(event, slot, traceparent, code=code)
+        supervisor = self._supervisor(self._rank_record(event, slot, traceparent, code=code))
+        rank = supervisor.rank
         rank.spool.path.parent.mkdir(parents=True, exist_ok=True)
         paths = None
         if code is not None and tree is not None:
@@ -562,26 +539,15 @@ class NodeAgent:
                                rank=slot.rank, dataset=event.spec.dataset, code_dir=tree.root,
                                working_dir=code.working_dir)
             if not paths.cwd.is_dir():
-                await self._report_exit(rank, CONFIG, "config",
-                                        f"code.workingDir {code.working_dir!r} is not a directory of the code "
-                                        f"tree {code.archive}")
+                await supervisor.report_exit(CONFIG, "config",
+                                             f"code.workingDir {code.working_dir!r} is not a directory of the "
+                                             f"code tree {code.archive}")
                 return
             paths.scratch.mkdir(parents=True, exist_ok=True)
-        env = rank_env(
-            event, share, slot, base_env=self.base_env, backend=self.backend,
-            artifact_root=self.layout.root, allocation_file=allocation_file, events_file=rank.spool.path,
-            traceparent=traceparent, cpu_threads=self._cpu_threads(len(share.ranks)), extra=self.settings.rank_env,
-            checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
-                                                            event.attempt),
-            exit_note_file=rank.note_file,
-            code_env=code.env if code is not None else None,
-            code_dir=paths.code_dir if paths is not None else None,
-            scratch_dir=paths.scratch if paths is not None else None,
-            interpreter_dir=Path(sys.executable).parent if code is not None else None,
-        )
-        clash = self.sandbox.clash(event.job_id, sorted({r.job_id for r in self.ranks.values() if r.running}))
+        env = self._rank_env(event, share, slot, rank, allocation_file, code, paths)
+        clash = self.sandbox.clash(event.job_id, sorted({r.job_id for r in self._records() if r.running}))
         if clash is not None:
-            await self._report_exit(rank, 127, "error", clash)
+            await supervisor.report_exit(127, "error", clash)
             return
         try:
             confined = self._confined(event, slot, rank, paths,
@@ -593,22 +559,45 @@ class NodeAgent:
                 rank.process = await self._start_rank(confined, env, rank.log_path, rank.exit_file)
         except OSError as exc:
             log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
-            await self._report_exit(rank, 127, "error", f"cannot start the rank launcher: {exc}")
+            await supervisor.report_exit(127, "error", f"cannot start the rank launcher: {exc}")
             return
-        self._supervise(rank, Trigger.LAUNCHED)
+        await self._started(supervisor)
+
+    def _rank_env(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment, rank: rp.RankProcess,
+                  allocation_file: Path, code: Code | None, paths: RankPaths | None) -> dict[str, str]:
+        """The rank's environment (:func:`admission.rank_env`), with its paths on this node."""
+        return rank_env(
+            event, share, slot, base_env=self.base_env, backend=self.backend,
+            artifact_root=self.layout.root, allocation_file=allocation_file, events_file=rank.spool.path,
+            traceparent=rank.traceparent, cpu_threads=self._cpu_threads(len(share.ranks)),
+            extra=self.settings.rank_env,
+            checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
+                                                            event.attempt),
+            exit_note_file=rank.note_file,
+            code_env=code.env if code is not None else None,
+            code_dir=paths.code_dir if paths is not None else None,
+            scratch_dir=paths.scratch if paths is not None else None,
+            interpreter_dir=Path(sys.executable).parent if code is not None else None,
+        )
+
+    async def _started(self, supervisor: RankSupervisor) -> None:
+        """A rank's process runs: note who it is, put it in the rank table, announce WorkerStarted, watch it."""
+        rank = supervisor.rank
+        assert rank.process is not None
+        supervisor.apply(Trigger.LAUNCHED)
         rank.pgid = rank.process.pid
         rank.start_ticks = rp.start_ticks(rank.pgid)
         rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
         rank.pid = await rp.rank_pid(rank.exit_file, rank.process, clock=self.clock) or rank.pgid
-        rank.liveness = baseline(rank, self.clock.monotonic())
-        self.ranks[rank.key] = rank
+        supervisor.restart_hang_window()
+        self.ranks[rank.key] = supervisor
         await self._persist(rank, force_local=True)
-        started = WorkerStarted(job_id=event.job_id, attempt=event.attempt, allocation_id=event.allocation_id,
-                                epoch=event.epoch, node_id=self.settings.node_id, rank=slot.rank, pid=rank.pid,
+        started = WorkerStarted(job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id,
+                                epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, pid=rank.pid,
                                 log_uri=path_to_uri(rank.log_path))
-        await self.runtime.outbox.put(started, traceparent=traceparent)
-        await self.announcements.track(started, "started", rank, traceparent)
-        rank.watcher = asyncio.create_task(self._watch(rank), name=f"rank-{rank.key}")
+        await self.runtime.outbox.put(started, traceparent=rank.traceparent)
+        await self.announcements.track(started, "started", rank, rank.traceparent)
+        rank.watcher = asyncio.create_task(self._watch(supervisor), name=f"rank-{rank.key}")
         self._ranks_changed_at = self.clock.monotonic()
 
     def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
@@ -640,233 +629,21 @@ class NodeAgent:
         """Delete quarantined code trees no live rank runs; evict least recently used trees past the cache
         limit (never one a live rank runs). After a code tree was materialised, and after a rank of user code
         ended."""
-        in_use = {archive_hex(r.code_archive) for r in self.ranks.values() if r.code_archive and r.running}
+        in_use = {archive_hex(r.code_archive) for r in self._records() if r.code_archive and r.running}
         try:
             await self.code_cache.acollect(in_use)
         except OSError as exc:
             log.warning("collecting the code cache %s: %r", self.code_cache.root, exc)
-
-    # ------------------------------------------------------------------ watching ranks
-    async def _watch(self, rank: rp.RankProcess) -> None:
-        """Relay the spool while the rank runs; after it ends, drain it, then report how it ended."""
-        try:
-            while True:
-                ended = await self._wait_a_little(rank)
-                self._note_progress(rank)
-                await self._relay(rank, quiet=True)
-                if ended:
-                    break
-            await self._drain(rank)
-            code, reason, detail = self._how_it_ended(rank)
-            await self._report_exit(rank, code, reason, detail)
-            rp.signal_group(rank.pgid, signal.SIGKILL)  # whatever the rank left in its group
-            await self._forget(rank)
-            if rank.code_archive:
-                await self._collect_code()
-        except Exception:  # noqa: BLE001 - a watcher must not vanish silently
-            log.exception("watching rank %s failed", rank.key)
-        finally:
-            self.ranks.pop(rank.key, None)
-            self._ranks_changed_at = self.clock.monotonic()
-
-    async def _wait_a_little(self, rank: rp.RankProcess) -> bool:
-        """Up to one spool poll; True once the rank has ended."""
-        if rank.process is not None:
-            return await rp.wait_exited(rank.process, self.settings.spool_poll_s)
-        await self.clock.sleep(self.settings.spool_poll_s)
-        if not rp.same_process(rank.pgid, rank.start_ticks):
-            rank.gone = True
-        return rank.gone
-
-    def _note_progress(self, rank: rp.RankProcess) -> None:
-        """Measure the rank's spool (and, for user code, its log) and let the watchdog judge the growth."""
-        rank.liveness = observe(rank.liveness, spool_bytes=rp.file_size(rank.spool.path),
-                                log_bytes=rp.file_size(rank.log_path) if rank.code_archive else None,
-                                now=self.clock.monotonic())
-
-    def _how_it_ended(self, rank: rp.RankProcess) -> tuple[int, str, str | None]:
-        """(exit code, reason, detail) from the exit file, the process and the log."""
-        recorded = rp.read_exit_file(rank.exit_file)
-        causes = exit_causes(rank.state, rank.stop_detail)
-        lost = None
-        if recorded is not None:
-            code = recorded
-        elif rank.process is not None and rank.process.returncode is not None:
-            code = rank.process.returncode
-        else:
-            code = LOST_EXIT_CODE
-            if not causes.stopped_by_agent:
-                lost = "the rank ended while this node agent was not its parent, and no exit status was recorded"
-        now_ooms = rp.oom_kills(None) if rank.oom_kills_at_start is not None else None
-        ooms = max((now_ooms or 0) - (rank.oom_kills_at_start or 0), 0) if now_ooms is not None else 0
-        reason, detail = classify_exit(ExitFacts(
-            exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",
-            revoked=causes.revoked, hang=causes.hang, lost=lost, oom_kills=ooms,
-            user_code=rank.code_archive is not None, progressed=rank.progressed,
-            start_error=rp.read_start_error(rank.exit_file) if code != 0 else None, violation=causes.violation,
-        ))
-        return code, reason, detail if detail is not None else causes.fallback_detail
-
-    async def _relay(self, rank: rp.RankProcess, *, quiet: bool = False) -> int:
-        """Publish the spool lines written since the last call, in order; returns how many.
-
-        Order only matters within a topic (docs/design.md §4.1). A line the broker refuses holds up
-        the lines behind it, except checkpoint reports: those are published ahead of it (once; the
-        in-order pass skips them when it gets there), so a partition that refuses StepMetrics for a
-        while (seen for 30 s after the embedded broker restarted empty) never keeps a durable
-        checkpoint from becoming READY. The saved offset stays at the first unpublished line, so a
-        restarted agent publishes the ones sent ahead again (same event ids: deduplicated).
-        """
-        published = 0
-        ahead = self._sent_ahead.setdefault(rank.key, set())
-        try:
-            for offset, record in rank.spool.read_new():
-                event_id = _event_id(record)
-                if event_id is not None and event_id in ahead:
-                    ahead.discard(event_id)  # published already, ahead of a line that was held up
-                else:
-                    try:
-                        await self._publish_spooled(rank, offset, record)
-                    except Exception:
-                        if record.get("topic") != CHECKPOINTS:
-                            published += await self._relay_checkpoints_ahead(rank, ahead)
-                        raise
-                rank.spool.offset = offset
-                published += 1
-            if rank.key in self._relay_failing:
-                log.info("relaying the spool of rank %s works again", rank.key)
-                self._relay_failing.discard(rank.key)
-        except Exception as exc:
-            if not quiet:
-                raise
-            if rank.key not in self._relay_failing:  # once per outage, not once per poll
-                log.warning("relaying the spool of rank %s: %r (events wait in the spool; retrying)", rank.key, exc)
-            self._relay_failing.add(rank.key)
-        if published:
-            await self._persist(rank)
-        return published
-
-    async def _relay_checkpoints_ahead(self, rank: rp.RankProcess, ahead: set[str]) -> int:
-        """Publish the checkpoint reports past the held-up line; returns how many (noted in ``ahead``)."""
-        sent = 0
-        for offset, record in SpoolReader(rank.spool.path, rank.spool.offset).read_new():
-            event_id = _event_id(record)
-            if record.get("topic") != CHECKPOINTS or "corrupt" in record or event_id is None or event_id in ahead:
-                continue
-            try:
-                await self._publish_spooled(rank, offset, record)
-            except Exception:  # noqa: BLE001 - the checkpoints topic refuses too: everything waits in the spool
-                break
-            ahead.add(event_id)
-            sent += 1
-        if sent:
-            log.warning("rank %s: published %d checkpoint report(s) ahead of a spool line the broker refuses",
-                        rank.key, sent)
-        return sent
-
-    def _identity(self, rank: rp.RankProcess) -> RankIdentity:
-        return RankIdentity(
-            job_id=rank.job_id, tenant=rank.tenant, attempt=rank.attempt, allocation_id=rank.allocation_id,
-            epoch=rank.epoch, rank=rank.rank, checkpoints=str(self.layout.checkpoints_dir(rank.tenant, rank.job_id)),
-            start_manifest_uri=rank.start_manifest_uri, traceparent=rank.traceparent,
-        )
-
-    async def _publish_spooled(self, rank: rp.RankProcess, offset: int, record: dict[str, Any]) -> None:
-        """Publish one spool line if the rank may say it (relay.check_line), as the agent renders it;
-        else dead-letter it with the reason, and a forgery stops the job (:meth:`_violation`)."""
-        checked = check_line(record, self._identity(rank), offset=offset)
-        if not isinstance(checked, Refusal) and isinstance(checked.event, ShardWritten):
-            checked = self._shard_files_stay_inside(checked.event, rank) or checked
-        if isinstance(checked, Refusal):
-            RELAY_REFUSED.labels(kind="violation" if checked.violation else "malformed").inc()
-            raw = record.get("corrupt") or json.dumps(record)
-            await self.runtime.bus.publish(DeadLetter(
-                source_topic=f"spool:{rank.spool.path}", partition=rank.rank, offset=offset,
-                consumer_group=self.group, raw_b64=base64.b64encode(str(raw).encode()).decode(),
-                error=("security: " if checked.violation else "") + checked.reason,
-            ), traceparent=rank.traceparent)
-            if checked.violation:
-                await self._violation(rank, checked)
-            return
-        event = checked.event
-        if isinstance(event, StepMetrics):
-            rank.last_step = event.step
-        await self.runtime.bus.publish_raw_traced(checked.topic, checked.body, key=checked.key,
-                                                  traceparent=checked.traceparent)
-        if isinstance(event, ShardWritten):
-            rank.saved_step = max(rank.saved_step or 0, event.global_step)
-            await self.announcements.remember(Announcement(
-                event_id=str(event.event_id), kind="shard", topic=checked.topic, key=checked.key,
-                payload=checked.body.decode(), traceparent=checked.traceparent, job_id=rank.job_id,
-                attempt=event.attempt, allocation_id=rank.allocation_id, rank=event.rank, step=event.global_step,
-                epoch=event.epoch,
-            ))
-
-    def _shard_files_stay_inside(self, event: ShardWritten, rank: rp.RankProcess) -> Refusal | None:
-        """A shard under the job's prefix by name could still be a symlink out of it: resolve it."""
-        prefix = os.path.realpath(self.layout.checkpoints_dir(rank.tenant, rank.job_id))
-        for uri in (event.uri, *(f.uri for f in event.extra_files)):
-            try:
-                real = os.path.realpath(uri_to_path(uri))
-            except Exception:  # noqa: BLE001 - an unsupported URI was refused by check_line already
-                continue
-            if not real.startswith(prefix.rstrip("/") + "/"):
-                return Refusal(f"ShardWritten names {uri!r}, which resolves to {real}, outside the job's "
-                               f"checkpoint prefix", violation=True, event_type="ShardWritten")
-        return None
-
-    async def _violation(self, rank: rp.RankProcess, refusal: Refusal) -> None:
-        """A rank claimed what a rank may not: report SecurityViolation (the scheduler fails the job, no
-        retries) and stop every rank of its allocation here, which then exit with reason ``security``."""
-        log.error("SECURITY: rank %d of job %s (tenant %s) attempt %d: %s; stopping its ranks on this node",
-                  rank.rank, rank.job_id, rank.tenant, rank.attempt, refusal.reason)
-        first = rank.state is not RankState.VIOLATED
-        for other in list(self.ranks.values()):
-            if other.allocation_id == rank.allocation_id:
-                self._supervise(other, Trigger.VIOLATION, refusal.reason if other is rank
-                                else f"rank {rank.rank} of this job was stopped: {refusal.reason}")
-        if not first:
-            return
-        await self.runtime.outbox.put(SecurityViolation(
-            job_id=rank.job_id, tenant=rank.tenant, attempt=rank.attempt, allocation_id=rank.allocation_id,
-            epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, detail=refusal.reason,
-            refused_event_type=refusal.event_type,
-        ), traceparent=rank.traceparent)
-
-    async def _drain(self, rank: rp.RankProcess) -> None:
-        """Relay until the spool is empty; retry while the broker is away (for 10 s more once closing)."""
-        async def relay_all() -> None:
-            while await self._relay(rank):
-                pass
-
-        if not await backoff.retry(relay_all, policy=backoff.INFRASTRUCTURE, clock=self.clock,
-                                   give_up=backoff.ClosingGrace(lambda: self._closing, self.clock, 10.0),
-                                   what=f"draining the spool of {rank.key}"):
-            log.error("the spool of %s stays unrelayed from offset %d", rank.key, rank.spool.offset)
-
-    async def _report_exit(self, rank: rp.RankProcess, code: int, reason: str, detail: str | None) -> None:
-        event = WorkerExited(
-            job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id, epoch=rank.epoch,
-            node_id=self.settings.node_id, rank=rank.rank, exit_code=code, reason=reason, detail=detail,
-            global_step=last_step_of(rank), saved_step=rank.saved_step,
-        )
-        if not await backoff.retry(  # Redis away: the exit must still be reported
-                lambda: self.runtime.outbox.put(event, traceparent=rank.traceparent),
-                policy=backoff.INFRASTRUCTURE, clock=self.clock, what=f"recording the exit of {rank.key}",
-                give_up=backoff.closing_and_capped(lambda: self._closing, backoff.INFRASTRUCTURE)):
-            return
-        await self.announcements.track(event, "exited", rank, rank.traceparent)
-        log.info("rank %d of %s exited with %d (%s%s)", rank.rank, rank.allocation_id, code, reason,
-                 f": {detail}" if detail else "")
 
     # ------------------------------------------------------------------ watchdogs
     async def check_hangs(self) -> None:
         """Stop every rank here of an attempt that made no progress within the hang timeout."""
         if not self._serving:
             return
-        looked_after = [r for r in self.ranks.values() if r.running and watched(r.state)]
-        for r in looked_after:  # judge what the files say now, not what a busy watcher last saw
-            self._note_progress(r)
+        supervisors = self._looked_after()
+        for supervisor in supervisors:  # judge what the files say now, not what a busy watcher last saw
+            supervisor.note_progress()
+        looked_after = [s.rank for s in supervisors]
         now = self.clock.monotonic()
         progress = [RankProgress(r.allocation_id, r.rank, r.pid, now - r.liveness.at, r.progressed,
                                  rp.proc_state(r.pid),
@@ -875,26 +652,27 @@ class NodeAgent:
                     for r in looked_after]
         for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
                                first_step_timeout_s=self.settings.first_step_timeout_s):
-            targets = [r for r in looked_after if r.allocation_id == hung.allocation_id]
+            targets = [s for s in supervisors if s.rank.allocation_id == hung.allocation_id]
             log.error("allocation %s is hung (%s): killing its %d rank(s) here", hung.allocation_id, hung.detail,
                       len(targets))
-            for rank in targets:
-                self._supervise(rank, Trigger.HUNG, hung.detail)
+            for supervisor in targets:
+                supervisor.apply(Trigger.HUNG, hung.detail)
 
     async def check_leases(self) -> None:
         """Stop running ranks whose allocation no longer holds their device lease."""
-        running = [r for r in self.ranks.values() if r.running and watched(r.state)]
+        running = self._looked_after()
         if not running:
             return
-        holders = await self._lease_holders(sorted({r.device_index for r in running}))
-        for rank in running:
+        holders = await self._lease_holders(sorted({s.rank.device_index for s in running}))
+        for supervisor in running:
+            rank = supervisor.rank
             holder = holders.get(rank.device_index)
             if holder is None or holder.get("allocationId") != rank.allocation_id:
                 now_held = f"is leased to {holder.get('allocationId')}" if holder else "is no longer leased"
                 why = (f"device {self.settings.node_id}:{rank.device_index} {now_held}: allocation "
                        f"{rank.allocation_id} was released (its revocation did not reach this agent)")
                 log.warning("stopping rank %s: %s", rank.key, why)
-                self._revoke(rank, why)
+                self._revoke(supervisor, why)
 
     # ------------------------------------------------------------------ persistence and restarts
     async def _persist(self, rank: rp.RankProcess, *, force_local: bool = False) -> None:
@@ -907,8 +685,7 @@ class NodeAgent:
 
     async def _forget(self, rank: rp.RankProcess) -> None:
         self._unreported.pop(rank.key, None)
-        self._sent_ahead.pop(rank.key, None)
-        self._relay_failing.discard(rank.key)
+        self.spool_relay.forget(rank.key)
         try:
             await self.redis.hdel(self.keys.ranks, rank.key)
         except (RedisError, OSError) as exc:  # a later agent reports it again: a harmless duplicate
@@ -917,7 +694,8 @@ class NodeAgent:
         self._save_local(force=True)
 
     def _save_local(self, *, force: bool = False) -> None:
-        table = {k: r.persisted(self.boot_id) for k, r in {**self._unreported, **self.ranks}.items()}
+        ranks = {**self._unreported, **{key: s.rank for key, s in self.ranks.items()}}
+        table = {key: rank.persisted(self.boot_id) for key, rank in ranks.items()}
         self.local.save(table, force=force)
 
     async def _flush_local_state(self) -> None:
@@ -925,14 +703,37 @@ class NodeAgent:
             self._save_local(force=True)
 
     async def _report_unwatched(self, key: str, rank: rp.RankProcess) -> None:
-        """A rank that ended while no agent watched it: relay the rest of its spool, report its exit
-        (from the launcher's exit file; ``lost`` without one)."""
-        await self._drain(rank)
-        code, reason, detail = self._how_it_ended(rank)
-        if reason != "lost":
-            detail = (detail + "; " if detail else "") + "it ended while its node agent was down"
-        await self._report_exit(rank, code, reason, detail)
+        """A rank that ended while no agent watched it: its supervisor reports it, then it is forgotten."""
+        await self._supervisor(rank).report_unwatched()
         await self._forget(rank)
+
+    # ------------------------------------------------------------------ the rank table
+    def _supervisor(self, rank: rp.RankProcess) -> RankSupervisor:
+        return RankSupervisor(rank, self._context)
+
+    async def _watch(self, supervisor: RankSupervisor) -> None:
+        """Run the rank's supervisor until its exit is reported, then take the rank off the table."""
+        rank = supervisor.rank
+        try:
+            await supervisor.run()
+            await self._forget(rank)
+            if rank.code_archive:
+                await self._collect_code()
+        except Exception:  # noqa: BLE001 - a watcher must not vanish silently
+            log.exception("watching rank %s failed", rank.key)
+        finally:
+            self.ranks.pop(rank.key, None)
+            self._ranks_changed_at = self.clock.monotonic()
+
+    def _records(self) -> list[rp.RankProcess]:
+        return [s.rank for s in self.ranks.values()]
+
+    def _of_allocation(self, allocation_id: str) -> list[RankSupervisor]:
+        return [s for s in self.ranks.values() if s.rank.allocation_id == allocation_id]
+
+    def _looked_after(self) -> list[RankSupervisor]:
+        """The running ranks the hang watchdog, the lease check and a drain look after."""
+        return [s for s in self.ranks.values() if s.rank.running and watched(s.rank.state)]
 
     # ------------------------------------------------------------------ helpers
     def _in_background(self, coro: Any) -> None:

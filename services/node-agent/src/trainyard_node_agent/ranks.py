@@ -57,7 +57,7 @@ class RankProcess:
     stop_detail: str | None = None  # why the agent ends it: the reason behind REVOKED, HUNG, VIOLATED, STOPPING
     gone: bool = False  # an adopted rank's group leader has vanished (observed through /proc)
     oom_kills_at_start: int | None = None
-    # what the hang watchdog judges; the agent starts its window at launch and adoption (agent.baseline)
+    # what the hang watchdog judges; its window starts at launch and adoption (supervisor.baseline)
     liveness: Liveness = field(default_factory=lambda: Liveness(0.0))
     last_step: int | None = None  # the step of the last StepMetrics relayed
     saved_step: int | None = None  # the step of the last ShardWritten relayed

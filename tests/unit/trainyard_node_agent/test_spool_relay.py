@@ -49,7 +49,8 @@ class Spool:
 def agent_and_rank(tmp_path: Path) -> tuple[NodeAgent, rp.RankProcess, Bus, Spool]:
     bus, redis = Bus(), Redis()
     settings = NodeAgentSettings(node_id="n", artifact_root=tmp_path, agent_state_file=tmp_path / "ranks.json")
-    agent = NodeAgent(SimpleNamespace(redis=redis, bus=bus), settings, base_env={})  # type: ignore[arg-type]
+    runtime = SimpleNamespace(redis=redis, bus=bus, outbox=None)
+    agent = NodeAgent(runtime, settings, base_env={})  # type: ignore[arg-type]
     spool = tmp_path / "rank-1.jsonl"
     rank = rp.RankProcess(job_id="j", tenant="t", attempt=1, allocation_id="al", epoch=1, rank=1, local_rank=1,
                           pid=0, log_path=tmp_path / "rank.log", spool=SpoolReader(spool), traceparent=None,
@@ -73,22 +74,22 @@ def shard(writer: Spool, tmp_path: Path, n: int) -> str:
 async def test_a_refused_step_metric_does_not_hold_up_the_checkpoint_report_behind_it(tmp_path: Path) -> None:
     agent, rank, bus, writer = agent_and_rank(tmp_path)
     step(writer, 9)
-    assert await agent._relay(rank, quiet=True) == 1
+    assert await agent.spool_relay.relay(rank, quiet=True) == 1
     bus.refusing.add(METRICS)  # a partition refusing produce requests after a broker restart
     step(writer, 10)
     shard(writer, tmp_path, 10)
     step(writer, 11)
 
-    assert await agent._relay(rank, quiet=True) == 1  # the report, sent ahead of step 10
+    assert await agent.spool_relay.relay(rank, quiet=True) == 1  # the report, sent ahead of step 10
     assert [(t, p["eventType"]) for t, p in bus.published] == [(METRICS, "StepMetrics"), (CHECKPOINTS, "ShardWritten")]
     held_at = rank.spool.offset
     assert agent._announced and next(iter(agent._announced.values())).step == 10  # confirmed end to end as usual
 
-    await agent._relay(rank, quiet=True)  # still refused: the report is not published twice
+    await agent.spool_relay.relay(rank, quiet=True)  # still refused: the report is not published twice
     assert sum(t == CHECKPOINTS for t, _ in bus.published) == 1 and rank.spool.offset == held_at
 
     bus.refusing.clear()
-    await agent._relay(rank, quiet=True)
+    await agent.spool_relay.relay(rank, quiet=True)
     assert [p.get("step", p.get("globalStep")) for _, p in bus.published] == [9, 10, 10, 11]
     assert len({p["eventId"] for t, p in bus.published if t == CHECKPOINTS}) == 1  # skipped in order
     assert rank.spool.offset == rank.spool.path.stat().st_size
@@ -99,7 +100,7 @@ async def test_when_the_checkpoints_topic_refuses_too_everything_waits_in_order(
     bus.refusing |= {METRICS, CHECKPOINTS}
     step(writer, 10)
     shard(writer, tmp_path, 10)
-    assert await agent._relay(rank, quiet=True) == 0 and rank.spool.offset == 0
+    assert await agent.spool_relay.relay(rank, quiet=True) == 0 and rank.spool.offset == 0
     bus.refusing.clear()
-    await agent._relay(rank, quiet=True)
+    await agent.spool_relay.relay(rank, quiet=True)
     assert [p["eventType"] for _, p in bus.published] == ["StepMetrics", "ShardWritten"]
