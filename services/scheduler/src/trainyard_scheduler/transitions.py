@@ -255,7 +255,7 @@ def gang_allocated(job: JobRecord, attempt: AttemptRecord, now: datetime) -> Gan
         epoch=attempt.epoch,
         world_size=attempt.world_size,
         nodes=attempt.assignments,
-        master_addr=attempt.master_addr or "127.0.0.1",
+        master_addr=attempt.master_addr or rank0_host(attempt),
         master_port=attempt.master_port or 29400,
         start_checkpoint=attempt.start_checkpoint,
         spec=job.spec,
@@ -264,6 +264,12 @@ def gang_allocated(job: JobRecord, attempt: AttemptRecord, now: datetime) -> Gan
         placement_detail=attempt.placement_detail,
         checkpoint_every_steps=attempt.checkpoint_every_steps,
     )
+
+
+def rank0_host(attempt: AttemptRecord) -> str:
+    """The advertised address of the node that runs rank 0: where the gang rendezvous (for attempts recorded
+    before ``master_addr`` was kept; loopback only when the attempt names no such node, a single-host one)."""
+    return next((n.host for n in attempt.assignments if any(r.rank == 0 for r in n.ranks)), "127.0.0.1")
 
 
 def rank_nodes(attempt: AttemptRecord) -> dict[int, str]:
