@@ -128,6 +128,12 @@ def _own_path(uri: str) -> Any:
 
 
 def local_stat_size(uri: str) -> int | None:
+    """Size of the file or object ``uri`` names (None: missing). A ``file://`` URI is read locally,
+    refusing symbolic links; an object-store URL (``s3://…``) through its fsspec filesystem."""
+    from trainyard_common.storage import ObjectPath, is_object_url, stat_size
+
+    if is_object_url(uri):
+        return stat_size(ObjectPath.parse(uri))
     try:
         return _own_path(uri).stat().st_size
     except FileNotFoundError:
@@ -135,9 +141,14 @@ def local_stat_size(uri: str) -> int | None:
 
 
 def local_sha256(uri: str) -> str:
+    """sha256 of the file or object ``uri`` names, streamed (see :func:`local_stat_size`)."""
     import hashlib
     import os
 
+    from trainyard_common.storage import ObjectPath, is_object_url, sha256_of
+
+    if is_object_url(uri):
+        return sha256_of(ObjectPath.parse(uri))
     fd = os.open(_own_path(uri), os.O_RDONLY | os.O_NOFOLLOW)  # and not swapped for one since
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as fh:

@@ -7,13 +7,14 @@ the code reads ``os.environ``; the settings object is passed down.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_common.errors import ConfigError
+from trainyard_common.storage import ObjectPath, as_location, is_object_url
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -32,8 +33,16 @@ class ServiceSettings(BaseSettings):
     kafka_sasl_password: SecretStr | None = Field(default=None, description="its password (SASL)")
     kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle for SSL / SASL_SSL")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0",
-                           description="redis://[user:password@]host:port/db: an ACL user per service in production")
-    artifact_root: Path = Field(default=Path(".trainyard/artifacts"))
+                           description="redis://[user:password@]host:port/db: an ACL user per service in production; "
+                                       "or redis+sentinel://[user:password@]host:port[,host:port…]/service[/db] "
+                                       "to follow a primary that Sentinel fails over (epoch increments then "
+                                       "wait for a replica: ?epoch_acks=1&epoch_ack_timeout_ms=1000, the "
+                                       "defaults; see docs/production.md)")
+    artifact_root: Path | str = Field(
+        default=Path(".trainyard/artifacts"),
+        description="a directory (local, or a shared filesystem), or an fsspec URL of an object store "
+                    "(s3://bucket/prefix with s3fs; credentials and endpoint from the standard AWS/fsspec "
+                    "configuration)")
     topic_partitions: int = Field(default=3, gt=0)
     topic_replication: int = Field(default=1, gt=0)
     create_topics: bool = Field(default=True, description="create missing topics at start-up")
@@ -59,9 +68,23 @@ class ServiceSettings(BaseSettings):
                     "stack sets 250)")
     reconcile_interval_s: float = Field(default=5.0, gt=0)
 
+    @field_validator("artifact_root", mode="before")
+    @classmethod
+    def _root_is_a_path_or_a_url(cls, value: object) -> object:
+        """An object-store URL stays a string (a Path would fold its ``//``); anything else is a Path."""
+        if isinstance(value, str) and is_object_url(value):
+            ObjectPath.parse(value)  # ValueError: reported against the variable
+            return value
+        return Path(value) if isinstance(value, str) else value
+
     @property
-    def artifact_root_abs(self) -> Path:
-        return self.artifact_root.expanduser().resolve()
+    def artifact_root_abs(self) -> Any:
+        """The root as a location: an absolute Path, or an ObjectPath for an object store."""
+        return as_location(self.artifact_root)
+
+    @property
+    def artifact_root_is_remote(self) -> bool:
+        return isinstance(self.artifact_root, str)
 
     @model_validator(mode="after")
     def _sasl_needs_a_user(self) -> ServiceSettings:
@@ -74,9 +97,14 @@ class ServiceSettings(BaseSettings):
 def redacted(url: str) -> str:
     """``url`` without its password (for logs and errors): redis://user:***@host:port/0."""
     parts = urlsplit(url)
+    if "password=" in parts.query:  # a Sentinel's own (?sentinel_password=…)
+        query = "&".join(f"{k}=***" if k.endswith("password") else f"{k}={v}"
+                         for k, _, v in (p.partition("=") for p in parts.query.split("&")))
+        parts = parts._replace(query=query)
     if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts)
+    hosts = parts.netloc.rpartition("@")[2]  # as written: a Sentinel URL names several host:port
+    netloc = f"{parts.username or ''}:***@{hosts}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 

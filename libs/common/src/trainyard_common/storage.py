@@ -1,8 +1,16 @@
 """The artifact store: layout per tenant and job, atomic writes, content hashes.
 
 The store is a filesystem root (``./.trainyard/artifacts`` locally, a shared filesystem
-in a cluster). URIs are ``file://`` absolute paths so every process, whatever its
-working directory, resolves them the same way.
+in a cluster) or an fsspec URL (``s3://bucket/prefix`` with s3fs: an object store). Local
+URIs are ``file://`` absolute paths so every process, whatever its working directory,
+resolves them the same way; an object's URI is its fsspec URL. Under an object-store root
+the layout's locations are :class:`ObjectPath` s instead of :class:`~pathlib.Path` s.
+
+An object store has no rename: an object is visible whole once its upload completes
+(:func:`commit_bytes` is one PUT), and a directory of files becomes visible only through a
+file written last that lists the others (a checkpoint's ``manifest.json``, an export's
+``trainyard-export.json``). Credentials and endpoint come from the standard configuration
+(``AWS_*`` variables, ``~/.aws``, ``AWS_ENDPOINT_URL_S3``; fsspec's ``FSSPEC_S3_*``).
 
 Layout::
 
@@ -21,11 +29,15 @@ Layout::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import posixpath
 import secrets
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from trainyard_common.errors import StateStoreError
@@ -120,11 +132,310 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-class ArtifactLayout:
-    """Where things live under the artifact root."""
+# ----------------------------------------------------------------------------- object storage (fsspec)
 
-    def __init__(self, root: Path | str) -> None:
-        self.root = Path(root).expanduser().resolve()
+
+@dataclass(frozen=True)
+class ObjectPath:
+    """A location in an object store, ``<scheme>://<bucket>/<key>``, with the few path operations the
+    layout and the checkpoint code use (``/``, ``name``, ``parent``, ``with_name``)."""
+
+    scheme: str
+    path: str  # "<bucket>/<key>", normalised, without leading or trailing slash
+
+    @classmethod
+    def parse(cls, url: str) -> ObjectPath:
+        scheme, sep, rest = url.partition("://")
+        if not sep or len(scheme) < 2 or scheme == "file" or not rest.strip("/"):
+            raise ValueError(f"not an object-store URL: {url!r}")
+        return cls(scheme, posixpath.normpath(rest).strip("/"))
+
+    def __truediv__(self, part: str | os.PathLike[str]) -> ObjectPath:
+        joined = posixpath.normpath(posixpath.join(self.path, os.fspath(part))).strip("/")
+        if joined.split("/", 1)[0] != self.path.split("/", 1)[0]:
+            raise ValueError(f"{part!r} leaves the bucket of {self}")
+        return ObjectPath(self.scheme, joined)
+
+    def joinpath(self, *parts: str) -> ObjectPath:
+        location = self
+        for part in parts:
+            location = location / part
+        return location
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def parent(self) -> ObjectPath:
+        return ObjectPath(self.scheme, posixpath.dirname(self.path) or self.path)
+
+    @property
+    def parents(self) -> list[ObjectPath]:
+        found, location = [], self
+        while (up := location.parent) != location:
+            found.append(up)
+            location = up
+        return found
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def as_uri(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.path}"
+
+
+Location = Path | ObjectPath
+"""Where an artifact lives: a local (or shared-filesystem) path, or an object in an object store."""
+
+
+def is_object_url(value: object) -> bool:
+    """Whether ``value`` is an fsspec URL of an object store (``s3://…``), not a local path or ``file://``."""
+    if not isinstance(value, str):
+        return isinstance(value, ObjectPath)
+    scheme = urlparse(value).scheme
+    return len(scheme) > 1 and scheme != "file" and "://" in value
+
+
+def as_location(value: str | os.PathLike[str] | ObjectPath) -> Location:
+    """A root, path or URI as a location: an object-store URL → :class:`ObjectPath`; a ``file://`` URI
+    or a path → an absolute :class:`Path`."""
+    if isinstance(value, ObjectPath):
+        return value
+    if isinstance(value, str) and is_object_url(value):
+        return ObjectPath.parse(value)
+    if isinstance(value, str) and value.startswith("file:"):
+        return uri_to_path(value)
+    return Path(value).expanduser().resolve()
+
+
+def location_uri(location: Location) -> str:
+    """The URI recorded for ``location`` (manifests, events, records)."""
+    return str(location) if isinstance(location, ObjectPath) else path_to_uri(location)
+
+
+_FS_LOCK = threading.Lock()
+_FILESYSTEMS: dict[tuple[str, int], Any] = {}
+
+
+def object_filesystem(location: ObjectPath | str) -> Any:
+    """The fsspec filesystem of ``location``'s scheme, configured from the environment (one per process).
+
+    Listings are not cached: other processes (ranks, the coordinator) write under the same
+    prefixes, and a stale listing would hide their objects."""
+    scheme = location.scheme if isinstance(location, ObjectPath) else ObjectPath.parse(location).scheme
+    key = (scheme, os.getpid())
+    with _FS_LOCK:
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = _make_filesystem(scheme)
+        return _FILESYSTEMS[key]
+
+
+def object_storage_options() -> dict[str, Any]:
+    """What every object-store filesystem of this process is opened with (also for DCP's fsspec I/O)."""
+    return {"use_listings_cache": False}
+
+
+def _make_filesystem(scheme: str) -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec ships with torch
+        raise StateStoreError(f"{scheme}:// artifacts need fsspec", retryable=False) from exc
+    try:
+        return fsspec.filesystem(scheme, **object_storage_options())
+    except (ImportError, ValueError) as exc:
+        raise StateStoreError(f"no filesystem for {scheme}:// ({exc}); install its fsspec backend "
+                              "(s3fs for s3://)", retryable=False) from exc
+
+
+def _object(location: ObjectPath) -> tuple[Any, str]:
+    return object_filesystem(location), location.path
+
+
+def exists(location: Location) -> bool:
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        return bool(fs.exists(key))
+    return location.exists()
+
+
+def stat_size(location: Location) -> int | None:
+    """Size in bytes, None when there is no such file or object."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        try:
+            info = fs.info(key)
+        except FileNotFoundError:
+            return None
+        return None if info.get("type") == "directory" else int(info["size"])
+    try:
+        return location.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def sha256_of(location: Location) -> str:
+    """sha256 of a file or object, streamed in chunks."""
+    if not isinstance(location, ObjectPath):
+        return sha256_file(location)
+    fs, key = _object(location)
+    digest = hashlib.sha256()
+    with fs.open(key, "rb", block_size=CHUNK, cache_type="none") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_bytes(location: Location) -> bytes:
+    """A whole file or object; FileNotFoundError when there is none."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        return bytes(fs.cat_file(key))
+    return location.read_bytes()
+
+
+def commit_bytes(location: Location, data: bytes) -> None:
+    """Publish ``data`` whole at ``location``: an atomic rename locally, one PUT in an object store
+    (an object is never visible half-written). The commit point of whatever it lists."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        fs.pipe_file(key, data)
+        return
+    atomic_write_bytes(location, data)
+
+
+def remove_file(location: Location) -> None:
+    """Delete one file or object (durably: the directory is fsynced locally); absent is fine."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        try:
+            fs.rm_file(key)
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        location.unlink()
+    except FileNotFoundError:
+        return
+    fsync_dir(location.parent)
+
+
+def remove_tree(location: Location) -> None:
+    """Delete a directory, or every object under a prefix; absent is fine."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        try:
+            fs.rm(key.rstrip("/") + "/", recursive=True)
+        except FileNotFoundError:
+            pass
+        return
+    import shutil
+
+    shutil.rmtree(location, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Child:
+    """An entry of a directory (a common prefix in an object store); ``mtime`` of the newest object in it."""
+
+    name: str
+    is_dir: bool
+    mtime: float | None
+
+
+def list_children(location: Location) -> list[Child]:
+    """The entries directly under ``location``; empty when there is none. In an object store a
+    sub-"directory" is a common prefix, and its age that of the newest object under it."""
+    if not isinstance(location, ObjectPath):
+        found = []
+        try:
+            entries = list(location.iterdir())
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            try:
+                found.append(Child(entry.name, entry.is_dir(), entry.stat().st_mtime))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+        return found
+    fs, key = _object(location)
+    try:
+        entries = fs.ls(key, detail=True)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        if entry.get("type") == "directory":
+            newest = [_mtime(info) for info in fs.find(entry["name"], detail=True).values()]
+            found.append(Child(name, True, max((m for m in newest if m is not None), default=None)))
+        else:
+            found.append(Child(name, False, _mtime(entry)))
+    return found
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    value = info.get("LastModified", info.get("mtime", info.get("last_modified")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+def glob(location: Location, pattern: str) -> list[Location]:
+    """The files under ``location`` that match ``pattern`` (``*/manifest.json``), sorted."""
+    if not isinstance(location, ObjectPath):
+        return sorted(location.glob(pattern))
+    fs, key = _object(location)
+    return sorted((ObjectPath(location.scheme, p.strip("/")) for p in fs.glob(f"{key}/{pattern}")),
+                  key=str)
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that hashes and counts what passes through it to ``raw``: an upload's
+    sha256 and size without reading the object back. ``tell()`` is the bytes written so far."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.size = 0
+        self._digest = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        written = len(view) if written is None else written
+        self._digest.update(view[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        if not self.closed:
+            self.raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+class ArtifactLayout:
+    """Where things live under the artifact root (a local path, or an object-store URL: then every
+    location it gives is an :class:`ObjectPath`)."""
+
+    def __init__(self, root: Path | str | ObjectPath) -> None:
+        self.root: Any = as_location(root)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the root is an object store."""
+        return isinstance(self.root, ObjectPath)
 
     def dataset_dir(self, name: str, version: str, tenant: str | None = None) -> Path:
         """A platform dataset under ``datasets/``; a tenant's under ``tenants/<tenant>/datasets/``."""

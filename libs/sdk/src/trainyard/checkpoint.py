@@ -13,6 +13,13 @@ The directory is invisible under its final name until every rank's file is durab
 becomes READY only when the checkpoint coordinator has verified every shard and written
 ``manifest.json``. Restore refuses anything whose manifest does not verify.
 
+In an object store (the directory is an :class:`~trainyard_common.storage.ObjectPath`) there is
+no rename and no ``.tmp``: rank 0 removes the objects of an interrupted save of the same
+directory (never one with a manifest), every rank uploads its shard straight under the final
+prefix through DCP's fsspec writer, hashing it as it streams (nothing is read back), and the
+manifest the coordinator writes last is the only commit point. A prefix without a manifest is
+never loaded, so a half-written one is as invisible as a ``.tmp`` directory.
+
 Asynchronous save (:class:`Checkpointer`, ``mode="async"``) runs the same protocol with steps
 2–3 in the background: a thread copies the state into reusable host buffers (overlapping the
 next step's forward and backward; only the next optimizer update waits for the copy), then
@@ -34,8 +41,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,13 +52,30 @@ import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import ValidationError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainyard_common.errors import CheckpointCorruptError, CheckpointError
 from trainyard_common.events import CheckpointRef, FileDigest
 from trainyard_common.manifest import CheckpointManifest, local_sha256, local_stat_size, verify_manifest
-from trainyard_common.storage import fsync_dir, fsync_file, path_to_uri, sha256_file, uri_to_path
+from trainyard_common.storage import (
+    HashingWriter,
+    Location,
+    ObjectPath,
+    as_location,
+    fsync_dir,
+    fsync_file,
+    glob,
+    location_uri,
+    object_storage_options,
+    path_to_uri,
+    read_bytes,
+    remove_tree,
+    sha256_file,
+)
+from trainyard_common.storage import exists as location_exists
 
 log = logging.getLogger("trainyard")
 
@@ -63,7 +88,7 @@ SHARD_SUFFIX = ".distcp"
 class SavedShard:
     """What one rank reports after a save: its own shard, plus the shared files on rank 0."""
 
-    directory: Path
+    directory: Location
     shard: FileDigest
     extra_files: list[FileDigest] = field(default_factory=list)
     seconds: float = 0.0  # from the start of the save until durable under the final name
@@ -132,7 +157,7 @@ def _digest(path: Path, *, final: Path | None = None) -> FileDigest:
 
 def save_checkpoint(
     state: Mapping[str, Stateful],
-    directory: Path,
+    directory: Location,
     *,
     rank: int,
     barrier: Callable[[], None],
@@ -140,6 +165,24 @@ def save_checkpoint(
 ) -> SavedShard:
     """Run the save protocol above; every rank calls it with the same ``directory``."""
     started = clock()
+    prepare_directory(directory, rank=rank, barrier=barrier)
+    saved = write_shard(dict(state), directory, rank=rank)
+    barrier()
+    publish_directory(directory, rank=rank, barrier=barrier)
+    return SavedShard(directory=directory, shard=saved.shard, extra_files=saved.extra_files,
+                      seconds=clock() - started)
+
+
+def prepare_directory(directory: Location, *, rank: int, barrier: Callable[[], None]) -> None:
+    """Step 1, collective: clear what an interrupted save of ``directory`` left; every rank fails
+    alike when the checkpoint exists already (locally: the directory; in an object store: its manifest)."""
+    if isinstance(directory, ObjectPath):
+        if location_exists(directory / MANIFEST_FILE):  # checked by every rank before anything is removed
+            raise CheckpointError(f"checkpoint already exists: {directory}")
+        if rank == 0:
+            remove_tree(directory)  # no manifest: nothing there was ever visible
+        barrier()
+        return
     tmp = temporary_dir(directory)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,20 +190,89 @@ def save_checkpoint(
     barrier()
     if directory.exists():  # checked by every rank, so all of them fail together
         raise CheckpointError(f"checkpoint directory already exists: {directory}")
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+
+
+def write_shard(state_dict: dict[str, Any], directory: Location, *, rank: int, group: Any = None) -> SavedShard:
+    """Steps 2–3: ``dcp.save`` this rank's shard (rank 0 also ``.metadata``), durable, with digests
+    reported under the final name."""
+    remote = isinstance(directory, ObjectPath)
+    writer: FileSystemWriter = (
+        HashingFsspecWriter(directory) if remote
+        else FileSystemWriter(temporary_dir(directory), single_file_per_rank=True, sync_files=True,
+                              thread_count=1, overwrite=False))
     try:
-        dcp.save(dict(state), storage_writer=writer)
+        dcp.save(state_dict, storage_writer=writer, process_group=group)
     except (CheckpointException, RuntimeError, OSError) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"could not save checkpoint {directory}: {exc}") from exc
-    fsync_file(_own_shard(tmp, rank))
-    barrier()
-    if rank == 0:
-        os.rename(tmp, directory)
+    if isinstance(writer, HashingFsspecWriter):
+        shard = writer.digest(writer.own_shard(rank))
+        extra = [writer.digest(METADATA_FILE)] if rank == 0 else []
+        return SavedShard(directory=directory, shard=shard, extra_files=extra)
+    assert isinstance(directory, Path)
+    tmp = temporary_dir(directory)
+    own = _own_shard(tmp, rank)
+    fsync_file(own)
+    shard = _digest(own, final=directory / own.name)
+    extra = [_digest(tmp / METADATA_FILE, final=directory / METADATA_FILE)] if rank == 0 else []
+    return SavedShard(directory=directory, shard=shard, extra_files=extra)
+
+
+def publish_directory(directory: Location, *, rank: int, barrier: Callable[[], None]) -> None:
+    """Step 4, collective: rank 0 renames ``<dir>.tmp`` → ``<dir>`` (an object store has nothing to
+    rename: the coordinator's manifest is the commit point)."""
+    if rank == 0 and not isinstance(directory, ObjectPath):
+        os.rename(temporary_dir(directory), directory)
         fsync_dir(directory.parent)
     barrier()
-    shard = _digest(_own_shard(directory, rank))
-    extra = [_digest(directory / METADATA_FILE)] if rank == 0 else []
-    return SavedShard(directory=directory, shard=shard, extra_files=extra, seconds=clock() - started)
+
+
+class _HashingFileSystem(FsspecFileSystem):
+    """DCP's fsspec filesystem, with every written stream hashed and counted on its way out."""
+
+    def __init__(self, inner: FsspecFileSystem) -> None:
+        super().__init__()
+        self.fs = inner.fs
+        self.digests: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = HashingWriter(stream)
+            yield hashing
+        with self._lock:
+            self.digests[os.path.basename(os.fspath(path))] = (hashing.size, hashing.hexdigest())
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)  # DCP's .metadata.tmp → .metadata (a server-side copy)
+        with self._lock:
+            digest = self.digests.pop(os.path.basename(os.fspath(path)), None)
+            if digest is not None:
+                self.digests[os.path.basename(os.fspath(new_path))] = digest
+
+
+class HashingFsspecWriter(FsspecWriter):
+    """DCP's fsspec writer into an object-store prefix, one file per rank, that knows the size and
+    sha256 of every object it uploaded (computed while streaming)."""
+
+    def __init__(self, directory: ObjectPath) -> None:
+        super().__init__(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1,
+                         overwrite=False, **object_storage_options())
+        self.directory = directory
+        self.fs = self.hashing = _HashingFileSystem(self.fs)
+
+    def own_shard(self, rank: int) -> str:
+        names = sorted(n for n in self.hashing.digests if n.startswith(f"__{rank}_") and n.endswith(SHARD_SUFFIX))
+        if len(names) != 1:
+            raise CheckpointError(f"rank {rank} expected one shard object in {self.directory}, wrote {names}")
+        return names[0]
+
+    def digest(self, name: str) -> FileDigest:
+        size, sha = self.hashing.digests[name]
+        return FileDigest(uri=str(self.directory / name), size_bytes=size, sha256=sha)
 
 
 # ----------------------------------------------------------------------------- restore
@@ -168,9 +280,8 @@ def save_checkpoint(
 
 def read_checkpoint_manifest(ref: CheckpointRef) -> CheckpointManifest:
     """Parse the manifest ``ref`` points at; missing or malformed is CheckpointCorruptError."""
-    path = uri_to_path(ref.manifest_uri)
     try:
-        manifest = CheckpointManifest.model_validate_json(path.read_bytes())
+        manifest = CheckpointManifest.model_validate_json(read_bytes(as_location(ref.manifest_uri)))
     except FileNotFoundError:
         raise CheckpointCorruptError(f"checkpoint manifest not found: {ref.manifest_uri}") from None
     except (ValidationError, ValueError) as exc:
@@ -200,7 +311,7 @@ def check_restorable(manifest: CheckpointManifest, *, world_size: int | None = N
     return problems
 
 
-def verified_checkpoint_dir(manifest: CheckpointManifest, manifest_uri: str) -> Path:
+def verified_checkpoint_dir(manifest: CheckpointManifest, manifest_uri: str) -> Location:
     """Verify every shard and shared file (size, sha256, content hash); the directory to load."""
     if problems := verify_manifest(manifest, stat_size=local_stat_size, file_sha256=local_sha256):
         raise CheckpointCorruptError(
@@ -209,11 +320,11 @@ def verified_checkpoint_dir(manifest: CheckpointManifest, manifest_uri: str) -> 
     return checkpoint_dir_of(manifest, manifest_uri)
 
 
-def checkpoint_dir_of(manifest: CheckpointManifest, manifest_uri: str) -> Path:
+def checkpoint_dir_of(manifest: CheckpointManifest, manifest_uri: str) -> Location:
     """The directory of ``manifest``; CheckpointCorruptError when a file it lists is elsewhere."""
-    directory = uri_to_path(manifest_uri).parent
+    directory = as_location(manifest_uri).parent
     for uri in [s.uri for s in manifest.shards] + [f.uri for f in manifest.extra_files]:
-        if uri_to_path(uri).parent != directory:
+        if as_location(uri).parent != directory:
             raise CheckpointCorruptError(f"checkpoint file {uri} is not beside its manifest {manifest_uri}")
     return directory
 
@@ -248,10 +359,12 @@ def verify_files_shared(
     return merged
 
 
-def load_checkpoint(state: Mapping[str, Stateful], directory: Path) -> None:
+def load_checkpoint(state: Mapping[str, Stateful], directory: Location) -> None:
     """``dcp.load`` into ``state`` in place (each Stateful's load_state_dict is called)."""
+    reader = (FsspecReader(str(directory), **object_storage_options()) if isinstance(directory, ObjectPath)
+              else FileSystemReader(directory))
     try:
-        dcp.load(dict(state), storage_reader=FileSystemReader(directory))
+        dcp.load(dict(state), storage_reader=reader)
     except (CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"could not load checkpoint {directory}: {exc}") from exc
 
@@ -312,17 +425,17 @@ def requested_candidate(ref: CheckpointRef) -> Candidate:
     return Candidate(ref.manifest_uri, manifest.global_step, manifest.attempt, manifest)
 
 
-def find_ready_checkpoints(checkpoints_dir: Path) -> list[Candidate]:
+def find_ready_checkpoints(checkpoints_dir: Location) -> list[Candidate]:
     """Every checkpoint under the job's ``checkpoints_dir`` that has a ``manifest.json``, newest first.
 
     A directory without a manifest (an interrupted save, a checkpoint the coordinator never
     verified) is not a candidate. A manifest that does not parse is one, with its problem.
     """
     found = []
-    for manifest_path in sorted(checkpoints_dir.glob(f"*/{MANIFEST_FILE}")):
-        uri = path_to_uri(manifest_path)
+    for manifest_path in glob(checkpoints_dir, f"*/{MANIFEST_FILE}"):
+        uri = location_uri(manifest_path)
         try:
-            manifest = CheckpointManifest.model_validate_json(manifest_path.read_bytes())
+            manifest = CheckpointManifest.model_validate_json(read_bytes(manifest_path))
         except (OSError, ValidationError, ValueError) as exc:
             found.append(Candidate(uri, None, problems=(f"manifest {uri} is malformed: {exc}",)))
             continue
@@ -400,7 +513,7 @@ def _signature(tree: Any, path: str = "") -> tuple[Any, ...]:
 
 @dataclass
 class _Pending:
-    directory: Path
+    directory: Location
     started: float
     future: Future[SavedShard]
     on_durable: Callable[[SavedShard], None]
@@ -449,7 +562,7 @@ class Checkpointer:
         self._buffers = StagingBuffers()
 
     def save(
-        self, state: Mapping[str, Stateful], directory: Path,
+        self, state: Mapping[str, Stateful], directory: Location,
         on_durable: Callable[[SavedShard], None] = lambda saved: None,
     ) -> float:
         """Start (async) or run (sync) a save of ``state`` into ``directory``."""
@@ -459,13 +572,7 @@ class Checkpointer:
             on_durable(saved)
             return self.clock() - started
         self.wait()
-        tmp = temporary_dir(directory)
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-        self.barrier()
-        if directory.exists():
-            raise CheckpointError(f"checkpoint directory already exists: {directory}")
+        prepare_directory(directory, rank=self.rank, barrier=self.barrier)
         live = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state.items()}
         ready = None
         if self.device.type == "cuda":
@@ -499,7 +606,7 @@ class Checkpointer:
         return waited
 
     def _write_in_background(
-        self, live: dict[str, Any], directory: Path, staged: threading.Event, ready: Any
+        self, live: dict[str, Any], directory: Location, staged: threading.Event, ready: Any
     ) -> SavedShard:
         try:
             if ready is not None:
@@ -513,17 +620,7 @@ class Checkpointer:
         finally:
             staged.set()  # never leave training waiting; a failure is reported by the future
         live.clear()
-        tmp = temporary_dir(directory)
-        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-        try:
-            dcp.save(copy, storage_writer=writer, process_group=self.group)
-        except CheckpointException as exc:  # a BaseException: make it an ordinary failure of the future
-            raise CheckpointError(f"could not save checkpoint {directory}: {exc}") from exc
-        own = _own_shard(tmp, self.rank)
-        fsync_file(own)
-        shard = _digest(own, final=directory / own.name)
-        extra = [_digest(tmp / METADATA_FILE, final=directory / METADATA_FILE)] if self.rank == 0 else []
-        return SavedShard(directory=directory, shard=shard, extra_files=extra)
+        return write_shard(copy, directory, rank=self.rank, group=self.group)
 
     def poll(self) -> float:
         """At a step boundary: complete the pending save if every rank's write has finished."""
@@ -587,10 +684,7 @@ class Checkpointer:
                 + (f" on this rank: {exc}" if exc else " on another rank")
             ) from exc
         saved = pending.future.result()
-        if self.rank == 0:
-            os.rename(temporary_dir(pending.directory), pending.directory)
-            fsync_dir(pending.directory.parent)
-        self.barrier()
+        publish_directory(pending.directory, rank=self.rank, barrier=self.barrier)
         saved = SavedShard(directory=saved.directory, shard=saved.shard, extra_files=saved.extra_files,
                            seconds=self.clock() - pending.started, stall=pending.stall)
         pending.on_durable(saved)

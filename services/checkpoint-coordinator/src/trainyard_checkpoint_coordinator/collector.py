@@ -4,24 +4,31 @@ For each job in :data:`JOBS_INDEX` (jobs that reported a shard): load its record
 checkpoint directories, plan, apply. Every step is idempotent, so the loop finishes whatever a
 crash interrupted. A READY checkpoint is retired in the order that keeps readers safe: the
 manifest goes first (the checkpoint is no longer loadable), then the record becomes DELETED,
-then the shards go, then ``deletedAt`` is stamped.
+then the shards go, then ``deletedAt`` is stamped. Under an object-store root the same steps
+delete objects (a "directory" is a prefix; its age is that of its newest object).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from trainyard_common.events import TERMINAL_STATES, utcnow
 from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.storage import ArtifactLayout, fsync_dir, uri_to_path
+from trainyard_common.storage import (
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    as_location,
+    list_children,
+    remove_file,
+    remove_tree,
+)
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_checkpoint_coordinator import metrics
@@ -38,20 +45,10 @@ Clock = Callable[[], datetime]
 RecordChange = Callable[[CheckpointRecord], CheckpointRecord | None]
 
 
-def list_directories(checkpoints_dir: Path, now: float) -> list[DirectoryInfo]:
+def list_directories(checkpoints_dir: Location, now: float) -> list[DirectoryInfo]:
     """The job's checkpoint directories with their age (seconds since their last change)."""
-    try:
-        entries = list(checkpoints_dir.iterdir())
-    except FileNotFoundError:
-        return []
-    found = []
-    for entry in entries:
-        try:
-            if entry.is_dir():
-                found.append(DirectoryInfo(entry.name, max(now - entry.stat().st_mtime, 0.0)))
-        except FileNotFoundError:
-            continue  # removed meanwhile
-    return found
+    return [DirectoryInfo(child.name, max(now - (child.mtime if child.mtime is not None else now), 0.0))
+            for child in list_children(checkpoints_dir) if child.is_dir]
 
 
 class GarbageCollector:
@@ -102,7 +99,7 @@ class GarbageCollector:
         return (self.clock() - job.updated_at).total_seconds() > self.settings.shard_timeout_s
 
     # ------------------------------------------------------------------ actions
-    async def _apply(self, action: GcAction, root: Path) -> None:
+    async def _apply(self, action: GcAction, root: Location) -> None:
         match action:
             case Retire(record=record, reason=reason):
                 await self._retire(record, reason, root)
@@ -119,10 +116,10 @@ class GarbageCollector:
                 metrics.GC.labels("swept").inc()
                 log.info("removed %s: %s", root / name, reason)
 
-    async def _retire(self, record: CheckpointRecord, reason: str, root: Path) -> None:
+    async def _retire(self, record: CheckpointRecord, reason: str, root: Location) -> None:
         directory = self._directory(record, root)
         # 1. the manifest: from now on no restore can choose it
-        await asyncio.to_thread(_unlink_durably, directory / MANIFEST_NAME)
+        await asyncio.to_thread(remove_file, directory / MANIFEST_NAME)
         # 2. the record stops being READY
         retired = await self._change(
             record, lambda r: r.model_copy(update={"state": "DELETED", "reason": reason})
@@ -137,9 +134,9 @@ class GarbageCollector:
         metrics.GC.labels("retired").inc()
         log.info("%s/%s: deleted (%s)", record.job_id, record.checkpoint_id, reason)
 
-    def _directory(self, record: CheckpointRecord, root: Path) -> Path:
+    def _directory(self, record: CheckpointRecord, root: Location) -> Location:
         if record.manifest_uri:
-            return uri_to_path(record.manifest_uri).parent
+            return as_location(record.manifest_uri).parent
         return self.layout.checkpoint_dir(record.tenant, record.job_id, record.attempt, record.global_step)
 
     async def _change(self, record: CheckpointRecord, change: RecordChange) -> CheckpointRecord | None:
@@ -163,17 +160,14 @@ class GarbageCollector:
                     continue
 
 
-def _unlink_durably(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    fsync_dir(path.parent)
-
-
-def _remove_tree(path: Path, root: Path) -> None:
-    """rm -r ``path``, which must lie inside ``root`` (the job's checkpoints directory)."""
-    if root.resolve() not in path.resolve().parents:
+def _remove_tree(path: Location, root: Location) -> None:
+    """rm -r ``path`` (every object under the prefix), which must lie inside ``root`` (the job's
+    checkpoints directory)."""
+    if isinstance(path, ObjectPath) or isinstance(root, ObjectPath):
+        inside = root in path.parents
+    else:
+        inside = root.resolve() in path.resolve().parents
+    if not inside:
         log.error("refusing to remove %s: not inside %s", path, root)
         return
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)

@@ -57,7 +57,7 @@ from trainyard_common.manifest import (
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import atomic_write_bytes, uri_to_path
+from trainyard_common.storage import as_location, commit_bytes, remove_file
 from trainyard_common.store import Keys, StateStore
 from trainyard_common.tracing import job_context
 
@@ -289,7 +289,8 @@ class Coordinator:
                 await self._finalize(key, outcome, job)
 
     async def _finalize(self, key: CheckpointKey, complete: Complete, job: JobRecord | None) -> None:
-        """1. verify every file  2. write manifest.json atomically  3. READY + event in one MULTI."""
+        """1. verify every file  2. write manifest.json atomically (the commit point: a rename locally,
+        one PUT in an object store)  3. READY + event in one MULTI."""
         manifest = complete.manifest
         started = time.perf_counter()
         with _tracer.start_as_current_span(
@@ -302,10 +303,10 @@ class Coordinator:
         if problems:
             await self._fail(key, "; ".join(problems))
             return
-        path = uri_to_path(complete.manifest_uri)
+        path = as_location(complete.manifest_uri)
         with _tracer.start_as_current_span("checkpoint write manifest",
                                            attributes={"trainyard.uri": complete.manifest_uri}):
-            await asyncio.to_thread(atomic_write_bytes, path, manifest.to_bytes())
+            await asyncio.to_thread(commit_bytes, path, manifest.to_bytes())
         now = self.clock()
         timing = await self._timing(key)
         record = await self._transition(
@@ -314,7 +315,7 @@ class Coordinator:
         if record is None:
             return
         if record.state != "READY":  # fenced between verification and READY: no manifest may stay
-            await asyncio.to_thread(path.unlink, missing_ok=True)
+            await asyncio.to_thread(remove_file, path)
             self._count_failed(key, record)
             return
         metrics.CHECKPOINTS.labels("ready").inc()
@@ -410,7 +411,7 @@ def _job_defaults(job: JobRecord | None) -> JobDefaults:
 
 
 def _verify(manifest: CheckpointManifest) -> list[str]:
-    """verify_manifest against the local filesystem; unreadable locations are problems, not crashes."""
+    """verify_manifest against the files (or objects); unreadable locations are problems, not crashes."""
     try:
         return verify_manifest(manifest, stat_size=local_stat_size, file_sha256=local_sha256)
     except (StateStoreError, PermissionError, IsADirectoryError) as exc:
