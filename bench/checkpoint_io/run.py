@@ -16,17 +16,27 @@ step (weights + both moments, ~130 MB). In the same run and the same directory:
 Targets: sync MB/s / raw MB/s >= 0.8; async stall / sync save <= 0.03. Each figure is the
 median of REPEATS runs.
 
+Object-store mode (``--store s3://bucket/prefix``, or ``--moto``: a moto S3 server started in
+this process on a free local port, with its bucket): the trainer's save into the object store
+(DCP's fsspec writer, sha256 computed while uploading, no rename) against a raw s3fs upload of the
+same number of bytes to one object, in the same run; then verify (sha256 read back from the
+store) and load. Credentials and endpoint come from the standard AWS configuration.
+
     python bench/checkpoint_io/run.py [--model gpt-small@v1] [--repeats 3] [--dir PATH]
+    python bench/checkpoint_io/run.py --moto [--model gpt-small@v1] [--repeats 3]
+    python bench/checkpoint_io/run.py --store s3://bucket/prefix
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -95,8 +105,13 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small@v1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--store", default=None, help="object-store mode: an fsspec URL prefix (s3://bucket/prefix)")
+    parser.add_argument("--moto", action="store_true", help="object-store mode against an in-process moto S3 server")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.store or args.moto:
+        object_store_main(args)
+        return
     base = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     dist.init_process_group("gloo", init_method=f"file://{base / 'pg'}", rank=0, world_size=1)
     background = dist.new_group(backend="gloo")
@@ -158,6 +173,86 @@ def main() -> None:
     print(f"RATIO sync/raw MB/s               = {sync_rate / raw_rate:.3f}   (target >= 0.8)")
     print(f"RATIO sync incl. sha256/raw MB/s  = {hashed_rate / raw_rate:.3f}")
     print(f"RATIO async stall / sync save     = {med(stall) / med(sync_hashed):.4f}  (target <= 0.03)")
+
+
+def object_store_main(args: argparse.Namespace) -> None:
+    """DCP save MB/s into the object store ÷ raw s3fs upload MB/s of the same bytes, same run."""
+    import uuid
+
+    from trainyard_common.storage import ObjectPath, commit_bytes, object_filesystem, remove_tree
+
+    with contextlib.ExitStack() as stack:
+        store = args.store or stack.enter_context(_moto_bucket())
+        root = ObjectPath.parse(store) / f"ckpt-bench-{uuid.uuid4().hex[:8]}"
+        fs = object_filesystem(root)
+        base = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+        dist.init_process_group("gloo", init_method=f"file://{base / 'pg'}", rank=0, world_size=1)
+        save, raw, verify, load = [], [], [], []
+        nbytes = 0
+        try:
+            state = make_state(args.model, seed=1)
+            for i in range(args.repeats):
+                directory = root / f"sync-{i}"
+                started = time.perf_counter()
+                saved = save_checkpoint(state, directory, rank=0, barrier=lambda: None)
+                save.append(time.perf_counter() - started)
+                nbytes = saved.shard.size_bytes + sum(f.size_bytes for f in saved.extra_files)
+                data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+                started = time.perf_counter()
+                with fs.open((root / f"raw-{i}.bin").path, "wb") as fh:  # s3fs's default part size, like DCP's
+                    fh.write(data)
+                raw.append(time.perf_counter() - started)
+                shards = [ShardEntry(rank=0, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
+                                     sha256=saved.shard.sha256)]
+                manifest = CheckpointManifest(job_id="bench", tenant="t", attempt=1, epoch=1, global_step=0,
+                                              world_size=1, shards=shards, extra_files=saved.extra_files,
+                                              content_hash=content_hash(shards, saved.extra_files))
+                commit_bytes(directory / "manifest.json", manifest.to_bytes())
+                fresh = make_state(args.model, seed=2)
+                started = time.perf_counter()
+                loadable = verified_checkpoint_dir(manifest, str(directory / "manifest.json"))
+                verify.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                load_checkpoint(fresh, loadable)
+                load.append(time.perf_counter() - started)
+                remove_tree(directory)
+                remove_tree(root / f"raw-{i}.bin")
+        finally:
+            dist.destroy_process_group()
+            shutil.rmtree(base, ignore_errors=True)
+            remove_tree(root)
+
+    med = statistics.median
+    mb = nbytes / 1e6
+    raw_rate, save_rate = mb / med(raw), mb / med(save)
+    print(f"checkpoint of {args.model} into {'moto S3 (in-process)' if not args.store else args.store}: "
+          f"{mb:.1f} MB, median of {args.repeats}")
+    print(f"  raw s3fs upload of the same bytes {med(raw):7.3f} s  {raw_rate:8.1f} MB/s")
+    print(f"  DCP save (fsspec, sha256 inline)  {med(save):7.3f} s  {save_rate:8.1f} MB/s")
+    print(f"  restore: verify (sha256 read back) {med(verify):7.3f} s;  load {med(load):.3f} s")
+    print(f"RATIO object-store DCP save / raw s3fs upload MB/s = {save_rate / raw_rate:.3f}")
+
+
+@contextlib.contextmanager
+def _moto_bucket() -> Iterator[str]:
+    """An in-process moto S3 server with a bucket; this process's AWS configuration points at it."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    from trainyard_common.storage import object_filesystem
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL_S3=f"http://{host}:{port}")
+    try:
+        object_filesystem("s3://trainyard-bench").makedirs("trainyard-bench", exist_ok=True)
+        yield "s3://trainyard-bench"
+    finally:
+        server.stop()
 
 
 def _save_without_hash(state: dict, directory: Path) -> None:
