@@ -19,7 +19,10 @@ that say how they differ.
 Reading: :class:`TokenDataset` serves fixed windows of ``sequence_length + 1`` tokens. A
 window never crosses a shard boundary (sample ``j`` of a shard covers tokens
 ``[j*L, j*L + L + 1)``), so a sample lives in exactly one shard; each shard's sha256 is
-checked when the shard is first opened and a mismatch is a :class:`DataError`.
+checked when the shard is first opened and a mismatch is a :class:`DataError`. With a
+:class:`~trainyard.shardcache.ShardCache` (required for a dataset in an object store), shards are
+read from verified node-local copies, and opening shard ``i`` prefetches shard ``i + 1``;
+:meth:`TokenDataset.prefetch` prefetches the shards of samples the rank reads next.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Sequence, Sized
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -43,7 +46,16 @@ from pydantic.alias_generators import to_camel
 
 from trainyard_common.errors import DataError
 from trainyard_common.events import utcnow
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, fsync_dir, sha256_file
+from trainyard_common.storage import (
+    ArtifactLayout,
+    ObjectPath,
+    as_location,
+    atomic_write_bytes,
+    is_object_url,
+    fsync_dir,
+    read_bytes,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,11 +163,17 @@ class DatasetManifest(_Wire):
         return self.model_dump_json(by_alias=True, indent=2, exclude=unset).encode()
 
 
-def load_dataset_manifest(path: Path | str) -> DatasetManifest:
-    """Parse a ``manifest.json``; a missing or malformed manifest is a :class:`DataError`."""
-    path = Path(path)
+def _location(value: Path | str | ObjectPath) -> Path | ObjectPath:
+    """A dataset file's location: an object-store URL, or a path as given (not resolved)."""
+    return as_location(value) if is_object_url(value) else Path(value)  # type: ignore[arg-type]
+
+
+def load_dataset_manifest(path: Path | str | ObjectPath) -> DatasetManifest:
+    """Parse a ``manifest.json`` (a path, or an object-store URL); a missing or malformed manifest is a
+    :class:`DataError`."""
+    path = _location(path)
     try:
-        return DatasetManifest.model_validate_json(path.read_bytes())
+        return DatasetManifest.model_validate_json(read_bytes(path))
     except FileNotFoundError:
         raise DataError(f"dataset manifest not found: {path}") from None
     except (ValidationError, ValueError) as exc:
@@ -358,10 +376,14 @@ def samples_in_shard(num_tokens: int, sequence_length: int) -> int:
 class TokenDataset:
     """Fixed windows of ``sequence_length + 1`` tokens over the shards of one dataset version."""
 
-    def __init__(self, manifest_path: Path | str, sequence_length: int) -> None:
-        self.manifest_path = Path(manifest_path)
+    def __init__(self, manifest_path: Path | str | ObjectPath, sequence_length: int, *,
+                 cache: Any = None) -> None:
+        self.manifest_path: Any = _location(manifest_path)
         self.directory = self.manifest_path.parent
         self.manifest = load_dataset_manifest(self.manifest_path)
+        self.cache = cache  # a trainyard.shardcache.ShardCache
+        if cache is None and isinstance(self.manifest_path, ObjectPath):
+            raise DataError(f"dataset {self.manifest_path} is in an object store: read it through a ShardCache")
         self.sequence_length = sequence_length
         counts = [samples_in_shard(s.num_tokens, sequence_length) for s in self.manifest.shards]
         self._starts = np.cumsum([0, *counts]).tolist()
@@ -381,10 +403,17 @@ class TokenDataset:
         if (tokens := self._open.get(index)) is not None:
             return tokens
         info = self.manifest.shards[index]
+        dtype = self.manifest.token_dtype
+        if self.cache is not None:  # a verified node-local copy: size and sha256 checked as it was fetched
+            path = self.cache.get(self.directory / info.file, info.sha256, info.size_bytes)
+            if index + 1 < len(self.manifest.shards):
+                self._prefetch_shard(index + 1)
+            tokens = np.memmap(path, dtype=dtype, mode="r") if info.num_tokens else np.empty(0, dtype)
+            self._open[index] = tokens
+            return tokens
         path = self.directory / info.file
         if not path.is_file():
             raise DataError(f"dataset shard {info.file} is missing: {path}")
-        dtype = self.manifest.token_dtype
         if (size := path.stat().st_size) != info.size_bytes or size != info.num_tokens * dtype.itemsize:
             raise DataError(f"dataset shard {info.file} has {size} bytes, manifest says {info.size_bytes}")
         if (digest := sha256_file(path)) != info.sha256:
@@ -394,6 +423,17 @@ class TokenDataset:
         tokens = np.memmap(path, dtype=dtype, mode="r") if info.num_tokens else np.empty(0, dtype)
         self._open[index] = tokens
         return tokens
+
+    def prefetch(self, samples: Sequence[int]) -> None:
+        """Start fetching the shards of ``samples`` (what this rank reads next) into the cache."""
+        if self.cache is not None:
+            for index in sorted({self.locate(s)[0] for s in samples}):
+                self._prefetch_shard(index)
+
+    def _prefetch_shard(self, index: int) -> None:
+        if index not in self._open:
+            info = self.manifest.shards[index]
+            self.cache.prefetch(self.directory / info.file, info.sha256, info.size_bytes)
 
     def locate(self, sample: int) -> tuple[int, int]:
         """``(shard index, first token offset)`` of a sample id."""
