@@ -22,7 +22,7 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainyard_cli import infra, observe, redisacl
+from trainyard_cli import infra, observe, redisacl, redisha
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.records import NodeRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
@@ -48,6 +48,13 @@ class StackSettings(BaseSettings):
     api_port: int = Field(default=8080, gt=0, lt=65536)
     kafka_bootstrap: str | None = Field(default=None, description="use this broker instead of starting one")
     redis_url: str | None = Field(default=None, description="use this Redis instead of starting one")
+    redis_ha: bool = Field(
+        default=False,
+        description="run Redis that fails over: a primary (TRAINYARD_REDIS_PORT), a replica "
+                    "(TRAINYARD_REDIS_REPLICA_PORT) and three Sentinels (TRAINYARD_REDIS_SENTINEL_PORT and the next "
+                    "two), data under <state dir>/redis-ha; services get a redis+sentinel:// URL (docs/production.md)")
+    redis_replica_port: int = Field(default=6391, gt=0, lt=65536)
+    redis_sentinel_port: int = Field(default=26390, gt=0, lt=65534)
     nodes: int = Field(default=2, ge=1, le=64)
     devices_per_node: int = Field(default=4, ge=1, le=64)
     topic_partitions: int = Field(default=3, gt=0)
@@ -134,6 +141,8 @@ class LocalStack:
         if self.s.redis_url:
             return self.s.redis_url
         passwords = redisacl.load_or_create(self.redis_users_file)
+        if self.s.redis_ha:
+            return self.redis_ha().url(user, passwords[user])
         return redisacl.url_for(user, passwords[user], host="127.0.0.1", port=self.s.redis_port)
 
     @property
@@ -212,7 +221,9 @@ class LocalStack:
             self.say(f"starting the Kafka-protocol broker (tansu, memory storage) on :{self.s.kafka_port}")
             launched = infra.start_broker(self.s.kafka_port, self.s.log_dir / "broker.log")
             self._record("broker", launched.process.pid)
-        if not self.s.redis_url and "redis" not in alive:
+        if not self.s.redis_url and self.s.redis_ha:
+            self._start_redis_ha(alive)
+        elif not self.s.redis_url and "redis" not in alive:
             self.say(f"starting redis-server (AOF, fsync always) on :{self.s.redis_port}")
             acl = redisacl.write_acl_file(self.s.root / "redis" / "users.acl",
                                           redisacl.load_or_create(self.redis_users_file))
@@ -235,6 +246,25 @@ class LocalStack:
         self._wait_ready()
         (self.s.root / "api-url").write_text(self.s.api_url + "\n")
         return self._dev_token_when_the_api_answers()
+
+    def redis_ha(self) -> redisha.RedisHA:
+        """The primary, replica and Sentinels of ``TRAINYARD_REDIS_HA`` (see :mod:`trainyard_cli.redisha`)."""
+        passwords = redisacl.load_or_create(self.redis_users_file)
+        first = self.s.redis_sentinel_port
+        return redisha.RedisHA(self.s.root / "redis-ha", self.s.log_dir, (self.s.redis_port, self.s.redis_replica_port),
+                               (first, first + 1, first + 2), auth=(redisacl.OPERATOR, passwords[redisacl.OPERATOR]))
+
+    def _start_redis_ha(self, alive: set[str]) -> None:
+        ha = self.redis_ha()
+        names = [f"redis-{p}" for p in ha.ports] + [f"redis-sentinel-{p}" for p in ha.sentinel_ports]
+        if all(n in alive for n in names):
+            return
+        self.say(f"starting Redis with failover: redis-server on :{ha.ports[0]} and :{ha.ports[1]} (AOF, fsync "
+                 f"always; one replicates the other), redis-sentinel on :{', :'.join(map(str, ha.sentinel_ports))}")
+        redisacl.write_acl_file(ha.root / "users.acl", redisacl.load_or_create(self.redis_users_file))
+        ha.start(skip=[n for n in names if n in alive])
+        for launched in (*ha.servers.values(), *ha.sentinels.values()):
+            self._record(launched.name, launched.process.pid)
 
     def _wait_for_stopping_agents(self, alive: set[str]) -> set[str]:
         """Node agents still running but stopping (SIGTERM-ed: their node is drained by their own incarnation)
@@ -366,6 +396,7 @@ class LocalStack:
         (self.s.root / "prometheus-url").write_text(launched.address + "\n")
         self.say(f"started prometheus on {launched.address} (storage {self.s.root / 'prometheus' / 'data'})")
         unscraped = [c.name for c in self.running() if c.name not in ("broker", "redis", "prometheus")
+                     and not c.name.startswith("redis-")
                      and not (observe.targets_dir(self.s.root) / f"{c.name}.json").exists()]
         if unscraped:
             self.say(f"{', '.join(unscraped)} already ran without a metrics port: `make down`, then `make observe`, "
@@ -431,8 +462,8 @@ class LocalStack:
         recorded every attempt as interrupted by maintenance — the services, then Redis and the broker."""
         comps = self.components()
         agents = [c for c in comps if c.name.startswith("node-agent")]
-        services = [c for c in comps if c not in agents and c.name not in ("broker", "redis")]
-        infra_ = [c for c in comps if c.name in ("broker", "redis")]
+        infra_ = [c for c in comps if c.name in ("broker", "redis") or c.name.startswith("redis-")]  # redis-*: HA
+        services = [c for c in comps if c not in agents and c not in infra_]
         stopped: list[str] = []
         drain = self.s.drain_timeout_s
         if agents and drain > 0 and any(c.alive for c in agents):

@@ -13,6 +13,7 @@
     ├── InfrastructureError             broker / Redis / filesystem trouble   (retryable)
     │   ├── BusError
     │   └── StateStoreError
+    │       └── EpochNotReplicatedError  an epoch increment no replica acknowledged in time: not used
     ├── CheckpointError                 a checkpoint that cannot be written or restored
     │   └── CheckpointCorruptError      size or sha256 mismatch, missing shard or manifest
     ├── DataError                       a dataset shard that is missing or fails its sha256
@@ -91,6 +92,12 @@ class BusError(InfrastructureError):
 
 class StateStoreError(InfrastructureError):
     """Redis refused or could not be reached."""
+
+
+class EpochNotReplicatedError(StateStoreError):
+    """A fencing or leader epoch increment that the replicas did not acknowledge in time (Redis behind
+    Sentinel, docs/design.md §5.2.1). A failover could lose it and hand the same number out again, so it
+    is not used; retrying once a replica is in sync may succeed."""
 
 
 class CheckpointError(TrainyardError):

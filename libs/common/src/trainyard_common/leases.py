@@ -11,6 +11,10 @@ anything else, in the same atomic step, and refuse with ``STALE_LEADER`` when an
 process has taken over since — so a paused or partitioned former scheduler leader can
 neither grant nor release. Lease keys may carry a TTL (renewed by :meth:`LeaseManager.renew`);
 :meth:`LeaseManager.restore` re-creates expired ones of a still-active allocation.
+
+Behind Sentinel (asynchronous replication) a grant is used only once a replica acknowledged it
+(:func:`trainyard_common.replication.eval_durably`): a failover then never hands its epoch out again
+(docs/design.md §5.2.1).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from trainyard_common.devices import Device
 from trainyard_common.errors import FencingError, LeaseConflictError, StaleLeaderError
+from trainyard_common.replication import eval_durably
 from trainyard_common.store import Keys
 
 __all__ = ["Device", "LeaderFence", "LeaseManager"]
@@ -44,7 +49,11 @@ _ACQUIRE = _CHECK_LEADER + """
 local existing = redis.call('GET', KEYS[3])
 if existing then
   local a = cjson.decode(existing)
-  if a.state == 'active' then return a.epoch end
+  if a.state == 'active' then
+    -- rewritten unchanged: a write, so that a WAIT after this script also covers the grant it repeats
+    redis.call('SET', KEYS[3], existing)
+    return a.epoch
+  end
   return redis.error_reply('ALLOCATION_RELEASED ' .. ARGV[3])
 end
 for i = 5, #KEYS do
@@ -171,13 +180,16 @@ class LeaseManager:
 
         Idempotent: calling again for the same active allocation returns its epoch. With
         ``fence``, refused (FencingError ``STALE_LEADER``) unless the leader epoch is still current.
+        Behind Sentinel the epoch is returned only once a replica has it; otherwise
+        :class:`EpochNotReplicatedError` (retryable: the same call returns the same epoch once it is
+        replicated; a grant never retried is an orphan that reconciliation releases).
         """
         fence_key, fence_value = _fence_args(fence, Keys.epoch(job_id))
         keys = [fence_key, Keys.epoch(job_id), Keys.allocation(allocation_id), Keys.lease_audit]
         keys += [Keys.lease(d.node_id, int(d.index)) for d in devices]
         args = [fence_value, job_id, allocation_id, json.dumps([str(d) for d in devices]), self.ttl_ms]
         try:
-            return int(await self._acquire(keys=keys, args=args))
+            return int(await eval_durably(self.redis, self._acquire, keys, args))
         except ResponseError as exc:
             raise _translate(exc) from exc
 

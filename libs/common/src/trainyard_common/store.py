@@ -14,13 +14,10 @@ from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
+from trainyard_common import replication
 from trainyard_common.errors import StateStoreError
 from trainyard_common.records import (
     ArtifactRecord,
@@ -241,14 +238,14 @@ def token_id_of(digest: str, record: TenantToken) -> str:
 #: half a second. After a Redis restart every pooled connection is dead, and each one used to fail
 #: the first command sent over it, seconds later: a shard report retried after a back-off, late
 #: enough for its checkpoint to be fenced (chaos seed 1796110550, job-21f429ec888b).
-REDIS_RETRY = (3, 0.05, 0.5)  # tries, first back-off, cap (seconds)
+REDIS_RETRY = replication.STANDALONE_RETRY  # tries, first back-off, cap (seconds)
 
 
 def connect_redis(url: str) -> Redis:
-    tries, base, cap = REDIS_RETRY
-    return Redis.from_url(url, decode_responses=True, health_check_interval=10,
-                          retry=Retry(ExponentialBackoff(cap=cap, base=base), tries),
-                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    """A client for ``TRAINYARD_REDIS_URL``: ``redis://…`` (one server) or ``redis+sentinel://…`` (a primary
+    that Sentinel fails over; the client follows it and epoch increments wait for a replica): see
+    :mod:`trainyard_common.replication`."""
+    return replication.connect(url)
 
 
 class StateStore:

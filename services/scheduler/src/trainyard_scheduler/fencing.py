@@ -4,7 +4,7 @@ leases whose grant checks that epoch inside the same Lua script.
 * :class:`Leadership` — ``ty:sched:leader`` holds ``"<epoch> <instance>"`` with a TTL; a
   takeover (the key expired or was given up) increments ``ty:sched:leader-epoch``, which never
   goes down. The leader renews every tick; a standby takes over within ``ttl`` of the leader's
-  last renewal.
+  last renewal. Behind Sentinel a takeover waits for a replica to hold its epoch (§5.2.1).
 * :class:`FencedLeases` — :class:`trainyard_common.leases.LeaseManager` with its optional leader
   fence bound to ``ty:sched:leader-epoch`` (checked inside the same Lua script as the grant): a
   paused or partitioned old leader's grant is refused (``STALE_LEADER``). Job-record
@@ -16,11 +16,16 @@ leases whose grant checks that epoch inside the same Lua script.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
+from trainyard_common.errors import EpochNotReplicatedError
 from trainyard_common.leases import Device, LeaderFence, LeaseManager
+from trainyard_common.replication import epoch_acks, eval_durably
+
+log = logging.getLogger(__name__)
 
 
 class LeaderKeys:
@@ -28,7 +33,8 @@ class LeaderKeys:
     epoch = "ty:sched:leader-epoch"  # takeover counter, never decreasing
 
 
-# KEYS: leader, epoch   ARGV: instance, ttl_ms, my_epoch (0 = none)
+# KEYS: leader, epoch   ARGV: instance, ttl_ms, my_epoch (0 = none), take (1: may take over; 0: return -1 instead,
+# so that a takeover can be made in a call that waits for a replica, while renewals do not wait)
 _LEAD = """
 local cur = redis.call('GET', KEYS[1])
 if cur then
@@ -42,6 +48,7 @@ if cur then
     return e
   end
 end
+if ARGV[4] == '0' then return -1 end
 local epoch = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], epoch .. ' ' .. ARGV[1], 'PX', ARGV[2])
 return epoch
@@ -69,10 +76,22 @@ class Leadership:
         self._resign = redis.register_script(_RESIGN)
 
     async def maintain(self) -> int | None:
-        """Take or renew the lease; returns the leader epoch while this instance leads, else None."""
+        """Take or renew the lease; returns the leader epoch while this instance leads, else None.
+
+        Behind Sentinel a takeover counts only once a replica acknowledged its epoch (§5.2.1): until
+        then this instance does not lead (None), and the next call takes over again with a new epoch.
+        """
+        keys = [LeaderKeys.leader, LeaderKeys.epoch]
+        args = [self.instance, self.ttl_ms, self.epoch or 0]
         async with self._lock:
-            result = int(await self._lead(keys=[LeaderKeys.leader, LeaderKeys.epoch],
-                                          args=[self.instance, self.ttl_ms, self.epoch or 0]))
+            durable = epoch_acks(self.redis).replicas > 0
+            result = int(await self._lead(keys=keys, args=[*args, 0 if durable else 1]))
+            if result == -1:  # a takeover: made in a call that waits for a replica
+                try:
+                    result = int(await eval_durably(self.redis, self._lead, keys, [*args, 1]))
+                except EpochNotReplicatedError as exc:
+                    log.warning("leader takeover not used: %s", exc)
+                    result = 0
             self.epoch = result or None
             return self.epoch
 

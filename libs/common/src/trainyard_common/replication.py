@@ -1,0 +1,224 @@
+"""Reaching Redis — one server, or a primary that Sentinel fails over — and making an epoch
+increment survive that failover (docs/design.md §5.2.1).
+
+URLs (``TRAINYARD_REDIS_URL``):
+
+* ``redis://[user:password@]host:port/db`` (``rediss://``, ``unix://``): one server.
+* ``redis+sentinel://[user:password@]host:port[,host:port…]/service[/db]``: ask these Sentinels for
+  the primary of ``service``. The client follows a failover: a connection that meets a dead primary,
+  or a demoted one (READONLY), is made again to whichever server the Sentinels name now, and the
+  command is retried (:data:`SENTINEL_RETRY`). The user and password are the data servers'.
+
+Query parameters, on either kind (taken off before the rest goes to redis-py):
+
+* ``epoch_acks``: how many replicas must acknowledge an epoch increment before it is used (WAIT).
+  Default 1 with Sentinel, 0 for one server (which needs none: AOF ``appendfsync always``).
+  With more than one replica set it to the number of replicas (see §5.2.1).
+* ``epoch_ack_timeout_ms``: how long to wait for them (default 1000); then the increment is not
+  used and the caller gets a retryable :class:`~trainyard_common.errors.EpochNotReplicatedError`.
+* ``sentinel_username``, ``sentinel_password``: the Sentinels' own credentials, if they ask for any.
+
+Replication is asynchronous, so a failover loses the primary's last writes. Redis cannot run WAIT
+inside a script, so :func:`eval_durably` sends the script and ``WAIT`` in one pipeline: one
+connection, hence one server, and WAIT covers everything that connection wrote. An epoch is
+returned only when a replica holds it; the replica Sentinel promotes then has it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from trainyard_common.errors import ConfigError, EpochNotReplicatedError
+
+__all__ = ["SENTINEL_SCHEME", "EpochAcks", "RedisTarget", "StateRedis", "connect", "epoch_acks", "eval_durably",
+           "parse_redis_url"]
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+#: Standalone: a command that meets a dead connection is tried again a few times within about half a
+#: second (after a Redis restart every pooled connection is dead). tries, first back-off, cap (s).
+STANDALONE_RETRY = (3, 0.05, 0.5)
+#: Through Sentinel: long enough to ride out a failover (down-after-milliseconds, the election, the
+#: promotion, the Sentinels naming the new primary): 0.1, 0.2, 0.4, 0.8, then 1 s, about 10 s in all.
+SENTINEL_RETRY = (12, 0.1, 1.0)
+#: How long a Sentinel or a new connection may take to answer before the next one is tried.
+SENTINEL_CONNECT_TIMEOUT_S = 1.0
+
+_OUR_PARAMS = ("epoch_acks", "epoch_ack_timeout_ms", "sentinel_username", "sentinel_password")
+
+
+@dataclass(frozen=True)
+class EpochAcks:
+    """How an epoch increment is made durable: WAIT for ``replicas`` within ``timeout_ms`` (0: no WAIT)."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed ``TRAINYARD_REDIS_URL``: ``url`` for one server, or Sentinels and a service name."""
+
+    acks: EpochAcks
+    url: str = ""  # one server: what redis-py gets (our query parameters taken off)
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    sentinel_username: str | None = None
+    sentinel_password: str | None = field(default=None, repr=False)
+
+    @property
+    def is_sentinel(self) -> bool:
+        return bool(self.sentinels)
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Pure: what ``url`` names (see the module docstring); a malformed URL is a ConfigError."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _OUR_PARAMS}
+    rest = [(k, v) for k, v in query if k not in _OUR_PARAMS]
+    sentinel = parts.scheme == SENTINEL_SCHEME
+    acks = EpochAcks(replicas=_int(ours, "epoch_acks", 1 if sentinel else 0),
+                     timeout_ms=_int(ours, "epoch_ack_timeout_ms", 1000))
+    if not sentinel:
+        return RedisTarget(acks=acks, url=urlunsplit(parts._replace(query=urlencode(rest))))
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = credentials.partition(":")
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not path or len(path) > 2:
+        raise ConfigError(f"TRAINYARD_REDIS_URL: a Sentinel URL is {SENTINEL_SCHEME}://[user:password@]host:port"
+                          f"[,host:port…]/service[/db]; got {_without_password(url)}")
+    try:
+        sentinels = tuple(_host_port(h) for h in hosts.split(","))
+        db = int(path[1]) if len(path) == 2 else 0
+    except ValueError as exc:
+        raise ConfigError(f"TRAINYARD_REDIS_URL: {exc} in {_without_password(url)}") from exc
+    return RedisTarget(acks=acks, sentinels=sentinels, service=unquote(path[0]), db=db,
+                       username=unquote(user) or None, password=unquote(password) or None,
+                       sentinel_username=ours.get("sentinel_username") or None,
+                       sentinel_password=ours.get("sentinel_password") or None)
+
+
+def _int(params: dict[str, str], name: str, default: int) -> int:
+    try:
+        value = int(params[name]) if name in params else default
+    except ValueError:
+        raise ConfigError(f"TRAINYARD_REDIS_URL: {name} must be a whole number, not {params[name]!r}") from None
+    if value < 0:
+        raise ConfigError(f"TRAINYARD_REDIS_URL: {name} must be 0 or more")
+    return value
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"Sentinel address {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    credentials, at, hosts = rest.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    return f"{scheme}{sep}{credentials.split(':', 1)[0]}:***@{hosts}"
+
+
+class _FollowingConnection(SentinelManagedConnection):
+    """A connection that asks the Sentinels where the primary is every time it (re)connects.
+
+    redis-py's own reconnects inside a command's retries (``send_packed_command`` →
+    ``connect_check_health``) go back to the address the connection had: to the demoted primary, which
+    answers READONLY again until the retries run out (redis/redis-py#3874, open). Connecting through the
+    Sentinel-aware :meth:`connect` first makes every retry go to the current primary.
+    """
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await self.connect()
+        await super().send_packed_command(command, check_health)
+
+
+class StateRedis(Redis):
+    """A Redis client that knows how epoch increments are made durable (:attr:`epoch_acks`) and, through
+    Sentinel, closes its Sentinel connections with itself."""
+
+    epoch_acks: EpochAcks = EpochAcks()
+    sentinel: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinel is not None:
+            sentinel, self.sentinel = self.sentinel, None
+            await sentinel.aclose()
+
+
+def connect(url: str) -> StateRedis:
+    """A client for ``url`` (decoded responses, retried on connection errors; see the module docstring)."""
+    target = parse_redis_url(url)
+    tries, base, cap = SENTINEL_RETRY if target.is_sentinel else STANDALONE_RETRY
+    common: dict[str, Any] = {
+        "decode_responses": True, "health_check_interval": 10,
+        "retry": Retry(ExponentialBackoff(cap=cap, base=base), tries),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    if not target.is_sentinel:
+        client = StateRedis.from_url(target.url, **common)
+    else:
+        sentinel = Sentinel(
+            list(target.sentinels),
+            sentinel_kwargs={"socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+                             "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+                             "username": target.sentinel_username, "password": target.sentinel_password,
+                             "decode_responses": True},
+            username=target.username, password=target.password, db=target.db,
+            socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S, **common)
+        client = sentinel.master_for(target.service, redis_class=StateRedis, connection_class=_FollowingConnection)
+        client.sentinel = sentinel
+    client.epoch_acks = target.acks
+    return client
+
+
+def epoch_acks(redis: Redis) -> EpochAcks:
+    """The client's durability rule for epoch increments (none for a client not made by :func:`connect`)."""
+    return getattr(redis, "epoch_acks", EpochAcks())
+
+
+async def eval_durably(redis: Redis, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    """Run ``script``; where the client's :func:`epoch_acks` asks for replicas, return its result only
+    once that many replicas acknowledged every write this connection made (the script's included).
+
+    Raises :class:`EpochNotReplicatedError` (retryable) when they did not within the timeout: the
+    result must then not be used. A script error (a ResponseError) is raised as is.
+    """
+    acks = epoch_acks(redis)
+    if acks.replicas == 0:
+        return await script(keys=list(keys), args=list(args))
+    # EVAL, not EVALSHA: the pipeline may be re-sent to a new primary that never loaded the script
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.eval(script.script, len(keys), *keys, *args)
+        pipe.wait(acks.replicas, acks.timeout_ms)
+        result, acked = await pipe.execute(raise_on_error=False)
+    if isinstance(result, Exception):
+        raise result
+    if isinstance(acked, Exception):
+        raise acked
+    if int(acked) < acks.replicas:
+        raise EpochNotReplicatedError(
+            f"an epoch increment ({result!r}) was acknowledged by {acked} of {acks.replicas} replica(s) within "
+            f"{acks.timeout_ms} ms; it is not used (a failover could lose it). Retry once a replica is in sync")
+    return result
