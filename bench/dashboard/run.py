@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from trainyard_api.dashboard_routes import MetricHistoryView, _plain
 from trainyard_api.metrics_history import (
     CURVES, TIMING, MetricHistory, attempt_key, level_key, levels_of, ranks_key, series_key,
 )
+from trainyard_api.routes.dashboard import MetricHistoryView, _plain
 from trainyard_common.events import StepMetrics
 from trainyard_api.schemas import EXAMPLE_SPEC, JobPage
 from trainyard_api.views import job_summary

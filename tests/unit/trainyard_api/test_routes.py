@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from trainyard_api.context import ApiContext
-from trainyard_api.routes import audit, code, datasets, goodput, jobs, lab, nodes, operations, plan, registry, tenants
-from trainyard_api.routes import triggers, whoami
+from trainyard_api.routes import audit, cluster, code, dashboard, datasets, goodput, jobs, lab, nodes, operations, plan
+from trainyard_api.routes import registry, tenants, triggers, whoami
 from trainyard_api.settings import ApiSettings
 from trainyard_common.store import StateStore
 
@@ -19,7 +19,7 @@ from trainyard_common.store import StateStore
 @pytest.mark.parametrize(("module", "tag"), [
     (jobs, "jobs"), (plan, "planning"), (lab, "lab"), (goodput, "goodput"), (nodes, "admin"), (code, "code"),
     (triggers, "triggers"), (tenants, "admin"), (audit, "admin"), (whoami, "admin"), (registry, "registry"),
-    (datasets, "datasets"), (operations, "operations"),
+    (datasets, "datasets"), (operations, "operations"), (dashboard, "jobs"), (cluster, "admin"),
 ])
 def test_a_route_module_documents_one_tag(module: ModuleType, tag: str) -> None:
     documented = [route for route in module.router.routes if isinstance(route, APIRoute) and route.include_in_schema]

@@ -37,6 +37,7 @@ from trainyard_planner import (
     LinkTier,
     MemoryBreakdown,
     Recompute,
+    RejectedLayout,
     Schedule,
     StepEstimate,
     Topology,
@@ -633,27 +634,37 @@ def recommend_command(
                 "rejected": [r.wire() for r in found.rejected[:rejected]]}
 
     def view() -> RenderableType:
-        best = Table(title=f"{len(found.accepted)} feasible layouts on {devices} x {target.name}, "
-                           f"global batch {global_batch}, fastest first\n(layout: dp×tp×pp, ZeRO stage, "
-                           "micro-batch, recomputation)", title_justify="left", box=box.SIMPLE_HEAD)
-        for column in ("layout", "memory", "step", "MFU", "comm/comp", "bottleneck"):
-            best.add_column(column, justify="left" if column in ("layout", "bottleneck") else "right", no_wrap=True)
-        for e in found.accepted[:top]:
-            best.add_row(short_layout(e.layout), fmt_bytes(e.memory.required_bytes_per_device),
-                         fmt_seconds(e.step_seconds), f"{e.mfu:.1%}", f"{e.comm_to_compute_ratio:.2f}",
-                         e.bottleneck.value)
-        parts: list[RenderableType] = [_model_line(shape, label), best]
+        title = (f"{len(found.accepted)} feasible layouts on {devices} x {target.name}, global batch "
+                 f"{global_batch}, fastest first\n(layout: dp×tp×pp, ZeRO stage, micro-batch, recomputation)")
+        parts: list[RenderableType] = [_model_line(shape, label), _accepted_table(title, found.accepted[:top])]
         if rejected and found.rejected:
-            why = Table(title=f"{len(found.rejected)} rejected (first {min(rejected, len(found.rejected))})",
-                        title_justify="left", box=box.SIMPLE_HEAD)
-            why.add_column("layout", no_wrap=True)
-            why.add_column("why not")
-            for r in found.rejected[:rejected]:
-                why.add_row(short_layout(r.candidate), "; ".join(r.reasons))
-            parts.append(why)
+            parts.append(_rejected_table(found.rejected, rejected))
         return Group(*parts)
 
     _emit(as_json, data, view)
+
+
+def _accepted_table(title: str, accepted: Sequence[StepEstimate]) -> Table:
+    """The feasible layouts, one row each: memory, step time, MFU, communication against compute, bottleneck."""
+    best = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("layout", "memory", "step", "MFU", "comm/comp", "bottleneck"):
+        best.add_column(column, justify="left" if column in ("layout", "bottleneck") else "right", no_wrap=True)
+    for e in accepted:
+        best.add_row(short_layout(e.layout), fmt_bytes(e.memory.required_bytes_per_device),
+                     fmt_seconds(e.step_seconds), f"{e.mfu:.1%}", f"{e.comm_to_compute_ratio:.2f}",
+                     e.bottleneck.value)
+    return best
+
+
+def _rejected_table(rejected: Sequence[RejectedLayout], shown: int) -> Table:
+    """The first ``shown`` rejected layouts and why each does not fit."""
+    why = Table(title=f"{len(rejected)} rejected (first {min(shown, len(rejected))})",
+                title_justify="left", box=box.SIMPLE_HEAD)
+    why.add_column("layout", no_wrap=True)
+    why.add_column("why not")
+    for r in rejected[:shown]:
+        why.add_row(short_layout(r.candidate), "; ".join(r.reasons))
+    return why
 
 
 # ----------------------------------------------------------------------------- calibration (the API)

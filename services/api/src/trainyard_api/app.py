@@ -13,12 +13,13 @@ from fastapi import Depends, FastAPI
 
 from trainyard_api.context import ApiContext
 from trainyard_api.dashboard import install_dashboard
-from trainyard_api.dashboard_routes import install_dashboard_routes
 from trainyard_api.deps import one_value_per_query_parameter
 from trainyard_api.http_errors import install_error_handlers
 from trainyard_api.routes import (
     audit,
+    cluster,
     code,
+    dashboard,
     datasets,
     goodput,
     jobs,
@@ -87,7 +88,8 @@ TAGS = [
 ]
 
 
-ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, tenants, audit, whoami, registry, datasets, operations)
+ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, tenants, audit, whoami, registry, datasets, operations,
+           dashboard, cluster)
 
 def create_app(context: ApiContext) -> FastAPI:
     """The REST API over ``context``: its routers in the order their paths are matched (and documented)."""
@@ -103,6 +105,5 @@ def create_app(context: ApiContext) -> FastAPI:
     install_error_handlers(app)
     for routes in ROUTERS:  # in this order: FastAPI matches paths in the order they were added
         app.include_router(routes.router)
-    install_dashboard_routes(app)
     install_dashboard(app)
     return app

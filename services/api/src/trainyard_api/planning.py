@@ -458,43 +458,13 @@ def plan(
     step: StepEstimate | None = None
     view: RecommendationView | None = None
     if request.layout == "recommend":
-        devices, global_batch = request.devices or 1, request.global_batch
-        if global_batch is None:
-            raise SpecError("globalBatch", "required to recommend a layout (sequences per step)")
-        found = _in("layout", lambda: recommend(
-            model, device, devices, global_batch, topology=topology, micro_batches=request.micro_batches, **common))
-        view = RecommendationView(
-            accepted_count=len(found.accepted), rejected_count=len(found.rejected), best=found.best,
-            accepted=found.accepted[: request.limit], rejected=found.rejected[: request.limit],
-        )
-        chosen = found.best
+        view, chosen, devices = _recommend_layout(request, model, device, topology, common)
     else:
-        layout = request.layout or Layout(dp=request.devices or 1)
-        devices = _check_layout(layout, request)
-        step = _in("layout", lambda: estimate_step(model, layout, device, topology, **common))
+        step, devices = _estimate_layout(request, model, device, topology, common)
         chosen = step
 
-    # 3. compute and time to train, dividing model or hardware FLOPs by a rate that counts the same
-    tokens_per_step = chosen.tokens_per_step if chosen else None
-    recompute = chosen.layout.recompute if chosen else Recompute.NONE
-    per_token, hardware_per_token = model_flops_per_token(model), hardware_flops_per_token(model, recompute)
-    time_to_train = None
-    total_flops = hardware_flops = None
-    if request.tokens is not None:
-        total_flops = training_flops(model.parameters, request.tokens)
-        hardware_flops = hardware_per_token * request.tokens
-        hardware = request.flops is FlopsCount.HARDWARE
-        estimated = chosen.mfu * (hardware_per_token / per_token if hardware else 1.0) if chosen else DEFAULT_MFU
-        mfu = request.mfu or estimated
-        time_to_train = _in("mfu", lambda: training_time(
-            hardware_flops if hardware else total_flops, devices=devices, peak_flops_per_device=device.peak_flops,
-            mfu=min(1.0, mfu), counts=request.flops))
-    compute = ComputeSummary(
-        model_flops_per_token=per_token, attention_flops_per_token=attention_flops_per_token(model),
-        hardware_flops_per_token=hardware_per_token, recompute=recompute,
-        tokens_per_step=tokens_per_step, training_flops=total_flops, hardware_flops=hardware_flops,
-        flops_counted=request.flops, training_time=time_to_train,
-    )
+    # 3. compute and time to train
+    compute = _plan_compute(request, model, device, devices, chosen)
 
     # 4. checkpoint
     checkpoint = None
@@ -512,6 +482,55 @@ def plan(
         model=summarize(model, source), device=device, devices=devices, topology=topology,
         memory=chosen.memory if chosen else None, step=step, recommendation=view, compute=compute,
         checkpoint=checkpoint, calibrated=calibrated,
+    )
+
+
+def _recommend_layout(request: PlanRequest, model: Transformer, device: DeviceSpec, topology: Topology,
+                      common: dict[str, Any]) -> tuple[RecommendationView, StepEstimate | None, int]:
+    """Every layout of ``request.devices`` ranked: the view (first ``limit`` of each), the best, the devices."""
+    devices, global_batch = request.devices or 1, request.global_batch
+    if global_batch is None:
+        raise SpecError("globalBatch", "required to recommend a layout (sequences per step)")
+    found = _in("layout", lambda: recommend(
+        model, device, devices, global_batch, topology=topology, micro_batches=request.micro_batches, **common))
+    view = RecommendationView(
+        accepted_count=len(found.accepted), rejected_count=len(found.rejected), best=found.best,
+        accepted=found.accepted[: request.limit], rejected=found.rejected[: request.limit],
+    )
+    return view, found.best, devices
+
+
+def _estimate_layout(request: PlanRequest, model: Transformer, device: DeviceSpec, topology: Topology,
+                     common: dict[str, Any]) -> tuple[StepEstimate, int]:
+    """The step of the request's layout (plain data parallelism over ``devices`` when none), and its devices."""
+    layout = request.layout or Layout(dp=request.devices or 1)
+    devices = _check_layout(layout, request)
+    return _in("layout", lambda: estimate_step(model, layout, device, topology, **common)), devices
+
+
+def _plan_compute(request: PlanRequest, model: Transformer, device: DeviceSpec, devices: int,
+                  chosen: StepEstimate | None) -> ComputeSummary:
+    """FLOPs per token and, given ``request.tokens``, the training's FLOPs and time, dividing model or hardware
+    FLOPs by a rate that counts the same."""
+    tokens_per_step = chosen.tokens_per_step if chosen else None
+    recompute = chosen.layout.recompute if chosen else Recompute.NONE
+    per_token, hardware_per_token = model_flops_per_token(model), hardware_flops_per_token(model, recompute)
+    time_to_train = None
+    total_flops = hardware_flops = None
+    if request.tokens is not None:
+        total_flops = training_flops(model.parameters, request.tokens)
+        hardware_flops = hardware_per_token * request.tokens
+        hardware = request.flops is FlopsCount.HARDWARE
+        estimated = chosen.mfu * (hardware_per_token / per_token if hardware else 1.0) if chosen else DEFAULT_MFU
+        mfu = request.mfu or estimated
+        time_to_train = _in("mfu", lambda: training_time(
+            hardware_flops if hardware else total_flops, devices=devices, peak_flops_per_device=device.peak_flops,
+            mfu=min(1.0, mfu), counts=request.flops))
+    return ComputeSummary(
+        model_flops_per_token=per_token, attention_flops_per_token=attention_flops_per_token(model),
+        hardware_flops_per_token=hardware_per_token, recompute=recompute,
+        tokens_per_step=tokens_per_step, training_flops=total_flops, hardware_flops=hardware_flops,
+        flops_counted=request.flops, training_time=time_to_train,
     )
 
 

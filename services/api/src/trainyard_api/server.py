@@ -40,11 +40,11 @@ from trainyard_common.settings import settings_env
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.calibrator import Calibrator
-from trainyard_api.dashboard_routes import job_summaries
 from trainyard_api.jobmetrics import JobSeries
 from trainyard_api.live import LiveHub
 from trainyard_api.metrics_history import MetricHistory
 from trainyard_api.progress import ProgressProjector
+from trainyard_api.routes.dashboard import job_summaries
 from trainyard_api.settings import ApiSettings
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import bootstrap_admin

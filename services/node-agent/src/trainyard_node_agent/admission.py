@@ -111,7 +111,28 @@ def rank_env(
     env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
     env.update(extra or {})
     env.update(code_env or {})
-    env.update({
+    env.update(_contract_env(event, share, slot, backend=backend, artifact_root=artifact_root,
+                             allocation_file=allocation_file, events_file=events_file))
+    env.update(_present({
+        "TRAINYARD_CHECKPOINT_REQUEST_FILE": checkpoint_request_file,
+        "TRAINYARD_EXIT_NOTE_FILE": exit_note_file,
+        "TRAINYARD_CODE_DIR": code_dir,
+        "TRAINYARD_SCRATCH_DIR": scratch_dir,
+    }))
+    if interpreter_dir is not None:
+        env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
+    if traceparent:
+        env["TRACEPARENT"] = traceparent
+    if cpu_threads is not None:
+        env["TRAINYARD_CPU_THREADS"] = str(cpu_threads)  # the rank's torch.set_num_threads: what its record says
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+    return env
+
+
+def _contract_env(event: GangAllocated, share: NodeAssignment, slot: RankAssignment, *, backend: str,
+                  artifact_root: Path, allocation_file: Path, events_file: Path) -> dict[str, str]:
+    """The variables every rank gets (torch.distributed's and trainyard's rank contract)."""
+    return {
         "RANK": str(slot.rank),
         "WORLD_SIZE": str(event.world_size),
         "LOCAL_RANK": str(slot.local_rank),
@@ -129,20 +150,9 @@ def rank_env(
         "TRAINYARD_ALLOCATION_FILE": str(allocation_file),
         "TRAINYARD_EVENTS_FILE": str(events_file),
         "PYTHONUNBUFFERED": "1",
-    })
-    if checkpoint_request_file is not None:
-        env["TRAINYARD_CHECKPOINT_REQUEST_FILE"] = str(checkpoint_request_file)
-    if exit_note_file is not None:
-        env["TRAINYARD_EXIT_NOTE_FILE"] = str(exit_note_file)
-    if code_dir is not None:
-        env["TRAINYARD_CODE_DIR"] = str(code_dir)
-    if scratch_dir is not None:
-        env["TRAINYARD_SCRATCH_DIR"] = str(scratch_dir)
-    if interpreter_dir is not None:
-        env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
-    if traceparent:
-        env["TRACEPARENT"] = traceparent
-    if cpu_threads is not None:
-        env["TRAINYARD_CPU_THREADS"] = str(cpu_threads)  # the rank's torch.set_num_threads: what its record says
-        env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
-    return env
+    }
+
+
+def _present(paths: Mapping[str, Path | None]) -> dict[str, str]:
+    """The variables of the optional paths that were given."""
+    return {name: str(path) for name, path in paths.items() if path is not None}

@@ -244,6 +244,23 @@ class Aggregates:
         self.idle_best_tier = 0
 
 
+def _device_inventory(view: NodeView) -> tuple[dict[str, int], dict[str, int], dict[str, list[int]]]:
+    """A node's healthy devices by type: how many, the smallest memory, and the free (unleased) indices, sorted."""
+    healthy: dict[str, int] = {}
+    memory: dict[str, int] = {}
+    free: dict[str, list[int]] = {}
+    for d in view.devices:
+        if not d.healthy:
+            continue
+        healthy[d.type] = healthy.get(d.type, 0) + 1
+        memory[d.type] = min(memory.get(d.type, d.memory_bytes), d.memory_bytes)
+        if d.index not in view.leased:
+            free.setdefault(d.type, []).append(d.index)
+    for indices in free.values():
+        indices.sort()
+    return healthy, memory, free
+
+
 class ClusterSnapshot:
     """Available nodes and their free devices, indexed by topology (mutable; see module docstring)."""
 
@@ -251,9 +268,7 @@ class ClusterSnapshot:
         views = sorted(nodes, key=lambda n: n.node_id)
         self._views: list[NodeView] = views
         self.pos: dict[str, int] = {v.node_id: i for i, v in enumerate(views)}
-        tiers: dict[str, int] = {}
-        racks: dict[tuple[str, str], int] = {}
-        domains: dict[tuple[str, str, str], int] = {}
+        # 1. topology: network tiers > racks > NVLink domains > nodes, each numbered as first met in node order
         self.tier_names: list[str] = []
         self.rack_names: list[str] = []
         self.dom_names: list[str] = []
@@ -263,6 +278,29 @@ class ClusterSnapshot:
         self.tier_racks: list[list[int]] = []
         self.rack_doms: list[list[int]] = []
         self.dom_nodes: list[list[int]] = []
+        self._index_topology(views)
+        # 2. per node: availability, penalty, healthy devices and their memory by type, free device indices
+        self.available: list[bool] = [True] * len(views)
+        self.penalty: list[float] = [v.penalty for v in views]
+        self.dom_penalty: list[float] = [max((self.penalty[n] for n in ns), default=0.0) for ns in self.dom_nodes]
+        self.healthy: list[dict[str, int]] = []
+        self.memory: list[dict[str, int]] = []
+        self.free: list[dict[str, list[int]]] = []
+        for v in views:
+            healthy, memory, free = _device_inventory(v)
+            self.healthy.append(healthy)
+            self.memory.append(memory)
+            self.free.append(free)
+        # 3. caches, rebuilt lazily
+        self._aggs: dict[tuple[str, int, int], Aggregates] = {}
+        self._impossible: dict[tuple[object, ...], Unschedulable | None] = {}
+        self._short: dict[tuple[object, ...], Unschedulable] = {}
+
+    def _index_topology(self, views: Sequence[NodeView]) -> None:
+        """Number the tiers, racks and domains of ``views`` and link each level to the next."""
+        tiers: dict[str, int] = {}
+        racks: dict[tuple[str, str], int] = {}
+        domains: dict[tuple[str, str, str], int] = {}
         for i, v in enumerate(views):
             tier_key = v.network_tier or ""
             rack_key = (tier_key, v.rack or "")
@@ -285,31 +323,6 @@ class ClusterSnapshot:
                 self.dom_nodes.append([])
             self.node_dom.append(domains[dom_key])
             self.dom_nodes[domains[dom_key]].append(i)
-        self.available: list[bool] = [True] * len(views)
-        self.penalty: list[float] = [v.penalty for v in views]
-        self.dom_penalty: list[float] = [max((self.penalty[n] for n in ns), default=0.0) for ns in self.dom_nodes]
-        self.healthy: list[dict[str, int]] = []
-        self.memory: list[dict[str, int]] = []
-        self.free: list[dict[str, list[int]]] = []
-        for v in views:
-            healthy: dict[str, int] = {}
-            memory: dict[str, int] = {}
-            free: dict[str, list[int]] = {}
-            for d in v.devices:
-                if not d.healthy:
-                    continue
-                healthy[d.type] = healthy.get(d.type, 0) + 1
-                memory[d.type] = min(memory.get(d.type, d.memory_bytes), d.memory_bytes)
-                if d.index not in v.leased:
-                    free.setdefault(d.type, []).append(d.index)
-            for indices in free.values():
-                indices.sort()
-            self.healthy.append(healthy)
-            self.memory.append(memory)
-            self.free.append(free)
-        self._aggs: dict[tuple[str, int, int], Aggregates] = {}
-        self._impossible: dict[tuple[object, ...], Unschedulable | None] = {}
-        self._short: dict[tuple[object, ...], Unschedulable] = {}
 
     # -- construction ------------------------------------------------------------
     @classmethod
@@ -830,6 +843,21 @@ def describe(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[t
     Links: TP ring neighbours, DP ring neighbours (same TP index, same pipeline stage) and the
     pairs of adjacent pipeline stages, with ranks numbered tensor-fastest, then data, then pipeline.
     """
+    dom, rack, tier = _rank_locations(snapshot, pieces)
+    world = len(dom)
+    tp = max(1, request.tensor)
+    pp = max(1, min(request.pipeline, world // tp or 1))
+    stage = max(tp, world // pp)
+    counts = _count_links(dom, rack, tier, tp=tp, stage=stage)
+    split = sum(map(ne, dom[0::tp], dom[tp - 1::tp])) if tp > 1 else 0
+    total = sum(counts)
+    weighted = sum(c * w for c, w in zip(counts, LINK_WEIGHTS, strict=True))
+    return (round(total / weighted, 4) if weighted else 1.0), _detail(snapshot, request, pieces, counts, split)
+
+
+def _rank_locations(snapshot: ClusterSnapshot, pieces: Sequence[tuple[int, int]]
+                    ) -> tuple[list[int], list[int], list[int]]:
+    """Each rank's NVLink domain, rack and network tier, in rank order."""
     dom: list[int] = []
     rack: list[int] = []
     tier: list[int] = []
@@ -840,10 +868,12 @@ def describe(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[t
         dom += [d] * count
         rack += [r] * count
         tier += [rack_tier[r]] * count
+    return dom, rack, tier
+
+
+def _count_links(dom: list[int], rack: list[int], tier: list[int], *, tp: int, stage: int) -> list[int]:
+    """The gang's links by the widest boundary each crosses: [in a domain, in a rack, in a tier, across tiers]."""
     world = len(dom)
-    tp = max(1, request.tensor)
-    pp = max(1, min(request.pipeline, world // tp or 1))
-    stage = max(tp, world // pp)
     counts = [0, 0, 0, 0]
 
     def links(first: slice, second: slice) -> None:
@@ -862,7 +892,6 @@ def describe(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[t
             links(slice(j, None, tp), slice(j + 1, None, tp))
         if tp > 2:
             links(slice(tp - 1, None, tp), slice(0, None, tp))
-    split = sum(map(ne, dom[0::tp], dom[tp - 1::tp])) if tp > 1 else 0
     for s in range(0, world, stage):  # DP rings inside each pipeline stage
         size = min(stage, world - s)
         dp = size // tp
@@ -873,19 +902,23 @@ def describe(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[t
             links(slice(s + size - tp, s + size), slice(s, s + tp))
     if world > stage:  # adjacent pipeline stages
         links(slice(0, world - stage), slice(stage, world))
+    return counts
+
+
+def _detail(snapshot: ClusterSnapshot, request: GangRequest, pieces: Sequence[tuple[int, int]],
+            counts: list[int], split: int) -> PlacementDetail:
+    """What the placement spans and crosses, for the job's record."""
     total = sum(counts)
-    weighted = sum(c * w for c, w in zip(counts, LINK_WEIGHTS, strict=True))
     nodes = {n for n, _ in pieces}
-    doms = {node_dom[n] for n in nodes}
-    racks = {dom_rack[d] for d in doms}
-    detail = PlacementDetail(
+    doms = {snapshot.node_dom[n] for n in nodes}
+    racks = {snapshot.dom_rack[d] for d in doms}
+    return PlacementDetail(
         mode=request.mode if not request.spread else f"spread:{request.spread}",
         nodes=len(nodes), nvlink_domains=len(doms), racks=len(racks),
-        network_tiers=len({rack_tier[r] for r in racks}), links=total,
+        network_tiers=len({snapshot.rack_tier[r] for r in racks}), links=total,
         cross_node_links=total - counts[0], cross_rack_links=counts[2] + counts[3], cross_tier_links=counts[3],
         tp_groups_split=split,
     )
-    return (round(total / weighted, 4) if weighted else 1.0), detail
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -47,6 +47,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from opentelemetry import trace
+from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from trainyard_common.devices import Device
@@ -109,6 +110,14 @@ def attempt_devices(job: JobRecord) -> list[Device]:
     if current is None:
         return []
     return [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in current.devices)]
+
+
+def _log_placed(job_id: str, outcome: tr.Outcome, allocation_id: str, lease_epoch: int, placement: Placement) -> None:
+    detail = placement.detail
+    log.info("job %s: %s (allocation %s, epoch %d, world %d, score %.2f, %s)", job_id, outcome.note,
+             allocation_id, lease_epoch, placement.world_size, placement.score,
+             f"{detail.nodes} nodes / {detail.racks} racks / {detail.cross_rack_links} cross-rack links"
+             if detail else "")
 
 
 def _remaining_seconds(job: JobRecord) -> float | None:
@@ -517,37 +526,32 @@ class Scheduler:
         """
         devices = placement.devices()
         async with self.redis.pipeline(transaction=True) as pipe:
+            # 1. the job, WATCHed with the leader epoch, still pending
             await pipe.watch(Keys.job(job_id), SchedulerKeys.leader_epoch)
             raw = await pipe.get(Keys.job(job_id))
             job = JobRecord.model_validate_json(raw) if raw else None
             if job is None or not tr.is_pending(job):
                 return
+            # 2. what the attempt starts from: not before a settling checkpoint is READY; unstartable fails it
             settling = await self._settling_checkpoint(job)
             if settling is not None:  # placing now would fence it out; decided again next tick
-                reason = (f"checkpoint: waiting up to {self.settings.checkpoint_settle_s:.0f}s for "
-                          f"{settling.checkpoint_id} (every shard written) to become READY, so that attempt "
-                          f"{len(job.attempts) + 1} resumes from it")
-                await self._mutate(job_id, lambda j, _: tr.note_waiting(j, reason, "checkpoint"),
-                                   label="waiting", fence=epoch)
+                await self._wait_for_settling(job, settling, epoch)
                 return
             number = len(job.attempts) + 1
             allocation_id = f"{job_id}-a{number}-{uuid.uuid4().hex[:8]}"
             try:
                 start = await self._start_checkpoint(job)
             except ConfigError as exc:
-                await self.jobs.check_epoch(pipe, epoch)  # no lease grant fences this write
-                outcome = tr.fail_unstartable(job, str(exc), self.clock())
-                self.jobs.stage(pipe, job_id, outcome)
-                with contextlib.suppress(WatchError):  # changed meanwhile: decided again next tick
-                    await pipe.execute()
-                    log.warning("job %s cannot start: %s", job_id, exc)
+                await self._fail_unstartable(pipe, job, exc, epoch)
                 return
             every = await self._advised_interval(job)
+            # 3. reserve: the leases (the grant refuses a stale leader) and the rendezvous port
             granted, port = await asyncio.gather(self.leases.acquire(epoch, job_id, allocation_id, devices),
                                                  self._next_port(), return_exceptions=True)
             if isinstance(granted, BaseException):
                 raise granted
             lease_epoch = granted
+            # 4. persist the attempt and its GangAllocated; undo the reservation when that fails or is declined
             try:
                 if isinstance(port, BaseException):
                     raise port
@@ -566,11 +570,24 @@ class Scheduler:
                 else:
                     log.info("job %s: placement undone (%s)", job_id, outcome.note or "no longer placeable")
                 return
-        detail = placement.detail
-        log.info("job %s: %s (allocation %s, epoch %d, world %d, score %.2f, %s)", job_id, outcome.note,
-                 allocation_id, lease_epoch, placement.world_size, placement.score,
-                 f"{detail.nodes} nodes / {detail.racks} racks / {detail.cross_rack_links} cross-rack links"
-                 if detail else "")
+        _log_placed(job_id, outcome, allocation_id, lease_epoch, placement)
+
+    async def _wait_for_settling(self, job: JobRecord, settling: CheckpointRecord, epoch: int) -> None:
+        """Note on the job that its next attempt waits for ``settling`` to become READY (to resume from it)."""
+        reason = (f"checkpoint: waiting up to {self.settings.checkpoint_settle_s:.0f}s for "
+                  f"{settling.checkpoint_id} (every shard written) to become READY, so that attempt "
+                  f"{len(job.attempts) + 1} resumes from it")
+        await self._mutate(job.job_id, lambda j, _: tr.note_waiting(j, reason, "checkpoint"),
+                           label="waiting", fence=epoch)
+
+    async def _fail_unstartable(self, pipe: Pipeline, job: JobRecord, exc: ConfigError, epoch: int) -> None:
+        """Fail a job whose start cannot be resolved, in ``pipe``'s MULTI (still WATCHing the job)."""
+        await self.jobs.check_epoch(pipe, epoch)  # no lease grant fences this write
+        outcome = tr.fail_unstartable(job, str(exc), self.clock())
+        self.jobs.stage(pipe, job.job_id, outcome)
+        with contextlib.suppress(WatchError):  # changed meanwhile: decided again next tick
+            await pipe.execute()
+            log.warning("job %s cannot start: %s", job.job_id, exc)
 
     async def _ask_to_checkpoint(self, victim: str, decision: Preempt, epoch: int) -> None:
         latest = await self.store.latest_ready_checkpoint(victim)

@@ -730,44 +730,76 @@ def check_attempt(
     if current is None or job.state in TERMINAL_STATES or job.state == "paused":
         return unchanged(job)
     if is_live(current):
-        lost = [n for n in current.nodes if n not in available_nodes]
-        if lost:
-            silence = judge(current.nodes) if judge is not None else Silence(
-                "node", tuple(lost), f"node {', '.join(lost)} stopped sending heartbeats")
-            if silence.verdict == "control-plane":
-                return _interrupt(job.model_copy(deep=True), f"control-plane: {silence.detail}", "its ranks were "
-                                  "revoked", latest_ready_step, now)
-            if silence.verdict == "node":
-                return _fail_attempt(job.model_copy(deep=True), "lost", silence.detail, policy, now,
-                                     latest_ready_step=latest_ready_step,
-                                     blame=[(n, "lost") for n in silence.nodes])
-            if silence.verdict in ("drain", "wait"):
-                return unchanged(job, silence.detail)
-        age = (now - current.started_at).total_seconds()
-        if len(current.started_ranks) < current.world_size and age > deadlines.start_timeout_s:
-            started = len(current.started_ranks)
-            detail = f"{started} of {current.world_size} ranks started within {deadlines.start_timeout_s:.0f}s"
-            if watched_s is not None and watched_s < deadlines.start_timeout_s:
-                return _interrupt(job.model_copy(deep=True), f"control-plane: {detail}, while the control plane "
-                                  f"was away (this scheduler has led for {watched_s:.0f}s)", "revoked",
-                                  latest_ready_step, now)
-            blame = [(n, "start-timeout") for n in _nodes_without_started_ranks(current)]
-            return _fail_attempt(job.model_copy(deep=True), "start-timeout", detail, policy, now,
-                                 latest_ready_step=latest_ready_step, blame=blame)
+        # 1. a node went silent  2. the ranks did not all start in time  3. GangAllocated again, maybe
+        silent = _on_silent_nodes(job, current, available_nodes, judge, policy, now, latest_ready_step)
+        if silent is not None:
+            return silent
+        late = _on_start_timeout(job, current, deadlines, policy, now, latest_ready_step, watched_s)
+        if late is not None:
+            return late
         return _maybe_republish(job, deadlines, now)
     if current.state == "succeeded" and job.state == "running":
-        if final_ready or not expects_final_checkpoint(job):
-            new = job.model_copy(deep=True)
-            new.updated_at = now
-            events: list[Event] = []
-            _set_state(new, "succeeded", events, now, reason=None)
-            return Outcome(new, events)
-        waited = (now - (current.ended_at or now)).total_seconds()
-        if waited > deadlines.final_checkpoint_timeout_s:
-            detail = (f"every rank exited 0 but no READY checkpoint at step {job.spec.training.max_steps} "
-                      f"appeared within {deadlines.final_checkpoint_timeout_s:.0f}s")
-            return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now,
-                                 latest_ready_step=latest_ready_step)
+        return _on_completed(job, current, final_ready, deadlines, policy, now, latest_ready_step)
+    return unchanged(job)
+
+
+def _on_silent_nodes(job: JobRecord, current: AttemptRecord, available_nodes: frozenset[str],
+                     judge: Callable[[list[str]], Silence] | None, policy: RetryPolicy, now: datetime,
+                     latest_ready_step: int | None) -> Outcome | None:
+    """A live attempt with a node gone from ``available_nodes``: interrupted, failed or left as the judge
+    says; None when every node is there (or the verdict is none of these)."""
+    lost = [n for n in current.nodes if n not in available_nodes]
+    if not lost:
+        return None
+    silence = judge(current.nodes) if judge is not None else Silence(
+        "node", tuple(lost), f"node {', '.join(lost)} stopped sending heartbeats")
+    if silence.verdict == "control-plane":
+        return _interrupt(job.model_copy(deep=True), f"control-plane: {silence.detail}", "its ranks were "
+                          "revoked", latest_ready_step, now)
+    if silence.verdict == "node":
+        return _fail_attempt(job.model_copy(deep=True), "lost", silence.detail, policy, now,
+                             latest_ready_step=latest_ready_step,
+                             blame=[(n, "lost") for n in silence.nodes])
+    if silence.verdict in ("drain", "wait"):
+        return unchanged(job, silence.detail)
+    return None
+
+
+def _on_start_timeout(job: JobRecord, current: AttemptRecord, deadlines: Deadlines, policy: RetryPolicy,
+                      now: datetime, latest_ready_step: int | None, watched_s: float | None) -> Outcome | None:
+    """A live attempt whose ranks have not all started within the start time-out: failed, blaming the nodes
+    without a started rank, or interrupted when the time-out began before this scheduler was watching;
+    None before the time-out."""
+    age = (now - current.started_at).total_seconds()
+    if len(current.started_ranks) >= current.world_size or age <= deadlines.start_timeout_s:
+        return None
+    started = len(current.started_ranks)
+    detail = f"{started} of {current.world_size} ranks started within {deadlines.start_timeout_s:.0f}s"
+    if watched_s is not None and watched_s < deadlines.start_timeout_s:
+        return _interrupt(job.model_copy(deep=True), f"control-plane: {detail}, while the control plane "
+                          f"was away (this scheduler has led for {watched_s:.0f}s)", "revoked",
+                          latest_ready_step, now)
+    blame = [(n, "start-timeout") for n in _nodes_without_started_ranks(current)]
+    return _fail_attempt(job.model_copy(deep=True), "start-timeout", detail, policy, now,
+                         latest_ready_step=latest_ready_step, blame=blame)
+
+
+def _on_completed(job: JobRecord, current: AttemptRecord, final_ready: bool, deadlines: Deadlines,
+                  policy: RetryPolicy, now: datetime, latest_ready_step: int | None) -> Outcome:
+    """A running job's attempt that completed: the job succeeds once its final checkpoint is READY (or none is
+    expected), the attempt fails when that checkpoint is late past the time-out."""
+    if final_ready or not expects_final_checkpoint(job):
+        new = job.model_copy(deep=True)
+        new.updated_at = now
+        events: list[Event] = []
+        _set_state(new, "succeeded", events, now, reason=None)
+        return Outcome(new, events)
+    waited = (now - (current.ended_at or now)).total_seconds()
+    if waited > deadlines.final_checkpoint_timeout_s:
+        detail = (f"every rank exited 0 but no READY checkpoint at step {job.spec.training.max_steps} "
+                  f"appeared within {deadlines.final_checkpoint_timeout_s:.0f}s")
+        return _fail_attempt(job.model_copy(deep=True), "checkpoint-missing", detail, policy, now,
+                             latest_ready_step=latest_ready_step)
     return unchanged(job)
 
 

@@ -1,5 +1,5 @@
 """The ``jobs`` routes: submit a training job, list and read jobs and their checkpoints, cancel, pause and
-resume them. (Metric history, logs and live updates are in :mod:`trainyard_api.dashboard_routes`.)"""
+resume them. (Metric history, logs and live updates are in :mod:`trainyard_api.routes.dashboard`.)"""
 
 from __future__ import annotations
 
