@@ -37,12 +37,13 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from trainyard_common.errors import ConfigError, EpochNotReplicatedError
 
 __all__ = ["SENTINEL_SCHEME", "EpochAcks", "RedisTarget", "StateRedis", "connect", "epoch_acks", "eval_durably",
-           "parse_redis_url"]
+           "parse_redis_url", "undecoded"]
 
 SENTINEL_SCHEME = "redis+sentinel"
 
@@ -152,6 +153,19 @@ class _FollowingConnection(SentinelManagedConnection):
             await self.connect()
         await super().send_packed_command(command, check_health)
 
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """A blocking command (XREAD BLOCK, BLPOP …) waiting on a primary that is demoted gets ``UNBLOCKED
+        … (master -> replica?)``, a plain error that nothing retries, and the connection stays with the
+        replica (reads there succeed, stale). Like READONLY (redis-py's :class:`SentinelManagedConnection`):
+        disconnect, and raise a connection error, so that the command is retried on the new primary."""
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if self.connection_pool.is_master and str(exc).startswith("UNBLOCKED"):
+                await self.disconnect()
+                raise RedisConnectionError(f"the primary was demoted: {exc}") from exc
+            raise
+
 
 class StateRedis(Redis):
     """A Redis client that knows how epoch increments are made durable (:attr:`epoch_acks`) and, through
@@ -191,6 +205,23 @@ def connect(url: str) -> StateRedis:
         client.sentinel = sentinel
     client.epoch_acks = target.acks
     return client
+
+
+def undecoded(redis: Redis) -> Redis:
+    """Another client to whatever ``redis`` reaches (one server, or the primary its Sentinels name, followed
+    across failovers like ``redis``) whose responses are bytes, not decoded strings. It has its own
+    connections (its ``aclose`` leaves ``redis`` and its Sentinels open).
+
+    A Sentinel client's pool cannot be rebuilt from its ``connection_kwargs`` alone (it needs the service
+    name and the Sentinels), so the copy is asked of the Sentinels."""
+    pool = redis.connection_pool
+    sentinel = getattr(redis, "sentinel", None)
+    if isinstance(redis, StateRedis) and sentinel is not None:
+        client = sentinel.master_for(pool.service_name, redis_class=StateRedis,  # type: ignore[attr-defined]
+                                     connection_class=_FollowingConnection, decode_responses=False)
+        client.epoch_acks = redis.epoch_acks  # its own .sentinel stays None: closing it leaves the Sentinels open
+        return client
+    return Redis(connection_pool=type(pool)(**{**pool.connection_kwargs, "decode_responses": False}))
 
 
 def epoch_acks(redis: Redis) -> EpochAcks:

@@ -45,6 +45,7 @@ from redis.asyncio import Redis
 
 from trainyard_common.errors import SpecError
 from trainyard_common.events import StepMetrics
+from trainyard_common.replication import undecoded
 
 from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
 
@@ -408,8 +409,7 @@ class MetricHistory:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         # the float32 and uint16 strings are bytes: read them over a client that does not decode UTF-8
-        self.raw = Redis(connection_pool=type(redis.connection_pool)(
-            **{**redis.connection_pool.connection_kwargs, "decode_responses": False}))
+        self.raw = undecoded(redis)  # a Sentinel client's copy follows failovers too
         self._write = redis.register_script(_WRITE)
 
     async def aclose(self) -> None:
