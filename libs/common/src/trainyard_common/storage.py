@@ -28,6 +28,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -35,6 +36,7 @@ import os
 import posixpath
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -307,6 +309,27 @@ def commit_bytes(location: Location, data: bytes) -> None:
     atomic_write_bytes(location, data)
 
 
+def put_file(source: Path | str, location: Location) -> None:
+    """Copy the local file ``source`` to ``location``, streamed (a multipart upload in an object store;
+    locally a copy renamed into place)."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        fs.put_file(str(source), key)
+        return
+    location.parent.mkdir(parents=True, exist_ok=True)
+    tmp = location.with_name(f".{location.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(source, "rb") as src, open(tmp, "wb") as out:
+            while chunk := src.read(CHUNK):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, location)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(location.parent)
+
+
 def remove_file(location: Location) -> None:
     """Delete one file or object (durably: the directory is fsynced locally); absent is fine."""
     if isinstance(location, ObjectPath):
@@ -423,6 +446,68 @@ class HashingWriter(io.RawIOBase):
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+def is_file(location: Location) -> bool:
+    """Whether a regular file (locally) or an object (in a store) is there."""
+    if isinstance(location, ObjectPath):
+        return stat_size(location) is not None
+    return location.is_file()
+
+
+@contextlib.contextmanager
+def upload(location: ObjectPath, *, exclusive: bool = False) -> Iterator[HashingWriter]:
+    """Stream one object up: what is written is sent in parts, hashed and counted as it passes (the
+    writer's ``hexdigest()`` and ``size``). The object appears whole when the block ends, and not at
+    all when it raises (the multipart upload is aborted). ``exclusive``: create only, FileExistsError
+    when the object exists (a conditional PUT: the first writer wins)."""
+    fs, key = _object(location)
+    fh = fs.open(key, "xb" if exclusive else "wb")
+    writer = HashingWriter(fh)
+    try:
+        yield writer
+        writer.close()  # flushed through to the object's buffer, which stays open
+    except BaseException:
+        # s3fs: discard aborts the multipart upload (nothing was PUT otherwise); then never close it, for
+        # closing would complete the upload
+        for undo in (writer.close, getattr(fh, "discard", None), lambda: setattr(fh, "closed", True)):
+            with contextlib.suppress(Exception):
+                if undo is not None:
+                    undo()
+        raise
+    fh.close()  # completes the upload: the object appears whole
+
+
+def upload_file(source: Path | str, location: ObjectPath, *, exclusive: bool = False) -> tuple[int, str]:
+    """Copy a local file to an object, streamed; the (size, sha256) of the bytes sent."""
+    with open(source, "rb") as fh, upload(location, exclusive=exclusive) as writer:
+        while chunk := fh.read(CHUNK):
+            writer.write(chunk)
+    return writer.size, writer.hexdigest()
+
+
+def download_file(location: ObjectPath, dest: Path | str) -> tuple[int, str]:
+    """Copy an object to a local file (written anew), streamed; the (size, sha256) of the bytes received.
+    FileNotFoundError when there is no such object."""
+    fs, key = _object(location)
+    with fs.open(key, "rb", block_size=CHUNK, cache_type="none") as src, open(dest, "wb") as out:
+        writer = HashingWriter(out)
+        while chunk := src.read(CHUNK):
+            writer.write(chunk)
+        writer.close()
+    return writer.size, writer.hexdigest()
+
+
+def iter_chunks(location: Location, chunk_size: int = CHUNK) -> Iterator[bytes]:
+    """A file's or object's bytes in chunks (for streaming it out); FileNotFoundError when there is none."""
+    if isinstance(location, ObjectPath):
+        fs, key = _object(location)
+        fh = fs.open(key, "rb", block_size=chunk_size, cache_type="none")
+    else:
+        fh = open(location, "rb")
+    with fh:
+        while chunk := fh.read(chunk_size):
+            yield chunk
 
 
 class ArtifactLayout:

@@ -21,6 +21,14 @@ the version and renamed into place at the end; any error removes the staging dir
 version is either complete or absent. An existing version is left alone when it was built from
 the same tokenizer and inputs, and is an error otherwise (a published version is immutable).
 
+Under an object-store root (``s3://bucket/prefix``) nothing is renamed (S3 has no rename): the
+tokenizer and shards are uploaded straight under the version's prefix, each shard's sha256 and
+size taken from the bytes as they stream up (:class:`~trainyard_common.storage.HashingWriter`),
+and ``manifest.json`` is written last with a create-only PUT: it is the commit point, and a prefix
+without one is no version (what an interrupted import left is cleared by the next). Two imports
+of one version at once are not coordinated beyond that PUT: the first manifest stands, and the
+other import is judged against it as for an existing version.
+
 Layout (split like the rest of the codebase): the parts that decide are pure functions
 (:func:`classify`, :func:`choose_eos`, :func:`parse_records`, :func:`join_documents`); the
 shell reads files, runs the worker pool and writes the version.
@@ -51,7 +59,19 @@ from typing import IO, Any, Literal
 import numpy as np
 
 from trainyard_common.errors import DataError
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, fsync_dir, sha256_file
+from trainyard_common.storage import (
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    atomic_write_bytes,
+    exists,
+    fsync_dir,
+    remove_tree,
+    sha256_file,
+    sha256_of,
+    stat_size,
+    upload,
+)
 
 from trainyard.data import (
     DEFAULT_VOCAB_SIZE,
@@ -115,7 +135,7 @@ class ImportOptions:
 
 @dataclass(frozen=True)
 class ImportResult:
-    manifest_path: Path
+    manifest_path: Location  # an ObjectPath under an object-store root
     sha256: str
     manifest: DatasetManifest
     created: bool  # False: the version existed (same inputs and tokenizer) and was left alone
@@ -637,9 +657,10 @@ def _resolve(tokenizer: Any, text: str, raw: bytes, eos_token: str | None, *, ki
 
 
 class _ShardWriter:
-    """Cuts the token stream into shards of ``shard_tokens`` tokens, written into ``directory``."""
+    """Cuts the token stream into shards of ``shard_tokens`` tokens, written into ``directory`` (a
+    local directory, or an object-store prefix: each shard uploaded and hashed as it streams)."""
 
-    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, directory: Location, dtype: np.dtype, shard_tokens: int) -> None:
         if shard_tokens <= 0:
             raise DataError("shard_tokens must be positive")
         self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
@@ -665,8 +686,14 @@ class _ShardWriter:
         return self.shards
 
     def _write(self, ids: np.ndarray) -> None:
-        data = ids.astype(self.dtype, copy=False).tobytes()
         name = f"shard-{len(self.shards):05d}.bin"
+        if isinstance(self.directory, ObjectPath):
+            with upload(self.directory / name) as stream:
+                stream.write(np.ascontiguousarray(ids.astype(self.dtype, copy=False)))
+            self.shards.append(ShardInfo(file=name, sha256=stream.hexdigest(), size_bytes=stream.size,
+                                         num_tokens=len(ids)))
+            return
+        data = ids.astype(self.dtype, copy=False).tobytes()
         atomic_write_bytes(self.directory / name, data)
         self.shards.append(ShardInfo(file=name, sha256=hashlib.sha256(data).hexdigest(),
                                      size_bytes=len(data), num_tokens=len(ids)))
@@ -774,7 +801,7 @@ def _human(n: float) -> str:
 
 
 def import_dataset(
-    root: Path | str,
+    root: Path | str | ObjectPath,
     name: str,
     version: str,
     inputs: Sequence[str],
@@ -786,7 +813,8 @@ def import_dataset(
     on_progress: Callable[[int, int], None] | None = None,
     tenant: str | None = None,
 ) -> ImportResult:
-    """Build dataset ``name@version`` under the artifact ``root`` from ``inputs``.
+    """Build dataset ``name@version`` under the artifact ``root`` (a directory, or an object-store URL)
+    from ``inputs``.
 
     ``tokenizer``: a ``tokenizer.json`` path or URL; None trains a byte-level BPE of
     ``options.vocab_size`` on the inputs (a first pass over them). ``workers`` defaults to
@@ -803,67 +831,140 @@ def import_dataset(
     tok = load_tokenizer(tokenizer, options.eos_token) if tokenizer is not None else None
 
     # 2. an existing version: the same tokenizer and inputs, or an error
-    if manifest_path.exists():
+    if exists(manifest_path):
         return _existing(final, files, tok)
-    if final.exists():  # an interrupted build (never had a manifest): not a version
+    if isinstance(final, ObjectPath):
+        remove_tree(final)  # what an interrupted import uploaded (it never had a manifest): not a version
+    elif final.exists():  # an interrupted build (never had a manifest): not a version
         shutil.rmtree(final)
 
     if tok is None:
         tok = _train(files, options)
+    resolved = tok
+
+    def build(target: Location) -> DatasetManifest:
+        """Tokenizer and shards written into ``target``; the manifest that lists them (not written)."""
+        _write_bytes(target / TOKENIZER_FILE, resolved.file_bytes)
+        encoded = _encode_into(target, files, resolved, options, workers=workers, progress=progress,
+                               on_progress=on_progress)
+        if encoded.documents == 0:
+            raise DataError(f"no documents in {', '.join(inputs)}"
+                            + (f" ({encoded.skipped} bad records skipped)" if encoded.skipped else ""))
+        return _manifest_of(name, version, resolved, options, encoded)
+
+    # 3. encode, then 4. the manifest, last: the version appears at once
+    committed = _write_objects(final, build) if isinstance(final, ObjectPath) else _write_directory(final, build)
+    if committed is None:  # another import committed this version first: theirs stands if it is the same
+        return _existing(final, files, tok)
+    manifest, sha256 = committed
+    seconds = time.monotonic() - started
+    log.info("dataset %s@%s: %d documents, %d tokens (%s) in %d shards, %d bad records skipped, "
+             "%.0f tokens/s with %d workers", name, version, manifest.import_info.documents, manifest.num_tokens,
+             manifest.dtype, len(manifest.shards), manifest.import_info.skipped_records,
+             manifest.num_tokens / max(seconds, 1e-9), workers)
+    return ImportResult(manifest_path, sha256, manifest, created=True, seconds=seconds)
+
+
+@dataclass(frozen=True)
+class _Version:
+    """What encoding the inputs into a version's directory produced."""
+
+    dtype: Literal["uint16", "uint32"]
+    shards: list[ShardInfo]
+    num_tokens: int
+    sources: list[SourceInfo]
+    documents: int
+    skipped: int
+
+
+def _encode_into(target: Location, files: Sequence[InputFile], tok: _Tokenizer, options: ImportOptions, *,
+                 workers: int, progress: bool, on_progress: Callable[[int, int], None] | None) -> _Version:
+    """Encode every input in order and write the shards into ``target``."""
     dtype_name = token_dtype_for(tok.vocab_size)
     total_bytes = sum(_size(f) for f in files)
+    writer = _ShardWriter(target, TOKEN_DTYPES[dtype_name], options.shard_tokens)
+    sources: list[SourceInfo] = []
+    tasks = (task for f in files for task in _tasks(f, options, sources))
+    documents = skipped = 0
+    with _Encoder(tok, options.skip_bad, workers) as encoder, _Progress(total_bytes, progress) as bar:
+        for encoded in encoder.encode(tasks):
+            if encoded.error is not None:
+                raise DataError(encoded.error + ("" if options.skip_bad else "; --skip-bad skips bad records"))
+            writer.add(encoded.ids)
+            documents += encoded.documents
+            skipped += encoded.skipped
+            bar.advance(encoded.raw_bytes, len(encoded.ids))
+            if on_progress is not None:
+                on_progress(encoded.raw_bytes, len(encoded.ids))
+    if documents == 0:
+        return _Version(dtype_name, [], 0, sources, 0, skipped)
+    return _Version(dtype_name, writer.close(), writer.num_tokens, sources, documents, skipped)
 
-    # 3. encode into a staging directory
+
+def _manifest_of(name: str, version: str, tok: _Tokenizer, options: ImportOptions, v: _Version) -> DatasetManifest:
+    tok_sha = hashlib.sha256(tok.file_bytes).hexdigest()
+    return DatasetManifest(
+        name=name, version=version, dtype=v.dtype, separator=tok.eos,
+        tokenizer=TokenizerInfo(file=TOKENIZER_FILE, sha256=tok_sha, vocab_size=tok.vocab_size,
+                                version=tokenizer_version(tok.vocab_size, tok_sha), kind=tok.kind),
+        shards=v.shards, num_tokens=v.num_tokens, sources=v.sources, source_kind="import",
+        source_python=None, created_at=None,
+        import_info=ImportInfo(documents=v.documents, skipped_records=v.skipped, skip_bad=options.skip_bad,
+                               text_field=options.text_field, column=options.column,
+                               eos_token_id=tok.eos_id, tokenizer_source=tok.source),
+    )
+
+
+def _write_bytes(location: Location, data: bytes) -> None:
+    if isinstance(location, ObjectPath):
+        with upload(location) as stream:
+            stream.write(data)
+    else:
+        atomic_write_bytes(location, data)
+
+
+Build = Callable[[Location], DatasetManifest]
+
+
+def _write_directory(final: Path, build: Build) -> tuple[DatasetManifest, str] | None:
+    """Build into a hidden staging directory, write its manifest, rename it into place; None when
+    another import renamed this version into place first."""
     staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        atomic_write_bytes(staging / TOKENIZER_FILE, tok.file_bytes)
-        writer = _ShardWriter(staging, TOKEN_DTYPES[dtype_name], options.shard_tokens)
-        sources: list[SourceInfo] = []
-        tasks = (task for f in files for task in _tasks(f, options, sources))
-        documents = skipped = 0
-        with _Encoder(tok, options.skip_bad, workers) as encoder, _Progress(total_bytes, progress) as bar:
-            for encoded in encoder.encode(tasks):
-                if encoded.error is not None:
-                    raise DataError(encoded.error + ("" if options.skip_bad else "; --skip-bad skips bad records"))
-                writer.add(encoded.ids)
-                documents += encoded.documents
-                skipped += encoded.skipped
-                bar.advance(encoded.raw_bytes, len(encoded.ids))
-                if on_progress is not None:
-                    on_progress(encoded.raw_bytes, len(encoded.ids))
-        if documents == 0:
-            raise DataError(f"no documents in {', '.join(inputs)}" + (f" ({skipped} bad records skipped)" if skipped else ""))
-        shards = writer.close()
-
-        # 4. the manifest, last; then the version appears at once
-        tok_sha = hashlib.sha256(tok.file_bytes).hexdigest()
-        manifest = DatasetManifest(
-            name=name, version=version, dtype=dtype_name, separator=tok.eos,
-            tokenizer=TokenizerInfo(file=TOKENIZER_FILE, sha256=tok_sha, vocab_size=tok.vocab_size,
-                                    version=tokenizer_version(tok.vocab_size, tok_sha), kind=tok.kind),
-            shards=shards, num_tokens=writer.num_tokens, sources=sources, source_kind="import",
-            source_python=None, created_at=None,
-            import_info=ImportInfo(documents=documents, skipped_records=skipped, skip_bad=options.skip_bad,
-                                   text_field=options.text_field, column=options.column,
-                                   eos_token_id=tok.eos_id, tokenizer_source=tok.source),
-        )
+        manifest = build(staging)
         atomic_write_bytes(staging / MANIFEST_FILE, manifest.to_bytes())
         try:
             os.rename(staging, final)
-        except OSError:  # another importer won the race: theirs stands if it is the same version
-            if manifest_path.exists():
-                return _existing(final, files, tok)
+        except OSError:  # another importer won the race
+            if (final / MANIFEST_FILE).exists():
+                return None
             raise
         fsync_dir(final.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    seconds = time.monotonic() - started
-    log.info("dataset %s@%s: %d documents, %d tokens (%s) in %d shards, %d bad records skipped, "
-             "%.0f tokens/s with %d workers", name, version, documents, manifest.num_tokens, dtype_name,
-             len(shards), skipped, manifest.num_tokens / max(seconds, 1e-9), workers)
-    return ImportResult(manifest_path, sha256_file(manifest_path), manifest, created=True, seconds=seconds)
+    return manifest, sha256_file(final / MANIFEST_FILE)
+
+
+def _write_objects(final: ObjectPath, build: Build) -> tuple[DatasetManifest, str] | None:
+    """Upload tokenizer and shards under the version's prefix, then its manifest, last, create-only (the
+    commit point: its sha256 is that of the bytes sent); None when another import committed first. On
+    an error the objects go again (unless a manifest stands)."""
+    manifest_path = final / MANIFEST_FILE
+    try:
+        manifest = build(final)
+        try:
+            with upload(manifest_path, exclusive=True) as stream:
+                stream.write(manifest.to_bytes())
+        except FileExistsError:
+            return None
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if not exists(manifest_path):
+                remove_tree(final)
+        raise
+    return manifest, stream.hexdigest()
 
 
 def _train(files: Sequence[InputFile], options: ImportOptions) -> _Tokenizer:
@@ -883,11 +984,11 @@ def _train(files: Sequence[InputFile], options: ImportOptions) -> _Tokenizer:
     return _resolve(Tokenizer.from_str(text), text, text.encode(), eos, kind="byte-level-bpe", source="trained")
 
 
-def _existing(directory: Path, files: Sequence[InputFile], tok: _Tokenizer | None) -> ImportResult:
+def _existing(directory: Location, files: Sequence[InputFile], tok: _Tokenizer | None) -> ImportResult:
     manifest_path = directory / MANIFEST_FILE
     manifest = load_dataset_manifest(manifest_path)
     label = f"dataset {manifest.name}@{manifest.version}"
-    if problems := verify_dataset(directory, manifest):
+    if problems := _problems(directory, manifest):
         raise DataError(f"{label} at {directory} exists but does not verify: " + "; ".join(problems))
     differences = []
     if tok is not None and hashlib.sha256(tok.file_bytes).hexdigest() != manifest.tokenizer.sha256:
@@ -897,4 +998,23 @@ def _existing(directory: Path, files: Sequence[InputFile], tok: _Tokenizer | Non
     if differences:
         raise DataError(f"{label} already exists, built from {' and '.join(differences)}; "
                         "a published version is immutable: import under a new --version")
-    return ImportResult(manifest_path, sha256_file(manifest_path), manifest, created=False)
+    return ImportResult(manifest_path, sha256_of(manifest_path), manifest, created=False)
+
+
+def _problems(directory: Location, manifest: DatasetManifest) -> list[str]:
+    """:func:`verify_dataset`, also for a version in an object store (sizes listed, sha256 streamed)."""
+    if not isinstance(directory, ObjectPath):
+        return verify_dataset(directory, manifest)
+    files = [(manifest.tokenizer.file, None, manifest.tokenizer.sha256)] + [
+        (s.file, s.size_bytes, s.sha256) for s in manifest.shards
+    ]
+    problems = []
+    for name, size, sha in files:
+        location = directory / name
+        if (actual := stat_size(location)) is None:
+            problems.append(f"{name} is missing")
+        elif size is not None and actual != size:
+            problems.append(f"{name} has {actual} bytes, manifest says {size}")
+        elif (digest := sha256_of(location)) != sha:
+            problems.append(f"{name} sha256 {digest[:12]}… does not match manifest {sha[:12]}…")
+    return problems

@@ -26,7 +26,7 @@ from trainyard_common import codetree
 from trainyard_common.errors import NotFoundError, SpecError
 from trainyard_common.events import utcnow
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
+from trainyard_common.storage import ArtifactLayout, commit_bytes, is_file, read_bytes
 
 from trainyard_api.validation import FieldProblem
 
@@ -121,7 +121,9 @@ def is_local(repo: str) -> bool:
 
 
 class CodeStore:
-    """Code archives per tenant under the artifact root; an archive is written once, atomically."""
+    """Code archives per tenant under the artifact root; an archive is written once, atomically (a rename
+    locally, one PUT in an object store), then what the API recorded of it: that record, written last,
+    makes the archive known."""
 
     def __init__(self, layout: ArtifactLayout, *, max_bytes: int = codetree.MAX_ARCHIVE_BYTES) -> None:
         self.layout = layout
@@ -130,9 +132,9 @@ class CodeStore:
     def info(self, tenant: str, archive: str) -> ArchiveInfo | None:
         hex_digest = codetree.archive_hex(archive)
         meta = self.layout.code_archive_meta(tenant, hex_digest)
-        if not meta.is_file() or not self.layout.code_archive(tenant, hex_digest).is_file():
+        if not is_file(meta) or not is_file(self.layout.code_archive(tenant, hex_digest)):
             return None
-        return ArchiveInfo.loads(meta.read_text())
+        return ArchiveInfo.loads(read_bytes(meta).decode())
 
     def put(self, tenant: str, archive: str, data: bytes, *, now: datetime) -> tuple[ArchiveInfo, bool]:
         """Check and store; (its info, whether this call stored it). Storing it again changes nothing."""
@@ -143,8 +145,8 @@ class CodeStore:
         digest = readable(data, "body")
         hex_digest = codetree.archive_hex(archive)
         info = ArchiveInfo(archive, len(data), len(digest.files) + len(digest.links), now)
-        atomic_write_bytes(self.layout.code_archive(tenant, hex_digest), data)
-        atomic_write_bytes(self.layout.code_archive_meta(tenant, hex_digest), info.dumps().encode())
+        commit_bytes(self.layout.code_archive(tenant, hex_digest), data)
+        commit_bytes(self.layout.code_archive_meta(tenant, hex_digest), info.dumps().encode())
         return info, True
 
 

@@ -13,7 +13,7 @@ from trainyard_common.errors import NotFoundError
 from trainyard_common.events import DatasetVersionPublished, dataset_key
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import DatasetRecord, DatasetRejection, TenantToken, dataset_candidates
-from trainyard_common.storage import ArtifactLayout, path_to_uri
+from trainyard_common.storage import ArtifactLayout, location_uri
 from trainyard_common.store import StateStore
 
 from trainyard_api.bodies import DatasetPublishBody
@@ -60,10 +60,11 @@ class DatasetService:
 
     async def publish(self, token: TenantToken, body: DatasetPublishBody) -> DatasetPublished:
         """Announce a version the caller's tenant owns; the registry verifies it before anyone sees it.
-        Its manifest is where the tenant's prefix says, never a path the client names."""
+        Its manifest is where the tenant's prefix says (a ``file://`` URI, or the object's URL under an
+        object-store root), never a path the client names."""
         manifest = self.layout.dataset_dir(body.name, body.version, token.tenant) / "manifest.json"
         event = DatasetVersionPublished(
-            name=body.name, version=body.version, tenant=token.tenant, manifest_uri=path_to_uri(manifest),
+            name=body.name, version=body.version, tenant=token.tenant, manifest_uri=location_uri(manifest),
             sha256=body.sha256, shared_with=sorted(set(body.shared_with)), tokenizer=body.tokenizer,
             num_tokens=body.num_tokens,
         )

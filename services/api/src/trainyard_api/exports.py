@@ -13,7 +13,6 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 from redis.exceptions import WatchError
 
@@ -21,7 +20,15 @@ from trainyard_common.errors import ConflictError, NotFoundError
 from trainyard_common.events import ExportRequested, export_id, utcnow
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import ArtifactRecord, ExportRecord, TenantToken
-from trainyard_common.storage import EXPORT_LISTING, ArtifactLayout, export_listing, uri_to_path
+from trainyard_common.storage import (
+    EXPORT_LISTING,
+    ArtifactLayout,
+    Location,
+    as_location,
+    export_listing,
+    is_file,
+    read_bytes,
+)
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_api.schemas import ArtifactView, ExportFile
@@ -144,12 +151,13 @@ class ExportService:
         if record.state != "ready":
             return export_view(record, None, None)
         artifact = await self.store.get_artifact(record.job_id, record.export_id)
-        directory = uri_to_path(record.uri) if record.uri else None
+        directory = as_location(record.uri) if record.uri else None
         files = await asyncio.to_thread(_files, directory) if directory is not None else None
         return export_view(record, artifact, files)
 
-    async def file(self, token: TenantToken, eid: str, name: str) -> Path:
-        """The path of one file of a ready export of the caller's tenant: only names its listing has."""
+    async def file(self, token: TenantToken, eid: str, name: str) -> Location:
+        """The path of one file of a ready export of the caller's tenant (an object under an object-store
+        root): only names its listing has."""
         record = await self.store.get_export(eid)
         if record is None or record.tenant != token.tenant:
             raise NotFoundError(f"no export {eid!r} for your tenant; POST /v1/registry/artifacts/<checkpoint>/export "
@@ -157,21 +165,21 @@ class ExportService:
         if record.state != "ready" or not record.uri:
             raise ConflictError(f"export {eid} is {record.state}"
                                 + (f": {record.reason}" if record.reason else "; GET it until it is ready"))
-        directory = uri_to_path(record.uri)
+        directory = as_location(record.uri)
         names = {f.name for f in await asyncio.to_thread(_files, directory) or []}
         if name not in names:
             raise NotFoundError(f"export {eid} has no file {name!r}; GET /v1/registry/artifacts/{eid} lists them")
         path = directory / name
-        if not path.is_file():
+        if not await asyncio.to_thread(is_file, path):
             raise NotFoundError(f"export {eid}: {name} is gone from its directory")
         return path
 
 
-def _files(directory: Path) -> list[ExportFile] | None:
+def _files(directory: Location) -> list[ExportFile] | None:
     """The files an export's listing names, with the listing itself first (None: no readable listing)."""
     listing = directory / EXPORT_LISTING
     try:
-        raw = listing.read_bytes()
+        raw = read_bytes(listing)
         listed = export_listing(raw)
     except (OSError, ValueError):
         return None

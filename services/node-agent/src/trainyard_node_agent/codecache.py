@@ -56,7 +56,7 @@ from trainyard_common.codetree import (
     verify_tree,
 )
 from trainyard_common.spec import Code
-from trainyard_common.storage import ArtifactLayout
+from trainyard_common.storage import ArtifactLayout, read_bytes
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,10 @@ class RankPaths:
 
 
 def rank_paths(layout: ArtifactLayout, *, tenant: str, job_id: str, attempt: int, rank: int, dataset: str,
-               code_dir: Path, working_dir: str | None) -> RankPaths:
-    """The paths of one rank of user code (no I/O)."""
-    attempt_dir = layout.attempt_dir(tenant, job_id, attempt)
+               code_dir: Path, working_dir: str | None, node_layout: ArtifactLayout | None = None) -> RankPaths:
+    """The paths of one rank of user code (no I/O); its attempt directory under ``node_layout`` (this
+    node's own files) when given, else under ``layout``."""
+    attempt_dir = (node_layout or layout).attempt_dir(tenant, job_id, attempt)
     return RankPaths(
         code_dir=code_dir, cwd=code_dir / (working_dir or "."), datasets=(layout.dataset_ref_dir(dataset),),
         checkpoints=layout.checkpoints_dir(tenant, job_id), scratch=attempt_dir / "scratch" / f"rank-{rank}",
@@ -268,7 +269,7 @@ class CodeCache:
         """Read, check, extract, seal and rename one archive into place (losing a race is fine)."""
         source = code_archive_path(self.layout, tenant, hex_digest)
         try:
-            data = source.read_bytes()
+            data = read_bytes(source)  # a file, or an object under an object-store root
         except FileNotFoundError:
             raise CodeTreeError(f"the code archive sha256:{hex_digest} is not in the artifact store ({source}): "
                                 "upload it again (trainyard submit --code DIR)") from None

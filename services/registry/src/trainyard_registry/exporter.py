@@ -13,6 +13,10 @@ an ``export`` artifact, or ExportFailed.
 At-least-once safe: a crash before step 4 leaves at most a whole directory without a record; the
 redelivery removes it and converts again. A cancelled handler (shutdown) kills the subprocess and
 leaves the event uncommitted, so it is redone after the restart.
+
+Under an object-store root the command still reads and writes local files, in a scratch directory
+(under ``TMPDIR``): the checkpoint and tokenizer are downloaded (verified as they stream) and the
+directory it wrote is uploaded, its listing last (:mod:`.transfer`); nothing is renamed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import json
 import logging
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -30,11 +35,20 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
+from trainyard_common.errors import CheckpointError, StateStoreError
 from trainyard_common.events import EXPORTS, ExportRequested
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import ExportRecord
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import ArtifactLayout, path_to_uri, uri_to_path
+from trainyard_common.storage import (
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    as_location,
+    is_file,
+    location_uri,
+    read_bytes,
+)
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_registry.exports import (
@@ -55,6 +69,7 @@ from trainyard_registry.exports import (
 )
 from trainyard_registry.lineage import registered
 from trainyard_registry.settings import RegistrySettings
+from trainyard_registry.transfer import Staged, publish_export, remove_export, stage_inputs
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +117,45 @@ class Exporter:
             await asyncio.to_thread(_remove, out)
             await self._fail(record, outcome)
             return
-        artifact = export_artifact(decision.checkpoint, event, path_to_uri(out), outcome, now=self.clock())
+        artifact = export_artifact(decision.checkpoint, event, location_uri(out), outcome, now=self.clock())
         await self._ready(record, artifact)
 
-    async def _convert(self, todo: Convert, out: Path) -> str | Refuse:
+    async def _convert(self, todo: Convert, out: Location) -> str | Refuse:
         """The listing's sha256 of the directory written at ``out``, or why there is none."""
         spec = todo.job.spec
         dataset = await self.store.get_dataset(spec.dataset)
-        manifest = uri_to_path(dataset.manifest_uri) if dataset is not None else \
+        manifest = as_location(dataset.manifest_uri) if dataset is not None else \
             self.layout.dataset_ref_dir(spec.dataset) / "manifest.json"
         tokenizer = await asyncio.to_thread(self._tokenizer, spec.dataset, manifest)
         await asyncio.to_thread(_remove, out)  # a whole directory a crash left without its record
-        cmd = export_command(self.command, checkpoint=uri_to_path(todo.checkpoint.uri), out=out, spec=spec,
-                             tokenizer=tokenizer)
-        log.info("exporting %s to %s", todo.checkpoint.artifact_id, out)
+        checkpoint = as_location(todo.checkpoint.uri)
+        if not any(isinstance(where, ObjectPath) for where in (checkpoint, tokenizer.path, out)):
+            return await self._run(todo, Staged(checkpoint, tokenizer.path, out), tokenizer.eos_token)
+        scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="trainyard-export-"))
+        try:  # inputs down, the command, the directory up (listing last)
+            try:
+                staged = await asyncio.to_thread(stage_inputs, checkpoint, tokenizer.path, out, scratch)
+            except CheckpointError as exc:
+                return Refuse(str(exc), [str(exc)])
+            outcome = await self._run(todo, staged, tokenizer.eos_token)
+            if isinstance(outcome, Refuse) or not isinstance(out, ObjectPath):
+                return outcome
+            try:
+                uploaded = await asyncio.to_thread(publish_export, staged.out, out)
+            except StateStoreError as exc:
+                if exc.retryable:
+                    raise
+                return Refuse(f"the export could not be stored: {exc}")
+            return uploaded if uploaded == outcome else Refuse(
+                f"the listing uploaded has sha256 {uploaded}, the conversion reported {outcome}")
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+    async def _run(self, todo: Convert, staged: Staged, eos_token: str | None) -> str | Refuse:
+        """Run the command over local paths: the listing's sha256 it reports, or why there is none."""
+        cmd = export_command(self.command, checkpoint=staged.checkpoint, out=staged.out, spec=todo.job.spec,
+                             tokenizer=Tokenizer(staged.tokenizer, eos_token))
+        log.info("exporting %s to %s", todo.checkpoint.artifact_id, staged.out)
         returncode, stdout, stderr = await run(cmd, timeout_s=self.timeout_s)
         converted = parse_output(stdout) if returncode == 0 else None
         if converted is None:
@@ -124,15 +164,15 @@ class Exporter:
             return refusal(returncode, stderr, timeout_s=self.timeout_s, command=cmd)
         return converted.sha256
 
-    def _tokenizer(self, dataset_ref: str, path: Path) -> Tokenizer:
+    def _tokenizer(self, dataset_ref: str, path: Location) -> Tokenizer:
         """The dataset's tokenizer file and end-of-document token, from its manifest at ``path`` (blocking)."""
         try:
-            manifest: Any = json.loads(path.read_bytes())
+            manifest: Any = json.loads(read_bytes(path))
         except (OSError, ValueError):
             log.warning("dataset %s: no readable manifest at %s; the export has no tokenizer", dataset_ref, path)
             return Tokenizer(None, None)
         tokenizer = dataset_tokenizer(manifest, path.parent)
-        if tokenizer.path is not None and not tokenizer.path.is_file():
+        if tokenizer.path is not None and not is_file(tokenizer.path):
             log.warning("dataset %s: its tokenizer %s is missing; the export has none", dataset_ref, tokenizer.path)
             return Tokenizer(None, None)
         return tokenizer
@@ -204,8 +244,12 @@ async def _kill(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-def _remove(directory: Path) -> None:
-    """The export directory, and the temporary siblings a killed conversion left (``.<name>.tmp-…``)."""
+def _remove(directory: Location) -> None:
+    """The export directory, and the temporary siblings a killed conversion left (``.<name>.tmp-…``);
+    in an object store its objects, the listing first."""
+    if isinstance(directory, ObjectPath):
+        remove_export(directory)
+        return
     shutil.rmtree(directory, ignore_errors=True)
     for partial in directory.parent.glob(f".{directory.name}.tmp-*"):
         shutil.rmtree(partial, ignore_errors=True)

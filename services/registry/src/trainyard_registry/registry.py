@@ -70,7 +70,17 @@ from trainyard_common.records import (
 )
 from trainyard_common.outbox import Outbox
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file, uri_to_path
+from trainyard_common.storage import (
+    ArtifactLayout,
+    ObjectPath,
+    is_object_url,
+    location_uri,
+    read_bytes,
+    sha256_file,
+    sha256_of,
+    stat_size,
+    uri_to_path,
+)
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_registry.exporter import Exporter
@@ -184,6 +194,8 @@ class Registry:
     def _read_version(self, event: DatasetVersionPublished) -> VersionSeen:
         """What the event points at, read from the artifact store (blocking: run in a thread)."""
         expected = self.layout.dataset_dir(event.name, event.version, event.tenant)
+        if isinstance(expected, ObjectPath) or is_object_url(event.manifest_uri):
+            return _read_object_version(event, expected)
         try:
             path = uri_to_path(event.manifest_uri).resolve()
         except (StateStoreError, OSError, RuntimeError):
@@ -380,14 +392,15 @@ class Registry:
         return record
 
     def _dataset_from_disk(self, ref: str) -> DatasetRecord | None:
-        path = self.layout.dataset_ref_dir(ref) / "manifest.json"
+        path = self.layout.dataset_ref_dir(ref) / "manifest.json"  # an object under an object-store root
         try:
-            manifest: Any = json.loads(path.read_bytes())
-            digest = sha256_file(path)
+            raw = read_bytes(path)
+            manifest: Any = json.loads(raw)
         except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
             return None
         manifest = manifest if isinstance(manifest, dict) else {}
-        return dataset_from_manifest(ref, path_to_uri(path), digest, manifest, now=self.clock())
+        return dataset_from_manifest(ref, location_uri(path), hashlib.sha256(raw).hexdigest(), manifest,
+                                     now=self.clock())
 
 
 def _file_seen(directory: Path, item: Listed) -> FileSeen:
@@ -402,6 +415,46 @@ def _file_seen(directory: Path, item: Listed) -> FileSeen:
         return FileSeen(size=size, sha256=sha256_file(path))
     except OSError:
         return FileSeen(size=None)
+
+
+def _read_object_version(event: DatasetVersionPublished, expected: Any) -> VersionSeen:
+    """:meth:`Registry._read_version` under an object-store root: the manifest must be an object under the
+    owner's prefix (an object URL is normalised, so ``..`` cannot leave it); every listed object's size,
+    then its sha256, streamed. A missing object is a finding; any other store error is retryable."""
+    try:
+        location = ObjectPath.parse(event.manifest_uri)
+    except ValueError:
+        return VersionSeen(expected_dir=str(expected), manifest_path=None, inside=False)
+    if not (isinstance(expected, ObjectPath) and expected in location.parents):
+        return VersionSeen(expected_dir=str(expected), manifest_path=str(location), inside=False)
+    try:
+        raw = read_bytes(location)
+    except FileNotFoundError:
+        return VersionSeen(expected_dir=str(expected), manifest_path=str(location), inside=False)
+    except OSError as exc:
+        raise StateStoreError(f"cannot read {location}: {exc}", retryable=True) from exc
+    try:
+        manifest: Any = json.loads(raw)
+    except ValueError:
+        manifest = None
+    files = {item.file: _object_seen(location.parent, item) for item in listed_files(manifest)
+             if plain_file_name(item.file)}
+    return VersionSeen(expected_dir=str(expected), manifest_path=str(location), inside=True,
+                       sha256=hashlib.sha256(raw).hexdigest(), manifest=manifest, files=files)
+
+
+def _object_seen(prefix: ObjectPath, item: Listed) -> FileSeen:
+    """The size and (streamed) sha256 of one listed object under ``prefix``."""
+    location = prefix / item.file
+    try:
+        size = stat_size(location)
+        if size is None or (item.size is not None and size != item.size):
+            return FileSeen(size=size)
+        return FileSeen(size=size, sha256=sha256_of(location))
+    except FileNotFoundError:  # deleted between the two requests
+        return FileSeen(size=None)
+    except OSError as exc:
+        raise StateStoreError(f"cannot read {location}: {exc}", retryable=True) from exc
 
 
 def _annotate(job_id: str) -> None:

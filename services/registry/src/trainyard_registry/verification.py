@@ -8,7 +8,8 @@ A version is accepted only when:
 
 * its qualified ref is well formed (tenant, name and version are plain path components);
 * ``manifest_uri`` resolves (symlinks followed) to a file under the owner's dataset directory
-  (``tenants/<t>/datasets/<n>/<v>/``, or ``datasets/<n>/<v>/`` for the platform's);
+  (``tenants/<t>/datasets/<n>/<v>/``, or ``datasets/<n>/<v>/`` for the platform's); under an
+  object-store root, to an object under that prefix (``s3://…``, the URL normalised);
 * the manifest's sha256 is the event's, and its own name and version are the event's;
 * it lists at least one shard, and the tokenizer and every shard exist in that directory with the
   size and sha256 the manifest says.
@@ -49,7 +50,7 @@ class VersionSeen:
     """Everything read for one DatasetVersionPublished."""
 
     expected_dir: str  # the owner's dataset directory for name@version
-    manifest_path: str | None  # where manifest_uri resolves (None: not a file: URI)
+    manifest_path: str | None  # where manifest_uri resolves (None: not a file: URI, nor the store's URL)
     inside: bool  # manifest_path is a regular file under expected_dir
     sha256: str | None = None  # of the manifest's bytes (None: unreadable)
     manifest: Any = None  # its parsed JSON (None: not JSON)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 from trainyard_common.records import TenantToken
+from trainyard_common.storage import ObjectPath, iter_chunks
 
 from trainyard_api.bodies import ExportBody
 from trainyard_api.deps import Ctx, Tenant, may, strict_body
@@ -79,11 +80,14 @@ async def list_artifacts(
             responses={200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes"},
                        **AUTH_ERRORS, **_ARTIFACT_404, **error(409, "the export is not ready (or failed)"),
                        **invalid()})
-async def get_export_file(ctx: Ctx, tenant: Tenant, export_id: ExportId, name: ExportFileName) -> FileResponse:
+async def get_export_file(ctx: Ctx, tenant: Tenant, export_id: ExportId, name: ExportFileName) -> Response:
     """One file of the caller's tenant's ready export, streamed: only the names its
     `trainyard-export.json` lists (and that listing itself); `GET` the export for their sizes and
     sha256. `trainyard export <job> --out DIR` downloads them all and checks each."""
     path = await ctx.exports.file(tenant, export_id, name)
+    if isinstance(path, ObjectPath):  # streamed from the object store, chunk by chunk (in a thread)
+        return StreamingResponse(iter_chunks(path), media_type="application/octet-stream",
+                                 headers={"Content-Disposition": f'attachment; filename="{name}"'})
     return FileResponse(path, media_type="application/octet-stream", filename=name)
 
 
