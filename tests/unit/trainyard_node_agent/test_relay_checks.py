@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -156,3 +157,26 @@ def test_the_relayed_body_is_the_agents_rendering() -> None:
 ])
 def test_inside(uri: str, ok: bool) -> None:
     assert inside(uri, PREFIX) is ok
+
+
+S3_PREFIX = "s3://bucket/root/tenants/t1/jobs/job-a/checkpoints"
+
+
+@pytest.mark.parametrize(("uri", "ok"), [
+    (f"{S3_PREFIX}/step-1/__0_0.distcp", True), (f"{S3_PREFIX}//step-1/x", True), (S3_PREFIX, False),
+    (f"{S3_PREFIX}x/a", False), (f"{S3_PREFIX}/a/../../../../job-b/checkpoints/x", False),
+    (f"{S3_PREFIX}/../../../../../../other-bucket/x", False), ("gs://bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
+    ("file:///bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
+    ("/bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
+    ("s3://other/root/tenants/t1/jobs/job-a/checkpoints/a", False),
+])
+def test_inside_an_object_store_prefix(uri: str, ok: bool) -> None:
+    assert inside(uri, S3_PREFIX) is ok
+
+
+def test_shards_written_to_the_jobs_object_store_prefix_are_relayed() -> None:
+    who = dataclasses.replace(WHO, checkpoints=S3_PREFIX)
+    ok = check_line(line(shard(uri=f"{S3_PREFIX}/step-000000010-a2/__1_0.distcp")), who, offset=1)
+    assert isinstance(ok, Relay)
+    elsewhere = check_line(line(shard(uri="s3://bucket/root/tenants/t2/jobs/job-b/checkpoints/s/x")), who, offset=2)
+    assert isinstance(elsewhere, Refusal) and elsewhere.violation

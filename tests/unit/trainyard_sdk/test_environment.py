@@ -94,3 +94,32 @@ def test_the_loader_resumes_where_it_was(tmp_path: Path) -> None:
     got = next(second)
     assert len(got) == first.grad_accumulation == 2
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, expected, strict=True))
+
+
+def test_an_object_store_root_needs_a_node_state_dir_for_the_attempts_own_files(tmp_path: Path) -> None:
+    from trainyard.environment import checkpoint_request_file
+    from trainyard.settings import RankSettings
+
+    contract = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500", "TRAINYARD_JOB_ID": "j", "TRAINYARD_TENANT": "t",
+                "TRAINYARD_ATTEMPT": "2", "TRAINYARD_EPOCH": "1", "TRAINYARD_ALLOCATION_ID": "a",
+                "TRAINYARD_ALLOCATION_FILE": str(tmp_path / "a.json"), "TRAINYARD_EVENTS_FILE": str(tmp_path / "e")}
+    local = RankSettings.model_validate({**contract, "TRAINYARD_ARTIFACT_ROOT": str(tmp_path / "art")})
+    assert local.local_root == tmp_path / "art" and local.shard_cache_path == tmp_path / "art" / "shard-cache"
+    with pytest.raises(ValueError, match="TRAINYARD_NODE_STATE_DIR"):
+        RankSettings.model_validate({**contract, "TRAINYARD_ARTIFACT_ROOT": "s3://bucket/prefix"})
+    remote = RankSettings.model_validate({**contract, "TRAINYARD_ARTIFACT_ROOT": "s3://bucket/prefix",
+                                          "TRAINYARD_NODE_STATE_DIR": str(tmp_path / "node")})
+    assert remote.artifact_root == "s3://bucket/prefix" and remote.local_root == tmp_path / "node"
+    assert checkpoint_request_file(remote) == tmp_path / "node/tenants/t/jobs/j/attempts/2/checkpoint-request.json"
+
+
+def test_local_mode_under_an_object_store_root_keeps_the_attempt_on_this_machine(tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(
+        "specVersion: v1\nmodelConfig: gpt-tiny@v1\ndataset: tinycorpus@v1\ncodeRevision: x\n"
+        "resources: {gpuType: cpu, gpuCount: 1}\n"
+        "training: {sequenceLength: 8, microBatchSize: 2, globalBatchSize: 4, learningRate: 0.01, maxSteps: 3}\n")
+    settings = local_settings(spec=str(spec_file), root="s3://bucket/prefix",
+                              environ={"TRAINYARD_NODE_STATE_DIR": str(tmp_path / "node")})
+    assert settings.artifact_root == "s3://bucket/prefix"
+    assert settings.allocation_file.is_relative_to(tmp_path / "node") and settings.allocation_file.is_file()

@@ -129,3 +129,58 @@ def test_a_dataset_in_s3_is_read_through_the_cache_with_the_next_shard_prefetche
                 {f"{s.sha256}.bin" for s in manifest.shards[:2]} | {f"{manifest.shards[dataset.locate(last)[0]].sha256}.bin"}
                 | ({f"{manifest.shards[dataset.locate(last)[0] + 1].sha256}.bin"}
                    if dataset.locate(last)[0] + 1 < len(manifest.shards) else set()))
+
+
+def test_the_loader_prefetches_the_shards_of_the_samples_of_its_next_step() -> None:
+    import torch
+
+    from trainyard.loader import DataLoader
+    from trainyard.sampler import GlobalSampler
+
+    class Recording:
+        cache = object()  # read through a cache: the loader prefetches
+
+        def __init__(self) -> None:
+            self.prefetched: list[list[int]] = []
+            self.read: list[int] = []
+
+        def windows(self, ids: list[int]) -> np.ndarray:
+            self.read += ids
+            return np.zeros((len(ids), 9), dtype=np.int64)
+
+        def prefetch(self, samples: list[int]) -> None:
+            self.prefetched.append(list(samples))
+
+    dataset = Recording()
+    loader = DataLoader(dataset, GlobalSampler(100, seed=1, global_batch=8, micro_batch=2, dp=2, dp_rank=1),
+                        torch.device("cpu"))
+    next(loader)
+    assert len(dataset.prefetched) == 1 and len(dataset.prefetched[0]) == 4
+    dataset.read.clear()
+    next(loader)
+    assert dataset.read == dataset.prefetched[0]  # what it prefetched is what the next step read
+
+
+def test_a_dataset_version_is_uploaded_manifest_last_once_and_never_replaced(tmp_path: Path) -> None:
+    from trainyard.data import upload_dataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "bisect.py").write_bytes((stdlib_root() / "bisect.py").read_bytes())
+    manifest_path, _, manifest = prepare_dataset(
+        tmp_path / "local", "mini", "v1", sources=["bisect.py"], source_root=src, vocab_size=300,
+        shard_tokens=500, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    with moto_s3() as root:
+        remote = ObjectPath.parse(root) / "datasets" / "mini" / "v1"
+        assert upload_dataset(manifest_path.parent, remote) == remote / "manifest.json"
+        assert upload_dataset(manifest_path.parent, remote) == remote / "manifest.json"  # the same: nothing to do
+        with ShardCache(tmp_path / "cache") as cache:
+            dataset = TokenDataset(str(remote / "manifest.json"), sequence_length=16, cache=cache)
+            np.testing.assert_array_equal(dataset.windows([0, len(dataset) - 1]),
+                                          TokenDataset(manifest_path, 16).windows([0, len(dataset) - 1]))
+        other = tmp_path / "other"
+        prepare_dataset(other, "mini", "v1", sources=["bisect.py"], source_root=src, vocab_size=300,
+                        shard_tokens=400, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+        with pytest.raises(DataError, match="immutable"):
+            upload_dataset(other / "datasets" / "mini" / "v1", remote)
+    assert len(manifest.shards) >= 2

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from trainyard_cli.client import ApiClient
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common.errors import TrainyardError
+from trainyard_common.errors import DataError, TrainyardError
 from trainyard_common.records import NodeRecord
 
 dev_app = typer.Typer(
@@ -119,23 +119,27 @@ def data() -> None:
 
 
 def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
-    """Prepare tinycorpus@v1 under the artifact root, publish DatasetVersionPublished, and
-    wait until the registry has recorded it."""
-    from trainyard_common.storage import ArtifactLayout
-    from trainyard_trainer.data import MANIFEST_FILE, prepare_dataset
+    """Prepare tinycorpus@v1 under the artifact root (built in the stack's directory and uploaded, when the
+    root is an object store: TRAINYARD_ARTIFACT_STORE), publish DatasetVersionPublished, and wait until the
+    registry has recorded it."""
+    from trainyard_common.storage import ArtifactLayout, path_to_uri
+    from trainyard_trainer.data import MANIFEST_FILE, prepare_dataset, upload_dataset
 
     name, version = DATASET
     if not (ArtifactLayout(stack.s.artifact_root).dataset_dir(name, version) / MANIFEST_FILE).exists():
         console.print(f"preparing dataset {name}@{version} once (real text, trained byte-level BPE)…")
     manifest_path, manifest_sha, manifest = prepare_dataset(stack.s.artifact_root, name, version)
-    asyncio.run(_publish_dataset(stack, manifest_path, manifest_sha, manifest))
+    manifest_uri = path_to_uri(manifest_path)
+    if stack.s.artifact_store:
+        store = ArtifactLayout(stack.s.artifact_store).dataset_dir(name, version)
+        manifest_uri = str(upload_dataset(manifest_path.parent, store))
+    asyncio.run(_publish_dataset(stack, manifest_uri, manifest_sha, manifest))
     return f"{name}@{version}"
 
 
-async def _publish_dataset(stack: LocalStack, manifest_path: Path, manifest_sha: str, manifest: object) -> None:
+async def _publish_dataset(stack: LocalStack, manifest_uri: str, manifest_sha: str, manifest: object) -> None:
     from trainyard_common.bus import Bus
     from trainyard_common.events import DatasetVersionPublished
-    from trainyard_common.storage import path_to_uri
     from trainyard_common.store import StateStore, connect_redis
 
     name, version = DATASET
@@ -146,7 +150,7 @@ async def _publish_dataset(stack: LocalStack, manifest_path: Path, manifest_sha:
         if existing and existing.sha256 == manifest_sha:
             return
         event = DatasetVersionPublished(
-            name=name, version=version, manifest_uri=path_to_uri(manifest_path), sha256=manifest_sha,
+            name=name, version=version, manifest_uri=manifest_uri, sha256=manifest_sha,
             tokenizer=getattr(manifest, "tokenizer_version", None) or _tokenizer_version(manifest),
             num_tokens=getattr(manifest, "num_tokens", None),
         )
@@ -156,6 +160,10 @@ async def _publish_dataset(stack: LocalStack, manifest_path: Path, manifest_sha:
         while time.monotonic() < deadline:
             if await store.get_dataset(f"{name}@{version}"):
                 return
+            refused = await store.get_dataset_rejection(f"{name}@{version}")
+            if refused is not None and refused.published_event_id == str(event.event_id):
+                raise DataError(f"the registry refused {name}@{version} ({manifest_uri}): {refused.reason}: "
+                                + "; ".join(refused.problems))
             await asyncio.sleep(0.3)
         raise TimeoutError("the registry did not record the dataset within 60 s; is it running? (`make logs registry`)")
     finally:

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_cli import infra, observe, redisacl, redisha
 from trainyard_common.errors import ConfigError, InfrastructureError
 from trainyard_common.records import NodeRecord
+from trainyard_common.storage import ObjectPath
 from trainyard_common.store import Keys, StateStore, connect_redis
 
 SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
@@ -69,6 +70,19 @@ class StackSettings(BaseSettings):
                                                         "(`make observe`; trainyard_cli.observe)")
     prometheus_port: int = Field(default=0, ge=0, lt=65536, description="Prometheus' port (0: a free one)")
     prometheus_scrape_interval_s: float = Field(default=5.0, gt=0)
+    artifact_store: str | None = Field(
+        default=None,
+        description="an object store as the artifact root (s3://bucket/prefix; credentials and endpoint from the "
+                    "AWS_* variables, which the node agents pass on to their ranks): checkpoints and datasets live "
+                    "there, each node's own files (rank logs, spools, caches) stay under <state dir>/artifacts; the "
+                    "node agents run ranks trusted-single-tenant (docs/production.md, Object storage)")
+
+    @field_validator("artifact_store")
+    @classmethod
+    def _a_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            ObjectPath.parse(value)  # ValueError: reported against TRAINYARD_ARTIFACT_STORE
+        return value
 
     @property
     def root(self) -> Path:
@@ -170,7 +184,7 @@ class LocalStack:
                 "TRAINYARD_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
                 "TRAINYARD_REDIS_URL": self.redis_url_for(service if service in redisacl.SERVICE_USERS
                                                           else redisacl.OPERATOR),
-                "TRAINYARD_ARTIFACT_ROOT": str(self.s.artifact_root),
+                "TRAINYARD_ARTIFACT_ROOT": self.s.artifact_store or str(self.s.artifact_root),
                 "TRAINYARD_TOPIC_PARTITIONS": str(self.s.topic_partitions),
                 "TRAINYARD_TOPIC_NAMESPACE": self.s.topic_namespace,
                 "PYTHONUNBUFFERED": "1",
@@ -374,6 +388,8 @@ class LocalStack:
                     "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
                 }
             )
+            if self.s.artifact_store:
+                env.update(self._object_store_agent_env(env))
         if self.s.prometheus:  # a metrics port and a scrape target of its own
             port = infra.free_port()
             env["TRAINYARD_METRICS_PORT"] = str(port)
@@ -387,6 +403,16 @@ class LocalStack:
             )
         self._record(name, proc.pid)
         self.say(f"started {name} (pid {proc.pid}); log {log_path}")
+
+    def _object_store_agent_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A node agent's settings under an object-store root: its own files in the stack's directory, the
+        AWS configuration passed on to its ranks, ranks unsandboxed (a sandbox cannot scope the credentials)."""
+        return {
+            "TRAINYARD_NODE_STATE_DIR": str(self.s.artifact_root),
+            "TRAINYARD_RANK_PASS_ENV": env.get("TRAINYARD_RANK_PASS_ENV") or ",".join(
+                sorted(k for k in env if k.startswith(("AWS_", "FSSPEC_S3_")))),
+            "TRAINYARD_NODE_SANDBOX": env.get("TRAINYARD_NODE_SANDBOX") or "trusted-single-tenant",
+        }
 
     def _start_prometheus(self) -> None:
         port = self.s.prometheus_port or infra.free_port()

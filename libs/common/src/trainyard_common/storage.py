@@ -309,27 +309,6 @@ def commit_bytes(location: Location, data: bytes) -> None:
     atomic_write_bytes(location, data)
 
 
-def put_file(source: Path | str, location: Location) -> None:
-    """Copy the local file ``source`` to ``location``, streamed (a multipart upload in an object store;
-    locally a copy renamed into place)."""
-    if isinstance(location, ObjectPath):
-        fs, key = _object(location)
-        fs.put_file(str(source), key)
-        return
-    location.parent.mkdir(parents=True, exist_ok=True)
-    tmp = location.with_name(f".{location.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(source, "rb") as src, open(tmp, "wb") as out:
-            while chunk := src.read(CHUNK):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, location)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(location.parent)
-
-
 def remove_file(location: Location) -> None:
     """Delete one file or object (durably: the directory is fsynced locally); absent is fine."""
     if isinstance(location, ObjectPath):

@@ -55,6 +55,7 @@ from trainyard_common.storage import (
     fsync_dir,
     read_bytes,
     sha256_file,
+    upload_file,
 )
 
 log = logging.getLogger(__name__)
@@ -363,6 +364,38 @@ def _existing(directory: Path) -> tuple[Path, str, DatasetManifest]:
             + "; ".join(problems)
         )
     return manifest_path, sha256_file(manifest_path), manifest
+
+
+def upload_dataset(directory: Path, destination: ObjectPath) -> ObjectPath:
+    """Copy the dataset version in ``directory`` to the object-store prefix ``destination``: tokenizer and
+    shards (each upload's size and sha256 checked against the manifest as it streams), then
+    ``manifest.json``, the commit point, with a create-only PUT. Nothing is copied when the store already
+    holds the same manifest; another manifest there is a :class:`DataError` (a published version is
+    immutable). Returns the manifest's location."""
+    raw = (directory / MANIFEST_FILE).read_bytes()
+    target = destination / MANIFEST_FILE
+    try:
+        if read_bytes(target) == raw:
+            return target
+        raise DataError(f"{target} holds another manifest than {directory}: a published version is immutable")
+    except FileNotFoundError:
+        pass
+    manifest = load_dataset_manifest(directory / MANIFEST_FILE)
+    expected = [(manifest.tokenizer.file, None, manifest.tokenizer.sha256),
+                *((s.file, s.size_bytes, s.sha256) for s in manifest.shards)]
+    for name, size, sha in expected:
+        sent = upload_file(directory / name, destination / name)
+        if sent[1] != sha or (size is not None and sent[0] != size):
+            raise DataError(f"{directory / name} does not match its manifest ({sent[0]} bytes, sha256 "
+                            f"{sent[1][:12]}…): not uploading {manifest.name}@{manifest.version}")
+    try:
+        upload_file(directory / MANIFEST_FILE, target, exclusive=True)
+    except FileExistsError:  # another uploader committed first: fine when it is the same version
+        if read_bytes(target) != raw:
+            raise DataError(f"{target} holds another manifest than {directory}: a published version is "
+                            "immutable") from None
+    log.info("dataset %s@%s uploaded to %s", manifest.name, manifest.version, destination)
+    return target
 
 
 # ----------------------------------------------------------------------------- reading

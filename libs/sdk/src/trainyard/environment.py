@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from trainyard_common.errors import ConfigError
 from trainyard_common.events import GangAllocated
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_common.storage import ArtifactLayout, is_object_url
 
 from trainyard.preemption import CHECKPOINT_REQUEST_FILE, CheckpointRequest
 from trainyard.settings import RankSettings
@@ -82,7 +82,7 @@ def apply_spec_choices(settings: RankSettings, spec: TrainingSpec) -> RankSettin
 def checkpoint_request_file(settings: RankSettings) -> Path:
     """Where the node agent writes a checkpoint request for this attempt."""
     return settings.checkpoint_request_file or (
-        ArtifactLayout(settings.artifact_root).attempt_dir(settings.tenant, settings.job_id, settings.attempt)
+        ArtifactLayout(settings.local_root).attempt_dir(settings.tenant, settings.job_id, settings.attempt)
         / CHECKPOINT_REQUEST_FILE)
 
 
@@ -124,10 +124,15 @@ def local_settings(*, spec: TrainingSpec | str | None = None, root: Path | str |
         parsed = spec
     else:
         parsed, _ = _local_spec(spec or environ.get(LOCAL_SPEC_ENV))
-    artifact_root = Path(root or environ.get("TRAINYARD_ARTIFACT_ROOT") or tempfile.mkdtemp(prefix="trainyard-local-"))
+    named = root or environ.get("TRAINYARD_ARTIFACT_ROOT")
+    artifact_root: Path | str = str(named) if is_object_url(named) else Path(
+        named or tempfile.mkdtemp(prefix="trainyard-local-"))
+    # an object-store root keeps the attempt's own files (spool, run record) in a directory on this machine
+    node_state_dir = None if isinstance(artifact_root, Path) else Path(
+        environ.get("TRAINYARD_NODE_STATE_DIR") or tempfile.mkdtemp(prefix="trainyard-local-state-"))
     # a run of its own each time (checkpoint directories are never reused), unless the caller names one
     job_id = environ.get("TRAINYARD_JOB_ID") or f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    attempt_dir = ArtifactLayout(artifact_root).attempt_dir("local", job_id, 1)
+    attempt_dir = ArtifactLayout(node_state_dir or artifact_root).attempt_dir("local", job_id, 1)
     attempt_dir.mkdir(parents=True, exist_ok=True)
     allocation = GangAllocated(
         job_id=job_id, tenant="local", attempt=1, allocation_id=f"{job_id}-local", epoch=1, world_size=1, nodes=[],
@@ -137,6 +142,7 @@ def local_settings(*, spec: TrainingSpec | str | None = None, root: Path | str |
     allocation_file.write_bytes(allocation.to_bytes())
     return RankSettings(
         rank=0, world_size=1, master_port=_free_port(), job_id=job_id, tenant="local", attempt=1, epoch=1,
-        allocation_id=allocation.allocation_id, artifact_root=artifact_root, allocation_file=allocation_file,
+        allocation_id=allocation.allocation_id, artifact_root=artifact_root, node_state_dir=node_state_dir,
+        allocation_file=allocation_file,
         events_file=attempt_dir / "events.rank0.jsonl", log_level=environ.get("TRAINYARD_LOG_LEVEL", "INFO"),
     )

@@ -47,3 +47,4 @@ class DataLoader(BatchLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self.last_start = self.sampler.position
+        self.maybe_prefetch()

@@ -63,12 +63,13 @@ def refused_records(refused: list[Refusal]) -> list[RefusedCheckpoint]:
 
 
 def restore(job: JobLike, state: MutableMapping[str, Stateful], ctx: Context, layout: ArtifactLayout,
-            spool: _Spool | None = None) -> RestoreRecord:
+            spool: _Spool | None = None, *, node_layout: ArtifactLayout | None = None) -> RestoreRecord:
     """Verify and load the start checkpoint into ``state`` (keys ``progress`` and ``rng`` expected),
     or fall back to the newest earlier READY one; what was loaded and why.
 
     Rank 0 spools a CheckpointRefused for every READY checkpoint it refused (the coordinator
-    marks it FAILED), whether or not an earlier one then verified. Every rank calls this."""
+    marks it FAILED), whether or not an earlier one then verified. Every rank calls this.
+    ``node_layout``: where this node keeps attempts' own files (the run record), when not ``layout``."""
     settings = job.settings
     started = time.perf_counter()
     ref = job.allocation.start_checkpoint
@@ -119,7 +120,7 @@ def restore(job: JobLike, state: MutableMapping[str, Stateful], ctx: Context, la
     record.global_step = progress.global_step
     record.world_size = manifest.world_size
     record.cpu_threads = written_cpu_threads(
-        layout.attempt_dir(manifest.tenant, manifest.job_id, manifest.attempt) / RUN_RECORD_FILE)
+        (node_layout or layout).attempt_dir(manifest.tenant, manifest.job_id, manifest.attempt) / RUN_RECORD_FILE)
     record.rng = "restored" if same_world else (
         f"reseeded: written by {manifest.world_size} ranks, this attempt has {settings.world_size}")
     record.seconds = time.perf_counter() - started

@@ -76,6 +76,7 @@ from trainyard.runtime import (
     usable_cores,
 )
 from trainyard.sampler import GlobalSampler
+from trainyard.shardcache import ShardCache
 from trainyard.settings import RankSettings
 from trainyard.state import Progress, RngState
 from trainyard.timing import Timing
@@ -84,7 +85,7 @@ __all__ = ["Run", "conclude", "init"]
 
 log = logging.getLogger("trainyard")
 _tracer = trace.get_tracer("trainyard")
-PEAK_FLOPS_CACHE = ("calibration", "peak-flops.json")  # under the artifact root
+PEAK_FLOPS_CACHE = ("calibration", "peak-flops.json")  # under the node's root (the artifact root when local)
 
 
 class Run:
@@ -103,7 +104,8 @@ class Run:
         self.end = end if end is not None else RankEnd()
         self.local = local
         self.exit_on_error = exit_on_error
-        self.layout = ArtifactLayout(settings.artifact_root)
+        self.layout = ArtifactLayout(settings.artifact_root)  # checkpoints, datasets: maybe an object store
+        self.node_layout = ArtifactLayout(settings.local_root)  # the attempt's own files, on this node
         training = allocation.spec.training
         self.progress = Progress()
         self.rng = RngState(settings.rank, runtime.device, seed=training.seed)
@@ -215,7 +217,7 @@ class Run:
     @property
     def attempt_dir(self) -> Path:
         s = self.settings
-        return self.layout.attempt_dir(s.tenant, s.job_id, s.attempt)
+        return self.node_layout.attempt_dir(s.tenant, s.job_id, s.attempt)
 
     @property
     def dataset_manifest_path(self) -> Path:
@@ -242,12 +244,20 @@ class Run:
                 f"training.globalBatchSize {t.global_batch_size} is not a multiple of microBatchSize "
                 f"{t.micro_batch_size} x data-parallel size {dp}: choose sizes that divide")
         try:
-            dataset = TokenDataset(self.dataset_manifest_path, t.sequence_length)
+            dataset = TokenDataset(self.dataset_manifest_path, t.sequence_length, cache=self._shard_cache())
         except FileNotFoundError as exc:
             raise DataError(f"dataset {self.spec.dataset} not found at {self.dataset_manifest_path}: {exc}") from exc
         sampler = GlobalSampler(len(dataset), seed=t.seed, global_batch=t.global_batch_size,
                                 micro_batch=t.micro_batch_size, dp=dp, dp_rank=dp_rank)
         return DataLoader(dataset, sampler, device or self.device)
+
+    def _shard_cache(self) -> ShardCache | None:
+        """The node's shard cache, for a dataset in an object store (None for a directory: read in place)."""
+        if not self.layout.remote:
+            return None
+        cache = ShardCache(self.settings.shard_cache_path, rank=self.rank)
+        self._closers.callback(cache.close)
+        return cache
 
     # ------------------------------------------------------------------ restore / checkpoint
 
@@ -266,7 +276,7 @@ class Run:
         checkpoint that fails is refused (CheckpointRefused) and the previous READY one tried.
         None verifying raises NoVerifiedCheckpointError (exit 4). Every rank calls it."""
         full = self.full_state(state)
-        self.restored = restore_state(self, full, self.ctx, self.layout, self.spool)
+        self.restored = restore_state(self, full, self.ctx, self.layout, self.spool, node_layout=self.node_layout)
         step = full["progress"].global_step  # type: ignore[attr-defined]
         self._last_saved = step if self.restored.manifest_uri is not None else None
         self._counted = max(self._counted, self.progress.global_step)
@@ -384,7 +394,7 @@ class Run:
         """Report MFU from now on: the model's training FLOPs per token (6N + attention) against the
         device's peak (a table, ``TRAINYARD_PEAK_FLOPS``, or a CPU probe run once per host). A collective."""
         s, runtime = self.settings, self.runtime
-        cache = self.layout.root.joinpath(*PEAK_FLOPS_CACHE)
+        cache = self.node_layout.root.joinpath(*PEAK_FLOPS_CACHE)
         first_on_host = s.local_rank == 0
         if first_on_host:
             self.peak = device_peak_flops(runtime.device, runtime.autocast_dtype, cache_file=cache,

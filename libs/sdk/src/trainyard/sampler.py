@@ -191,4 +191,11 @@ class BatchLoader:
                 windows = windows.pin_memory().to(self.device, non_blocking=True)
             batches.append((windows[:, :-1], windows[:, 1:]))
         s.advance()
+        self.maybe_prefetch()
         return batches
+
+    def maybe_prefetch(self) -> None:
+        """Start fetching the shards of the next step's samples, for a dataset read through a shard cache
+        (an object store): they arrive while this step computes."""
+        if getattr(self.dataset, "cache", None) is not None:
+            self.dataset.prefetch([i for ids in self.sampler.step_sample_ids() for i in ids])

@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trainyard_common.storage import ObjectPath, is_object_url
 
 
 class RankSettings(BaseSettings):
@@ -38,7 +40,20 @@ class RankSettings(BaseSettings):
     attempt: int = Field(ge=1, validation_alias="TRAINYARD_ATTEMPT")
     epoch: int = Field(ge=1, validation_alias="TRAINYARD_EPOCH", description="fencing epoch of the allocation")
     allocation_id: str = Field(min_length=1, validation_alias="TRAINYARD_ALLOCATION_ID")
-    artifact_root: Path = Field(validation_alias="TRAINYARD_ARTIFACT_ROOT")
+    artifact_root: Path | str = Field(
+        validation_alias="TRAINYARD_ARTIFACT_ROOT",
+        description="checkpoints and datasets: a directory, or an object-store URL (s3://bucket/prefix)",
+    )
+    node_state_dir: Path | None = Field(
+        default=None, validation_alias="TRAINYARD_NODE_STATE_DIR",
+        description="this node's own files of the attempt (logs, spool, run record, metrics, checkpoint request); "
+                    "required when the artifact root is an object store, else default the artifact root",
+    )
+    shard_cache_dir: Path | None = Field(
+        default=None, validation_alias="TRAINYARD_SHARD_CACHE_DIR",
+        description="node-local cache of dataset shards read from an object store (default "
+                    "<node state dir>/shard-cache)",
+    )
     allocation_file: Path = Field(
         validation_alias="TRAINYARD_ALLOCATION_FILE",
         description="the GangAllocated event as camelCase JSON (spec, spec hash, start checkpoint)",
@@ -92,11 +107,35 @@ class RankSettings(BaseSettings):
         description="peak FLOP/s of one device for MFU; default from the device table or a CPU matmul probe",
     )
 
+    @field_validator("artifact_root", mode="before")
+    @classmethod
+    def _root_is_a_path_or_a_url(cls, value: object) -> object:
+        """An object-store URL stays a string (a Path would fold its ``//``); anything else is a Path."""
+        if isinstance(value, str) and is_object_url(value):
+            ObjectPath.parse(value)  # ValueError: reported against the variable
+            return value
+        return Path(value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _rank_in_world(self) -> RankSettings:
         if self.rank >= self.world_size:
             raise ValueError(f"RANK {self.rank} is not below WORLD_SIZE {self.world_size}")
+        if isinstance(self.artifact_root, str) and self.node_state_dir is None:
+            raise ValueError(f"TRAINYARD_ARTIFACT_ROOT {self.artifact_root} is an object store: set "
+                             "TRAINYARD_NODE_STATE_DIR to a directory on this node for the attempt's own files")
         return self
+
+    @property
+    def local_root(self) -> Path:
+        """Where this node keeps the attempt's own files (the layout's ``attempt_dir``): the node state
+        directory, else the artifact root (a directory)."""
+        root = self.node_state_dir or self.artifact_root
+        assert isinstance(root, Path)  # the validator requires a node state dir for an object-store root
+        return root
+
+    @property
+    def shard_cache_path(self) -> Path:
+        return self.shard_cache_dir or self.local_root / "shard-cache"
 
     @property
     def init_method(self) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_common.storage import ObjectPath
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def rank_env(
     *,
     base_env: Mapping[str, str],
     backend: str,
-    artifact_root: Path,
+    artifact_root: Path | ObjectPath,
     allocation_file: Path,
     events_file: Path,
     traceparent: str | None,
@@ -96,6 +97,8 @@ def rank_env(
     code_dir: Path | None = None,
     scratch_dir: Path | None = None,
     interpreter_dir: Path | None = None,
+    node_state_dir: Path | None = None,
+    shard_cache_dir: Path | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
@@ -104,6 +107,9 @@ def rank_env(
     ``cpu_threads`` (CPU nodes): this rank's share of the node's cores (:func:`cpu_thread_share`),
     as ``TRAINYARD_CPU_THREADS`` (the rank sets torch's intra-op threads to it, also in a warm
     interpreter that imported torch before it knew its rank) and ``OMP_NUM_THREADS`` unless set.
+
+    ``node_state_dir``: where the rank keeps the attempt's own files (``TRAINYARD_NODE_STATE_DIR``: needed
+    when the artifact root is an object store); ``shard_cache_dir``: its dataset shard cache.
 
     ``interpreter_dir`` (user code): put first on PATH, so the entrypoint's ``python`` (or
     ``torchrun``) is the node's training environment — torch and the SDK — not whatever the host
@@ -118,6 +124,8 @@ def rank_env(
         "TRAINYARD_EXIT_NOTE_FILE": exit_note_file,
         "TRAINYARD_CODE_DIR": code_dir,
         "TRAINYARD_SCRATCH_DIR": scratch_dir,
+        "TRAINYARD_NODE_STATE_DIR": node_state_dir,
+        "TRAINYARD_SHARD_CACHE_DIR": shard_cache_dir,
     }))
     if interpreter_dir is not None:
         env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
@@ -130,7 +138,7 @@ def rank_env(
 
 
 def _contract_env(event: GangAllocated, share: NodeAssignment, slot: RankAssignment, *, backend: str,
-                  artifact_root: Path, allocation_file: Path, events_file: Path) -> dict[str, str]:
+                  artifact_root: Path | ObjectPath, allocation_file: Path, events_file: Path) -> dict[str, str]:
     """The variables every rank gets (torch.distributed's and trainyard's rank contract)."""
     return {
         "RANK": str(slot.rank),

@@ -141,9 +141,11 @@ class NodeAgent:
         self.clock = clock
         self.redis = runtime.redis
         self.keys = AgentKeys(settings.node_id)
-        self.layout = ArtifactLayout(settings.artifact_root)
-        self.base_env = scrubbed(base_env)  # no broker/Redis addresses or credentials reach a rank
-        self.sandbox = Confinement(settings, self.layout)
+        self.layout = ArtifactLayout(settings.artifact_root)  # checkpoints, datasets: maybe an object store
+        self.node_layout = ArtifactLayout(settings.local_root)  # attempts' own files (logs, spools), on this node
+        # no broker/Redis addresses or credentials reach a rank, except those the operator passes on by name
+        self.base_env = scrubbed(base_env) | {k: base_env[k] for k in settings.rank_pass_env if k in base_env}
+        self.sandbox = Confinement(settings, self.layout, self.node_layout)
         self.backend = pick_backend(settings.backend, settings.device_type,
                                     has_nvidia_smi=shutil.which("nvidia-smi") is not None)
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
@@ -399,7 +401,7 @@ class NodeAgent:
             log.info("checkpoint request for %s already delivered; ignoring the duplicate", event.allocation_id)
             return
         first = fresh[0].rank
-        request_file = checkpoint_request_file(self.layout, first.tenant, first.job_id, first.attempt)
+        request_file = checkpoint_request_file(self.node_layout, first.tenant, first.job_id, first.attempt)
         atomic_write_bytes(request_file, event.to_bytes())
         log.info("checkpoint requested for %d rank(s) of %s (%s%s)", len(fresh), event.allocation_id, event.reason,
                  f", for {event.requested_by}" if event.requested_by else "")
@@ -468,7 +470,7 @@ class NodeAgent:
         own code (``spec.code``: its verified tree from the code cache, its entrypoint, cold)."""
         share = decision.share
         traceparent = current_traceparent()
-        attempt_dir = self.layout.attempt_dir(event.tenant, event.job_id, event.attempt)
+        attempt_dir = self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         atomic_write_bytes(allocation_file, event.to_bytes())
         code = event.spec.code
@@ -514,13 +516,13 @@ class NodeAgent:
 
     def _rank_record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
                      code: Code | None) -> rp.RankProcess:
-        events_file = self.layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
+        events_file = self.node_layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
         return rp.RankProcess(
             job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
             allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
-            pid=0, log_path=self.layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank),
+            pid=0, log_path=self.node_layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank),
             spool=SpoolReader(events_file), traceparent=traceparent,
-            exit_file=exit_file_for(self.layout, event.tenant, event.job_id, event.attempt, slot.rank),
+            exit_file=exit_file_for(self.node_layout, event.tenant, event.job_id, event.attempt, slot.rank),
             device_index=slot.device_index, code_archive=code.archive if code is not None else None,
             start_manifest_uri=event.start_checkpoint.manifest_uri if event.start_checkpoint else None,
         )
@@ -537,7 +539,7 @@ class NodeAgent:
         if code is not None and tree is not None:
             paths = rank_paths(self.layout, tenant=event.tenant, job_id=event.job_id, attempt=event.attempt,
                                rank=slot.rank, dataset=event.spec.dataset, code_dir=tree.root,
-                               working_dir=code.working_dir)
+                               working_dir=code.working_dir, node_layout=self.node_layout)
             if not paths.cwd.is_dir():
                 await supervisor.report_exit(CONFIG, "config",
                                              f"code.workingDir {code.working_dir!r} is not a directory of the "
@@ -571,14 +573,23 @@ class NodeAgent:
             artifact_root=self.layout.root, allocation_file=allocation_file, events_file=rank.spool.path,
             traceparent=rank.traceparent, cpu_threads=self._cpu_threads(len(share.ranks)),
             extra=self.settings.rank_env,
-            checkpoint_request_file=checkpoint_request_file(self.layout, event.tenant, event.job_id,
+            checkpoint_request_file=checkpoint_request_file(self.node_layout, event.tenant, event.job_id,
                                                             event.attempt),
+            node_state_dir=self.node_layout.root, shard_cache_dir=self._shard_cache_dir(event, slot),
             exit_note_file=rank.note_file,
             code_env=code.env if code is not None else None,
             code_dir=paths.code_dir if paths is not None else None,
             scratch_dir=paths.scratch if paths is not None else None,
             interpreter_dir=Path(sys.executable).parent if code is not None else None,
         )
+
+    def _shard_cache_dir(self, event: GangAllocated, slot: RankAssignment) -> Path:
+        """The node's shared shard cache; on a sandboxed node the rank's own, in its scratch directory (a
+        cached shard is trusted by its name: ranks of other jobs must not be able to plant one)."""
+        if self.sandbox.enforced:
+            attempt_dir = self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt)
+            return attempt_dir / "scratch" / f"rank-{slot.rank}" / "shard-cache"
+        return self.settings.shard_cache_path
 
     async def _started(self, supervisor: RankSupervisor) -> None:
         """A rank's process runs: note who it is, put it in the rank table, announce WorkerStarted, watch it."""
@@ -603,7 +614,7 @@ class NodeAgent:
     def _confined(self, event: GangAllocated, slot: RankAssignment, rank: rp.RankProcess, paths: RankPaths | None,
                   command: list[str]) -> Confined:
         """The rank's command in its sandbox (:mod:`confinement`; as it is on a trusted node)."""
-        attempt_dir = self.layout.attempt_dir(event.tenant, event.job_id, event.attempt)
+        attempt_dir = self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         return self.sandbox.confine(
             command, event, rank=slot.rank, events_file=rank.spool.path, exit_file=rank.exit_file,
             scratch=paths.scratch if paths is not None else attempt_dir / "scratch" / f"rank-{slot.rank}",

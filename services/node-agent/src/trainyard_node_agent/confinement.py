@@ -35,11 +35,15 @@ class Confined:
 class Confinement:
     """Ranks confined per ``settings.node_sandbox``; see :mod:`sandbox`."""
 
-    def __init__(self, settings: NodeAgentSettings, layout: ArtifactLayout) -> None:
+    def __init__(self, settings: NodeAgentSettings, layout: ArtifactLayout,
+                 node_layout: ArtifactLayout | None = None) -> None:
         self.mode = settings.node_sandbox
         self.first_uid, self.uid_count = settings.sandbox_first_uid, settings.sandbox_uid_count
         self.layout = layout
-        platform = tuple(p.resolve() for p in (layout.root, settings.code_cache_path, settings.agent_state_path.parent))
+        self.node_layout = node_layout or layout  # the attempts' own files (the artifact root when local)
+        local = [self.node_layout.root, settings.code_cache_path, settings.agent_state_path.parent,
+                 settings.shard_cache_path, *([] if layout.remote else [layout.root])]
+        platform = tuple(dict.fromkeys(p.resolve() for p in local))
         self.hidden = tuple(dict.fromkeys((*platform, *sb.host_hidden())))
         # the import path may lie under the agent user's home (a checkout there): bound back, read-only;
         # never anything of the platform's own paths
@@ -57,6 +61,12 @@ class Confinement:
                         "code under %s and signal any other rank on this node. Use this only for a node that runs "
                         "one tenant's trusted code", os.geteuid(), self.layout.root)
             return
+        if self.layout.remote:
+            raise ConfigError(
+                f"TRAINYARD_NODE_SANDBOX=enforce with the object-store artifact root {self.layout.root}: ranks "
+                "write their checkpoints to the store with credentials a sandbox cannot scope to the job's own "
+                "prefix, so it would not keep tenants apart. For a node that only ever runs one tenant's trusted "
+                "code, set TRAINYARD_NODE_SANDBOX=trusted-single-tenant (see docs/production.md, Object storage)")
         why = sb.check_host(first_uid=self.first_uid)
         if why is not None:
             raise ConfigError(
@@ -92,10 +102,11 @@ class Confinement:
         start = uri_to_path(event.start_checkpoint.manifest_uri).parent if event.start_checkpoint else None
         weights = start_weights(self.layout, event)
         view = sb.RankView(
-            attempt_dir=self.layout.attempt_dir(event.tenant, event.job_id, event.attempt),
+            attempt_dir=self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt),
             checkpoints=self.layout.checkpoints_dir(event.tenant, event.job_id), scratch=scratch,
             datasets=tuple(datasets) or (dataset_dir(self.layout, event.spec.dataset),), code_dir=code_dir,
-            cwd=cwd, start_checkpoint=start, start_weights=weights, calibration=self.layout.root.joinpath(*sb.CALIBRATION),
+            cwd=cwd, start_checkpoint=start, start_weights=weights,
+            calibration=self.node_layout.root.joinpath(*sb.CALIBRATION),
             runtime=self.runtime,
         )
         sb.apply_ownership(sb.ownership(view, events_file=events_file, exit_dir=exit_file.parent, uid=uid, gid=uid))

@@ -26,6 +26,7 @@ SecurityViolation) from a line that is merely unreadable (dead-lettered, nothing
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import uuid
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 from trainyard_common.events import CheckpointRefused, Event, ShardWritten, StepMetrics
+from trainyard_common.storage import ObjectPath, is_object_url
 
 __all__ = ["RANK_EVENTS", "Refusal", "Relay", "RankIdentity", "check_line", "inside"]
 
@@ -55,7 +57,7 @@ class RankIdentity:
     allocation_id: str
     epoch: int
     rank: int
-    checkpoints: str  # the job's checkpoint prefix: an absolute path
+    checkpoints: str  # the job's checkpoint prefix: an absolute path, or an object-store URL (s3://…)
     start_manifest_uri: str | None = None  # the allocation's start checkpoint (may be another job's: initFrom)
     traceparent: str | None = None  # the launch's trace context (the job's trace)
 
@@ -125,7 +127,10 @@ def check_line(record: Mapping[str, Any], who: RankIdentity, *, offset: int) -> 
 
 def inside(uri: str, prefix: str) -> bool:
     """Whether ``uri`` (a path or file:// URI) names something under the directory ``prefix``,
-    after ``..`` and repeated slashes are resolved (lexically: symlinks are the shell's to check)."""
+    after ``..`` and repeated slashes are resolved (lexically: symlinks are the shell's to check).
+    An object-store ``prefix`` (``s3://bucket/key``) takes URLs of the same scheme and bucket only."""
+    if is_object_url(prefix):
+        return _inside_object_prefix(uri, prefix)
     parsed = urlparse(uri)
     if parsed.scheme not in ("", "file") or (parsed.scheme == "file" and parsed.netloc not in ("", "localhost")):
         return False
@@ -134,6 +139,15 @@ def inside(uri: str, prefix: str) -> bool:
         return False
     base = os.path.normpath(prefix)
     return os.path.normpath(path).startswith(base.rstrip("/") + "/")
+
+
+def _inside_object_prefix(uri: str, prefix: str) -> bool:
+    scheme, sep, rest = uri.partition("://")
+    base = ObjectPath.parse(prefix)
+    if not sep or scheme != base.scheme or not rest.startswith(base.path.split("/", 1)[0] + "/"):
+        return False
+    key = posixpath.normpath("/" + rest).lstrip("/")  # ".." cannot climb out of the bucket
+    return key.startswith(base.path + "/")
 
 
 def _points_elsewhere(event: Event, who: RankIdentity) -> str | None:

@@ -13,6 +13,8 @@ from pydantic_settings import NoDecode
 
 from trainyard_common.settings import ServiceSettings
 
+DEFAULT_NODE_STATE_DIR = Path(".trainyard/node-state")
+
 
 class NodeAgentSettings(ServiceSettings):
     """One node: its identity, its devices and how ranks are launched on it."""
@@ -135,16 +137,57 @@ class NodeAgentSettings(ServiceSettings):
     agent_state_file: Path | None = Field(
         default=None,
         description="node-local copy of the rank table, read at start-up when Redis is down "
-                    "(default: <artifact_root>/nodes/<node_id>/agent-ranks.json)",
+                    "(default: <node state dir>/nodes/<node_id>/agent-ranks.json)",
+    )
+    node_state_dir: Path | None = Field(
+        default=None,
+        description="this node's own files: each attempt's directory (rank logs, event spools, exit notes, run "
+                    "records, checkpoint requests), the rank table, the code and shard caches. Default: the "
+                    "artifact root when it is a directory (nothing moves); with an object-store artifact root, "
+                    f"{DEFAULT_NODE_STATE_DIR}",
+    )
+    shard_cache_dir: Path | None = Field(
+        default=None,
+        description="where ranks keep verified copies of dataset shards they read from an object store, shared "
+                    "by this node's ranks (TRAINYARD_SHARD_CACHE_DIR of each rank; default: <agent state "
+                    "dir>/shard-cache). On a sandboxed node each rank caches in its own scratch directory instead",
+    )
+    rank_pass_env: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="names of variables of the agent's environment passed on to ranks although they look "
+                    "secret (scrubbed otherwise), comma-separated: e.g. AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,"
+                    "AWS_DEFAULT_REGION,AWS_ENDPOINT_URL_S3 for ranks that write checkpoints to an object store "
+                    "without an instance role. Every rank on the node can then read them",
     )
 
     @property
+    def local_root(self) -> Path:
+        """The root of this node's own files (:attr:`node_state_dir`, resolved)."""
+        if self.node_state_dir is not None:
+            return self.node_state_dir.expanduser().resolve()
+        if self.artifact_root_is_remote:
+            return DEFAULT_NODE_STATE_DIR.resolve()
+        return self.artifact_root_abs  # type: ignore[no-any-return]
+
+    @property
     def agent_state_path(self) -> Path:
-        return self.agent_state_file or self.artifact_root_abs / "nodes" / self.node_id / "agent-ranks.json"
+        return self.agent_state_file or self.local_root / "nodes" / self.node_id / "agent-ranks.json"
+
+    @property
+    def shard_cache_path(self) -> Path:
+        return self.shard_cache_dir or self.agent_state_path.parent / "shard-cache"
 
     @property
     def code_cache_path(self) -> Path:
         return self.code_cache_dir or self.agent_state_path.parent / "code-cache"
+
+    @field_validator("rank_pass_env", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [n.strip() for n in text.split(",") if n.strip()]
+        return value
 
     @field_validator("rank_command", mode="before")
     @classmethod

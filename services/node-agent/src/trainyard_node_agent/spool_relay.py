@@ -173,7 +173,10 @@ class SpoolRelay:
         )
 
     def _shard_files_stay_inside(self, event: ShardWritten, rank: RankProcess) -> Refusal | None:
-        """A shard under the job's prefix by name could still be a symlink out of it: resolve it."""
+        """A shard under the job's prefix by name could still be a symlink out of it: resolve it. (An object
+        store has no links: its keys were checked by name.)"""
+        if self.layout.remote:
+            return None
         prefix = os.path.realpath(self.layout.checkpoints_dir(rank.tenant, rank.job_id))
         for uri in (event.uri, *(f.uri for f in event.extra_files)):
             try:
