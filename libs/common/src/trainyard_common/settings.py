@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_common.errors import ConfigError
-from trainyard_common.storage import ObjectPath, as_location, is_object_url
+from trainyard_common.storage import as_location, root_setting
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -71,11 +71,7 @@ class ServiceSettings(BaseSettings):
     @field_validator("artifact_root", mode="before")
     @classmethod
     def _root_is_a_path_or_a_url(cls, value: object) -> object:
-        """An object-store URL stays a string (a Path would fold its ``//``); anything else is a Path."""
-        if isinstance(value, str) and is_object_url(value):
-            ObjectPath.parse(value)  # ValueError: reported against the variable
-            return value
-        return Path(value) if isinstance(value, str) else value
+        return root_setting(value)
 
     @property
     def artifact_root_abs(self) -> Any:

@@ -202,6 +202,16 @@ def is_object_url(value: object) -> bool:
     return len(scheme) > 1 and scheme != "file" and "://" in value
 
 
+def root_setting(value: object) -> object:
+    """An artifact-root setting as read (a pydantic ``before`` validator): an object-store URL stays a string
+    (a Path would fold its ``//``) once it parses (ValueError: reported against the variable); any other
+    string is a Path."""
+    if isinstance(value, str) and is_object_url(value):
+        ObjectPath.parse(value)
+        return value
+    return Path(value) if isinstance(value, str) else value
+
+
 def as_location(value: str | os.PathLike[str] | ObjectPath) -> Location:
     """A root, path or URI as a location: an object-store URL → :class:`ObjectPath`; a ``file://`` URI
     or a path → an absolute :class:`Path`."""

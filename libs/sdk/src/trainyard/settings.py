@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainyard_common.storage import ObjectPath, is_object_url
+from trainyard_common.storage import root_setting
 
 
 class RankSettings(BaseSettings):
@@ -110,11 +110,7 @@ class RankSettings(BaseSettings):
     @field_validator("artifact_root", mode="before")
     @classmethod
     def _root_is_a_path_or_a_url(cls, value: object) -> object:
-        """An object-store URL stays a string (a Path would fold its ``//``); anything else is a Path."""
-        if isinstance(value, str) and is_object_url(value):
-            ObjectPath.parse(value)  # ValueError: reported against the variable
-            return value
-        return Path(value) if isinstance(value, str) else value
+        return root_setting(value)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> RankSettings:

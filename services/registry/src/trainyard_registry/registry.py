@@ -206,14 +206,7 @@ class Registry:
             raw = path.read_bytes()
         except OSError:
             return VersionSeen(expected_dir=str(expected), manifest_path=str(path), inside=True)
-        try:
-            manifest: Any = json.loads(raw)
-        except ValueError:
-            manifest = None
-        files = {item.file: _file_seen(path.parent, item) for item in listed_files(manifest)
-                 if plain_file_name(item.file)}
-        return VersionSeen(expected_dir=str(expected), manifest_path=str(path), inside=True,
-                           sha256=hashlib.sha256(raw).hexdigest(), manifest=manifest, files=files)
+        return _version_seen(expected, path, raw, _file_seen)
 
     async def _record_dataset(self, record: DatasetRecord) -> DatasetRecord | None:
         """Record a verified version and stage its ArtifactRegistered in one MULTI; the version recorded
@@ -433,12 +426,17 @@ def _read_object_version(event: DatasetVersionPublished, expected: Any) -> Versi
         return VersionSeen(expected_dir=str(expected), manifest_path=str(location), inside=False)
     except OSError as exc:
         raise StateStoreError(f"cannot read {location}: {exc}", retryable=True) from exc
+    return _version_seen(expected, location, raw, _object_seen)
+
+
+def _version_seen(expected: Any, location: Any, raw: bytes, seen: Callable[[Any, Any], FileSeen]) -> VersionSeen:
+    """A manifest found where it belongs (``raw``, at ``location``), and what ``seen`` finds of each plain file it
+    lists next to it (on disk or in the store)."""
     try:
         manifest: Any = json.loads(raw)
     except ValueError:
         manifest = None
-    files = {item.file: _object_seen(location.parent, item) for item in listed_files(manifest)
-             if plain_file_name(item.file)}
+    files = {item.file: seen(location.parent, item) for item in listed_files(manifest) if plain_file_name(item.file)}
     return VersionSeen(expected_dir=str(expected), manifest_path=str(location), inside=True,
                        sha256=hashlib.sha256(raw).hexdigest(), manifest=manifest, files=files)
 
