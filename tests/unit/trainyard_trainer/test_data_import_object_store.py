@@ -110,3 +110,21 @@ def test_an_existing_version_with_a_corrupted_shard_is_an_error_not_overwritten(
     with pytest.raises(DataError, match=r"exists but does not verify: shard-00001.bin sha256 .* does not match"):
         build(s3_root, inputs, "v3")
     assert read_bytes(shard) == bytes(data)  # a published version is never rewritten
+
+
+def test_the_command_imports_to_an_object_store_and_says_what_to_use_for_the_rest(
+    s3_root: str, inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainyard_common import exitcodes
+    from trainyard_trainer.data_cli import main
+
+    corpus, tokenizer = inputs
+    root = f"{s3_root}/cli"
+    assert main(["import", "--name", "mine", "--version", "v1", "--artifact-root", root, "--workers", "1",
+                 "--tokenizer", str(tokenizer), "--no-progress", str(corpus)]) == exitcodes.OK
+    out = json.loads(capsys.readouterr().out)
+    manifest = ObjectPath.parse(f"{root}/datasets/mine/v1/manifest.json")
+    assert out["manifestUri"] == str(manifest) and out["sha256"] == sha256_of(manifest)
+    assert main(["verify", "--name", "mine", "--version", "v1", "--artifact-root", root]) == exitcodes.ERROR
+    err = capsys.readouterr().err
+    assert "trainyard-data import" in err and "Traceback" not in err

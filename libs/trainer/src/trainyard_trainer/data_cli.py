@@ -25,7 +25,7 @@ from trainyard_common.errors import TrainyardError
 from trainyard_common.events import dataset_key
 from trainyard_common.exitcodes import DATA, ERROR, OK
 from trainyard_common.settings import ServiceSettings, load_settings
-from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
+from trainyard_common.storage import ArtifactLayout, Location, ObjectPath, as_location, location_uri, sha256_file
 
 from trainyard_trainer.data import (
     DEFAULT_SHARD_TOKENS,
@@ -57,8 +57,9 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
         else:
             p.add_argument("--name", default="tinycorpus", help="the dataset's name (default: tinycorpus)")
             p.add_argument("--version", default="v1", help="its version (default: v1)")
-        p.add_argument("--artifact-root", type=Path, default=default_root,
-                       help=f"the artifact store's root (default: {default_root}; TRAINYARD_ARTIFACT_ROOT sets it)")
+        p.add_argument("--artifact-root", type=as_location, default=default_root,
+                       help=f"the artifact store's root: a directory or an s3://bucket/prefix URL (default: "
+                            f"{default_root}; TRAINYARD_ARTIFACT_ROOT sets it)")
         if command != "prepare":
             p.add_argument("--tenant", type=_tenant, default=None,
                            help="the owning tenant: its files go under tenants/<tenant>/datasets/ "
@@ -105,7 +106,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def run_import(args: argparse.Namespace) -> tuple[Path, str, DatasetManifest]:
+def run_import(args: argparse.Namespace) -> tuple[Location, str, DatasetManifest]:
     from trainyard_trainer.data_import import ImportOptions, import_dataset
 
     options = ImportOptions(text_field=args.text_field, column=args.column, skip_bad=args.skip_bad,
@@ -116,11 +117,11 @@ def run_import(args: argparse.Namespace) -> tuple[Path, str, DatasetManifest]:
     return result.manifest_path, result.sha256, result.manifest
 
 
-def _summary(manifest_path: Path, sha256: str, manifest: DatasetManifest) -> str:
+def _summary(manifest_path: Location, sha256: str, manifest: DatasetManifest) -> str:
     return json.dumps({
         "name": manifest.name,
         "version": manifest.version,
-        "manifestUri": path_to_uri(manifest_path),
+        "manifestUri": location_uri(manifest_path),
         "sha256": sha256,
         "tokenizer": manifest.tokenizer.version,
         "numTokens": manifest.num_tokens,
@@ -136,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(ServiceSettings)
     args = _parser(settings.artifact_root_abs).parse_args(argv)
     try:
+        if args.command != "import" and isinstance(args.artifact_root, ObjectPath):
+            print(f"error: `{args.command}` works on a directory; for an object store ({args.artifact_root}) build "
+                  "the version with `trainyard-data import --artifact-root s3://…` (it checks every object as it "
+                  "uploads) and let the registry verify what is published", file=sys.stderr)
+            return ERROR
         if args.command == "prepare":
             path, sha, manifest = prepare_dataset(
                 args.artifact_root, args.name, args.version,
