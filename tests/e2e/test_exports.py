@@ -89,8 +89,16 @@ def job(stack: LocalStack, feed: RegistryFollower) -> dict[str, Any]:
         assert state == "succeeded"
         feed.wait(lambda: feed.events(eventType="ArtifactRetired", jobId=job_id), timeout_s=120,
                   what="step 10's retirement (keepLast 3)")
-        body = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
-    return {"id": job_id, "artifacts": {(a["type"], a["globalStep"]): a for a in body["artifacts"]}}
+        # the model artifact comes from JobStateChanged (the jobs topic), the retirement from the checkpoints
+        # topic: neither waits for the other
+        deadline = time.monotonic() + 120
+        while True:
+            body = client.get("/v1/registry/artifacts", params={"jobId": job_id}).raise_for_status().json()
+            artifacts = {(a["type"], a["globalStep"]): a for a in body["artifacts"]}
+            if any(kind == "model" for kind, _ in artifacts) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    return {"id": job_id, "artifacts": artifacts}
 
 
 def wait_export(client: httpx.Client, export_id: str, timeout_s: float = 300) -> dict[str, Any]:
