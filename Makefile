@@ -60,7 +60,7 @@ test: deps ## install what is missing, start what tests need, run the test suite
 test-unit: venv ## unit tests only (no broker, no redis)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-long: deps ## the long property-based and stateful runs
+test-long: deps ## the long runs: property-based and stateful, the long simulation, 50 Redis failovers under allocation load
 	TRAINYARD_LONG_TESTS=1 $(BIN)/python -m pytest -m "long or not chaos" $(PYTEST_ARGS)
 
 chaos: deps ## the chaos suite, long run
