@@ -33,7 +33,8 @@ elif [[ " ${need[*]} " == *" redis-server "* ]]; then
   echo "or point TRAINYARD_REDIS_URL at an existing Redis server." >&2
   exit 1
 else
-  # only optional parts are missing: their tests skip and say why; the stack runs without them
-  echo "trainyard: not installed (not root): ${need[*]} — the browser, Prometheus and Sentinel tests skip and" \
-       "make observe / TRAINYARD_REDIS_HA need them; sudo apt-get install -y ${need[*]}" >&2
+  # no redis-server is missing: the stack runs; the browser tests fail saying what to install, the Prometheus
+  # tests skip, the Sentinel tests fall back to redis-server --sentinel
+  echo "trainyard: not installed (not root): ${need[*]} — the browser tests, make observe and" \
+       "TRAINYARD_REDIS_HA need them: sudo apt-get install -y ${need[*]}" >&2
 fi
