@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import kubernetes_validate  # requirements-dev.txt
 import pytest
 import yaml
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (requirements-dev.txt)")
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"

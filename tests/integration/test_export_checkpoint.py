@@ -43,7 +43,7 @@ from tests.integration.test_trainer_ranks import (
 )
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 - after the offline switch above
 
 STEPS = 2
 LLAMA = {"architecture": "llama", "vocabSize": 1024, "nLayers": 2, "nHeads": 4, "nKvHeads": 2, "dModel": 64,

@@ -226,8 +226,8 @@ def test_import_trains_a_tokenizer_when_none_is_given(tmp_path: Path, corpus: Pa
 
 
 def test_parquet_column(tmp_path: Path, tokenizer_file: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     pq.write_table(pa.table({"body": DOCS[:30], "n": list(range(30))}), tmp_path / "p.parquet")
     result = build(tmp_path / "root", [str(tmp_path / "p.parquet")], tokenizer_file, column="body")
     assert decoded_documents(result.manifest_path) == DOCS[:30]
@@ -237,14 +237,14 @@ def test_parquet_column(tmp_path: Path, tokenizer_file: Path) -> None:
 
 
 def test_zstd_input(tmp_path: Path, tokenizer_file: Path) -> None:
-    zstandard = pytest.importorskip("zstandard")
+    import zstandard
     path = tmp_path / "z.jsonl.zst"
     path.write_bytes(zstandard.ZstdCompressor().compress(jsonl([{"text": t} for t in DOCS[:10]])))
     assert decoded_documents(build(tmp_path / "root", [str(path)], tokenizer_file).manifest_path) == DOCS[:10]
 
 
 def test_fsspec_url_input(tmp_path: Path, tokenizer_file: Path) -> None:
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
     fs = fsspec.filesystem("memory")
     fs.pipe("/trainyard-test/corpus/x.jsonl", jsonl([{"text": t} for t in DOCS[:12]]))
     try:
@@ -354,7 +354,7 @@ def test_cli_import_prints_the_summary_and_errors_without_traceback(
 
 
 def test_truncated_zstd_is_an_error_not_a_short_file(tmp_path: Path, tokenizer_file: Path) -> None:
-    zstandard = pytest.importorskip("zstandard")
+    import zstandard
     frame = zstandard.ZstdCompressor().compress(jsonl([{"text": t} for t in DOCS]))
     two_frames = tmp_path / "ok" / "two.jsonl.zst"
     two_frames.parent.mkdir()

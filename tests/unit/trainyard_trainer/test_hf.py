@@ -27,7 +27,7 @@ from trainyard_trainer.model import GPT, Llama, build_model
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing leaves this machine
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 - after the offline switches above
 
 GPT_SMALL = ModelConfig(vocab_size=300, n_layers=2, n_heads=4, d_model=32, d_ff=48, max_seq_len=24)
 LLAMA_GQA = ModelConfig(architecture="llama", vocab_size=300, n_layers=2, n_heads=6, n_kv_heads=2, d_model=48,

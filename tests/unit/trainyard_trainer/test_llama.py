@@ -83,7 +83,7 @@ def test_sequence_longer_than_max_is_refused() -> None:
 def hf_twin(config: ModelConfig, model: Llama) -> torch.nn.Module:
     """transformers' LlamaForCausalLM of the same shape (built offline), with ``model``'s weights
     copied across by name."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf_config = transformers.LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_width,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
