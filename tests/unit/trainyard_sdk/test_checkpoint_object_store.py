@@ -206,15 +206,6 @@ def test_two_ranks_save_to_s3_verify_commit_restore_bitwise_and_refuse_a_corrupt
     assert list_children(directory) == [] and list_directories(checkpoints, now=1e12) == []
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_async_save_to_s3_reports_streamed_digests_and_never_overwrites_a_committed_checkpoint(
     s3_root: str, world_of_one: None
 ) -> None:

@@ -1,6 +1,5 @@
 """The checkpoint protocol in one process (a world of one gloo rank): save, verify, restore."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,15 +51,6 @@ def test_check_restorable() -> None:
 
 
 # ----------------------------------------------------------------------------- a one-rank world
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def make_state(seed: int):

@@ -128,17 +128,6 @@ def test_hf_names() -> None:
     assert hf_llama_name("lm_head.weight") == "lm_head.weight"
 
 
-@pytest.fixture
-def world_of_one(tmp_path) -> object:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(("sharding", "checkpointing"), [("ddp", False), ("ddp", True), ("zero1", True), ("zero2", False), ("fsdp", True)])
 def test_data_parallel_wrappers_and_activation_checkpointing_keep_the_gradients(
         world_of_one: None, sharding: str, checkpointing: bool) -> None:

@@ -1,11 +1,8 @@
 """The parallel plan (pure), the gradient norm across layouts, ZeRO-1 state, pipeline splits."""
 
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainyard_common.catalog import ModelConfig
 from trainyard_common.errors import ConfigError
@@ -144,15 +141,6 @@ def test_clip_grad_norm_matches_torch() -> None:
 
 
 # ----------------------------------------------------------------------------- a world of one
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def spec() -> TrainingSpec:

@@ -1,11 +1,9 @@
 """One optimizer step in a one-rank world: accumulation, reporting, and NaN handling."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainyard_common.catalog import ModelConfig
 from trainyard_common.spec import LrSchedule, TrainingSpec
@@ -17,15 +15,6 @@ from trainyard_trainer.training import NonFiniteError, build_optimizer, train_st
 
 CPU = Runtime(torch.device("cpu"), "gloo", None)
 CONFIG = ModelConfig(vocab_size=30, n_layers=1, n_heads=2, d_model=8, max_seq_len=8)
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def spec(optimizer: str = "adamw") -> TrainingSpec:
