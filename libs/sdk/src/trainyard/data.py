@@ -48,13 +48,17 @@ from trainyard_common.errors import DataError
 from trainyard_common.events import utcnow
 from trainyard_common.storage import (
     ArtifactLayout,
+    Location,
     ObjectPath,
     as_location,
     atomic_write_bytes,
-    is_object_url,
     fsync_dir,
+    is_file,
+    is_object_url,
     read_bytes,
     sha256_file,
+    sha256_of,
+    stat_size,
     upload_file,
 )
 
@@ -181,19 +185,20 @@ def load_dataset_manifest(path: Path | str | ObjectPath) -> DatasetManifest:
         raise DataError(f"dataset manifest {path} is malformed: {exc}") from exc
 
 
-def verify_dataset(directory: Path, manifest: DatasetManifest) -> list[str]:
-    """Every problem with the tokenizer and shard files of ``manifest``; empty when intact."""
+def verify_dataset(directory: Location, manifest: DatasetManifest) -> list[str]:
+    """Every problem with the tokenizer and shard files of ``manifest`` in ``directory`` (a directory, or a
+    prefix in an object store: sizes listed, sha256 streamed); empty when intact."""
     files = [(manifest.tokenizer.file, None, manifest.tokenizer.sha256)] + [
         (s.file, s.size_bytes, s.sha256) for s in manifest.shards
     ]
     problems = []
     for name, size, sha in files:
-        path = directory / name
-        if not path.is_file():
+        location = directory / name
+        if not is_file(location):
             problems.append(f"{name} is missing")
-        elif size is not None and (actual := path.stat().st_size) != size:
+        elif size is not None and (actual := stat_size(location)) != size:
             problems.append(f"{name} has {actual} bytes, manifest says {size}")
-        elif (digest := sha256_file(path)) != sha:
+        elif (digest := sha256_of(location)) != sha:
             problems.append(f"{name} sha256 {digest[:12]}… does not match manifest {sha[:12]}…")
     return problems
 

@@ -69,7 +69,6 @@ from trainyard_common.storage import (
     remove_tree,
     sha256_file,
     sha256_of,
-    stat_size,
     upload,
 )
 
@@ -988,7 +987,7 @@ def _existing(directory: Location, files: Sequence[InputFile], tok: _Tokenizer |
     manifest_path = directory / MANIFEST_FILE
     manifest = load_dataset_manifest(manifest_path)
     label = f"dataset {manifest.name}@{manifest.version}"
-    if problems := _problems(directory, manifest):
+    if problems := verify_dataset(directory, manifest):
         raise DataError(f"{label} at {directory} exists but does not verify: " + "; ".join(problems))
     differences = []
     if tok is not None and hashlib.sha256(tok.file_bytes).hexdigest() != manifest.tokenizer.sha256:
@@ -999,22 +998,3 @@ def _existing(directory: Location, files: Sequence[InputFile], tok: _Tokenizer |
         raise DataError(f"{label} already exists, built from {' and '.join(differences)}; "
                         "a published version is immutable: import under a new --version")
     return ImportResult(manifest_path, sha256_of(manifest_path), manifest, created=False)
-
-
-def _problems(directory: Location, manifest: DatasetManifest) -> list[str]:
-    """:func:`verify_dataset`, also for a version in an object store (sizes listed, sha256 streamed)."""
-    if not isinstance(directory, ObjectPath):
-        return verify_dataset(directory, manifest)
-    files = [(manifest.tokenizer.file, None, manifest.tokenizer.sha256)] + [
-        (s.file, s.size_bytes, s.sha256) for s in manifest.shards
-    ]
-    problems = []
-    for name, size, sha in files:
-        location = directory / name
-        if (actual := stat_size(location)) is None:
-            problems.append(f"{name} is missing")
-        elif size is not None and actual != size:
-            problems.append(f"{name} has {actual} bytes, manifest says {size}")
-        elif (digest := sha256_of(location)) != sha:
-            problems.append(f"{name} sha256 {digest[:12]}… does not match manifest {sha[:12]}…")
-    return problems
