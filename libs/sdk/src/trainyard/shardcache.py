@@ -26,12 +26,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from trainyard_common.errors import DataError
-from trainyard_common.storage import CHUNK, HashingWriter, Location, ObjectPath, object_filesystem
+from trainyard_common.storage import HashingWriter, Location, iter_chunks
 
 __all__ = ["ShardCache", "ShardCacheMetrics", "error_kind"]
 
@@ -134,7 +133,8 @@ class ShardCache:
             with open(tmp, "wb") as out:
                 hashing = HashingWriter(out)
                 try:
-                    _copy(source, hashing)
+                    for chunk in iter_chunks(source):
+                        hashing.write(chunk)
                 except OSError as exc:
                     self.metrics.errors.labels(self.rank, error_kind(exc)).inc()
                     raise DataError(f"cannot fetch dataset shard {source}: {exc}", retryable=True) from exc
@@ -158,13 +158,3 @@ def _has(path: Path, size_bytes: int) -> bool:
     except FileNotFoundError:
         return False
 
-
-def _copy(source: Location, out: Any) -> None:
-    if isinstance(source, ObjectPath):
-        with object_filesystem(source).open(source.path, "rb", block_size=CHUNK, cache_type="none") as fh:
-            while chunk := fh.read(CHUNK):
-                out.write(chunk)
-        return
-    with open(source, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            out.write(chunk)
