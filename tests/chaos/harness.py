@@ -373,7 +373,9 @@ class ChaosRig:
                         with contextlib.suppress(ValueError, KeyError):
                             payload = json.loads(raw)["payload"]
                             if payload.get("eventType") == "ShardWritten":
-                                time.sleep(self.rng.uniform(0.0, 0.3))
+                                # a random moment inside the window, which is short on an idle host (ranks
+                                # relay their shards within milliseconds; READY follows the last one)
+                                time.sleep(self.rng.uniform(0.0, 0.05))
                                 return f"{job_id}/{checkpoint_id(int(payload['globalStep']), attempt)}"
             time.sleep(0.02)
         return None
