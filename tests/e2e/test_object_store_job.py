@@ -41,9 +41,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, store: str) -> Iterator[Loca
         kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
         nodes=1, devices_per_node=2, ready_timeout_s=120, drain_timeout_s=0, artifact_store=store,
     )
-    port = infra.free_port()  # rendezvous ports of its own: another stack on this host uses the default range
+    port = infra.free_ports(101)  # rendezvous ports of its own: another stack on this host uses the default range
     stack = LocalStack(settings, extra_env={"TRAINYARD_RENDEZVOUS_PORT_MIN": str(port),
-                                            "TRAINYARD_RENDEZVOUS_PORT_MAX": str(min(port + 100, 65535))})
+                                            "TRAINYARD_RENDEZVOUS_PORT_MAX": str(port + 100)})
     try:
         stack.up()
         prepare_and_publish(stack)  # `trainyard dev data`: built in the stack's directory, uploaded, verified

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.chaos.invariants import LeaseOp, check_fencing, check_leases_released, check_no_double_booking
-from tests.support.redisha import free_port_run, kill_stack_primary
+from tests.support.redisha import kill_stack_primary
 from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import SERVICES, LocalStack, StackSettings
@@ -48,7 +48,7 @@ def stack(tmp_path: Path) -> Iterator[LocalStack]:
     ports = dict(kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
                  redis_replica_port=infra.free_port())
     settings = StackSettings(
-        state_dir=tmp_path / ".trainyard", redis_ha=True, redis_sentinel_port=free_port_run(3, avoid=ports.values()),
+        state_dir=tmp_path / ".trainyard", redis_ha=True, redis_sentinel_port=infra.free_ports(3),
         nodes=2, devices_per_node=4, ready_timeout_s=180, drain_timeout_s=0, **ports,
     )
     # straggler detection off: a rank slowed by the failover (or by a shared CI host) is not what this is about
@@ -56,9 +56,11 @@ def stack(tmp_path: Path) -> Iterator[LocalStack]:
     try:
         stack.up()
         yield stack
-    finally:
-        stopped = stack.down()
-        assert {"redis-sentinel-%d" % (settings.redis_sentinel_port + i) for i in range(3)} <= set(stopped)
+    except BaseException:
+        stack.down()  # what failed is the error to see, not what down stopped
+        raise
+    stopped = stack.down()
+    assert {"redis-sentinel-%d" % (settings.redis_sentinel_port + i) for i in range(3)} <= set(stopped)
 
 
 def redis_do(stack: LocalStack, fn: Callable[[Any], Awaitable[T]]) -> T:

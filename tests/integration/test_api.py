@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 
 from trainyard_api import ApiServer, ApiSettings
+from trainyard_cli import infra
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_common import events as ev
@@ -339,14 +339,8 @@ async def test_cancel_and_pause_publish_control_requests_and_a_finished_job_is_4
 # ----------------------------------------------------------------------------- the process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_the_api_process_serves_refuses_a_taken_port_and_stops_cleanly_on_sigterm(env: dict) -> None:
-    port = _free_port()
+    port = infra.free_port()
     environ = {**os.environ, **env_vars(env), "TRAINYARD_API_PORT": str(port), "TRAINYARD_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen([sys.executable, "-m", "trainyard_api"], env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -36,6 +36,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from trainyard_cli import infra
 from trainyard_common import exitcodes
 from trainyard_common.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
 from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
@@ -49,12 +50,6 @@ MAX_STEPS = 6
 EVERY = 2
 TENANT = "acme"
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_spec() -> TrainingSpec:
@@ -97,7 +92,7 @@ def run_attempt(
     (``during(procs, layout)`` runs once they are all started)."""
     spec = spec or small_spec()
     layout = ArtifactLayout(root)
-    port = free_port()
+    port = infra.free_port()
     allocation = GangAllocated(
         job_id=job_id, tenant=TENANT, attempt=attempt, allocation_id=f"alloc-{attempt}", epoch=attempt,
         world_size=world, master_addr="127.0.0.1", master_port=port, start_checkpoint=start,

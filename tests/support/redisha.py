@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,17 +24,6 @@ def redis_ha(root: Path) -> Iterator[redisha.RedisHA]:
         yield ha
     finally:
         ha.stop()
-
-
-def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50, *, avoid: Collection[int] = ()) -> int:
-    """The first of ``n`` consecutive free ports, none of them in ``avoid`` (ports already chosen but not yet
-    bound): a stack's Sentinels take TRAINYARD_REDIS_SENTINEL_PORT and the next ones."""
-    for _ in range(tries):
-        first = infra.free_port(host)
-        run = range(first, first + n)
-        if first + n < 65536 and not set(run) & set(avoid) and not any(infra.port_in_use(p, host) for p in run[1:]):
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports found in {tries} tries")
 
 
 def kill_stack_primary(stack: LocalStack, timeout_s: float = 60.0) -> tuple[int, int]:

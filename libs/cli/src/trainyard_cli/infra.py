@@ -8,6 +8,7 @@ first (a taken port is a clear error, not a hang) and waits until the server ans
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -35,10 +36,60 @@ class Launched:
                 self.process.wait(5)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_handed_out: set[int] = set()  # ports this process chose already (not yet bound by whoever asked)
+# the scheduler's default rendezvous ports (TRAINYARD_RENDEZVOUS_PORT_MIN/MAX): ranks bind them later
+_RENDEZVOUS_DEFAULT = range(29400, 30000)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local port of outgoing connections (and of ``bind(0)``)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int, host: str) -> bool:
+    """Nothing listens on ``port`` and no connection uses it as its local port (a bind without
+    SO_REUSEADDR fails for both, and for a connection still in TIME_WAIT)."""
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1", tries: int = 200) -> int:
+    """The first of ``n`` consecutive free ports, chosen outside the ephemeral range.
+
+    ``bind(0)`` hands out ports from the range the kernel also takes the local port of every outgoing
+    connection from: between choosing such a port and a server binding it, any client on the host (a
+    test's HTTP or Kafka connection) may take it, and the server fails with EADDRINUSE. Ports below the
+    range are never taken that way; a random start (and this process's memory of the ports it chose)
+    keeps parallel test workers apart."""
+    low, _high = _ephemeral_range()
+    lo = 10000 if low > 12000 else 1024
+    hi = low - n if low - n > lo else 65535 - n
+    rng = random.SystemRandom()
+    for _ in range(tries):
+        first = rng.randint(lo, hi)
+        run = range(first, first + n)
+        if (not _handed_out.intersection(run) and not _overlap(run, _RENDEZVOUS_DEFAULT)
+                and all(_bindable(p, host) for p in run)):
+            _handed_out.update(run)
+            return first
+    raise InfrastructureError(f"no {n} consecutive free port(s) found on {host} in {tries} tries")
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port outside the ephemeral range (see :func:`free_ports`)."""
+    return free_ports(1, host)
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

@@ -276,9 +276,11 @@ class LocalStack:
         self.say(f"starting Redis with failover: redis-server on :{ha.ports[0]} and :{ha.ports[1]} (AOF, fsync "
                  f"always; one replicates the other), redis-sentinel on :{', :'.join(map(str, ha.sentinel_ports))}")
         redisacl.write_acl_file(ha.root / "users.acl", redisacl.load_or_create(self.redis_users_file))
-        ha.start(skip=[n for n in names if n in alive])
-        for launched in (*ha.servers.values(), *ha.sentinels.values()):
-            self._record(launched.name, launched.process.pid)
+        try:
+            ha.start(skip=[n for n in names if n in alive])
+        finally:  # what did start is recorded even when the rest failed: `make down` stops it
+            for launched in (*ha.servers.values(), *ha.sentinels.values()):
+                self._record(launched.name, launched.process.pid)
 
     def _wait_for_stopping_agents(self, alive: set[str]) -> set[str]:
         """Node agents still running but stopping (SIGTERM-ed: their node is drained by their own incarnation)
