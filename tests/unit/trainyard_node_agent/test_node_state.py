@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from trainyard.settings import RankSettings
 from trainyard_common.errors import ConfigError
 from trainyard_common.storage import ArtifactLayout, ObjectPath
 from trainyard_node_agent.admission import rank_env
@@ -62,3 +63,18 @@ def test_ranks_are_told_the_store_and_the_nodes_directories(tmp_path: Path) -> N
     assert env["TRAINYARD_ARTIFACT_ROOT"] == "s3://bucket/prefix"
     assert env["TRAINYARD_NODE_STATE_DIR"] == str(tmp_path / "state")
     assert env["TRAINYARD_SHARD_CACHE_DIR"] == str(tmp_path / "cache")
+
+
+def test_ranks_are_told_the_shard_caches_bounds_and_read_them(tmp_path: Path) -> None:
+    event = gang()
+    share = event.nodes[0]
+    common = dict(base_env={}, backend="gloo", artifact_root=ObjectPath.parse("s3://bucket/prefix"),
+                  allocation_file=tmp_path / "a.json", events_file=tmp_path / "e.jsonl", traceparent=None,
+                  node_state_dir=tmp_path / "state", shard_cache_dir=tmp_path / "cache")
+    env = rank_env(event, share, share.ranks[0], shard_cache_bounds=(50.0, 2.5), **common)
+    assert (env["TRAINYARD_SHARD_CACHE_MAX_GB"], env["TRAINYARD_SHARD_CACHE_MIN_FREE_GB"]) == ("50.0", "2.5")
+    rank = RankSettings.model_validate(env)
+    assert (rank.shard_cache_max_gb, rank.shard_cache_min_free_gb) == (50.0, 2.5)
+    unbounded = rank_env(event, share, share.ranks[0], shard_cache_bounds=(None, 1.0), **common)
+    assert "TRAINYARD_SHARD_CACHE_MAX_GB" not in unbounded
+    assert RankSettings.model_validate(unbounded).shard_cache_max_gb is None

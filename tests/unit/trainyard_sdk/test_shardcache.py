@@ -4,9 +4,11 @@ read from an s3:// prefix (moto's server) through it."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.objectstore import moto_s3
 from trainyard.data import TokenDataset, prepare_dataset, stdlib_root
-from trainyard.shardcache import ShardCache, ShardCacheMetrics, error_kind
+from trainyard.shardcache import CachedShard, ShardCache, ShardCacheMetrics, error_kind, plan_evictions
 from trainyard_common.errors import DataError
 from trainyard_common.storage import ObjectPath, commit_bytes
 
@@ -184,3 +186,121 @@ def test_a_dataset_version_is_uploaded_manifest_last_once_and_never_replaced(tmp
         with pytest.raises(DataError, match="immutable"):
             upload_dataset(other / "datasets" / "mini" / "v1", remote)
     assert len(manifest.shards) >= 2
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def cached(*entries: tuple[str, int, float]) -> list[CachedShard]:
+    return [CachedShard(sha, size, used) for sha, size, used in entries]
+
+
+@pytest.mark.parametrize(("budget", "free", "floor", "keep", "expected"), [
+    (None, 10_000, 0, set(), []),                       # no budget, plenty of disk: nothing
+    (3000, 10_000, 0, set(), []),                       # 2000 + 1000 fits 3000 exactly
+    (2500, 10_000, 0, set(), ["a"]),                    # 500 over: the least recently used goes
+    (1500, 10_000, 0, set(), ["a", "b"]),               # 1500 over: both
+    (2500, 10_000, 0, {"a"}, ["b"]),                    # a is in use: the next one instead
+    (1500, 10_000, 0, {"a", "b"}, []),                  # only shards in use: over budget rather than fail
+    (None, 1_500, 1_000, set(), ["a"]),                 # 1500 free - 1000 incoming < the 1000 floor: 500 short
+    (None, 1_500, 2_000, set(), ["a", "b"]),            # 1500 short: both
+    (2500, 1_500, 2_000, set(), ["a", "b"]),            # the larger of the two needs rules
+])
+def test_plan_evictions(budget: int | None, free: int, floor: int, keep: set[str], expected: list[str]) -> None:
+    shards = cached(("b", 1000, 20.0), ("a", 1000, 10.0))
+    assert plan_evictions(shards, incoming=1000, max_bytes=budget, free_bytes=free, min_free_bytes=floor,
+                          keep=keep) == expected
+
+
+def test_equal_times_evict_in_a_stable_order() -> None:
+    shards = cached(("b", 10, 5.0), ("a", 10, 5.0), ("c", 10, 5.0))
+    assert plan_evictions(shards, incoming=10, max_bytes=20, free_bytes=10**9, min_free_bytes=0,
+                          keep=()) == ["a", "b"]
+
+
+def used_at(cache: ShardCache, sha: str, when: float) -> None:
+    os.utime(cache.path_of(sha), (when, when))
+
+
+def test_a_fill_over_the_budget_deletes_the_least_recently_used_shard(
+    tmp_path: Path, registry: CollectorRegistry
+) -> None:
+    (a, sha_a), (b, sha_b), (c, sha_c) = (shard(tmp_path, bytes([n]) * 1000, f"s{n}.bin") for n in range(3))
+    with ShardCache(tmp_path / "cache", rank=1, max_bytes=2500, min_free_bytes=0, keep_recent=1,
+                    metrics=ShardCacheMetrics.of(registry)) as cache:
+        cache.get(a, sha_a, 1000)
+        cache.get(b, sha_b, 1000)
+        used_at(cache, sha_a, 1_000.0)
+        used_at(cache, sha_b, 2_000.0)
+        cache.get(a, sha_a, 1000)  # a hit marks a used now: b is now the least recently used
+        cache.get(c, sha_c, 1000)
+        assert sorted(p.name for p in cache.directory.iterdir()) == sorted(f"{s}.bin" for s in (sha_a, sha_c))
+        assert value(registry, "trainyard_shard_cache_evictions_total", rank="1") == 1
+        assert value(registry, "trainyard_shard_cache_bytes", rank="1") == 2000
+        assert cache.get(b, sha_b, 1000).read_bytes() == b"\x01" * 1000  # fetched again when read again
+
+
+def test_shards_in_use_are_kept_over_the_budget_and_the_fetch_goes_ahead(
+    tmp_path: Path, registry: CollectorRegistry
+) -> None:
+    sources = [shard(tmp_path, bytes([n]) * 1000, f"s{n}.bin") for n in range(3)]
+    with ShardCache(tmp_path / "cache", max_bytes=1500, min_free_bytes=0, keep_recent=3,
+                    metrics=ShardCacheMetrics.of(registry)) as cache:
+        for source, sha in sources:
+            assert cache.get(source, sha, 1000).read_bytes() == source.read_bytes()
+        assert len(list(cache.directory.glob("*.bin"))) == 3
+        assert value(registry, "trainyard_shard_cache_evictions_total", rank="0") == 0
+
+
+def test_the_free_disk_floor_evicts_what_is_not_in_use(tmp_path: Path, registry: CollectorRegistry) -> None:
+    sources = [shard(tmp_path, bytes([n]) * 100, f"s{n}.bin") for n in range(4)]
+    with ShardCache(tmp_path / "cache", min_free_bytes=10**18, keep_recent=2,  # a floor no disk meets
+                    metrics=ShardCacheMetrics.of(registry)) as cache:
+        for source, sha in sources:
+            cache.get(source, sha, 100)
+        # each fill deleted every shard but the two last used (the one being fetched is one of them)
+        assert sorted(p.name for p in cache.directory.iterdir()) == sorted(f"{sha}.bin" for _, sha in sources[2:])
+        assert value(registry, "trainyard_shard_cache_evictions_total", rank="0") == 2
+
+
+def test_temporary_files_of_dead_fetches_are_deleted_and_live_ones_kept(tmp_path: Path, cache: ShardCache) -> None:
+    dead = cache.directory / f".{'a' * 64}.bin.999999999-0f0f0f0f"  # above any pid_max: no such process
+    live = cache.directory / f".{'b' * 64}.bin.{os.getpid()}-0f0f0f0f"
+    odd = cache.directory / ".not-a-fetch"
+    for path in (dead, live, odd):
+        path.write_bytes(b"partial")
+    assert cache.make_room(0) == []
+    assert not dead.exists() and live.exists() and odd.exists()
+
+
+def test_a_shard_deleted_between_lookup_and_mapping_is_fetched_again_and_few_stay_mapped(
+    tmp_path: Path, registry: CollectorRegistry
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "textwrap.py").write_bytes((stdlib_root() / "textwrap.py").read_bytes())
+    manifest_path, _, manifest = prepare_dataset(
+        tmp_path / "local", "mini", "v1", sources=["textwrap.py"], source_root=src, vocab_size=300,
+        shard_tokens=2000, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    assert len(manifest.shards) >= 3
+    local = TokenDataset(manifest_path, sequence_length=16)
+
+    class EvictedUnderfoot(ShardCache):
+        """Another rank's eviction deletes each shard once, right after the lookup found it."""
+
+        deleted: set[str] = set()
+
+        def get(self, source: Any, sha256: str, size_bytes: int) -> Path:
+            path = super().get(source, sha256, size_bytes)
+            if sha256 not in self.deleted:
+                self.deleted.add(sha256)
+                path.unlink()
+            return path
+
+    with EvictedUnderfoot(tmp_path / "cache", metrics=ShardCacheMetrics.of(registry)) as cache:
+        dataset = TokenDataset(manifest_path, sequence_length=16, cache=cache)
+        dataset.OPEN_CACHED = 2
+        samples = [dataset._starts[i] for i in range(len(manifest.shards))]  # the first window of each shard
+        np.testing.assert_array_equal(dataset.windows(samples), local.windows(samples))
+        assert len(dataset._open) == 2
+        assert cache.deleted == {s.sha256 for s in manifest.shards}

@@ -414,6 +414,8 @@ def samples_in_shard(num_tokens: int, sequence_length: int) -> int:
 class TokenDataset:
     """Fixed windows of ``sequence_length + 1`` tokens over the shards of one dataset version."""
 
+    OPEN_CACHED = 8  # shards read through a cache kept mapped (reopening one is a cheap cache hit)
+
     def __init__(self, manifest_path: Path | str | ObjectPath, sequence_length: int, *,
                  cache: Any = None) -> None:
         self.manifest_path: Any = _location(manifest_path)
@@ -438,16 +440,18 @@ class TokenDataset:
 
     def shard(self, index: int) -> np.ndarray:
         """The tokens of shard ``index``, memory-mapped after its size and sha256 check out."""
-        if (tokens := self._open.get(index)) is not None:
+        if (tokens := self._open.pop(index, None)) is not None:
+            self._open[index] = tokens  # most recently used last
             return tokens
         info = self.manifest.shards[index]
         dtype = self.manifest.token_dtype
         if self.cache is not None:  # a verified node-local copy: size and sha256 checked as it was fetched
-            path = self.cache.get(self.directory / info.file, info.sha256, info.size_bytes)
+            tokens = self._map_cached(index)
             if index + 1 < len(self.manifest.shards):
                 self._prefetch_shard(index + 1)
-            tokens = np.memmap(path, dtype=dtype, mode="r") if info.num_tokens else np.empty(0, dtype)
             self._open[index] = tokens
+            while len(self._open) > self.OPEN_CACHED:  # the cache may delete the others: let their disk go
+                self._open.pop(next(iter(self._open)))
             return tokens
         path = self.directory / info.file
         if not path.is_file():
@@ -461,6 +465,22 @@ class TokenDataset:
         tokens = np.memmap(path, dtype=dtype, mode="r") if info.num_tokens else np.empty(0, dtype)
         self._open[index] = tokens
         return tokens
+
+    def _map_cached(self, index: int) -> np.ndarray:
+        """Shard ``index`` from the cache, memory-mapped; fetched again if another rank's eviction
+        deleted it between the lookup and the mapping."""
+        info, dtype = self.manifest.shards[index], self.manifest.token_dtype
+        if not info.num_tokens:
+            return np.empty(0, dtype)
+        for _ in range(3):
+            path = self.cache.get(self.directory / info.file, info.sha256, info.size_bytes)
+            try:
+                return np.memmap(path, dtype=dtype, mode="r")
+            except FileNotFoundError:
+                continue
+        raise DataError(f"dataset shard {info.file} keeps disappearing from the shard cache {self.cache.directory}: "
+                        "is it too small for the shards the node's ranks read at once? Raise "
+                        "TRAINYARD_SHARD_CACHE_MAX_GB")
 
     def prefetch(self, samples: Sequence[int]) -> None:
         """Start fetching the shards of ``samples`` (what this rank reads next) into the cache."""

@@ -255,7 +255,10 @@ class Run:
         """The node's shard cache, for a dataset in an object store (None for a directory: read in place)."""
         if not self.layout.remote:
             return None
-        cache = ShardCache(self.settings.shard_cache_path, rank=self.rank)
+        limit = self.settings.shard_cache_max_gb
+        cache = ShardCache(self.settings.shard_cache_path, rank=self.rank,
+                           max_bytes=None if limit is None else int(limit * 1e9),
+                           min_free_bytes=int(self.settings.shard_cache_min_free_gb * 1e9))
         self._closers.callback(cache.close)
         return cache
 

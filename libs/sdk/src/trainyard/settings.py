@@ -54,6 +54,16 @@ class RankSettings(BaseSettings):
         description="node-local cache of dataset shards read from an object store (default "
                     "<node state dir>/shard-cache)",
     )
+    shard_cache_max_gb: float | None = Field(
+        default=None, gt=0, validation_alias="TRAINYARD_SHARD_CACHE_MAX_GB",
+        description="the shard cache's size budget in GB (1e9 bytes): least recently used shards are deleted to "
+                    "stay within it (default: no budget, only the free-disk floor)",
+    )
+    shard_cache_min_free_gb: float = Field(
+        default=1.0, ge=0, validation_alias="TRAINYARD_SHARD_CACHE_MIN_FREE_GB",
+        description="free disk the shard cache leaves on its filesystem, in GB: least recently used shards are "
+                    "deleted before a fetch would go below it",
+    )
     allocation_file: Path = Field(
         validation_alias="TRAINYARD_ALLOCATION_FILE",
         description="the GangAllocated event as camelCase JSON (spec, spec hash, start checkpoint)",

@@ -99,6 +99,7 @@ def rank_env(
     interpreter_dir: Path | None = None,
     node_state_dir: Path | None = None,
     shard_cache_dir: Path | None = None,
+    shard_cache_bounds: tuple[float | None, float] | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
@@ -109,7 +110,8 @@ def rank_env(
     interpreter that imported torch before it knew its rank) and ``OMP_NUM_THREADS`` unless set.
 
     ``node_state_dir``: where the rank keeps the attempt's own files (``TRAINYARD_NODE_STATE_DIR``: needed
-    when the artifact root is an object store); ``shard_cache_dir``: its dataset shard cache.
+    when the artifact root is an object store); ``shard_cache_dir``: its dataset shard cache, and
+    ``shard_cache_bounds`` the cache's (size budget in GB or None, free-disk floor in GB).
 
     ``interpreter_dir`` (user code): put first on PATH, so the entrypoint's ``python`` (or
     ``torchrun``) is the node's training environment — torch and the SDK — not whatever the host
@@ -127,6 +129,11 @@ def rank_env(
         "TRAINYARD_NODE_STATE_DIR": node_state_dir,
         "TRAINYARD_SHARD_CACHE_DIR": shard_cache_dir,
     }))
+    if shard_cache_bounds is not None:
+        budget, floor = shard_cache_bounds
+        if budget is not None:
+            env["TRAINYARD_SHARD_CACHE_MAX_GB"] = str(budget)
+        env["TRAINYARD_SHARD_CACHE_MIN_FREE_GB"] = str(floor)
     if interpreter_dir is not None:
         env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
     if traceparent:

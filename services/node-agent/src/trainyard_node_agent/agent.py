@@ -576,6 +576,7 @@ class NodeAgent:
             checkpoint_request_file=checkpoint_request_file(self.node_layout, event.tenant, event.job_id,
                                                             event.attempt),
             node_state_dir=self.node_layout.root, shard_cache_dir=self._shard_cache_dir(event, slot),
+            shard_cache_bounds=(self.settings.shard_cache_max_gb, self.settings.shard_cache_min_free_gb),
             exit_note_file=rank.note_file,
             code_env=code.env if code is not None else None,
             code_dir=paths.code_dir if paths is not None else None,

@@ -152,6 +152,17 @@ class NodeAgentSettings(ServiceSettings):
                     "by this node's ranks (TRAINYARD_SHARD_CACHE_DIR of each rank; default: <agent state "
                     "dir>/shard-cache). On a sandboxed node each rank caches in its own scratch directory instead",
     )
+    shard_cache_max_gb: float | None = Field(
+        default=None, gt=0,
+        description="size budget of the shard cache in GB (1e9 bytes), passed to each rank "
+                    "(TRAINYARD_SHARD_CACHE_MAX_GB): least recently used shards are deleted to stay within it. "
+                    "Default: no budget; shards are deleted only to keep shard_cache_min_free_gb free",
+    )
+    shard_cache_min_free_gb: float = Field(
+        default=1.0, ge=0,
+        description="free disk in GB the shard cache leaves on its filesystem (TRAINYARD_SHARD_CACHE_MIN_FREE_GB of "
+                    "each rank)",
+    )
     rank_pass_env: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="names of variables of the agent's environment passed on to ranks although they look "
