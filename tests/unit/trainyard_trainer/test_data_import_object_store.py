@@ -23,7 +23,7 @@ from trainyard_common.storage import (
     sha256_of,
 )
 from trainyard_trainer import data_import
-from trainyard_trainer.data import train_tokenizer
+from trainyard_trainer.data import load_dataset_manifest, train_tokenizer
 from trainyard_trainer.data_import import ImportOptions, import_dataset
 
 DOCS = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 50}" for j in range(i % 13 + 1)) for i in range(60)]
@@ -112,7 +112,7 @@ def test_an_existing_version_with_a_corrupted_shard_is_an_error_not_overwritten(
     assert read_bytes(shard) == bytes(data)  # a published version is never rewritten
 
 
-def test_the_command_imports_to_an_object_store_and_says_what_to_use_for_the_rest(
+def test_the_command_imports_to_an_object_store_and_verifies_there(
     s3_root: str, inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from trainyard_common import exitcodes
@@ -125,6 +125,33 @@ def test_the_command_imports_to_an_object_store_and_says_what_to_use_for_the_res
     out = json.loads(capsys.readouterr().out)
     manifest = ObjectPath.parse(f"{root}/datasets/mine/v1/manifest.json")
     assert out["manifestUri"] == str(manifest) and out["sha256"] == sha256_of(manifest)
-    assert main(["verify", "--name", "mine", "--version", "v1", "--artifact-root", root]) == exitcodes.ERROR
+    assert main(["verify", "--name", "mine", "--version", "v1", "--artifact-root", root]) == exitcodes.OK
+    assert json.loads(capsys.readouterr().out) == out
+
+    name = load_dataset_manifest(manifest).shards[-1].file
+    data = bytearray(read_bytes(manifest.parent / name))
+    data[0] ^= 0xFF
+    commit_bytes(manifest.parent / name, bytes(data))
+    assert main(["verify", "--name", "mine", "--version", "v1", "--artifact-root", root]) == exitcodes.DATA
+    assert f"{name} sha256" in capsys.readouterr().err
+    assert main(["verify", "--name", "mine", "--version", "v9", "--artifact-root", root]) == exitcodes.DATA
     err = capsys.readouterr().err
-    assert "trainyard-data import" in err and "Traceback" not in err
+    assert "no dataset version mine@v9" in err and "Traceback" not in err
+
+
+def test_prepare_builds_the_example_and_uploads_it_manifest_last(
+    s3_root: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainyard_common import exitcodes
+    from trainyard_trainer.data_cli import main
+
+    root = f"{s3_root}/prepared"
+    args = ["--artifact-root", root, "--vocab-size", "300", "--shard-tokens", "200000"]
+    assert main(["prepare", *args]) == exitcodes.OK
+    out = json.loads(capsys.readouterr().out)
+    manifest = ObjectPath.parse(f"{root}/datasets/tinycorpus/v1/manifest.json")
+    assert out["manifestUri"] == str(manifest) and out["sha256"] == sha256_of(manifest) and out["shards"] >= 2
+    assert main(["verify", "--artifact-root", root]) == exitcodes.OK
+    assert json.loads(capsys.readouterr().out) == out
+    assert main(["prepare", *args]) == exitcodes.OK  # the same version again: nothing to upload
+    assert json.loads(capsys.readouterr().out) == out

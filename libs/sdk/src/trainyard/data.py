@@ -361,6 +361,14 @@ def prepare_dataset(
 
 
 def _existing(directory: Path) -> tuple[Path, str, DatasetManifest]:
+    _, sha, manifest = existing_dataset(directory)
+    return directory / MANIFEST_FILE, sha, manifest
+
+
+def existing_dataset(directory: Location) -> tuple[Location, str, DatasetManifest]:
+    """A published version (a directory or an object-store prefix) once it verifies: (manifest location,
+    sha256 of manifest.json, manifest). DataError without a manifest, or when it does not verify (a
+    published version is immutable: delete it by hand to rebuild)."""
     manifest_path = directory / MANIFEST_FILE
     manifest = load_dataset_manifest(manifest_path)
     if problems := verify_dataset(directory, manifest):
@@ -368,7 +376,7 @@ def _existing(directory: Path) -> tuple[Path, str, DatasetManifest]:
             f"dataset {manifest.name}@{manifest.version} at {directory} exists but does not verify: "
             + "; ".join(problems)
         )
-    return manifest_path, sha256_file(manifest_path), manifest
+    return manifest_path, sha256_of(manifest_path), manifest
 
 
 def upload_dataset(directory: Path, destination: ObjectPath) -> ObjectPath:

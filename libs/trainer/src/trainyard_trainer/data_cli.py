@@ -1,7 +1,7 @@
 """``trainyard-data``: build and check versioned token datasets.
 
-    trainyard-data prepare --name tinycorpus --version v1 [--artifact-root PATH]
-    trainyard-data verify  --name tinycorpus --version v1 [--artifact-root PATH]
+    trainyard-data prepare --name tinycorpus --version v1 [--artifact-root PATH|s3://bucket/prefix]
+    trainyard-data verify  --name tinycorpus --version v1 [--artifact-root PATH|s3://bucket/prefix]
     trainyard-data import  --name NAME --version V [--tenant T] [--tokenizer tokenizer.json] INPUT...
 
 ``prepare`` builds the tinycorpus example; ``import`` builds a version from your own files
@@ -19,21 +19,32 @@ import json
 import logging
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 from trainyard_common.errors import TrainyardError
 from trainyard_common.events import dataset_key
 from trainyard_common.exitcodes import DATA, ERROR, OK
 from trainyard_common.settings import ServiceSettings, load_settings
-from trainyard_common.storage import ArtifactLayout, Location, ObjectPath, as_location, location_uri, sha256_file
+from trainyard_common.storage import (
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    as_location,
+    is_file,
+    location_uri,
+    sha256_of,
+)
 
 from trainyard_trainer.data import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VOCAB_SIZE,
     MANIFEST_FILE,
     DatasetManifest,
+    existing_dataset,
     load_dataset_manifest,
     prepare_dataset,
+    upload_dataset,
     verify_dataset,
 )
 
@@ -106,6 +117,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def run_prepare(args: argparse.Namespace) -> tuple[Location, str, DatasetManifest]:
+    """The tinycorpus version: built in place under a directory root; under an object-store root built in a
+    temporary directory, then uploaded (each object checked as it streams, the manifest last)."""
+    build = dict(vocab_size=args.vocab_size, shard_tokens=args.shard_tokens)
+    if not isinstance(args.artifact_root, ObjectPath):
+        return prepare_dataset(args.artifact_root, args.name, args.version, **build)
+    destination = ArtifactLayout(args.artifact_root).dataset_dir(args.name, args.version)
+    if is_file(destination / MANIFEST_FILE):
+        return existing_dataset(destination)  # idempotent, as on a directory: verified, not rebuilt
+    with tempfile.TemporaryDirectory(prefix="trainyard-data-") as scratch:
+        local, _, manifest = prepare_dataset(Path(scratch), args.name, args.version, **build)
+        target = upload_dataset(local.parent, destination)
+    return target, sha256_of(target), manifest
+
+
 def run_import(args: argparse.Namespace) -> tuple[Location, str, DatasetManifest]:
     from trainyard_trainer.data_import import ImportOptions, import_dataset
 
@@ -137,26 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(ServiceSettings)
     args = _parser(settings.artifact_root_abs).parse_args(argv)
     try:
-        if args.command != "import" and isinstance(args.artifact_root, ObjectPath):
-            print(f"error: `{args.command}` works on a directory; for an object store ({args.artifact_root}) build "
-                  "the version with `trainyard-data import --artifact-root s3://…` (it checks every object as it "
-                  "uploads) and let the registry verify what is published", file=sys.stderr)
-            return ERROR
         if args.command == "prepare":
-            path, sha, manifest = prepare_dataset(
-                args.artifact_root, args.name, args.version,
-                vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
-            )
+            path, sha, manifest = run_prepare(args)
         elif args.command == "import":
             path, sha, manifest = run_import(args)
         else:
             path = ArtifactLayout(args.artifact_root).dataset_dir(args.name, args.version, args.tenant) / MANIFEST_FILE
+            if not is_file(path):
+                print(f"error: no dataset version {dataset_key(args.tenant, args.name, args.version)} at "
+                      f"{location_uri(path.parent)} (no {MANIFEST_FILE}); build it with `trainyard-data prepare` "
+                      "or `trainyard-data import`", file=sys.stderr)
+                return DATA
             manifest = load_dataset_manifest(path)
             if problems := verify_dataset(path.parent, manifest):
                 ref = dataset_key(args.tenant, args.name, args.version)
                 print(f"error: {ref} does not verify: {'; '.join(problems)}", file=sys.stderr)
                 return DATA
-            sha = sha256_file(path)
+            sha = sha256_of(path)
     except TrainyardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return DATA
