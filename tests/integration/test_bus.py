@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-import pytest
 
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus, Deduper, RetryPolicy, ensure_topics

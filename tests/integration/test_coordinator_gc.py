@@ -27,7 +27,7 @@ from trainyard_checkpoint_coordinator import JOBS_INDEX, CheckpointAdvice
 from trainyard_common import events as ev
 from trainyard_common.events import CheckpointRef
 from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import AttemptRecord, JobRecord
+from trainyard_common.records import AttemptRecord
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import uri_to_path
 from trainyard_common.store import Keys

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus, ensure_topics

@@ -28,13 +28,13 @@ import pytest
 
 from trainyard_common import exitcodes
 from trainyard_common.events import CheckpointRef, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_cli import infra
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
 from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
 from tests.integration.test_trainer_ranks import (
     RunResult,
     assert_bitwise_equal,
-    free_port,
     load_whole,
     ref_for,
     shards_of,
@@ -63,7 +63,7 @@ def example_spec() -> TrainingSpec:
 def launch(root: Path, job_id: str, attempt: int, start: CheckpointRef | None = None, *,
            during: Callable[[list[subprocess.Popen[bytes]], ArtifactLayout], None] | None = None) -> RunResult:
     """``python train.py`` per rank in the example's directory, with the node agent's rank environment."""
-    spec, layout, port = example_spec(), ArtifactLayout(root), free_port()
+    spec, layout, port = example_spec(), ArtifactLayout(root), infra.free_port()
     allocation = GangAllocated(
         job_id=job_id, tenant=TENANT, attempt=attempt, allocation_id=f"alloc-{attempt}", epoch=attempt,
         world_size=WORLD, master_addr="127.0.0.1", master_port=port, start_checkpoint=start, spec=spec,
