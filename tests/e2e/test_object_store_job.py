@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -96,6 +97,10 @@ def test_a_job_checkpoints_to_s3_and_a_killed_rank_resumes_from_there(stack: Loc
 
         job = wait_for(client, job_id, "end", lambda j: j if j["state"] in ("succeeded",) else None, timeout_s=180)
         checkpoints = _checkpoints(client, job_id)
+        # every rank's log, as the API serves it from the segments the node agent shipped to the store
+        served = {(a["attempt"], r): client.get(f"/v1/training-jobs/{job_id}/logs", params={
+            "attempt": a["attempt"], "rank": r, "tail": 100_000}).raise_for_status().content
+            for a in job["attempts"] for r in (0, 1)}
 
     assert job["progress"]["globalStep"] == 60 and job["progress"]["consumedTokens"] == 60 * 32 * 64
     killed, resumed = job["attempts"][attempt - 1], job["attempts"][attempt]
@@ -119,11 +124,16 @@ def test_a_job_checkpoints_to_s3_and_a_killed_rank_resumes_from_there(stack: Loc
     listed = fs.find(ObjectPath.parse(prefix).path)
     assert any(key.endswith("/manifest.json") for key in listed), listed
 
-    # -- the attempts' own files stayed on the node; the store holds no attempt directory
+    # -- the attempts' own files stayed on the node; of them the store holds only the shipped rank logs, and the
+    # API serves each rank's whole log from there (the killed rank's too: what it wrote before it died)
     local = ArtifactLayout(stack.s.artifact_root)
     resumed_log = local.rank_log("dev", job_id, attempt + 1, 0).read_text()
     assert f"resumed from {store}/" in resumed_log, resumed_log[-3000:]
-    assert not fs.exists(ObjectPath.parse(f"{store}/tenants/dev/jobs/{job_id}/attempts").path)
+    for (n, r), body in served.items():
+        assert body and body == local.rank_log("dev", job_id, n, r).read_bytes(), (n, r, body[-2000:])
+    attempts = fs.find(ObjectPath.parse(f"{store}/tenants/dev/jobs/{job_id}/attempts").path)
+    assert attempts and all(re.search(r"/attempts/\d+/logs/rank-[01]/\d{16}\.log$", key) for key in attempts), \
+        attempts
 
     # -- the dataset's shards were read through the node's shard cache: verified copies named by their sha256
     dataset = json.loads(read_bytes(ArtifactLayout(store).dataset_dir(*DATASET) / "manifest.json"))

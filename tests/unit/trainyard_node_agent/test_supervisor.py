@@ -4,6 +4,7 @@ reports a rank that ended unwatched as such."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,23 @@ async def test_an_adopted_rank_whose_group_vanished_has_ended(tmp_path: Path) ->
     assert supervisor.rank.state is RankState.RUNNING and supervisor.rank.adopted
     await supervisor.run()  # pgid 0 is never the same process: gone after one poll
     assert supervisor.rank.gone and journal.exits[0].reason == "lost"
+
+
+class Shipper:
+    """Records the log shipments a supervisor asks for, in the journal."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    async def ship(self, rank: rp.RankProcess, *, final: bool = False) -> None:
+        self.journal.steps.append("ship final" if final else "ship")
+
+
+async def test_under_an_object_store_the_whole_log_is_shipped_before_the_exit_is_staged(tmp_path: Path) -> None:
+    journal = Journal()
+    supervisor = supervised(tmp_path, journal)
+    supervisor.context = replace(supervisor.context, logs=Shipper(journal))  # type: ignore[arg-type]
+    supervisor.rank.process = Process(0)  # type: ignore[assignment]
+    supervisor.apply(Trigger.LAUNCHED)
+    await supervisor.run()
+    assert journal.steps == ["relay", "ship", "drain", "ship final", "exit", "track exited"]

@@ -356,6 +356,7 @@ class Child:
     name: str
     is_dir: bool
     mtime: float | None
+    size: int | None = None  # a file's bytes
 
 
 def list_children(location: Location) -> list[Child]:
@@ -369,7 +370,8 @@ def list_children(location: Location) -> list[Child]:
             return []
         for entry in entries:
             try:
-                found.append(Child(entry.name, entry.is_dir(), entry.stat().st_mtime))
+                st = entry.stat()
+                found.append(Child(entry.name, entry.is_dir(), st.st_mtime, None if entry.is_dir() else st.st_size))
             except FileNotFoundError:
                 continue  # removed meanwhile
         return found
@@ -385,7 +387,7 @@ def list_children(location: Location) -> list[Child]:
             newest = [_mtime(info) for info in fs.find(entry["name"], detail=True).values()]
             found.append(Child(name, True, max((m for m in newest if m is not None), default=None)))
         else:
-            found.append(Child(name, False, _mtime(entry)))
+            found.append(Child(name, False, _mtime(entry), int(entry.get("size") or 0)))
     return found
 
 
@@ -529,6 +531,10 @@ class ArtifactLayout:
 
     def rank_log(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
         return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}.log"
+
+    def rank_log_segments(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
+        """Where a node agent ships a rank's log under an object-store root (:mod:`trainyard_common.logsegments`)."""
+        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}"
 
     def rank_events(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
         return self.attempt_dir(tenant, job_id, attempt) / "events" / f"rank-{rank}.jsonl"

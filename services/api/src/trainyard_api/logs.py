@@ -1,7 +1,10 @@
 """Rank logs: the files the node agents write (``ArtifactLayout.rank_log``), tailed and followed.
 
+Under an object-store artifact root a rank's log is the segments its node agent ships as it grows
+(:mod:`trainyard_common.logsegments`): :class:`ShippedLog` reads those, :class:`LogFile` the file.
+
 Pure: :func:`pick_attempt` (which attempt and rank a request means, or why not), :func:`last_lines`.
-I/O: :class:`RankLogs` reads the file's end and, to follow, polls it for new bytes until the attempt
+I/O: :class:`RankLogs` reads the log's end and, to follow, polls it for new bytes until the attempt
 has ended (its record says so) and nothing more was written.
 """
 
@@ -11,10 +14,12 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
+from trainyard_common import logsegments
 from trainyard_common.errors import NotFoundError
 from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.storage import ArtifactLayout
+from trainyard_common.storage import ArtifactLayout, ObjectPath, list_children, read_bytes
 
 CHUNK = 64 * 1024
 
@@ -70,28 +75,77 @@ def read_from(path: Path, offset: int) -> bytes:
         return b""
 
 
+class LogSource(Protocol):
+    def tail(self, n: int) -> tuple[bytes, int]: ...  # the last n lines, and where the log ends
+    def read_from(self, offset: int) -> bytes: ...  # some bytes from offset on (empty: none yet)
+
+
+class LogFile:
+    """A rank's log as a file (a directory artifact root)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def tail(self, n: int) -> tuple[bytes, int]:
+        return read_tail(self.path, n)
+
+    def read_from(self, offset: int) -> bytes:
+        return read_from(self.path, offset)
+
+
+class ShippedLog:
+    """A rank's log as the segments its node agent shipped to an object store (a missing log is empty)."""
+
+    def __init__(self, prefix: ObjectPath) -> None:
+        self.prefix = prefix
+
+    def _pieces(self) -> list[logsegments.Piece]:
+        return logsegments.pieces((c.name, c.size or 0) for c in list_children(self.prefix) if not c.is_dir)
+
+    def _read(self, piece: logsegments.Piece) -> bytes:
+        return read_bytes(self.prefix / piece.name)[piece.skip:piece.skip + piece.length]
+
+    def tail(self, n: int) -> tuple[bytes, int]:
+        found = self._pieces()
+        data = b""
+        for piece in reversed(found):  # from the end, until there are enough lines
+            if data.count(b"\n") > n:
+                break
+            data = self._read(piece) + data
+        return last_lines(data, n), found[-1].end if found else 0
+
+    def read_from(self, offset: int) -> bytes:
+        for piece in self._pieces():
+            if piece.end > offset:
+                data = self._read(piece)
+                return data[max(0, offset - piece.start):]
+        return b""
+
+
 class RankLogs:
     def __init__(self, layout: ArtifactLayout, *, poll_s: float = 0.5) -> None:
         self.layout = layout
         self.poll_s = poll_s
 
-    def path(self, job: JobRecord, attempt: AttemptRecord, rank: int) -> Path:
-        return self.layout.rank_log(job.tenant, job.job_id, attempt.attempt, rank)
+    def source(self, job: JobRecord, attempt: AttemptRecord, rank: int) -> LogSource:
+        if self.layout.remote:
+            return ShippedLog(self.layout.rank_log_segments(job.tenant, job.job_id, attempt.attempt, rank))
+        return LogFile(self.layout.rank_log(job.tenant, job.job_id, attempt.attempt, rank))
 
     async def tail(self, job: JobRecord, attempt: AttemptRecord, rank: int, lines: int) -> bytes:
-        data, _ = await asyncio.to_thread(read_tail, self.path(job, attempt, rank), lines)
+        data, _ = await asyncio.to_thread(self.source(job, attempt, rank).tail, lines)
         return data
 
     async def follow(self, job: JobRecord, attempt: AttemptRecord, rank: int, lines: int,
                      ended: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
-        """The tail, then every new chunk, until ``ended()`` and the file has no more."""
-        path = self.path(job, attempt, rank)
-        data, offset = await asyncio.to_thread(read_tail, path, lines)
+        """The tail, then every new chunk, until ``ended()`` and the log has no more."""
+        source = self.source(job, attempt, rank)
+        data, offset = await asyncio.to_thread(source.tail, lines)
         if data:
             yield data
         while True:
             done = await ended()  # asked before reading: what was written before the end is sent
-            while chunk := await asyncio.to_thread(read_from, path, offset):
+            while chunk := await asyncio.to_thread(source.read_from, offset):
                 offset += len(chunk)
                 yield chunk
             if done:

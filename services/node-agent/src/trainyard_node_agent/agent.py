@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
-
 from trainyard_common.codetree import CodeTreeError, archive_hex
 from trainyard_common.events import (
     ALLOCATIONS,
@@ -64,9 +63,9 @@ from trainyard_common.events import (
     CheckpointRequested,
     DeviceInfo,
     GangAllocated,
+    NodeAssignment,
     NodeDrained,
     NodeHeartbeat,
-    NodeAssignment,
     NodeUndrained,
     RankAssignment,
     SecurityViolation,
@@ -96,6 +95,7 @@ from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock, wall_datetime
 from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_paths
 from trainyard_node_agent.confinement import Confined, Confinement, scrubbed
 from trainyard_node_agent.localstate import LocalState, merge_tables
+from trainyard_node_agent.log_shipper import LogShipper
 from trainyard_node_agent.relay import Refusal
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.spool_relay import SpoolRelay
@@ -163,8 +163,9 @@ class NodeAgent:
         self.spool_relay = SpoolRelay(runtime.bus, layout=self.layout, group=self.group,
                                       announcements=self.announcements, persist=self._persist,
                                       violation=self._violation, closing=lambda: self._closing, clock=clock)
+        shipper = LogShipper(self.layout, clock, interval_s=settings.log_ship_interval_s) if self.layout.remote else None
         self._context = SupervisorContext(settings, clock, self.spool_relay, runtime.outbox, self.announcements,
-                                          closing=lambda: self._closing)
+                                          closing=lambda: self._closing, logs=shipper)
         self.kube = kube.KubeNodeWatch(settings.kube_api_url, settings.kube_node_name,
                                        token_file=settings.kube_token_file, ca_file=settings.kube_ca_file) \
             if settings.kube_node_name else None

@@ -64,6 +64,8 @@ class RankProcess:
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
     start_manifest_uri: str | None = None  # the allocation's start checkpoint (a rank may refuse it)
+    log_shipped: int = 0  # bytes of its log shipped to an object-store root (log_shipper)
+    log_shipped_at: float | None = None  # monotonic time of the last shipment
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -96,6 +98,7 @@ class RankProcess:
             "spool": str(self.spool.path), "offset": self.spool.offset, "log": str(self.log_path),
             "exitFile": str(self.exit_file), "traceparent": self.traceparent, "boot": boot_id,
             "progressed": self.progressed, "lastStep": self.last_step, "savedStep": self.saved_step,
+            "logShipped": self.log_shipped,
             **({"codeArchive": self.code_archive} if self.code_archive else {}),
             **({"startManifestUri": self.start_manifest_uri} if self.start_manifest_uri else {}),
         }
@@ -113,6 +116,7 @@ class RankProcess:
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
             saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
             code_archive=entry.get("codeArchive"), start_manifest_uri=entry.get("startManifestUri"),
+            log_shipped=int(entry.get("logShipped", 0)),
         )
 
     @property

@@ -67,6 +67,11 @@ class NodeAgentSettings(ServiceSettings):
         description="torch.distributed backend; auto: nccl when nvidia-smi exists and devices are not cpu",
     )
     spool_poll_s: float = Field(default=0.25, gt=0, description="how often rank event spools are relayed")
+    log_ship_interval_s: float = Field(
+        default=2.0, gt=0,
+        description="with an object-store artifact root: how often a running rank's new log lines are shipped to "
+                    "the store (one object per shipment; the API reads them there). Under a directory root the "
+                    "API reads the log file itself")
     hang_timeout_s: float = Field(
         default=300.0, gt=0,
         description="an attempt whose rank here wrote no event (StepMetrics, ShardWritten) for this long is "

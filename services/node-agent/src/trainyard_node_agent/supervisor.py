@@ -22,6 +22,7 @@ from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.announcements import Announcements
 from trainyard_node_agent.classify import ExitFacts, classify_exit
 from trainyard_node_agent.clock import Clock
+from trainyard_node_agent.log_shipper import LogShipper
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.spool_relay import SpoolRelay
 from trainyard_node_agent.supervision import Action, Trigger, exit_causes, transition
@@ -54,6 +55,7 @@ class SupervisorContext:
     outbox: Outbox
     announcements: Announcements
     closing: Callable[[], bool]  # the agent is stopping: retries give up sooner
+    logs: LogShipper | None = None  # an object-store root: rank logs are shipped there as they grow
 
 
 class RankSupervisor:
@@ -94,9 +96,12 @@ class RankSupervisor:
             ended = await self._wait_a_little()
             self.note_progress()
             await self.context.relay.relay(self.rank, quiet=True)
+            if self.context.logs is not None:
+                await self.context.logs.ship(self.rank)
             if ended:
                 break
         await self.context.relay.drain(self.rank)
+        await self._ship_the_rest_of_the_log()
         await self.report_exit(*self.how_it_ended())
         rp.signal_group(self.rank.pgid, signal.SIGKILL)
 
@@ -104,10 +109,17 @@ class RankSupervisor:
         """A rank that ended while no agent watched it: relay the rest of its spool, report its exit
         (from the launcher's exit file; ``lost`` without one)."""
         await self.context.relay.drain(self.rank)
+        await self._ship_the_rest_of_the_log()
         code, reason, detail = self.how_it_ended()
         if reason != "lost":
             detail = (detail + "; " if detail else "") + "it ended while its node agent was down"
         await self.report_exit(code, reason, detail)
+
+    async def _ship_the_rest_of_the_log(self) -> None:
+        """All of an ended rank's log to the object store, before its exit is reported (one try: a failure
+        is logged, and the node keeps the file)."""
+        if self.context.logs is not None:
+            await self.context.logs.ship(self.rank, final=True)
 
     async def _wait_a_little(self) -> bool:
         """Up to one spool poll; True once the rank has ended."""
