@@ -13,6 +13,9 @@ on whichever server is primary then:
 * no acknowledged grant lost: each is in the final ``ty:lease-audit``;
 * no device double-booked: the audit replayed (tests/chaos/invariants.check_no_double_booking).
 
+And the case the argument names: a killed primary that restarts believing it is the primary confirms
+nothing, and rejoins as the new primary's replica with its counters.
+
 ``make test`` runs 5 failovers; ``TRAINYARD_LONG_TESTS=1`` (``make test-long``) runs 50.
 """
 
@@ -28,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.exceptions import RedisError
@@ -263,6 +267,45 @@ async def test_an_epoch_no_replica_acknowledged_is_not_used(tmp_path: Path) -> N
             assert led is not None and led >= 2 and await redis.get(LeaderKeys.epoch) == str(led)
         finally:
             await redis.aclose()
+
+
+async def test_a_killed_primary_back_believing_it_is_primary_confirms_nothing_and_rejoins_as_a_replica(
+    tmp_path: Path
+) -> None:
+    """The case §5.2.1 argues: P dies, Sentinel promotes R, P restarts from its own config and AOF as a
+    primary. Nothing it increments is confirmed (it has no replica; once Sentinel demotes it, it refuses
+    writes), and once it replicates from R every counter is R's: the next grant is past every confirmed one."""
+    with redis_ha(tmp_path / "redis-ha") as ha:
+        redis = connect_redis(ha.url() + "?epoch_ack_timeout_ms=200")
+        leases = LeaseManager(redis)
+        stale: Any = None
+        try:
+            confirmed = [await until_confirmed(lambda: leases.acquire("job", f"job-a{i}", DEVICES[2 * i:2 * i + 2]))
+                         for i in range(2)]
+            assert confirmed == [1, 2]
+            old, new = await asyncio.to_thread(ha.kill_primary_back_as_it_was)
+            assert new != old
+            # a client that still talks to the old primary (it is back, on its own): its grant is never used —
+            # no replica acknowledges it while P believes it is primary, and P refuses writes once demoted
+            stale = connect_redis(f"redis://127.0.0.1:{old}/0?epoch_acks=1&epoch_ack_timeout_ms=200")
+            with pytest.raises((EpochNotReplicatedError, InfrastructureError, RedisError)) as refused:
+                await LeaseManager(stale).acquire("job", "job-stale", DEVICES[4:6])
+            print("the stale primary's grant:", type(refused.value).__name__, refused.value)
+            assert await asyncio.to_thread(ha.wait_ready, 60) == new  # P replicates from R now
+            # through Sentinel: the next grant is past every confirmed epoch, and P holds R's counter
+            third = await until_confirmed(lambda: leases.acquire("job", "job-a2", DEVICES[4:6]))
+            assert third > max(confirmed)
+            deadline = time.monotonic() + 30
+            while await stale.get(Keys.epoch("job")) != str(third):  # replication is asynchronous: in time
+                assert time.monotonic() < deadline, await stale.get(Keys.epoch("job"))
+                await asyncio.sleep(0.1)
+            audit = [LeaseOp.from_stream(f) for _, f in await redis.xrange(Keys.lease_audit)]
+            assert "job-stale" not in {op.allocation_id for op in audit}  # nothing of it reached the primary
+            assert check_no_double_booking(audit) == []
+        finally:
+            await redis.aclose()
+            if stale is not None:
+                await stale.aclose()
 
 
 async def test_failovers_under_allocation_load_never_reuse_an_epoch_or_double_book(tmp_path: Path) -> None:

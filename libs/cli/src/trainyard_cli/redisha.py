@@ -246,12 +246,24 @@ class RedisHA:
         Returns the new primary's port."""
         old = self.wait_ready(timeout_s)
         deadline = time.monotonic() + timeout_s
+        new = self._kill_and_wait_promoted(old, deadline)
+        self.start_server(old, replica_of=new, force_replica_of=True)
+        return self.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def kill_primary_back_as_it_was(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        """kill -9 the primary; once Sentinel promoted the replica, start the old one again from its own
+        config and AOF — believing it is the primary — and return at once, before Sentinel demotes it:
+        (old, new) primary ports. :meth:`wait_ready` then waits until it replicates from the new one."""
+        old = self.wait_ready(timeout_s)
+        new = self._kill_and_wait_promoted(old, time.monotonic() + timeout_s)
+        self.start_server(old)
+        return old, new
+
+    def _kill_and_wait_promoted(self, old: int, deadline: float) -> int:
         victim = self.servers[old]
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait(10)
-        new = self._wait_named(old, deadline)
-        self.start_server(old, replica_of=new, force_replica_of=True)
-        return self.wait_ready(max(1.0, deadline - time.monotonic()))
+        return self._wait_named(old, deadline)
 
     def _wait_named(self, old: int, deadline: float) -> int:
         while time.monotonic() < deadline:
