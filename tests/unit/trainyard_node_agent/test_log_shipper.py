@@ -17,20 +17,7 @@ from trainyard_common.spool import SpoolReader
 from trainyard_common.storage import ArtifactLayout, ObjectPath, list_children
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.log_shipper import LogShipper, due
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1_700_000_000.0
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.unit.trainyard_node_agent.test_supervisor import FakeClock
 
 
 @pytest.mark.parametrize(("size", "shipped", "last_at", "now", "final", "expected"), [

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.objectstore import moto_s3
-from trainyard.data import TokenDataset, prepare_dataset, stdlib_root
+from trainyard.data import DatasetManifest, TokenDataset, prepare_dataset, stdlib_root
 from trainyard.shardcache import CachedShard, ShardCache, ShardCacheMetrics, error_kind, plan_evictions
 from trainyard_common.errors import DataError
 from trainyard_common.storage import ObjectPath, commit_bytes
@@ -37,6 +37,18 @@ def shard(tmp_path: Path, data: bytes, name: str = "shard-00000.bin") -> tuple[P
     path = tmp_path / "store" / name
     path.write_bytes(data)
     return path, hashlib.sha256(data).hexdigest()
+
+
+def mini_dataset(tmp_path: Path, sources: list[str], shard_tokens: int) -> tuple[Path, DatasetManifest]:
+    """A small dataset version built locally from standard-library files: (manifest path, manifest)."""
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    for name in sources:
+        (src / name).write_bytes((stdlib_root() / name).read_bytes())
+    manifest_path, _, manifest = prepare_dataset(
+        tmp_path / "local", "mini", "v1", sources=sources, source_root=src, vocab_size=300,
+        shard_tokens=shard_tokens, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    return manifest_path, manifest
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -101,13 +113,7 @@ def test_prefetch_fills_the_cache_in_the_background_and_get_waits_for_it(
 def test_a_dataset_in_s3_is_read_through_the_cache_with_the_next_shard_prefetched(
     tmp_path: Path, registry: CollectorRegistry
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("textwrap.py", "bisect.py"):
-        (src / name).write_bytes((stdlib_root() / name).read_bytes())
-    manifest_path, _, manifest = prepare_dataset(
-        tmp_path / "local", "mini", "v1", sources=["textwrap.py", "bisect.py"], source_root=src, vocab_size=300,
-        shard_tokens=2000, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    manifest_path, manifest = mini_dataset(tmp_path, ["textwrap.py", "bisect.py"], shard_tokens=2000)
     assert len(manifest.shards) >= 3
     local = TokenDataset(manifest_path, sequence_length=16)
     with moto_s3() as root:
@@ -166,12 +172,7 @@ def test_the_loader_prefetches_the_shards_of_the_samples_of_its_next_step() -> N
 def test_a_dataset_version_is_uploaded_manifest_last_once_and_never_replaced(tmp_path: Path) -> None:
     from trainyard.data import upload_dataset
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "bisect.py").write_bytes((stdlib_root() / "bisect.py").read_bytes())
-    manifest_path, _, manifest = prepare_dataset(
-        tmp_path / "local", "mini", "v1", sources=["bisect.py"], source_root=src, vocab_size=300,
-        shard_tokens=500, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    manifest_path, manifest = mini_dataset(tmp_path, ["bisect.py"], shard_tokens=500)
     with moto_s3() as root:
         remote = ObjectPath.parse(root) / "datasets" / "mini" / "v1"
         assert upload_dataset(manifest_path.parent, remote) == remote / "manifest.json"
@@ -181,7 +182,7 @@ def test_a_dataset_version_is_uploaded_manifest_last_once_and_never_replaced(tmp
             np.testing.assert_array_equal(dataset.windows([0, len(dataset) - 1]),
                                           TokenDataset(manifest_path, 16).windows([0, len(dataset) - 1]))
         other = tmp_path / "other"
-        prepare_dataset(other, "mini", "v1", sources=["bisect.py"], source_root=src, vocab_size=300,
+        prepare_dataset(other, "mini", "v1", sources=["bisect.py"], source_root=tmp_path / "src", vocab_size=300,
                         shard_tokens=400, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
         with pytest.raises(DataError, match="immutable"):
             upload_dataset(other / "datasets" / "mini" / "v1", remote)
@@ -276,12 +277,7 @@ def test_temporary_files_of_dead_fetches_are_deleted_and_live_ones_kept(tmp_path
 def test_a_shard_deleted_between_lookup_and_mapping_is_fetched_again_and_few_stay_mapped(
     tmp_path: Path, registry: CollectorRegistry
 ) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "textwrap.py").write_bytes((stdlib_root() / "textwrap.py").read_bytes())
-    manifest_path, _, manifest = prepare_dataset(
-        tmp_path / "local", "mini", "v1", sources=["textwrap.py"], source_root=src, vocab_size=300,
-        shard_tokens=2000, clock=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    manifest_path, manifest = mini_dataset(tmp_path, ["textwrap.py"], shard_tokens=2000)
     assert len(manifest.shards) >= 3
     local = TokenDataset(manifest_path, sequence_length=16)
 

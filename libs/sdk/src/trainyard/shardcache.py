@@ -44,6 +44,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from trainyard_common.errors import DataError
+from trainyard_common.lru import least_recently_used
 from trainyard_common.storage import HashingWriter, Location, iter_chunks
 
 __all__ = ["CachedShard", "ShardCache", "ShardCacheMetrics", "error_kind", "plan_evictions"]
@@ -105,16 +106,8 @@ def plan_evictions(cached: Sequence[CachedShard], *, incoming: int, max_bytes: i
     total = sum(c.size_bytes for c in cached)
     over_budget = 0 if max_bytes is None else total + incoming - max_bytes
     short_of_free = min_free_bytes - (free_bytes - incoming)
-    need = max(over_budget, short_of_free, 0)
-    chosen: list[str] = []
-    for shard in sorted(cached, key=lambda c: (c.last_used, c.sha256)):
-        if need <= 0:
-            break
-        if shard.sha256 in keep:
-            continue
-        chosen.append(shard.sha256)
-        need -= shard.size_bytes
-    return chosen
+    return least_recently_used(((c.sha256, c.size_bytes, c.last_used) for c in cached),
+                               need_bytes=max(over_budget, short_of_free), keep=keep)
 
 
 class ShardCache:

@@ -55,6 +55,7 @@ from trainyard_common.codetree import (
     extract,
     verify_tree,
 )
+from trainyard_common.lru import least_recently_used
 from trainyard_common.spec import Code
 from trainyard_common.storage import ArtifactLayout, read_bytes
 
@@ -92,16 +93,8 @@ class CacheEntry:
 def choose_evictions(entries: Sequence[CacheEntry], *, in_use: AbstractSet[str], max_bytes: int) -> list[str]:
     """The entries to remove so the cache fits in ``max_bytes``: least recently used first, never one
     in ``in_use`` (entries in use still count towards the total, so the cache may stay over)."""
-    total = sum(e.size_bytes for e in entries)
-    evict = []
-    for entry in sorted(entries, key=lambda e: (e.last_used, e.hex)):
-        if total <= max_bytes:
-            break
-        if entry.hex in in_use:
-            continue
-        evict.append(entry.hex)
-        total -= entry.size_bytes
-    return evict
+    return least_recently_used(((e.hex, e.size_bytes, e.last_used) for e in entries),
+                               need_bytes=sum(e.size_bytes for e in entries) - max_bytes, keep=in_use)
 
 
 @dataclass(frozen=True)
