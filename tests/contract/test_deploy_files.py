@@ -70,6 +70,21 @@ def test_validation_catches_a_broken_manifest() -> None:
     assert container  # the original is untouched
 
 
+def test_every_trainyard_workload_is_scraped_by_prometheus() -> None:
+    """Each Deployment and DaemonSet of a trainyard component asks deploy/k8s/prometheus.yaml to scrape it on
+    TRAINYARD_METRICS_PORT (the ConfigMap's), so no service's metrics go missing from the dashboards."""
+    config = next(d for _, d in MANIFESTS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "trainyard-config")
+    port = config["data"]["TRAINYARD_METRICS_PORT"]
+    workloads = {d["metadata"]["name"]: d for _, d in MANIFESTS if d["kind"] in ("Deployment", "DaemonSet")}
+    assert {"api", "scheduler", "checkpoint-coordinator", "registry", "node-agent", "prometheus"} <= set(workloads)
+    for name, workload in workloads.items():
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        if name == "prometheus":
+            assert "prometheus.io/scrape" not in annotations
+            continue
+        assert annotations.get("prometheus.io/scrape") == "true" and annotations.get("prometheus.io/port") == port, name
+
+
 def test_kustomization_lists_existing_manifests() -> None:
     """kustomize's own schema is not Kubernetes': its resources exist and it installs every manifest but the
     operator CRs (kafka-users.yaml is applied with the Kafka operator, deploy/k8s/README.md)."""

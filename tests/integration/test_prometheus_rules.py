@@ -57,3 +57,22 @@ def test_configs_are_valid(tmp_path: Path) -> None:
     observe.write_target(tmp_path, "node-agent-0", "node-agent", 9401)
     out = promtool("check", "config", str(local))
     assert "rule files found" in out or "SUCCESS" in out
+
+
+def test_the_kubernetes_config_is_valid_with_the_rules(tmp_path: Path) -> None:
+    """deploy/k8s/prometheus.yaml's prometheus.yml, with its rule_files pointed at deploy/prometheus/rules (in the
+    cluster a ConfigMap made from them, mounted at /etc/prometheus/rules): the config, its relabelling and every
+    rule load. Debian builds Prometheus without Kubernetes discovery, so its promtool cannot parse
+    ``kubernetes_sd_configs``: that block is checked for its shape here and stood in for by a static target."""
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "prometheus.yaml").read_text()))
+    config = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["prometheus.yml"])
+    assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
+    (scrape,) = config["scrape_configs"]
+    assert scrape["job_name"] == "trainyard"  # what the rules' up{job=…} and the dashboards expect
+    assert scrape.pop("kubernetes_sd_configs") == [{"role": "pod", "namespaces": {"names": ["trainyard"]}}]
+    scrape["static_configs"] = [{"targets": ["localhost:9400"]}]
+    config["rule_files"] = [str(PROMETHEUS / "rules" / "*.yml")]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    out = promtool("check", "config", str(path))
+    assert "SUCCESS" in out and "rules found" in out
