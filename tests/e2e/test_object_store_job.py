@@ -96,7 +96,9 @@ def test_a_job_checkpoints_to_s3_and_a_killed_rank_resumes_from_there(stack: Loc
         os.kill(pids[max(pids)], signal.SIGKILL)
 
         job = wait_for(client, job_id, "end", lambda j: j if j["state"] in ("succeeded",) else None, timeout_s=180)
-        checkpoints = _checkpoints(client, job_id)
+        # retention (keepLast 2) deletes older checkpoints after the last one is READY: read them once it has
+        checkpoints = wait_for(client, job_id, "retention to keep the last 2", lambda _: (lambda cs: cs if len(
+            [c for c in cs if c["state"] == "READY"]) <= 2 else None)(_checkpoints(client, job_id)))
         # every rank's log, as the API serves it from the segments the node agent shipped to the store
         served = {(a["attempt"], r): client.get(f"/v1/training-jobs/{job_id}/logs", params={
             "attempt": a["attempt"], "rank": r, "tail": 100_000}).raise_for_status().content
@@ -145,3 +147,31 @@ def test_a_job_checkpoints_to_s3_and_a_killed_rank_resumes_from_there(stack: Loc
 def _checkpoints(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     body = client.get(f"/v1/training-jobs/{job_id}/checkpoints").raise_for_status().json()
     return body.get("checkpoints", body) if isinstance(body, dict) else body
+
+
+def test_a_job_starts_from_a_hugging_face_model_imported_into_the_store(stack: LocalStack, store: str,
+                                                                       tmp_path: Path) -> None:
+    """`trainyard models import` uploads a transformers Llama into the store; a job with initFrom.huggingFace is
+    accepted (the API reads the prefix), its ranks fetch the model into the node once and start from it."""
+    from tests.support.hfmodels import save_transformers_model
+    from trainyard_cli.models import import_model
+    from trainyard_common.catalog import MODEL_CATALOG
+
+    save_transformers_model(tmp_path / "hf", MODEL_CATALOG["llama-tiny@v1"], seed=7)
+    imported = import_model(tmp_path / "hf", ArtifactLayout(store), "dev", "llama")
+    assert str(imported.directory) == f"{store}/tenants/dev/models/llama"
+    spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    spec |= {"name": "from-s3-hugging-face", "modelConfig": "llama-tiny@v1", "initFrom": {"huggingFace": "models/llama"}}
+    spec["training"] |= {"maxSteps": 2, "learningRate": 1e-9, "lrSchedule": {"name": "constant"}, "sequenceLength": 32}
+    spec["checkpointPolicy"] = {"everySteps": 1, "keepLast": 1}
+    token = stack.token_file.read_text().strip()
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10) as client:
+        resp = client.post("/v1/training-jobs", json=spec)
+        assert resp.status_code == 202, resp.text
+        job_id = resp.json()["jobId"]
+        job = wait_for(client, job_id, "end", lambda j: j if j["state"] == "succeeded" else None, timeout_s=180)
+        log = client.get(f"/v1/training-jobs/{job_id}/logs", params={"rank": 1, "tail": 100_000}).raise_for_status()
+    assert job["huggingFaceStart"]["uri"] == f"{store}/tenants/dev/models/llama", job.get("huggingFaceStart")
+    assert "initialised from the Hugging Face directory models/llama" in log.text, log.text[-3000:]
+    copies = list((stack.s.artifact_root / "hf-cache").glob("*/.complete"))
+    assert len(copies) == 1, copies  # one download for the node's two ranks
