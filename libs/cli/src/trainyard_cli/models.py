@@ -7,6 +7,12 @@ holds (config, weights, tokenizer and generation files; symlinks such as the Hug
 followed) into a temporary sibling and renames it into place, so a model directory is either whole
 or absent. An existing model of that name is left alone: the same files are "already imported",
 other files are refused (pick another ``--name``).
+
+Under an object-store root (``s3://…``) there is no rename: each file is uploaded under the model's
+prefix (hashed as it streams), ``config.json`` last of them — a prefix without it is no model — and then
+``trainyard-model.json`` (every file with its size and sha256, a create-only PUT), which marks the
+import complete and lets ranks verify what they download. An interrupted import is completed by running
+it again.
 """
 
 from __future__ import annotations
@@ -32,8 +38,20 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from trainyard_common.errors import ConfigError, TrainyardError
-from trainyard_common.hfdir import HfDir, inline_config, inspect_dir
-from trainyard_common.storage import CHUNK, ArtifactLayout, fsync_dir
+from trainyard_common.hfdir import CONFIG_FILE, MODEL_LISTING, HfDir, inline_config, inspect_dir
+from trainyard_common.storage import (
+    CHUNK,
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    export_listing,
+    fsync_dir,
+    is_file,
+    list_children,
+    read_bytes,
+    upload,
+    upload_file,
+)
 
 models_app = typer.Typer(
     help="Hugging Face model directories in your tenant's prefix, to start jobs from (initFrom.huggingFace).",
@@ -62,7 +80,7 @@ def files_to_copy(names: Iterable[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Imported:
-    directory: Path
+    directory: Location
     model: HfDir
     files: dict[str, str]  # name -> sha256
     created: bool  # False: the same model was there already
@@ -104,8 +122,11 @@ def import_model(source: Path, layout: ArtifactLayout, tenant: str, name: str, *
     start a job, or when a different model already has that name."""
     check_name(name)
     model = inspect_dir(Path(source).expanduser().resolve())
+    assert isinstance(model.path, Path)
     names = _regular_files(model.path)
     target = layout.model_dir(tenant, name)
+    if isinstance(target, ObjectPath):
+        return _import_to_store(model, model.path, names, target, name, advance)
     if target.exists():
         return _already(model, names, target, name)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -128,9 +149,42 @@ def import_model(source: Path, layout: ArtifactLayout, tenant: str, name: str, *
     return Imported(target, model, files, created=True)
 
 
+def _import_to_store(model: HfDir, source: Path, names: list[str], target: ObjectPath, name: str,
+                     advance: Callable[[int], None]) -> Imported:
+    """Upload the files, config.json last, then the listing (create-only: the first import wins)."""
+    mine = {n: _sha256(source / n) for n in names}
+    if is_file(target / MODEL_LISTING):
+        return _already_in_store(model, mine, target, name)
+    listed = []
+    for n in sorted(names, key=lambda n: (n == CONFIG_FILE, n)):
+        size, digest = upload_file(source / n, target / n)
+        if digest != mine[n]:
+            raise ConfigError(f"{source / n} changed while it was being imported: import it again")
+        listed.append({"name": n, "size": size, "sha256": digest})
+        advance(size)
+    inspect_dir(target)  # what was uploaded is a usable directory too
+    try:
+        with upload(target / MODEL_LISTING, exclusive=True) as out:
+            out.write(json.dumps({"files": listed}, indent=1).encode())
+    except FileExistsError:  # another import of that name finished first
+        return _already_in_store(model, mine, target, name)
+    return Imported(target, model, mine, created=True)
+
+
+def _already_in_store(model: HfDir, mine: dict[str, str], target: ObjectPath, name: str) -> Imported:
+    theirs = {f.name: f.sha256 for f in export_listing(read_bytes(target / MODEL_LISTING))}
+    return _same_or_refused(model, mine, theirs, target, name)
+
+
 def _already(model: HfDir, names: list[str], target: Path, name: str) -> Imported:
     theirs = {n: _sha256(target / n) for n in _regular_files(target)}
+    assert isinstance(model.path, Path)
     mine = {n: _sha256(model.path / n) for n in names}
+    return _same_or_refused(model, mine, theirs, target, name)
+
+
+def _same_or_refused(model: HfDir, mine: dict[str, str], theirs: dict[str, str], target: Location,
+                     name: str) -> Imported:
     if theirs != mine:
         differ = sorted(set(theirs) ^ set(mine)) or sorted(n for n in mine if mine[n] != theirs.get(n))
         raise ConfigError(f"a different model is already imported as {name!r} ({target}; {', '.join(differ[:3])} "
@@ -142,21 +196,19 @@ def _already(model: HfDir, names: list[str], target: Path, name: str) -> Importe
 def list_models(layout: ArtifactLayout, tenant: str) -> list[tuple[str, HfDir | ConfigError]]:
     """Every directory under the tenant's ``models/``: what it holds, or why it cannot start a job."""
     base = layout.tenant_dir(tenant) / "models"
-    if not base.is_dir():
-        return []
     found: list[tuple[str, HfDir | ConfigError]] = []
-    for entry in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for entry in sorted(c.name for c in list_children(base) if c.is_dir and not c.name.startswith(".")):
         try:
-            found.append((entry.name, inspect_dir(entry)))
+            found.append((entry, inspect_dir(base / entry)))
         except ConfigError as exc:
-            found.append((entry.name, exc))
+            found.append((entry, exc))
     return found
 
 
 # ----------------------------------------------------------------------------- commands
 
 
-def _default_root() -> Path:
+def _default_root() -> Location:
     from trainyard_common.settings import ServiceSettings, load_settings
 
     return load_settings(ServiceSettings).artifact_root_abs
@@ -178,9 +230,10 @@ def _tenant(ctx: typer.Context, tenant: str | None) -> str:
     return found
 
 
-RootOption = Annotated[Path | None, typer.Option(
+RootOption = Annotated[str | None, typer.Option(
     "--artifact-root", show_default=False,
-    help="the artifact store's root (default: TRAINYARD_ARTIFACT_ROOT, else .trainyard/artifacts)")]
+    help="the artifact store's root: a directory or s3://bucket/prefix (default: TRAINYARD_ARTIFACT_ROOT, else "
+         ".trainyard/artifacts)")]
 TenantOption = Annotated[str | None, typer.Option(
     "--tenant", show_default=False, help="whose prefix (default: your token's tenant, asked of the API)")]
 

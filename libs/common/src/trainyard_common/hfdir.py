@@ -8,6 +8,8 @@ checks. The weights themselves are read by ``trainyard_trainer.hf.read_hf_model`
 A directory is usable when it resolves (symlinks followed) inside the tenant's prefix, has a
 ``config.json`` that :func:`~trainyard_common.hfconfig.model_config_from_hf` accepts, and weights:
 ``model.safetensors``, or ``model.safetensors.index.json`` with every shard its ``weight_map`` names.
+Under an object-store artifact root the "directory" is a prefix (no symlinks; the spec already refuses
+``.`` and ``..``) and the same checks read its objects.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import Any
 from trainyard_common.catalog import ModelConfig
 from trainyard_common.errors import ConfigError
 from trainyard_common.hfconfig import model_config_from_hf
-from trainyard_common.storage import ArtifactLayout
+from trainyard_common.storage import ArtifactLayout, Location, ObjectPath, list_children, read_bytes, stat_size
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 EXPORT_LISTING = "trainyard-export.json"  # written last by an export: every file with its sha256
+MODEL_LISTING = "trainyard-model.json"  # written last by `trainyard models import` into an object store: the same
 
 #: The fields of a model's shape, as the spec spells them: what a start's config.json must match.
 SHAPE_FIELDS = ("architecture", "vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff",
@@ -44,7 +47,7 @@ class HfDirError(ConfigError):
 class HfDir:
     """What a usable directory holds: its model's shape, and the fingerprint a job records."""
 
-    path: Path  # resolved
+    path: Location  # resolved: a directory, or an object-store prefix
     config: ModelConfig
     config_sha256: str
     weight_files: tuple[tuple[str, int], ...]  # (name, size in bytes), sorted
@@ -95,8 +98,17 @@ def index_shards(index: Any) -> list[str]:
 # ----------------------------------------------------------------------------- reading the directory
 
 
-def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Path:
+def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Location:
     """``tenants/<tenant>/<relative>`` with symlinks resolved; HfDirError when it leaves the tenant's prefix."""
+    if layout.remote:
+        parts = [p for p in relative.split("/") if p]
+        if not parts or {".", ".."} & set(parts):
+            raise HfDirError(f"{relative!r} is not a directory under your tenant's prefix: name one, e.g. "
+                             "models/<name> (trainyard models import) or an export's jobs/<job>/exports/<checkpoint>/hf")
+        found: ObjectPath = layout.tenant_dir(tenant)
+        for part in parts:
+            found = found / part
+        return found
     prefix = layout.tenant_dir(tenant).resolve()
     path = (prefix / relative).resolve()
     if not within(path, prefix) or path == prefix:
@@ -106,25 +118,28 @@ def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Path:
     return path
 
 
-def _read_json(path: Path) -> tuple[Any, str]:
+def _read_json(path: Location) -> tuple[Any, str]:
     try:
-        raw = path.read_bytes()[:_MAX_JSON_BYTES + 1]
+        if (stat_size(path) or 0) > _MAX_JSON_BYTES:
+            raise HfDirError(f"{path.name} is larger than {_MAX_JSON_BYTES} bytes: not a model's {path.name}")
+        raw = read_bytes(path)
     except OSError as exc:
         raise HfDirError(f"cannot read {path.name}: {exc.strerror or exc}") from exc
-    if len(raw) > _MAX_JSON_BYTES:
-        raise HfDirError(f"{path.name} is larger than {_MAX_JSON_BYTES} bytes: not a model's {path.name}")
     try:
         return json.loads(raw), hashlib.sha256(raw).hexdigest()
     except ValueError as exc:
         raise HfDirError(f"{path.name} is not JSON ({exc})") from exc
 
 
-def inspect_dir(path: Path) -> HfDir:
-    """Check a model directory (config.json, weights present) without reading the weights."""
-    if not path.is_dir():
+def inspect_dir(path: Location) -> HfDir:
+    """Check a model directory or object-store prefix (config.json, weights present) without reading the
+    weights."""
+    entries = {c.name: c for c in list_children(path) if not c.is_dir}
+    exists = bool(entries) if isinstance(path, ObjectPath) else path.is_dir()  # a prefix exists when it holds objects
+    if not exists:
         raise HfDirError(f"{path} is not a directory: bring a Hugging Face model in with `trainyard models import "
                          "<dir> --name <name>` (then initFrom.huggingFace: models/<name>), or name an export")
-    if not (path / CONFIG_FILE).is_file():
+    if CONFIG_FILE not in entries:
         raise HfDirError(f"{path} has no {CONFIG_FILE}: a Hugging Face model directory (save_pretrained, or a "
                          "trainyard export) has one")
     data, config_sha = _read_json(path / CONFIG_FILE)
@@ -132,23 +147,22 @@ def inspect_dir(path: Path) -> HfDir:
         raise HfDirError(f"{CONFIG_FILE} is not a JSON object")
     config = model_config_from_hf(data)  # ConfigError naming the key
     index_sha: str | None = None
-    if (path / WEIGHTS_INDEX).is_file():
+    if WEIGHTS_INDEX in entries:
         index, index_sha = _read_json(path / WEIGHTS_INDEX)
         names = index_shards(index)
-    elif (path / WEIGHTS_FILE).is_file():
+    elif WEIGHTS_FILE in entries:
         names = [WEIGHTS_FILE]
     else:
-        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+        other = sorted(n for n in entries if n.endswith(".bin") or ".pt" in n)
         hint = (f" (it has {', '.join(other[:3])}: save it again with safe_serialization=True)" if other else "")
         raise HfDirError(f"{path} has no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}{hint}")
     files = []
     for name in names:
-        shard = path / name
-        if not shard.is_file():
+        if name not in entries:
             raise HfDirError(f"{WEIGHTS_INDEX} names {name}, which is not in the directory")
-        files.append((name, shard.stat().st_size))
+        files.append((name, entries[name].size or 0))
     export_sha = None
-    if (path / EXPORT_LISTING).is_file():
-        export_sha = hashlib.sha256((path / EXPORT_LISTING).read_bytes()).hexdigest()
+    if EXPORT_LISTING in entries:
+        export_sha = hashlib.sha256(read_bytes(path / EXPORT_LISTING)).hexdigest()
     return HfDir(path=path, config=config, config_sha256=config_sha, weight_files=tuple(sorted(files)),
                  index_sha256=index_sha, export_sha256=export_sha)

@@ -463,7 +463,7 @@ def train(job: Job, run: Run) -> Progress:
             log.warning("restore: %s", change)
     try:
         maybe_init_from_hugging_face(spec, job.model_config, trainee.pm.model, run.restored, run.layout,
-                                     settings.tenant)
+                                     settings.tenant, cache_dir=settings.local_root / "hf-cache")
     except BaseException as exc:
         keeper_for(run.restored).failed(exc)
         raise

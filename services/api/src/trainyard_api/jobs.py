@@ -37,7 +37,7 @@ from trainyard_common.records import (
     TriggerOrigin,
 )
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, path_to_uri
+from trainyard_common.storage import ArtifactLayout, location_uri
 from trainyard_common.store import Keys, StateStore, stage_change
 from trainyard_common.tracing import current_traceparent, job_context
 
@@ -116,7 +116,7 @@ def parent_job_id(job: JobRecord) -> str | None:
 
 def hugging_face_start(relative: str, found: HfDir) -> HuggingFaceStart:
     """What a job records of the directory it starts from."""
-    return HuggingFaceStart(directory=relative, uri=path_to_uri(found.path), config_sha256=found.config_sha256,
+    return HuggingFaceStart(directory=relative, uri=location_uri(found.path), config_sha256=found.config_sha256,
                             weight_files=dict(found.weight_files), index_sha256=found.index_sha256,
                             export_sha256=found.export_sha256)
 

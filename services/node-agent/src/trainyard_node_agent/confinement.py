@@ -120,10 +120,12 @@ def start_weights(layout: ArtifactLayout, event: GangAllocated) -> Path | None:
     """The ``initFrom.huggingFace`` directory the ranks may read (symlinks resolved), or None: none named,
     or it resolves outside the job's tenant prefix (not bound: the trainer then fails saying so)."""
     init = event.spec.init_from
-    if init is None or init.hugging_face is None:
+    if init is None or init.hugging_face is None or layout.remote:  # an object store: nothing to bind
         return None
     try:
-        return resolve_start(layout, event.tenant, init.hugging_face)
+        found = resolve_start(layout, event.tenant, init.hugging_face)
+        assert isinstance(found, Path)  # a directory root
+        return found
     except HfDirError as exc:
         log.warning("not showing job %s's ranks its initFrom.huggingFace directory: %s", event.job_id, exc)
         return None
