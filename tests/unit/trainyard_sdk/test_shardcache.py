@@ -300,3 +300,23 @@ def test_a_shard_deleted_between_lookup_and_mapping_is_fetched_again_and_few_sta
         np.testing.assert_array_equal(dataset.windows(samples), local.windows(samples))
         assert len(dataset._open) == 2
         assert cache.deleted == {s.sha256 for s in manifest.shards}
+
+
+def test_each_registry_gets_metrics_registered_in_it_even_when_an_earlier_one_is_gone() -> None:
+    """The metrics are remembered per registry object, not per id(): a new registry that lands at a freed one's
+    address (id() reuse made a test here count into a dead registry once) gets its own; two live ones too."""
+    import gc
+
+    first, second = CollectorRegistry(), CollectorRegistry()
+    ShardCacheMetrics.of(first).evictions.labels("1").inc(2)
+    ShardCacheMetrics.of(second).evictions.labels("1").inc()
+    assert (value(first, "trainyard_shard_cache_evictions_total", rank="1"),
+            value(second, "trainyard_shard_cache_evictions_total", rank="1")) == (2, 1)
+    for _ in range(20):
+        gone = CollectorRegistry()
+        ShardCacheMetrics.of(gone).requests.labels("0", "hit").inc()
+        del gone
+        gc.collect()
+        fresh = CollectorRegistry()
+        ShardCacheMetrics.of(fresh).requests.labels("0", "hit").inc()
+        assert value(fresh, "trainyard_shard_cache_requests_total", rank="0", result="hit") == 1

@@ -35,6 +35,7 @@ import secrets
 import shutil
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,7 +64,8 @@ def error_kind(exc: BaseException) -> str:
 class ShardCacheMetrics:
     """The cache's Prometheus metrics, registered once per registry."""
 
-    _by_registry: dict[int, ShardCacheMetrics] = {}
+    # by the registry itself, held weakly: an id() can be reused once a registry is gone (tests make many)
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ShardCacheMetrics] = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -83,9 +85,9 @@ class ShardCacheMetrics:
     def of(cls, registry: CollectorRegistry | None = None) -> ShardCacheMetrics:
         registry = registry or REGISTRY
         with cls._lock:
-            if id(registry) not in cls._by_registry:
-                cls._by_registry[id(registry)] = cls(registry)
-            return cls._by_registry[id(registry)]
+            if registry not in cls._by_registry:
+                cls._by_registry[registry] = cls(registry)
+            return cls._by_registry[registry]
 
 
 @dataclass(frozen=True)
