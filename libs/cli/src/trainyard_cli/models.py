@@ -151,16 +151,14 @@ def import_model(source: Path, layout: ArtifactLayout, tenant: str, name: str, *
 
 def _import_to_store(model: HfDir, source: Path, names: list[str], target: ObjectPath, name: str,
                      advance: Callable[[int], None]) -> Imported:
-    """Upload the files, config.json last, then the listing (create-only: the first import wins)."""
-    mine = {n: _sha256(source / n) for n in names}
+    """Upload the files, config.json last, then the listing (create-only: the first import wins). Each file is
+    read once: hashed as it uploads, or, when the model is there already, only hashed to compare."""
     if is_file(target / MODEL_LISTING):
-        return _already_in_store(model, mine, target, name)
-    listed = []
+        return _already_in_store(model, {n: _sha256(source / n) for n in names}, target, name)
+    listed, mine = [], {}
     for n in sorted(names, key=lambda n: (n == CONFIG_FILE, n)):
-        size, digest = upload_file(source / n, target / n)
-        if digest != mine[n]:
-            raise ConfigError(f"{source / n} changed while it was being imported: import it again")
-        listed.append({"name": n, "size": size, "sha256": digest})
+        size, mine[n] = upload_file(source / n, target / n)
+        listed.append({"name": n, "size": size, "sha256": mine[n]})
         advance(size)
     inspect_dir(target)  # what was uploaded is a usable directory too
     try:
