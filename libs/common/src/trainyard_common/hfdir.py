@@ -23,7 +23,7 @@ from typing import Any
 from trainyard_common.catalog import ModelConfig
 from trainyard_common.errors import ConfigError
 from trainyard_common.hfconfig import model_config_from_hf
-from trainyard_common.storage import ArtifactLayout, Location, ObjectPath, list_children, read_bytes, stat_size
+from trainyard_common.storage import ArtifactLayout, Location, ObjectPath, list_children, read_bytes
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -118,9 +118,10 @@ def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Locatio
     return path
 
 
-def _read_json(path: Location) -> tuple[Any, str]:
+def _read_json(path: Location, size: int | None) -> tuple[Any, str]:
+    """The JSON file at ``path`` and its sha256; ``size`` as the directory's listing gave it (no second stat)."""
     try:
-        if (stat_size(path) or 0) > _MAX_JSON_BYTES:
+        if (size or 0) > _MAX_JSON_BYTES:
             raise HfDirError(f"{path.name} is larger than {_MAX_JSON_BYTES} bytes: not a model's {path.name}")
         raw = read_bytes(path)
     except OSError as exc:
@@ -142,13 +143,13 @@ def inspect_dir(path: Location) -> HfDir:
     if CONFIG_FILE not in entries:
         raise HfDirError(f"{path} has no {CONFIG_FILE}: a Hugging Face model directory (save_pretrained, or a "
                          "trainyard export) has one")
-    data, config_sha = _read_json(path / CONFIG_FILE)
+    data, config_sha = _read_json(path / CONFIG_FILE, entries[CONFIG_FILE].size)
     if not isinstance(data, dict):
         raise HfDirError(f"{CONFIG_FILE} is not a JSON object")
     config = model_config_from_hf(data)  # ConfigError naming the key
     index_sha: str | None = None
     if WEIGHTS_INDEX in entries:
-        index, index_sha = _read_json(path / WEIGHTS_INDEX)
+        index, index_sha = _read_json(path / WEIGHTS_INDEX, entries[WEIGHTS_INDEX].size)
         names = index_shards(index)
     elif WEIGHTS_FILE in entries:
         names = [WEIGHTS_FILE]
