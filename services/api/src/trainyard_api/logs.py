@@ -115,11 +115,13 @@ class ShippedLog:
         return last_lines(data, n), found[-1].end if found else 0
 
     def read_from(self, offset: int) -> bytes:
+        """What was shipped from ``offset`` on, from one listing (up to a segment's worth past the first piece:
+        a follower catching up lists once per round, not once per segment)."""
+        data = b""
         for piece in self._pieces():
-            if piece.end > offset:
-                data = self._read(piece)
-                return data[max(0, offset - piece.start):]
-        return b""
+            if piece.end > offset and len(data) < logsegments.SEGMENT_MAX:
+                data += self._read(piece)[max(0, offset - piece.start):]
+        return data
 
 
 class RankLogs:
