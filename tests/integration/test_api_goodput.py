@@ -235,7 +235,8 @@ async def test_refresh_records_each_tenants_cumulative_ledger_and_the_route_answ
         body = (await a.get("/v1/goodput/history")).json()
         assert body["tenant"] == "tenant-a" and body["bucketSeconds"] == 300
         (interval,) = body["intervals"]
-        assert (interval["start"], interval["end"]) == ("2026-01-01T00:05:00Z", "2026-01-01T00:15:00Z")
+        # from the instant of the 310 s sample (its bucket starts at 300 s) to the 900 s one's
+        assert (interval["start"], interval["end"]) == ("2026-01-01T00:05:10Z", "2026-01-01T00:15:00Z")
         # 300 s → 900 s of 2 ranks; launch ended at 310 s (10 s more than at the 310 s sample), 100 steps saved
         assert interval["allocatedDeviceSeconds"] == 2 * (900 - 310)
         assert interval["productiveDeviceSeconds"] == 2 * 100

@@ -13,6 +13,7 @@ from trainyard_api.goodput_history import (
     expired_buckets,
     intervals,
     parse_samples,
+    sample_entry,
 )
 
 
@@ -89,3 +90,38 @@ def test_an_interval_credited_late_passes_one_but_goodput_to_date_stays_within_o
 def test_parse_samples_sorts_by_bucket_and_skips_unreadable_fields() -> None:
     raw = {"900": json.dumps(S2), "300": json.dumps(S1), "x": "{}", "600": "not json", "1200": "[1]"}
     assert parse_samples(raw) == [(300, S1), (900, S2)]
+
+
+def refreshed(refreshes: list[tuple[float, float]], bucket: int) -> list[GoodputInterval]:
+    """The intervals after refreshes at (instant, cumulative allocated) filed as ``accounting.refresh()`` files
+    them: one history field per bucket, a later refresh in a bucket overwriting the earlier one."""
+    history: dict[str, str] = {}
+    for now, allocated in refreshes:
+        field_, value = sample_entry(now, bucket, cumulative(allocated, 0))
+        history[field_] = value
+    return intervals(parse_samples(history))
+
+
+@pytest.mark.parametrize(("case", "refreshes", "bucket", "expected"), [
+    # refreshes every 30 s into 300 s buckets; 2 devices allocated from 600 s: the last sample of the first
+    # bucket (at 570 s) has nothing, the last of the second (870 s) 2 x 270 s, the last of the third 2 x 570 s
+    ("steady refreshes", [(t, 2 * max(t - 600, 0)) for t in range(0, 1200, 30)], 300,
+     [(270, 570, 0.0), (570, 870, 540.0), (870, 1170, 600.0)]),
+    # a job on 2 devices from 300 s to 600 s: 540 of its 600 device-seconds are in the 570 s sample, the rest
+    # in the 630 s one, which the 870 s refresh overwrites in its bucket
+    ("a job within one bucket", [(270, 0), (570, 2 * 270), (630, 600), (870, 600)], 300,
+     [(270, 570, 540.0), (570, 870, 60.0)]),
+    ("a sample on a bucket boundary", [(300, 0), (600, 100), (900, 250)], 300, [(300, 600, 100.0), (600, 900, 150.0)]),
+    ("a gap while no API ran is one long interval", [(10, 0), (310, 20), (1250, 80)], 300,
+     [(10, 310, 20.0), (310, 1250, 60.0)]),
+    ("fractional instants are kept to the second", [(59.5, 0), (119.9, 6)], 60, [(59, 119, 6.0)]),
+])
+def test_an_interval_spans_the_instants_its_samples_were_taken(
+        case: str, refreshes: list[tuple[float, float]], bucket: int, expected: list[tuple[int, int, float]]) -> None:
+    got = refreshed(refreshes, bucket)
+    assert [(i.start, i.end, i.allocated) for i in got] == expected
+
+
+def test_a_sample_recorded_before_samples_carried_their_instant_stands_at_its_bucket_start() -> None:
+    raw = {"300": json.dumps(S1), "600": json.dumps({"sampledAt": 890, **S2})}
+    assert parse_samples(raw) == [(300, S1), (890, S2)]

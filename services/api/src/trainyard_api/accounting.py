@@ -27,7 +27,7 @@ from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore
 
 from trainyard_api.goodput import KINDS, Ledger, job_ledger
-from trainyard_api.goodput_history import Sample, bucket_start, expired_buckets, parse_samples
+from trainyard_api.goodput_history import Sample, expired_buckets, parse_samples, sample_entry
 from trainyard_api.jobmetrics import JobSeries
 from trainyard_api.steptiming import StepTimingStore
 
@@ -114,11 +114,10 @@ class GoodputAccountant:
         return ledgers
 
     async def record_history(self, ledgers: dict[str, Ledger], *, now_s: float) -> None:
-        """1. each tenant's cumulative seconds under the current bucket  2. drop buckets past the retention."""
-        bucket = str(bucket_start(now_s, self.history_bucket_s))
+        """1. each tenant's cumulative seconds, and when, under the current bucket  2. drop buckets past the retention."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for tenant, ledger in ledgers.items():
-                pipe.hset(Keys.goodput_history(tenant), bucket, json.dumps(ledger.seconds()))
+                pipe.hset(Keys.goodput_history(tenant), *sample_entry(now_s, self.history_bucket_s, ledger.seconds()))
                 pipe.sadd(Keys.goodput_history_tenants, tenant)
             await pipe.execute()
         for tenant in ledgers:

@@ -1,10 +1,13 @@
 """Goodput over time: cumulative ledger samples → intervals. Pure; no Redis or clock.
 
 ``accounting.refresh()`` stores, per tenant and per bucket of ``goodput_history_bucket_s``, the tenant's
-cumulative ledger seconds (:meth:`Ledger.seconds`) under the bucket's start. Two consecutive samples make an
-interval: what was allocated, productive and wasted between them is the difference of the cumulative
-values. A sample is the last one written in its bucket (several API processes overwrite each other with
-the same kind of value), so an interval runs from one bucket start to the next.
+cumulative ledger seconds (:meth:`Ledger.seconds`) under the bucket's start, with the instant it was taken
+(``sampledAt``). Two consecutive samples make an interval: what was allocated, productive and wasted between
+them is the difference of the cumulative values. A sample is the last one written in its bucket (several API
+processes overwrite each other with the same kind of value), so it stands for the cumulative values late in
+its bucket, not at its start: an interval runs from one sample's instant to the next one's. (Read as
+bucket starts, every interval came out one bucket early.) A sample stored without its instant stands at its
+bucket's start.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 
 from trainyard_api.goodput import WASTE_KINDS
 
-Sample = tuple[int, Mapping[str, float]]  # (bucket start, epoch seconds; cumulative seconds by kind)
+Sample = tuple[int, Mapping[str, float]]  # (when it was taken, epoch seconds; cumulative seconds by kind)
+SAMPLED_AT = "sampledAt"
 
 
 @dataclass(frozen=True)
@@ -50,13 +54,20 @@ def bucket_start(now_s: float, bucket_s: int) -> int:
     return int(math.floor(now_s / bucket_s)) * bucket_s
 
 
+def sample_entry(now_s: float, bucket_s: int, seconds: Mapping[str, float]) -> tuple[str, str]:
+    """The history field (the bucket ``now_s`` falls in) and value (the cumulative ``seconds`` and the
+    instant, to the second) of a sample taken at ``now_s``."""
+    return str(bucket_start(now_s, bucket_s)), json.dumps({SAMPLED_AT: int(math.floor(now_s)), **seconds})
+
+
 def expired_buckets(buckets: Iterable[int], *, now_s: float, retention_s: float) -> list[int]:
     """The buckets that started more than ``retention_s`` before ``now_s``."""
     return sorted(b for b in buckets if b < now_s - retention_s)
 
 
 def parse_samples(raw: Mapping[str, str]) -> list[Sample]:
-    """A history hash (bucket → JSON) as sorted samples; unreadable fields are skipped."""
+    """A history hash (bucket → JSON) as samples sorted by when they were taken (a sample without its
+    instant: its bucket's start); unreadable fields are skipped."""
     samples: list[Sample] = []
     for key, value in raw.items():
         try:
@@ -64,13 +75,15 @@ def parse_samples(raw: Mapping[str, str]) -> list[Sample]:
         except (TypeError, ValueError):
             continue
         if isinstance(seconds, dict):
-            samples.append((bucket, {k: float(v) for k, v in seconds.items() if isinstance(v, int | float)}))
+            at = seconds.pop(SAMPLED_AT, bucket)
+            numbers = {k: float(v) for k, v in seconds.items() if isinstance(v, int | float)}
+            samples.append((int(at) if isinstance(at, int | float) else bucket, numbers))
     return sorted(samples, key=lambda s: s[0])
 
 
 def intervals(samples: Sequence[Sample], *, since: float | None = None, until: float | None = None
               ) -> list[GoodputInterval]:
-    """The intervals between consecutive samples (sorted by bucket), oldest first; with ``since`` /
+    """The intervals between consecutive samples (sorted by instant), oldest first; with ``since`` /
     ``until`` only those that overlap [since, until]."""
     ordered = sorted(samples, key=lambda s: s[0])
     out: list[GoodputInterval] = []

@@ -67,8 +67,8 @@ async def get_goodput_history(
     first, with each interval's goodput (Δproductive ÷ Δallocated; null when nothing was
     allocated). Every `TRAINYARD_GOODPUT_REFRESH_S` the API samples each tenant's cumulative
     ledger (the one `GET /v1/goodput` answers) into a bucket of `TRAINYARD_GOODPUT_HISTORY_BUCKET_S`
-    (default 300 s; the latest sample of a bucket wins); an interval runs from one sampled bucket
-    start to the next, so a gap while no API ran is one long interval. Samples are kept for
+    (default 300 s; the latest sample of a bucket wins); an interval runs from the instant one
+    sample was taken to the next one's, so a gap while no API ran is one long interval. Samples are kept for
     `TRAINYARD_GOODPUT_HISTORY_RETENTION_S` (default 30 days). `since` and `until` (RFC 3339, with
     an offset) keep the intervals that overlap them (none when `since` is after `until`)."""
     accounting = ctx.accounting
