@@ -30,10 +30,12 @@ from trainyard_trainer.data_import import (
     Task,
     choose_eos,
     classify,
+    documents_with_reserved_ids,
     expand_inputs,
     import_dataset,
     join_documents,
     parse_records,
+    reserved_ids,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -385,3 +387,110 @@ def test_a_bad_record_found_by_a_worker_process(tmp_path: Path, corpus: Path, to
     with pytest.raises(DataError, match=r"z\.jsonl:31: no field 'text'"):
         import_dataset(tmp_path / "root", "mine", "v1", [str(corpus)], tokenizer=str(tokenizer_file), workers=2)
     assert version_traces(tmp_path / "root") == []
+
+
+# ----------------------------------------------------------------------------- special-token text in documents
+
+# The special tokens of the common families (GPT-2, Llama 3 and its chat template, Llama 2 / Mistral / T5, BERT,
+# Gemma), added to the test BPE beside its own <|endoftext|>.
+FAMILY_SPECIALS = ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                   "<|reserved_special_token_0|>", "<s>", "</s>", "<unk>", "<pad>", "[CLS]", "[SEP]", "[MASK]",
+                   "<eos>", "<bos>", "<start_of_turn>", "<|eos|>", "[EOS]"]
+
+
+def special_tokens(tokenizer_path: Path) -> dict[int, str]:
+    from tokenizers import Tokenizer
+
+    decoder = Tokenizer.from_file(str(tokenizer_path)).get_added_tokens_decoder()
+    return {i: t.content for i, t in decoder.items() if t.special}
+
+
+def token_stream(manifest_path: Path) -> np.ndarray:
+    m = load_dataset_manifest(manifest_path)
+    return np.concatenate([np.fromfile(manifest_path.parent / s.file, dtype=m.dtype) for s in m.shards])
+
+
+def documents_with_every_special_token(specials: list[str]) -> list[str]:
+    """Each special token's literal text alone, inside words, at both ends, and twice."""
+    return [text for tok in specials for text in (tok, f"a {tok} b", f"x{tok}y{tok}", f"{tok} end", f"start {tok}")]
+
+
+def assert_no_special_id_inside_a_document(manifest_path: Path, docs: list[str]) -> None:
+    m = load_dataset_manifest(manifest_path)
+    stream = token_stream(manifest_path)
+    eos = m.import_info.eos_token_id
+    assert m.import_info.documents == len(docs) == int((stream == eos).sum())  # one separator per document
+    specials = set(special_tokens(manifest_path.parent / "tokenizer.json"))
+    inside = stream[stream != eos]
+    assert not specials & set(inside.tolist())
+    assert decoded_documents(manifest_path) == docs  # the literal text, read back
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_special_token_text_in_a_document_is_encoded_as_text(tmp_path: Path, workers: int) -> None:
+    """A document holding the literal text of any special token of the tokenizer (its end-of-document token
+    included) gets no special id: the separators are exactly the documents."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(train_tokenizer(DOCS, 300))
+    tok.add_special_tokens(FAMILY_SPECIALS)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tok.to_str())
+    specials = list(special_tokens(path).values())
+    assert len(specials) == len(FAMILY_SPECIALS) + 1  # every one, <|endoftext|> too
+    docs = documents_with_every_special_token(specials)
+    (tmp_path / "d.jsonl").write_bytes(jsonl([{"text": t} for t in docs]))
+    result = import_dataset(tmp_path / "root", "mine", "v1", [str(tmp_path / "d.jsonl")], tokenizer=str(path),
+                            options=ImportOptions(shard_tokens=97), workers=workers)
+    assert_no_special_id_inside_a_document(result.manifest_path, docs)
+
+
+def test_special_token_text_with_the_tokenizer_trained_on_the_inputs(tmp_path: Path) -> None:
+    docs = DOCS[:20] + documents_with_every_special_token(["<|endoftext|>"])
+    (tmp_path / "d.jsonl").write_bytes(jsonl([{"text": t} for t in docs]))
+    result = build(tmp_path / "root", [str(tmp_path / "d.jsonl")], vocab_size=300)
+    assert list(special_tokens(result.manifest_path.parent / "tokenizer.json").values()) == ["<|endoftext|>"]
+    assert_no_special_id_inside_a_document(result.manifest_path, docs)
+
+
+def test_a_document_a_tokenizer_can_only_spell_with_a_special_token_is_a_bad_record(tmp_path: Path) -> None:
+    """A word-level vocabulary that holds "</s>" as a word maps the text "</s>" to that id whatever the
+    matching: the record is refused (file and line named), or skipped and counted with --skip-bad. Its unknown
+    token stays allowed (it is how the model spells text it does not know, not a separator)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(sorted({w for d in DOCS for w in d.split()} | {"[UNK]", "</s>", "<pad>"}))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["</s>", "<pad>", "[UNK]"])
+    path = tmp_path / "wl.json"
+    tok.save(str(path))
+    lines = [{"text": DOCS[0]}, {"text": "w1 unknownword w2"}, {"text": "w1 </s> w2"}, {"text": DOCS[1]},
+             {"text": "<pad>"}]
+    (tmp_path / "d.jsonl").write_bytes(jsonl(lines))
+    with pytest.raises(DataError, match=r"d\.jsonl:3: .*special token '</s>'.*--skip-bad"):
+        build(tmp_path / "root", [str(tmp_path / "d.jsonl")], path)
+    assert version_traces(tmp_path / "root") == []
+    result = build(tmp_path / "root", [str(tmp_path / "d.jsonl")], path, skip_bad=True)
+    assert result.manifest.import_info.skipped_records == 2 and result.manifest.import_info.documents == 3
+    stream = token_stream(result.manifest_path)
+    eos = result.manifest.import_info.eos_token_id
+    assert int((stream == eos).sum()) == 3 and vocab["<pad>"] not in stream.tolist()
+    assert vocab["[UNK]"] in stream.tolist()  # unknown text is the unknown token, as the model spells it
+
+
+def test_reserved_ids_are_the_special_tokens_and_the_separator_but_not_the_unknown_token() -> None:
+    assert reserved_ids({0: "<|endoftext|>", 5: "<pad>", 7: "[UNK]"}, 0, 7) == {0, 5}
+    assert reserved_ids({}, 3, None) == {3}  # a plain token named with --eos-token is reserved too
+    assert reserved_ids({3: "<unk>"}, 3, 3) == {3}  # the separator, even when it is the unknown token
+
+
+@pytest.mark.parametrize("id_lists, expected", [
+    ([[1, 2], [3]], []),
+    ([[1, 9], [], [9, 9, 5], [2]], [(0, 9), (2, 9)]),
+    ([[0], [1, 0, 5]], [(0, 0), (1, 0)]),  # the separator's id inside a document
+    ([], []),
+])
+def test_documents_with_reserved_ids(id_lists: list[list[int]], expected: list[tuple[int, int]]) -> None:
+    joined = join_documents(id_lists, eos_id=0)
+    assert documents_with_reserved_ids(joined, [len(x) for x in id_lists], frozenset({0, 9})) == expected

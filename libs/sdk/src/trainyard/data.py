@@ -254,6 +254,7 @@ def encode_documents(tokenizer_json: str, texts: Sequence[str]) -> np.ndarray:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.encode_special_tokens = True  # a source's literal "<|endoftext|>" is text, not a separator
     eot = tokenizer.token_to_id(END_OF_TEXT)
     if eot is None:
         raise DataError(f"tokenizer has no {END_OF_TEXT} token")

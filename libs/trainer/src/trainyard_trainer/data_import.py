@@ -29,9 +29,16 @@ without one is no version (what an interrupted import left is cleared by the nex
 of one version at once are not coordinated beyond that PUT: the first manifest stands, and the
 other import is judged against it as for an existing version.
 
+Special tokens: a document is text, never markup. It is encoded with the tokenizer's special-token matching
+off (``encode_special_tokens``), so a literal ``<|endoftext|>`` (or any special token's text) in a document
+is spelled with ordinary tokens, and the shard holds exactly one separator per document. A tokenizer whose
+model itself maps some text to a special id (a word-level vocabulary holding ``</s>`` as a word) has no
+other spelling for it: that record is a bad record (:func:`documents_with_reserved_ids`).
+
 Layout (split like the rest of the codebase): the parts that decide are pure functions
-(:func:`classify`, :func:`choose_eos`, :func:`parse_records`, :func:`join_documents`); the
-shell reads files, runs the worker pool and writes the version.
+(:func:`classify`, :func:`choose_eos`, :func:`reserved_ids`, :func:`parse_records`,
+:func:`documents_with_reserved_ids`, :func:`join_documents`); the shell reads files, runs the worker pool
+and writes the version.
 """
 
 from __future__ import annotations
@@ -100,10 +107,12 @@ __all__ = [
     "InputFile",
     "choose_eos",
     "classify",
+    "documents_with_reserved_ids",
     "expand_inputs",
     "import_dataset",
     "join_documents",
     "parse_records",
+    "reserved_ids",
 ]
 
 DEFAULT_IMPORT_SHARD_TOKENS = 1 << 24  # 32 MiB of uint16, 64 MiB of uint32
@@ -189,11 +198,40 @@ def choose_eos(vocab: Mapping[str, int], special: Sequence[str], requested: str 
     )
 
 
+def reserved_ids(special_ids: Iterable[int], eos_id: int, unk_id: int | None) -> frozenset[int]:
+    """The ids no document may contain: the tokenizer's special tokens and the separator. The model's
+    unknown token is not one of them (unless it is the separator): it is how the model spells text it has
+    no tokens for, not markup."""
+    reserved = set(special_ids) - ({unk_id} if unk_id is not None else set())
+    return frozenset(reserved | {eos_id})
+
+
+def documents_with_reserved_ids(joined: np.ndarray, lengths: Sequence[int],
+                                reserved: frozenset[int]) -> list[tuple[int, int]]:
+    """``(document index, first reserved id inside it)`` of each document holding a reserved id, in
+    ``joined``: documents of ``lengths`` ids, each followed by its separator (as :func:`join_documents`
+    writes them; the separators themselves are not inside a document)."""
+    if not reserved or not len(lengths):
+        return []
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64) + 1) - 1  # where the separators are
+    hits = np.flatnonzero(np.isin(joined, np.fromiter(reserved, dtype=np.int64)))  # one vectorised pass
+    inside = hits[~np.isin(hits, ends)]
+    first: dict[int, int] = {}
+    for document, position in zip(np.searchsorted(ends, inside).tolist(), inside.tolist()):
+        first.setdefault(document, int(joined[position]))
+    return sorted(first.items())
+
+
 @dataclass
 class Parsed:
     texts: list[str] = field(default_factory=list)
+    places: list[str] = field(default_factory=list)  # where each text is, as errors name it
     skipped: int = 0
     error: str | None = None
+
+    def add(self, text: str, place: str) -> None:
+        self.texts.append(text)
+        self.places.append(place)
 
 
 def parse_records(task: Task, skip_bad: bool) -> Parsed:
@@ -211,7 +249,7 @@ def parse_records(task: Task, skip_bad: bool) -> Parsed:
     if task.kind == "txt":
         for raw in task.items:
             try:
-                out.texts.append(raw.decode("utf-8"))
+                out.add(raw.decode("utf-8"), task.label)
             except UnicodeDecodeError as exc:
                 if bad(f"{task.label}: not valid UTF-8 at byte {exc.start}"):
                     return out
@@ -244,7 +282,7 @@ def parse_records(task: Task, skip_bad: bool) -> Parsed:
                 if bad(f"{where}: field {task.field!r} is {_json_kind(text)}, not a string"):
                     return out
                 continue
-            out.texts.append(text)
+            out.add(text, where)
     else:  # parquet: the column's values, row numbers from 1
         for offset, value in enumerate(task.items):
             if not isinstance(value, str):
@@ -252,7 +290,7 @@ def parse_records(task: Task, skip_bad: bool) -> Parsed:
                 if bad(f"{task.label}: row {task.first + offset}: column {task.field!r} is {kind}, not a string"):
                     return out
                 continue
-            out.texts.append(value)
+            out.add(value, f"{task.label}: row {task.first + offset}")
     return out
 
 
@@ -300,23 +338,36 @@ class Encoded:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, skip_bad: bool) -> None:
+def _init_worker(tokenizer_json: str, eos_id: int, reserved: frozenset[int], skip_bad: bool) -> None:
     """Pool initializer: one single-threaded tokenizer per worker process (the pool is the parallelism)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos_id=eos_id, skip_bad=skip_bad)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.encode_special_tokens = True  # a document's "<|endoftext|>" is text, not the separator
+    _WORKER.update(tokenizer=tokenizer, eos_id=eos_id, reserved=reserved, skip_bad=skip_bad)
 
 
 def _encode(task: Task) -> Encoded:
     parsed = parse_records(task, _WORKER["skip_bad"])
-    if parsed.error is not None:
-        return Encoded(np.empty(0, np.uint32), 0, parsed.skipped, parsed.error, task.raw_bytes)
-    tokenizer = _WORKER["tokenizer"]
+    tokenizer, reserved = _WORKER["tokenizer"], _WORKER["reserved"]
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets
-    encodings = encode(parsed.texts, add_special_tokens=False)
-    ids = join_documents((e.ids for e in encodings), _WORKER["eos_id"])
-    return Encoded(ids, len(parsed.texts), parsed.skipped, None, task.raw_bytes)
+    id_lists = [e.ids for e in encode(parsed.texts, add_special_tokens=False)]
+    ids = join_documents(id_lists, _WORKER["eos_id"])
+    error, skipped = parsed.error, parsed.skipped
+    if found := documents_with_reserved_ids(ids, [len(x) for x in id_lists], reserved):
+        if not _WORKER["skip_bad"]:  # these records come before any parse error: theirs is the first
+            index, token_id = found[0]
+            error = (f"{parsed.places[index]}: the text encodes to the special token "
+                     f"{tokenizer.id_to_token(token_id)!r} (id {token_id}) even with special-token matching "
+                     "off: this tokenizer has no other spelling for it")
+        dropped = {index for index, _ in found}
+        id_lists = [x for i, x in enumerate(id_lists) if i not in dropped]
+        ids = join_documents(id_lists, _WORKER["eos_id"])
+        skipped += len(dropped)
+    if error is not None:
+        return Encoded(np.empty(0, np.uint32), 0, skipped, error, task.raw_bytes)
+    return Encoded(ids, len(id_lists), skipped, None, task.raw_bytes)
 
 
 # ----------------------------------------------------------------------------- reading inputs (I/O)
@@ -618,6 +669,7 @@ class _Tokenizer:
     eos_id: int
     kind: str
     source: Literal["user", "trained"]
+    reserved: frozenset[int] = frozenset()  # ids no document may contain (see reserved_ids)
 
 
 def load_tokenizer(path: str, eos_token: str | None) -> _Tokenizer:
@@ -646,10 +698,26 @@ def load_tokenizer(path: str, eos_token: str | None) -> _Tokenizer:
 def _resolve(tokenizer: Any, text: str, raw: bytes, eos_token: str | None, *, kind: str,
              source: Literal["user", "trained"]) -> _Tokenizer:
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    special = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    eos, eos_id = choose_eos(vocab, special, eos_token)
+    added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    eos, eos_id = choose_eos(vocab, list(added.values()), eos_token)
     vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=0) + 1)
-    return _Tokenizer(text, raw, vocab_size, eos, eos_id, kind, source)
+    reserved = reserved_ids(added, eos_id, _unknown_id(text, vocab))
+    return _Tokenizer(text, raw, vocab_size, eos, eos_id, kind, source, reserved)
+
+
+def _unknown_id(text: str, vocab: Mapping[str, int]) -> int | None:
+    """The id of the model's unknown token (``unk_token`` of BPE/WordLevel/WordPiece, ``unk_id`` of Unigram)."""
+    try:
+        model = json.loads(text).get("model") or {}
+    except ValueError:
+        return None
+    if isinstance(unk := model.get("unk_token"), str):
+        return vocab.get(unk)
+    pieces = model.get("vocab")
+    if isinstance(unk := model.get("unk_id"), int) and isinstance(pieces, list) and 0 <= unk < len(pieces):
+        piece = pieces[unk]
+        return vocab.get(piece[0]) if isinstance(piece, list) and piece else None
+    return None
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -717,18 +785,22 @@ class _Encoder:
         self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if self.workers <= 1:
-            _init_worker(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad)  # one core, as asked
+            _init_worker(*self._init_args())  # one core, as asked
             return self
         try:
             context = multiprocessing.get_context("fork")
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=context, initializer=_init_worker,
-                initargs=(self.tokenizer.json_text, self.tokenizer.eos_id, self.skip_bad))
+                initargs=self._init_args())
             self._pool.submit(os.getpid).result()  # a fork context starts every worker at the first submit
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _init_args(self) -> tuple[str, int, frozenset[int], bool]:
+        tok = self.tokenizer
+        return tok.json_text, tok.eos_id, tok.reserved, self.skip_bad
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
