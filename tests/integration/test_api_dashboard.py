@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainyard_api import ApiServer
+from trainyard_api.metrics_history import MetricHistory
 from trainyard_cli.main import app as cli
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
@@ -107,6 +108,45 @@ async def test_metric_history_keeps_every_step_of_every_rank_and_the_newest_atte
         assert ranks["reportedRanks"] == [0, 1] and [a["attempt"] for a in ranks["attempts"]] == [1, 2]
     async with client_for(api.url, TOKEN_B) as other:
         assert (await other.get(f"/v1/training-jobs/{job_id}/metrics")).status_code == 404
+
+
+async def test_every_method_answers_the_least_max_points_and_the_view_always_carries_its_step_range(
+    api: ApiServer,
+) -> None:
+    """``method=minmax&maxPoints=2`` was a 500 (a panic inside tsdownsample); an empty window dropped
+    ``fromStep``/``toStep``, which the document declares required (a generated client raised KeyError)."""
+    job_id = "job-small-answers"
+    await given_job(api, job_id, attempts=1)
+    history = MetricHistory(api.runtime.store.redis)
+    losses = [3.0, 1.0, 4.0, 1.5, 9.0, 2.0, 0.5, 6.0, 5.0, 3.5]  # the extremes: 9.0 at step 5, 0.5 at step 7
+    for step, loss in enumerate(losses, start=1):
+        for rank in (0, 1):
+            await history.on_step_metrics(metrics(job_id, 1, step, rank, loss=loss))
+    url = f"/v1/training-jobs/{job_id}/metrics"
+    async with client_for(api.url, TOKEN_A) as client:
+        for method in ("lttb", "minmax"):
+            for max_points in (2, 3):
+                r = await client.get(url, params={"series": "loss", "method": method, "maxPoints": max_points})
+                assert r.status_code == 200, (method, max_points, r.text)
+                body, loss = r.json(), r.json()["series"]["loss"]
+                assert (body["method"], body["fromStep"], body["toStep"]) == (method, 0, 10)
+                assert len(loss["steps"]) <= max_points and loss["totalPoints"] == 10
+                assert loss["values"] == [losses[s - 1] for s in loss["steps"]]
+                if method == "minmax":
+                    assert loss["steps"] == [5, 7] and loss["values"] == [9.0, 0.5]
+                else:
+                    assert loss["steps"][0] == 1 and loss["steps"][-1] == 10
+        heat = await client.get(url, params={"series": "computeSeconds", "byRank": "true", "maxPoints": 2})
+        assert heat.status_code == 200 and len(heat.json()["ranks"]["1"]["computeSeconds"]["steps"]) == 2
+
+        # past what is stored: the range asked (null where not asked), but always both keys
+        for window in ({"fromStep": 1000}, {"fromStep": 50, "toStep": 60}, {"fromStep": 11, "byRank": "true"}):
+            empty = await client.get(url, params={"series": "loss", **window})
+            body = empty.json()
+            assert empty.status_code == 200 and body["series"]["loss"]["steps"] == [], body
+            assert (body["fromStep"], body["toStep"]) == (window["fromStep"], window.get("toStep")), body
+        plain = (await client.get(url, params={"series": "loss"})).json()
+        assert "ranks" not in plain and "min" not in plain["series"]["loss"]  # absent, not null, when not asked
 
 
 async def test_rank_logs_tail_and_follow_until_the_attempt_ends(api: ApiServer, env: dict) -> None:

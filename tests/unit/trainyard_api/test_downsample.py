@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
-from trainyard_api.metrics_history import decode, parse_series, window
+from trainyard_api.metrics_history import curve, decode, parse_series, window
 from trainyard_common.errors import SpecError
 
 
@@ -92,3 +92,42 @@ def test_bucket_stats_agree_with_a_plain_loop_on_ragged_input() -> None:
             continue
         assert mean[i] == pytest.approx(np.average(values[inside], weights=counts[inside]))
         assert (lo[i], hi[i]) == (values[inside].min(), values[inside].max())
+
+
+SMALL = [2, 3, 4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("method", ["lttb", "minmax"])
+@pytest.mark.parametrize("max_points", SMALL)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 17, 100, 10_000])
+def test_every_method_answers_any_small_max_points_with_real_points_in_step_order(
+    method: str, max_points: int, n: int,
+) -> None:
+    """``maxPoints`` down to the API's least (2) over windows shorter and longer than it: min/max with fewer
+    than four points was a panic inside tsdownsample, a 500 from GET …/metrics?method=minmax&maxPoints=2."""
+    steps, values = series(n)
+    values = values.copy()
+    values[n // 3], values[(2 * n) // 3] = 7.0, -7.0  # the window's extremes (one point when n == 1)
+    answer = curve(steps, values, max_points, method)
+    s = np.asarray(answer.steps)
+    assert len(s) == min(n, max_points) if method == "lttb" else 0 < len(s) <= max_points
+    assert np.all(np.diff(s) > 0) and answer.total_points == n
+    np.testing.assert_array_equal(answer.values, values[s - 1])  # real points at their real steps
+    if method == "lttb":
+        assert s[0] == steps[0] and s[-1] == steps[-1]
+    else:
+        assert max(answer.values) == values.max() and min(answer.values) == values.min()
+
+
+def test_minmax_needs_room_for_a_range_s_two_extremes() -> None:
+    with pytest.raises(ValueError, match="max_points 1 < 2"):
+        minmax(*series(10), 1)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_heat_map_buckets_for_small_max_points(count: int) -> None:
+    b = Buckets.over(1, 50, count)
+    steps = np.arange(1, 51, dtype=np.int64)
+    mean, lo, hi = bucket_stats(b, steps, steps.astype(float))
+    assert len(b.starts) == count and b.starts[0] == 1 and b.edges[-1] == 51
+    assert lo[0] == 1 and hi[-1] == 50 and not np.isnan(mean).any()

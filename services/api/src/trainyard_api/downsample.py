@@ -37,11 +37,18 @@ def lttb(steps: Steps, values: Values, max_points: int) -> tuple[Steps, Values]:
 
 
 def minmax(steps: Steps, values: Values, max_points: int) -> tuple[Steps, Values]:
-    """Each of ``max_points // 2`` equal step ranges' minimum and maximum, in step order."""
+    """Each of ``max_points // 2`` equal step ranges' minimum and maximum, in step order (with two or three
+    points, the whole window is the one range); ``max_points`` is at least 2 (a range's two extremes)."""
+    if max_points < 2:
+        raise ValueError(f"min/max down-sampling keeps a range's two extremes: max_points {max_points} < 2")
     if len(steps) <= max_points:
         return steps, values
-    keep = np.unique(np.asarray(MinMaxDownsampler().downsample(steps, values, n_out=max(2, max_points // 2 * 2)),
-                                dtype=np.int64))
+    if max_points < 4:
+        # tsdownsample needs two ranges at least: with one it panics (a Rust panic, a BaseException)
+        keep = np.unique(np.array([np.argmin(values), np.argmax(values)], dtype=np.int64))
+    else:
+        keep = np.unique(np.asarray(MinMaxDownsampler().downsample(steps, values, n_out=max_points // 2 * 2),
+                                    dtype=np.int64))
     return steps[keep], values[keep]
 
 

@@ -31,19 +31,25 @@ class MetricSeries(_Out):
     steps: list[int]
     values: list[float | None] = Field(description="null only in a per-rank bucket the rank has no step in")
     total_points: int = Field(description="stored points of the series in the window, before down-sampling")
-    minimum: list[float | None] | None = Field(default=None, alias="min", description="per-rank buckets: min")
-    maximum: list[float | None] | None = Field(default=None, alias="max", description="per-rank buckets: max")
+    minimum: list[float | None] | None = Field(default=None, alias="min", description="per-rank buckets: min",
+                                               exclude_if=lambda v: v is None)
+    maximum: list[float | None] | None = Field(default=None, alias="max", description="per-rank buckets: max",
+                                               exclude_if=lambda v: v is None)
 
 
 class MetricHistoryView(_Out):
     job_id: str
-    from_step: int | None
-    to_step: int | None
+    # always in the answer, null or not (a generated client reads them as required keys)
+    from_step: int | None = Field(description="the window's first step: fromStep (default 0) within the stored "
+                                              "steps; when none is stored there, fromStep as asked (null if not)")
+    to_step: int | None = Field(description="the window's last step: toStep (default: the last stored) within "
+                                            "the stored steps; when none is stored there, toStep as asked "
+                                            "(null if not)")
     method: Literal["lttb", "minmax", "all"]
     series: dict[str, MetricSeries]
     ranks: dict[str, dict[str, MetricSeries]] | None = Field(
         default=None, description="with byRank=true: per rank, the timing series in the same step buckets "
-                                  "(bucket means, with min and max)")
+                                  "(bucket means, with min and max)", exclude_if=lambda v: v is None)
 
 
 class AttemptRanks(_Out):
@@ -95,7 +101,7 @@ router = APIRouter()
 
 
 @router.get("/v1/training-jobs/{job_id}/metrics", response_model=MetricHistoryView, response_model_by_alias=True,
-            response_model_exclude_none=True, tags=["jobs"], summary="A job's metric history, down-sampled",
+            tags=["jobs"], summary="A job's metric history, down-sampled",
             responses=JOB_ERRORS)
 async def job_metrics(
     ctx: Ctx, tenant: Tenant, job_id: JobId, request: Request,
