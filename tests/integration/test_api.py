@@ -367,3 +367,46 @@ async def test_the_api_process_serves_refuses_a_taken_port_and_stops_cleanly_on_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_healthz_is_degraded_while_any_services_consumer_is_stuck_on_one_record(env: dict, server) -> None:
+    """A service whose handler keeps failing on one record (Redis refusing it, say) reports it with its health
+    beacon; /healthz names it (200: the API itself still serves) until the record is handled."""
+    from trainyard_common.bus import RetryPolicy
+    from trainyard_common.errors import StateStoreError
+    from trainyard_common.service import ServiceRuntime
+    from trainyard_common.settings import ServiceSettings
+
+    failing = True
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        if failing:
+            raise StateStoreError("refused (test)")
+
+    probe = ServiceRuntime("probe", ServiceSettings(**env, health_interval_s=0.2), outbox_name="probe")
+    probe.bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat},
+                        retry=RetryPolicy(first_s=0.01, max_s=0.05, stuck_after=3))
+
+    async def health() -> dict[str, Any]:
+        async with client_for(server.url, None) as c:
+            resp = await c.get("/healthz")
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    async def until(pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while not pred(body := await health()):
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.1)
+        return body
+
+    async with probe:
+        await probe.bus.publish(ev.NodeHeartbeat(node_id="n1", host="h", seq=1,
+                                                 devices=[ev.DeviceInfo(index=0, type="cpu", memory_bytes=1)]))
+        body = await until(lambda b: any(s["service"] == "probe" for s in b["stuckConsumers"]))
+        assert body["status"] == "degraded"
+        [stuck] = [s for s in body["stuckConsumers"] if s["service"] == "probe"]
+        assert stuck["topic"] == ev.NODES and stuck["tries"] >= 3 and "refused" in stuck["error"]
+        failing = False
+        body = await until(lambda b: not b["stuckConsumers"])
+        assert body["status"] == "ok"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections import Counter
 from collections.abc import Callable
 
 
@@ -192,3 +193,85 @@ async def test_offsets_commit_only_after_success_so_a_crash_redelivers(env: dict
     async with second:
         await wait_until(lambda: 42 in got, timeout_s=90)
     assert got[0] == 42
+
+
+# What a plain Kafka client can put on any topic: bodies that are no event, under every header our producers set
+# (content-type, the W3C trace context), under headers faststream itself would choke on (bytes that are not
+# UTF-8, a null value), and under none.
+POISON_BODIES = (b"\x00garbage", b"not json at all", b"{", b"\xff\xfe\xfd", b"[" * 5000, b'{"eventType": 3}', b"")
+POISON_HEADERS: tuple[list[tuple[str, bytes | None]], ...] = (
+    [],
+    [("content-type", b"application/json")],
+    [("content-type", b"application/json"), ("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+     ("tracestate", b"ty=1")],
+    [("content-type", b"application/json"), ("traceparent", b"garbage")],
+    [("content-type", b"text/plain")],
+    [("content-type", b"application/json"), ("x-binary", b"\xff\xfe")],
+    [("content-type", None)],
+)
+CONSUMED = tuple(t for t in ev.ALL_TOPICS if t != ev.DEADLETTER)
+
+
+async def test_poison_under_every_header_is_dead_lettered_on_every_topic_and_each_partition_goes_on(env: dict) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    bus = await make_bus(env)
+    letters: list[ev.DeadLetter] = []
+    beats: list[ev.NodeHeartbeat] = []
+
+    async def ignore(e: ev.Event) -> None:
+        pass
+
+    async def on_beat(e: ev.NodeHeartbeat) -> None:
+        beats.append(e)
+
+    async def on_letter(e: ev.DeadLetter) -> None:
+        letters.append(e)
+
+    for topic in CONSUMED:  # one group reads them all, as a service's consumer does
+        bus.subscribe(topic, {ev.NodeHeartbeat: on_beat} if topic == ev.NODES else {ev.DeadLetter: ignore})
+    bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group=f"{env['group_prefix']}.dlq-reader")
+    sent: list[tuple[str, bytes]] = []
+    producer = AIOKafkaProducer(bootstrap_servers=env["kafka_bootstrap"])
+    await producer.start()
+    try:
+        async with bus:
+            for topic in CONSUMED:
+                for headers in POISON_HEADERS:
+                    for body in POISON_BODIES:
+                        # one key: every poison record of a topic on one partition, each behind the one before
+                        await producer.send_and_wait(f"{env['topic_namespace']}{topic}", body, key=b"k",
+                                                     headers=headers)
+                        sent.append((topic, body))
+            await bus.publish(heartbeat(node="k", seq=7))  # behind the poison on its partition if it shares one
+            await wait_until(lambda: len(letters) >= len(sent) and beats, timeout_s=120)
+            assert bus.stuck() == []
+    finally:
+        await producer.stop()
+    got = Counter((dl.source_topic, base64.b64decode(dl.raw_b64)) for dl in letters)
+    assert got == Counter(sent)  # each record's own bytes, once per record
+    assert all("invalid event" in dl.error for dl in letters)
+    assert [b.seq for b in beats] == [7]
+
+
+async def test_a_partition_held_on_one_record_is_reported_stuck_until_it_moves_on(env: dict) -> None:
+    bus = await make_bus(env)
+    failing = True
+    handled: list[int] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        if failing:
+            raise StateStoreError("redis is down (test)")
+        handled.append(e.seq)
+
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, retry=RetryPolicy(first_s=0.01, max_s=0.05,
+                                                                                   stuck_after=3))
+    async with bus:
+        await bus.publish(heartbeat(seq=1))
+        await wait_until(lambda: bool(bus.stuck()))
+        [stuck] = bus.stuck()
+        assert (stuck.topic, stuck.tries >= 3) == (ev.NODES, True)
+        assert "redis is down" in stuck.error
+        failing = False
+        await wait_until(lambda: handled == [1])
+        assert bus.stuck() == []

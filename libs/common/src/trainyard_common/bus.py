@@ -7,7 +7,13 @@
   is given; a message that cannot be decoded, or whose handler fails for good, goes to
   ``trainyard.deadletter`` with its topic, partition, offset, raw bytes and the error, and
   the consumer carries on; infrastructure errors are retried with back-off (the message
-  is re-delivered, never skipped);
+  is re-delivered, never skipped), and a partition held on one record for
+  :attr:`RetryPolicy.stuck_after` tries is reported (:meth:`Bus.stuck`, a metric, the health beacon);
+* decoding is ours, whatever the record's headers say: faststream's own parser decodes every header
+  as UTF-8 and its decoder parses the body by ``content-type`` *before* a handler runs, so a record
+  with a non-JSON body under ``content-type: application/json`` (the header our producers set) or a
+  header of other bytes failed there, was nacked, and was fetched again forever. Both are replaced
+  (:func:`_parse_leniently`, :func:`_body_bytes`): the dispatcher sees every record's bytes;
 * topics are created explicitly at start-up (:func:`ensure_topics`).
 """
 
@@ -18,8 +24,10 @@ import base64
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -28,6 +36,7 @@ from faststream import AckPolicy
 from faststream.exceptions import NackMessage
 from faststream.kafka import KafkaBroker, KafkaMessage
 from opentelemetry import trace
+from prometheus_client import Counter, Gauge
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -108,10 +117,67 @@ class RetryPolicy:
 
     first_s: float = 0.4
     max_s: float = 10.0
+    stuck_after: int = 5  # a record tried this often without success is reported: its partition is stuck
 
     def delay(self, failures: int) -> float:
         """Seconds before try ``failures + 1`` (``failures`` >= 1). Pure."""
         return min(self.max_s, self.first_s * 2 ** min(max(failures - 1, 0), 16))
+
+    def forgotten_after_s(self) -> float:
+        """A failure older than this (no retry of it seen since) is a partition that moved to another
+        consumer or a record handled elsewhere: no longer ours to report."""
+        return 3 * self.max_s + 30.0
+
+
+@dataclass(frozen=True)
+class StuckPartition:
+    """A consumed partition that has not moved past one record: it failed ``tries`` times, the first at
+    ``since`` (epoch seconds)."""
+
+    group: str
+    topic: str
+    partition: int
+    offset: int
+    tries: int
+    since: float
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "topic": self.topic, "partition": self.partition, "offset": self.offset,
+                "tries": self.tries, "since": self.since, "error": self.error}
+
+
+@dataclass
+class _Failing:
+    """How often one record has failed so far (retryably), first and last when."""
+
+    tries: int
+    first_at: float
+    last_at: float
+    error: str
+
+
+def stuck_partitions(group: str, failing: Mapping[tuple[str, int, int], _Failing], policies: Mapping[str, RetryPolicy],
+                     now: float) -> list[StuckPartition]:
+    """The partitions among ``failing`` held on one record for at least their policy's ``stuck_after`` tries,
+    whose last try is recent (:meth:`RetryPolicy.forgotten_after_s`). Pure."""
+    out = []
+    for (topic, partition, offset), f in sorted(failing.items()):
+        policy = policies.get(topic, RetryPolicy())
+        if f.tries >= policy.stuck_after and now - f.last_at <= policy.forgotten_after_s():
+            out.append(StuckPartition(group, topic, partition, offset, f.tries, f.first_at, f.error))
+    return out
+
+
+_STUCK = Gauge("trainyard_consumer_stuck_partitions",
+               "Partitions a consumer group has not moved past one record on (retried stuck_after times or more)",
+               ["service", "group"])
+_REDELIVERIES = Counter("trainyard_consumer_retries_total",
+                        "Records handed back to be fetched again after a retryable handler error",
+                        ["service", "group", "topic"])
+_DEAD_LETTERS = Counter("trainyard_consumer_dead_letters_total",
+                        "Records a consumer group dead-lettered (undecodable, or its handler failed for good)",
+                        ["service", "group", "topic"])
 
 
 async def ensure_topics(
@@ -209,6 +275,7 @@ class Bus:
         self._started = False
         self.stopping = False  # set while closing: retryable failures are not retried in-process then
         self._groups: dict[str, _GroupRoute] = {}
+        self._dispatchers: list[_Dispatcher] = []
         self.dead_lettered = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -231,6 +298,17 @@ class Bus:
         if self._started:
             self._started = False
             await self.broker.stop()
+
+    def stuck(self, now: float | None = None) -> list[StuckPartition]:
+        """The partitions this bus's consumers have not moved past one record on (see :class:`StuckPartition`);
+        also kept in the ``trainyard_consumer_stuck_partitions`` gauge."""
+        now = time.time() if now is None else now
+        out: list[StuckPartition] = []
+        for d in self._dispatchers:
+            found = d.stuck(now)
+            _STUCK.labels(self.service_name, d.group).set(len(found))
+            out += found
+        return out
 
     async def __aenter__(self) -> Bus:
         await self.start()
@@ -316,6 +394,8 @@ class Bus:
 
     def _register_subscribers(self) -> None:
         for group_id, route in self._groups.items():
+            dispatcher = _Dispatcher(self, group_id, route)
+            self._dispatchers.append(dispatcher)
             self.broker.subscriber(
                 *[self.physical(t) for t in route.handlers],
                 group_id=group_id,
@@ -326,11 +406,38 @@ class Bus:
                 session_timeout_ms=self.session_timeout_ms,
                 heartbeat_interval_ms=max(self.session_timeout_ms // 3, 500),
                 fetch_max_wait_ms=self.background_fetch_max_wait_ms if route.background else self.fetch_max_wait_ms,
-            )(_entry_point(_Dispatcher(self, group_id, route)))
+                parser=_parse_leniently,
+                decoder=_body_bytes,
+            )(_entry_point(dispatcher))
+
+
+async def _parse_leniently(record: Any, original: Callable[[Any], Awaitable[Any]]) -> Any:
+    """faststream's parser, given headers it can read: it decodes every header value as UTF-8 (a value of
+    other bytes, or a null one, raised before any handler ran: the record was fetched again forever). The
+    dispatcher reads the record's own headers; faststream only needs something to carry."""
+    headers = record.headers or ()
+    if any(not isinstance(v, bytes) or not _is_utf8(v) for _, v in headers):
+        clean = tuple((k, v.decode("utf-8", "replace").encode() if isinstance(v, bytes) else b"") for k, v in headers)
+        record = dataclasses.replace(record, headers=clean)
+    return await original(record)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _body_bytes(message: Any) -> bytes:
+    """The decoder faststream calls before every handler: the body as it came (by ``content-type`` it would
+    parse JSON or text and raise on anything else, before our dispatcher could dead-letter it)."""
+    return message.body or b""
 
 
 def _entry_point(dispatcher: _Dispatcher) -> Callable[[KafkaMessage], Awaitable[None]]:
-    """A faststream handler whose only parameter is the raw message (decoding is ours)."""
+    """A faststream handler whose only parameter is the raw message (decoding is ours: :func:`_body_bytes`)."""
 
     async def _on_message(message: KafkaMessage) -> None:
         await dispatcher(message)
@@ -371,14 +478,23 @@ class _Dispatcher:
 
     def __init__(self, bus: Bus, group: str, route: _GroupRoute) -> None:
         self.bus, self.group, self.route = bus, group, route
-        self._failures: dict[tuple[str, int, int], int] = {}
+        self._failures: dict[tuple[str, int, int], _Failing] = {}
+
+    def stuck(self, now: float) -> list[StuckPartition]:
+        for where, f in list(self._failures.items()):  # forget what moved elsewhere long ago
+            if now - f.last_at > 10 * self.route.retry.get(where[0], RetryPolicy()).forgotten_after_s():
+                del self._failures[where]
+        return stuck_partitions(self.group, self._failures, self.route.retry, now)
 
     def logical(self, physical: str) -> str:
         ns = self.bus.namespace
         return physical[len(ns):] if ns and physical.startswith(ns) else physical
 
     async def __call__(self, message: KafkaMessage) -> None:
-        delivery = await self._decode(message.raw_message)
+        try:
+            delivery = await self._decode(message.raw_message)
+        except Exception as exc:  # the dead letter could not be published: this record again, after a back-off
+            await self._retry_later(message, message.raw_message, self.logical(message.raw_message.topic), exc)
         if delivery is None:
             return
         handler = self.route.handlers.get(delivery.topic, {}).get(type(delivery.event))
@@ -396,11 +512,15 @@ class _Dispatcher:
         topic = self.logical(record.topic)
         try:
             event = ev.decode_event(topic, record.value or b"")
-        except (ValidationError, ValueError) as exc:
+        except (ValidationError, ValueError, TypeError, RecursionError) as exc:  # whatever the bytes are
             await self._dead_letter(record, topic, f"invalid event: {_short(exc)}")
             return None
-        headers = {k: (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in (record.headers or [])}
-        return _Delivery(topic, record.partition, record.offset, record, event, _PROPAGATOR.extract(headers))
+        headers = {k: v.decode(errors="replace") for k, v in (record.headers or []) if isinstance(v, bytes)}
+        try:
+            parent = _PROPAGATOR.extract(headers)
+        except Exception:  # noqa: BLE001 - a malformed trace header costs the record its parent span, nothing more
+            parent = None
+        return _Delivery(topic, record.partition, record.offset, record, event, parent)
 
     def _span(self, d: _Delivery) -> Any:
         return _tracer.start_as_current_span(
@@ -429,14 +549,27 @@ class _Dispatcher:
                       d.offset, exc_info=exc)
             await self._dead_letter(d.record, d.topic, f"handler error: {type(exc).__name__}: {_short(exc)}")
             return
+        await self._retry_later(message, d.record, d.topic, exc)
+
+    async def _retry_later(self, message: KafkaMessage, record: Any, topic: str, exc: Exception) -> NoReturn:
+        """Hand ``record`` back to be fetched again after its back-off (its partition paused meanwhile); count
+        the try, so a partition held on it is reported once :attr:`RetryPolicy.stuck_after` tries failed."""
         if self.bus.stopping:  # do not hold up shutdown: uncommitted, the group delivers it again
             raise NackMessage() from exc
-        n = self._failures.get(d.where, 0) + 1
-        self._failures[d.where] = n
-        delay = self.route.retry.get(d.topic, RetryPolicy()).delay(n)
-        log.warning("%s: retryable error on %s@%s/%s (try %d, again in %.1fs): %r",
-                    self.group, d.topic, d.partition, d.offset, n, delay, exc)
-        await self._pause(message, d.record, delay)
+        where = (topic, record.partition, record.offset)
+        now = time.time()
+        failing = self._failures.get(where) or _Failing(0, now, now, "")
+        failing.tries, failing.last_at = failing.tries + 1, now
+        failing.error = f"{type(exc).__name__}: {_short(exc, 300)}"
+        self._failures[where] = failing
+        policy = self.route.retry.get(topic, RetryPolicy())
+        delay = policy.delay(failing.tries)
+        _REDELIVERIES.labels(self.bus.service_name, self.group, topic).inc()
+        level = logging.ERROR if failing.tries == policy.stuck_after else logging.WARNING
+        log.log(level, "%s: retryable error on %s@%s/%s (try %d, again in %.1fs)%s: %r",
+                self.group, topic, record.partition, record.offset, failing.tries, delay,
+                "; the partition is stuck on this record" if failing.tries >= policy.stuck_after else "", exc)
+        await self._pause(message, record, delay)
         raise NackMessage() from exc  # faststream seeks the partition back to this record
 
     @staticmethod
@@ -471,6 +604,8 @@ class _Dispatcher:
         # If this publish fails, the exception propagates and the message is re-delivered.
         await self.bus.publish(letter)
         self.bus.dead_lettered += 1
+        _DEAD_LETTERS.labels(self.bus.service_name, self.group, topic).inc()
+        self._failures.pop((topic, record.partition, record.offset), None)
 
 
 def _short(exc: BaseException, limit: int = 2000) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -150,8 +151,15 @@ class ServiceRuntime:
         self._tasks.append(asyncio.create_task(coro, name=f"{self.name}:{name}"))  # type: ignore[arg-type]
 
     async def _beacon(self) -> None:
+        """The liveness key, and beside it the consumers stuck on one record (read by the API's ``/healthz``)."""
         ttl = max(int(self.settings.health_interval_s * 5), 5)
         await self.redis.set(Keys.health(self.name, self.instance), str(os.getpid()), ex=ttl)
+        stuck = self.bus.stuck()
+        if stuck:
+            await self.redis.set(Keys.stuck(self.name, self.instance),
+                                 json.dumps([s.as_dict() for s in stuck]), ex=ttl)
+        else:
+            await self.redis.delete(Keys.stuck(self.name, self.instance))
 
     async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float,
                         wake: asyncio.Event | None = None) -> None:
@@ -206,7 +214,7 @@ class ServiceRuntime:
         # (its message stays uncommitted and is re-delivered: at-least-once holds).
         await _bounded(self.bus.aclose(), 15.0, f"{self.name} broker connection")
         try:
-            await self.redis.delete(Keys.health(self.name, self.instance))
+            await self.redis.delete(Keys.health(self.name, self.instance), Keys.stuck(self.name, self.instance))
         except (RedisError, OSError):
             pass
         await self.redis.aclose()

@@ -205,6 +205,12 @@ class Keys:
     def health(service: str, instance: str) -> str:
         return f"ty:health:{service}:{instance}"
 
+    @staticmethod
+    def stuck(service: str, instance: str) -> str:
+        """JSON list of the instance's consumed partitions held on one record (:class:`bus.StuckPartition`),
+        refreshed with its health beacon; absent when none is."""
+        return f"ty:stuck:{service}:{instance}"
+
 
 CHANGES_MAXLEN = 100_000
 """About how many entries :data:`Keys.changes` keeps (a reader further behind reloads everything)."""
