@@ -268,11 +268,30 @@ class DatasetView(DatasetRecord):
     problems: list[str] = Field(default=[], description="each thing the registry found wrong")
 
 
+class StuckConsumer(_Out):
+    """A service's consumer group that has not moved past one record of a partition (its handler keeps failing
+    with an error it retries: Redis or the broker unreachable, or a bug); everything behind it on that
+    partition waits."""
+
+    service: str
+    instance: str
+    group: str
+    topic: str
+    partition: int
+    offset: int
+    tries: int = Field(description="failed tries of the record so far")
+    since: float = Field(description="when the first try failed (seconds since the epoch)")
+    error: str = Field(description="the last try's error")
+
+
 class Health(_Out):
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded"] = Field(description="degraded: Redis or the broker is unavailable (503), "
+                                                          "or a consumer is stuck on one record (200)")
     redis: bool
     broker: bool
     outbox_pending: int | None = None
+    stuck_consumers: list[StuckConsumer] = Field(default_factory=list, description=(
+        "consumers of any service stuck on one record (each service reports with its health beacon)"))
     worker: int = Field(default=0, description="the HTTP worker process that answered (0: the primary; "
                                                "TRAINYARD_API_WORKERS starts more on the same port)")
 
