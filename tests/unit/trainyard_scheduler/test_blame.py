@@ -119,19 +119,19 @@ def test_a_drain_asks_for_a_checkpoint_then_ends_as_maintenance_not_a_failure() 
 
 
 def test_a_drain_waits_for_the_ranks_own_checkpoint_not_one_in_flight() -> None:
-    job = drained(running(admitted(new_job())), ready=10).job
-    # the scheduled checkpoint at 20 was being written when the drain asked: not the one the ranks agree on
-    assert tr.check_preemption(job, latest_ready_step=20, preemptor_waiting=False, grace_s=60, now=at(60),
+    job = drained(running(admitted(new_job())), ready=4).job
+    # the scheduled checkpoint at 10 was being written when the drain asked: not the one the ranks agree on
+    assert tr.check_preemption(job, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(60),
                                pause_grace_s=300).changed is False
-    stopping = tr.worker_exited(job, exited(job, 0, code=7, reason="preempted", step=23), latest_ready_step=20,
+    stopping = tr.worker_exited(job, exited(job, 0, code=7, reason="preempted", step=13), latest_ready_step=10,
                                 final_ready=False, policy=POLICY, now=at(61)).job
-    stopping = tr.worker_exited(stopping, exited(stopping, 1, code=7, reason="preempted", step=23),
-                                latest_ready_step=20, final_ready=False, policy=POLICY, now=at(61)).job
-    assert tr.check_preemption(stopping, latest_ready_step=20, preemptor_waiting=False, grace_s=60, now=at(62),
+    stopping = tr.worker_exited(stopping, exited(stopping, 1, code=7, reason="preempted", step=13),
+                                latest_ready_step=10, final_ready=False, policy=POLICY, now=at(61)).job
+    assert tr.check_preemption(stopping, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(62),
                                pause_grace_s=300).changed is False
-    done = tr.check_preemption(stopping, latest_ready_step=23, preemptor_waiting=False, grace_s=60, now=at(63),
+    done = tr.check_preemption(stopping, latest_ready_step=13, preemptor_waiting=False, grace_s=60, now=at(63),
                                pause_grace_s=300)
-    assert done.job.state == "queued" and done.job.current.ready_step_at_end == 23
+    assert done.job.state == "queued" and done.job.current.ready_step_at_end == 13
 
 
 def test_a_drain_waits_for_the_checkpoint_up_to_the_pause_grace() -> None:
@@ -167,6 +167,9 @@ def test_a_drain_of_an_attempt_that_is_not_training(setup: str, events: int, sta
 def test_a_drain_of_a_pausing_job_ends_paused() -> None:
     job = tr.request_control(running(admitted(new_job())), "pause", None, at(10), latest_ready_step=10).job
     job = drained(job).job
+    for rank in range(2):  # the ranks checkpoint step 15 and exit 7
+        job = tr.worker_exited(job, exited(job, rank, code=7, reason="preempted", step=15), latest_ready_step=10,
+                               final_ready=False, policy=POLICY, now=at(61)).job
     done = tr.check_preemption(job, latest_ready_step=15, preemptor_waiting=False, grace_s=60, now=at(62))
     assert done.job.state == "paused"
 

@@ -209,10 +209,18 @@ def test_control(setup: str, action: str, state: str, revokes: bool) -> None:
         assert outcome.job.reason == "cancelled by request"
 
 
+def stop7(job: JobRecord, rank: int, step: int | None, *, ready: int | None, now: float) -> tr.Outcome:
+    """Rank ``rank`` checkpointed ``step`` on request and exited 7 (what the SDK does)."""
+    return tr.worker_exited(job, exited(job, rank, code=7, reason="preempted", step=step), final_ready=False,
+                            policy=POLICY, now=at(now), latest_ready_step=ready)
+
+
 def test_pause_then_resume_requeues_without_spending_an_attempt() -> None:
     job = running(admitted(new_job()))
     asked = tr.request_control(job, "pause", None, at(5), latest_ready_step=None, grace_s=30)
-    paused = tr.check_preemption(asked.job, latest_ready_step=10, preemptor_waiting=False, grace_s=60,
+    job = stop7(asked.job, 0, 12, ready=None, now=6).job
+    job = stop7(job, 1, 12, ready=None, now=6).job
+    paused = tr.check_preemption(job, latest_ready_step=12, preemptor_waiting=False, grace_s=60,
                                  now=at(8), pause_grace_s=30).job
     assert paused.state == "paused" and paused.current.state == "revoked" and tr.failures(paused) == 0
     assert tr.request_control(paused, "pause", None, at(6)).changed is False
@@ -235,26 +243,137 @@ def test_pause_of_running_ranks_asks_for_a_checkpoint_first() -> None:
     assert tr.is_stopping(outcome.job)
 
 
-@pytest.mark.parametrize(("ready_step", "now", "paused", "how"), [
-    (10, 20, False, None),  # the checkpoint at the request is not newer; grace not over
-    (None, 20, False, None),
-    (12, 20, True, "the checkpoint at step 12 is READY"),
-    (10, 36, True, "no new checkpoint within 30s; it resumes from the last READY one"),
+# ----------------------------------------------------------------------------- the stop rule (pause, drain, preemption)
+
+# The request comes at t=5 with the checkpoint at step 10 READY and the scheduled save of step 20 being written and
+# assembled (in flight); the ranks are at step 24 and agree on step 25 after they see the request.
+STOPS = {
+    "pause": lambda job: tr.request_control(job, "pause", None, at(5), latest_ready_step=10, grace_s=30),
+    "drain": lambda job: tr.request_drain(job, reason="node n1 drained", latest_ready_step=10, grace_s=30, now=at(5)),
+    "preempt": lambda job: tr.request_preemption(job, by="urgent", reason="preempted for urgent", latest_ready_step=10,
+                                                 grace_s=30, now=at(5)),
+}
+ENDS_AS = {"pause": "paused", "drain": "queued", "preempt": "queued"}
+
+
+LONG = SPEC.model_copy(update={"training": SPEC.training.model_copy(update={"max_steps": 100})})
+
+
+def stopping(kind: str, spec: TrainingSpec = LONG) -> JobRecord:
+    """A running job (maxSteps 100 unless ``spec`` says otherwise) asked to stop at t=5 by ``kind``."""
+    job = JobRecord(job_id="j1", tenant="t1", spec=spec, spec_hash=spec.spec_hash(), created_at=T0)
+    outcome = STOPS[kind](running(admitted(job)))
+    assert any(isinstance(e, CheckpointRequested) for e in outcome.events)
+    return outcome.job
+
+
+@pytest.mark.parametrize("kind", sorted(STOPS))
+@pytest.mark.parametrize(("exits", "ready", "now", "ends_with"), [
+    # the checkpoint READY at the request is never the stop checkpoint
+    ([], 10, 20, None),
+    # the scheduled save in flight at the request turns READY: not the stop checkpoint (the ranks are past it)
+    ([], 20, 20, None),
+    # ... not even once the ranks have said where they stopped
+    ([25, 25], 20, 20, None),
+    # the ranks' own checkpoint, READY, but a rank has not exited yet: it exits 7 by itself, nobody SIGTERMs it
+    ([25], 25, 20, None),
+    # the ranks' own checkpoint READY and every rank exited 7: the stop ends with it
+    ([25, 25], 25, 20, "its ranks stopped and the checkpoint at step 25 is READY"),
+    # the rank a stop is torn down with (the agent's kill) counts as exited
+    ([25, "killed"], 25, 20, "its ranks stopped and the checkpoint at step 25 is READY"),
+    # the grace is over: revoked anyway (the agent stops what still runs), resumes from the last READY one
+    ([], 20, 36, "no checkpoint of its ranks READY within 30s; it resumes from the last READY one"),
 ])
-def test_pause_ends_at_a_newer_checkpoint_or_the_grace(ready_step: int | None, now: float, paused: bool,
-                                                       how: str | None) -> None:
-    job = tr.request_control(running(admitted(new_job())), "pause", None, at(5), latest_ready_step=10,
-                             grace_s=30).job
-    outcome = tr.check_preemption(job, latest_ready_step=ready_step, preemptor_waiting=False, grace_s=600,
-                                  now=at(now), pause_grace_s=30)
-    assert outcome.changed is paused
-    if not paused:
+def test_a_stop_ends_only_with_the_checkpoint_the_ranks_agreed_on_after_the_request(
+        kind: str, exits: list, ready: int, now: float, ends_with: str | None) -> None:
+    job = stopping(kind)
+    for rank, how in enumerate(exits):
+        event = (exited(job, rank, code=7, reason="preempted", step=how) if isinstance(how, int)
+                 else exited(job, rank, code=-15, reason=how))
+        job = tr.worker_exited(job, event, final_ready=False, policy=POLICY, now=at(6), latest_ready_step=10).job
+        assert job.current.state == "running"  # no exit ends it before its checkpoint is READY
+    outcome = tr.check_preemption(job, latest_ready_step=ready, preemptor_waiting=True, grace_s=30, now=at(now),
+                                  pause_grace_s=30)
+    assert outcome.changed is (ends_with is not None)
+    if ends_with is None:
+        assert outcome.release is None and tr.stop_checkpoint(job.current, ready) is None
         return
-    assert outcome.job.state == "paused" and states(outcome) == ["paused"] and outcome.job.control is None
-    assert outcome.job.current.state == "revoked" and outcome.release is not None
-    assert [e.reason for e in outcome.events if isinstance(e, AllocationRevoked)] == ["paused"]
-    assert outcome.job.attempts[-1].ready_step_at_end == ready_step
-    assert not tr.is_pending(outcome.job)  # paused, not queued: nothing is placed until resume
+    assert outcome.job.state == ENDS_AS[kind] and outcome.job.current.state == "revoked"
+    assert tr.failures(outcome.job) == 0
+    assert ends_with in f"{outcome.job.current.failure_reason} {outcome.note}"
+    assert outcome.release is not None and outcome.job.current.ready_step_at_end == ready
+    if kind == "pause":
+        assert outcome.job.control is None and not tr.is_pending(outcome.job)  # nothing placed until resume
+
+
+@pytest.mark.parametrize(("stopped", "exited_ranks", "after", "ready", "stop_step"), [
+    (False, {}, 10, 20, None),  # no rank reported: none counts, whatever is READY
+    (True, {"0": 7}, 24, 25, None),  # one of two ranks exited
+    (True, {"0": 7, "1": 7}, 24, 20, None),  # every rank exited at 25; 20 is older
+    (True, {"0": 7, "1": 7}, 24, 25, 25),
+    (True, {"0": 7, "1": 7}, 24, 30, 30),  # a later one (a save the stop was waiting behind) covers it
+    (True, {"0": 7, "1": 7}, 24, None, None),
+])
+def test_stop_checkpoint(stopped: bool, exited_ranks: dict[str, int], after: int, ready: int | None,
+                         stop_step: int | None) -> None:
+    attempt = stopping("pause").current.model_copy(update={
+        "ranks_stopped_at": at(6) if stopped else None, "exited_ranks": exited_ranks, "preempt_after_step": after})
+    assert tr.stop_checkpoint(attempt, ready) == stop_step
+
+
+@pytest.mark.parametrize("kind", sorted(STOPS))
+@pytest.mark.parametrize("ready_first", [True, False], ids=["final-ready-then-exits", "exits-then-final-ready"])
+def test_a_stop_that_reaches_the_ranks_at_the_last_step_completes_the_job(kind: str, ready_first: bool) -> None:
+    """Ranks asked at maxSteps save it and exit 0 (nothing is left to stop): the job succeeds, never paused."""
+    job = stopping(kind, SPEC)
+    if ready_first:  # the scheduler's CheckpointReady handler: checkpoint_ready, then the stop in progress
+        early = tr.checkpoint_ready(job, global_step=20, now=at(6))
+        assert early.changed is False
+        assert tr.check_preemption(job, latest_ready_step=20, preemptor_waiting=True, grace_s=30, now=at(6),
+                                   pause_grace_s=30).changed is False
+    for rank in range(2):
+        job = tr.worker_exited(job, exited(job, rank, step=20), final_ready=ready_first, policy=POLICY, now=at(7),
+                               latest_ready_step=20 if ready_first else 10).job
+    if not ready_first:
+        assert job.state == "running" and job.current.state == "succeeded"
+        job = tr.checkpoint_ready(job, global_step=20, now=at(8)).job
+    assert job.state == "succeeded" and job.control is None and len(job.attempts) == 1
+
+
+@pytest.mark.parametrize("kind", sorted(STOPS))
+def test_a_stop_whose_grace_ends_with_the_final_checkpoint_ready_completes_the_job(kind: str) -> None:
+    outcome = tr.check_preemption(stopping(kind, SPEC), latest_ready_step=20, preemptor_waiting=True, grace_s=30,
+                                  now=at(36), pause_grace_s=30)
+    assert outcome.job.state == "succeeded" and states(outcome) == ["succeeded"] and outcome.job.control is None
+    assert outcome.release is not None and outcome.job.current.state == "revoked" and tr.failures(outcome.job) == 0
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_pause_or_resume_of_a_job_whose_final_checkpoint_is_ready_completes_it(action: str) -> None:
+    """A job paused at maxSteps (or queued there) is completed, not started again only to finish."""
+    job = running(admitted(new_job()))
+    job = tr.request_control(job, "pause", None, at(5), latest_ready_step=10, grace_s=30).job
+    job = tr.check_preemption(job, latest_ready_step=20, preemptor_waiting=False, grace_s=30, now=at(2000),
+                              pause_grace_s=30).job  # (a record from before: paused with maxSteps READY)
+    job = job.model_copy(update={"state": "paused" if action == "resume" else "queued"})
+    outcome = tr.request_control(job, action, None, at(40), latest_ready_step=20, final_ready=True)
+    assert outcome.job.state == "succeeded" and states(outcome) == ["succeeded"]
+    assert not tr.is_pending(outcome.job) and len(outcome.job.attempts) == 1
+    assert tr.request_control(job, action, None, at(40), latest_ready_step=10).job.state != "succeeded"
+
+
+def test_a_pause_after_every_rank_exited_0_waits_for_the_final_checkpoint() -> None:
+    job = running(admitted(new_job()))
+    for rank in range(2):
+        job = tr.worker_exited(job, exited(job, rank, step=20), final_ready=False, policy=POLICY, now=at(7)).job
+    outcome = tr.request_control(job, "pause", None, at(8), latest_ready_step=10)
+    assert outcome.events == [] and outcome.job.state == "running" and outcome.job.control == "pause"
+    done = tr.checkpoint_ready(outcome.job, global_step=20, now=at(9))
+    assert done.job.state == "succeeded" and done.job.control is None
+    # if that checkpoint fails after all, the pause is honoured: paused, not retried
+    failed = tr.checkpoint_failed(outcome.job, global_step=20, reason="shard 1 missing", attempt=1, policy=POLICY,
+                                  now=at(9))
+    assert failed.job.state == "paused"
 
 
 def test_ranks_that_stop_for_a_pause_wait_for_their_checkpoint_to_be_ready() -> None:
@@ -381,27 +500,6 @@ def test_preemption_asks_for_a_checkpoint_first() -> None:
                                  now=T0).changed is False  # nothing live
 
 
-@pytest.mark.parametrize(("ready_step", "now", "revoked", "how"), [
-    (10, 120, False, None),  # no newer checkpoint, grace not over
-    (20, 120, True, "the checkpoint at step 20 is READY"),
-    (10, 161, True, "no new checkpoint within 60s; it resumes from the last READY one"),
-])
-def test_preemption_ends_at_a_newer_checkpoint_or_the_deadline(ready_step: int, now: float, revoked: bool,
-                                                               how: str | None) -> None:
-    job = preempted(running(admitted(new_job()))).job
-    outcome = tr.check_preemption(job, latest_ready_step=ready_step, preemptor_waiting=True, grace_s=60, now=at(now))
-    assert outcome.changed is revoked
-    if not revoked:
-        return
-    assert outcome.job.state == "queued" and states(outcome) == ["queued"]
-    assert outcome.job.current.state == "revoked" and tr.failures(outcome.job) == 0  # not a failure
-    assert outcome.job.current.failure_reason == f"preempted by urgent: {how}"
-    assert outcome.job.queued_reason_kind == "priority" and "preempted by urgent" in outcome.job.queued_reason
-    revocations = [e for e in outcome.events if isinstance(e, AllocationRevoked)]
-    assert len(revocations) == 1 and revocations[0].reason == "preempted by urgent"
-    assert outcome.release is not None and tr.is_pending(outcome.job)
-
-
 def test_preemption_is_withdrawn_when_the_preemptor_no_longer_waits() -> None:
     job = preempted(running(admitted(new_job()))).job
     outcome = tr.check_preemption(job, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(500))
@@ -427,11 +525,12 @@ def test_ranks_that_answer_the_checkpoint_request_end_the_attempt_once_it_is_rea
     assert torn.job.current.state == "running" and tr.failures(torn.job) == 0
     done = tr.check_preemption(torn.job, latest_ready_step=15, preemptor_waiting=True, grace_s=60, now=at(132))
     assert done.job.state == "queued" and done.job.current.state == "revoked"
-    assert done.job.current.failure_reason == "preempted by urgent: the checkpoint at step 15 is READY"
+    assert done.job.current.failure_reason == \
+        "preempted by urgent: its ranks stopped and the checkpoint at step 15 is READY"
     assert tr.failures(done.job) == 0 and done.release is not None
     # the preemptor stopped waiting meanwhile: ranks that already stopped cannot be withdrawn
     late = tr.check_preemption(torn.job, latest_ready_step=10, preemptor_waiting=False, grace_s=60, now=at(200))
-    assert late.job.state == "queued" and "no new checkpoint within 60s" in (late.job.current.failure_reason or "")
+    assert late.job.state == "queued" and "READY within 60s" in (late.job.current.failure_reason or "")
 
 
 def test_ranks_that_stop_unasked_end_as_a_stop_not_a_failure() -> None:
@@ -443,8 +542,11 @@ def test_ranks_that_stop_unasked_end_as_a_stop_not_a_failure() -> None:
                              final_ready=False, policy=POLICY, now=at(6), latest_ready_step=8)
     assert ended.job.state == "queued" and ended.job.current.state == "revoked" and tr.failures(ended.job) == 0
     assert ended.job.queued_reason_kind == "preemption"
-    # without a step, there is nothing to wait for
+    # without a step, there is nothing to wait for but every rank's own exit
     quick = tr.worker_exited(plain, exited(plain, 0, code=7, reason="preempted"), final_ready=False,
+                             policy=POLICY, now=at(5))
+    assert quick.job.state == "running" and quick.release is None
+    quick = tr.worker_exited(quick.job, exited(quick.job, 1, code=7, reason="preempted"), final_ready=False,
                              policy=POLICY, now=at(5))
     assert quick.job.state == "queued" and quick.release is not None
 

@@ -7,7 +7,8 @@
 * JOBS     JobSubmitted → JobRecord created if absent; JobControlRequested → cancel/pause/resume.
 * WORKERS  WorkerStarted / WorkerExited → attempt and job transitions; a failure blames its node.
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
-           pause or preemption waiting for a checkpoint.
+           pause, drain or preemption once it is the ranks' own stop checkpoint and every rank has exited
+           (transitions.stop_checkpoint).
 * METRICS  StepMetrics (own consumer group) → straggler detection → StragglerDetected + blame.
 * tick     1. leader lease (fenced, epoch)  2. reconcile (when due: attempts — silent nodes judged by
            :mod:`trainyard_scheduler.blame` —, leases, node reinstatement)  3. drains, pauses and
@@ -265,7 +266,8 @@ class Scheduler:
             if job.tenant != event.tenant:
                 return tr.unchanged(job, f"{event.action} from tenant {event.tenant!r} ignored: not the owner")
             return tr.request_control(job, event.action, event.reason, self.clock(),
-                                      latest_ready_step=facts.latest_ready_step, grace_s=self.settings.pause_grace_s)
+                                      latest_ready_step=facts.latest_ready_step, grace_s=self.settings.pause_grace_s,
+                                      final_ready=facts.final_ready)
 
         outcome = await self._mutate(event.job_id, decide, need_checkpoints=True, label=f"control {event.action}")
         if outcome is None:

@@ -22,17 +22,23 @@ by maintenance (a node drain, :func:`request_drain`: checkpoint, then stop, as f
 the control plane (most of the cluster went silent together, :func:`check_attempt`). Interrupted
 jobs queue again and resume from their latest READY checkpoint by themselves; nobody is blamed.
 
-Checkpoint, then stop (pause and preemption). ``request_control(pause)`` on a job whose ranks
-run sets ``job.control = "pause"``, records on the attempt when it asked and the latest READY
-step then (``preempt_requested_at`` / ``preempt_after_step``, shared with preemption) and stages
-CheckpointRequested; ``request_preemption`` does the same with ``preempted_by``. The attempt is
-revoked (leases released) by :func:`check_preemption` once a READY checkpoint newer than that
-step exists, or when the grace period is over (the next attempt then resumes from the last
-READY one). Ranks that answer the request checkpoint and exit with reason ``preempted``: that
-is no failure, and the revocation still waits until their checkpoint is READY (or the grace
-ends) so the next attempt does not start from an older one. The job then becomes ``paused``
-(pause) or ``queued`` (preemption); pause wins when both are in progress. A job with no running
-rank pauses at once.
+Checkpoint, then stop (pause, drain and preemption: one rule). ``request_control(pause)`` on a job
+whose ranks run sets ``job.control = "pause"``, records on the attempt when it asked and the latest
+READY step then (``preempt_requested_at`` / ``preempt_after_step``) and stages CheckpointRequested;
+``request_preemption`` does the same with ``preempted_by``, ``request_drain`` with ``interruption``.
+The ranks agree on a step *after* they see the request, save it and exit 7 (reason ``preempted``)
+with that step (``WorkerExited.global_step``). The stop checkpoint is that one (:func:`stop_checkpoint`):
+never one that was READY, or being written and assembled, when the request came — the ranks have
+trained past it — so no READY checkpoint ends a stop before a rank has reported its step. The
+attempt is revoked (leases released) once that checkpoint is READY *and* every rank has exited, so
+ranks end by their own exit 7 and are never SIGTERMed for it; only when the grace period is over
+(``pause_grace_s``; a preemption's ``checkpointGraceSeconds``) is it revoked anyway (the agent stops
+what still runs: SIGTERM, then SIGKILL) and the next attempt resumes from the last READY one. The job
+then becomes ``paused`` (pause), ``queued`` (preemption, drain); pause wins when both are in
+progress. A job with no running rank pauses at once. A stop that ends at the final step (the
+checkpoint at ``maxSteps`` is READY) completes the job instead (``succeeded``): ranks that see a
+request at the last step save it and exit 0, and a job paused there is completed by ``resume``,
+never started again just to finish.
 
 Retry policy (``_fail_attempt``):
 
@@ -368,13 +374,30 @@ def is_stopping(job: JobRecord) -> bool:
         or current.interruption is not None)
 
 
+def stop_checkpoint(attempt: AttemptRecord, latest_ready_step: int | None) -> int | None:
+    """The step of the READY checkpoint a checkpoint-then-stop (pause, drain, preemption) ends with; None
+    while there is none yet. The one rule of the module docstring, for all three.
+
+    It is the checkpoint the ranks agreed on after the request: they report its step as they exit 7
+    (:func:`_ranks_stopping` raises ``preempt_after_step`` to that step − 1). Before a rank has reported,
+    none counts: a checkpoint READY, or in flight, at the request is at a step the ranks have trained
+    past. And it counts only once every rank has exited, so the revocation that follows stops nothing.
+    (A rank that reports no step, an exit note it could not write, leaves the request-time step.)
+    """
+    if attempt.ranks_stopped_at is None or len(attempt.exited_ranks) < attempt.world_size:
+        return None
+    after = -1 if attempt.preempt_after_step is None else attempt.preempt_after_step
+    return latest_ready_step if latest_ready_step is not None and latest_ready_step > after else None
+
+
 def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor_waiting: bool,
                      grace_s: float, now: datetime, pause_grace_s: float | None = None) -> Outcome:
-    """Finish (revoke) a pause or preemption in progress, or withdraw a needless preemption.
+    """Finish (revoke) a pause, drain or preemption in progress, or withdraw a needless preemption.
 
-    Unchanged while the ranks may still write their checkpoint: the stop ends once a READY
-    checkpoint newer than the one at the request exists, or ``grace_s`` (``pause_grace_s`` for a
-    pause) after the request — or after the ranks stopped, for ranks that stopped unasked.
+    Unchanged while the ranks may still write their checkpoint: the stop ends once the ranks' own
+    checkpoint is READY and every rank has exited (:func:`stop_checkpoint`), or ``grace_s``
+    (``pause_grace_s`` for a pause or drain) after the request — or after the ranks stopped, for
+    ranks that stopped unasked.
     """
     current = job.current
     if job.state in TERMINAL_STATES or current is None or not is_stopping(job):
@@ -389,18 +412,13 @@ def check_preemption(job: JobRecord, *, latest_ready_step: int | None, preemptor
         by = current.preempted_by
         attempt.preempted_by = attempt.preempt_requested_at = attempt.preempt_after_step = None
         return Outcome(new, note=f"preemption for {by} withdrawn: it no longer waits")
-    after = -1 if current.preempt_after_step is None else current.preempt_after_step
-    newer = latest_ready_step is not None and latest_ready_step > after
-    if draining and not stopped and not pausing and current.preempted_by is None:
-        # A drain waits for the ranks' own checkpoint at the step they agree on (they exit 7 with it), not a
-        # scheduled one that was in flight when it asked: the node stops either way.
-        newer = False
+    ready = stop_checkpoint(current, latest_ready_step)
     since = current.preempt_requested_at or current.ranks_stopped_at or now
     grace = pause_grace_s if (pausing or draining) and pause_grace_s is not None else grace_s
-    if not newer and (now - since).total_seconds() < grace:
+    if ready is None and (now - since).total_seconds() < grace:
         return unchanged(job)
-    how = (f"the checkpoint at step {latest_ready_step} is READY" if newer
-           else f"no new checkpoint within {grace:.0f}s; it resumes from the last READY one")
+    how = (f"its ranks stopped and the checkpoint at step {ready} is READY" if ready is not None
+           else f"no checkpoint of its ranks READY within {grace:.0f}s; it resumes from the last READY one")
     return _end_stop(new, how, latest_ready_step, now)
 
 
@@ -418,9 +436,12 @@ def _ask_for_checkpoint(new: JobRecord, *, reason: str, by: str | None, latest_r
 
 
 def _end_stop(new: JobRecord, how: str, latest_ready_step: int | None, now: datetime) -> Outcome:
-    """Revoke the stopping attempt of ``new`` (a private copy): paused for a pause, else queued."""
+    """Revoke the stopping attempt of ``new`` (a private copy): paused for a pause, else queued — or
+    succeeded, when the checkpoint it stops with is the final one (nothing is left to run)."""
     attempt = new.attempts[-1]
     attempt.ready_step_at_end = latest_ready_step
+    if latest_ready_step is not None and is_final_step(new, latest_ready_step):
+        return _complete(new, f"the checkpoint at step {latest_ready_step} (maxSteps) is READY", now)
     if new.control == "pause":
         return _finish_pause(new, how, now)
     if attempt.interruption is not None:
@@ -438,6 +459,17 @@ def _finish_pause(new: JobRecord, how: str, now: datetime) -> Outcome:
     new.queued_reason = new.queued_reason_kind = None
     new.updated_at = now
     return Outcome(new, events, release=released, note=why)
+
+
+def _complete(new: JobRecord, how: str, now: datetime) -> Outcome:
+    """The job's final checkpoint is READY: succeeded (a live attempt is revoked, its leases released),
+    whatever pause or stop was asked for."""
+    events: list[Event] = []
+    released = _revoke_live(new, f"completed: {how}", events, now)
+    new.queued_reason = new.queued_reason_kind = None
+    new.updated_at = now
+    _set_state(new, "succeeded", events, now, reason=None)
+    return Outcome(new, events, release=released, note=f"succeeded: {how}")
 
 
 def _revoke_preempted(new: JobRecord, by: str | None, how: str, now: datetime) -> Outcome:
@@ -598,12 +630,15 @@ def _ranks_stopping(new: JobRecord, event: WorkerExited, latest_ready_step: int 
         # Its checkpoint is at (or after) the step it completed: wait for that one, not an older one.
         after = -1 if attempt.preempt_after_step is None else attempt.preempt_after_step
         attempt.preempt_after_step = max(after, event.global_step - 1)
-    if attempt.preempt_after_step is None:
+    every = len(attempt.exited_ranks) >= attempt.world_size
+    if attempt.preempt_after_step is None and every:  # stopped unasked, and no step to wait for
         return _end_stop(new, "its ranks checkpointed and stopped", latest_ready_step, now)
-    if latest_ready_step is not None and latest_ready_step > attempt.preempt_after_step:
-        return _end_stop(new, f"its ranks stopped and the checkpoint at step {latest_ready_step} is READY",
+    ready = stop_checkpoint(attempt, latest_ready_step)
+    if ready is not None:
+        return _end_stop(new, f"its ranks stopped and the checkpoint at step {ready} is READY",
                          latest_ready_step, now)
-    return Outcome(new, note=f"rank {event.rank} stopped ({event.reason}); waiting for its checkpoint to be READY")
+    waiting = "its checkpoint to be READY" if every else "every rank to exit"
+    return Outcome(new, note=f"rank {event.rank} stopped ({event.reason}); waiting for {waiting}")
 
 
 def checkpoint_ready(job: JobRecord, *, global_step: int, now: datetime) -> Outcome:
@@ -644,15 +679,22 @@ def checkpoint_failed(job: JobRecord, *, global_step: int, reason: str, policy: 
 
 
 def request_control(job: JobRecord, action: str, reason: str | None, now: datetime, *,
-                    latest_ready_step: int | None = None, grace_s: float = 300.0) -> Outcome:
+                    latest_ready_step: int | None = None, grace_s: float = 300.0,
+                    final_ready: bool = False) -> Outcome:
     """cancel: from any non-terminal state, at once; pause: queued/running; resume: paused → queued.
 
     A pause of a job whose ranks run asks them for a checkpoint first (``grace_s`` to write it;
     ``latest_ready_step``: the latest READY step now) and ends in :func:`check_preemption`.
-    Resume while that pause is still in progress withdraws it.
+    Resume while that pause is still in progress withdraws it. ``final_ready``: the checkpoint at
+    ``maxSteps`` is READY — then a pause or resume of a job with no live attempt completes it
+    (``succeeded``) instead of pausing it or starting an attempt only to finish. A pause of an attempt
+    whose ranks all exited 0 (waiting for its final checkpoint) asks nothing: the job completes, or
+    pauses only if that attempt fails after all.
     """
     if job.state in TERMINAL_STATES:
         return unchanged(job, f"{action} ignored: job is {job.state}")
+    if action in ("pause", "resume") and final_ready and not is_live(job.current):
+        return _complete(job.model_copy(deep=True), f"{action}: the checkpoint at maxSteps is READY", now)
     if action == "resume":
         return _resume(job, reason, now)
     if action == "pause" and (job.state == "paused" or job.control == "pause"):
@@ -662,6 +704,10 @@ def request_control(job: JobRecord, action: str, reason: str | None, now: dateti
     new = job.model_copy(deep=True)
     new.updated_at = now
     current = new.current
+    if action == "pause" and job.state == "running" and current is not None and current.state == "succeeded":
+        new.control = "pause"  # honoured by _fail_attempt if the final checkpoint fails; success clears it
+        return Outcome(new, note=f"pause: attempt {current.attempt} finished its last step; the job completes "
+                                 "once its final checkpoint is READY")
     if action == "pause" and is_live(current) and current is not None and current.started_ranks:
         new.control = "pause"
         events: list[Event] = []
@@ -853,6 +899,8 @@ def _set_state(job: JobRecord, state: JobState, events: list[Event], now: dateti
         return
     previous = job.state
     job.state = state
+    if state in TERMINAL_STATES:
+        job.control = None  # nothing left to pause
     if state in ("failed", "cancelled"):
         job.reason = reason
     current = job.current
