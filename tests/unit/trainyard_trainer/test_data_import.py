@@ -258,8 +258,10 @@ def test_fsspec_url_input(tmp_path: Path, tokenizer_file: Path) -> None:
 
 
 def version_traces(root: Path) -> list[Path]:
-    d = root / "datasets" / "mine"
-    return sorted(d.iterdir()) if d.exists() else []
+    """What a failed import of mine@v1 left under the artifact root: nothing, not even an empty ``mine/``
+    (the root itself and ``datasets/`` may stay: they existed, or are the store's own)."""
+    d = root / "datasets"
+    return sorted(d.rglob("*")) if d.exists() else []
 
 
 def test_bad_record_is_an_error_naming_file_and_line_and_leaves_no_version(tmp_path: Path, corpus: Path,
@@ -353,6 +355,19 @@ def test_cli_import_prints_the_summary_and_errors_without_traceback(
     err = capsys.readouterr().err
     assert "z.jsonl:2: no field 'text'" in err and "Traceback" not in err
     assert not (root / "datasets" / "mine" / "v2").exists()
+    assert sorted(p.name for p in (root / "datasets" / "mine").iterdir()) == ["v1"]  # v1 stands, nothing else
+
+
+def test_a_failed_import_leaves_no_empty_directories(tmp_path: Path, tokenizer_file: Path) -> None:
+    """Not the dataset's ``<name>/``, nor a tenant's prefix made for it; what existed before stays."""
+    root = tmp_path / "artifacts"
+    (root / "datasets" / "other" / "v1").mkdir(parents=True)
+    (tmp_path / "bad.jsonl").write_text('{"txt": "y"}\n')
+    for tenant in (None, "acme"):
+        with pytest.raises(DataError, match="no field 'text'"):
+            import_dataset(root, "fresh", "v1", [str(tmp_path / "bad.jsonl")], tokenizer=str(tokenizer_file),
+                           workers=1, tenant=tenant)
+    assert sorted(root.rglob("*")) == [root / "datasets", root / "datasets" / "other", root / "datasets/other/v1"]
 
 
 def test_truncated_zstd_is_an_error_not_a_short_file(tmp_path: Path, tokenizer_file: Path) -> None:

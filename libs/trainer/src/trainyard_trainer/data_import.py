@@ -1002,6 +1002,7 @@ def _write_directory(final: Path, build: Build) -> tuple[DatasetManifest, str] |
     another import renamed this version into place first."""
     staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
+    created = _missing_directories(final.parent)
     staging.mkdir(parents=True)
     try:
         manifest = build(staging)
@@ -1013,9 +1014,24 @@ def _write_directory(final: Path, build: Build) -> tuple[DatasetManifest, str] |
                 return None
             raise
         fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for directory in reversed(created):  # the dataset's <name>/ (and its tenant's prefix) made for this one
+            with contextlib.suppress(OSError):  # not empty: another import of the name is in it
+                directory.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest, sha256_file(final / MANIFEST_FILE)
+
+
+def _missing_directories(directory: Path) -> list[Path]:
+    """``directory`` and those of its ancestors that do not exist yet, outermost first."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing[::-1]
 
 
 def _write_objects(final: ObjectPath, build: Build) -> tuple[DatasetManifest, str] | None:
