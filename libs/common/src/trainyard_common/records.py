@@ -165,9 +165,12 @@ class Progress(Record):
     consumed_samples: int = 0
     last_loss: float | None = None
     lr: float | None = None
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = Field(default=None, description="the attempt's throughput: attempt_tokens ÷ "
+                                                                      "attempt_work_seconds (see progress.py)")
     mfu: float | None = None
     step_seconds: float | None = None
+    attempt_tokens: float = Field(default=0.0, description="tokens of the attempt's steps after its first")
+    attempt_work_seconds: float = Field(default=0.0, description="their step seconds without checkpoint stalls")
     updated_at: datetime | None = None
 
 

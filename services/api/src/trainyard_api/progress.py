@@ -4,6 +4,9 @@ Progress only moves forward. Order is (attempt, step): a newer attempt replaces 
 one even at a lower step (it resumed from a checkpoint), and within an attempt a step
 that is not newer is a duplicate or a late delivery and is ignored.
 
+Its tokens/s and MFU are the attempt's (:func:`throughput`), not the newest step's: a finished job's last step
+is its final save, and showed a fraction of the run's throughput.
+
 With a :class:`~trainyard_api.calibrator.Calibrator`, the step's calibration samples (step time,
 checkpoint stall) are pushed in the same transaction as the progress, so a redelivered or stale
 StepMetrics, which moves nothing, samples nothing either.
@@ -37,6 +40,42 @@ STEP_METRICS = Counter(
 )
 
 
+def _work(m: StepMetrics) -> tuple[float, float] | None:
+    """The step's tokens and its seconds without its checkpoint stall (None when it reported no rate)."""
+    if not m.tokens_per_second or m.step_seconds <= 0:
+        return None
+    work = m.step_seconds - max(m.checkpoint_seconds, 0.0)
+    return (m.tokens_per_second * m.step_seconds, work) if work > 0 else None
+
+
+def throughput(current: Progress | None, m: StepMetrics) -> tuple[float, float, float | None, float | None]:
+    """(attempt tokens, attempt work seconds, tokens/s, MFU) after ``m``.
+
+    The attempt's figure, not the newest step's: the tokens of its steps after the first (whose window holds the
+    launch and warm-up) over their step time without checkpoint stalls — a run's last step is usually its final
+    save, and a step that saved is slower for it. Until a second step, the first one's rate without its stall.
+    MFU is proportional to tokens/s within an attempt, so it is scaled by the same figure.
+    """
+    same = current is not None and current.attempt == m.attempt
+    work = _work(m)
+    tokens, seconds = (current.attempt_tokens, current.attempt_work_seconds) if same and current else (0.0, 0.0)
+    if same and work:
+        tokens, seconds = tokens + work[0], seconds + work[1]
+    if seconds > 0:
+        rate = tokens / seconds
+    elif work:  # the attempt's first step
+        rate = work[0] / work[1]
+    elif same and current and current.tokens_per_second is not None:
+        rate = current.tokens_per_second
+    else:  # a rate without a step time to weigh it by
+        rate = m.tokens_per_second
+    if m.mfu is not None and m.tokens_per_second and rate is not None:
+        mfu: float | None = m.mfu * rate / m.tokens_per_second
+    else:
+        mfu = current.mfu if same and current else m.mfu
+    return tokens, seconds, rate, mfu
+
+
 def advance_progress(current: Progress | None, m: StepMetrics, now: datetime) -> Progress | None:
     """The new progress after ``m``, or None when ``m`` changes nothing (not rank 0, or not newer)."""
     if m.rank != 0:
@@ -44,6 +83,7 @@ def advance_progress(current: Progress | None, m: StepMetrics, now: datetime) ->
     if current is not None:
         if (m.attempt, m.step) <= (current.attempt or 0, current.global_step):
             return None
+    tokens, seconds, tokens_per_second, mfu = throughput(current, m)
     return Progress(
         attempt=m.attempt,
         global_step=m.step,
@@ -52,9 +92,11 @@ def advance_progress(current: Progress | None, m: StepMetrics, now: datetime) ->
         consumed_samples=m.consumed_samples,
         last_loss=m.loss,
         lr=m.lr,
-        tokens_per_second=m.tokens_per_second,
-        mfu=m.mfu,
+        tokens_per_second=tokens_per_second,
+        mfu=mfu,
         step_seconds=m.step_seconds,
+        attempt_tokens=tokens,
+        attempt_work_seconds=seconds,
         updated_at=now,
     )
 
