@@ -242,6 +242,14 @@ async def test_the_audit_log_records_who_did_what_and_how_it_ended(api: ApiServe
         entries = (await admin.get("/v1/admin/audit", params={"limit": 1000})).json()["entries"]
         first = (await admin.get("/v1/admin/audit", params={"limit": 2})).json()
         second = (await admin.get("/v1/admin/audit", params={"limit": 2, "before": first["nextBefore"]})).json()
+        # a cursor is a stream id, two unsigned 64-bit numbers: the largest reads from the newest entry, one past
+        # it is a 422 naming the field (it was a Redis error, a 500)
+        newest = (await admin.get("/v1/admin/audit", params={"limit": 1, "before": f"{2**64 - 1}-{2**64 - 1}"}))
+        assert newest.status_code == 200 and newest.json()["entries"][0]["id"] == entries[0]["id"]
+        for cursor in (f"{2**64}-0", f"0-{2**64}", "99999999999999999999-0"):
+            past = await admin.get("/v1/admin/audit", params={"before": cursor})
+            assert past.status_code == 422 and [p["field"] for p in past.json()["detail"]] == ["query.before"], cursor
+            assert str(2**64 - 1) in past.json()["detail"][0]["message"]
     seen = {(e["action"], e["target"], e["outcome"], e["actorName"]) for e in entries}
     assert ("job.submit", f"job/{job}", "ok", "a-submitter") in seen
     assert ("job.pause", f"job/{job}", "ok", "a-submitter") in seen

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import copy
+import random
+import re
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_api.validation import FieldProblem, check_references, field_errors, spec_field_paths
+from trainyard_api.validation import (
+    STREAM_ID_PATTERN,
+    FieldProblem,
+    check_references,
+    decimal_at_most,
+    field_errors,
+    spec_field_paths,
+)
 from trainyard_common.catalog import MODEL_CATALOG
 from trainyard_common.spec import TrainingSpec
 
@@ -212,3 +221,26 @@ def test_a_model_smaller_than_the_datasets_vocabulary_is_refused(model: Any, voc
                                 dataset_vocab=vocab)
     assert [p.field for p in problems] == ([field] if field else [])
     assert field is None or f"vocabSize >= {vocab}" in problems[0].message
+
+
+@pytest.mark.parametrize("limit", [0, 1, 7, 9, 10, 19, 99, 100, 305, 1000, 4096])
+def test_a_decimal_pattern_admits_exactly_the_numbers_up_to_its_limit(limit: int) -> None:
+    pattern = re.compile(rf"^{decimal_at_most(limit)}$")
+    width = len(str(limit))
+    for n in range(0, 2 * limit + 12):
+        for text in {str(n), str(n).zfill(width)}:
+            assert bool(pattern.match(text)) == (n <= limit and len(text) <= width), (limit, text)
+
+
+def test_a_stream_id_is_two_unsigned_64_bit_numbers() -> None:
+    top = 2**64 - 1
+    pattern = re.compile(STREAM_ID_PATTERN)
+    admitted = ["0-0", f"{top}-{top}", f"{top - 1}-0", f"0-{top}", "1733222400000-5", f"{10**19}-0", "0" * 20 + "-1"]
+    refused = [f"{top + 1}-0", f"0-{top + 1}", f"{10**20}-0", "99999999999999999999-0", f"{top}0-0", "1-", "-1",
+               "1-2-3", "a-1", f"{2**65}-0"]
+    assert [t for t in admitted if not pattern.match(t)] == []
+    assert [t for t in refused if pattern.match(t)] == []
+    rng = random.Random(64)
+    for _ in range(2000):
+        a, b = rng.randrange(0, 2**65), rng.randrange(0, 2**65)
+        assert bool(pattern.match(f"{a}-{b}")) == (a <= top and b <= top)

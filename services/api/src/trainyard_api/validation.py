@@ -116,6 +116,33 @@ def _locate_in_message(prefix: str, message: str) -> str:
     return f"{start}{best[2]}"
 
 
+def decimal_at_most(limit: int) -> str:
+    """A regular expression (unanchored, one group) for the decimal numbers 0..``limit``, with leading zeros
+    up to ``limit``'s number of digits: a bound JSON Schema can state on a string (``pattern``), where
+    ``maximum`` applies only to numbers. Each branch is one prefix of ``limit``'s digits, a smaller digit,
+    then any digits."""
+    digits = str(limit)
+    branches = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, digit in enumerate(digits):
+        rest = len(digits) - i - 1
+        if digit != "0":
+            smaller = "0" if digit == "1" else f"[0-{int(digit) - 1}]"
+            branches.append(digits[:i] + smaller + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "(?:" + "|".join([*branches, digits]) + ")"
+
+
+U64_MAX = 2**64 - 1
+STREAM_ID_PATTERN = rf"^{decimal_at_most(U64_MAX)}-{decimal_at_most(U64_MAX)}$"
+"""A Redis stream id, ``<milliseconds>-<sequence>``: two unsigned 64-bit numbers."""
+
+_PATTERN_MESSAGES = {
+    REF_PATTERN: "must be a reference name@version (letters, digits, '.', '_' and '-'; e.g. tinycorpus@v1)",
+    STREAM_ID_PATTERN: f"must be a stream id <milliseconds>-<sequence>, each a number from 0 to {U64_MAX} "
+                       "(the nextBefore of the previous page)",
+}
+"""What a pattern means, said instead of the pattern."""
+
+
 def _clean_message(error: Mapping[str, Any]) -> str:
     kind = error.get("type", "")
     msg = str(error.get("msg", "invalid value"))
@@ -125,8 +152,8 @@ def _clean_message(error: Mapping[str, Any]) -> str:
         return "unknown field: it is not part of the spec (check the spelling; fields are camelCase)"
     if kind == "json_invalid":
         return f"the body is not valid JSON: {error.get('ctx', {}).get('error', msg)}"
-    if kind == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == REF_PATTERN:
-        return "must be a reference name@version (letters, digits, '.', '_' and '-'; e.g. tinycorpus@v1)"
+    if kind == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") in _PATTERN_MESSAGES:
+        return _PATTERN_MESSAGES[error["ctx"]["pattern"]]
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
             return msg[len(prefix):]

@@ -15,6 +15,7 @@ from trainyard_api.deps import Ctx, may
 from trainyard_api.http_errors import ADMIN_ERRORS, invalid
 from trainyard_api.roles import Right, rights
 from trainyard_api.schemas import AuditPage
+from trainyard_api.validation import STREAM_ID_PATTERN
 
 AuditReader = Annotated[TenantToken, may(Right.READ_AUDIT)]
 
@@ -28,8 +29,9 @@ async def read_audit(
     tenant: Annotated[str | None, Query(pattern=TENANT_PATTERN, max_length=63,
                                         description="only this tenant's entries (a tenant-admin: its own)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="entries per page, newest first")] = 100,
-    before: Annotated[str | None, Query(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$",
-                                        description="`nextBefore` of the previous page")] = None,
+    before: Annotated[str | None, Query(pattern=STREAM_ID_PATTERN, max_length=41,
+                                        description="`nextBefore` of the previous page: a stream id "
+                                                    "`<milliseconds>-<sequence>`, each at most 2^64-1")] = None,
 ) -> AuditPage:
     """Every administrative action and every control action on a job (submit, pause, resume, cancel,
     code upload, trigger create and delete): who (token id, name, tenant, role), what (action, target), when, and the outcome
