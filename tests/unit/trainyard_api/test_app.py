@@ -3,6 +3,7 @@ documented, the 422 body the routes really send, 503 only for an outage, ``Allow
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,22 @@ async def test_a_body_is_json_of_the_documented_types(body: bytes, headers: dict
     assert resp.status_code == status, resp.text
     if field is not None:
         assert field in [p["field"] for p in resp.json()["detail"]]
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    (b'{"model": "gpt-tiny@v1\x01"}', "Invalid control character at: line 1 column 23 (char 22)"),
+    (b'{\n  "model": "gpt-tiny@v1",\n  "devices": 8,,\n}',
+     "Expecting property name enclosed in double quotes: line 3 column 16 (char 43)"),
+    (b'{"model": ', "Expecting value: line 1 column 11 (char 10)"),
+])
+async def test_a_body_that_is_no_json_is_told_where_it_breaks(body: bytes, where: str) -> None:
+    """The decoder's message whole: "Invalid control character at" once came without its line and column."""
+    resp = await as_tenant("POST", "/v1/plan", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"] == [{"field": "body", "message": f"the body is not valid JSON: {where}"}]
+    with pytest.raises(ValueError) as decoded:
+        json.loads(body)
+    assert str(decoded.value) == where  # what Python's own decoder says of the same bytes
 
 
 async def test_a_whole_number_is_an_integer_as_in_json_schema() -> None:

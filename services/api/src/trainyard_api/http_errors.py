@@ -26,7 +26,7 @@ from trainyard_common.errors import AuthError, ConflictError, InfrastructureErro
 from trainyard_api.auth import ForbiddenError
 from trainyard_api.code import ArchiveTooLargeError
 from trainyard_api.schemas import ErrorMessage, FieldErrors
-from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors
+from trainyard_api.validation import FieldProblem, InvalidSpecError, field_errors, with_json_positions
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _problems(problems: list[FieldProblem]) -> JSONResponse:
 
 
 async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return _problems(field_errors(exc.errors()))
+    return _problems(field_errors(with_json_positions(exc.errors(), exc.body)))
 
 
 async def on_too_large(_: Request, exc: ArchiveTooLargeError) -> JSONResponse:

@@ -236,6 +236,21 @@ def field_errors(errors: Sequence[Mapping[str, Any]]) -> list[FieldProblem]:
     return problems
 
 
+def with_json_positions(errors: Sequence[Mapping[str, Any]], document: object) -> list[Mapping[str, Any]]:
+    """``errors`` with each undecodable-JSON error's message made whole: FastAPI passes on the decoder's
+    bare message (``Invalid control character at``) and puts the position in the location; the message
+    then says where, as :class:`json.JSONDecodeError` does (``…: line 1 column 11 (char 10)``)."""
+    out: list[Mapping[str, Any]] = []
+    for error in errors:
+        loc, ctx = tuple(error.get("loc", ())), error.get("ctx") or {}
+        if (error.get("type") == "json_invalid" and isinstance(document, str) and len(loc) == 2
+                and isinstance(loc[1], int) and isinstance(ctx.get("error"), str)):
+            whole = str(json.JSONDecodeError(ctx["error"], document, min(max(loc[1], 0), len(document))))
+            error = {**error, "loc": ("body",), "ctx": {**ctx, "error": whole}}
+        out.append(error)
+    return out
+
+
 # ----------------------------------------------------------------------------- strict bodies
 
 
