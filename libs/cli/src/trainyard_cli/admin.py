@@ -13,12 +13,14 @@ from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from trainyard_common.errors import ConfigError
 
 from trainyard_cli.client import ApiClient
+from trainyard_cli.console import stderr, stdout
+from trainyard_cli.credentials import credentials_app
+from trainyard_cli.tables import Col, Fitted
 
 admin_app = typer.Typer(help="Administration through the API: tenants (quotas, priority), tokens (roles, expiry, "
                              "revocation), the audit log, nodes. Uses .trainyard/admin-token when present.",
@@ -31,8 +33,7 @@ tokens_app = typer.Typer(help="A tenant's API tokens (tenant-admin of it, or pla
 admin_app.add_typer(tenants_app, name="tenants")
 admin_app.add_typer(tokens_app, name="tokens")
 admin_app.add_typer(nodes_app, name="nodes")
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+admin_app.add_typer(credentials_app, name="credentials")
 
 ROLES = ("viewer", "submitter", "tenant-admin", "platform-admin")
 TenantArg = Annotated[str, typer.Argument(help="the tenant")]
@@ -76,10 +77,26 @@ def _limit(value: Any) -> str:
     return "unlimited" if value is None else str(value)
 
 
-def tenants_table(tenants: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(header_style="bold")
-    for column in ("TENANT", "QUOTAS (guaranteed+borrow)", "WEIGHT", "MAX PRIORITY", "COHORT", "TOKENS", "CREATED"):
-        table.add_column(column, overflow="fold")
+TENANT_COLUMNS = (
+    Col("TENANT", "middle", keep=100, min_width=12), Col("QUOTAS (guaranteed+borrow)", "wrap", keep=90, min_width=26),
+    Col("WEIGHT", keep=60, justify="right"), Col("MAX PRIORITY", keep=40, justify="right"),
+    Col("COHORT", "middle", keep=50, min_width=8), Col("TOKENS", keep=30, justify="right"),
+    Col("CREATED", "middle", keep=20, min_width=12),
+)
+TOKEN_COLUMNS = (
+    Col("ID", keep=100), Col("NAME", "middle", keep=80, min_width=10), Col("ROLE", keep=90), Col("STATE", keep=95),
+    Col("CREATED", "middle", keep=40, min_width=12), Col("EXPIRES", "middle", keep=60, min_width=12),
+    Col("REVOKED", "middle", keep=50, min_width=12),
+)
+AUDIT_COLUMNS = (
+    Col("AT", "middle", keep=100, min_width=20), Col("ACTOR (tenant, role)", "wrap", keep=70, min_width=20),
+    Col("ACTION", keep=95), Col("TARGET", "middle", keep=80, min_width=16), Col("OUTCOME", keep=90),
+    Col("DETAIL", "wrap", keep=60, min_width=20),
+)
+
+
+def tenants_table(tenants: Sequence[Mapping[str, Any]]) -> Fitted:
+    table = Fitted(None, TENANT_COLUMNS)
     for t in tenants:
         s = t.get("settings") or {}
         quotas = ", ".join(f"{k}: {_limit(q.get('guaranteed'))}+{_limit(q.get('borrowLimit'))}"
@@ -90,20 +107,16 @@ def tenants_table(tenants: Sequence[Mapping[str, Any]]) -> Table:
     return table
 
 
-def tokens_table(tokens: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(header_style="bold")
-    for column in ("ID", "NAME", "ROLE", "STATE", "CREATED", "EXPIRES", "REVOKED"):
-        table.add_column(column, overflow="fold")
+def tokens_table(tokens: Sequence[Mapping[str, Any]]) -> Fitted:
+    table = Fitted(None, TOKEN_COLUMNS)
     for t in tokens:
         table.add_row(t["tokenId"], t["name"], t["role"], t["state"], str(t.get("createdAt") or "-"),
                       str(t.get("expiresAt") or "never"), str(t.get("revokedAt") or "-"))
     return table
 
 
-def audit_table(entries: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(header_style="bold")
-    for column in ("AT", "ACTOR (tenant, role)", "ACTION", "TARGET", "OUTCOME", "DETAIL"):
-        table.add_column(column, overflow="fold")
+def audit_table(entries: Sequence[Mapping[str, Any]]) -> Fitted:
+    table = Fitted(None, AUDIT_COLUMNS)
     for e in entries:
         table.add_row(e["at"], f"{e['actorName']} ({e['actorTenant']}, {e['actorRole']})", e["action"], e["target"],
                       e["outcome"], e.get("detail") or "")
@@ -128,7 +141,7 @@ def _emit(body: Any, as_json: bool, table: Any) -> None:
 
         _print_json(body)
     else:
-        out.print(table)
+        stdout().print(table)
 
 
 # ----------------------------------------------------------------------------- tenants
@@ -220,7 +233,7 @@ def tenants_delete(ctx: typer.Context, tenant: TenantArg,
         typer.confirm(f"delete tenant {tenant!r} and revoke all its tokens?", abort=True, err=True)
     with _admin(ctx) as client:
         client.call_json("DELETE", f"/v1/admin/tenants/{tenant}")
-    out.print(f"tenant {tenant} deleted; its tokens are revoked", highlight=False)
+    stdout().print(f"tenant {tenant} deleted; its tokens are revoked")
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -238,8 +251,8 @@ def _issue(ctx: typer.Context, tenant: str, name: str, role: str, ttl: str | Non
             body["ttlSeconds"] = parse_duration(ttl)
         issued = client.call_json("POST", f"/v1/admin/tenants/{tenant}/tokens", body=body)
     expiry = f", expires {issued['expiresAt']}" if issued.get("expiresAt") else ""
-    err.print(f"token {issued['tokenId']} for tenant [bold]{tenant}[/bold] ({name}, {issued['role']}{expiry}); "
-              "it is not shown again:", highlight=False)
+    stderr().print(Text.assemble(f"token {issued['tokenId']} for tenant ", (tenant, "bold"),
+                                 f" ({name}, {issued['role']}{expiry}); it is not shown again:"))
     print(issued["token"])
 
 
@@ -269,8 +282,7 @@ def tokens_revoke(ctx: typer.Context, token_id: Annotated[str, typer.Argument(he
     """Revoke a token: every API process refuses it from the next request on."""
     with _admin(ctx) as client:
         body = client.call_json("DELETE", f"/v1/admin/tenants/{tenant}/tokens/{token_id}")
-    out.print(f"token {body['tokenId']} ({body['name']}) of tenant {tenant} revoked at {body['revokedAt']}",
-              highlight=False)
+    stdout().print(f"token {body['tokenId']} ({body['name']}) of tenant {tenant} revoked at {body['revokedAt']}")
 
 
 @admin_app.command("create-token")
@@ -320,7 +332,7 @@ def nodes_reinstate(ctx: typer.Context, node_id: str = typer.Argument(..., help=
     """Clear a node's quarantine (publishes NodeReinstated with your token's name)."""
     with _admin(ctx) as client:
         body = client.post_json(f"/v1/admin/nodes/{node_id}/reinstate")
-    out.print(f"node {body['nodeId']} reinstated by {body['by']} (the scheduler places on it again)")
+    stdout().print(f"node {body['nodeId']} reinstated by {body['by']} (the scheduler places on it again)")
 
 
 @nodes_app.command("drain")
@@ -334,8 +346,8 @@ def nodes_drain(
     elsewhere, or there after `undrain`."""
     with _admin(ctx) as client:
         body = client.post_json(f"/v1/admin/nodes/{node_id}/drain", {"reason": reason} if reason else None)
-    out.print(f"node {body['nodeId']} drained by {body['by']}: its attempts checkpoint and stop; "
-              f"`trainyard admin nodes undrain {body['nodeId']}` brings it back")
+    stdout().print(f"node {body['nodeId']} drained by {body['by']}: its attempts checkpoint and stop; "
+                   f"`trainyard admin nodes undrain {body['nodeId']}` brings it back")
 
 
 @nodes_app.command("undrain")
@@ -343,4 +355,4 @@ def nodes_undrain(ctx: typer.Context, node_id: str = typer.Argument(..., help="t
     """End a drain: the node takes new work again."""
     with _admin(ctx) as client:
         body = client.post_json(f"/v1/admin/nodes/{node_id}/undrain")
-    out.print(f"node {body['nodeId']} undrained by {body['by']} (the scheduler places on it again)")
+    stdout().print(f"node {body['nodeId']} undrained by {body['by']} (the scheduler places on it again)")

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from trainyard_common.errors import ConfigError
 
 DEFAULT_API_URL = "http://127.0.0.1:8080"
@@ -96,7 +94,12 @@ class CliConfig:
 
 
 def load_spec(path: Path, stdin_text: str | None = None) -> dict[str, Any]:
-    """A spec file as a dict: JSON by ``.json``, YAML otherwise (``-`` reads ``stdin_text``)."""
+    """A spec file as a dict: JSON by ``.json``, YAML otherwise (``-`` reads ``stdin_text``).
+
+    A parse error names the file and where: ``examples/x.yaml, line 3, column 9: mapping values are not
+    allowed here`` (``<stdin>`` for ``-``).
+    """
+    name = "<stdin>" if str(path) == "-" else str(path)
     if str(path) == "-":
         text = stdin_text or ""
     else:
@@ -104,10 +107,31 @@ def load_spec(path: Path, stdin_text: str | None = None) -> dict[str, Any]:
             text = path.read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read the spec {path}: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}") from exc
+    data = _parse_json(text, name) if path.suffix.lower() == ".json" else _parse_yaml(text, name)
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path} must hold a mapping (the training spec), not {type(data).__name__}")
+        raise ConfigError(f"{name} must hold a mapping (the training spec), not {type(data).__name__}")
     return dict(data)
+
+
+def _parse_json(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        what = exc.msg.removesuffix(" at")  # "Invalid control character at": json's message expects its position
+        if what.startswith("Invalid control character") and exc.pos < len(text):
+            what += f" {text[exc.pos]!r} (write it escaped)"
+        raise ConfigError(f"{name}, line {exc.lineno}, column {exc.colno}: {what} (not valid JSON)") from exc
+
+
+def _parse_yaml(text: str, name: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = "; ".join(part for part in (exc.context, exc.problem) if part) or "cannot be parsed"
+        raise ConfigError(f"{name}{where}: {what} (not valid YAML)") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name}: {exc} (not valid YAML)") from exc

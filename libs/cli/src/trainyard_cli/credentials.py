@@ -11,13 +11,12 @@ from pathlib import Path
 
 import typer
 import yaml
-from rich.console import Console
 
 from trainyard_cli import redisacl
+from trainyard_cli.console import stderr
 
 credentials_app = typer.Typer(help="Control-plane credentials for a deployment (Redis ACL users; files only).",
                               no_args_is_help=True)
-console = Console(stderr=True)
 
 
 def secret_manifest(passwords: dict[str, str], *, host: str, port: int, namespace: str) -> str:
@@ -48,5 +47,5 @@ def redis_users(
         env_file = out / f"{user}.env"
         env_file.write_text(f"TRAINYARD_REDIS_URL={redisacl.url_for(user, passwords[user], host=host, port=port)}\n")
         env_file.chmod(0o600)
-    console.print(f"wrote {acl} (redis-server --aclfile {acl.name}; anonymous clients are refused), {secret} "
+    stderr().print(f"wrote {acl} (redis-server --aclfile {acl.name}; anonymous clients are refused), {secret} "
                   f"(kubectl apply -f {secret}) and {out / 'passwords.json'}; keep them secret")

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from trainyard_cli.client import ApiClient
+from trainyard_cli.console import error, stderr, stdout
+from trainyard_cli.tables import Col, Fitted
 from trainyard_cli.stack import LocalStack, StackSettings
 from trainyard_common.errors import DataError, TrainyardError
 from trainyard_common.records import NodeRecord
@@ -26,17 +27,18 @@ dev_app = typer.Typer(
     "jobs checkpoint and stop; TRAINYARD_PROMETHEUS=1: also run Prometheus over every service and node agent).",
     no_args_is_help=True,
 )
-console = Console(stderr=True)
 EXAMPLE_SPEC = Path("examples/tiny.yaml")
+STATUS_COLUMNS = (Col("component", keep=100), Col("pid", keep=50, justify="right"), Col("state", keep=90),
+                  Col("log", "middle", keep=70, min_width=24))
 DATASET = ("tinycorpus", "v1")
 
 
 def _stack() -> LocalStack:
-    return LocalStack(StackSettings(), say=lambda m: console.print(f"[dim]•[/dim] {m}"))
+    return LocalStack(StackSettings(), say=lambda m: stderr().print(Text.assemble(("•", "dim"), " ", m)))
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {exc}")
+    error(str(exc))
     return typer.Exit(2)
 
 
@@ -61,7 +63,8 @@ def up() -> None:
         ref = prepare_and_publish(stack)
     except TrainyardError as exc:
         raise _fail(exc) from None
-    console.print(f"[green]trainyard is up[/green]  API {stack.s.api_url}   example dataset {ref}")
+    console = stderr()
+    console.print(Text.assemble(("trainyard is up", "green"), f"  API {stack.s.api_url}   example dataset {ref}"))
     for node in stack.nodes():
         console.print(f"  {node_line(node)}")
     console.print(f"dev token (tenant 'dev', tenant-admin): {token}   (also in {stack.token_file})")
@@ -71,7 +74,8 @@ def up() -> None:
                       "deploy/prometheus/rules; docs/production.md#monitoring)")
     if stack.admin_token_file.exists():
         console.print(f"platform-admin token: in {stack.admin_token_file} (`trainyard admin …` uses it)")
-    console.print("next: [bold]make demo[/bold], or [bold]trainyard submit examples/tiny.yaml --follow[/bold]")
+    console.print(Text.assemble("next: ", ("make demo", "bold"), ", or ",
+                                ("trainyard submit examples/tiny.yaml --follow", "bold")))
 
 
 @dev_app.command()
@@ -80,17 +84,18 @@ def down() -> None:
     agreed step and stop (up to TRAINYARD_DRAIN_TIMEOUT_S, 120 s), interrupted by maintenance — no failure,
     no blame — and resume from that checkpoint by themselves after `up`."""
     stopped = _stack().down()
-    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    stderr().print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
 @dev_app.command()
 def status() -> None:
     """Show the components of the local stack and whether they run."""
     stack = _stack()
-    table = Table("component", "pid", "state", "log")
+    table = Fitted(None, STATUS_COLUMNS, hint="the log paths are in the stack's state directory")
     for c in stack.components():
-        table.add_row(c.name, str(c.pid), "[green]running[/green]" if c.alive else "[red]dead[/red]", str(c.log))
-    Console().print(table)
+        table.add_row(c.name, str(c.pid), Text("running", style="green") if c.alive else Text("dead", style="red"),
+                      str(c.log))
+    stdout().print(table)
 
 
 @dev_app.command()
@@ -115,7 +120,7 @@ def data() -> None:
         ref = prepare_and_publish(_stack())
     except TrainyardError as exc:
         raise _fail(exc) from None
-    console.print(f"dataset {ref} is registered")
+    stderr().print(f"dataset {ref} is registered")
 
 
 def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
@@ -127,7 +132,7 @@ def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
 
     name, version = DATASET
     if not (ArtifactLayout(stack.s.artifact_root).dataset_dir(name, version) / MANIFEST_FILE).exists():
-        console.print(f"preparing dataset {name}@{version} once (real text, trained byte-level BPE)…")
+        stderr().print(f"preparing dataset {name}@{version} once (real text, trained byte-level BPE)…")
     manifest_path, manifest_sha, manifest = prepare_dataset(stack.s.artifact_root, name, version)
     manifest_uri = path_to_uri(manifest_path)
     if stack.s.artifact_store:
@@ -187,6 +192,7 @@ def demo(
     from trainyard_cli.config import load_spec
     from trainyard_cli.follow import follow_job
 
+    console = stderr()
     stack = _stack()
     if not stack.running():
         raise _fail(RuntimeError("the local stack is not running: run `make up` first (or `make demo`)"))
@@ -196,11 +202,12 @@ def demo(
         spec = load_spec(spec_path)
         with ApiClient(stack.s.api_url, token) as client:
             submitted = client.submit(spec)
-            console.print(f"submitted [bold]{submitted.job_id}[/bold] (specHash {submitted.spec_hash})")
+            console.print(Text.assemble("submitted ", (submitted.job_id, "bold"),
+                                        f" (specHash {submitted.spec_hash})"))
             code = follow_job(client, submitted.job_id, console=console, timeout_s=timeout_s)
             job = client.get_job(submitted.job_id)
             if code != 0:
-                console.print(f"[red]job {job.job_id} ended {job.state}[/red]: {job.reason or ''}")
+                console.print(Text.assemble((f"job {job.job_id} ended {job.state}", "red"), f": {job.reason or ''}"))
                 console.print(f"rank logs: {stack.s.artifact_root}/tenants/*/jobs/{job.job_id}/attempts/*/logs/")
                 raise typer.Exit(code)
             _print_outcome(client, job.job_id)
@@ -214,11 +221,12 @@ def _print_outcome(client: ApiClient, job_id: str) -> None:
     ready = [c for c in client.checkpoints(job_id) if c.state == "READY"]
     final = max(ready, key=lambda c: c.global_step)
     manifest = uri_to_path(final.manifest_uri)
-    console.print(f"[green]job {job_id} succeeded[/green]")
+    console = stderr()
+    console.print(f"job {job_id} succeeded", style="green")
     console.print(f"READY checkpoint at step {final.global_step}: {manifest}")
     print(manifest.read_text(), flush=True)
     for art in client.artifacts(job_id):
         if art.type == "model":
-            console.print(f"registry artifact [bold]{art.artifact_id}[/bold] ({art.type}) {art.uri}")
+            console.print(Text.assemble("registry artifact ", (art.artifact_id, "bold"), f" ({art.type}) {art.uri}"))
             console.print(f"  hash {art.hash}")
             print(json.dumps({"lineage": art.lineage}, indent=2), flush=True)

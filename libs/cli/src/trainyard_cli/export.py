@@ -118,7 +118,7 @@ class Exporting:
                ) -> ArtifactView:
         """Poll the export until it is ready (or failed: ExportFailedError)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
                       console=self.console, transient=True) as bar:
             bar.add_task(f"exporting {view.artifact_id} (verifying the checkpoint, converting)", total=None)
             while export_outcome(view) is None:
@@ -159,7 +159,7 @@ class Exporting:
 
     def _fetch(self, export_id: str, files: Sequence[ExportFile], into: Path) -> None:
         total = sum(f.size for f in files)
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       console=self.console, transient=True) as bar:
             task = bar.add_task("downloading", total=total)
             for f in files:

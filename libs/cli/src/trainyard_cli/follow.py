@@ -117,7 +117,7 @@ def follow_job(
                     sleep(poll_s)
                     continue
                 except ApiNotFoundError:
-                    console.print(f"[red]no job {job_id} (for this token's tenant)[/]")
+                    console.print(f"no job {job_id} (for this token's tenant)", style="red", markup=False)
                     return EXIT_FAILED
                 fields = progress_fields(job)
                 bar.update(task, **fields)
@@ -130,11 +130,12 @@ def follow_job(
                     bar.console.print(end.message, style=style, highlight=False, markup=False)
                     return end.exit_code
                 if timeout_s is not None and clock() - started > timeout_s:
-                    bar.console.print(f"[yellow]stopped following {job_id} after {timeout_s:.0f}s; "
-                                      f"it is still {job.state}[/]")
+                    bar.console.print(f"stopped following {job_id} after {timeout_s:.0f}s; "
+                                      f"it is still {job.state}", style="yellow", markup=False)
                     return EXIT_TIMEOUT
                 sleep(poll_s)
         except KeyboardInterrupt:
-            bar.console.print(f"[yellow]stopped following; {job_id} keeps running "
-                              f"(`trainyard jobs get {job_id}`, `trainyard jobs cancel {job_id}`)[/]")
+            bar.console.print(f"stopped following; {job_id} keeps running "
+                              f"(`trainyard jobs get {job_id}`, `trainyard jobs cancel {job_id}`)", style="yellow",
+                              markup=False)
             return EXIT_INTERRUPTED

@@ -1,4 +1,10 @@
-"""``trainyard``: submit and follow training jobs; ``trainyard dev …`` runs the local stack."""
+"""``trainyard``: submit and follow training jobs; ``trainyard dev …`` runs the local stack.
+
+Starting is most of what a command costs, so this module imports only typer and the configuration at its
+top: the API client (httpx, pydantic, the platform's models), rich's tables and progress bars are imported
+in the commands that use them, and the ``models``, ``dev``, ``admin`` and ``plan`` groups when a command
+line reaches them (groups.py). ``test_cli_start`` asserts what ``--help`` does not import.
+"""
 
 from __future__ import annotations
 
@@ -10,43 +16,48 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
-from trainyard_common import codetree
 from trainyard_common.errors import ConfigError
 
-from trainyard_cli import codepack
-
-from trainyard_cli.client import ApiClient
-from trainyard_cli.admin import admin_app
-from trainyard_cli.credentials import credentials_app
 from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
-from trainyard_cli.devstack import dev_app
-from trainyard_cli.export import Exporting, next_steps, pick_checkpoint
-from trainyard_cli.follow import follow_job
-from trainyard_cli.models import models_app
-from trainyard_cli.plan import plan_app
-from trainyard_cli.session import api_session
-from trainyard_cli.render import (
-    artifacts_table,
-    checkpoints_table,
-    datasets_table,
-    job_detail,
-    jobs_table,
-    state_text,
-    trigger_detail,
-    triggers_table,
-)
+from trainyard_cli.console import error, stderr, stdout, warning
+from trainyard_cli.groups import Lazy, LazyGroup
+
+if TYPE_CHECKING:
+    from trainyard_cli.client import ApiClient
+
+
+class _Trainyard(LazyGroup):
+    """The root group; its help for each lazy group is that group's own (a test keeps them equal)."""
+
+    lazy = {
+        "models": Lazy("trainyard_cli.models:models_app",
+                       "Hugging Face model directories in your tenant's prefix, to start jobs from "
+                       "(initFrom.huggingFace)."),
+        "dev": Lazy("trainyard_cli.devstack:dev_app",
+                    "Run the local stack on this host: a Kafka-protocol broker, Redis, the five services and simulated "
+                    "nodes (CPU ranks, gloo). Configure with TRAINYARD_* variables (TRAINYARD_KAFKA_PORT, "
+                    "TRAINYARD_REDIS_PORT, TRAINYARD_API_PORT, TRAINYARD_NODES, TRAINYARD_DEVICES_PER_NODE, "
+                    "TRAINYARD_STATE_DIR, TRAINYARD_DRAIN_TIMEOUT_S: how long `down` lets running jobs checkpoint "
+                    "and stop; TRAINYARD_PROMETHEUS=1: also run Prometheus over every service and node agent)."),
+        "admin": Lazy("trainyard_cli.admin:admin_app",
+                      "Administration through the API: tenants (quotas, priority), tokens (roles, expiry, "
+                      "revocation), the audit log, nodes. Uses .trainyard/admin-token when present."),
+        "plan": Lazy("trainyard_cli.plan:plan_app",
+                     "Capacity planning before you train: memory per device, compute, communication, pipeline "
+                     "bubble, checkpoint interval, and ranked layouts. Runs locally; --json for machines."),
+    }
+
 
 app = typer.Typer(
     name="trainyard",
     help="Submit, watch and control LLM training jobs on trainyard.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    cls=_Trainyard,
 )
 jobs_app = typer.Typer(help="List, inspect, follow and control jobs.", no_args_is_help=True)
 artifacts_app = typer.Typer(help="Registry artifacts (checkpoints, final models, exports) with lineage.",
@@ -59,14 +70,6 @@ app.add_typer(jobs_app, name="jobs")
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(triggers_app, name="triggers")
-app.add_typer(models_app, name="models")
-app.add_typer(dev_app, name="dev")
-app.add_typer(admin_app, name="admin")
-admin_app.add_typer(credentials_app, name="credentials")
-app.add_typer(plan_app, name="plan")
-
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
 
 UPLOAD_PROGRESS_BYTES = 4 * 2**20
 """Uploads smaller than this show no progress bar (they take a moment)."""
@@ -94,6 +97,8 @@ def _global_options(
 @contextmanager
 def _api(ctx: typer.Context, *, admin: bool = False, what: str = "spec") -> Iterator[ApiClient]:
     """An API client for the command (``admin``: with the admin token, see config.py); see session.py."""
+    from trainyard_cli.session import api_session
+
     with api_session(ctx.obj, admin=admin, what=what) as client:
         yield client
 
@@ -130,9 +135,14 @@ def submit(
         help='what each rank runs in the code tree, split like a shell: "python train.py --lr 3e-4" '
              "(default: the spec's code.entrypoint)")] = None,
 ) -> None:
+    from rich.text import Text
+
+    from trainyard_cli import codepack
+    from trainyard_cli.follow import follow_job
+
     spec = _load(spec_file)
     if entrypoint is not None and code is None and not (spec.get("code") or {}).get("repo"):
-        err.print("[red]error:[/] --entrypoint needs --code DIR (or code.repo in the spec)", highlight=False)
+        error("--entrypoint needs --code DIR (or code.repo in the spec)")
         raise typer.Exit(2)
     with _api(ctx) as client:
         if code is not None:
@@ -140,17 +150,25 @@ def submit(
         elif entrypoint is not None:
             spec = {**spec, "code": {**spec["code"], "entrypoint": codepack.command(entrypoint)}}
         submitted = client.submit(spec, idempotency_key=idempotency_key)
-        out.print(f"submitted [bold]{submitted.job_id}[/] ({submitted.state}, {submitted.spec_hash})", highlight=False)
-        for warning in submitted.warnings or []:
-            err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        stdout().print(Text.assemble("submitted ", (submitted.job_id, "bold"),
+                                     f" ({submitted.state}, {submitted.spec_hash})"))
+        for message in submitted.warnings or []:
+            warning(message)
         if follow:
-            raise typer.Exit(follow_job(client, submitted.job_id, console=err))
+            raise typer.Exit(follow_job(client, submitted.job_id, console=stderr()))
 
 
 def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path,
                         entrypoint: str | None) -> dict[str, Any]:
     """Pack ``directory``, upload it unless the API has it, and name it in the spec's code."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+    from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
+
+    from trainyard_cli import codepack
+    from trainyard_common import codetree
+
+    err = stderr()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), console=err,
+                  transient=True) as bar:
         bar.add_task(f"packing {directory}", total=None)
         selection = codepack.select(directory)
         data = codepack.pack(selection)
@@ -158,14 +176,13 @@ def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path
     spec = codepack.with_code(spec, archive=archive, selection=selection, entrypoint=entrypoint)
     state = "" if selection.commit is None else f", commit {selection.commit[:12]}{' (dirty)' if selection.dirty else ''}"
     if client.code_archive(archive) is not None:
-        err.print(f"code {archive[:19]}… already uploaded ({len(selection.files)} files{state})", highlight=False)
+        err.print(f"code {archive[:19]}… already uploaded ({len(selection.files)} files{state})")
         return spec
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=err, transient=True, disable=len(data) < UPLOAD_PROGRESS_BYTES) as bar:
         task = bar.add_task("uploading code", total=len(data))
         client.upload_code(archive, data, progress=lambda sent: bar.update(task, completed=sent))
-    err.print(f"code {archive[:19]}… uploaded ({len(selection.files)} files, {len(data) / 2**20:.1f} MiB{state})",
-              highlight=False)
+    err.print(f"code {archive[:19]}… uploaded ({len(selection.files)} files, {len(data) / 2**20:.1f} MiB{state})")
     return spec
 
 
@@ -173,7 +190,7 @@ def _load(spec_file: Path) -> dict[str, Any]:
     try:
         return load_spec(spec_file, sys.stdin.read() if str(spec_file) == "-" else None)
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        error(exc.message)
         raise typer.Exit(2) from None
 
 
@@ -189,25 +206,29 @@ def jobs_list(
     as_json: JsonFlag = False,
 ) -> None:
     """The tenant's jobs, newest first."""
+    from trainyard_cli.render import jobs_table
+
     with _api(ctx) as client:
         page = client.list_jobs(state=state, limit=limit, offset=offset)
     if as_json:
         _print_json(page.model_dump(mode="json", by_alias=True))
         return
-    out.print(jobs_table(page.jobs))
+    stdout().print(jobs_table(page.jobs))
     if page.next_offset is not None:
-        out.print(f"more: --offset {page.next_offset}", style="dim")
+        stdout().print(f"more: --offset {page.next_offset}", style="dim")
 
 
 @jobs_app.command("get")
 def jobs_get(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
     """A job's state, progress, attempts and checkpoints."""
+    from trainyard_cli.render import job_detail
+
     with _api(ctx) as client:
         if as_json:
             _print_json(client.get_json(f"/v1/training-jobs/{job_id}"))
             return
         job = client.get_job(job_id)
-    out.print(job_detail(job))
+    stdout().print(job_detail(job))
 
 
 @jobs_app.command("follow")
@@ -217,8 +238,10 @@ def jobs_follow(
     timeout: Annotated[float | None, typer.Option(help="stop following after this many seconds")] = None,
 ) -> None:
     """Show a progress bar until the job ends (exit 0 if it succeeded)."""
+    from trainyard_cli.follow import follow_job
+
     with _api(ctx) as client:
-        raise typer.Exit(follow_job(client, job_id, console=err, timeout_s=timeout))
+        raise typer.Exit(follow_job(client, job_id, console=stderr(), timeout_s=timeout))
 
 
 @jobs_app.command("logs")
@@ -239,10 +262,14 @@ def jobs_logs(
 
 
 def _control(ctx: typer.Context, job_id: str, action: str) -> None:
+    from rich.text import Text
+
+    from trainyard_cli.render import state_text
+
     with _api(ctx) as client:
         accepted = client.control(job_id, action)
-    text = state_text(accepted.state)
-    out.print(f"{action} requested for [bold]{accepted.job_id}[/] (state now: ", text, ")", sep="", highlight=False)
+    stdout().print(Text.assemble(f"{action} requested for ", (accepted.job_id, "bold"), " (state now: ",
+                                 state_text(accepted.state), ")"))
 
 
 @jobs_app.command("cancel")
@@ -266,12 +293,14 @@ def jobs_resume(ctx: typer.Context, job_id: JobArg) -> None:
 @jobs_app.command("checkpoints")
 def jobs_checkpoints(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
     """A job's checkpoints: state, global step, manifest and content hash."""
+    from trainyard_cli.render import checkpoints_table
+
     with _api(ctx) as client:
         items = client.checkpoints(job_id)
     if as_json:
         _print_json([c.model_dump(mode="json", by_alias=True) for c in items])
         return
-    out.print(checkpoints_table(items, title=f"checkpoints of {job_id}"))
+    stdout().print(checkpoints_table(items, title=f"checkpoints of {job_id}"))
 
 
 # ----------------------------------------------------------------------------- registry
@@ -284,12 +313,14 @@ def artifacts_list(
     as_json: JsonFlag = False,
 ) -> None:
     """Artifacts a job produced, with lineage."""
+    from trainyard_cli.render import artifacts_table
+
     with _api(ctx) as client:
         if as_json:
             _print_json(client.get_json("/v1/registry/artifacts", params={"jobId": job}))
             return
         items = client.artifacts(job)
-    out.print(artifacts_table(items))
+    stdout().print(artifacts_table(items))
 
 
 EXPORT_HELP = """Export a job's READY checkpoint as a Hugging Face model directory, and download it.
@@ -319,14 +350,16 @@ def export_command(
     timeout: Annotated[float | None, typer.Option(help="stop following after this many seconds")] = None,
     as_json: JsonFlag = False,
 ) -> None:
+    from trainyard_cli.export import Exporting, next_steps, pick_checkpoint
+
     if no_wait and out_dir is not None:
-        err.print("[red]error:[/] --out waits for the export to download it; leave out --no-wait", highlight=False)
+        error("--out waits for the export to download it; leave out --no-wait")
         raise typer.Exit(2)
     with _api(ctx, what="body") as client:
-        exporting = Exporting(client, err)
+        exporting = Exporting(client, stderr())
         checkpoint = pick_checkpoint(job_id, client.artifacts(job_id), step)
         view = exporting.request(checkpoint, fmt)
-        err.print(f"export {view.artifact_id} of {checkpoint.artifact_id}: {view.state}", highlight=False)
+        stderr().print(f"export {view.artifact_id} of {checkpoint.artifact_id}: {view.state}")
         if not no_wait:
             view = exporting.follow(view, timeout_s=timeout)
             if out_dir is not None:
@@ -334,20 +367,22 @@ def export_command(
     if as_json:
         _print_json(view.model_dump(mode="json", by_alias=True))
     elif no_wait:
-        out.print(f"follow it: trainyard export {job_id} --step {checkpoint.global_step}", highlight=False)
+        stdout().print(f"follow it: trainyard export {job_id} --step {checkpoint.global_step}")
     else:
-        out.print(next_steps(view, out_dir.resolve() if out_dir is not None else None), highlight=False)
+        stdout().print(next_steps(view, out_dir.resolve() if out_dir is not None else None))
 
 
 @datasets_app.command("list")
 def datasets_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Verified dataset versions you may train on: your tenant's, the platform's, and those shared with you."""
+    from trainyard_cli.render import datasets_table
+
     with _api(ctx) as client:
         items = client.datasets()
     if as_json:
         _print_json([d.model_dump(mode="json", by_alias=True) for d in items])
         return
-    out.print(datasets_table(items))
+    stdout().print(datasets_table(items))
 
 
 @datasets_app.command(
@@ -367,8 +402,7 @@ def datasets_import(ctx: typer.Context) -> None:
     try:
         from trainyard_trainer.data_cli import main as data_main
     except ImportError:
-        out.print("[red]error:[/red] importing datasets needs the trainyard-trainer package "
-                  "(pip install -e libs/trainer)")
+        error("importing datasets needs the trainyard-trainer package (pip install -e libs/trainer)")
         raise typer.Exit(2) from None
     args, publish, shares = _publish_options(list(ctx.args))
     if not publish:
@@ -376,8 +410,7 @@ def datasets_import(ctx: typer.Context) -> None:
     with _api(ctx) as client:
         tenant = client.caller_tenant()
     if tenant is None or _option(args, "--tenant") not in (None, tenant):
-        err.print(f"[red]error:[/] --publish imports into your token's tenant ({tenant}); drop --tenant",
-                  highlight=False)
+        error(f"--publish imports into your token's tenant ({tenant}); drop --tenant")
         raise typer.Exit(2)
     if _option(args, "--tenant") is None:
         args += ["--tenant", tenant]
@@ -392,8 +425,8 @@ def datasets_import(ctx: typer.Context) -> None:
         published = client.publish_dataset({
             "name": summary["name"], "version": summary["version"], "sha256": summary["sha256"],
             "sharedWith": shares, "tokenizer": summary.get("tokenizer"), "numTokens": summary.get("numTokens")})
-    err.print(f"published {published.dataset}: the registry verifies it before it can be used "
-              f"(`trainyard datasets list`)", highlight=False)
+    stderr().print(f"published {published.dataset}: the registry verifies it before it can be used "
+                   f"(`trainyard datasets list`)")
 
 
 def _publish_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
@@ -451,10 +484,11 @@ def triggers_create(
     disabled: Annotated[bool, typer.Option("--disabled", help="create it switched off (it starts nothing)")] = False,
     as_json: JsonFlag = False,
 ) -> None:
+    from rich.text import Text
+
     spec = _load(template)
     if "dataset" in spec:
-        err.print(f"note: the template's dataset {spec['dataset']!r} is left out: each new version fills it in",
-                  highlight=False)
+        stderr().print(f"note: the template's dataset {spec['dataset']!r} is left out: each new version fills it in")
     spec = {k: v for k, v in spec.items() if k != "dataset"}
     body = {"name": name or _trigger_name(dataset), "dataset": dataset, "sources": source or ["own"],
             "template": spec, "enabled": not disabled}
@@ -463,39 +497,45 @@ def triggers_create(
     if as_json:
         _print_json(created.model_dump(mode="json", by_alias=True))
         return
-    out.print(f"created trigger [bold]{created.trigger_id}[/] ({created.name}): new versions of "
-              f"{created.dataset} ({', '.join(created.sources)}) submit its job", highlight=False)
+    stdout().print(Text.assemble("created trigger ", (created.trigger_id, "bold"), f" ({created.name}): new versions of "
+                                 f"{created.dataset} ({', '.join(created.sources)}) submit its job"))
 
 
 @triggers_app.command("list")
 def triggers_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Your tenant's triggers, oldest first, with their last failure."""
+    from trainyard_cli.render import triggers_table
+
     with _api(ctx) as client:
         items = client.triggers()
     if as_json:
         _print_json([t.model_dump(mode="json", by_alias=True) for t in items])
         return
-    out.print(triggers_table(items))
+    stdout().print(triggers_table(items))
 
 
 @triggers_app.command("show")
 def triggers_show(ctx: typer.Context, trigger_id: TriggerArg, as_json: JsonFlag = False) -> None:
     """A trigger: what it matches and submits, the jobs it started, its last failure."""
+    from trainyard_cli.render import trigger_detail
+
     with _api(ctx) as client:
         if as_json:
             _print_json(client.get_json(f"/v1/triggers/{trigger_id}"))
             return
         trigger = client.get_trigger(trigger_id)
-    out.print(trigger_detail(trigger))
+    stdout().print(trigger_detail(trigger))
 
 
 @triggers_app.command("delete")
 def triggers_delete(ctx: typer.Context, trigger_id: TriggerArg) -> None:
     """Delete a trigger: new versions start nothing more; the jobs it started stay."""
+    from rich.text import Text
+
     with _api(ctx) as client:
         deleted = client.delete_trigger(trigger_id)
-    out.print(f"deleted trigger [bold]{deleted.trigger_id}[/] ({deleted.name}); "
-              f"the {len(deleted.jobs or [])} job(s) it started stay", highlight=False)
+    stdout().print(Text.assemble("deleted trigger ", (deleted.trigger_id, "bold"), f" ({deleted.name}); "
+                                 f"the {len(deleted.jobs or [])} job(s) it started stay"))
 
 
 if __name__ == "__main__":

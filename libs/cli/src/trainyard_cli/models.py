@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -37,6 +36,7 @@ from rich.progress import (
     TextColumn,
     TransferSpeedColumn,
 )
+from trainyard_cli.console import error, stderr
 from trainyard_common.errors import ConfigError, TrainyardError
 from trainyard_common.hfdir import CONFIG_FILE, MODEL_LISTING, HfDir, inline_config, inspect_dir
 from trainyard_common.storage import (
@@ -56,7 +56,6 @@ from trainyard_common.storage import (
 models_app = typer.Typer(
     help="Hugging Face model directories in your tenant's prefix, to start jobs from (initFrom.huggingFace).",
     no_args_is_help=True)
-err = Console(stderr=True, soft_wrap=True)
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Weight formats trainyard does not read (it reads safetensors only): not copied.
@@ -255,15 +254,15 @@ def models_import(
         layout = ArtifactLayout(artifact_root or _default_root())
         model = inspect_dir(source.expanduser().resolve())
         total = sum(size for _, size in model.weight_files)
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=err, transient=True, disable=total < PROGRESS_BYTES) as bar:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      console=stderr(), transient=True, disable=total < PROGRESS_BYTES) as bar:
             task = bar.add_task(f"importing {name}", total=total)
             done = import_model(source, layout, owner, name, advance=lambda n: bar.advance(task, n))
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        error(exc.message)
         raise typer.Exit(2) from None
     except OSError as exc:
-        err.print(f"[red]error:[/] cannot copy {source}: {exc}", highlight=False)
+        error(f"cannot copy {source}: {exc}")
         raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps({"name": name, "tenant": owner, "directory": str(done.directory),
@@ -271,8 +270,7 @@ def models_import(
                                "modelConfig": json.loads(inline_config(done.model.config)), "files": done.files}))
         return
     what = "imported" if done.created else "already imported (the same files)"
-    err.print(f"{what}: {done.directory} ({len(done.files)} files, {total / 2**20:.1f} MiB of weights)",
-              highlight=False)
+    stderr().print(f"{what}: {done.directory} ({len(done.files)} files, {total / 2**20:.1f} MiB of weights)")
     typer.echo(done.start_snippet(name))
 
 
@@ -282,7 +280,7 @@ def models_list(ctx: typer.Context, tenant: TenantOption = None, artifact_root: 
     try:
         owner = _tenant(ctx, tenant)
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        error(exc.message)
         raise typer.Exit(2) from None
     for name, found in list_models(ArtifactLayout(artifact_root or _default_root()), owner):
         if isinstance(found, ConfigError):

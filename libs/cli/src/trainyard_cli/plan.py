@@ -18,7 +18,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from pydantic import ValidationError
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -65,6 +65,7 @@ from trainyard_planner import (
 from trainyard_cli.client import ApiClient
 from trainyard_cli.session import api_session
 from trainyard_cli.config import CliConfig, load_spec, resolve_api_url, resolve_token
+from trainyard_cli.console import error, stdout
 
 T = TypeVar("T")
 
@@ -79,8 +80,6 @@ plan_app = typer.Typer(
     no_args_is_help=True,
 )
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
 
 GB = 1e9
 PRECISIONS = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
@@ -154,7 +153,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print the planner's JSON 
 
 
 def _fail(message: str) -> NoReturn:
-    err.print(f"[red]error:[/] {message}", highlight=False)
+    error(message)
     raise typer.Exit(2)
 
 
@@ -283,7 +282,7 @@ def _emit(as_json: bool, data: Callable[[], Any], view: Callable[[], RenderableT
     if as_json:
         typer.echo(json.dumps(data(), indent=2))
     else:
-        out.print(view())
+        stdout().print(view())
 
 
 def _model_wire(model: Transformer, label: str) -> dict[str, Any]:

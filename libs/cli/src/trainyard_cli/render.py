@@ -1,4 +1,8 @@
-"""rich renderables for the CLI. Pure: models in, tables and text out (printing is the caller's)."""
+"""rich renderables for the CLI. Pure: models in, tables and text out (printing is the caller's).
+
+Every table is a :class:`~trainyard_cli.tables.Fitted` one: it shows the columns that fit the width it is
+printed at, most important first (tables.py), and every cell is text, never markup.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,18 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
-from trainyard_cli.client import Artifact, Dataset, Job, Trigger
-from trainyard_common.wire import CheckpointView, JobSummary
+from trainyard_cli.tables import Col, Fitted, as_text
+
+if TYPE_CHECKING:  # the API's models cost an import the --help of a command should not pay
+    from rich.table import Table
+
+    from trainyard_cli.client import Artifact, Dataset, Job, Trigger
+    from trainyard_common.wire import CheckpointView, JobSummary
 
 STATE_STYLES = {
     "queued": "yellow",
@@ -62,10 +72,18 @@ def fmt_step(step: int, max_steps: int | None) -> str:
     return f"{step}/{max_steps}" if max_steps else str(step)
 
 
-def jobs_table(items: Sequence[JobSummary]) -> Table:
-    table = Table(title="training jobs", title_justify="left", header_style="bold")
-    for column in ("JOB", "NAME", "STATE", "STEP", "LOSS", "MODEL", "DATASET", "GPUS", "ATTEMPTS", "CREATED", "NOTE"):
-        table.add_column(column, no_wrap=column in ("JOB", "STATE", "STEP", "CREATED"))
+JOB_COLUMNS = (
+    Col("JOB", keep=100), Col("NAME", "middle", keep=60, min_width=12), Col("STATE", keep=95),
+    Col("STEP", keep=80, justify="right"), Col("LOSS", keep=55, justify="right"),
+    Col("MODEL", "middle", keep=30, min_width=10), Col("DATASET", "middle", keep=40, min_width=14),
+    Col("GPUS", keep=20, justify="right"), Col("ATTEMPTS", keep=10, justify="right"), Col("CREATED", keep=50),
+    Col("NOTE", "wrap", keep=90, min_width=24),
+)
+"""``jobs list``: at 80 columns JOB, NAME, STATE, STEP and the note (why it waits or failed) are shown."""
+
+
+def jobs_table(items: Sequence[JobSummary]) -> Fitted:
+    table = Fitted("training jobs", JOB_COLUMNS)
     for j in items:
         table.add_row(
             j.job_id, j.name or "-", state_text(j.state), fmt_step(j.global_step, j.max_steps),
@@ -75,27 +93,39 @@ def jobs_table(items: Sequence[JobSummary]) -> Table:
     return table
 
 
-def checkpoints_table(items: Sequence[CheckpointView], title: str = "checkpoints", *, manifests: bool = True) -> Table:
+CHECKPOINT_COLUMNS = (
+    Col("CHECKPOINT", keep=100), Col("STATE", keep=95), Col("STEP", keep=90, justify="right"),
+    Col("ATTEMPT", keep=20, justify="right"), Col("TOKENS", keep=30, justify="right"),
+    Col("TENSORS HASH", "middle", keep=70, min_width=14),
+    Col("CONTENT HASH", "middle", keep=60, min_width=14), Col("MANIFEST", "middle", keep=80, min_width=24),
+    Col("READY AT", keep=40),
+)
+
+
+def checkpoints_table(items: Sequence[CheckpointView], title: str = "checkpoints", *,
+                      manifests: bool = True) -> Fitted:
     """``manifests=False`` (inside a job's view) leaves the long manifest URIs to ``jobs checkpoints``."""
-    table = Table(title=title, title_justify="left", header_style="bold")
-    columns = ["CHECKPOINT", "STATE", "STEP", "ATTEMPT", "TOKENS", "CONTENT HASH", "MANIFEST", "READY AT"]
-    if not manifests:
-        columns.remove("MANIFEST")
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    table = Fitted(title, [c for c in CHECKPOINT_COLUMNS if manifests or c.header != "MANIFEST"])
     for c in items:
         row = [c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
-               (c.content_hash or "-")[:19], c.manifest_uri or "-", fmt_time(c.ready_at)]
+               (c.tensors_hash or "-")[:19], (c.content_hash or "-")[:19], c.manifest_uri or "-",
+               fmt_time(c.ready_at)]
         if not manifests:
-            row.pop(6)
+            row.pop(7)
         table.add_row(*row)
     return table
 
 
-def artifacts_table(items: Sequence[Artifact]) -> Table:
-    table = Table(title="artifacts", title_justify="left", header_style="bold")
-    for column in ("ARTIFACT", "TYPE", "STEP", "ATTEMPT", "HASH", "DATASET", "SPEC HASH", "CODE", "URI"):
-        table.add_column(column, overflow="fold")
+ARTIFACT_COLUMNS = (
+    Col("ARTIFACT", "middle", keep=100, min_width=30), Col("TYPE", keep=90), Col("STEP", keep=85, justify="right"),
+    Col("ATTEMPT", keep=10, justify="right"), Col("HASH", "middle", keep=50, min_width=14),
+    Col("DATASET", "middle", keep=40, min_width=14), Col("SPEC HASH", "middle", keep=20, min_width=14),
+    Col("CODE", "middle", keep=30, min_width=10), Col("URI", "middle", keep=80, min_width=24),
+)
+
+
+def artifacts_table(items: Sequence[Artifact]) -> Fitted:
+    table = Fitted("artifacts", ARTIFACT_COLUMNS)
     for a in items:
         code = a.lineage.get("codeArchive")
         table.add_row(
@@ -106,10 +136,16 @@ def artifacts_table(items: Sequence[Artifact]) -> Table:
     return table
 
 
-def datasets_table(items: Sequence[Dataset]) -> Table:
-    table = Table(title="datasets", title_justify="left", header_style="bold")
-    for column in ("DATASET", "OWNER", "SHARED WITH", "TOKENIZER", "TOKENS", "SHA256", "MANIFEST"):
-        table.add_column(column, overflow="fold")
+DATASET_COLUMNS = (
+    Col("DATASET", "middle", keep=100, min_width=20), Col("OWNER", "middle", keep=70, min_width=8),
+    Col("SHARED WITH", "wrap", keep=40, min_width=11), Col("TOKENIZER", "middle", keep=30, min_width=10),
+    Col("TOKENS", keep=75, justify="right"), Col("SHA256", "middle", keep=50, min_width=10),
+    Col("MANIFEST", "middle", keep=60, min_width=24),
+)
+
+
+def datasets_table(items: Sequence[Dataset]) -> Fitted:
+    table = Fitted("datasets", DATASET_COLUMNS)
     for d in items:
         ref = f"{d.tenant}/{d.name}@{d.version}" if d.tenant else f"{d.name}@{d.version}"
         table.add_row(ref, d.tenant or "platform", ", ".join(d.shared_with) or "-", d.tokenizer or "-",
@@ -117,14 +153,29 @@ def datasets_table(items: Sequence[Dataset]) -> Table:
     return table
 
 
+ATTEMPT_COLUMNS = (
+    Col("ATTEMPT", keep=100, justify="right"), Col("STATE", keep=95), Col("NODES", "wrap", keep=40, min_width=10),
+    Col("WORLD", keep=30, justify="right"), Col("STARTED", keep=60), Col("ENDED", keep=50),
+    Col("FAILURE", "wrap", keep=90, min_width=24),
+)
+
+
+def facts_grid() -> Table:
+    """Key/value lines (``jobs get``, ``triggers show``): the value wraps at words in what the key leaves."""
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    return grid
+
+
 def job_detail(job: Job) -> RenderableType:
     """``jobs get``: a key/value summary, then attempts and checkpoints."""
     p = job.progress
-    facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
+    facts = facts_grid()
     spec = job.spec
-    rows: list[tuple[str, str | Text]] = [
+    rows: list[tuple[str | Text, str | Text]] = [
         ("job", job.job_id),
         ("name", job.name or "-"),
         ("state", state_text(job.state)),
@@ -148,7 +199,7 @@ def job_detail(job: Job) -> RenderableType:
         kind = f" ({job.queued_reason_kind})" if job.queued_reason_kind else ""
         rows.append(("waiting", job.queued_reason + kind))
     for c in job.conditions:  # the operator should see these first
-        rows.append(("[red]condition[/red]", f"{c.get('type')}: {c.get('reason')}"))
+        rows.append((Text("condition", style="red"), f"{c.get('type')}: {c.get('reason')}"))
     if job.goodput:
         rows.append(("goodput", fmt_goodput(job.goodput)))
     if job.checkpoint_advice:
@@ -159,12 +210,10 @@ def job_detail(job: Job) -> RenderableType:
     if job.reason:
         rows.append(("reason", job.reason))
     for key, value in rows:
-        facts.add_row(key, value)
+        facts.add_row(key, as_text(value))
     parts: list[RenderableType] = [facts]
     if job.attempts:
-        attempts = Table(title="attempts", title_justify="left", header_style="bold")
-        for column in ("ATTEMPT", "STATE", "NODES", "WORLD", "STARTED", "ENDED", "FAILURE"):
-            attempts.add_column(column)
+        attempts = Fitted("attempts", ATTEMPT_COLUMNS)
         for a in job.attempts:
             attempts.add_row(str(a.attempt), state_text(a.state), ",".join(a.nodes) or "-", str(a.world_size or "-"),
                              fmt_time(a.started_at), fmt_time(a.ended_at), a.failure_reason or "")
@@ -213,11 +262,17 @@ def fmt_advice(a: Mapping[str, Any]) -> str:
     return f"{head} ({method}{f'; now {current}' if current else ''}){' auto' if a.get('auto') else ''}"
 
 
-def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
+NODE_COLUMNS = (
+    Col("NODE", "middle", keep=100, min_width=16), Col("HOST", "middle", keep=50, min_width=10),
+    Col("RACK", "middle", keep=30, min_width=6), Col("DEVICES", keep=40, justify="right"), Col("HEALTHY", keep=90),
+    Col("QUARANTINE", "wrap", keep=80, min_width=14), Col("DRAIN", "wrap", keep=70, min_width=12),
+    Col("SCORE", keep=20, justify="right"),
+)
+
+
+def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Fitted:
     """``admin nodes list``."""
-    table = Table(header_style="bold")
-    for column in ("NODE", "HOST", "RACK", "DEVICES", "HEALTHY", "QUARANTINE", "DRAIN", "SCORE"):
-        table.add_column(column, overflow="fold")
+    table = Fitted(None, NODE_COLUMNS)
     for n in nodes:
         q = n.get("quarantine") or {}
         quarantine = f"{q.get('reason') or 'yes'} (by {q.get('by') or '-'})" if n.get("quarantined") else "-"
@@ -239,12 +294,17 @@ def field_problems(problems: Sequence[tuple[str, str]], what: str = "spec") -> T
     return text
 
 
-def triggers_table(items: Sequence[Trigger]) -> Table:
+TRIGGER_COLUMNS = (
+    Col("TRIGGER", keep=100), Col("NAME", "middle", keep=70, min_width=10),
+    Col("DATASET", "middle", keep=80, min_width=12), Col("SOURCES", "wrap", keep=30, min_width=8),
+    Col("MODEL", "middle", keep=20, min_width=10), Col("ENABLED", keep=60),
+    Col("LAST FAILURE", "wrap", keep=90, min_width=24),
+)
+
+
+def triggers_table(items: Sequence[Trigger]) -> Fitted:
     """``triggers list``: one row per trigger, with its last failure when it has one."""
-    table = Table(title="triggers", title_justify="left", header_style="bold")
-    table.add_column("TRIGGER", no_wrap=True)
-    for column in ("NAME", "DATASET", "SOURCES", "MODEL", "ENABLED", "LAST FAILURE"):
-        table.add_column(column, overflow="fold")
+    table = Fitted("triggers", TRIGGER_COLUMNS)
     for t in items:
         model = t.template.get("modelConfig")
         failure = f"{t.last_failure.dataset}: {t.last_failure.message}" if t.last_failure else "-"
@@ -255,9 +315,7 @@ def triggers_table(items: Sequence[Trigger]) -> Table:
 
 def trigger_detail(t: Trigger) -> RenderableType:
     """``triggers show``: what it matches, what it submits, the jobs it started and its last failure."""
-    facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
+    facts = facts_grid()
     model = t.template.get("modelConfig")
     resources = t.template.get("resources") or {}
     for key, value in (
@@ -268,7 +326,7 @@ def trigger_detail(t: Trigger) -> RenderableType:
         ("resources", f"{resources.get('gpuCount', '?')} x {resources.get('gpuType', '?')}"),
         ("created", f"{fmt_time(t.created_at)} by {t.created_by or '-'}"),
     ):
-        facts.add_row(key, value)
+        facts.add_row(key, as_text(value))
     parts: list[RenderableType] = [facts]
     if t.last_failure is not None:
         f = t.last_failure
@@ -276,9 +334,7 @@ def trigger_detail(t: Trigger) -> RenderableType:
         for p in f.problems:
             text.append(f"  {p.get('field', '')}: {p.get('message', '')}\n")
         parts.append(text)
-    jobs = Table(title="jobs started", title_justify="left", header_style="bold")
-    jobs.add_column("DATASET", overflow="fold")
-    jobs.add_column("JOB")
+    jobs = Fitted("jobs started", (Col("DATASET", "middle", keep=80, min_width=20), Col("JOB", keep=100)))
     for j in t.jobs or []:
         jobs.add_row(j.dataset, j.job_id)
     parts.append(jobs if t.jobs else Text("no jobs started yet", style="dim"))

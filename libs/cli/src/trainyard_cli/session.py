@@ -15,17 +15,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import typer
-from rich.console import Console
 
 from trainyard_common.errors import ConfigError, TrainyardError
 
 from trainyard_cli.client import ApiClient, ApiSpecError
 from trainyard_cli.config import CliConfig
+from trainyard_cli.console import error, stderr
 from trainyard_cli.render import field_problems
 
 EXIT_REFUSED = 1
 EXIT_CONFIG = 2
-_err = Console(stderr=True)
 
 
 @contextmanager
@@ -35,11 +34,11 @@ def api_session(config: CliConfig, *, admin: bool = False, what: str = "spec") -
         with ApiClient(config.api_url, config.require_admin_token() if admin else config.require_token()) as client:
             yield client
     except ApiSpecError as exc:
-        _err.print(field_problems(exc.problems, what), end="")
+        stderr().print(field_problems(exc.problems, what), end="")
         raise typer.Exit(EXIT_REFUSED) from None
     except ConfigError as exc:
-        _err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        error(exc.message)
         raise typer.Exit(EXIT_CONFIG) from None
-    except TrainyardError as exc:
-        _err.print(f"[red]error:[/] {exc.message}", highlight=False)
+    except TrainyardError as exc:  # the API's words, brackets and all (console.py)
+        error(exc.message)
         raise typer.Exit(EXIT_REFUSED) from None
