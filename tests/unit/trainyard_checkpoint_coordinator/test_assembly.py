@@ -27,8 +27,8 @@ from trainyard_checkpoint_coordinator.assembly import (
     settle_ready,
     settled_event,
 )
-from trainyard_common.events import CheckpointFailed, CheckpointReady, FileDigest, ShardWritten
-from trainyard_common.manifest import ParallelLayout, ShardEntry, content_hash, verify_manifest
+from trainyard_common.events import CheckpointFailed, CheckpointReady, FileDigest, ShardWritten, TensorDigest
+from trainyard_common.manifest import ParallelLayout, ShardEntry, content_hash, tensors_hash, verify_manifest
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = CheckpointKey("job-1", attempt=1, global_step=40)
@@ -51,6 +51,12 @@ def report(rank: int, *, world: int = 2, epoch: int = 3, content: str | None = N
     )
     fields.update(kw)
     return ShardReport(**fields)  # type: ignore[arg-type]
+
+
+T_W = TensorDigest(key="model.w", offset=[0, 0], sha256=sha("w"))
+T_B = TensorDigest(key="model.b", offset=[0], sha256=sha("b"))
+T_RNG0 = TensorDigest(key="rng.rank_0.python", offset=[], sha256=sha("rng0"))
+T_RNG1 = TensorDigest(key="rng.rank_1.python", offset=[], sha256=sha("rng1"))
 
 
 # --------------------------------------------------------------------------- one report
@@ -116,6 +122,11 @@ def run(reports: dict[int, ShardReport], *, world: int = 2, epoch: int = 3):
          "shared file"),
         ("shards in two directories", {0: report(0), 1: report(1, uri="file:///elsewhere/__1_0.distcp")}, 2, 3,
          "one checkpoint directory"),
+        ("entry digests that agree", {0: report(0, tensors=(T_W, T_RNG0)), 1: report(1, tensors=(T_W, T_RNG1))},
+         2, 3, Complete),
+        ("one entry with two digests",
+         {0: report(0, tensors=(T_W, T_RNG0)), 1: report(1, tensors=(T_W.model_copy(update={"sha256": sha("y")}),))},
+         2, 3, "different digests for the same saved entry: model.w@[0, 0]"),
     ],
 )
 def test_assess(case: str, reports: dict[int, ShardReport], world: int, epoch: int, expected: object) -> None:
@@ -153,6 +164,68 @@ def test_content_hash_depends_on_every_shard_digest() -> None:
     assert base.content_hash.startswith("sha256:")
     assert base.content_hash != changed.content_hash
     assert base.content_hash == moved.content_hash  # location-independent
+
+
+@pytest.mark.parametrize(
+    ("case", "left", "right", "equal"),
+    [
+        ("the same entries written by the same ranks", {0: (T_W, T_RNG0), 1: (T_B, T_RNG1)},
+         {0: (T_W, T_RNG0), 1: (T_B, T_RNG1)}, True),
+        ("DCP gave a replicated entry to the other rank", {0: (T_W, T_B, T_RNG0), 1: (T_RNG1,)},
+         {0: (T_RNG0,), 1: (T_RNG1, T_B, T_W)}, True),
+        ("a replicated entry reported by both ranks", {0: (T_W, T_RNG0), 1: (T_RNG1,)},
+         {0: (T_W, T_RNG0), 1: (T_W, T_RNG1)}, True),
+        ("one weight differs", {0: (T_W, T_RNG0), 1: (T_B, T_RNG1)},
+         {0: (T_W, T_RNG0), 1: (T_B.model_copy(update={"sha256": sha("b'")}), T_RNG1)}, False),
+        ("one rank's RNG differs", {0: (T_W, T_RNG0), 1: (T_RNG1,)},
+         {0: (T_W, T_RNG0), 1: (T_RNG1.model_copy(update={"sha256": sha("rng1'")}),)}, False),
+    ],
+)
+def test_tensors_hash_combines_every_ranks_entries(
+    case: str, left: dict[int, tuple[TensorDigest, ...]], right: dict[int, tuple[TensorDigest, ...]], equal: bool
+) -> None:
+    a = build_manifest(KEY, {r: report(r, tensors=t) for r, t in left.items()}, created_at=NOW)
+    b = build_manifest(KEY, {r: report(r, tensors=t) for r, t in right.items()}, created_at=NOW)
+    assert a.tensors_hash is not None and a.tensors_hash == tensors_hash(a.tensors)
+    assert [(t.key, t.offset) for t in a.tensors] == sorted((t.key, t.offset) for t in a.tensors)  # canonical order
+    assert len({(t.key, tuple(t.offset)) for t in a.tensors}) == len(a.tensors)  # each entry once
+    assert (a.tensors_hash == b.tensors_hash) is equal, case
+    assert a.content_hash == b.content_hash  # the files' hash does not look at the entries
+
+
+def test_tensors_hash_is_independent_of_the_files_and_dcp_metadata() -> None:
+    """The problem users hit: bitwise-identical saves have different .metadata, so a different contentHash."""
+    first = build_manifest(KEY, {0: report(0, tensors=(T_W, T_RNG0)), 1: report(1, tensors=(T_RNG1,))},
+                           created_at=NOW)
+    other_meta = META.model_copy(update={"sha256": sha("another save id")})
+    second = build_manifest(KEY, {0: report(0, tensors=(T_W, T_RNG0), extra_files=(other_meta,)),
+                                  1: report(1, tensors=(T_RNG1,), content="other bytes")}, created_at=NOW)
+    assert first.content_hash != second.content_hash
+    assert first.tensors_hash == second.tensors_hash
+
+
+def test_no_tensors_hash_unless_every_rank_reported_its_entries() -> None:
+    partial = build_manifest(KEY, {0: report(0, tensors=(T_W, T_RNG0)), 1: report(1)}, created_at=NOW)
+    assert partial.tensors_hash is None and partial.tensors == []
+    legacy = build_manifest(KEY, {0: report(0), 1: report(1)}, created_at=NOW)
+    assert legacy.tensors_hash is None and legacy.tensors == []
+    # a rank that wrote no entry of its own (all de-duplicated to others) reported an empty list: that is complete
+    empty = build_manifest(KEY, {0: report(0, tensors=(T_W,)), 1: report(1, tensors=())}, created_at=NOW)
+    assert empty.tensors_hash == tensors_hash([T_W])
+
+
+def test_the_entries_travel_from_the_event_through_redis() -> None:
+    event = ShardWritten(job_id="job-1", tenant="t", attempt=1, epoch=3, global_step=40, rank=0, world_size=2,
+                         uri=f"{DIR}/__0_0.distcp", size_bytes=100, sha256=sha("x"), tensor_digests=[T_RNG0, T_W])
+    first = ShardReport.from_event(event)
+    assert first.tensors == (T_W, T_RNG0)  # sorted: a re-delivery in another order is the same report
+    assert ShardReport.loads(first.dumps()) == first
+    reordered = ShardReport.from_event(event.model_copy(update={"tensor_digests": [T_W, T_RNG0]}))
+    assert classify_shard(reordered, current_epoch=3, existing=first) is ShardVerdict.DUPLICATE
+    changed = ShardReport.from_event(event.model_copy(update={"tensor_digests": [T_W]}))
+    assert classify_shard(changed, current_epoch=3, existing=first) is ShardVerdict.CONFLICT
+    assert "tensors" in describe_conflict(first, changed)
+    assert ShardReport.from_event(event.model_copy(update={"tensor_digests": None})).tensors is None
 
 
 def test_the_draft_manifest_verifies_against_matching_files_only() -> None:
@@ -206,6 +279,17 @@ def test_ready_record_and_its_event() -> None:
     assert (event.job_id, event.attempt, event.epoch, event.global_step, event.world_size) == ("job-1", 1, 3, 40, 2)
     assert event.content_hash == outcome.manifest.content_hash and event.consumed_tokens == 5120
     assert event.occurred_at == NOW
+    assert ready.tensors_hash is None and event.tensors_hash is None  # the ranks reported no entries
+
+
+def test_the_ready_record_and_event_carry_the_tensors_hash() -> None:
+    outcome = run({0: report(0, tensors=(T_W, T_RNG0)), 1: report(1, tensors=(T_RNG1,))})
+    assert isinstance(outcome, Complete)
+    ready = settle_ready(pending_record(KEY, report(0), now=NOW), outcome, current_epoch=3, now=NOW)
+    assert ready.tensors_hash == outcome.manifest.tensors_hash == tensors_hash([T_W, T_RNG0, T_RNG1])
+    event = settled_event(ready, NOW)
+    assert isinstance(event, CheckpointReady) and event.tensors_hash == ready.tensors_hash
+    assert event.content_hash == ready.content_hash != ready.tensors_hash
 
 
 def test_a_newer_epoch_between_verification_and_ready_fails_the_checkpoint() -> None:

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-from trainyard_common.events import FileDigest
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash, verify_manifest
+import hashlib
+
+import pytest
+
+from trainyard_common.events import FileDigest, TensorDigest
+from trainyard_common.manifest import (
+    CheckpointManifest,
+    ShardEntry,
+    conflicting_tensors,
+    content_hash,
+    tensors_hash,
+    verify_manifest,
+)
 
 A, B, M = "a" * 64, "b" * 64, "c" * 64
 
@@ -67,3 +78,72 @@ def test_content_hash_ignores_location_but_not_content() -> None:
     assert content_hash(SHARDS) == content_hash(moved)
     changed = [SHARDS[0], SHARDS[1].model_copy(update={"sha256": A})]
     assert content_hash(SHARDS) != content_hash(changed)
+
+
+# ----------------------------------------------------------------------------- tensorsHash: the values, not the files
+
+def digest(key: str, offset: list[int] | None = None, fill: str = "1") -> TensorDigest:
+    return TensorDigest(key=key, offset=[0] if offset is None else offset, sha256=fill * 64)
+
+
+W, W_OTHER = digest("model.w"), digest("model.w", fill="2")
+B_, RNG0, RNG1 = digest("model.b"), digest("rng.rank_0.python", [], "3"), digest("rng.rank_1.python", [], "4")
+CHUNK0, CHUNK1 = digest("model.w", [0, 0]), digest("model.w", [2, 0], "5")
+
+
+@pytest.mark.parametrize(
+    ("case", "left", "right", "equal"),
+    [
+        ("the same entries", [W, B_, RNG0], [W, B_, RNG0], True),
+        ("in another order (another rank wrote them)", [W, B_, RNG0], [RNG0, B_, W], True),
+        ("an entry reported twice identically counts once", [W, B_], [W, W, B_], True),
+        ("one entry's digest differs", [W, B_], [W_OTHER, B_], False),
+        ("an entry more", [W, B_], [W, B_, RNG1], False),
+        ("an entry fewer", [W, B_], [W], False),
+        ("the same digest under another key", [W], [W.model_copy(update={"key": "model.v"})], False),
+        ("the same digest at another offset", [CHUNK0], [CHUNK0.model_copy(update={"offset": [2, 0]})], False),
+        ("chunks in either order", [CHUNK0, CHUNK1], [CHUNK1, CHUNK0], True),
+        ("nothing saved", [], [], True),
+    ],
+)
+def test_tensors_hash(case: str, left: list[TensorDigest], right: list[TensorDigest], equal: bool) -> None:
+    assert tensors_hash(left).startswith("sha256:") and len(tensors_hash(left)) == 7 + 64
+    assert (tensors_hash(left) == tensors_hash(right)) is equal, case
+
+
+def test_tensors_hash_is_a_fixed_encoding() -> None:
+    """Users compare it across releases: the encoding is canonical JSON of sorted [key, offset, sha256]."""
+    body = b'{"tensors":[["model.b",[0],"' + b"1" * 64 + b'"],["model.w",[0],"' + b"1" * 64 + b'"]]}'
+    assert tensors_hash([W, B_]) == "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("case", "digests", "expected"),
+    [
+        ("agreeing reports", [W, W, B_], []),
+        ("one entry, two digests", [W, B_, W_OTHER], ["model.w@[0]"]),
+        ("the same key at two offsets is two entries", [CHUNK0, CHUNK1], []),
+        ("sorted, each once", [RNG0, RNG0.model_copy(update={"sha256": "9" * 64}), W, W_OTHER, W_OTHER],
+         ["model.w@[0]", "rng.rank_0.python@[]"]),
+    ],
+)
+def test_conflicting_tensors(case: str, digests: list[TensorDigest], expected: list[str]) -> None:
+    assert conflicting_tensors(digests) == expected, case
+
+
+def test_a_tensors_hash_that_does_not_match_its_digests_is_a_problem() -> None:
+    stat, sha, _ = fs(FILES)
+    good = manifest(SHARDS, extra=META).model_copy(update={"tensors": [B_, W], "tensors_hash": tensors_hash([W, B_])})
+    assert verify_manifest(good, stat_size=stat, file_sha256=sha) == []
+    forged = good.model_copy(update={"tensors": [B_, W_OTHER]})
+    (problem,) = verify_manifest(forged, stat_size=stat, file_sha256=sha)
+    assert problem.startswith("tensors hash ") and "does not match its tensor digests" in problem
+    # a manifest written before tensorsHash existed (or from ranks that did not report) verifies as before
+    assert verify_manifest(manifest(SHARDS, extra=META), stat_size=stat, file_sha256=sha) == []
+
+
+def test_tensors_survive_the_manifest_round_trip() -> None:
+    m = manifest(SHARDS, extra=META).model_copy(update={"tensors": [B_, W], "tensors_hash": tensors_hash([W, B_])})
+    raw = m.to_bytes()
+    assert b'"tensorsHash"' in raw and b'"tensors"' in raw
+    assert CheckpointManifest.model_validate_json(raw) == m

@@ -117,6 +117,7 @@ class Artifact(ApiModel):
     type: str
     uri: str
     hash: str
+    tensors_hash: str | None = None
     producer_attempt: int
     global_step: int
     consumed_tokens: int = 0

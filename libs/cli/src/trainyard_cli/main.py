@@ -292,7 +292,8 @@ def jobs_resume(ctx: typer.Context, job_id: JobArg) -> None:
 
 @jobs_app.command("checkpoints")
 def jobs_checkpoints(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
-    """A job's checkpoints: state, global step, manifest and content hash."""
+    """A job's checkpoints: state, global step, tensors hash (equal for runs that saved the same values),
+    content hash (the files as written), manifest."""
     from trainyard_cli.render import checkpoints_table
 
     with _api(ctx) as client:

@@ -119,7 +119,8 @@ def checkpoints_table(items: Sequence[CheckpointView], title: str = "checkpoints
 ARTIFACT_COLUMNS = (
     Col("ARTIFACT", "middle", keep=100, min_width=30), Col("TYPE", keep=90), Col("STEP", keep=85, justify="right"),
     Col("ATTEMPT", keep=10, justify="right"), Col("HASH", "middle", keep=50, min_width=14),
-    Col("DATASET", "middle", keep=40, min_width=14), Col("SPEC HASH", "middle", keep=20, min_width=14),
+    Col("TENSORS HASH", "middle", keep=45, min_width=14), Col("DATASET", "middle", keep=40, min_width=14),
+    Col("SPEC HASH", "middle", keep=20, min_width=14),
     Col("CODE", "middle", keep=30, min_width=10), Col("URI", "middle", keep=80, min_width=24),
 )
 
@@ -130,7 +131,8 @@ def artifacts_table(items: Sequence[Artifact]) -> Fitted:
         code = a.lineage.get("codeArchive")
         table.add_row(
             a.artifact_id, a.type, str(a.global_step), str(a.producer_attempt), a.hash[:19],
-            str(a.lineage.get("dataset", "-")), str(a.lineage.get("specHash", "-"))[:19],
+            (a.tensors_hash or "-")[:19], str(a.lineage.get("dataset", "-")),
+            str(a.lineage.get("specHash", "-"))[:19],
             str(code)[:19] if code else "built-in", a.uri,
         )
     return table

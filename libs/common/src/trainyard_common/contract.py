@@ -244,6 +244,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
             uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
                 "step-000002000-a2/manifest.json",
             hash="sha256:4a1d0c9b8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b",
+            tensors_hash="sha256:7c2e9a41d0b8f6e3c5a7d9b1f0e2c4a6b8d0f2e4a6c8b0d2f4e6a8c0b2d4f6e8",
             lineage=ev.ArtifactLineage(
                 spec_hash="0d1c2b3a4f5e6d7c8b9a0f1e2d3c4b5a6f7e8d9c0b1a2f3e4d5c6b7a8f9e0d1c",
                 code_revision="v1.4.0", dataset="acme/wiki-en@2026-12-01",

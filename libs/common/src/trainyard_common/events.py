@@ -380,6 +380,20 @@ class FileDigest(_Wire):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class TensorDigest(_Wire):
+    """sha256 of one entry of the checkpointed state as a rank saved it: a tensor (or the chunk of a
+    sharded one at ``offset``) or another object. The hash covers the key, dtype, shape and the raw
+    little-endian bytes of the contiguous tensor (:mod:`trainyard.tensorhash` says exactly how), so it
+    is the same for the same values whatever file, process or DCP metadata they were saved with."""
+
+    key: str = Field(description="the entry's fully qualified key in the checkpointed state, e.g. "
+                                 "model.layers.0.attn.weight, optimizer.state.wte.weight.exp_avg, rng.rank_1.torch")
+    offset: list[int] = Field(default=[], description="where the saved chunk starts in the whole tensor (zeros for "
+                                                      "an unsharded tensor; empty for a scalar or an object that is "
+                                                      "not a tensor)")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class ShardWritten(Event):
     topic: ClassVar[str] = CHECKPOINTS
     event_type: Literal["ShardWritten"] = "ShardWritten"
@@ -404,6 +418,10 @@ class ShardWritten(Event):
         default=None, ge=0, description="this rank's save, from its start to the durable rename"
     )
     stall_seconds: float | None = Field(default=None, ge=0, description="how long training waited for this save")
+    tensor_digests: list[TensorDigest] | None = Field(
+        default=None, description="the digest of every entry this rank wrote into its shard (after DCP's "
+                                  "de-duplication, each entry is written by one rank); the coordinator combines "
+                                  "them into the manifest's tensorsHash. Null from a rank that does not report them")
 
 
 class CheckpointReady(Event):
@@ -416,8 +434,13 @@ class CheckpointReady(Event):
     global_step: int
     world_size: int
     manifest_uri: str
-    content_hash: str
+    content_hash: str = Field(description="sha256 over the manifest's files as written (the DCP .metadata "
+                                          "included): what the coordinator verified on disk")
     consumed_tokens: int = 0
+    tensors_hash: str | None = Field(
+        default=None, description="sha256 over the saved tensors' content (keys, dtypes, shapes, values), independent "
+                                  "of DCP's metadata: equal for bitwise-identical checkpoints; as the ranks reported "
+                                  "it. Null when a rank did not report its tensors")
 
 
 class CheckpointFailed(Event):
@@ -564,6 +587,10 @@ class ArtifactRegistered(Event):
     uri: str = Field(description="the manifest: what a reader opens (an export: its directory)")
     hash: str = Field(description="sha256 of the manifest (a dataset's), the checkpoint's content hash, or an "
                                   "export's: sha256 of its file listing, trainyard-export.json")
+    tensors_hash: str | None = Field(
+        default=None, description="a checkpoint's or model's hash of its tensors' content, independent of DCP's "
+                                  "metadata (the manifest's tensorsHash): compare runs with it, as the ranks "
+                                  "reported it. Null for datasets, exports and checkpoints without one")
     job_id: str | None = None
     global_step: int | None = None
     consumed_tokens: int | None = None

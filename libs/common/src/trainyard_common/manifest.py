@@ -2,6 +2,16 @@
 
 ``verify_manifest`` is pure: file access is injected (``stat_size``, ``file_sha256``) so
 the coordinator, the trainer's restore path and the tests share one rule.
+
+A manifest carries two hashes, for two questions:
+
+* ``contentHash`` — *are these the files that were written?* sha256 over every file's size and
+  sha256, DCP's ``.metadata`` included. The coordinator verified each file before it wrote it. It
+  differs between bitwise-identical checkpoints: DCP's ``.metadata`` holds a fresh save id.
+* ``tensorsHash`` — *do these checkpoints hold the same values?* sha256 over every saved entry's
+  digest (:class:`TensorDigest`: key, offset, sha256 of dtype + shape + raw bytes), sorted by key
+  and offset (:func:`tensors_hash`). Equal for bitwise-identical checkpoints, different when one
+  element differs. The ranks computed the entry digests; the coordinator only combined them.
 """
 
 from __future__ import annotations
@@ -9,13 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import FileDigest, utcnow
+from trainyard_common.events import FileDigest, TensorDigest, utcnow
 from trainyard_common.spec import canonical_json
 
 MANIFEST_VERSION = 1
@@ -52,8 +62,14 @@ class CheckpointManifest(_Wire):
     spec_hash: str | None = None
     shards: list[ShardEntry]
     extra_files: list[FileDigest] = []
-    content_hash: str
+    content_hash: str = Field(description="sha256 over the files as written (DCP's .metadata included), verified "
+                                          "by the coordinator: differs between bitwise-identical checkpoints")
     created_at: datetime = Field(default_factory=utcnow)
+    tensors: list[TensorDigest] = Field(
+        default=[], description="every saved entry's digest, sorted by key and offset, as the ranks reported them")
+    tensors_hash: str | None = Field(
+        default=None, description="sha256 over ``tensors`` (tensors_hash): equal for checkpoints holding the same "
+                                  "values; null when a rank did not report its entries")
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(by_alias=True, indent=2).encode()
@@ -73,6 +89,34 @@ def content_hash(shards: Sequence[ShardEntry], extra_files: Sequence[FileDigest]
         "extra": sorted([_basename(f.uri), f.size_bytes, f.sha256] for f in extra_files),
     }
     return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def tensor_order(digest: TensorDigest) -> tuple[str, list[int]]:
+    """The canonical order of entry digests: by key, then by the chunk's offset."""
+    return digest.key, digest.offset
+
+
+def tensors_hash(digests: Iterable[TensorDigest]) -> str:
+    """sha256 over the canonical JSON of every entry's ``[key, offset, sha256]``, in :func:`tensor_order`.
+
+    Pure and order-free: the same entries give the same hash whichever ranks reported them and in
+    whatever order. An entry reported twice identically counts once (DCP writes each entry once);
+    two different digests of one entry are the caller's to refuse (:func:`conflicting_tensors`).
+    """
+    unique = {(d.key, tuple(d.offset)): d for d in digests}
+    body = [[d.key, d.offset, d.sha256] for d in sorted(unique.values(), key=tensor_order)]
+    return "sha256:" + hashlib.sha256(canonical_json({"tensors": body})).hexdigest()
+
+
+def conflicting_tensors(digests: Iterable[TensorDigest]) -> list[str]:
+    """The entries (``key@offset``) reported with two different digests, sorted. Pure."""
+    seen: dict[tuple[str, tuple[int, ...]], str] = {}
+    conflicts = set()
+    for d in digests:
+        where = (d.key, tuple(d.offset))
+        if seen.setdefault(where, d.sha256) != d.sha256:
+            conflicts.add(where)
+    return [f"{key}@{list(offset)}" for key, offset in sorted(conflicts)]
 
 
 def _basename(uri: str) -> str:
@@ -108,6 +152,8 @@ def verify_manifest(
     expected = content_hash(manifest.shards, manifest.extra_files)
     if expected != manifest.content_hash:
         problems.append(f"content hash {manifest.content_hash} does not match its shards ({expected})")
+    if manifest.tensors_hash is not None and manifest.tensors_hash != (listed := tensors_hash(manifest.tensors)):
+        problems.append(f"tensors hash {manifest.tensors_hash} does not match its tensor digests ({listed})")
     return problems
 
 

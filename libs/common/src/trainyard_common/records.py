@@ -187,7 +187,10 @@ class CheckpointRecord(Record):
     world_size: int
     state: CheckpointState = "PENDING"
     manifest_uri: str | None = None
-    content_hash: str | None = None
+    content_hash: str | None = Field(default=None, description="the manifest's contentHash: its files as written, "
+                                                               "verified by the coordinator")
+    tensors_hash: str | None = Field(default=None, description="the manifest's tensorsHash: the saved values, "
+                                                               "as the ranks reported them (null: not reported)")
     consumed_tokens: int = 0
     reason: str | None = None
     created_at: datetime = Field(default_factory=utcnow)
@@ -241,6 +244,9 @@ class ArtifactRecord(Record):
     type: Literal["checkpoint", "model", "export"]
     uri: str
     hash: str
+    tensors_hash: str | None = Field(
+        default=None, description="a checkpoint's or model's tensorsHash (its values, independent of DCP's metadata; "
+                                  "as the ranks reported it): equal for runs that ended bitwise identical")
     producer_attempt: int
     global_step: int
     consumed_tokens: int = 0
@@ -318,6 +324,18 @@ def dataset_visible(record: DatasetRecord, tenant: str | None) -> bool:
     if record.tenant is None or "*" in record.shared_with:
         return True
     return tenant is not None and (record.tenant == tenant or tenant in record.shared_with)
+
+
+def dataset_conflict(existing: DatasetRecord, sha256: str) -> str | None:
+    """Why a publish of ``existing``'s ref with content ``sha256`` is refused (None: the same content, an
+    idempotent re-publish). A dataset version is immutable: the same ref with other content is refused —
+    by the API when it already knows the version (409), by the registry for what reaches it anyway."""
+    if existing.sha256 != sha256:
+        return (
+            f"dataset {existing.ref} was already published with sha256 {existing.sha256}; "
+            f"a re-publish with sha256 {sha256} is refused (a new version needs a new name@version)"
+        )
+    return None
 
 
 def dataset_candidates(ref: str, tenant: str | None) -> list[str]:

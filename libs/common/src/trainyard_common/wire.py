@@ -101,7 +101,13 @@ class CheckpointView(ApiModel):
     attempt: int
     world_size: int
     manifest_uri: str | None
-    content_hash: str | None
+    content_hash: str | None = Field(description="sha256 over the checkpoint's files as written (DCP's .metadata "
+                                                 "included), each verified by the coordinator: it differs between "
+                                                 "bitwise-identical checkpoints, so it names files, not values")
+    tensors_hash: str | None = Field(
+        default=None, description="sha256 over the saved tensors' content (keys, dtypes, shapes, values), independent "
+                                  "of DCP's metadata: equal for bitwise-identical checkpoints, so it compares runs. "
+                                  "As the ranks reported it (not recomputed by the platform); null when not reported")
     consumed_tokens: int
     reason: str | None
     created_at: datetime

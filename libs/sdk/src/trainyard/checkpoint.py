@@ -9,6 +9,10 @@ Save (every rank, in lock step)::
     4. rank 0 renames ``<dir>.tmp`` → ``<dir>`` and fsyncs the parent       barrier
     5. each rank hashes its own shard file; it then reports ShardWritten
 
+Step 2 also digests every entry the rank writes (:mod:`trainyard.tensorhash`): the ShardWritten
+carries them, and the coordinator combines them into the manifest's ``tensorsHash``, which (unlike
+``contentHash``, over the files and DCP's ``.metadata``) is equal for bitwise-identical checkpoints.
+
 The directory is invisible under its final name until every rank's file is durable; it
 becomes READY only when the checkpoint coordinator has verified every shard and written
 ``manifest.json``. Restore refuses anything whose manifest does not verify.
@@ -44,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,7 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainyard_common.errors import CheckpointCorruptError, CheckpointError
-from trainyard_common.events import CheckpointRef, FileDigest
+from trainyard_common.events import CheckpointRef, FileDigest, TensorDigest
 from trainyard_common.manifest import CheckpointManifest, local_sha256, local_stat_size, verify_manifest
 from trainyard_common.storage import (
     HashingWriter,
@@ -76,6 +80,7 @@ from trainyard_common.storage import (
     sha256_file,
 )
 from trainyard_common.storage import exists as location_exists
+from trainyard.tensorhash import DigestingWriter
 
 log = logging.getLogger("trainyard")
 
@@ -93,6 +98,7 @@ class SavedShard:
     extra_files: list[FileDigest] = field(default_factory=list)
     seconds: float = 0.0  # from the start of the save until durable under the final name
     stall: float | None = None  # of that, the time training waited (None: all of it, a synchronous save)
+    tensors: list[TensorDigest] | None = None  # a digest of every entry this rank wrote (trainyard.tensorhash)
 
 
 # ----------------------------------------------------------------------------- when to save
@@ -169,8 +175,7 @@ def save_checkpoint(
     saved = write_shard(dict(state), directory, rank=rank)
     barrier()
     publish_directory(directory, rank=rank, barrier=barrier)
-    return SavedShard(directory=directory, shard=saved.shard, extra_files=saved.extra_files,
-                      seconds=clock() - started)
+    return replace(saved, seconds=clock() - started)
 
 
 def prepare_directory(directory: Location, *, rank: int, barrier: Callable[[], None]) -> None:
@@ -196,10 +201,10 @@ def write_shard(state_dict: dict[str, Any], directory: Location, *, rank: int, g
     """Steps 2–3: ``dcp.save`` this rank's shard (rank 0 also ``.metadata``), durable, with digests
     reported under the final name."""
     remote = isinstance(directory, ObjectPath)
-    writer: FileSystemWriter = (
+    writer: HashingFsspecWriter | DigestingFileSystemWriter = (
         HashingFsspecWriter(directory) if remote
-        else FileSystemWriter(temporary_dir(directory), single_file_per_rank=True, sync_files=True,
-                              thread_count=1, overwrite=False))
+        else DigestingFileSystemWriter(temporary_dir(directory), single_file_per_rank=True, sync_files=True,
+                                       thread_count=1, overwrite=False))
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=group)
     except (CheckpointException, RuntimeError, OSError) as exc:  # CheckpointException is a BaseException
@@ -207,14 +212,18 @@ def write_shard(state_dict: dict[str, Any], directory: Location, *, rank: int, g
     if isinstance(writer, HashingFsspecWriter):
         shard = writer.digest(writer.own_shard(rank))
         extra = [writer.digest(METADATA_FILE)] if rank == 0 else []
-        return SavedShard(directory=directory, shard=shard, extra_files=extra)
+        return SavedShard(directory=directory, shard=shard, extra_files=extra, tensors=writer.tensor_digests)
     assert isinstance(directory, Path)
     tmp = temporary_dir(directory)
     own = _own_shard(tmp, rank)
     fsync_file(own)
     shard = _digest(own, final=directory / own.name)
     extra = [_digest(tmp / METADATA_FILE, final=directory / METADATA_FILE)] if rank == 0 else []
-    return SavedShard(directory=directory, shard=shard, extra_files=extra)
+    return SavedShard(directory=directory, shard=shard, extra_files=extra, tensors=writer.tensor_digests)
+
+
+class DigestingFileSystemWriter(DigestingWriter, FileSystemWriter):
+    """DCP's local writer, digesting every entry it writes (:mod:`trainyard.tensorhash`)."""
 
 
 def publish_directory(directory: Location, *, rank: int, barrier: Callable[[], None]) -> None:
@@ -254,9 +263,9 @@ class _HashingFileSystem(FsspecFileSystem):
                 self.digests[os.path.basename(os.fspath(new_path))] = digest
 
 
-class HashingFsspecWriter(FsspecWriter):
+class HashingFsspecWriter(DigestingWriter, FsspecWriter):
     """DCP's fsspec writer into an object-store prefix, one file per rank, that knows the size and
-    sha256 of every object it uploaded (computed while streaming)."""
+    sha256 of every object it uploaded (computed while streaming) and the digest of every entry."""
 
     def __init__(self, directory: ObjectPath) -> None:
         super().__init__(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1,
@@ -685,6 +694,5 @@ class Checkpointer:
             ) from exc
         saved = pending.future.result()
         publish_directory(pending.directory, rank=self.rank, barrier=self.barrier)
-        saved = SavedShard(directory=saved.directory, shard=saved.shard, extra_files=saved.extra_files,
-                           seconds=self.clock() - pending.started, stall=pending.stall)
+        saved = replace(saved, seconds=self.clock() - pending.started, stall=pending.stall)
         pending.on_durable(saved)

@@ -386,7 +386,7 @@ class Run:
                 world_size=s.world_size, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
                 sha256=saved.shard.sha256, extra_files=saved.extra_files, consumed_tokens=tokens,
                 consumed_samples=samples, spec_hash=self.allocation.spec_hash, parallelism=dict(self.parallelism),
-                write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0),
+                write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0), tensor_digests=saved.tensors,
             ), traceparent=current_traceparent())
         log.info("checkpoint step %d durable: %s (%d bytes, %.2fs from start to rename)", step, saved.shard.uri,
                  saved.shard.size_bytes, saved.seconds)

@@ -25,8 +25,23 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointFailed, CheckpointReady, CheckpointRefused, FileDigest, ShardWritten
-from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
+from trainyard_common.events import (
+    CheckpointFailed,
+    CheckpointReady,
+    CheckpointRefused,
+    FileDigest,
+    ShardWritten,
+    TensorDigest,
+)
+from trainyard_common.manifest import (
+    CheckpointManifest,
+    ParallelLayout,
+    ShardEntry,
+    conflicting_tensors,
+    content_hash,
+    tensor_order,
+    tensors_hash,
+)
 from trainyard_common.records import CheckpointRecord, checkpoint_id
 
 MANIFEST_NAME = "manifest.json"
@@ -66,6 +81,7 @@ class ShardReport(BaseModel):
     consumed_samples: int = 0
     spec_hash: str | None = None
     parallelism: tuple[tuple[str, int], ...] = ()
+    tensors: tuple[TensorDigest, ...] | None = None  # None: the rank did not report its entries
 
     @classmethod
     def from_event(cls, event: ShardWritten) -> ShardReport:
@@ -82,6 +98,7 @@ class ShardReport(BaseModel):
             consumed_samples=event.consumed_samples,
             spec_hash=event.spec_hash,
             parallelism=tuple(sorted(event.parallelism.items())),
+            tensors=None if event.tensor_digests is None else tuple(sorted(event.tensor_digests, key=tensor_order)),
         )
 
     def dumps(self) -> str:
@@ -217,6 +234,9 @@ def _consistency_problems(
     if len(spec_hashes) > 1:
         problems.append(f"shards disagree on the spec hash: {spec_hashes}")
     problems.extend(_extra_file_conflicts(reports))
+    if conflicts := conflicting_tensors(d for r in reports.values() for d in r.tensors or ()):
+        shown = ", ".join(conflicts[:5]) + (f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
+        problems.append(f"ranks report different digests for the same saved entry: {shown}")
     return problems
 
 
@@ -251,6 +271,7 @@ def build_manifest(
     ]
     extra = {f.uri: f for r in ranks for f in reports[r].extra_files}
     extra_files = [extra[uri] for uri in sorted(extra)]
+    tensors = combine_tensors(reports)
     return CheckpointManifest(
         job_id=key.job_id,
         tenant=lead.tenant,
@@ -266,7 +287,19 @@ def build_manifest(
         extra_files=extra_files,
         content_hash=content_hash(shards, extra_files),
         created_at=created_at,
+        tensors=tensors or [],
+        tensors_hash=None if tensors is None else tensors_hash(tensors),
     )
+
+
+def combine_tensors(reports: Mapping[int, ShardReport]) -> list[TensorDigest] | None:
+    """Every rank's entry digests as one list in canonical order (by key, then offset), an entry
+    reported by two ranks once; None unless every rank reported its entries (a partial list would
+    name a hash that no complete checkpoint has). Conflicting digests are refused by :func:`assess`."""
+    if any(r.tensors is None for r in reports.values()):
+        return None
+    unique = {(d.key, tuple(d.offset)): d for r in reports.values() for d in r.tensors or ()}
+    return sorted(unique.values(), key=tensor_order)
 
 
 _AXES = {"dp": "dp", "data": "dp", "tp": "tp", "tensor": "tp", "pp": "pp", "pipeline": "pp"}
@@ -354,6 +387,7 @@ def settle_ready(
             "state": "READY",
             "manifest_uri": complete.manifest_uri,
             "content_hash": manifest.content_hash,
+            "tensors_hash": manifest.tensors_hash,
             "consumed_tokens": manifest.consumed_tokens,
             "reason": None,
             "ready_at": now,
@@ -403,6 +437,7 @@ def settled_event(record: CheckpointRecord, now: datetime) -> CheckpointReady | 
             manifest_uri=record.manifest_uri,
             content_hash=record.content_hash,
             consumed_tokens=record.consumed_tokens,
+            tensors_hash=record.tensors_hash,
         )
     return CheckpointFailed(
         occurred_at=now,

@@ -17,6 +17,14 @@ failures per device type → Young/Daly interval advice in ``ty:job:<id>:ckpt-ad
 that running jobs stay protected (``watch.py``: a job trained ``stall_intervals`` intervals past its
 newest READY checkpoint is flagged CheckpointsStalled in ``ty:job:<id>:ckpt-protection``).
 
+What is verified and what is reported: every file's size and sha256 is recomputed here from a handle
+opened by the coordinator before the manifest is written (``contentHash`` summarizes them). The
+manifest's ``tensorsHash`` is the combination of the entry digests the ranks reported: not
+recomputed, because that would mean parsing the DCP files here, with their pickled ``.metadata``
+written by a rank (unpickling it is running the rank's code). Use ``contentHash`` for integrity,
+``tensorsHash`` to compare the values of runs you trust; a conflict between two ranks' digests of one
+entry still fails the checkpoint.
+
 A settled record never changes again, so duplicates and re-deliveries (also of the final
 shard after READY) change nothing and publish nothing. A crash between writing the
 manifest and marking READY is repaired by the re-delivery of the shard (the offset is
@@ -320,8 +328,8 @@ class Coordinator:
             return
         metrics.CHECKPOINTS.labels("ready").inc()
         metrics.CHECKPOINT_BYTES.observe(manifest.total_bytes())
-        log.info("%s READY: %d shards, %s, manifest %s", key, len(manifest.shards),
-                 manifest.content_hash, complete.manifest_uri)
+        log.info("%s READY: %d shards, content %s, tensors %s, manifest %s", key, len(manifest.shards),
+                 manifest.content_hash, manifest.tensors_hash, complete.manifest_uri)
         await self._after_ready(key.job_id)
 
     async def _fail(self, key: CheckpointKey, reason: str) -> bool:

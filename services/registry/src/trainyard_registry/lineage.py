@@ -22,6 +22,7 @@ from trainyard_common.records import (
     Lineage,
     checkpoint_id,
 )
+from trainyard_common.records import dataset_conflict as _version_conflict
 from trainyard_common.events import ArtifactLineage, ArtifactRetired
 from trainyard_common.spec import DatasetRef, TrainingSpec, canonical_json
 
@@ -79,6 +80,7 @@ def checkpoint_artifact(
         type="checkpoint",
         uri=ready.manifest_uri,
         hash=ready.content_hash,
+        tensors_hash=ready.tensors_hash,
         producer_attempt=ready.attempt,
         global_step=ready.global_step,
         consumed_tokens=ready.consumed_tokens,
@@ -100,6 +102,7 @@ def model_artifact(
         type="model",
         uri=checkpoint.manifest_uri,
         hash=checkpoint.content_hash,
+        tensors_hash=checkpoint.tensors_hash,
         producer_attempt=checkpoint.attempt,
         global_step=checkpoint.global_step,
         consumed_tokens=checkpoint.consumed_tokens,
@@ -194,6 +197,7 @@ def registered(artifact: ArtifactRecord, *, now: datetime, event_id: UUID | None
         tenant=artifact.tenant,
         uri=artifact.uri,
         hash=artifact.hash,
+        tensors_hash=artifact.tensors_hash,
         job_id=artifact.job_id,
         global_step=artifact.global_step,
         consumed_tokens=artifact.consumed_tokens,
@@ -250,16 +254,9 @@ def _count(value: Any) -> bool:
 
 
 def dataset_conflict(existing: DatasetRecord, new: DatasetVersionPublished | DatasetRecord) -> str | None:
-    """Why ``new`` may not replace ``existing`` (None for an idempotent re-publish).
-
-    A dataset version is immutable: the same ref with other content is refused.
-    """
-    if existing.sha256 != new.sha256:
-        return (
-            f"dataset {existing.ref} was already published with sha256 {existing.sha256}; "
-            f"a re-publish with sha256 {new.sha256} is refused (a new version needs a new name@version)"
-        )
-    return None
+    """Why ``new`` may not replace ``existing`` (None for an idempotent re-publish): the API's rule too
+    (:func:`trainyard_common.records.dataset_conflict`)."""
+    return _version_conflict(existing, new.sha256)
 
 
 def dataset_registered(record: DatasetRecord, *, now: datetime) -> ArtifactRegistered:
