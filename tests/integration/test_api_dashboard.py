@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
+import jsonschema
 import pytest
 from typer.testing import CliRunner
 
@@ -188,13 +189,27 @@ async def test_rank_logs_tail_and_follow_until_the_attempt_ends(api: ApiServer, 
     assert code == 1 and "rank 4" in out
 
 
-async def frames(response: httpx.Response) -> AsyncIterator[tuple[str, dict]]:
+async def frames(response: httpx.Response, document: dict | None = None) -> AsyncIterator[tuple[str, dict]]:
+    """Each event of a stream; with ``document`` (the API's OpenAPI), each is held to the schema it gives."""
     event = None
     async for line in response.aiter_lines():
         if line.startswith("event: "):
             event = line[7:]
         elif line.startswith("data: ") and event:
+            if document is not None:
+                documented_event(document, {"event": event, "data": line[6:]})
             yield event, json.loads(line[6:])
+
+
+def documented_event(document: dict, event: dict) -> None:
+    """``event`` ({event, data}) against ``GET /v1/events``' schema, and its data against its contentSchema."""
+    pointer = "#/paths/~1v1~1events/get/responses/200/content/text~1event-stream/schema"
+    jsonschema.Draft202012Validator({**document, "$ref": pointer}).validate(event)
+    responses = document["paths"]["/v1/events"]["get"]["responses"]
+    branches = responses["200"]["content"]["text/event-stream"]["schema"]["oneOf"]
+    (i,) = [i for i, b in enumerate(branches) if b["properties"]["event"]["const"] == event["event"]]
+    data = f"{pointer}/oneOf/{i}/properties/data/contentSchema"
+    jsonschema.Draft202012Validator({**document, "$ref": data}).validate(json.loads(event["data"]))
 
 
 async def test_events_stream_a_job_from_queued_to_succeeded_and_only_to_its_tenant(
@@ -204,9 +219,10 @@ async def test_events_stream_a_job_from_queued_to_succeeded_and_only_to_its_tena
     job = await given_job(api, job_id, state="queued", attempts=0)
     async with client_for(api.url, TOKEN_A) as client, client_for(api.url, TOKEN_B) as other:
         assert (await other.get("/v1/events", params={"jobId": job_id})).status_code == 404
+        document = (await client.get("/openapi.json")).json()
         async with client.stream("GET", "/v1/events", params={"jobId": job_id}) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
-            seen = frames(stream)
+            seen = frames(stream, document)  # every event as the document describes it (not a string)
             assert (await anext(seen))[1]["state"] == "queued"  # the current summary first
 
             async def announce(state: str) -> None:

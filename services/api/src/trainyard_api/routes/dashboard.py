@@ -173,13 +173,32 @@ async def job_logs(
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _event(name: str, title: str, data: dict[str, object]) -> dict[str, object]:
+    """One kind of server-sent event as an object (OpenAPI 3.2's reading of `text/event-stream`): its
+    `event:` field, and its `data:` line, a JSON text of ``data``'s schema."""
+    return {"type": "object", "title": title, "required": ["event", "data"], "additionalProperties": False,
+            "properties": {"event": {"const": name},
+                           "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data}}}
+
+
+SERVER_EVENT_SCHEMA = {
+    "description": "each event of the stream, as its fields: `event` and `data` (one line of JSON)",
+    "oneOf": [_event("job", "JobEvent", {"$ref": "#/components/schemas/JobSummary"}),
+              _event("resync", "ResyncEvent", {"type": "object", "required": ["dropped"],
+                                               "properties": {"dropped": {"type": "integer", "minimum": 0,
+                                                                          "description": "changes not sent"}}})],
+}
+"""What ``GET /v1/events`` sends, event by event (a 3.1 document has no item schema: this is the schema)."""
+
+
 @router.get("/v1/events", tags=["jobs"], summary="Live updates of the tenant's jobs (server-sent events)",
             response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+            responses={200: {"content": {"text/event-stream": {"schema": SERVER_EVENT_SCHEMA}},
                              "description": "`event: job` + `data: <JobSummary JSON>` on each change of state, "
                                             "progress (at most 2/s per job), attempts or checkpoints; "
-                                            "`event: resync` when the client fell behind (re-read); "
-                                            "`: keepalive` every 15 s"},
+                                            "`event: resync` + `data: {\"dropped\": n}` when the client fell "
+                                            "behind (re-read); `: keepalive` (a comment) every 15 s. The schema "
+                                            "is that of one event"},
                        **JOB_ERRORS})
 async def events(
     ctx: Ctx, tenant: Tenant, request: Request,
