@@ -4,6 +4,7 @@ documented, the 422 body the routes really send, 503 only for an outage, ``Allow
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -182,3 +183,28 @@ async def test_the_event_contract_is_served_without_a_token_and_without_redis() 
     assert yaml.safe_load(as_yaml.text) == contract.asyncapi() == as_json.json()
     assert as_yaml.text == contract.asyncapi_yaml()  # what docs/asyncapi.yaml holds
     assert "/v1/asyncapi.yaml" not in document()["paths"]  # like /openapi.json, not an operation of the API
+
+
+@pytest.mark.parametrize(("page", "script"), [("/docs", b"SwaggerUIBundle"), ("/redoc", b"Redoc")])
+async def test_the_api_docs_pages_load_everything_from_the_api_itself(page: str, script: bytes) -> None:
+    """On a cluster without internet the docs pages work: every script, style and icon they name is served by
+    the app (they named a CDN: a blank page offline), and the HTML names no other host."""
+    app = create_app(ApiContext(ApiSettings(), StateStore(FailingRedis(AssertionError("no command"))), None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as c:
+        html = await c.get(page)
+        assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+        assert re.findall(r"\w+://|//[\w.-]+\.\w+/", html.text) == []  # no URL with a scheme or another host
+        urls = re.findall(r'(?:src|href|spec-url)="([^"]+)"', html.text) + re.findall(r"url: '([^']+)'", html.text)
+        kinds = {}
+        for url in urls:
+            assert url.startswith("/") and not url.startswith("//"), url
+            asset = await c.get(url)
+            assert asset.status_code == 200 and asset.content, url
+            kinds[url.rsplit(".", 1)[-1]] = asset
+        assert {"js", "json", "png"} <= set(kinds) and script in kinds["js"].content
+        assert kinds["js"].headers["content-type"].split(";")[0] in ("text/javascript", "application/javascript")
+        assert kinds["json"].json()["openapi"].startswith("3.1")
+        if page == "/docs":
+            assert kinds["css"].headers["content-type"].startswith("text/css")
+            assert b"isOAS31" in kinds["js"].content  # Swagger UI 5: 4.x cannot render an OpenAPI 3.1 document
+            assert '"validatorUrl": null' in html.text  # no badge fetched from validator.swagger.io

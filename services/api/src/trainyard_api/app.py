@@ -10,6 +10,7 @@ documents each status it can answer, with its body.
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
 
 from trainyard_api.context import ApiContext
 from trainyard_api.dashboard import install_dashboard
@@ -92,13 +93,18 @@ ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, tenants, audit, whoa
            dashboard, cluster)
 
 def create_app(context: ApiContext) -> FastAPI:
-    """The REST API over ``context``: its routers in the order their paths are matched (and documented)."""
-    app = FastAPI(
+    """The REST API over ``context``: its routers in the order their paths are matched (and documented).
+
+    ``/docs`` (Swagger UI) and ``/redoc`` load their scripts and styles from the API itself (fastapi-offline
+    ships them, under ``/static-offline-docs``), never from a CDN: on a cluster without internet they work
+    too. Swagger UI's online validator badge (a request to validator.swagger.io) is off."""
+    app = FastAPIOffline(
         title="trainyard API",
         version="1.0.0",
         description=DESCRIPTION,
         openapi_tags=TAGS,
         dependencies=[Depends(one_value_per_query_parameter)],
+        swagger_ui_parameters={"validatorUrl": None},
     )
     app.state.context = context
     app.add_middleware(TelemetryMiddleware)
