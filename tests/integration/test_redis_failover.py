@@ -11,7 +11,12 @@ on whichever server is primary then:
 * no epoch used twice: each job's acknowledged epochs strictly increase, no leader epoch was taken
   twice, and the counters are at least the highest acknowledged value;
 * no acknowledged grant lost: each is in the final ``ty:lease-audit``;
-* no device double-booked: the audit replayed (tests/chaos/invariants.check_no_double_booking).
+* no device double-booked: the audit replayed (tests/chaos/invariants.check_no_double_booking);
+* no acknowledged write lost: writers go through the paths the platform answers from — a job record and its
+  event staged in one MULTI (the outbox, as behind a 202, a READY or a control request) and a token record
+  (an issue or a revocation) — and each write they were told succeeded is on the final primary. Beside them,
+  writers of the same writes that do not wait for a replica count what a failover takes from writes
+  acknowledged by the primary alone (printed; what the confirmation is for).
 
 And the case the argument names: a killed primary that restarts believing it is the primary confirms
 nothing, and rejoins as the new primary's replica with its counters.
@@ -38,9 +43,17 @@ from redis.exceptions import RedisError
 
 from tests.chaos.invariants import LeaseOp, check_no_double_booking
 from tests.support.redisha import redis_ha
-from trainyard_common.errors import EpochNotReplicatedError, FencingError, InfrastructureError, LeaseConflictError
+from trainyard_common import events as ev
+from trainyard_common.errors import (
+    EpochNotReplicatedError,
+    FencingError,
+    InfrastructureError,
+    LeaseConflictError,
+    WriteNotReplicatedError,
+)
 from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.replication import StateRedis
+from trainyard_common.records import TenantToken
+from trainyard_common.replication import StateRedis, write_confirmed
 from trainyard_common.store import Keys, connect_redis
 from trainyard_scheduler.fencing import Leadership, LeaderKeys
 
@@ -62,6 +75,9 @@ class Ledger:
     errors: int = 0  # Redis unreachable past the client's retries
     conflicts: int = 0
     phase: int = 0  # failovers done so far
+    acknowledged: list[tuple[str, str]] = field(default_factory=list)  # (kind, id): writes told they succeeded
+    unconfirmed_writes: int = 0  # writes refused as not replicated (not acknowledged: retried by their callers)
+    primary_only: list[tuple[str, str]] = field(default_factory=list)  # the control group: no WAIT
 
 
 def _unconfirmed_value(exc: EpochNotReplicatedError) -> int | None:
@@ -119,6 +135,48 @@ async def job_worker(job_id: str, leases: LeaseManager, ledger: Ledger, stop: as
         await asyncio.sleep(rng.uniform(0.002, 0.01))
 
 
+async def write_worker(redis: StateRedis, ledger: Ledger, stop: asyncio.Event, name: str, *,
+                       confirmed: bool = True) -> None:
+    """Acknowledged writes through the platform's own paths: a record and its outbox event in one MULTI (as
+    the API stages JobSubmitted, the coordinator CheckpointReady, a control request), and a token record
+    (StateStore.add_token, as an issue or a revocation). ``confirmed=False``: the same writes on a client that
+    waits for no replica, into ``ledger.primary_only``."""
+    from trainyard_common.outbox import Outbox
+    from trainyard_common.store import StateStore
+
+    outbox, store = Outbox(redis, f"failover-{name}"), StateStore(redis)
+    into = ledger.acknowledged if confirmed else ledger.primary_only
+    n = 0
+    while not stop.is_set():
+        n += 1
+        record_id = f"{name}-{n}"
+        try:
+            if n % 2:
+                async with redis.pipeline(transaction=True) as pipe:
+                    pipe.set(f"ty:failover-test:{record_id}", record_id)
+                    outbox.stage(pipe, ev.JobControlRequested(job_id=f"job-{name}", tenant="t", action="pause",
+                                                              reason=record_id))
+                    await pipe.execute()
+                into.append(("record", record_id))
+            else:
+                token = await store.add_token(f"secret-{record_id}", "t", record_id)
+                into.append(("token", token.name))
+        except WriteNotReplicatedError:
+            ledger.unconfirmed_writes += 1
+        except (InfrastructureError, RedisError, OSError):
+            ledger.errors += 1
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.005)
+
+
+async def _lost_writes(redis: StateRedis, writes: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    tokens = {TenantToken.model_validate_json(v).name for v in (await redis.hgetall(Keys.tokens)).values()}
+    records = [w for w in writes if w[0] == "record"]
+    present = await redis.mget([f"ty:failover-test:{r}" for _, r in records]) if records else []
+    lost = [w for w, value in zip(records, present) if value != w[1]]
+    return lost + [w for w in writes if w[0] == "token" and w[1] not in tokens]
+
+
 async def leader_worker(redis: StateRedis, ledger: Ledger, stop: asyncio.Event) -> None:
     """Two instances; the leader resigns now and then, so the other takes over (a new leader epoch)."""
     rng = random.Random(7)
@@ -166,6 +224,9 @@ async def run_failovers(tmp_path: Path, failovers: int) -> dict[str, int]:
         ledger, stop = Ledger(), asyncio.Event()
         tasks = [asyncio.create_task(job_worker(f"job-{j}", leases, ledger, stop, seed=j)) for j in range(JOBS)]
         tasks.append(asyncio.create_task(leader_worker(redis, ledger, stop)))
+        unwaiting = connect_redis(ha.url() + "?epoch_acks=0")  # the control group: the primary alone answers
+        tasks += [asyncio.create_task(write_worker(redis, ledger, stop, f"w{i}")) for i in range(2)]
+        tasks.append(asyncio.create_task(write_worker(unwaiting, ledger, stop, "u0", confirmed=False)))
         kills = 0
         try:
             await asyncio.sleep(0.5)
@@ -184,7 +245,10 @@ async def run_failovers(tmp_path: Path, failovers: int) -> dict[str, int]:
         audit = [LeaseOp.from_stream(f) for _, f in await redis.xrange(Keys.lease_audit)]
         job_epochs = {f"job-{j}": int(await redis.get(Keys.epoch(f"job-{j}")) or 0) for j in range(JOBS)}
         leader_epoch = int(await redis.get(LeaderKeys.epoch) or 0)
+        lost_writes = await _lost_writes(redis, ledger.acknowledged)
+        lost_primary_only = await _lost_writes(redis, ledger.primary_only)
         await redis.aclose()
+        await unwaiting.aclose()
 
     problems = _reused(ledger)
     audited = {(op.job_id, op.epoch, op.allocation_id) for op in audit if op.op == "grant"}
@@ -202,11 +266,16 @@ async def run_failovers(tmp_path: Path, failovers: int) -> dict[str, int]:
               "epochs_checked": len(ledger.grants) + len(ledger.takeovers), "takeovers": len(ledger.takeovers),
               "reused": len(problems), "lost_acknowledged": len(lost), "double_booked": len(double_booked),
               "unconfirmed": ledger.unconfirmed, "reuse_avoided": avoided, "errors": ledger.errors,
-              "conflicts": ledger.conflicts, "audit_entries": len(audit), "final_primary": primary}
+              "conflicts": ledger.conflicts, "audit_entries": len(audit), "final_primary": primary,
+              "writes_acknowledged": len(ledger.acknowledged), "writes_lost": len(lost_writes),
+              "writes_unconfirmed": ledger.unconfirmed_writes,
+              "primary_only_writes": len(ledger.primary_only), "primary_only_lost": len(lost_primary_only)}
     print("redis failover run:", json.dumps(counts))
     assert not problems, problems[:20]
     assert not lost, lost[:20]
     assert not double_booked, double_booked[:20]
+    assert not lost_writes, lost_writes[:20]  # every write acknowledged after a replica confirmed it survived
+    assert len(ledger.acknowledged) >= failovers, "too few writes were acknowledged to check anything"
     phases = {g[3] for g in ledger.grants}
     assert len(phases) >= failovers * 0.8, f"allocations went on in only {len(phases)} of {failovers + 1} phases"
     assert ledger.takeovers, "no leader takeover was acknowledged"
@@ -214,10 +283,12 @@ async def run_failovers(tmp_path: Path, failovers: int) -> dict[str, int]:
 
 
 async def test_a_sentinel_client_follows_a_failover_and_a_kill(tmp_path: Path) -> None:
+    """A write acknowledged once a replica confirmed it is on the new primary after a failover (a plain SET
+    answered by the primary alone was not, now and then: SENTINEL FAILOVER does not wait for the replica)."""
     with redis_ha(tmp_path / "redis-ha") as ha:
         redis = connect_redis(ha.url())
         try:
-            await redis.set("ty:test", "1")
+            await until_written(lambda: write_confirmed(redis, lambda p: p.set("ty:test", "1")))
             first = ha.primary_port()
             assert await asyncio.to_thread(ha.failover) != first
             assert await redis.incr("ty:test") == 2  # the write followed the new primary
@@ -226,6 +297,19 @@ async def test_a_sentinel_client_follows_a_failover_and_a_kill(tmp_path: Path) -
             assert (await redis.info("server"))["tcp_port"] == ha.primary_port()
         finally:
             await redis.aclose()
+
+
+async def until_written(write: Callable[[], Awaitable[object]], timeout_s: float = 60.0) -> None:
+    """``write()`` retried while no replica confirms it (right after start the replica may still sync)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await write()
+            return
+        except WriteNotReplicatedError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def until_confirmed(grant: Callable[[], Awaitable[int]], timeout_s: float = 60.0) -> int:
@@ -317,3 +401,52 @@ async def test_failovers_under_allocation_load_never_reuse_an_epoch_or_double_bo
 async def test_fifty_failovers_under_allocation_load_never_reuse_an_epoch_or_double_book(tmp_path: Path) -> None:
     counts = await run_failovers(tmp_path, failovers=50)
     assert counts["failovers"] >= 50
+
+
+async def test_a_write_no_replica_confirmed_is_not_acknowledged(tmp_path: Path) -> None:
+    """With the replica frozen, what the platform would acknowledge is refused as retryable, never answered
+    as done: a token write, a MULTI with an outbox event, the outbox relay (no event announces it), and the
+    API's POST /v1/training-jobs (503 with Retry-After, not 202). Thawed, the same calls succeed."""
+    import httpx
+
+    from tests.support.api import TOKEN_A, seed
+    from trainyard_api import ApiSettings
+    from trainyard_api.app import ApiContext, create_app
+    from trainyard_api.schemas import EXAMPLE_SPEC
+    from trainyard_common.outbox import Outbox
+    from trainyard_common.store import StateStore
+
+    with redis_ha(tmp_path / "redis-ha") as ha:
+        url = ha.url() + "?epoch_ack_timeout_ms=200"
+        redis = connect_redis(url)
+        store, outbox = StateStore(redis), Outbox(redis, "api")
+        app = create_app(ApiContext(ApiSettings(redis_url=url, artifact_root=tmp_path / "artifacts"), store, outbox))
+        replica = next(p for p in ha.ports if p != ha.primary_port())
+        try:
+            await until_written(lambda: seed(store))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                         headers={"Authorization": f"Bearer {TOKEN_A}"}) as api:
+                ha.servers[replica].process.send_signal(19)  # SIGSTOP: the replica acknowledges nothing
+                try:
+                    with pytest.raises(WriteNotReplicatedError) as caught:
+                        await store.add_token("secret-frozen", "tenant-a", "frozen")
+                    assert caught.value.retryable
+                    with pytest.raises(WriteNotReplicatedError):
+                        await outbox.put(ev.JobControlRequested(job_id="job-x", tenant="tenant-a", action="pause",
+                                                                reason="frozen replica"))
+                    with pytest.raises(WriteNotReplicatedError):  # the relay publishes nothing unconfirmed
+                        await outbox.relay_once(bus=None)  # type: ignore[arg-type]
+                    resp = await api.post("/v1/training-jobs", json=EXAMPLE_SPEC, headers={"Idempotency-Key": "k"})
+                    assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+                finally:
+                    ha.servers[replica].process.send_signal(18)  # SIGCONT
+                deadline = time.monotonic() + 60
+                while (resp := await api.post("/v1/training-jobs", json=EXAMPLE_SPEC,
+                                              headers={"Idempotency-Key": "k"})).status_code == 503:
+                    assert time.monotonic() < deadline, resp.text  # the replica catching up
+                    await asyncio.sleep(0.2)
+                assert resp.status_code == 202, resp.text
+                job = await store.get_job(resp.json()["jobId"])
+                assert job is not None and job.state == "queued"
+        finally:
+            await redis.aclose()

@@ -13,7 +13,8 @@
     ├── InfrastructureError             broker / Redis / filesystem trouble   (retryable)
     │   ├── BusError
     │   └── StateStoreError
-    │       └── EpochNotReplicatedError  an epoch increment no replica acknowledged in time: not used
+    │       ├── EpochNotReplicatedError  an epoch increment no replica acknowledged in time: not used
+    │       └── WriteNotReplicatedError  a write to acknowledge that no replica confirmed (or a failover lost)
     ├── CheckpointError                 a checkpoint that cannot be written or restored
     │   └── CheckpointCorruptError      size or sha256 mismatch, missing shard or manifest
     ├── DataError                       a dataset shard that is missing or fails its sha256
@@ -92,6 +93,12 @@ class BusError(InfrastructureError):
 
 class StateStoreError(InfrastructureError):
     """Redis refused or could not be reached."""
+
+
+class WriteNotReplicatedError(StateStoreError):
+    """A write the platform was about to acknowledge (a 202, a READY, a control request, a revocation) that no
+    replica confirmed in time, or that a failover lost (Redis behind Sentinel, docs/design.md §5.2.1). It is
+    not acknowledged; retrying (idempotently: the same Idempotency-Key, the same event) may succeed."""
 
 
 class EpochNotReplicatedError(StateStoreError):

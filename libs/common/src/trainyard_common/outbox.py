@@ -18,7 +18,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from trainyard_common.bus import Bus
+from trainyard_common.errors import WriteNotReplicatedError
 from trainyard_common.events import Event
+from trainyard_common.replication import BARRIER_KEY, epoch_acks, execute_confirmed
 from trainyard_common.store import Keys
 from trainyard_common.tracing import current_traceparent
 
@@ -45,15 +47,17 @@ class Outbox:
         self._wake_after(pipe)
 
     def _wake_after(self, pipe: Pipeline) -> None:
-        """Wrap this pipeline's ``execute`` (once) so the relay is woken after it ran, whatever it returned."""
+        """Wrap this pipeline's ``execute`` (once): it returns once a replica holds the MULTI, where the client
+        asks for one (:func:`replication.execute_confirmed`: a state change and its events are what the caller
+        is about to acknowledge), and the relay is woken after it ran, whatever it returned."""
         if getattr(pipe, "_outbox_wakes", None) is self._wake:
             return
         execute = pipe.execute
-        wake = self._wake
+        wake, redis = self._wake, self.redis
 
-        async def execute_then_wake(*args: object, **kwargs: object) -> object:
+        async def execute_then_wake(raise_on_error: bool = True) -> object:
             try:
-                return await execute(*args, **kwargs)
+                return await execute_confirmed(redis, pipe, raise_on_error=raise_on_error, execute=execute)
             finally:
                 wake.set()
 
@@ -74,8 +78,10 @@ class Outbox:
         return int(await self.redis.xlen(self.key))
 
     async def relay_once(self, bus: Bus, *, batch: int = 200) -> int:
-        """Publish what is staged, oldest first; returns how many were published."""
-        entries = await self.redis.xrange(self.key, count=batch)
+        """Publish what is staged, oldest first; returns how many were published. Behind Sentinel, only once a
+        replica holds what was read (an event is an acknowledgement to another service: the write it
+        announces must survive a failover)."""
+        entries = await self._read_replicated(batch)
         for entry_id, fields in entries:
             await bus.publish_raw_traced(
                 fields["topic"], fields["payload"].encode(), key=fields["key"],
@@ -83,6 +89,22 @@ class Outbox:
             )
             await self.redis.xdel(self.key, entry_id)
         return len(entries)
+
+    async def _read_replicated(self, batch: int) -> list[tuple[str, dict[str, str]]]:
+        acks = epoch_acks(self.redis)
+        entries = await self.redis.xrange(self.key, count=batch)
+        if acks.replicas == 0 or not entries:  # an idle relay writes nothing (no barrier every poll)
+            return entries
+        # read again, a barrier write and WAIT on one connection (one server): the barrier follows what was read
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(self.key, count=batch)
+            pipe.incr(BARRIER_KEY)
+            pipe.wait(acks.replicas, acks.timeout_ms)
+            entries, _, acked = await pipe.execute()
+        if entries and int(acked) < acks.replicas:
+            raise WriteNotReplicatedError(f"outbox {self.key}: {len(entries)} staged event(s) not yet on "
+                                          f"{acks.replicas} replica(s) ({acked} acknowledged); relayed later")
+        return entries
 
     async def relay_forever(self, bus: Bus, *, idle_poll_s: float = 1.0) -> None:
         backoff = 0.2

@@ -22,16 +22,30 @@ Replication is asynchronous, so a failover loses the primary's last writes. Redi
 inside a script, so :func:`eval_durably` sends the script and ``WAIT`` in one pipeline: one
 connection, hence one server, and WAIT covers everything that connection wrote. An epoch is
 returned only when a replica holds it; the replica Sentinel promotes then has it too.
+
+The same rule holds for every write the platform acknowledges to a user or another service (a 202, a
+READY, a control request, a revocation, an event the outbox relays): :func:`execute_confirmed` runs its
+MULTI with one more command, ``SET`` of a one-off token key, then ``DEL token`` + ``WAIT`` in one pipeline.
+WAIT inside a MULTI does not block, and after the MULTI the connection goes back to the pool, so the
+token carries the proof instead: the DEL finds it only on a server that has the whole MULTI (it is
+atomic), and the replica that acknowledges the DEL has everything before it in that server's replication
+stream — the MULTI included — whichever server the client reached after a failover. No token: the
+failover lost the write; too few acknowledgements: it may yet be lost. Either is a retryable
+:class:`~trainyard_common.errors.WriteNotReplicatedError`, and nothing is acknowledged.
+:func:`confirm_replicated` does the same for what a caller has read (an idempotent replay answers with
+a record only once a replica holds it). One server (``epoch_acks`` 0): none of this, no extra command.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
@@ -40,10 +54,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from trainyard_common.errors import ConfigError, EpochNotReplicatedError
+from trainyard_common.errors import ConfigError, EpochNotReplicatedError, WriteNotReplicatedError
 
-__all__ = ["SENTINEL_SCHEME", "EpochAcks", "RedisTarget", "StateRedis", "connect", "epoch_acks", "eval_durably",
-           "parse_redis_url", "undecoded"]
+__all__ = ["SENTINEL_SCHEME", "EpochAcks", "RedisTarget", "StateRedis", "confirm_replicated", "connect",
+           "epoch_acks", "eval_durably", "execute_confirmed", "parse_redis_url", "undecoded", "write_confirmed"]
 
 SENTINEL_SCHEME = "redis+sentinel"
 
@@ -253,3 +267,71 @@ async def eval_durably(redis: Redis, script: AsyncScript, keys: Sequence[Any], a
             f"an epoch increment ({result!r}) was acknowledged by {acked} of {acks.replicas} replica(s) within "
             f"{acks.timeout_ms} ms; it is not used (a failover could lose it). Retry once a replica is in sync")
     return result
+
+
+#: A confirmation token outlives any plausible gap between its MULTI and its DEL; one whose DEL never came
+#: (the process died in between) expires by itself.
+CONFIRMATION_TTL_S = 600
+BARRIER_KEY = "ty:replication:barrier"
+
+
+def confirmation_key(token: str) -> str:
+    return f"ty:replication:ack:{token}"
+
+
+async def execute_confirmed(redis: Redis, pipe: Pipeline, *, raise_on_error: bool = True,
+                            execute: Callable[[bool], Awaitable[list[Any]]] | None = None) -> list[Any]:
+    """Execute ``pipe`` (a MULTI of ``redis``) and return its results once the replicas :func:`epoch_acks` asks
+    for hold all of it (see the module docstring). Raises :class:`WriteNotReplicatedError` (retryable) when
+    they do not within the timeout or a failover lost it: the write must then not be acknowledged.
+    ``execute``: the pipeline's own execute, where the caller has wrapped ``pipe.execute``."""
+    run = execute or pipe.execute
+    acks = epoch_acks(redis)
+    if acks.replicas == 0:
+        return await run(raise_on_error)
+    token = uuid.uuid4().hex
+    pipe.set(confirmation_key(token), "1", ex=CONFIRMATION_TTL_S)
+    results = await run(raise_on_error)
+    async with redis.pipeline(transaction=False) as check:
+        check.delete(confirmation_key(token))
+        check.wait(acks.replicas, acks.timeout_ms)
+        found, acked = await check.execute(raise_on_error=False)
+    _raise_unless_confirmed(found, acked, acks, "a write")
+    return list(results[:-1])
+
+
+async def write_confirmed(redis: Redis, build: Callable[[Pipeline], object]) -> list[Any]:
+    """One MULTI of the commands ``build`` queues on it, executed by :func:`execute_confirmed`: a single write
+    the caller is about to acknowledge (``write_confirmed(r, lambda p: p.hset(key, field, value))``)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        build(pipe)
+        return await execute_confirmed(redis, pipe)
+
+
+async def confirm_replicated(redis: Redis, *keys: str) -> None:
+    """Return once the replicas :func:`epoch_acks` asks for hold ``keys`` as the primary has them now (an
+    idempotent replay about to answer with what an earlier, maybe unconfirmed, request wrote). The read, a
+    barrier write and WAIT go in one pipeline: one server, and the barrier follows what was read."""
+    acks = epoch_acks(redis)
+    if acks.replicas == 0 or not keys:
+        return
+    async with redis.pipeline(transaction=False) as check:
+        check.exists(*keys)
+        check.incr(BARRIER_KEY)
+        check.wait(acks.replicas, acks.timeout_ms)
+        found, barrier, acked = await check.execute(raise_on_error=False)
+    if isinstance(barrier, Exception):
+        raise barrier
+    _raise_unless_confirmed(found, acked, acks, f"the record {keys[0]}", want=len(keys))
+
+
+def _raise_unless_confirmed(found: Any, acked: Any, acks: EpochAcks, what: str, want: int = 1) -> None:
+    for result in (found, acked):
+        if isinstance(result, Exception):
+            raise WriteNotReplicatedError(f"{what} could not be confirmed by a replica: {result!r}") from result
+    if int(found) < want:
+        raise WriteNotReplicatedError(f"{what} was lost in a Redis failover before a replica had it; retry")
+    if int(acked) < acks.replicas:
+        raise WriteNotReplicatedError(
+            f"{what} was acknowledged by {acked} of {acks.replicas} replica(s) within {acks.timeout_ms} ms; "
+            "it is not confirmed (a failover could lose it). Retry once a replica is in sync")

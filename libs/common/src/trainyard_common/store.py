@@ -407,7 +407,7 @@ class StateStore:
             admin = role == "platform-admin"
         record = TenantToken(tenant=tenant, name=name, admin=admin, role=role, expires_at=expires_at,
                              token_id=new_token_id(), created_by=created_by)
-        await self.redis.hset(Keys.tokens, hash_token(token), record.dumps())
+        await replication.write_confirmed(self.redis, lambda p: p.hset(Keys.tokens, hash_token(token), record.dumps()))
         return record
 
     async def token_records(self) -> dict[str, TenantToken]:

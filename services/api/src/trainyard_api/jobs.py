@@ -26,6 +26,7 @@ from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_common.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
 from trainyard_common.outbox import Outbox
+from trainyard_common.replication import confirm_replicated
 from trainyard_common.hfdir import HfDir, inspect_dir, resolve_start
 from trainyard_common.records import (
     ArtifactRecord,
@@ -268,6 +269,8 @@ class JobService:
                         raw = await pipe.get(key)
                         if raw:
                             await pipe.unwatch()
+                            # a replay answers 202 too: only once a replica holds what the first request wrote
+                            await confirm_replicated(self.redis, key)
                             return JobRecord.model_validate_json(raw)
                         pipe.multi()
                         pipe.set(key, job.dumps(), nx=True)

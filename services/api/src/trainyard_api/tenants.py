@@ -28,6 +28,7 @@ from redis.exceptions import WatchError
 from trainyard_common.errors import ConflictError, NotFoundError, SpecError
 from trainyard_common.events import TERMINAL_STATES, utcnow
 from trainyard_common.records import DELETED_TENANT_SETTINGS, TenantRecord, TenantToken, is_deleted_tenant
+from trainyard_common.replication import execute_confirmed, write_confirmed
 from trainyard_common.store import Keys, StateStore, hash_token, token_id_of
 
 from trainyard_api.bodies import TenantCreateBody, TenantSettingsBody, TokenCreateBody
@@ -130,15 +131,18 @@ class TenantService:
 
     async def create(self, actor: TenantToken, body: TenantCreateBody) -> TenantView:
         record = TenantRecord(tenant=body.tenant, created_by=actor.token_id)
-        if not await self.redis.hsetnx(Keys.tenants, body.tenant, record.dumps()):
+        [created] = await write_confirmed(self.redis, lambda p: p.hsetnx(Keys.tenants, body.tenant, record.dumps()))
+        if not created:
             raise ConflictError(f"tenant {body.tenant!r} exists already: change it with PATCH "
                                 f"/v1/admin/tenants/{body.tenant}")
         settings_sent = body.model_fields_set - {"tenant"}
         if settings_sent:
             change = TenantSettingsBody.model_validate(body.model_dump(include=settings_sent))
-            await self.redis.hset(Keys.tenant_config, body.tenant, json.dumps(merged_settings(None, change)))
+            settings = json.dumps(merged_settings(None, change))
+            await write_confirmed(self.redis, lambda p: p.hset(Keys.tenant_config, body.tenant, settings))
         elif is_deleted_tenant(await self.redis.hget(Keys.tenant_config, body.tenant)):
-            await self.redis.hdel(Keys.tenant_config, body.tenant)  # created again: the queue file seeds it again
+            # created again: the queue file seeds it again
+            await write_confirmed(self.redis, lambda p: p.hdel(Keys.tenant_config, body.tenant))
         return await self.get(body.tenant)
 
     async def update(self, tenant: str, change: TenantSettingsBody) -> TenantView:
@@ -151,7 +155,7 @@ class TenantService:
                     current = json.loads(raw) if raw else None
                     pipe.multi()
                     pipe.hset(Keys.tenant_config, tenant, json.dumps(merged_settings(current, change)))
-                    await pipe.execute()
+                    await execute_confirmed(self.redis, pipe)
                     break
                 except WatchError:  # changed meanwhile: read it again
                     continue
@@ -177,12 +181,13 @@ class TenantService:
             pipe.hdel(Keys.tenants, tenant)
             # a tombstone, not a deletion: the scheduler's queue file would seed the tenant's settings again
             pipe.hset(Keys.tenant_config, tenant, DELETED_TENANT_SETTINGS)
-            await pipe.execute()
+            await execute_confirmed(self.redis, pipe)
         return view.model_copy(update={"active_tokens": 0})
 
     # ------------------------------------------------------------------ tokens
     async def _put_token(self, digest: str, token: TenantToken) -> None:
-        await self.redis.hset(Keys.tokens, digest, token.dumps())
+        """Write a token record; returns once a replica holds it (a revocation is answered only then)."""
+        await write_confirmed(self.redis, lambda p: p.hset(Keys.tokens, digest, token.dumps()))
 
     async def issue(self, actor: TenantToken, tenant: str, body: TokenCreateBody) -> IssuedToken:
         await self.get(tenant)  # 404 for an unknown tenant

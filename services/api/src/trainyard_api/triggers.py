@@ -27,6 +27,7 @@ from redis.exceptions import RedisError, WatchError
 from trainyard_common.bus import is_retryable
 from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import REGISTRY, ArtifactRegistered, dataset_key, utcnow
+from trainyard_common.replication import execute_confirmed, write_confirmed
 from trainyard_common.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord, is_deleted_tenant
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import DatasetRef
@@ -146,7 +147,7 @@ class TriggerStore:
                         pipe.multi()
                         pipe.hset(names, record.name, record.trigger_id)
                         pipe.hset(Keys.triggers, record.trigger_id, record.dumps())
-                        await pipe.execute()
+                        await execute_confirmed(self.redis, pipe)  # answered 201 only once a replica has it
                         return None
                     except WatchError:
                         continue
@@ -166,7 +167,7 @@ class TriggerStore:
             pipe.hdel(Keys.triggers, record.trigger_id)
             pipe.hdel(Keys.tenant_triggers(record.tenant), record.name)
             pipe.delete(Keys.trigger_jobs(record.trigger_id), Keys.trigger_failure(record.trigger_id))
-            await pipe.execute()
+            await execute_confirmed(self.redis, pipe)
 
     async def jobs(self, trigger_id: str) -> dict[str, str]:
         """Dataset ref → the job the trigger submitted for it."""
@@ -177,7 +178,8 @@ class TriggerStore:
         return str(job_id) if job_id else None
 
     async def record_job(self, trigger_id: str, dataset: str, job_id: str) -> None:
-        await self.redis.hsetnx(Keys.trigger_jobs(trigger_id), dataset, job_id)
+        # confirmed: lost in a failover, the version would start a second job
+        await write_confirmed(self.redis, lambda p: p.hsetnx(Keys.trigger_jobs(trigger_id), dataset, job_id))
 
     async def tenant_deleted(self, tenant: str) -> bool:
         """Whether ``tenant`` was deleted through the API (its triggers start nothing then)."""
