@@ -6,13 +6,19 @@ spool the way ``SpoolWriter`` does, sleeps, and exits with a code. Behaviour per
 from ``workload.json`` in the job's dataset directory (``$TRAINYARD_ARTIFACT_ROOT/datasets/<name>/<version>``:
 a sandboxed rank sees its dataset, read-only, and nothing else of the artifact root's top level)::
 
-    {"<job id>": {"sleep": {"<attempt>": {"<rank>": seconds}}, "exit": {"<attempt>": {"<rank>": code}}}}
+    {"<job id>": {"sleep": {"<attempt>": {"<rank>": seconds}}, "exit": {"<attempt>": {"<rank>": code}},
+                  "onRequest": {"<attempt>": {"step": n, "release": "<file name>"}}}}
+
+``onRequest`` (opt-in): asked to checkpoint and stop (SIGUSR1 from the agent, or its request file), the rank
+does what the SDK does — it "saves" step ``n`` and exits 7, its exit note naming that step — but only once
+the file ``release`` exists beside the control file (when named): the test decides when the ranks answer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -38,6 +44,25 @@ def lookup(table: dict, attempt: int, rank: int, default: float) -> float:
     return table.get(str(attempt), {}).get(str(rank), default)
 
 
+def answer_request(answer: dict, control_dir: Path, seconds: float) -> bool:
+    """Sleep ``seconds`` unless asked to checkpoint and stop; asked (and released), write the exit note
+    the SDK writes for step ``answer["step"]`` and say so (the caller exits 7)."""
+    asked: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: asked.append(signum))
+    request_file = os.environ.get("TRAINYARD_CHECKPOINT_REQUEST_FILE")
+    release = control_dir / answer["release"] if answer.get("release") else None
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        requested = bool(asked) or bool(request_file and Path(request_file).exists())
+        if requested and (release is None or release.exists()):
+            note = {"exitCode": 7, "reason": "preempted", "globalStep": int(answer["step"]), "error": None}
+            Path(os.environ["TRAINYARD_EXIT_NOTE_FILE"]).write_text(json.dumps(note))
+            print(f"checkpoint requested: saved step {answer['step']}, exits 7", flush=True)
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def main() -> int:
     env = os.environ
     allocation = json.loads(Path(env["TRAINYARD_ALLOCATION_FILE"]).read_text())
@@ -57,7 +82,11 @@ def main() -> int:
         spool.write(json.dumps(line, separators=(",", ":")) + "\n")
         spool.flush()
         os.fsync(spool.fileno())
-    time.sleep(lookup(control.get("sleep", {}), attempt, rank, 0.0))
+    seconds = lookup(control.get("sleep", {}), attempt, rank, 0.0)
+    answer = control.get("onRequest", {}).get(str(attempt))
+    if answer is not None and answer_request(answer, control_file.parent, seconds):
+        return 7
+    time.sleep(seconds)
     code = int(lookup(control.get("exit", {}), attempt, rank, 0))
     print(f"rank {rank} of attempt {attempt} exits with {code}", flush=True)
     return code

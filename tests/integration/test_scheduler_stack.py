@@ -184,19 +184,26 @@ class Stack:
 
         return await poll(check, f"job {job_id}: {what}")
 
-    async def finish_checkpoint(self, job_id: str, *, step: int, attempt: int) -> None:
-        """What the checkpoint coordinator does for a verified checkpoint."""
+    async def finish_checkpoint(self, job_id: str, *, step: int, attempt: int) -> CheckpointReady:
+        """What the checkpoint coordinator does for a verified checkpoint; the CheckpointReady it published."""
         job = await self.job(job_id)
         record = CheckpointRecord(job_id=job_id, tenant=job.tenant, attempt=attempt, epoch=attempt,
                                   global_step=step, world_size=job.spec.resources.gpu_count, state="READY",
                                   manifest_uri=f"file:///ckpt/{job_id}/{step}/manifest.json",
                                   content_hash="sha256:" + "0" * 64)
         await self.store.put_checkpoint(record)
-        await self.publisher.publish(CheckpointReady(
+        ready = CheckpointReady(
             job_id=job_id, tenant=job.tenant, attempt=attempt, epoch=attempt, global_step=step,
             world_size=record.world_size, manifest_uri=record.manifest_uri or "",
             content_hash=record.content_hash or "",
-        ))
+        )
+        await self.publisher.publish(ready)
+        return ready
+
+    async def handled(self, event: Event) -> bool:
+        """Whether the scheduler has handled ``event`` (its consumer group's record of handled event ids)."""
+        group = f"{self.scheduler.settings.group_prefix}.scheduler"
+        return await self.scheduler.runtime.deduper(group).seen(str(event.event_id))
 
     async def held(self) -> dict[str, Any]:
         return await self.scheduler.held_allocations()
@@ -388,34 +395,48 @@ async def test_failed_rank_retries_with_a_higher_epoch_and_stale_epochs_are_refu
 
 async def test_pause_resume_and_cancel_stop_running_ranks(stack: Stack) -> None:
     s = stack
-    s.control("long", sleep={"1": {"0": 120, "1": 120}, "2": {"0": 120, "1": 120}})
-    await s.submit("long", make_spec(2))
+    release = control_file_for(Path(s.env["artifact_root"])).parent / "long-release"
+    s.control("long", sleep={"1": {"0": 120, "1": 120}, "2": {"0": 120, "1": 120}},
+              onRequest={"1": {"step": 5, "release": release.name}})
+    await s.submit("long", make_spec(2, max_steps=10))
     (first,) = await s.tap.wait(GangAllocated, job_id="long", attempt=1)
     await s.tap.wait(WorkerStarted, 2, job_id="long", attempt=1)
     await s.wait_job("long", lambda j: j.state == "running", "running")
     # A redelivered GangAllocated (new event id, same allocation) never launches twice.
     await s.publisher.publish(first.model_copy(update={"event_id": uuid.uuid4()}))
 
-    # Pause asks the ranks for a checkpoint first; the attempt keeps its devices until one is READY.
+    # Pause asks the ranks for a checkpoint first; the attempt keeps its devices until theirs is READY.
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="pause"))
     (asked,) = await s.tap.wait(CheckpointRequested, job_id="long", attempt=1)
     assert asked.reason == "pause requested" and asked.allocation_id == first.allocation_id
     job = await s.wait_job("long", lambda j: j.control == "pause", "pausing")
     assert job.state == "running" and job.attempts[0].state == "running" and await s.held()
     assert not s.tap.events(WorkerExited, job_id="long", attempt=1)
-    await s.finish_checkpoint("long", step=1, attempt=1)  # what the ranks would write when asked
+    # A scheduled save of step 1, in flight when the pause came, turns READY before the ranks answer: the ranks
+    # trained past it, so it is not the pause checkpoint — nothing stops, nothing is revoked.
+    in_flight = await s.finish_checkpoint("long", step=1, attempt=1)
+    await poll(lambda: s.handled(in_flight), "the scheduler to handle the in-flight checkpoint's READY")
+    job = await s.job("long")
+    assert (job.state, job.control, job.attempts[0].state) == ("running", "pause", "running")
+    assert not s.tap.events(AllocationRevoked, job_id="long", attempt=1) and await s.held()
+    # The ranks answer: they save the step they agree on (5) and exit 7 by themselves.
+    release.write_text("go")
     exits = await s.tap.wait(WorkerExited, 2, job_id="long", attempt=1)
-    assert {e.reason for e in exits} == {"revoked"}
+    assert {(e.exit_code, e.reason, e.global_step) for e in exits} == {(7, "preempted", 5)}
+    job = await s.wait_job("long", lambda j: len(j.attempts[0].exited_ranks) == 2, "both exits recorded")
+    assert job.state == "running" and job.attempts[0].state == "running"  # waiting for step 5 to be READY
+    await s.finish_checkpoint("long", step=5, attempt=1)  # what the coordinator makes of their shards
     # launched once per rank: copies the agent re-publishes until applied carry the same event id
     assert len({e.event_id for e in s.tap.events(WorkerStarted, job_id="long", attempt=1)}) == 2
     job = await s.wait_job("long", lambda j: j.state == "paused", "paused")
     assert job.attempts[0].state == "revoked" and job.control is None
+    assert job.attempts[0].exited_ranks == {"0": 7, "1": 7}  # nobody SIGTERMed them
     assert await poll(lambda: _no_leases(s), "leases released on pause")
 
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="resume"))
     (second,) = await s.tap.wait(GangAllocated, job_id="long", attempt=2)
     assert second.epoch > first.epoch
-    assert second.start_checkpoint is not None and second.start_checkpoint.global_step == 1  # from the pause
+    assert second.start_checkpoint is not None and second.start_checkpoint.global_step == 5  # from the pause
     await s.tap.wait(WorkerStarted, 2, job_id="long", attempt=2)
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="other", action="cancel"))  # not the owner
     await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="cancel", reason="enough"))
