@@ -78,18 +78,17 @@ def _limit(value: Any) -> str:
 
 
 TENANT_COLUMNS = (
-    Col("TENANT", "middle", keep=100, min_width=12), Col("QUOTAS (guaranteed+borrow)", "wrap", keep=90, min_width=26),
+    Col("TENANT", keep=100), Col("QUOTAS (guaranteed+borrow)", "wrap", keep=90, min_width=26),
     Col("WEIGHT", keep=60, justify="right"), Col("MAX PRIORITY", keep=40, justify="right"),
     Col("COHORT", "middle", keep=50, min_width=8), Col("TOKENS", keep=30, justify="right"),
     Col("CREATED", "middle", keep=20, min_width=12),
 )
 TOKEN_COLUMNS = (
     Col("ID", keep=100), Col("NAME", "middle", keep=80, min_width=10), Col("ROLE", keep=90), Col("STATE", keep=95),
-    Col("CREATED", "middle", keep=40, min_width=12), Col("EXPIRES", "middle", keep=60, min_width=12),
-    Col("REVOKED", "middle", keep=50, min_width=12),
+    Col("CREATED", keep=40), Col("EXPIRES", keep=60), Col("REVOKED", keep=50),
 )
 AUDIT_COLUMNS = (
-    Col("AT", "middle", keep=100, min_width=20), Col("ACTOR (tenant, role)", "wrap", keep=70, min_width=20),
+    Col("AT", keep=100), Col("ACTOR (tenant, role)", "wrap", keep=70, min_width=20),
     Col("ACTION", keep=95), Col("TARGET", "middle", keep=80, min_width=16), Col("OUTCOME", keep=90),
     Col("DETAIL", "wrap", keep=60, min_width=20),
 )

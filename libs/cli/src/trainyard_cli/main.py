@@ -52,7 +52,18 @@ class _Trainyard(LazyGroup):
     }
 
 
-app = typer.Typer(
+class _Program(typer.Typer):
+    """The ``trainyard`` program: called (``app()``, the console script), it runs as its own process."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # httpcore imports trio when it is installed (to serve async code under trio), a tenth of a second of
+        # every command's start; this process is synchronous, so trio counts as absent here (an import of it
+        # raises ImportError, which httpcore expects). Not done on import: a test or library keeps its trio.
+        sys.modules.setdefault("trio", None)  # type: ignore[arg-type]
+        return super().__call__(*args, **kwargs)
+
+
+app = _Program(
     name="trainyard",
     help="Submit, watch and control LLM training jobs on trainyard.",
     no_args_is_help=True,

@@ -267,7 +267,7 @@ def fmt_advice(a: Mapping[str, Any]) -> str:
 NODE_COLUMNS = (
     Col("NODE", "middle", keep=100, min_width=16), Col("HOST", "middle", keep=50, min_width=10),
     Col("RACK", "middle", keep=30, min_width=6), Col("DEVICES", keep=40, justify="right"), Col("HEALTHY", keep=90),
-    Col("QUARANTINE", "wrap", keep=80, min_width=14), Col("DRAIN", "wrap", keep=70, min_width=12),
+    Col("QUARANTINE", "wrap", keep=80, min_width=24), Col("DRAIN", "wrap", keep=70, min_width=16),
     Col("SCORE", keep=20, justify="right"),
 )
 
