@@ -189,3 +189,78 @@ async def test_datasets_import_publish_builds_under_the_callers_prefix_and_the_r
     await wait_for(lambda: registered(tail, f"{A}/notes@v1"), what="ArtifactRegistered")
     async with client_for(api.url, TOKEN_B) as b:
         assert (await b.get(f"/v1/datasets/{A}/notes@v1")).json()["state"] == "verified"
+
+
+async def test_a_re_publish_with_another_sha256_is_refused_visibly_and_the_first_version_stays(
+    stack: tuple[Stack, TopicTail], api: ApiServer,
+) -> None:
+    """Through the API the conflict is a 409 at once; what reaches the registry anyway (a pipeline's event on
+    the bus) is refused there, and the owner's GET shows that refusal, with its reason, beside the verified
+    version — which keeps its sha256 and files. The publish's Location answers for that publish's content."""
+    s, tail = stack
+    manifest = write_dataset(s.layout, "wiki", "v1", A)
+    first, other = sha256_file(manifest), "f" * 64
+    ref = f"/v1/datasets/{A}/wiki@v1"
+    async with client_for(api.url, TOKEN_A) as a, client_for(api.url, TOKEN_B) as b:
+        resp = await a.post("/v1/datasets", json={"name": "wiki", "version": "v1", "sha256": first,
+                                                  "sharedWith": [B]})
+        assert resp.status_code == 202, resp.text
+        location = resp.headers["location"]
+        assert location.endswith(f"{ref}?sha256={first}")
+
+        async def state(url: str = location, **params: str) -> Any:
+            got = await a.get(url, params=params)
+            return got.status_code == 200 and got.json()["state"]
+        assert await wait_for(state, what="the first publish verified") == "verified"
+
+        resp = await a.post("/v1/datasets", json={"name": "wiki", "version": "v1", "sha256": other})
+        assert resp.status_code == 409, resp.text
+        assert f"already published with sha256 {first}" in resp.json()["detail"] and other in resp.json()["detail"]
+        again = await a.post("/v1/datasets", json={"name": "wiki", "version": "v1", "sha256": first})
+        assert again.status_code == 202  # the same content again: accepted, changes nothing
+
+        conflicting = published(manifest, A, sha256=other, shared_with=[B])
+        await publish(s, conflicting)
+        await wait_for(lambda: rejected(tail, conflicting), what="DatasetRejected for the conflict")
+        view = (await a.get(ref)).json()
+        assert (view["state"], view["sha256"]) == ("verified", first), view
+        (refusal,) = view["rejections"]
+        assert refusal["sha256"] == other and refusal["publishedEventId"] == str(conflicting.event_id)
+        assert f"already published with sha256 {first}" in refusal["reason"] and refusal["rejectedAt"]
+        that = (await a.get(ref, params={"sha256": other})).json()  # what the publish of `other` came to
+        assert that["state"] == "rejected" and f"already published with sha256 {first}" in that["reason"], that
+        assert await state() == "verified"  # the first publish's Location: still verified
+
+        shared = (await b.get(ref)).json()  # B may use the version, not read why A's publishes were refused
+        assert shared["state"] == "verified" and shared["rejections"] == []
+        assert (await b.get(ref, params={"sha256": other})).status_code == 404
+        assert (await a.get(ref, params={"sha256": "e" * 64})).status_code == 404  # not decided: not yet
+        bad = await a.get(ref, params={"sha256": "not-a-sha"})
+        assert bad.status_code == 422 and "sha256" in bad.text
+        record = await s.store.get_dataset(f"{A}/wiki@v1")
+        assert record is not None and record.sha256 == first == sha256_file(manifest)  # the first stays
+
+
+async def test_a_refusal_of_the_same_content_is_cleared_when_it_verifies_and_one_of_other_content_stays(
+    stack: tuple[Stack, TopicTail], api: ApiServer,
+) -> None:
+    s, tail = stack
+    wrong = published(write_dataset(s.layout, "late", "v1", A), A, sha256="0" * 64)  # a typo'd sha256
+    manifest = s.layout.dataset_dir("late", "v1", A) / "manifest.json"
+    right = published(manifest, A)
+    await publish(s, wrong, right)
+    await wait_for(lambda: registered(tail, f"{A}/late@v1"), what="the right sha256 verified")
+    in_place = write_dataset(s.layout, "early", "v1", A)
+    early = published(in_place, A)
+    moved = in_place.rename(in_place.with_name("manifest.moved"))  # published before it is in place
+    await publish(s, early)
+    await wait_for(lambda: rejected(tail, early), what="the early publish refused")
+    moved.rename(in_place)
+    await publish(s, early.model_copy(update={"event_id": uuid.uuid4()}))
+    await wait_for(lambda: registered(tail, f"{A}/early@v1"), what="the same content verified")
+    async with client_for(api.url, TOKEN_A) as a:
+        late = (await a.get(f"/v1/datasets/{A}/late@v1")).json()
+        assert late["state"] == "verified" and [r["sha256"] for r in late["rejections"]] == ["0" * 64]
+        assert (await a.get(f"/v1/datasets/{A}/late@v1", params={"sha256": "0" * 64})).json()["state"] == "rejected"
+        cleared = (await a.get(f"/v1/datasets/{A}/early@v1")).json()
+        assert cleared["state"] == "verified" and cleared["rejections"] == []

@@ -59,9 +59,16 @@ def imported(root: str, tmp_path: Path, version: str) -> ImportResult:
                           options=ImportOptions(shard_tokens=101), workers=1, tenant=TENANT)
 
 
+class NothingVerified:
+    """The state store as the API's publish reads it: no version of the ref is verified yet."""
+
+    async def get_dataset(self, ref: str) -> None:
+        return None
+
+
 async def announce(root: str, version: str, sha256: str) -> DatasetVersionPublished:
     outbox = Announced()
-    service = DatasetService(None, outbox, ArtifactLayout(root))  # type: ignore[arg-type]  # no store used
+    service = DatasetService(NothingVerified(), outbox, ArtifactLayout(root))  # type: ignore[arg-type]
     token = TenantToken(token_id="tok_a", tenant=TENANT, name="alice")
     await service.publish(token, DatasetPublishBody(name="wiki", version=version, sha256=sha256))
     (event,) = outbox.events

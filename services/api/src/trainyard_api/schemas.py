@@ -50,6 +50,7 @@ __all__ = [
     "ControlResponse",
     "DatasetList",
     "DatasetPublished",
+    "DatasetRejectionView",
     "DatasetView",
     "DrainResponse",
     "EXAMPLE_SPEC",
@@ -260,12 +261,27 @@ class DatasetList(_Out):
                                                       "the platform's, and those shared with its tenant")
 
 
+class DatasetRejectionView(_Out):
+    """A publish of a version's ref that the registry refused."""
+
+    sha256: str = Field(description="the sha256 of the manifest that publish named")
+    manifest_uri: str
+    reason: str = Field(examples=["dataset acme/wiki@v1 was already published with sha256 …; a re-publish with "
+                                  "sha256 … is refused (a new version needs a new name@version)"])
+    problems: list[str] = Field(default=[], description="each thing the registry found wrong")
+    rejected_at: datetime
+    published_event_id: str | None = Field(default=None, description="the DatasetVersionPublished it answers")
+
+
 class DatasetView(DatasetRecord):
     """A dataset version: verified (usable), or — shown to its owner only — rejected, with why."""
 
     state: Literal["verified", "rejected"]
     reason: str | None = Field(default=None, description="why the registry refused it (state rejected)")
     problems: list[str] = Field(default=[], description="each thing the registry found wrong")
+    rejections: list[DatasetRejectionView] = Field(default=[], description=(
+        "owner only, beside a verified version: a publish of the same ref the registry refused (the latest), "
+        "such as a re-publish with another sha256; the verified version stays as it was"))
 
 
 class StuckConsumer(_Out):

@@ -64,6 +64,7 @@ from trainyard_common.records import (
     ArtifactRecord,
     CheckpointRecord,
     DatasetRecord,
+    DatasetRejection,
     JobRecord,
     checkpoint_id,
     expects_final_checkpoint,
@@ -210,16 +211,20 @@ class Registry:
 
     async def _record_dataset(self, record: DatasetRecord) -> DatasetRecord | None:
         """Record a verified version and stage its ArtifactRegistered in one MULTI; the version recorded
-        before instead, when there is one (nothing is written then)."""
+        before instead, when there is one (nothing is written then). A refusal of this very content (say,
+        published before its files were in place) is cleared; one of other content stays, as it is still
+        true (its publisher reads it in ``GET /v1/datasets/{ref}?sha256=…``)."""
         while True:
             async with self.redis.pipeline(transaction=True) as pipe:
                 try:
-                    await pipe.watch(Keys.datasets)
+                    await pipe.watch(Keys.datasets, Keys.dataset_rejections)
                     if raw := await pipe.hget(Keys.datasets, record.ref):
                         return DatasetRecord.model_validate_json(raw)
+                    refused = await pipe.hget(Keys.dataset_rejections, record.ref)
                     pipe.multi()
                     pipe.hset(Keys.datasets, record.ref, record.dumps())
-                    pipe.hdel(Keys.dataset_rejections, record.ref)
+                    if refused and DatasetRejection.model_validate_json(refused).sha256 == record.sha256:
+                        pipe.hdel(Keys.dataset_rejections, record.ref)
                     self.outbox.stage(pipe, dataset_registered(record, now=self.clock()))
                     await pipe.execute()
                     return None
