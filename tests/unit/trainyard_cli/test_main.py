@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -113,3 +114,76 @@ def test_datasets_import_takes_its_publish_options_out_of_the_import_arguments()
     assert _publish_options(["--name", "n"]) == (["--name", "n"], False, [])
     assert _option(["--tenant", "a"], "--tenant") == "a" and _option(["--tenant=a"], "--tenant") == "a"
     assert _option(["--name", "n"], "--tenant") is None
+
+
+# ----------------------------------------------------------------------------- text, not markup
+
+BRACKETS = "job [bold]x[/bold] refused: ranks [1, 2] disagree [/] [red]"
+
+
+@pytest.fixture
+def api_answers(monkeypatch: pytest.MonkeyPatch) -> dict[str, httpx.Response]:
+    """A fake API behind every command's client (session.api_session): path -> the response it gives."""
+    from trainyard_cli import session as session_module
+    from trainyard_cli.client import ApiClient
+
+    answers: dict[str, httpx.Response] = {}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return answers.get(request.url.path, httpx.Response(404, json={"detail": "no such path"}))
+
+    monkeypatch.setattr(session_module, "ApiClient",
+                        lambda url, token: ApiClient(url, token, transport=httpx.MockTransport(answer)))
+    return answers
+
+
+@pytest.mark.parametrize("status", [400, 404, 409, 503])
+def test_an_api_error_prints_as_text_brackets_and_all(runner: CliRunner, api_answers: dict[str, httpx.Response],
+                                                      status: int) -> None:
+    api_answers["/v1/training-jobs/job-1/cancel"] = httpx.Response(status, json={"detail": BRACKETS})
+    result = runner.invoke(app, ["--token", "t", "jobs", "cancel", "job-1"])
+    assert result.exit_code == 1, result.output
+    assert BRACKETS in result.output and "Traceback" not in result.output
+
+
+def test_a_refused_spec_prints_each_field_as_text(runner: CliRunner, api_answers: dict[str, httpx.Response],
+                                                  tmp_path: Path) -> None:
+    api_answers["/v1/training-jobs"] = httpx.Response(422, json={"detail": [
+        {"field": "training.schedule[0]", "message": "must be one of [cosine, linear]"}]})
+    (tmp_path / "spec.yaml").write_text("name: x\n")
+    result = runner.invoke(app, ["--token", "t", "submit", "spec.yaml"])
+    assert result.exit_code == 1
+    assert "training.schedule[0]: must be one of [cosine, linear]" in result.output
+
+
+def test_a_server_note_in_a_table_prints_as_text(runner: CliRunner, api_answers: dict[str, httpx.Response]) -> None:
+    job = {"jobId": "job-0123456789ab", "name": "[bold]x[/bold]", "state": "failed", "specHash": "sha256:x",
+           "model": "gpt-tiny@v1", "dataset": "tinycorpus@v1", "gpuCount": 1, "attempts": 1, "globalStep": 3, "maxSteps": 40,
+           "lastLoss": None, "createdAt": "2024-05-01T12:00:00Z", "updatedAt": "2024-05-01T12:00:00Z",
+           "queuedReason": None, "reason": "rank [1, 2] exited [/]"}
+    api_answers["/v1/training-jobs"] = httpx.Response(200, json={"jobs": [job], "nextOffset": None})
+    result = runner.invoke(app, ["--token", "t", "jobs", "list"])
+    assert result.exit_code == 0, result.output
+    assert "[bold]x[/bold]" in result.output and "rank [1, 2] exited [/]" in result.output
+
+
+@pytest.mark.parametrize(("name", "text", "where", "what"), [
+    ("spec.yaml", "name: x\n  bad: [1, 2]\n", "line 2, column 6", "mapping values are not allowed here"),
+    ("spec.yaml", "a: [1,\n", "line 2, column 1", "expected the node content"),
+    ("spec.json", '{"name": "a\tb"}', "line 1, column 12", "Invalid control character '\\t'"),
+    ("spec.json", '{"a": [1, 2}', "line 1, column 12", "Expecting ',' delimiter"),
+])
+def test_a_broken_spec_file_is_named_with_its_line_and_column(runner: CliRunner, tmp_path: Path, name: str,
+                                                              text: str, where: str, what: str) -> None:
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / name).write_text(text)
+    result = runner.invoke(app, ["--token", "t", "submit", f"examples/{name}"])
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())
+    assert f"error: examples/{name}, {where}: " in message and what in message, message
+    assert "<unicode string>" not in message
+
+
+def test_a_broken_spec_on_stdin_is_named_stdin(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--token", "t", "submit", "-"], input="a: [\n")
+    assert result.exit_code == 2 and "error: <stdin>, line 2, column 1: " in result.output
