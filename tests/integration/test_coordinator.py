@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +24,7 @@ from trainyard_checkpoint_coordinator import build_service as build_coordinator
 from trainyard_common import events as ev
 from trainyard_common.bus import Bus
 from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.manifest import CheckpointManifest
+from trainyard_common.manifest import CheckpointManifest, tensors_hash
 from trainyard_common.records import AttemptRecord, CheckpointRecord, DatasetRecord, JobRecord
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import TrainingSpec
@@ -194,6 +195,18 @@ def write_shards(stack: Stack, job_id: str, step: int, *, attempt: int = 1, worl
     return paths
 
 
+def tensor_digests(rank: int, step: int) -> list[ev.TensorDigest]:
+    """What a rank reports it saved: rank 0 the (de-duplicated) weights, every rank its own RNG state."""
+    mine = [ev.TensorDigest(key=f"rng.rank_{rank}.torch", offset=[0], sha256=sha256_hex(f"rng {rank} {step}"))]
+    if rank == 0:
+        mine.append(ev.TensorDigest(key="model.w", offset=[0, 0], sha256=sha256_hex(f"w {step}")))
+    return mine
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def shard_events(job_id: str, step: int, paths: list[Path], *, epoch: int, attempt: int = 1) -> list[ev.ShardWritten]:
     """One ShardWritten per rank, digests taken from the files; rank 0 reports .metadata."""
     *shards, metadata = paths
@@ -205,7 +218,7 @@ def shard_events(job_id: str, step: int, paths: list[Path], *, epoch: int, attem
             world_size=len(shards), uri=path_to_uri(path), size_bytes=path.stat().st_size,
             sha256=sha256_file(path), extra_files=[meta] if rank == 0 else [],
             consumed_tokens=step * 2048, consumed_samples=step * 32, spec_hash="sha256:spec",
-            parallelism={"dp": len(shards), "tp": 1, "pp": 1},
+            parallelism={"dp": len(shards), "tp": 1, "pp": 1}, tensor_digests=tensor_digests(rank, step),
         )
         for rank, path in enumerate(shards)
     ]
@@ -250,6 +263,10 @@ async def test_all_shards_make_a_ready_checkpoint_with_manifest_event_and_artifa
     assert [Path(uri_to_path(f.uri)).name for f in manifest.extra_files] == [".metadata"]
     assert manifest.extra_files[0].sha256 == sha256_file(paths[-1])
     assert manifest.content_hash == record.content_hash
+    # the ranks' entry digests, combined in canonical order: the values' hash, beside the files' one
+    reported = tensor_digests(0, 40) + tensor_digests(1, 40)
+    assert manifest.tensors == sorted(reported, key=lambda d: d.key)
+    assert manifest.tensors_hash == tensors_hash(reported) == record.tensors_hash != manifest.content_hash
     assert record.size_bytes == sum(p.stat().st_size for p in paths)  # the shards and .metadata on disk
     assert record.size_bytes == sum(s.size_bytes for s in manifest.shards) + manifest.extra_files[0].size_bytes
     assert not [p for p in manifest_path.parent.iterdir() if p.name.startswith(".manifest.json.tmp")]
@@ -259,6 +276,7 @@ async def test_all_shards_make_a_ready_checkpoint_with_manifest_event_and_artifa
                                      what="CheckpointReady"))[0]
     assert (ready.global_step, ready.attempt, ready.epoch, ready.world_size) == (40, 1, epoch, 2)
     assert ready.manifest_uri == record.manifest_uri and ready.content_hash == manifest.content_hash
+    assert ready.tensors_hash == manifest.tensors_hash
     assert trace_id(headers) == TRACE_ID
 
     # The registry recorded it with lineage.
@@ -267,6 +285,7 @@ async def test_all_shards_make_a_ready_checkpoint_with_manifest_event_and_artifa
     assert artifact.artifact_id == f"{job_id}/checkpoint/step-000000040-a1" and artifact.type == "checkpoint"
     assert (artifact.uri, artifact.hash, artifact.producer_attempt, artifact.global_step) == (
         record.manifest_uri, manifest.content_hash, 1, 40)
+    assert artifact.tensors_hash == manifest.tensors_hash
     job = await stack.store.get_job(job_id)
     assert job is not None
     lineage = artifact.lineage

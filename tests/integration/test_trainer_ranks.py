@@ -36,10 +36,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from trainyard.checkpoint import save_checkpoint
+from trainyard.tensorhash import read_tensor_digests
+from trainyard_checkpoint_coordinator.assembly import CheckpointKey, Complete, ShardReport, assess
 from trainyard_cli import infra
 from trainyard_common import exitcodes
 from trainyard_common.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
-from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash
+from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash, tensors_hash
 from trainyard_common.spec import InitFrom, TrainingSpec
 from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
 from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
@@ -401,6 +404,60 @@ def test_corrupted_start_checkpoint_falls_back_to_the_previous_ready_one(
     assert [m.step for m in result.of(StepMetrics) if m.rank == 0] == [3, 4, 5, 6]
     final = load_whole(layout.checkpoint_dir(TENANT, "job-c", 2, MAX_STEPS), tmp_path)
     assert_bitwise_equal(uninterrupted, final)
+
+
+def coordinator_manifest(shards: list[ShardWritten]) -> CheckpointManifest:
+    """The manifest the checkpoint coordinator drafts from these shard reports (its pure decision)."""
+    first = shards[0]
+    outcome = assess(CheckpointKey(first.job_id, first.attempt, first.global_step),
+                     {s.rank: ShardReport.from_event(s) for s in shards}, world_size=first.world_size,
+                     current_epoch=first.epoch, created_at=first.occurred_at)
+    assert isinstance(outcome, Complete), outcome
+    return outcome.manifest
+
+
+@pytest.fixture(scope="module")
+def twin_run(root: Path) -> RunResult:
+    """A second run of the same spec from scratch: it trains to the same values as job-a."""
+    return run_attempt(root, "job-twin", attempt=1)
+
+
+def test_identical_runs_have_equal_tensors_hashes(root: Path, first_run: RunResult, twin_run: RunResult) -> None:
+    assert twin_run.codes == [0] * WORLD, "\n".join(twin_run.logs)
+    layout = ArtifactLayout(root)
+    by_step = {}
+    for step in range(EVERY, MAX_STEPS + 1, EVERY):
+        first, twin = coordinator_manifest(shards_of(first_run, step)), coordinator_manifest(shards_of(twin_run, step))
+        assert first.tensors_hash is not None and first.tensors_hash == twin.tensors_hash, step
+        assert first.tensors == twin.tensors
+        # contentHash (the files as written, DCP's .metadata included) may differ: it is not what compares runs
+        keys = {d.key for d in twin.tensors}
+        assert {f"rng.rank_{r}.torch" for r in range(WORLD)} | {"model.wte.weight", "progress.global_step"} <= keys
+        # every entry once, though both ranks hold the replicated weights: DCP wrote (and the ranks hashed) each once
+        assert len({(d.key, tuple(d.offset)) for d in twin.tensors}) == len(twin.tensors)
+        # what the ranks reported is what their files hold
+        assert read_tensor_digests(layout.checkpoint_dir(TENANT, "job-twin", 1, step)) == twin.tensors
+        by_step[step] = twin.tensors_hash
+    assert len(set(by_step.values())) == len(by_step)  # training changed the values between checkpoints
+
+
+def test_a_changed_weight_changes_the_tensors_hash(
+    root: Path, twin_run: RunResult, tmp_path: Path
+) -> None:
+    assert twin_run.codes == [0] * WORLD, "\n".join(twin_run.logs)
+    reported = coordinator_manifest(shards_of(twin_run, MAX_STEPS))
+    whole = load_whole(ArtifactLayout(root).checkpoint_dir(TENANT, "job-twin", 1, MAX_STEPS), tmp_path)
+
+    def resave(state: dict[str, Any], name: str) -> str:
+        saved = save_checkpoint(state, tmp_path / name / "step-000000006-a1", rank=0, barrier=lambda: None)
+        assert saved.tensors is not None
+        return tensors_hash(saved.tensors)
+
+    # the same values saved again by one process (not the two ranks that wrote them): the same entries, same hash
+    assert resave(whole, "same") == reported.tensors_hash
+    weight = whole["model"]["wte.weight"]
+    weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(float("inf")))  # one element, one ulp
+    assert resave(whole, "changed") != reported.tensors_hash
 
 
 def test_no_checkpoint_verifies_exits_checkpoint(root: Path, first_run: RunResult) -> None:

@@ -10,12 +10,22 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from trainyard.checkpoint import SavedShard, save_checkpoint
-from trainyard.tensorhash import entry_digest, little_endian_bytes, tensor_header
+from trainyard.tensorhash import (
+    MAX_REPORTED_BYTES,
+    entry_digest,
+    little_endian_bytes,
+    read_tensor_digests,
+    reportable,
+    tensor_header,
+)
+from trainyard_common.events import ShardWritten, TensorDigest
 from trainyard_common.manifest import tensors_hash
+from trainyard_common.spool import MAX_LINE_BYTES
 from trainyard_common.storage import sha256_file, uri_to_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -126,3 +136,42 @@ def test_bytes_are_little_endian_row_major() -> None:
     t = torch.tensor([[1, 256]], dtype=torch.int32).t()  # a transposed (non-contiguous) view
     assert bytes(little_endian_bytes(t).numpy()) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
     assert tensor_header("k", [0], torch.int32, [2], [2]).endswith(b"\n")
+
+
+def test_the_reported_digests_are_what_the_files_hold(tmp_path: Path) -> None:
+    saved = save(training_state(), tmp_path, "a")
+    assert saved.tensors is not None
+    recomputed = read_tensor_digests(saved.directory)
+    assert recomputed == sorted(saved.tensors, key=lambda d: (d.key, d.offset))
+    assert tensors_hash(recomputed) == tensors_hash(saved.tensors)
+
+
+def digests(n: int, key: str = "optimizer.state.model.layers.{i}.self_attn.q_proj.weight.exp_avg") -> list[TensorDigest]:
+    return [TensorDigest(key=key.format(i=i), offset=[1 << 33, 4096], sha256="ab" * 32) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("case", "entries", "reported"),
+    [
+        ("none reported (a rank that does not digest)", None, False),
+        ("nothing saved", [], True),
+        ("a small model", digests(200), True),
+        ("a 70B dense model with Adam under FSDP, per rank", digests(2_900), True),
+        ("a mixture of experts: more than one shard report holds", digests(20_000), False),
+    ],
+)
+def test_reportable(case: str, entries: list[TensorDigest] | None, reported: bool) -> None:
+    assert (reportable(entries) is not None) is reported, case
+    if entries is not None and reported:
+        assert reportable(entries) == entries
+
+
+def test_what_is_reportable_fits_in_one_spool_line_and_kafka_record() -> None:
+    entries = digests(6_000)
+    size = len(TypeAdapter(list[TensorDigest]).dump_json(entries, by_alias=True)) / len(entries)
+    fits = entries[: int(MAX_REPORTED_BYTES / size)]  # as many as the limit admits
+    assert reportable(fits) == fits and reportable(entries[: len(fits) + 2]) is None
+    event = ShardWritten(job_id="j" * 40, tenant="t" * 40, attempt=1, epoch=1, global_step=1, rank=0, world_size=1,
+                         uri="file:///" + "d" * 200 + "/__0_0.distcp", size_bytes=1, sha256="0" * 64,
+                         tensor_digests=fits)
+    assert len(event.model_dump_json(by_alias=True)) + 64 * 1024 < MAX_LINE_BYTES  # room for the envelope

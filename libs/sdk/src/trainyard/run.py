@@ -48,6 +48,7 @@ from trainyard_common.storage import ArtifactLayout
 from trainyard_common.tracing import current_traceparent, job_context, setup_tracing, shutdown_tracing
 
 from trainyard.checkpoint import Checkpointer, CheckpointSchedule, SavedShard
+from trainyard.tensorhash import reportable
 from trainyard.context import Context, open_context
 from trainyard.data import MANIFEST_FILE, DatasetManifest, TokenDataset, load_dataset_manifest
 from trainyard.environment import (
@@ -379,6 +380,10 @@ class Run:
     def _shard_written(self, saved: SavedShard, *, step: int, tokens: int, samples: int, span: Any) -> None:
         s = self.settings
         stall = saved.seconds if saved.stall is None else saved.stall
+        tensors = reportable(saved.tensors)
+        if tensors is None and saved.tensors is not None:
+            log.warning("checkpoint step %d: the digests of the %d entries this rank saved do not fit in its shard "
+                        "report; the checkpoint gets no tensorsHash", step, len(saved.tensors))
         with trace.use_span(span, end_on_exit=True):
             span.set_attribute("trainyard.shard_bytes", saved.shard.size_bytes)
             self.spool.write(ShardWritten(
@@ -386,7 +391,7 @@ class Run:
                 world_size=s.world_size, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
                 sha256=saved.shard.sha256, extra_files=saved.extra_files, consumed_tokens=tokens,
                 consumed_samples=samples, spec_hash=self.allocation.spec_hash, parallelism=dict(self.parallelism),
-                write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0), tensor_digests=saved.tensors,
+                write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0), tensor_digests=tensors,
             ), traceparent=current_traceparent())
         log.info("checkpoint step %d durable: %s (%d bytes, %.2fs from start to rename)", step, saved.shard.uri,
                  saved.shard.size_bytes, saved.seconds)
