@@ -63,8 +63,9 @@ class SchedulerSettings(ServiceSettings):
     )
     pause_grace_s: float = Field(
         default=300.0, gt=0,
-        description="a pause asks the ranks for a checkpoint first; after this long without a new READY one the "
-                    "attempt is revoked anyway and resumes later from the last READY checkpoint",
+        description="a pause (or drain) asks the ranks for a checkpoint first; after this long without their own "
+                    "checkpoint READY and every rank exited, the attempt is revoked anyway (its ranks are stopped) "
+                    "and resumes later from the last READY checkpoint",
     )
     max_total_failures: int | None = Field(
         default=None, gt=0,

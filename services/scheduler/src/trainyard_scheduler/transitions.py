@@ -455,6 +455,8 @@ def _finish_pause(new: JobRecord, how: str, now: datetime) -> Outcome:
     released = _revoke_live(new, "paused", events, now)
     new.control = None
     why = f"paused ({how})" if released is not None else "paused"
+    if released is not None:
+        released.failure_reason = why  # which checkpoint it paused with, as a preemption or drain says
     _set_state(new, "paused", events, now, reason=why)
     new.queued_reason = new.queued_reason_kind = None
     new.updated_at = now
