@@ -5,10 +5,13 @@ errors on any page; a screenshot of each page (see docs/dashboard.md)."""
 
 from __future__ import annotations
 
-import os
-
+import functools
 import json
+import os
+import re
+import threading
 from collections.abc import Callable, Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +22,15 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
+from trainyard_api.dashboard import PAGES
 from trainyard_cli.stack import LocalStack
 
 from tests.support.api import spec_with
 from tests.support.stack import running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CAMEL_CASE = re.compile(r"\b[a-z]+[A-Z][A-Za-z0-9]*\b")  # lostWork, masterWeights, tokensPerSecond
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +85,20 @@ def console_errors(driver: WebDriver, allowed: tuple[str, ...] = ()) -> list[str
     """The browser log's errors since the last call (Selenium hands each entry out once)."""
     return [e["message"] for e in driver.get_log("browser")
             if e["level"] == "SEVERE" and not any(a in e["message"] for a in allowed)]
+
+
+LABELS_JS = """
+  const out = [];
+  const leaves = "th, dt, caption, figcaption, summary, option, button, legend, h1, h2, h3, svg text, .legend span";
+  for (const el of document.querySelectorAll(leaves)) out.push(el.textContent.trim());
+  for (const el of document.querySelectorAll("[title], [aria-label]")) out.push(el.getAttribute("title") || "", el.getAttribute("aria-label") || "");
+  return out.filter(Boolean);
+"""
+
+
+def camel_case_labels(driver: WebDriver) -> list[str]:
+    """The page's labels (headers, captions, legends, options, chart text, titles) that hold a raw field name."""
+    return [t for t in driver.execute_script(LABELS_JS) if CAMEL_CASE.search(t)]
 
 
 def screenshot(driver: WebDriver, directory: Path, name: str) -> None:
@@ -180,6 +200,22 @@ def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_
             assert cell.endswith(("B", "KiB", "MiB", "GiB")), cell
     assert len(driver.find_elements(By.CSS_SELECTOR, "#attempts-timeline [data-attempt]")) == len(view["attempts"])
     wait(driver, lambda d: d.find_element(By.ID, "logs").text.strip(), "rank 0's log lines")
+
+    # tokens/s is the run's figure: its steps after the first over their time without checkpoint stalls (the
+    # last step, the final save, is slower), from the very history the curves draw; the header shows it
+    assert len(view["attempts"]) == 1
+    timing = api.get(f"/v1/training-jobs/{job_id}/metrics", params={
+        "series": "tokensPerSecond,stepSeconds,checkpointSeconds", "maxPoints": 2000}).json()
+    assert timing["method"] == "all"
+    tps, step_s, stall_s = (timing["series"][k]["values"][1:] for k in ("tokensPerSecond", "stepSeconds", "checkpointSeconds"))
+    expected_rate = sum(r * t for r, t in zip(tps, step_s)) / sum(t - c for t, c in zip(step_s, stall_s))
+    assert view["progress"]["tokensPerSecond"] == pytest.approx(expected_rate, rel=1e-3)
+    shown_rate = attrs(driver, "#job-tokens-per-second", "data-value", "the header's tokens/s")
+    assert float(shown_rate[0]) == view["progress"]["tokensPerSecond"]
+    # a finished job with data draws it: no "no data yet"; its labels are words
+    assert [t for t in driver.execute_script(LABELS_JS) if "yet" in t] == []
+    assert camel_case_labels(driver) == []
+    assert "Lost work" in driver.find_element(By.ID, "goodput").text
     screenshot(driver, screenshots, "job")
     assert console_errors(driver) == []
 
@@ -218,6 +254,12 @@ def test_cancelling_from_the_page_cancels_the_job(driver: WebDriver, stack: Loca
     driver.switch_to.active_element.send_keys(Keys.ENTER)  # focus is on Confirm
     wait(driver, lambda d: api.get(f"/v1/training-jobs/{job_id}").json()["state"] == "cancelled", "the API to say cancelled", 60)
     wait(driver, lambda d: d.find_element(By.ID, "job-state").text == "cancelled", "the page to show cancelled", 60)
+    # what it left empty says how it ended, never "yet" (the parts redraw after the header)
+    placeholders = "svg text.empty, #attempts-empty, #checkpoints-empty, #goodput-empty, #heatmap-empty"
+    wait(driver, lambda d: not [e for e in d.find_elements(By.CSS_SELECTOR, placeholders) if "yet" in e.text],
+         "the empty parts to say the job ended")
+    for text in (e.text for e in driver.find_elements(By.CSS_SELECTOR, placeholders)):
+        assert "cancelled" in text or "was not reported" in text, text
     assert console_errors(driver) == []
 
 
@@ -281,6 +323,9 @@ def test_the_labs_three_experiments_react_and_show_the_planners_numbers(
     assert shown(driver, "#checkpoint-optimum [data-value]") == pytest.approx(answer["optimumSeconds"])
     assert answer["optimumSeconds"] == pytest.approx(2 * first)  # Young: sqrt(2 x write x MTBF)
     assert driver.find_element(By.CSS_SELECTOR, "#checkpoint-optimum [data-value]").text not in ("", "—", first_text)
+    bpp = driver.find_element(By.CSS_SELECTOR, '#memory-bytes-per-parameter tr[data-field="masterWeights"] th').text
+    assert bpp.lower().startswith("master weights")
+    assert camel_case_labels(driver) == []
     screenshot(driver, screenshots, "lab")
     assert console_errors(driver) == []
 
@@ -315,9 +360,124 @@ def test_cluster_queue_topology_and_goodput_pages(driver: WebDriver, stack: Loca
     points = attrs(driver, '#goodput-history figure[data-history="dev"] polyline[data-points]', "data-points",
                    "the dev tenant's goodput curve")
     assert int(points[0]) >= 1
+    assert camel_case_labels(driver) == []
     screenshot(driver, screenshots, "goodput")
     assert console_errors(driver) == []
 
     click(driver, "sign-out")
     wait(driver, lambda d: d.find_element(By.ID, "token"), "the sign-in form")
     screenshot(driver, screenshots, "sign-in")
+
+
+# ----------------------------------------------------------------------------- the pages' own logic, in the browser
+# These load the dashboard's modules from a plain static server (no stack) and run them in Chromium.
+
+@pytest.fixture(scope="module")
+def ui() -> Iterator[str]:
+    """The dashboard's files over HTTP (module scripts need an origin), without an API."""
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(PAGES))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def in_page(driver: WebDriver, ui: str, body: str, *args: Any) -> Any:
+    """Run ``body`` (async JS with ``charts``, ``format`` and ``job``, the modules, and ``args``) in a page of
+    the dashboard's origin; its return value comes back through JSON."""
+    if not driver.current_url.startswith(ui):
+        driver.get(f"{ui}/index.html")  # no token: the sign-in form, nothing asked of an API
+    script = f"""
+      const done = arguments[arguments.length - 1], args = JSON.parse(arguments[0]);
+      Promise.all(["charts", "format", "job"].map((m) => import("{ui}/" + m + ".js")))
+        .then(async ([charts, format, job]) => JSON.stringify(await (async () => {{ {body} }})()))
+        .then(done, (e) => done(JSON.stringify({{ error: String(e && e.stack || e) }})));
+    """
+    result = json.loads(driver.execute_async_script(script, json.dumps(args)))
+    assert not (isinstance(result, dict) and "error" in result), result
+    return result
+
+
+CLOCK = ('(ms, step) => new Date(ms).toLocaleString("en-GB", { timeZone: "UTC", month: "short", day: "2-digit", '
+         'hour: "2-digit", minute: "2-digit", second: step != null && step < 60000 ? "2-digit" : undefined })')
+T0 = 1_796_174_854_000  # 2026-12-02T01:27:34Z, in ms
+
+
+@pytest.mark.parametrize(("case", "chart"), [
+    ("a loss that barely moves", {"steps": list(range(1, 41)), "values": [2.3011 + i * 0.00002 for i in range(40)]}),
+    ("three steps", {"steps": [1, 2, 3], "values": [3.0, 2.5, 2.4]}),
+    ("one step", {"steps": [7], "values": [1.5]}),
+    ("a learning-rate schedule", {"steps": list(range(1, 41)), "values": [3.05e-4 + i * 6.9e-5 for i in range(40)]}),
+    ("millions of tokens/s, close together", {"steps": [1, 2, 3, 4], "values": [1.2e6, 1.21e6, 1.24e6, 1.25e6]}),
+    ("a flat series", {"steps": [1, 2, 3], "values": [0.5, 0.5, 0.5]}),
+    ("a flat percentage", {"steps": [1, 2], "values": [0.5, 0.5001], "format": "(v) => format.pct(v, 0)"}),
+    ("forty seconds of goodput samples", {"steps": [T0 + i * 2000 for i in range(21)], "values": [0.1 + i / 100 for i in range(21)],
+                                          "format": "(v) => format.pct(v, 0)", "formatX": CLOCK, "xSteps": "charts.TIME_STEPS_MS"}),
+    ("three hours of goodput samples", {"steps": [T0 + i * 300_000 for i in range(37)], "values": [0.3] * 37,
+                                        "format": "(v) => format.pct(v, 0)", "formatX": CLOCK, "xSteps": "charts.TIME_STEPS_MS"}),
+    ("bytes over parameters, both logarithmic", {"steps": [10 ** (6 + i / 10) for i in range(61)],
+                                                 "values": [16 * 10 ** (6 + i / 10) for i in range(61)],
+                                                 "logX": True, "logY": True, "format": "format.bytes"}),
+    ("a log axis inside one decade", {"steps": [150, 400, 900], "values": [1, 2, 3], "logX": True}),
+])
+def test_a_charts_axis_ticks_are_distinct_labels_inside_the_plot(driver: WebDriver, ui: str, case: str, chart: dict) -> None:
+    code = {k: chart.pop(k) for k in ("format", "formatX", "xSteps") if k in chart}
+    options = ", ".join(f"{k}: {v}" for k, v in code.items())
+    got = in_page(driver, ui, f"""
+      const svg = charts.lineChart({{ name: "t", label: "t", ...args[0], {options} }});
+      document.body.append(svg);
+      const ticks = (axis) => [...svg.querySelectorAll(`text.tick-${{axis}}`)].map((t) => ({{
+        label: t.textContent, x: Number(t.getAttribute("x")), y: Number(t.getAttribute("y")) }}));
+      const result = {{ x: ticks("x"), y: ticks("y") }};
+      svg.remove();
+      return result;
+    """, chart)
+    for axis in ("x", "y"):
+        labels = [t["label"] for t in got[axis]]
+        assert labels, f"{case}: no {axis} tick"
+        assert len(set(labels)) == len(labels), f"{case}: {axis} ticks repeat: {labels}"
+        assert len(labels) <= 7, f"{case}: {labels}"
+    # inside the plot (viewBox 600 x 200, the plot from x 56 to 590 and y 10 to 176)
+    assert all(56 <= t["x"] <= 590 for t in got["x"]), got["x"]
+    assert all(10 <= t["y"] - 4 <= 176 for t in got["y"]), got["y"]
+
+
+def test_every_label_of_the_table_is_in_words_and_so_is_a_name_it_lacks(driver: WebDriver, ui: str) -> None:
+    got = in_page(driver, ui, """
+      return { table: Object.entries(format.LABELS), lacking: ["someNewKind", "optimizerStates2", "plain"].map(format.label) };
+    """)
+    table = dict(got["table"])
+    # the names the pages showed raw
+    assert table["lostWork"] == "Lost work" and table["masterWeights"].startswith("Master weights")
+    assert {"productive", "inFlight", "launchRestore", "checkpointStall", "hang", "idle", "weights", "gradients",
+            "optimizerStates", "optimizer", "total", "ddp", "zero1", "zero2", "fsdp"} <= set(table)
+    assert [words for words in table.values() if CAMEL_CASE.search(words)] == []
+    assert got["lacking"] == ["Some new kind", "Optimizer states 2", "plain"]
+
+
+VIEW = {"jobId": "job-1", "state": "running", "attempts": [], "progress": {"globalStep": 0}, "updatedAt": "2026-12-02T01:27:44Z"}
+ATTEMPT = {"attempt": 1, "startedAt": "2026-12-02T01:27:34Z", "endedAt": "2026-12-02T01:27:44Z"}
+
+
+@pytest.mark.parametrize(("view", "others_have_data", "says"), [
+    (VIEW, False, "no data yet"),
+    ({**VIEW, "state": "queued"}, False, "no data yet"),
+    ({**VIEW, "state": "paused", "attempts": [ATTEMPT]}, False, "no data yet"),
+    ({**VIEW, "state": "cancelled"}, False, "no metrics were recorded: the job was cancelled before it started"),
+    ({**VIEW, "state": "failed", "attempts": [ATTEMPT]}, False, "no metrics were recorded: the job failed before its first step"),
+    ({**VIEW, "state": "succeeded", "attempts": [ATTEMPT], "progress": {"globalStep": 40}}, True, "MFU was not reported by this run"),
+    ({**VIEW, "state": "succeeded", "attempts": [ATTEMPT], "progress": {"globalStep": 40}}, False,
+     "no metrics were recorded: the job succeeded at step 40"),
+])
+def test_an_empty_curve_says_no_data_yet_only_while_the_job_may_still_report(
+        driver: WebDriver, ui: str, view: dict, others_have_data: bool, says: str) -> None:
+    got = in_page(driver, ui, "return job.emptyCurveText(args[0], 'mfu', args[1]);", view, others_have_data)
+    assert got.startswith(says), got
+    if view["state"] in {"succeeded", "failed", "cancelled"}:
+        assert "yet" not in got
+    if view["state"] in {"succeeded", "failed", "cancelled"} and not others_have_data:
+        assert "02 Dec 2026" in got  # when it ended

@@ -19,34 +19,108 @@ function extent(values) {
   return [lo, hi];
 }
 
+const clean = (v) => Number(v.toPrecision(12)); // 0.1 * 3 is 0.30000000000000004
+
+/** A tick's number with exactly the digits its step needs: every multiple of the step reads differently. */
+export function tickNumber(v, step) {
+  if (step == null || !(step > 0)) return num(v);
+  if (v === 0) return "0";
+  const a = Math.abs(v), e = Math.floor(Math.log10(step) + 1e-9); // step = m × 10^e
+  if (a >= 1e6 || e < -4) return v.toExponential(Math.max(0, Math.floor(Math.log10(a) + 1e-9) - e));
+  const digits = Math.max(0, -e);
+  return new Intl.NumberFormat("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits }).format(v);
+}
+
+/** Steps of 1, 2 and 5 × 10^k from span / (count + 1) up, or the given ones (`steps`) that are at least that. */
+function* stepCandidates(span, count, steps, integer) {
+  const least = Math.max(span / (count + 1), integer ? 1 : 0);
+  if (steps) yield* steps.filter((st) => st >= least);
+  let e = Math.floor(Math.log10(least || 1));
+  for (;;) {
+    for (const m of [1, 2, 5]) { const st = clean(m * 10 ** e); if (st >= least && !(steps && st <= steps.at(-1))) yield st; }
+    e++;
+  }
+}
+
+/**
+ * Ticks of a linear axis over [lo, hi]: multiples of the finest step (1, 2, 5 × 10^k, or `steps`) that gives at
+ * most `count` + 1 ticks whose labels (`format(value, step)`) all differ — a step whose labels would round to
+ * the same text is passed over for a coarser one. With `nice` the range grows to whole steps (the returned
+ * `lo`, `hi`). A range no labelled step fits in gets one tick, at its middle.
+ */
+export function axisTicks(lo, hi, { count = 5, steps = null, integer = false, nice = false, format = tickNumber } = {}) {
+  const one = (v) => ({ lo, hi, ticks: [{ value: v, label: format(v, null) }] });
+  if (!(hi > lo) || !Number.isFinite(hi - lo)) return one(lo);
+  for (const step of stepCandidates(hi - lo, count, steps, integer)) {
+    if (step > hi - lo) break;
+    const a = nice ? Math.floor(lo / step + 1e-9) : Math.ceil(lo / step - 1e-9);
+    const b = nice ? Math.ceil(hi / step - 1e-9) : Math.floor(hi / step + 1e-9);
+    const ticks = [];
+    for (let k = a; k <= b; k++) { const value = clean(k * step); ticks.push({ value, label: format(value, step) }); }
+    if (ticks.length <= count + 1 && new Set(ticks.map((t) => t.label)).size === ticks.length) return { lo: nice ? ticks[0].value : lo, hi: nice ? ticks.at(-1).value : hi, ticks };
+  }
+  return one(clean((lo + hi) / 2));
+}
+
+/**
+ * Ticks of a logarithmic axis over [lo, hi] (values, not logarithms): 1, 2, 5 × 10^k, else 1 and 3, else the
+ * decades, else every other decade…, or the given `values`; the densest with at most `count` + 1 distinct labels.
+ * A range inside one decade falls back to linear ticks (placed on the log axis all the same).
+ */
+export function logTicks(lo, hi, { count = 5, values = null, format = tickNumber } = {}) {
+  const decades = (ms) => {
+    const out = [];
+    for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) for (const m of ms) out.push(clean(m * 10 ** e));
+    return out;
+  };
+  const inside = (vs) => vs.filter((v) => v >= lo * (1 - 1e-9) && v <= hi * (1 + 1e-9));
+  const sets = values ? [inside(values)] : [[1, 2, 5], [1, 3], [1]].map((ms) => inside(decades(ms)));
+  const last = sets.at(-1);
+  for (let every = 2; every < last.length; every++) sets.push(last.filter((_, i) => i % every === 0));
+  for (const set of sets) {
+    if (set.length < 2 || set.length > count + 1) continue;
+    const ticks = set.map((value) => ({ value, label: format(value, value) }));
+    if (new Set(ticks.map((t) => t.label)).size === ticks.length) return { lo, hi, ticks };
+  }
+  return axisTicks(lo, hi, { count, format });
+}
+
+/** Steps of a time axis (milliseconds): whole seconds, minutes, hours, days. */
+export const TIME_STEPS_MS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800].map((s) => s * 1000);
+
 /**
  * A line chart of `steps` → `values` in an <svg>; `onZoom(fromStep, toStep)` when the user drags a range.
  * `data-points` on the first polyline says how many points it draws. `lines` adds more series over the same
  * x values (`[{name, values, color}]`), `hline` a horizontal reference (`{value, label}`), `logX` a log axis.
+ * `format` / `formatX` write a tick (`(value, step)`), `xSteps` the x axis's tick steps (e.g. TIME_STEPS_MS),
+ * `xValues` / `yValues` a log axis's tick values; `empty` is what a chart without points says.
  */
-export function lineChart({ name, label, steps, values, onZoom, format = num, formatX, lines = [], hline = null, logX = false, logY = false }) {
+export function lineChart({ name, label, steps, values, onZoom, format = tickNumber, formatX, xSteps = null, xValues = null, yValues = null, lines = [], hline = null, logX = false, logY = false, empty = "no data yet" }) {
   const W = 600, H = 200, L = 56, R = 10, T = 10, B = 24;
   const svg = s("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${label}: ${steps.length} points`, "data-series": name });
   if (!steps.length) {
-    const t = s("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }); t.textContent = "no data yet"; svg.append(t);
+    const t = s("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }); t.textContent = empty; svg.append(t);
     return svg;
   }
   const fx = logX ? Math.log10 : (v) => v;
   const [x0, x1] = steps.length > 1 ? [fx(steps[0]), fx(steps[steps.length - 1])] : [fx(steps[0]) - 1, fx(steps[0]) + 1];
   const fy = logY ? (v) => (v > 0 ? Math.log10(v) : NaN) : (v) => v;
   const [y0, y1] = extent([...values, ...lines.flatMap((l) => l.values), ...(hline ? [hline.value] : [])].map(fy));
+  const yTicks = logY ? logTicks(10 ** y0, 10 ** y1, { values: yValues, format }) : axisTicks(y0, y1, { format });
+  const xFormat = formatX || tickNumber;
+  const xTicks = logX ? logTicks(10 ** x0, 10 ** x1, { count: 4, values: xValues, format: xFormat })
+    : axisTicks(x0, x1, { count: formatX ? 4 : 5, steps: xSteps, integer: !formatX, format: xFormat });
   const x = (v) => L + ((fx(v) - x0) / (x1 - x0 || 1)) * (W - L - R);
   const yt = (u) => T + (1 - (u - y0) / (y1 - y0 || 1)) * (H - T - B);
   const y = (v) => yt(fy(v));
   const text = (attrs, content) => { const t = s("text", attrs); t.textContent = content; svg.append(t); };
-  for (let i = 0; i <= 4; i++) {
-    const u = y0 + ((y1 - y0) * i) / 4;
-    svg.append(s("line", { class: "grid", x1: L, x2: W - R, y1: yt(u), y2: yt(u) }));
-    text({ x: L - 4, y: yt(u) + 4, "text-anchor": "end" }, format(logY ? 10 ** u : u));
+  for (const { value, label: tick } of yTicks.ticks) {
+    svg.append(s("line", { class: "grid", x1: L, x2: W - R, y1: y(value), y2: y(value) }));
+    text({ x: L - 4, y: y(value) + 4, "text-anchor": "end", class: "tick-y" }, tick);
   }
-  for (let i = 0; i <= 4; i++) {
-    const u = x0 + ((x1 - x0) * i) / 4, v = logX ? 10 ** u : u;
-    text({ x: L + ((u - x0) / (x1 - x0 || 1)) * (W - L - R), y: H - 6, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle" }, formatX ? formatX(v) : logX ? num(v) : Math.round(v).toLocaleString("en-US"));
+  for (const { value, label: tick } of xTicks.ticks) {
+    const px = x(value);
+    text({ x: px, y: H - 6, "text-anchor": px - L < 30 ? "start" : W - R - px < 30 ? "end" : "middle", class: "tick-x" }, tick);
   }
   svg.append(s("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }), s("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
   if (hline && Number.isFinite(hline.value)) {

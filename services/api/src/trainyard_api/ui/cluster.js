@@ -2,8 +2,8 @@
 // goodput per tenant, and over time (GET /v1/goodput/history).
 
 import { api, liveJobs } from "./api.js";
-import { h, int, num, pct, seconds, stateBadge, when } from "./format.js";
-import { lineChart, stackedBar } from "./charts.js";
+import { h, int, label, num, pct, seconds, stateBadge, when } from "./format.js";
+import { lineChart, stackedBar, TIME_STEPS_MS } from "./charts.js";
 
 const isAdmin = (me) => me.role === "platform-admin";
 
@@ -67,15 +67,16 @@ export async function render(main, _, ctx) {
 const COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", idle: "#c9ced6" };
 
 function ledgerRow(name, g) {
-  const parts = [{ label: "productive", value: g.productiveDeviceSeconds, color: "#5fae7a" }, { label: "in flight", value: g.inFlightDeviceSeconds, color: "#9ecae1" },
-    ...Object.entries(g.wasted || {}).map(([k, v]) => ({ label: k, value: v, color: COLORS[k] || "#999" }))];
+  const parts = [{ label: label("productive"), value: g.productiveDeviceSeconds, color: "#5fae7a" }, { label: label("inFlight"), value: g.inFlightDeviceSeconds, color: "#9ecae1" },
+    ...Object.entries(g.wasted || {}).map(([k, v]) => ({ label: label(k), value: v, color: COLORS[k] || "#999" }))];
   return h("tr", { "data-tenant": name }, h("th", { scope: "row" }, name), h("td", { class: "num" }, pct(g.goodput)),
     h("td", { class: "num" }, seconds(g.allocatedDeviceSeconds)), h("td", { class: "num" }, seconds(g.wastedDeviceSeconds)),
     h("td", { style: "min-width:240px" }, stackedBar(parts, g.allocatedDeviceSeconds)));
 }
 
 const HISTORY_ROWS = 12;
-const clock = (ms) => new Date(ms).toLocaleString("en-GB", { month: "short", day: "2-digit", hour: "2-digit", minute: "2-digit" });
+/** A time tick: to the minute, or to the second when the ticks are less than a minute apart. */
+const clock = (ms, step) => new Date(ms).toLocaleString("en-GB", { month: "short", day: "2-digit", hour: "2-digit", minute: "2-digit", second: step != null && step < 60_000 ? "2-digit" : undefined });
 
 /** One tenant's goodput per interval as a line over time (x: the interval's end), the newest rows as a table. */
 function historyFigure(name, intervals) {
@@ -88,7 +89,7 @@ function historyFigure(name, intervals) {
       h("td", { class: "num" }, seconds(i.wastedDeviceSeconds))))));
   return h("figure", { "data-history": name, "data-intervals": intervals.length },
     h("figcaption", {}, h("strong", {}, name), h("span", { class: "muted" }, ` ${int(intervals.length)} intervals`)),
-    lineChart({ name: `goodput-${name}`, label: `${name}: goodput to date`, steps: points.map((i) => Date.parse(i.end)), values: points.map((i) => i.goodputToDate), format: (v) => pct(v, 0), formatX: clock }),
+    lineChart({ name: `goodput-${name}`, label: `${name}: goodput to date`, steps: points.map((i) => Date.parse(i.end)), values: points.map((i) => i.goodputToDate), format: (v) => pct(v, 0), formatX: clock, xSteps: TIME_STEPS_MS }),
     intervals.length ? h("details", {}, h("summary", {}, "The newest intervals"), table) : h("p", { class: "muted" }, "No interval yet: the API samples every tenant's ledger every few minutes."));
 }
 

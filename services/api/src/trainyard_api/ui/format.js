@@ -31,6 +31,32 @@ export function seconds(s) {
   return `${(s / 86400).toFixed(1)} days`;
 }
 
+/**
+ * The one table of what the pages call the API's field names: rows and legends say these, never `lostWork`.
+ * A name missing here is still shown in words (see `label`).
+ */
+export const LABELS = {
+  // goodput: where device-time went
+  productive: "Productive", inFlight: "In flight", lostWork: "Lost work", launchRestore: "Launch and restore",
+  checkpointStall: "Checkpoint stalls", hang: "Hangs", idle: "Idle",
+  // the Lab: bytes per parameter and memory per device
+  weights: "Weights", gradients: "Gradients", masterWeights: "Master weights (fp32)", optimizerStates: "Optimizer states (Adam's moments)",
+  optimizer: "Optimizer, all (master weights and moments)", total: "Total",
+  parametersBytes: "Parameters", gradientsBytes: "Gradients", optimizerBytes: "Optimizer states", activationsBytes: "Activations",
+  totalBytes: "Total", capacityBytes: "Device memory", headroomBytes: "Headroom (kept free)", usableBytes: "Usable", freeBytes: "Left over",
+  ddp: "DDP", zero1: "ZeRO-1", zero2: "ZeRO-2", fsdp: "FSDP",
+  // metric series
+  loss: "Loss", lr: "Learning rate", tokensPerSecond: "Tokens/s", mfu: "MFU", stepSeconds: "Step",
+  computeSeconds: "Compute", collectiveSeconds: "Collective", dataWaitSeconds: "Data wait", checkpointSeconds: "Checkpoint",
+};
+
+/** What a page calls the field `key`: the table's words, else the name split into words (`fooBar` → "Foo bar"). */
+export function label(key) {
+  if (Object.hasOwn(LABELS, key)) return LABELS[key];
+  const words = String(key).replace(/([a-z0-9])([A-Z])/g, "$1 $2").replace(/([A-Za-z])([0-9])/g, "$1 $2");
+  return words === key ? key : words[0].toUpperCase() + words.slice(1).toLowerCase();
+}
+
 export function rate(perSecond, unit) { return perSecond == null ? "—" : `${num(perSecond, 3)} ${unit}/s`; }
 
 export function when(iso) {

@@ -2,12 +2,12 @@
 // checkpoints, goodput, log tail per rank; actions; "Open in the Lab".
 
 import { api, liveJobs, stream } from "./api.js";
-import { bytes, h, int, notify, num, pct, rate, seconds, stateBadge, when } from "./format.js";
+import { bytes, h, int, label, notify, num, pct, rate, seconds, stateBadge, when } from "./format.js";
 import { heatMap, lineChart, stackedBar } from "./charts.js";
 import { actionsFor, control, etaSeconds } from "./jobs.js";
 
-const CURVES = [["loss", "Loss"], ["lr", "Learning rate"], ["tokensPerSecond", "Tokens/s"], ["mfu", "MFU"]];
-const TIMING = [["computeSeconds", "compute"], ["collectiveSeconds", "collective"], ["dataWaitSeconds", "data wait"], ["checkpointSeconds", "checkpoint"]];
+const CURVES = ["loss", "lr", "tokensPerSecond", "mfu"];
+const TIMING = ["computeSeconds", "collectiveSeconds", "dataWaitSeconds", "checkpointSeconds"];
 const WASTE_COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", idle: "#c9ced6" };
 const MAX_POINTS = 2000;
 const HEAT_BUCKETS = 60;
@@ -38,6 +38,29 @@ export function labQuery(view) {
   return q;
 }
 
+const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
+const ENDED = { succeeded: "succeeded", failed: "failed", cancelled: "was cancelled" };
+
+/** How a finished job ended, for the parts it left empty: "the job was cancelled before its first step (…)". */
+export function endedText(view) {
+  const steps = view.progress?.globalStep || 0;
+  const at = view.attempts.at(-1)?.endedAt || view.updatedAt;
+  const where = !view.attempts.length ? "before it started" : steps ? `at step ${int(steps)}` : "before its first step";
+  return `the job ${ENDED[view.state] || view.state} ${where}${at ? ` (${when(at)})` : ""}`;
+}
+
+/** What an empty part of a job's page says: `live` while the job may still fill it, `done` once it cannot. */
+export function emptyText(view, live, done) {
+  return FINISHED.has(view.state) ? done : live;
+}
+
+/** What a curve without points says: "no data yet" while the job runs; once finished, what happened. */
+export function emptyCurveText(view, name, othersHaveData) {
+  if (!FINISHED.has(view.state)) return "no data yet";
+  if (othersHaveData) return `${label(name)} was not reported by this run`;
+  return `no metrics were recorded: ${endedText(view)}`;
+}
+
 function section(id, title, ...children) {
   return h("section", { class: "card", id, "aria-labelledby": `${id}-h` }, h("h2", { id: `${id}-h` }, title), ...children);
 }
@@ -60,7 +83,7 @@ function header(view, ctx, refresh) {
         view.reason ? h("p", { class: "muted", id: "job-reason" }, view.reason) : null),
       h("dl", { class: "kv" },
         h("dt", {}, "loss"), h("dd", {}, num(pr.lastLoss, 4)),
-        h("dt", {}, "tokens/s"), h("dd", {}, rate(pr.tokensPerSecond, "tok")),
+        h("dt", {}, "tokens/s"), h("dd", { id: "job-tokens-per-second", "data-value": pr.tokensPerSecond, title: "the attempt's tokens over its step time without checkpoint stalls" }, rate(pr.tokensPerSecond, "tok")),
         h("dt", {}, "MFU"), h("dd", {}, pr.mfu == null ? "—" : pct(pr.mfu)),
         h("dt", {}, "goodput"), h("dd", {}, pct(view.goodput?.goodput))),
       h("div", { class: "actions" },
@@ -94,7 +117,7 @@ function lineage(view, artifacts) {
 }
 
 function attemptsTimeline(view) {
-  if (!view.attempts.length) return h("p", { class: "muted" }, "No attempt yet.");
+  if (!view.attempts.length) return h("p", { class: "muted", id: "attempts-empty" }, emptyText(view, "No attempt yet.", `No attempt ran: ${endedText(view)}.`));
   const now = Date.now();
   const t0 = Math.min(...view.attempts.map((a) => Date.parse(a.startedAt)));
   const t1 = Math.max(...view.attempts.map((a) => (a.endedAt ? Date.parse(a.endedAt) : now)), t0 + 1000);
@@ -115,7 +138,7 @@ function attemptsTimeline(view) {
 }
 
 function checkpointsTable(view) {
-  if (!view.checkpoints.length) return h("p", { class: "muted" }, "No checkpoint yet.");
+  if (!view.checkpoints.length) return h("p", { class: "muted", id: "checkpoints-empty" }, emptyText(view, "No checkpoint yet.", `No checkpoint was written: ${endedText(view)}.`));
   return h("table", { id: "checkpoints" },
     h("thead", {}, h("tr", {}, ...["Checkpoint", "State", "Step", "Attempt", "Size", "Write time", "Created", "Reason"].map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, ...view.checkpoints.map((c) => h("tr", { "data-checkpoint": c.checkpointId },
@@ -124,11 +147,12 @@ function checkpointsTable(view) {
       h("td", {}, when(c.createdAt)), h("td", {}, c.reason || "—")))));
 }
 
-function goodputBreakdown(g) {
-  if (!g) return h("p", { class: "muted" }, "Nothing allocated yet.");
-  const parts = [{ label: "productive", value: g.productiveDeviceSeconds, color: "#5fae7a" },
-    { label: "in flight", value: g.inFlightDeviceSeconds, color: "#9ecae1" },
-    ...Object.entries(g.wasted || {}).map(([k, v]) => ({ label: k, value: v, color: WASTE_COLORS[k] || "#999" }))];
+function goodputBreakdown(view) {
+  const g = view.goodput;
+  if (!g) return h("p", { class: "muted", id: "goodput-empty" }, emptyText(view, "Nothing allocated yet.", `No device-time was allocated: ${endedText(view)}.`));
+  const parts = [{ label: label("productive"), value: g.productiveDeviceSeconds, color: "#5fae7a" },
+    { label: label("inFlight"), value: g.inFlightDeviceSeconds, color: "#9ecae1" },
+    ...Object.entries(g.wasted || {}).map(([k, v]) => ({ label: label(k), value: v, color: WASTE_COLORS[k] || "#999" }))];
   return h("div", { id: "goodput" },
     h("p", {}, h("span", { class: "big" }, pct(g.goodput)), " of ", seconds(g.allocatedDeviceSeconds), " device-time allocated was productive"),
     stackedBar(parts, g.allocatedDeviceSeconds),
@@ -136,7 +160,7 @@ function goodputBreakdown(g) {
       h("td", { class: "num" }, seconds(p.value)), h("td", { class: "num" }, g.allocatedDeviceSeconds ? pct(p.value / g.allocatedDeviceSeconds) : "—"))))));
 }
 
-function curvesSection(jobId, ctx) {
+function curvesSection(jobId, ctx, viewOf) {
   const from = h("input", { id: "zoom-from", type: "number", min: 0, step: 1, inputmode: "numeric" });
   const to = h("input", { id: "zoom-to", type: "number", min: 0, step: 1, inputmode: "numeric" });
   const info = h("p", { class: "muted", id: "curves-info", "aria-live": "polite" });
@@ -146,15 +170,15 @@ function curvesSection(jobId, ctx) {
     h("button", { type: "submit", id: "zoom-apply" }, "Zoom"), h("button", { type: "button", id: "zoom-reset" }, "Whole run"));
   let range = null;
   async function load() {
-    const q = new URLSearchParams({ series: CURVES.map((c) => c[0]).join(","), maxPoints: String(MAX_POINTS) });
+    const q = new URLSearchParams({ series: CURVES.join(","), maxPoints: String(MAX_POINTS) });
     if (range) { q.set("fromStep", String(range[0])); q.set("toStep", String(range[1])); }
     const m = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
-    grid.replaceChildren(...CURVES.map(([name, label]) => {
-      const sr = m.series[name] || { steps: [], values: [], totalPoints: 0 };
-      return h("figure", { "data-curve": name, "data-total": sr.totalPoints },
-        h("figcaption", {}, h("strong", {}, label), h("span", { class: "muted" }, ` ${int(sr.steps.length)} of ${int(sr.totalPoints)} steps`)),
-        lineChart({ name, label, steps: sr.steps, values: sr.values, onZoom: (a, b) => { from.value = a; to.value = b; range = [a, b]; load(); } }));
-    }));
+    const series = CURVES.map((name) => [name, m.series[name] || { steps: [], values: [], totalPoints: 0 }]);
+    const anyData = series.some(([, sr]) => sr.totalPoints > 0);
+    grid.replaceChildren(...series.map(([name, sr]) => h("figure", { "data-curve": name, "data-total": sr.totalPoints },
+      h("figcaption", {}, h("strong", {}, label(name)), h("span", { class: "muted" }, ` ${int(sr.steps.length)} of ${int(sr.totalPoints)} steps`)),
+      lineChart({ name, label: label(name), steps: sr.steps, values: sr.values, empty: emptyCurveText(viewOf(), name, anyData),
+        onZoom: (a, b) => { from.value = a; to.value = b; range = [a, b]; load(); } }))));
     info.className = "muted";
     info.textContent = `steps ${int(m.fromStep)}–${int(m.toStep)} · ${m.method === "all" ? "every step" : `down-sampled (${m.method}) to at most ${int(MAX_POINTS)} points`} · drag across a chart to zoom`;
   }
@@ -164,19 +188,22 @@ function curvesSection(jobId, ctx) {
   return { el: section("curves-section", "Curves", zoomForm, info, grid), load: () => (range ? Promise.resolve() : load()), fail };
 }
 
-function heatSection(jobId, ctx, stragglersOf) {
-  const select = h("select", { id: "heat-series" }, ...TIMING.map(([v, l]) => h("option", { value: v }, l)));
+function heatSection(jobId, ctx, stragglersOf, viewOf) {
+  const select = h("select", { id: "heat-series" }, ...TIMING.map((v) => h("option", { value: v }, label(v))));
   const holder = h("div", { id: "heatmap" });
   let data = null;
   const draw = () => {
     if (!data) return;
-    if (!data.ranks || !Object.keys(data.ranks).length) { holder.replaceChildren(h("p", { class: "muted" }, "No per-rank timing yet.")); return; }
+    if (!data.ranks || !Object.keys(data.ranks).length) {
+      holder.replaceChildren(h("p", { class: "muted", id: "heatmap-empty" }, emptyText(viewOf(), "No per-rank timing yet.", `No per-rank timing was recorded: ${endedText(viewOf())}.`)));
+      return;
+    }
     holder.replaceChildren(heatMap({ ranks: data.ranks, series: select.value, stragglers: stragglersOf(), label: `${select.selectedOptions[0].textContent} seconds per rank over steps` }));
   };
   select.addEventListener("change", draw);
   const fail = (e) => holder.replaceChildren(h("p", { class: "error" }, `The per-rank timing could not be read: ${e.message}`));
   async function load() {
-    const q = new URLSearchParams({ series: TIMING.map((t) => t[0]).join(","), byRank: "true", maxPoints: String(HEAT_BUCKETS) });
+    const q = new URLSearchParams({ series: TIMING.join(","), byRank: "true", maxPoints: String(HEAT_BUCKETS) });
     data = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
     draw();
   }
@@ -201,7 +228,7 @@ function logsSection(view, ctx) {
   };
   async function load() {
     reader?.abort();
-    if (!attempt.value) { pre.textContent = "No attempt yet."; return; }
+    if (!attempt.value) { pre.textContent = emptyText(current, "No attempt yet.", `No attempt ran, so there is no log: ${endedText(current)}.`); return; }
     reader = new AbortController();
     ctx.signal.addEventListener("abort", () => reader.abort(), { once: true });
     const q = new URLSearchParams({ attempt: attempt.value, rank: rank.value || "0", tail: "200", follow: String(follow.checked) });
@@ -230,8 +257,8 @@ export async function render(main, { id }, ctx) {
   const cks = section("checkpoints-section", "Checkpoints");
   const good = section("goodput-section", "Goodput");
   const stragglers = () => new Set((view.stragglers || []).filter((s) => s.attempt === view.attempts.at(-1)?.attempt).map((s) => s.rank));
-  const curves = curvesSection(id, ctx);
-  const heat = heatSection(id, ctx, stragglers);
+  const curves = curvesSection(id, ctx, () => view);
+  const heat = heatSection(id, ctx, stragglers, () => view);
   const logs = logsSection(view, ctx);
   const paint = () => {
     const focused = document.activeElement?.id; // a keyboard user keeps their place across live updates
@@ -239,7 +266,7 @@ export async function render(main, { id }, ctx) {
     lin.replaceChildren(lin.firstChild, lineage(view, artifacts));
     att.replaceChildren(att.firstChild, attemptsTimeline(view));
     cks.replaceChildren(cks.firstChild, checkpointsTable(view));
-    good.replaceChildren(good.firstChild, goodputBreakdown(view.goodput));
+    good.replaceChildren(good.firstChild, goodputBreakdown(view));
     if (focused && document.activeElement?.id !== focused) document.getElementById(focused)?.focus();
   };
   async function refresh() {

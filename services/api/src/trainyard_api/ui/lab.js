@@ -2,7 +2,7 @@
 // functions `trainyard plan` uses). Every control change asks the API again; the page shows its answer.
 
 import { api } from "./api.js";
-import { bytes, h, int, num, pct, seconds } from "./format.js";
+import { bytes, h, int, label, num, pct, seconds } from "./format.js";
 import { chartLegend, lineChart } from "./charts.js";
 
 /** A model field: a catalog ref (`gpt-1b@v1`), a parameter count (`7e9`), or inline JSON. */
@@ -13,12 +13,12 @@ export function modelOf(text) {
   return t;
 }
 
-function field(id, label, attrs) {
+function field(id, text, attrs) {
   if (attrs.type === "number" && attrs.required === undefined) attrs = { ...attrs, required: true };
   const input = h(attrs.options ? "select" : "input", { id, name: id, ...attrs, options: null, value: attrs.options ? null : attrs.value },
-    ...(attrs.options || []).map((o) => h("option", { value: o, selected: String(o) === String(attrs.value) }, o)));
+    ...(attrs.options || []).map((o) => h("option", { value: o, selected: String(o) === String(attrs.value) }, label(o))));
   if (attrs.type === "checkbox") input.checked = !!attrs.value;
-  return h("label", { for: id, class: attrs.type === "checkbox" ? "check" : null }, attrs.type === "checkbox" ? input : null, label, attrs.type === "checkbox" ? null : input);
+  return h("label", { for: id, class: attrs.type === "checkbox" ? "check" : null }, attrs.type === "checkbox" ? input : null, text, attrs.type === "checkbox" ? null : input);
 }
 
 function value(form, id) {
@@ -62,7 +62,7 @@ function experiment({ id, title, intro, fields, endpoint, body, draw, ctx }) {
   return { el: h("section", { class: "card", id, "aria-labelledby": `${id}-h` }, h("h2", { id: `${id}-h` }, title), h("p", { class: "muted" }, intro), form, status, out), run };
 }
 
-const PER_DEVICE = [["parametersBytes", "parameters"], ["gradientsBytes", "gradients"], ["optimizerBytes", "optimizer states"], ["activationsBytes", "activations"], ["totalBytes", "total"], ["capacityBytes", "device memory"], ["headroomBytes", "headroom (kept free)"], ["usableBytes", "usable"], ["freeBytes", "left over"]];
+const PER_DEVICE = ["parametersBytes", "gradientsBytes", "optimizerBytes", "activationsBytes", "totalBytes", "capacityBytes", "headroomBytes", "usableBytes", "freeBytes"];
 
 function drawMemory(out, a, request) {
   const d = a.perDevice || {};
@@ -71,15 +71,25 @@ function drawMemory(out, a, request) {
   const kinds = curve.length ? Object.keys(curve[0]).filter((k) => k !== "parameters") : [];
   out.replaceChildren(
     h("div", { class: "grid" },
-      h("table", { id: "memory-per-device" }, h("caption", {}, "per device"), h("tbody", {}, ...PER_DEVICE.map(([k, l]) => h("tr", { "data-field": k }, h("th", { scope: "row" }, l), h("td", { class: "num", "data-bytes": d[k] }, bytes(d[k])))))),
+      h("table", { id: "memory-per-device" }, h("caption", {}, "per device"), h("tbody", {}, ...PER_DEVICE.map((k) => h("tr", { "data-field": k }, h("th", { scope: "row" }, label(k)), h("td", { class: "num", "data-bytes": d[k] }, bytes(d[k])))))),
       h("div", {},
-        h("table", { id: "memory-bytes-per-parameter" }, h("caption", {}, "bytes per parameter"), h("tbody", {}, ...Object.entries(bpp).map(([k, v]) => h("tr", { "data-field": k }, h("th", { scope: "row" }, k), h("td", { class: "num" }, num(v)))))),
+        h("table", { id: "memory-bytes-per-parameter" }, h("caption", {}, "bytes per parameter"), h("tbody", {}, ...Object.entries(bpp).map(([k, v]) => h("tr", { "data-field": k }, h("th", { scope: "row" }, label(k)), h("td", { class: "num" }, num(v)))))),
         h("p", { id: "memory-fits", class: d.fits === false ? "error" : "notice" }, d.fits === false ? `Does not fit: ${bytes(-d.freeBytes)} over what one device may use.` : `Fits, with ${bytes(d.freeBytes)} to spare.`),
         h("p", { id: "memory-sharding-needed" }, "Sharding becomes necessary above ", h("strong", { "data-value": a.shardingNeededAbove }, a.shardingNeededAbove == null ? "—" : `${num(a.shardingNeededAbove)} parameters`)))),
     curve.length ? memoryChart(curve, kinds, d, request) : null,
-    curve.length ? h("details", {}, h("summary", {}, "The curve as a table"), h("table", { id: "memory-curve" }, h("thead", {}, h("tr", {}, h("th", { class: "num" }, "parameters"), ...kinds.map((k) => h("th", { class: "num" }, k)))),
+    curve.length ? h("details", {}, h("summary", {}, "The curve as a table"), h("table", { id: "memory-curve" }, h("thead", {}, h("tr", {}, h("th", { class: "num" }, "Parameters"), ...kinds.map((k) => h("th", { class: "num" }, label(k))))),
       h("tbody", {}, ...curve.map((p) => h("tr", {}, h("td", { class: "num" }, num(p.parameters)), ...kinds.map((k) => h("td", { class: "num" }, bytes(p[k])))))))) : null);
 }
+
+/** Tick values of a log bytes axis (1 B, 32 B, 1 KiB, 32 KiB, …) and how a tick says them ("32 GiB"). */
+const BINARY_UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+const BINARY = BINARY_UNITS.flatMap((_, i) => [1024 ** i, 32 * 1024 ** i]);
+function bytesTick(v) {
+  const i = BINARY_UNITS.findLastIndex((_, k) => v >= 1024 ** k);
+  const q = v / 1024 ** Math.max(i, 0);
+  return i >= 0 && Number.isInteger(q) ? `${q} ${BINARY_UNITS[i]}` : bytes(v);
+}
+const compact = new Intl.NumberFormat("en-US", { notation: "compact" });
 
 const SHARDING_COLORS = { ddp: "#2456c7", zero1: "#1f7a3f", zero2: "#9a6200", fsdp: "#8e3fb3" };
 
@@ -89,10 +99,10 @@ function memoryChart(curve, kinds, perDevice, request) {
   const [first, ...rest] = kinds;
   return h("figure", {}, h("figcaption", {}, `memory per device vs parameters (both axes logarithmic), ${request.devices} devices`),
     h("div", { class: "charts" }, h("div", {},
-      lineChart({ name: "memory", label: "bytes per device by sharding", steps, values: curve.map((p) => p[first]), logX: true, logY: true, format: bytes,
+      lineChart({ name: "memory", label: "bytes per device by sharding", steps, values: curve.map((p) => p[first]), logX: true, logY: true, format: bytesTick, yValues: BINARY, formatX: (v) => compact.format(v),
         lines: rest.map((k) => ({ name: k, values: curve.map((p) => p[k]), color: SHARDING_COLORS[k] || "#666" })),
         hline: usable != null ? { value: usable, label: `usable ${bytes(usable)}` } : null }),
-      chartLegend(kinds.map((k) => ({ label: k, color: SHARDING_COLORS[k] || "#666" }))))));
+      chartLegend(kinds.map((k) => ({ label: label(k), color: SHARDING_COLORS[k] || "#666" }))))));
 }
 
 function drawScaling(out, a) {
@@ -108,12 +118,20 @@ function drawScaling(out, a) {
         h("td", { class: "num" }, seconds(p.communicationSeconds)), h("td", { class: "num" }, num(p.commToCompute)), h("td", { class: "num" }, num(p.tokensPerSecond)), h("td", { class: "num" }, pct(p.efficiency)))))));
 }
 
+/** Round durations for a log time axis, and how a tick says them ("10 min", not "10 min 0 s"). */
+const DURATIONS = [1, 10, 60, 600, 3600, 6 * 3600, 86400, 7 * 86400];
+const UNIT_SECONDS = [[86400, "d"], [3600, "h"], [60, "min"], [1, "s"]];
+function durationTick(v) {
+  const [unit, name] = UNIT_SECONDS.find(([u]) => v >= u && Number.isInteger(v / u)) || [];
+  return unit ? `${v / unit} ${name}` : seconds(v);
+}
+
 function drawCheckpoint(out, a) {
   const c = a.curve || [];
   out.replaceChildren(
     h("p", { id: "checkpoint-optimum" }, "Young/Daly optimum: checkpoint every ", h("strong", { "data-value": a.optimumSeconds }, seconds(a.optimumSeconds))),
     h("div", { class: "charts" }, h("figure", {}, h("figcaption", {}, "expected waste vs checkpoint interval"),
-      lineChart({ name: "checkpoint-waste", label: "wasted fraction", steps: c.map((p) => p.intervalSeconds), values: c.map((p) => p.wasteFraction), format: (v) => pct(v), formatX: seconds, logX: true,
+      lineChart({ name: "checkpoint-waste", label: "wasted fraction", steps: c.map((p) => p.intervalSeconds), values: c.map((p) => p.wasteFraction), format: (v) => pct(v), formatX: durationTick, xValues: DURATIONS, logX: true,
         lines: [{ name: "redo", values: c.map((p) => p.redoFraction), color: "#e07b73" }, { name: "overhead", values: c.map((p) => p.overheadFraction), color: "#e8b04a" }] }),
       chartLegend([{ label: "waste", color: "#2456c7" }, { label: "redo", color: "#e07b73" }, { label: "overhead (writing)", color: "#e8b04a" }]))),
     h("table", { id: "checkpoint-curve" }, h("thead", {}, h("tr", {}, ...["interval", "redo", "overhead", "waste"].map((t) => h("th", { class: "num", scope: "col" }, t)))),
