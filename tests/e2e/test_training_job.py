@@ -162,6 +162,13 @@ def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSin
             assert path.stat().st_size == shard["sizeBytes"]
             assert sha256_file(path) == shard["sha256"]
         assert manifest["contentHash"] == final["contentHash"]
+        # the values' hash, as the ranks reported their entries: in the manifest and the API's checkpoint view
+        assert final["tensorsHash"].startswith("sha256:") and manifest["tensorsHash"] == final["tensorsHash"]
+        assert {"model.wte.weight", "rng.rank_0.torch", "rng.rank_1.torch"} <= {t["key"] for t in manifest["tensors"]}
+        assert len({c["tensorsHash"] for c in ready}) == len(ready)  # trained between checkpoints
+        shown = trainyard(stack, "jobs", "checkpoints", job_id)
+        assert shown.returncode == 0, shown.stderr
+        assert "TENSORS HASH" in shown.stdout and final["tensorsHash"][:19] in shown.stdout
 
         # -- registry: checkpoint artifacts and the final model, with lineage. The registry records the model
         # when it consumes the job's `succeeded`, which the API may show a moment earlier.
@@ -170,6 +177,7 @@ def test_tiny_job_runs_end_to_end(stack: LocalStack, dataset: str, sink: OtlpSin
         assert kinds == {"checkpoint", "model"}
         model = next(a for a in arts if a["type"] == "model")
         assert model["hash"] == final["contentHash"]
+        assert model["tensorsHash"] == final["tensorsHash"]
         lineage = model["lineage"]
         assert lineage["specHash"] == accepted["specHash"]
         assert lineage["codeRevision"] == spec["codeRevision"]
