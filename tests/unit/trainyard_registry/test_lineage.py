@@ -21,6 +21,7 @@ from trainyard_registry.lineage import (
     model_artifact,
     model_config_ref,
     ready_mismatch,
+    registered,
     tokenizer_ref,
 )
 
@@ -181,3 +182,19 @@ def test_a_job_started_from_a_hugging_face_directory_names_it_in_every_artifact_
         "file:///art/tenants/t/models/tiny")
     plain = build_lineage(job(), 1, DATASET)
     assert plain.parent_hugging_face is None and "parentHuggingFace" not in plain.model_dump(by_alias=True)
+
+
+def test_checkpoint_and_model_artifacts_and_their_announcement_carry_the_tensors_hash() -> None:
+    tensors = "sha256:" + "7" * 64
+    with_values = ready().model_copy(update={"tensors_hash": tensors})
+    checkpoint = checkpoint_artifact(job(), with_values, DATASET, now=NOW)
+    assert (checkpoint.hash, checkpoint.tensors_hash) == ("sha256:" + "c" * 64, tensors)
+    ckpt = CheckpointRecord(job_id="j", tenant="t", attempt=2, epoch=2, global_step=40, world_size=2, state="READY",
+                            manifest_uri=MANIFEST, content_hash="sha256:" + "c" * 64, tensors_hash=tensors)
+    model = model_artifact(job(), ckpt, DATASET, now=NOW)
+    assert model.tensors_hash == tensors
+    announced = registered(model, now=NOW)
+    assert (announced.hash, announced.tensors_hash) == (model.hash, tensors)
+    # a checkpoint whose ranks reported no entries: no tensors hash anywhere, the content hash as before
+    older = checkpoint_artifact(job(), ready(), DATASET, now=NOW)
+    assert older.tensors_hash is None and registered(older, now=NOW).tensors_hash is None
