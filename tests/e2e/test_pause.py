@@ -87,11 +87,11 @@ class CheckpointTap:
         with self._lock:
             return [e for e in self.seen if isinstance(e, cls)]
 
-    def assembled_steps(self) -> list[int]:
-        """Steps every rank has reported its shard of (attempt 1), in order."""
+    def assembled_steps(self, attempt: int) -> list[int]:
+        """Steps every rank of ``attempt`` has reported its shard of, in order."""
         ranks: dict[int, set[int]] = {}
         for shard in self.events(ev.ShardWritten):
-            if shard.attempt == 1:
+            if shard.attempt == attempt:
                 ranks.setdefault(shard.global_step, set()).add(shard.rank)
         return sorted(step for step, got in ranks.items() if len(got) == WORLD)
 
@@ -134,9 +134,9 @@ def pids(stack: LocalStack, *names: str) -> list[int]:
     return [found[n] for n in names]
 
 
-def last_step_trained(stack: LocalStack, job_id: str) -> int:
+def last_step_trained(stack: LocalStack, job_id: str, attempt: int) -> int:
     """The highest step rank 0 has reported in its event spool (the ranks' own record, not the API's view)."""
-    (spool,) = stack.s.artifact_root.glob(f"**/jobs/{job_id}/attempts/1/events/rank-0.jsonl")
+    (spool,) = stack.s.artifact_root.glob(f"**/jobs/{job_id}/attempts/{attempt}/events/rank-0.jsonl")
     steps = [0]
     for line in spool.read_text().splitlines():
         try:
@@ -184,16 +184,19 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
         with CheckpointTap(stack, job_id) as tap:
             try:
                 wait_for_state(client, job_id, {"running"}, timeout_s=180)
+                # (on a shared host an attempt can fail to rendezvous and be retried: follow the one that runs)
+                attempt = wait_for(lambda: (a := job_record(stack, job_id).current) is not None and a.state == "running"
+                                   and len(a.started_ranks) == WORLD and a.attempt, "ranks running", timeout_s=180)
                 # 1. the coordinator stops assembling: the next scheduled checkpoint's shards wait on the broker
                 freeze(coordinator)
                 ready_before = {e.global_step for e in tap.events(ev.CheckpointReady)}
-                in_flight = wait_for(lambda: [s for s in tap.assembled_steps() if s not in ready_before],
+                in_flight = wait_for(lambda: [s for s in tap.assembled_steps(attempt) if s not in ready_before],
                                      "every shard of a scheduled checkpoint on the broker", timeout_s=120)[0]
                 assert in_flight % EVERY == 0 and in_flight < MAX_STEPS
                 # 2. the agents stop relaying: the pause request reaches no rank until they go on
                 freeze(*agents)
                 frozen_at = time.monotonic()
-                reached = last_step_trained(stack, job_id)
+                reached = last_step_trained(stack, job_id, attempt)
                 assert client.post(f"/v1/training-jobs/{job_id}/pause").status_code == 202
                 wait_for(lambda: job_record(stack, job_id).control == "pause", "the scheduler to record the pause",
                          timeout_s=AGENTS_FROZEN_AT_MOST_S)
@@ -211,7 +214,7 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
             paused = wait_for_state(client, job_id, {"paused", "failed", "succeeded", "cancelled"}, timeout_s=180)
         assert paused["state"] == "paused", json.dumps(paused)[:3000]
         record = job_record(stack, job_id)
-        first = record.attempts[0]
+        first = record.attempts[attempt - 1]
         # the ranks exited 7 by themselves, with their checkpoint; nobody SIGTERMed them
         assert first.state == "revoked" and first.exited_ranks == {str(r): 7 for r in range(WORLD)}, first
         pause_step = first.ready_step_at_end
@@ -222,7 +225,7 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
         assert client.post(f"/v1/training-jobs/{job_id}/resume").status_code == 202
         done = wait_for_state(client, job_id, {"succeeded", "failed", "cancelled"}, timeout_s=600)
         assert done["state"] == "succeeded", json.dumps(done)[:3000]
-        assert done["attempts"][1]["startCheckpoint"]["globalStep"] == pause_step
+        assert done["attempts"][attempt]["startCheckpoint"]["globalStep"] == pause_step
         assert done["progress"]["globalStep"] == MAX_STEPS
         assert done["progress"]["consumedTokens"] == MAX_STEPS * TOKENS_PER_STEP  # nothing trained twice or skipped
         assert done["goodput"]["wasted"]["lostWork"] == pytest.approx(0, abs=1e-6)  # the pause lost no step

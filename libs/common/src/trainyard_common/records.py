@@ -65,7 +65,9 @@ class AttemptRecord(Record):
     preempted_by: str | None = Field(default=None, description="job this attempt is being preempted for")
     preempt_requested_at: datetime | None = None
     preempt_after_step: int | None = Field(
-        default=None, description="latest READY step when preemption was asked (-1: none); a newer one ends it"
+        default=None, description="latest READY step when a stop (pause, drain, preemption) was asked (-1: none); "
+                                  "raised to the ranks' stop step - 1 as they exit 7: only a READY checkpoint past it "
+                                  "ends the stop (transitions.stop_checkpoint)"
     )
     # checkpoint-then-stop (pause uses preempt_requested_at / preempt_after_step too; JobRecord.control says which)
     ranks_stopped_at: datetime | None = Field(
