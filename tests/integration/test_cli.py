@@ -125,3 +125,28 @@ async def test_triggers_create_list_show_delete_and_a_rejected_template(server: 
     assert code == 0 and f"deleted trigger {trigger_id}" in out
     code, out = await cli(server, "triggers", "show", trigger_id)
     assert code == 1 and "no trigger" in out
+
+
+async def test_what_the_api_stores_and_says_prints_as_text_and_a_broken_spec_names_its_file(
+    server: ApiServer, tmp_path: Path
+) -> None:
+    spec = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    spec["name"] = "[b]x[/b]"
+    (tmp_path / "named.yaml").write_text(yaml.safe_dump(spec))
+    code, out = await cli(server, "submit", str(tmp_path / "named.yaml"))
+    assert code == 0, out
+    job_id = out.split("submitted ", 1)[1].split()[0]
+
+    code, out = await cli(server, "jobs", "list")
+    assert code == 0 and job_id in out and "[b]x[/b]" in out
+    code, out = await cli(server, "jobs", "get", job_id)
+    assert code == 0 and "[b]x[/b]" in out
+
+    spec["resources"]["gpus"] = [1, 2]  # refused by the API, the field named
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    code, out = await cli(server, "submit", str(tmp_path / "bad.yaml"))
+    assert code == 1 and "resources.gpus" in out
+
+    (tmp_path / "broken.yaml").write_text("name: x\n  training: [1, 2]\n")
+    code, out = await cli(server, "submit", str(tmp_path / "broken.yaml"))
+    assert code == 2 and f"{tmp_path / 'broken.yaml'}, line 2, column 11: " in " ".join(out.split())
