@@ -15,10 +15,11 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union
 from uuid import UUID, uuid4
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-from pydantic.alias_generators import to_camel
+from pydantic import Field, TypeAdapter
 
 from trainyard_common.spec import TrainingSpec
+from trainyard_common.wirebase import CheckpointRef, JobState, PlacementDetail
+from trainyard_common.wirebase import FrozenWire as _Wire
 
 # ----------------------------------------------------------------------------- topics
 
@@ -37,22 +38,11 @@ ALL_TOPICS: tuple[str, ...] = (
     JOBS, NODES, ALLOCATIONS, WORKERS, CHECKPOINTS, METRICS, DATASETS, REGISTRY, EXPORTS, DEADLETTER,
 )
 
-JobState = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-class _Wire(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        frozen=True,
-        extra="ignore",
-        protected_namespaces=(),
-    )
 
 
 class Event(_Wire):
@@ -203,32 +193,6 @@ class NodeAssignment(_Wire):
     node_id: str
     host: str
     ranks: list[RankAssignment]
-
-
-class PlacementDetail(_Wire):
-    """How local a gang's placement is (the scheduler's placement score explained).
-
-    Links are the gang's communication pairs: TP ring neighbours, DP ring neighbours within a
-    pipeline stage, and adjacent pipeline stages; each is counted by the widest boundary it crosses.
-    """
-
-    mode: str = Field(default="pack", description="pack | rack | domain | spread[:N]")
-    nodes: int = 0
-    nvlink_domains: int = 0
-    racks: int = 0
-    network_tiers: int = 0
-    links: int = 0
-    cross_node_links: int = Field(default=0, description="links leaving an NVLink domain (over the NIC)")
-    cross_rack_links: int = 0
-    cross_tier_links: int = 0
-    tp_groups_split: int = Field(default=0, description="TP groups not inside one NVLink domain (0 by construction)")
-
-
-class CheckpointRef(_Wire):
-    manifest_uri: str
-    global_step: int
-    attempt: int
-    content_hash: str | None = None
 
 
 class GangAllocated(Event):

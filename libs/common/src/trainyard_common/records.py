@@ -30,6 +30,7 @@ from trainyard_common.events import (
     utcnow,
 )
 from trainyard_common.spec import DatasetRef, TrainingSpec
+from trainyard_common.wirebase import CheckpointState  # PENDING → READY | FAILED; READY → DELETED
 
 
 class Record(BaseModel):
@@ -174,10 +175,6 @@ class Progress(Record):
     attempt_tokens: float = Field(default=0.0, description="tokens of the attempt's steps after its first")
     attempt_work_seconds: float = Field(default=0.0, description="their step seconds without checkpoint stalls")
     updated_at: datetime | None = None
-
-
-CheckpointState = Literal["PENDING", "READY", "FAILED", "DELETED"]
-"""PENDING → READY | FAILED; READY → DELETED when retention removes it (its manifest first)."""
 
 
 class CheckpointRecord(Record):

@@ -15,8 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import CheckpointRef, JobState, PlacementDetail
-from trainyard_common.records import CheckpointState
+from trainyard_common.wirebase import CheckpointRef, CheckpointState, JobState, PlacementDetail
 
 __all__ = [
     "ApiModel",
