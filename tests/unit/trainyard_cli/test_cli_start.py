@@ -68,8 +68,11 @@ def test_a_command_that_asks_the_api_imports_no_service_code() -> None:
                           env=ENV, check=False)
     assert done.returncode == 1 and "cannot reach the trainyard API" in done.stderr
     modules = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "httpx" in modules
+    assert "httpx" in modules and "trainyard_common.wire" in modules
     assert loaded(modules, NEVER) == []
+    # the REST bodies, not the event models and records behind them (trainyard_common.wirebase)
+    assert loaded(modules, ("trainyard_common.events", "trainyard_common.records", "trainyard_common.spec",
+                            "trainyard_common.catalog")) == []
 
 
 @pytest.mark.parametrize("name", ["models", "dev", "admin", "plan"])
