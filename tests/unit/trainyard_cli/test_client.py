@@ -78,3 +78,17 @@ def test_an_unreachable_api_says_to_start_the_stack() -> None:
     with ApiClient("http://127.0.0.1:1", "tok", transport=httpx.MockTransport(refuse)) as api:
         with pytest.raises(ApiUnreachableError, match="make up"):
             api.list_jobs()
+
+
+def test_a_plain_http_api_gets_a_tls_context_that_trusts_nothing() -> None:
+    """No CA bundle is loaded for an http:// API (a TLS connection through it would be refused, not trusted)."""
+    import ssl
+
+    from trainyard_cli.client import _plain_http_transport
+
+    assert _plain_http_transport("https://api.example:443") is None  # httpx's default: the CA bundle
+    transport = _plain_http_transport("http://127.0.0.1:8080")
+    assert transport is not None
+    context = transport._pool._ssl_context  # the context httpx would use for TLS on this transport
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.cert_store_stats()["x509_ca"] == 0
