@@ -80,15 +80,18 @@ def test_an_unreachable_api_says_to_start_the_stack() -> None:
             api.list_jobs()
 
 
-def test_a_plain_http_api_gets_a_tls_context_that_trusts_nothing() -> None:
+def test_a_plain_http_api_gets_a_tls_context_that_trusts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CA bundle is loaded for an http:// API (a TLS connection through it would be refused, not trusted)."""
     import ssl
 
-    from trainyard_cli.client import _plain_http_transport
+    from trainyard_cli.client import _tls_for
 
-    assert _plain_http_transport("https://api.example:443") is None  # httpx's default: the CA bundle
-    transport = _plain_http_transport("http://127.0.0.1:8080")
-    assert transport is not None
-    context = transport._pool._ssl_context  # the context httpx would use for TLS on this transport
+    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert _tls_for("https://api.example:443") is True  # httpx's default: the CA bundle
+    context = _tls_for("http://127.0.0.1:8080")
+    assert isinstance(context, ssl.SSLContext)
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
     assert context.cert_store_stats()["x509_ca"] == 0
+    monkeypatch.setenv("HTTPS_PROXY", "https://proxy.example:3128")  # a proxy may speak TLS: the default again
+    assert _tls_for("http://127.0.0.1:8080") is True

@@ -12,6 +12,8 @@ JSON. Failures raise :class:`ApiError` subclasses whose message says what to do.
 
 from __future__ import annotations
 
+import ssl
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -240,19 +242,17 @@ def _list_params(state: str | None, limit: int | None, offset: int) -> dict[str,
     return params
 
 
-def _plain_http_transport(base_url: str) -> httpx.HTTPTransport | None:
-    """For an ``http://`` API, a transport whose TLS context trusts nothing; None (httpx's default) otherwise.
+def _tls_for(base_url: str) -> ssl.SSLContext | bool:
+    """For an ``http://`` API reached directly, a TLS context that trusts nothing; httpx's default otherwise.
 
     httpx builds a TLS context for every client, and the default one loads the CA bundle: 30-50 ms of each
-    command's start. A plain-HTTP API is never spoken to over TLS (the client follows no redirect; a proxy
-    from the environment gets its own transport, with the default context), so its context need trust no
-    one: a TLS connection it were ever asked to make would be refused, never let through.
+    command's start. A plain-HTTP API reached without a proxy is never spoken to over TLS (the client follows
+    no redirect), so its context need trust no one: a TLS connection it were ever asked to make would be
+    refused, never let through. With a proxy in the environment (which httpx honours) nothing changes.
     """
-    if not base_url.startswith("http://"):
-        return None
-    import ssl
-
-    return httpx.HTTPTransport(verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    if not base_url.startswith("http://") or urllib.request.getproxies():
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 class ApiClient:
@@ -262,7 +262,7 @@ class ApiClient:
                  transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
-                                  transport=transport or _plain_http_transport(self.base_url))
+                                  transport=transport, verify=_tls_for(self.base_url))
 
     def close(self) -> None:
         self._http.close()
