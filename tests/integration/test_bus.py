@@ -275,3 +275,49 @@ async def test_a_partition_held_on_one_record_is_reported_stuck_until_it_moves_o
         failing = False
         await wait_until(lambda: handled == [1])
         assert bus.stuck() == []
+
+
+async def test_an_idle_consumer_stops_fetching_and_every_record_still_arrives(env: dict, redis) -> None:
+    """With idle pausing on (as the local stack runs): a consumer with no record pauses its partitions; a
+    record published by a bus with a doorbell wakes it, and one from a plain Kafka client (no doorbell) is
+    fetched at the next poll. Nothing is lost, and it pauses again once idle."""
+    from aiokafka import AIOKafkaProducer
+
+    from trainyard_common.idlefetch import Doorbell, IdlePolicy
+    from trainyard_common.store import connect_redis
+
+    await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
+    redis_url = env["redis_url"]
+    clients = [connect_redis(redis_url), connect_redis(redis_url)]
+
+    def idle_bus(name: str, client) -> Bus:
+        return Bus(env["kafka_bootstrap"], service_name=name, group_prefix=env["group_prefix"],
+                   topic_namespace=env["topic_namespace"], idle=IdlePolicy(pause_s=0.5, poll_s=1.0),
+                   doorbell=Doorbell(client))
+
+    consumer, producer = idle_bus("sleeper", clients[0]), idle_bus("ringer", clients[1])
+    seen: list[int] = []
+
+    async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
+        seen.append(e.seq)
+
+    consumer.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat})
+    plain = AIOKafkaProducer(bootstrap_servers=env["kafka_bootstrap"])
+    await plain.start()
+    try:
+        async with consumer, producer:
+            [idle] = consumer._idle
+            await wait_until(lambda: idle.paused)
+            await producer.publish(heartbeat(seq=1))  # rings the doorbell
+            await wait_until(lambda: seen == [1])
+            await wait_until(lambda: idle.paused)  # idle again
+            await plain.send_and_wait(f"{env['topic_namespace']}{ev.NODES}", heartbeat(seq=2).to_bytes(), key=b"n1")
+            await wait_until(lambda: seen == [1, 2])  # no doorbell: the poll fetched it
+            for seq in range(3, 13):
+                await producer.publish(heartbeat(seq=seq))
+            await wait_until(lambda: sorted(seen) == list(range(1, 13)))
+    finally:
+        await plain.stop()
+        for client in clients:
+            await client.aclose()
+    assert sorted(seen) == list(range(1, 13))

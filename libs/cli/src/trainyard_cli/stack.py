@@ -36,6 +36,9 @@ EMBEDDED_FETCH_MAX_WAIT_MS = 20
 """A consumer's fetch wait against the embedded broker (see :meth:`LocalStack.service_env`)."""
 EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS = 250
 """The same for consumers nobody waits on: each idle consumer polls 4 times a second instead of 50."""
+EMBEDDED_IDLE_PAUSE_S = 0.5
+"""A consumer with no record for this long stops fetching until a doorbell rings (trainyard_common.idlefetch):
+every trainyard producer rings, so it only needs to outlast the rings' coalescing (0.25 s)."""
 
 
 class StackSettings(BaseSettings):
@@ -198,6 +201,8 @@ class LocalStack:
             # (metrics, registry, triggers, live feed) poll 4 times a second.
             env.setdefault("TRAINYARD_CONSUMER_FETCH_MAX_WAIT_MS", str(EMBEDDED_FETCH_MAX_WAIT_MS))
             env.setdefault("TRAINYARD_CONSUMER_BACKGROUND_FETCH_MAX_WAIT_MS", str(EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS))
+            # ... and at 20 ms an idle consumer would ask 50 times a second: idle ones sleep until a doorbell rings
+            env.setdefault("TRAINYARD_CONSUMER_IDLE_PAUSE_S", str(EMBEDDED_IDLE_PAUSE_S))
         env.update(self.extra_env)
         return env
 

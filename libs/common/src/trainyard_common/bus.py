@@ -44,6 +44,7 @@ from redis.exceptions import RedisError
 
 from trainyard_common import events as ev
 from trainyard_common.errors import BusError, TrainyardError
+from trainyard_common.idlefetch import Doorbell, IdleFetching, IdlePolicy
 from trainyard_common.tracing import inject_headers
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,8 @@ class Bus:
         fetch_max_wait_ms: int = 500,
         background_fetch_max_wait_ms: int = 500,
         auth: KafkaAuth = PLAINTEXT,
+        idle: IdlePolicy | None = None,
+        doorbell: Doorbell | None = None,
     ) -> None:
         self.session_timeout_ms = session_timeout_ms
         self.fetch_max_wait_ms = fetch_max_wait_ms
@@ -277,6 +280,10 @@ class Bus:
         self._groups: dict[str, _GroupRoute] = {}
         self._dispatchers: list[_Dispatcher] = []
         self.dead_lettered = 0
+        # idle consumers pause fetching until a doorbell rings or their poll comes (trainyard_common.idlefetch)
+        self.idle, self.doorbell = idle, doorbell
+        self._idle: list[IdleFetching] = []
+        self._idle_tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -292,9 +299,17 @@ class Bus:
         except (KafkaError, OSError) as exc:
             raise BusError(f"cannot connect to the broker at {self.bootstrap}: {exc!r}") from exc
         self._started = True
+        self._idle_tasks = [asyncio.create_task(i.run(), name=f"{self.service_name}:idle-fetch") for i in self._idle]
+        if self._idle and self.doorbell is not None:
+            self._idle_tasks.append(asyncio.create_task(self.doorbell.listen_forever(),
+                                                        name=f"{self.service_name}:doorbell"))
 
     async def aclose(self) -> None:
         self.stopping = True
+        for task in self._idle_tasks:
+            task.cancel()
+        await asyncio.gather(*self._idle_tasks, return_exceptions=True)
+        self._idle_tasks = []
         if self._started:
             self._started = False
             await self.broker.stop()
@@ -350,6 +365,8 @@ class Bus:
             )
         except (KafkaError, OSError) as exc:
             raise BusError(f"publish to {topic} failed: {exc!r}") from exc
+        if self.doorbell is not None:
+            await self.doorbell.ring(self.physical(topic))
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(
@@ -396,7 +413,7 @@ class Bus:
         for group_id, route in self._groups.items():
             dispatcher = _Dispatcher(self, group_id, route)
             self._dispatchers.append(dispatcher)
-            self.broker.subscriber(
+            subscriber = self.broker.subscriber(
                 *[self.physical(t) for t in route.handlers],
                 group_id=group_id,
                 auto_offset_reset=route.offset_reset,
@@ -408,7 +425,15 @@ class Bus:
                 fetch_max_wait_ms=self.background_fetch_max_wait_ms if route.background else self.fetch_max_wait_ms,
                 parser=_parse_leniently,
                 decoder=_body_bytes,
-            )(_entry_point(dispatcher))
+            )
+            subscriber(_entry_point(dispatcher))
+            if self.idle is not None:
+                dispatcher.idle = IdleFetching(frozenset(self.physical(t) for t in route.handlers),
+                                               consumer=lambda s=subscriber: getattr(s, "consumer", None),
+                                               policy=self.idle, retry_paused=dispatcher.retry_paused)
+                self._idle.append(dispatcher.idle)
+                if self.doorbell is not None:
+                    self.doorbell.add(dispatcher.idle)
 
 
 async def _parse_leniently(record: Any, original: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -479,6 +504,8 @@ class _Dispatcher:
     def __init__(self, bus: Bus, group: str, route: _GroupRoute) -> None:
         self.bus, self.group, self.route = bus, group, route
         self._failures: dict[tuple[str, int, int], _Failing] = {}
+        self.idle: IdleFetching | None = None
+        self.retry_paused: set[TopicPartition] = set()  # by the back-off: the idle pause leaves them alone
 
     def stuck(self, now: float) -> list[StuckPartition]:
         for where, f in list(self._failures.items()):  # forget what moved elsewhere long ago
@@ -491,6 +518,8 @@ class _Dispatcher:
         return physical[len(ns):] if ns and physical.startswith(ns) else physical
 
     async def __call__(self, message: KafkaMessage) -> None:
+        if self.idle is not None:
+            self.idle.saw_record()
         try:
             delivery = await self._decode(message.raw_message)
         except Exception as exc:  # the dead letter could not be published: this record again, after a back-off
@@ -569,21 +598,19 @@ class _Dispatcher:
         log.log(level, "%s: retryable error on %s@%s/%s (try %d, again in %.1fs)%s: %r",
                 self.group, topic, record.partition, record.offset, failing.tries, delay,
                 "; the partition is stuck on this record" if failing.tries >= policy.stuck_after else "", exc)
-        await self._pause(message, record, delay)
+        self._pause(message, record, delay)
         raise NackMessage() from exc  # faststream seeks the partition back to this record
 
-    @staticmethod
-    async def _pause(message: KafkaMessage, record: Any, delay: float) -> None:
+    def _pause(self, message: KafkaMessage, record: Any, delay: float) -> None:
         """Stop fetching the record's partition for ``delay`` seconds (only it: the group's other partitions
-        and topics are read meanwhile). Without a consumer to pause, wait here instead (the old way)."""
-        consumer = getattr(message, "consumer", None)
-        if consumer is None or not hasattr(consumer, "pause"):  # pragma: no cover - faststream gives its consumer
-            await asyncio.sleep(delay)
-            return
+        and topics are read meanwhile)."""
+        consumer = message.consumer
         tp = TopicPartition(record.topic, record.partition)
         consumer.pause(tp)
+        self.retry_paused.add(tp)
 
         def resume() -> None:
+            self.retry_paused.discard(tp)
             with contextlib.suppress(Exception):  # revoked meanwhile, or the consumer stopped: nothing to resume
                 consumer.resume(tp)
 

@@ -121,27 +121,27 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.NodeHeartbeat: Flow(
         "A node agent's inventory: devices, health, running allocations, drain.",
         (Producer("node-agent", "direct, every TRAINYARD_HEARTBEAT_S"),),
-        (Consumer("scheduler", "inventory and node lease renewal", "scheduler"),)),
+        (Consumer("scheduler", "inventory and node lease renewal", "scheduler-nodes"),)),
     ev.NodeQuarantined: Flow(
         "A node the scheduler stops placing on.",
         (Producer("scheduler", "direct, reputation (`by: reputation`)"),
          Producer("admin", "published directly")),
-        (Consumer("scheduler", "stops placing there", "scheduler"),)),
+        (Consumer("scheduler", "stops placing there", "scheduler-nodes"),)),
     ev.NodeReinstated: Flow(
         "A quarantined node is placeable again.",
         (Producer("scheduler", "direct, its score decayed"), Producer("api", _ADMIN_ROUTE.format("reinstate"))),
-        (Consumer("scheduler", "places there again", "scheduler"),)),
+        (Consumer("scheduler", "places there again", "scheduler-nodes"),)),
     ev.NodeDrained: Flow(
         "A node taken out of service on purpose (maintenance).",
         (Producer("api", _ADMIN_ROUTE.format("drain")),
          Producer("node-agent", "while its Kubernetes Node is cordoned (`by` = kubernetes)")),
         (Consumer("scheduler", "nothing new there; its attempts checkpoint and stop, interrupted by maintenance",
-                  "scheduler"),)),
+                  "scheduler-nodes"),)),
     ev.NodeUndrained: Flow(
         "A drained node takes new work again.",
         (Producer("api", _ADMIN_ROUTE.format("undrain")),
          Producer("node-agent", "once its Kubernetes Node is uncordoned (only a drain `by` kubernetes)")),
-        (Consumer("scheduler", "places there again", "scheduler"),)),
+        (Consumer("scheduler", "places there again", "scheduler-nodes"),)),
     # allocations
     ev.GangAllocated: Flow(
         "An attempt was placed: every node and rank of the gang, its epoch and start checkpoint.",

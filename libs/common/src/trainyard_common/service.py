@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from trainyard_common.bus import Bus, Deduper, KafkaAuth, ensure_topics
 from trainyard_common.errors import StateStoreError, TrainyardError
+from trainyard_common.idlefetch import Doorbell, IdlePolicy
 from trainyard_common.outbox import Outbox
 from trainyard_common.settings import ServiceSettings, redacted
 
@@ -100,6 +101,9 @@ class ServiceRuntime:
             fetch_max_wait_ms=settings.consumer_fetch_max_wait_ms,
             background_fetch_max_wait_ms=settings.consumer_background_fetch_max_wait_ms,
             auth=KafkaAuth.from_settings(settings),
+            idle=(IdlePolicy(pause_s=settings.consumer_idle_pause_s, poll_s=settings.consumer_idle_poll_s)
+                  if settings.consumer_idle_pause_s else None),
+            doorbell=Doorbell(self.redis) if settings.consumer_idle_pause_s else None,
         )
         # One outbox per writer identity: instances of a per-node service must not relay each other's.
         self.outbox = Outbox(self.redis, outbox_name or name)
@@ -109,6 +113,7 @@ class ServiceRuntime:
         self._stopping = asyncio.Event()
         self._closed = False
         self._started = False
+        self._reported_stuck = True  # a previous process of this instance may have left the key: delete it once
 
     def deduper(self, group: str) -> Deduper:
         return Deduper(self.redis, group)
@@ -158,8 +163,9 @@ class ServiceRuntime:
         if stuck:
             await self.redis.set(Keys.stuck(self.name, self.instance),
                                  json.dumps([s.as_dict() for s in stuck]), ex=ttl)
-        else:
+        elif self._reported_stuck:
             await self.redis.delete(Keys.stuck(self.name, self.instance))
+        self._reported_stuck = bool(stuck)
 
     async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float,
                         wake: asyncio.Event | None = None) -> None:

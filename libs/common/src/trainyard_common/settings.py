@@ -66,6 +66,16 @@ class ServiceSettings(BaseSettings):
         description="the same for consumers nobody waits on (metrics, the registry's records, triggers, the "
                     "dashboard's live feed): on the embedded broker a longer wait polls less when idle (the local "
                     "stack sets 250)")
+    consumer_idle_pause_s: float | None = Field(
+        default=None, ge=0.5,
+        description="pause an idle consumer's fetching after this many seconds without a record; a doorbell "
+                    "(a Redis PUBLISH by trainyard's producers) or the poll below wakes it (trainyard_common.idlefetch). "
+                    "Off by default (Apache Kafka answers a waiting fetch when a record arrives); the local stack sets "
+                    "it (0.5), since the embedded broker answers only at the end of each wait; at least twice the "
+                    "doorbell's coalescing (0.25 s)")
+    consumer_idle_poll_s: float = Field(
+        default=5.0, gt=0, description="how often a paused idle consumer fetches anyway (a record from a producer "
+                                       "without a doorbell waits at most this long)")
     reconcile_interval_s: float = Field(default=5.0, gt=0)
 
     @field_validator("artifact_root", mode="before")

@@ -176,12 +176,15 @@ class Scheduler:
     def install(self) -> None:
         """Subscribe to the topics and register the tick; call before ``runtime.start()``."""
         bus, dedupe = self.runtime.bus, self.runtime.deduper
-        # One consumer group for every topic (the bus reads them with one consumer).
+        # One consumer group for the job, worker and checkpoint topics (the bus reads them with one consumer).
         group = f"{self.settings.group_prefix}.scheduler"
         nodes = self.nodes
+        # The nodes' topic in a group of its own, fetched at the background pace: heartbeats come every few
+        # seconds from every node, so a group reading them is never idle (trainyard_common.idlefetch) and on
+        # the embedded broker fetched 50 times a second; a heartbeat a few hundred ms later changes nothing.
         bus.subscribe(NODES, {NodeHeartbeat: nodes.on_heartbeat, NodeQuarantined: nodes.on_quarantined,
                               NodeReinstated: nodes.on_reinstated, NodeDrained: nodes.on_drained,
-                              NodeUndrained: nodes.on_undrained}, group=group)
+                              NodeUndrained: nodes.on_undrained}, group=f"{group}-nodes", background=True)
         bus.subscribe(JOBS, {JobSubmitted: self.on_job_submitted, JobControlRequested: self.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: self.on_worker_started, WorkerExited: self.on_worker_exited,
