@@ -72,6 +72,12 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# the series a job has are those its script reported (beyond the built-in ones): an id's own data
+RULES_BEYOND_THE_SCHEMA["GET /v1/training-jobs/{job_id}/metrics"] = [
+    ("query.series", r"^unknown series .+; this job has |^name at least one series"),
+]
+
+
 # the Lab names its model and device as POST /v1/plan does; the ends of its memory curve must ascend, and a
 # tensor-parallel degree must split a node and the model's heads
 _LAB_MODEL = [rule for rule in RULES_BEYOND_THE_SCHEMA["POST /v1/plan"] if rule[0] in (

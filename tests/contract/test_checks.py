@@ -24,3 +24,15 @@ def test_a_triggers_template_is_excused_the_rules_of_a_submission_under_template
     bare = {"field": "modelConfig", "message": unknown["message"]}
     dataset = {"field": "template.dataset", "message": "unknown dataset 'x@1': it is not in the dataset registry"}
     assert unexplained_problems("POST /v1/triggers", [unknown, bare, dataset]) == [bare, dataset]
+
+
+def test_a_series_the_job_never_reported_is_excused_and_nothing_else_of_the_metrics_query() -> None:
+    from trainyard_api.metrics_history import parse_series
+    from trainyard_common.errors import SpecError
+
+    with pytest.raises(SpecError) as refused:  # the words the route really answers with
+        parse_series("loss,0000", ["gradNorm"], by_rank=False)
+    unknown = {"field": refused.value.field, "message": refused.value.detail}
+    bound = {"field": "query.maxPoints", "message": "Input should be greater than or equal to 2"}
+    assert unexplained_problems("GET /v1/training-jobs/{job_id}/metrics", [unknown, bound]) == [bound]
+    assert unexplained_problems("GET /v1/training-jobs/{job_id}/ranks", [unknown]) == [unknown]

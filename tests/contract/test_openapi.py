@@ -4,7 +4,8 @@ ServiceRuntime) over the suite's broker and Redis, and holds each answer to the 
 check it has: status codes, bodies, headers and content types as documented, no 5xx, invalid input
 refused and valid input accepted, authentication not ignored, ``Allow`` listing the path's methods.
 
-``schemathesis.toml`` beside this file configures the run (tokens, which 422s valid input may get),
+``schemathesis.toml`` beside this file configures the run (tokens, which 422s valid input may get, the
+seeded job with a metric history that half the drawn job ids name),
 ``checks.py`` adds this API's own check; ``st --config-file tests/contract/schemathesis.toml run …``
 runs the same at any size by hand. The budget here is small (derandomized, so every run sends the same
 requests); the by-hand runs are the large ones.
@@ -23,7 +24,7 @@ from hypothesis.errors import FlakyStrategyDefinition
 from hypothesis.stateful import run_state_machine_as_test
 
 import tests.contract.checks  # noqa: F401 - registers this API's own check
-from tests.support.api import api_in_thread
+from tests.support.api import HISTORY_JOB, api_in_thread
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 BUDGET = settings(max_examples=10, stateful_step_count=4, deadline=None, derandomize=True, database=None,
@@ -38,8 +39,9 @@ pytestmark = [
 
 @pytest.fixture
 def api_schema(env: dict[str, object]) -> Iterator[schemathesis.BaseSchema]:
-    """The document the running API serves, configured by schemathesis.toml."""
-    with api_in_thread(env, admin=True) as url:
+    """The document the running API serves, configured by schemathesis.toml, over a job with a metric history
+    (half the job ids drawn are its id: the metrics routes answer with data, down-sampled to any maxPoints)."""
+    with api_in_thread(env, admin=True, history=True) as url:
         yield schemathesis.openapi.from_url(f"{url}/openapi.json", config=schemathesis.Config.from_path(CONFIG))
 
 
@@ -85,3 +87,24 @@ def test_sequences_of_calls_answer_as_the_document_says(api_schema: schemathesis
         # differs is not a failure, a check that failed on the way is.
         if failures:
             raise failures[0] from None
+
+
+def test_the_metrics_of_a_job_with_history_answer_as_documented_at_any_max_points(
+    api_schema: schemathesis.BaseSchema,
+) -> None:
+    """The request schemathesis 4 found a 500 with (``method=minmax&maxPoints=2`` over a job with a history),
+    held to every check, with each method and the least maxPoints; by rank too, and over a window past the
+    history (``fromStep``/``toStep`` are there all the same)."""
+    operation = api_schema.find_operation_by_label("GET /v1/training-jobs/{job_id}/metrics")
+    assert operation is not None
+    for method in ("lttb", "minmax"):
+        for max_points in (2, 3, 4, 5):
+            asked = {"method": method, "maxPoints": max_points}
+            for query in (asked, {**asked, "byRank": "true", "fromStep": 10, "toStep": 250},
+                          {**asked, "fromStep": 100_000, "byRank": "true"}):
+                case = operation.Case(path_parameters={"job_id": HISTORY_JOB}, query=query)
+                response = case.call_and_validate(headers=credentials(case))
+                body = response.json()
+                assert response.status_code == 200 and {"fromStep", "toStep"} <= set(body), (query, body)
+                if query.get("fromStep") != 100_000:
+                    assert 0 < len(body["series"]["loss"]["steps"]) <= max_points, (query, body)

@@ -29,6 +29,8 @@ from trainyard_common.store import StateStore
 
 TOKEN_A, TOKEN_B = "token-tenant-a", "token-tenant-b"
 TOKEN_ADMIN = "token-admin"
+HISTORY_JOB = "job-c0a7c0a7c0a7"
+"""tenant-a's finished job with a metric history (:func:`seed_history`): schemathesis reads it by this id."""
 
 
 async def seed(store: StateStore, *, admin: bool = False) -> None:
@@ -41,6 +43,33 @@ async def seed(store: StateStore, *, admin: bool = False) -> None:
         name="tinycorpus", version="v1", manifest_uri="file:///data/tinycorpus/v1/manifest.json",
         sha256="ab" * 32, tokenizer="bpe-1024@v1", num_tokens=123_456,
     ))
+
+
+async def seed_history(store: StateStore, *, steps: int = 300) -> None:
+    """:data:`HISTORY_JOB`, which ran on two ranks and succeeded, with ``steps`` steps of metric history on each
+    (the built-in series and a custom one), as the ingest writes it: the metrics routes answer with data, not
+    empty. Finished, so that following its logs (``follow=true``) ends at once, as a request has to."""
+    from trainyard_api.metrics_history import MetricHistory
+    from trainyard_common import events as ev
+    from trainyard_common.records import AttemptRecord, JobRecord, utcnow
+    from trainyard_common.spec import TrainingSpec
+
+    spec = TrainingSpec.model_validate(spec_with())
+    await store.create_job(JobRecord(
+        job_id=HISTORY_JOB, tenant="tenant-a", spec=spec, spec_hash=spec.spec_hash(), state="succeeded",
+        attempts=[AttemptRecord(attempt=1, allocation_id="a1", epoch=1, world_size=2, state="succeeded",
+                                ended_at=utcnow())]))
+    history = MetricHistory(store.redis)
+    try:
+        for step in range(1, steps + 1):
+            for rank in (0, 1):
+                await history.on_step_metrics(ev.StepMetrics(
+                    job_id=HISTORY_JOB, tenant="tenant-a", attempt=1, rank=rank, step=step,
+                    loss=5.0 / step + (step % 7) * 0.01, lr=1e-3, tokens_per_second=1000.0 + step % 13,
+                    consumed_tokens=step * 1024, step_seconds=0.5 + rank * 0.1 + (step % 5) * 0.01,
+                    compute_seconds=0.4, metrics={"gradNorm": 1.0 + (step % 11) / 10}))
+    finally:
+        await history.aclose()
 
 
 def client_for(base_url: str, token: str | None, **kwargs: Any) -> httpx.AsyncClient:
@@ -61,11 +90,15 @@ def spec_with(**changes: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_api(env: dict[str, object], *, admin: bool = False, **settings: Any) -> AsyncIterator[ApiServer]:
+async def running_api(env: dict[str, object], *, admin: bool = False, history: bool = False,
+                      **settings: Any) -> AsyncIterator[ApiServer]:
     """The whole API process in-process (uvicorn on a free port unless ``api_port`` is given, a started
-    ServiceRuntime) over ``env``'s broker and Redis, seeded (see :func:`seed`)."""
+    ServiceRuntime) over ``env``'s broker and Redis, seeded (see :func:`seed`; with ``history``,
+    :func:`seed_history` too)."""
     async with ApiServer(ApiSettings(**{**env, "api_port": 0, **settings})) as api:
         await seed(api.runtime.store, admin=admin)
+        if history:
+            await seed_history(api.runtime.store)
         yield api
 
 
@@ -107,7 +140,7 @@ async def _serve(port: int) -> None:
         try:
             env = {"kafka_bootstrap": broker.address, "redis_url": redis.address, "artifact_root": root / "artifacts",
                    "topic_partitions": 1}
-            async with running_api(env, admin=True, api_port=port) as api:
+            async with running_api(env, admin=True, history=True, api_port=port) as api:
                 print(f"API {api.url}  (schema {api.url}/openapi.json)\ntokens: {TOKEN_A} (tenant-a), "
                       f"{TOKEN_B} (tenant-b), {TOKEN_ADMIN} (admin)", flush=True)
                 stop = asyncio.Event()
