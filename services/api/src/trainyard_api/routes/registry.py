@@ -77,7 +77,8 @@ async def list_artifacts(
 
 @router.get("/v1/registry/artifacts/{export_id:export}/files/{name}", tags=["registry"],
             summary="Download a file of a ready export", response_class=FileResponse,
-            responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}},
                              "description": "the file's bytes"},
                        **AUTH_ERRORS, **_ARTIFACT_404, **error(409, "the export is not ready (or failed)"),
                        **invalid()})
