@@ -264,3 +264,43 @@ async def test_a_refusal_of_the_same_content_is_cleared_when_it_verifies_and_one
         assert (await a.get(f"/v1/datasets/{A}/late@v1", params={"sha256": "0" * 64})).json()["state"] == "rejected"
         cleared = (await a.get(f"/v1/datasets/{A}/early@v1")).json()
         assert cleared["state"] == "verified" and cleared["rejections"] == []
+
+
+async def test_datasets_import_publish_shows_the_registrys_refusal_and_a_conflict(
+    stack: tuple[Stack, TopicTail], api: ApiServer, tmp_path: Path,
+) -> None:
+    """The CLI's follow-up, against the real API and registry: an import into another artifact root than the
+    platform's is refused by the registry (its manifest is not where the tenant's prefix says) and the CLI
+    says why, exit 1; other content published under a verified name@version is the API's 409, exit 1, and
+    `trainyard datasets get` shows the version as it stands."""
+    from typer.testing import CliRunner
+
+    from trainyard_cli.main import app
+
+    s, _ = stack
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i}: a b c d e f g" for i in range(100)))
+    common = ["--api-url", api.url, "--token", TOKEN_A, "datasets", "import", "--publish", "--name", "notes",
+              "--vocab-size", "300", "--workers", "1", "--no-progress", "--wait-timeout", "60"]
+
+    def run(*args: str) -> Any:
+        return CliRunner().invoke(app, [*common, *args])
+    elsewhere = await asyncio.to_thread(run, "--version", "v1", "--artifact-root", str(tmp_path / "mine"),
+                                        str(corpus))
+    assert elsewhere.exit_code == 1, elsewhere.output
+    assert "the registry refused tenant-a/notes@v1: " in elsewhere.output, elsewhere.output
+    assert "not a file under the owner's dataset directory" in elsewhere.output
+
+    first = await asyncio.to_thread(run, "--version", "v2", "--artifact-root", str(s.layout.root), str(corpus))
+    assert first.exit_code == 0 and "tenant-a/notes@v2 is verified" in first.output, first.output
+    manifest = s.layout.dataset_dir("notes", "v2", A) / "manifest.json"
+    sha = sha256_file(manifest)
+    other_root = tmp_path / "other"  # other content under the same name@version, built elsewhere
+    corpus.write_text("other content entirely " * 50)
+    conflict = await asyncio.to_thread(run, "--version", "v2", "--artifact-root", str(other_root), str(corpus))
+    assert conflict.exit_code == 1 and f"already published with sha256 {sha}" in conflict.output, conflict.output
+
+    shown = await asyncio.to_thread(CliRunner().invoke, app, ["--api-url", api.url, "--token", TOKEN_A, "datasets",
+                                                              "get", f"{A}/notes@v2"])
+    assert shown.exit_code == 0 and "state        verified" in shown.output and f"sha256       {sha}" in shown.output
+    assert sha256_file(manifest) == sha

@@ -93,27 +93,7 @@ def test_token_counts_are_short(n: int | None, text: str) -> None:
     assert fmt_tokens(n) == text
 
 
-def test_datasets_import_is_trainyard_data_import(runner: CliRunner, tmp_path: Path) -> None:
-    (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n{"text": "hello again"}\n')
-    root = tmp_path / "artifacts"
-    args = ["datasets", "import", "--name", "c", "--version", "v1", "--artifact-root", str(root),
-            "--workers", "1", "--vocab-size", "260", "--no-progress"]
-    result = runner.invoke(app, [*args, str(tmp_path / "c.jsonl")])
-    assert result.exit_code == 0, result.output
-    assert (root / "datasets" / "c" / "v1" / "manifest.json").is_file() and '"documents": 2' in result.output
-    result = runner.invoke(app, [*args[:5], "v2", *args[6:], str(tmp_path / "missing.jsonl")])
-    assert result.exit_code == 5 and not (root / "datasets" / "c" / "v2").exists()
-
-
-def test_datasets_import_takes_its_publish_options_out_of_the_import_arguments() -> None:
-    from trainyard_cli.main import _option, _publish_options
-
-    rest, publish, shares = _publish_options(
-        ["--name", "n", "--publish", "--share", "b", "--share=*", "--version", "v1", "in.txt"])
-    assert (rest, publish, shares) == (["--name", "n", "--version", "v1", "in.txt"], True, ["b", "*"])
-    assert _publish_options(["--name", "n"]) == (["--name", "n"], False, [])
-    assert _option(["--tenant", "a"], "--tenant") == "a" and _option(["--tenant=a"], "--tenant") == "a"
-    assert _option(["--name", "n"], "--tenant") is None
+# trainyard datasets import / get: tests/unit/trainyard_cli/test_datasets.py
 
 
 # ----------------------------------------------------------------------------- text, not markup

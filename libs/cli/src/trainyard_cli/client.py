@@ -188,6 +188,28 @@ class Dataset(ApiModel):
     num_tokens: int | None = None
 
 
+class DatasetRejectionView(ApiModel):
+    sha256: str
+    manifest_uri: str
+    reason: str
+    problems: list[str] = []
+    rejected_at: datetime
+    published_event_id: str | None = None
+
+
+class DatasetView(Dataset):
+    """``GET /v1/datasets/{ref}``: a verified version (with, for its owner, refused publishes of its ref), or a
+    rejected one with why."""
+
+    state: str  # verified | rejected
+    vocab_size: int | None = None
+    dtype: str | None = None
+    published_at: datetime | None = None
+    reason: str | None = None
+    problems: list[str] = []
+    rejections: list[DatasetRejectionView] = []
+
+
 # ----------------------------------------------------------------------------- requests
 
 
@@ -384,6 +406,12 @@ class ApiClient:
     def publish_dataset(self, body: Mapping[str, Any]) -> DatasetPublished:
         """POST /v1/datasets: announce a version of the caller's tenant (the registry verifies it)."""
         return _parse(self._request("POST", "/v1/datasets", json=dict(body)), DatasetPublished)
+
+    def dataset(self, ref: str, *, sha256: str | None = None) -> DatasetView:
+        """GET /v1/datasets/{ref} (``sha256``: what became of the publish of that content; a 404 until the
+        registry has decided)."""
+        params = {"sha256": sha256} if sha256 else None
+        return _parse(self._request("GET", f"/v1/datasets/{ref}", params=params), DatasetView)
 
     def health(self) -> dict[str, Any]:
         response = self._request("GET", "/healthz")

@@ -8,8 +8,6 @@ line reaches them (groups.py). ``test_cli_start`` asserts what ``--help`` does n
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import sys
@@ -397,73 +395,33 @@ def datasets_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     stdout().print(datasets_table(items))
 
 
+@datasets_app.command("get")
+def datasets_get(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(metavar="REF", help="name@version (yours, else the platform's) or "
+                                                           "tenant/name@version")],
+    sha256: Annotated[str | None, typer.Option(
+        "--sha256", metavar="HEX", help="what became of the publish of this manifest sha256")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """One dataset version: verified, or (yours) rejected with the reason; for your own, also a publish of it
+    the registry refused, such as a re-publish with another sha256."""
+    from trainyard_cli.datasets import get_command
+
+    get_command(ctx.obj, ref, sha256, as_json)
+
+
 @datasets_app.command(
     "import",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
 )
 def datasets_import(ctx: typer.Context) -> None:
-    """Build a dataset version from your files (.txt/.jsonl/.parquet, .gz/.zst) and tokenizer.json.
+    """Build a dataset version from your files under your tenant's prefix; --publish publishes it (--help: its
+    options)."""
+    from trainyard_cli.datasets import import_command
 
-    The same command as ``trainyard-data import`` (its options: ``trainyard datasets import --help``);
-    it writes under the local artifact root and prints the manifest's uri and sha256. With
-    ``--publish`` (and ``--share TENANT``, repeatable; ``--share '*'``: every tenant) it writes under
-    your tenant's prefix and then publishes the version (POST /v1/datasets); the registry verifies
-    it before anyone may train on it (``trainyard datasets list`` shows it then).
-    """
-    try:
-        from trainyard_trainer.data_cli import main as data_main
-    except ImportError:
-        error("importing datasets needs the trainyard-trainer package (pip install -e libs/trainer)")
-        raise typer.Exit(2) from None
-    args, publish, shares = _publish_options(list(ctx.args))
-    if not publish:
-        raise typer.Exit(data_main(["import", *args]))
-    with _api(ctx) as client:
-        tenant = client.caller_tenant()
-    if tenant is None or _option(args, "--tenant") not in (None, tenant):
-        error(f"--publish imports into your token's tenant ({tenant}); drop --tenant")
-        raise typer.Exit(2)
-    if _option(args, "--tenant") is None:
-        args += ["--tenant", tenant]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = data_main(["import", *args])
-    typer.echo(printed.getvalue(), nl=False)
-    if code != 0:
-        raise typer.Exit(code)
-    summary = json.loads(printed.getvalue().strip().splitlines()[-1])
-    with _api(ctx, what="request") as client:
-        published = client.publish_dataset({
-            "name": summary["name"], "version": summary["version"], "sha256": summary["sha256"],
-            "sharedWith": shares, "tokenizer": summary.get("tokenizer"), "numTokens": summary.get("numTokens")})
-    stderr().print(f"published {published.dataset}: the registry verifies it before it can be used "
-                   f"(`trainyard datasets list`)")
-
-
-def _publish_options(args: list[str]) -> tuple[list[str], bool, list[str]]:
-    """``--publish`` and ``--share T`` (ours) taken out of the import's arguments."""
-    rest, publish, shares = [], False, []
-    items = iter(args)
-    for arg in items:
-        if arg == "--publish":
-            publish = True
-        elif arg == "--share":
-            shares.append(next(items, ""))
-        elif arg.startswith("--share="):
-            shares.append(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
-    return rest, publish, shares
-
-
-def _option(args: list[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+    import_command(ctx.obj, list(ctx.args))
 
 
 # ----------------------------------------------------------------------------- triggers

@@ -10,6 +10,10 @@ or one trained on them (see trainyard_trainer.data_import). Both are idempotent:
 version that verifies (and, for import, was built from the same inputs) is left alone. Each
 command prints one JSON object (manifestUri, sha256, tokenizer, numTokens) on stdout, the
 fields a DatasetVersionPublished event needs.
+
+This is the operator's and the offline tool (``--tenant`` names the owner; without it, a platform version).
+A user's ``trainyard datasets import`` runs the same import as the token's tenant (trainyard_cli.datasets),
+through :func:`add_version_arguments`, :func:`add_import_arguments` and :func:`execute`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from trainyard_common.errors import TrainyardError
 from trainyard_common.events import dataset_key
@@ -61,16 +66,7 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
                                ("verify", "check a dataset version's files against its manifest"),
                                ("import", "build a dataset version from your files and tokenizer")):
         p = sub.add_parser(command, help=help_text)
-        if command == "import":
-            p.add_argument("--name", required=True, help="the dataset's name (letters, digits, . _ -): wiki-en")
-            p.add_argument("--version", required=True,
-                           help="its version; a version is immutable, new data is a new version: 2026-12-01")
-        else:
-            p.add_argument("--name", default="tinycorpus", help="the dataset's name (default: tinycorpus)")
-            p.add_argument("--version", default="v1", help="its version (default: v1)")
-        p.add_argument("--artifact-root", type=as_location, default=default_root,
-                       help=f"the artifact store's root: a directory or an s3://bucket/prefix URL (default: "
-                            f"{default_root}; TRAINYARD_ARTIFACT_ROOT sets it)")
+        add_version_arguments(p, default_root, required=command == "import")
         if command != "prepare":
             p.add_argument("--tenant", type=_tenant, default=None,
                            help="the owning tenant: its files go under tenants/<tenant>/datasets/ "
@@ -81,6 +77,25 @@ def _parser(default_root: Path) -> argparse.ArgumentParser:
         if command == "import":
             add_import_arguments(p)
     return parser
+
+
+def add_version_arguments(p: argparse.ArgumentParser, default_root: Location, *, required: bool) -> None:
+    """``--name``, ``--version`` (``required``, else tinycorpus@v1) and ``--artifact-root``."""
+    if required:
+        p.add_argument("--name", required=True, help="the dataset's name (letters, digits, . _ -): wiki-en")
+        p.add_argument("--version", required=True,
+                       help="its version; a version is immutable, new data is a new version: 2026-12-01")
+    else:
+        p.add_argument("--name", default="tinycorpus", help="the dataset's name (default: tinycorpus)")
+        p.add_argument("--version", default="v1", help="its version (default: v1)")
+    p.add_argument("--artifact-root", type=as_location, default=default_root,
+                   help=f"the artifact store's root: a directory or an s3://bucket/prefix URL (default: "
+                        f"{default_root}; TRAINYARD_ARTIFACT_ROOT sets it)")
+
+
+def default_artifact_root() -> Location:
+    """TRAINYARD_ARTIFACT_ROOT, or the default (the settings, parsed here, at the command line's edge)."""
+    return load_settings(ServiceSettings).artifact_root_abs
 
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:
@@ -143,8 +158,8 @@ def run_import(args: argparse.Namespace) -> tuple[Location, str, DatasetManifest
     return result.manifest_path, result.sha256, result.manifest
 
 
-def _summary(manifest_path: Location, sha256: str, manifest: DatasetManifest) -> str:
-    return json.dumps({
+def _summary(manifest_path: Location, sha256: str, manifest: DatasetManifest) -> dict[str, Any]:
+    return {
         "name": manifest.name,
         "version": manifest.version,
         "manifestUri": location_uri(manifest_path),
@@ -155,13 +170,21 @@ def _summary(manifest_path: Location, sha256: str, manifest: DatasetManifest) ->
         "dtype": manifest.dtype,
         **({"documents": manifest.import_info.documents, "skippedRecords": manifest.import_info.skipped_records}
            if manifest.import_info is not None else {}),
-    })
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser(default_artifact_root()).parse_args(argv)
+    code, summary = execute(args)
+    if summary is not None:
+        print(json.dumps(summary))
+    return code
+
+
+def execute(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+    """Run a parsed command (``args.command``: prepare, import, verify; ``args.tenant`` the owner, None: the
+    platform's): its exit status, and on success the summary it prints. Errors are one line on stderr."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-    settings = load_settings(ServiceSettings)
-    args = _parser(settings.artifact_root_abs).parse_args(argv)
     try:
         if args.command == "prepare":
             path, sha, manifest = run_prepare(args)
@@ -173,24 +196,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: no dataset version {dataset_key(args.tenant, args.name, args.version)} at "
                       f"{location_uri(path.parent)} (no {MANIFEST_FILE}); build it with `trainyard-data prepare` "
                       "or `trainyard-data import`", file=sys.stderr)
-                return DATA
+                return DATA, None
             manifest = load_dataset_manifest(path)
             if problems := verify_dataset(path.parent, manifest):
                 ref = dataset_key(args.tenant, args.name, args.version)
                 print(f"error: {ref} does not verify: {'; '.join(problems)}", file=sys.stderr)
-                return DATA
+                return DATA, None
             sha = sha256_of(path)
     except TrainyardError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return DATA
+        return DATA, None
     except OSError as exc:  # the artifact root: full, read-only, gone
         print(f"error: cannot write under {args.artifact_root}: {exc}", file=sys.stderr)
-        return ERROR
+        return ERROR, None
     except KeyboardInterrupt:
         print("interrupted: nothing was published (the half-built version was removed)", file=sys.stderr)
-        return ERROR
-    print(_summary(path, sha, manifest))
-    return OK
+        return ERROR, None
+    return OK, _summary(path, sha, manifest)
 
 
 if __name__ == "__main__":
