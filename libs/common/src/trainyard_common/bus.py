@@ -425,6 +425,9 @@ class Bus:
                 fetch_max_wait_ms=self.background_fetch_max_wait_ms if route.background else self.fetch_max_wait_ms,
                 parser=_parse_leniently,
                 decoder=_body_bytes,
+                # aiokafka's fetch routine wakes this often even with nothing to do (5 times a second by default):
+                # where idle consumers sleep, once a second (a fetch's answer, a resume, a consume wake it anyway)
+                **({"consumer_timeout_ms": 1000} if self.idle is not None else {}),
             )
             subscriber(_entry_point(dispatcher))
             if self.idle is not None:
