@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import yaml
 from tests.support.cli import LocalCli
 from trainyard_common.records import JobRecord
 from trainyard_common.store import Keys, StateStore, connect_redis
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,17 +36,6 @@ def redis_read(url: str, read: Callable[[StateStore], Any]) -> Any:
             await redis.aclose()
 
     return asyncio.run(go())
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def up_and_submit_two(trainyard: LocalCli, spec_file: Path) -> list[str]:

@@ -33,6 +33,7 @@ from trainyard_common.bus import Deduper
 from trainyard_common.records import JobRecord
 from trainyard_common.store import StateStore, connect_redis
 from tests.support.stack import running_stack
+from tests.support.waiting import wait_for, wait_for_state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -96,17 +97,6 @@ class CheckpointTap:
         return sorted(step for step, got in ranks.items() if len(got) == WORLD)
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
 def redis_read(stack: LocalStack, read: Callable[[StateStore], Any]) -> Any:
     async def go() -> Any:
         redis = connect_redis(stack.redis_url)
@@ -153,14 +143,6 @@ def client_for(stack: LocalStack) -> httpx.Client:
     return httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
 
-def wait_for_state(client: httpx.Client, job_id: str, states: set[str], timeout_s: float) -> dict:
-    def state() -> dict | None:
-        job = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
-        return job if job["state"] in states else None
-
-    return wait_for(state, f"job {job_id} in {sorted(states)}", timeout_s)
-
-
 def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_own_step(stack: LocalStack) -> None:
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
     spec["training"]["maxSteps"] = MAX_STEPS
@@ -186,12 +168,12 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
                 wait_for_state(client, job_id, {"running"}, timeout_s=180)
                 # (on a shared host an attempt can fail to rendezvous and be retried: follow the one that runs)
                 attempt = wait_for(lambda: (a := job_record(stack, job_id).current) is not None and a.state == "running"
-                                   and len(a.started_ranks) == WORLD and a.attempt, "ranks running", timeout_s=180)
+                                   and len(a.started_ranks) == WORLD and a.attempt, "ranks running", timeout_s=180, every_s=0.05)
                 # 1. the coordinator stops assembling: the next scheduled checkpoint's shards wait on the broker
                 freeze(coordinator)
                 ready_before = {e.global_step for e in tap.events(ev.CheckpointReady)}
                 in_flight = wait_for(lambda: [s for s in tap.assembled_steps(attempt) if s not in ready_before],
-                                     "every shard of a scheduled checkpoint on the broker", timeout_s=120)[0]
+                                     "every shard of a scheduled checkpoint on the broker", timeout_s=120, every_s=0.05)[0]
                 assert in_flight % EVERY == 0 and in_flight < MAX_STEPS
                 # 2. the agents stop relaying: the pause request reaches no rank until they go on
                 freeze(*agents)
@@ -199,7 +181,7 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
                 reached = last_step_trained(stack, job_id, attempt)
                 assert client.post(f"/v1/training-jobs/{job_id}/pause").status_code == 202
                 wait_for(lambda: job_record(stack, job_id).control == "pause", "the scheduler to record the pause",
-                         timeout_s=AGENTS_FROZEN_AT_MOST_S)
+                         timeout_s=AGENTS_FROZEN_AT_MOST_S, every_s=0.05)
                 # 3. the in-flight checkpoint becomes READY and the scheduler handles it before any rank answered
                 thaw(coordinator)
                 left = max(0.5, AGENTS_FROZEN_AT_MOST_S - (time.monotonic() - frozen_at))

@@ -36,6 +36,7 @@ from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import SERVICES, LocalStack, StackSettings
 from trainyard_common.store import Keys, StateStore, connect_redis
 from trainyard_scheduler.fencing import LeaderKeys
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -73,17 +74,6 @@ def redis_do(stack: LocalStack, fn: Callable[[Any], Awaitable[T]]) -> T:
             await redis.aclose()
 
     return asyncio.run(go())
-
-
-def wait_for(check: Callable[[], T], what: str, timeout_s: float, every_s: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every_s)
-    raise AssertionError(f"timed out waiting for {what}; last: {str(last)[:3000]}")
 
 
 def job(client: httpx.Client, job_id: str) -> dict[str, Any]:

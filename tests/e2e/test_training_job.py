@@ -28,6 +28,7 @@ from tests.support import corpora
 from tests.support.cli import trainyard
 from tests.support.downstream import RegistryFollower
 from tests.support.otlp import OtlpSink
+from tests.support.waiting import wait_for_state
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES_IN_TRACE = {
@@ -104,17 +105,6 @@ def dead_letters(stack: LocalStack, timeout_s: float = 60.0) -> list[ev.DeadLett
         return got
 
     return asyncio.run(go())
-
-
-def wait_for_state(client: httpx.Client, job_id: str, states: set[str], timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    job: dict = {}
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
-        if job["state"] in states:
-            return job
-        time.sleep(1.0)
-    raise AssertionError(f"job {job_id} still {job.get('state')} after {timeout_s}s: {json.dumps(job)[:2000]}")
 
 
 def wait_for_artifacts(client: httpx.Client, job_id: str, kinds: set[str], timeout_s: float) -> list[dict]:
