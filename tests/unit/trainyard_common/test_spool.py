@@ -64,3 +64,40 @@ def test_a_json_value_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
     path = tmp_path / "rank-0.jsonl"
     path.write_text('[1, 2]\n"text"\n')
     assert [("corrupt" in r) for _, r in SpoolReader(path).read_new()] == [True, True]
+
+
+def test_an_undecodable_line_is_corrupt_and_the_lines_after_it_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.jsonl"
+    good = b'{"topic": "t", "payload": {"step": 1}}\n'
+    # a NUL byte first (json's encoding guess reads UTF-16: UnicodeDecodeError), invalid UTF-8, a bare value
+    path.write_bytes(b'\x00{"topic": "t"}\n' + b'{"topic": "\xff\xfe"}\n' + b"42\n" + good)
+    got = [record for _, record in SpoolReader(path).read_new()]
+    assert [sorted(r) for r in got[:3]] == [["corrupt"]] * 3
+    assert got[3] == {"topic": "t", "payload": {"step": 1}}
+
+
+def test_decode_line() -> None:
+    from trainyard_common.spool import decode_line
+
+    assert decode_line(b'{"a": 1}') == {"a": 1}
+    assert decode_line(b"\x00\x00").keys() == {"corrupt"}
+    assert decode_line(b'{"a": "\xc3"}')["corrupt"].startswith('{"a": "')
+    assert decode_line(b'"\xe9t\xe9"').keys() == {"corrupt"}
+    assert decode_line(b"[1]").keys() == {"corrupt"}
+
+
+def test_a_spool_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    import os
+
+    import pytest
+
+    from trainyard_common.rankfiles import RankFileRefused
+
+    fifo = tmp_path / "rank-0.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(RankFileRefused, match="spool refused: not a regular file"):
+        list(SpoolReader(fifo).read_new())
+    link = tmp_path / "rank-1.jsonl"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(RankFileRefused, match="spool refused: a symlink"):
+        list(SpoolReader(link).read_new())

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard_common.events import Event
+from trainyard_common.rankfiles import open_rank_file
 
 
 class SpoolWriter:
@@ -62,11 +63,27 @@ MAX_LINE_BYTES = 1 << 20  # a spool line longer than this is refused (a rank run
 READ_BYTES = 8 << 20  # at most this much is read per call, so a huge spool never lands in memory at once
 
 
+def decode_line(text: bytes) -> dict[str, Any]:
+    """One spool line as its record, or ``{"corrupt": …}`` (a printable excerpt) for anything that is not a
+    JSON object in UTF-8: a NUL byte, invalid UTF-8 (UnicodeDecodeError), broken JSON, a bare value."""
+    try:
+        record = json.loads(text.decode("utf-8"))  # strict UTF-8: json's own guess would try UTF-16/32
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        record = None
+    if not isinstance(record, dict):
+        return {"corrupt": text[:4096].decode(errors="replace")}
+    return record
+
+
 class SpoolReader:
     """Reads complete lines past ``offset``; a partial last line is left for next time.
 
     Bounded: at most :data:`READ_BYTES` per call, and a line longer than :data:`MAX_LINE_BYTES` is
-    yielded as ``{"corrupt": …}`` (not its bytes) and skipped to its end, however long it grows."""
+    yielded as ``{"corrupt": …}`` (not its bytes) and skipped to its end, however long it grows. A line
+    that is not UTF-8 JSON (a NUL byte, invalid UTF-8, broken JSON, not an object) is ``{"corrupt": …}``
+    too, and the lines after it are read as usual. The file is opened as a rank's file
+    (:func:`~trainyard_common.rankfiles.open_rank_file`): a symlink, FIFO or device in its place raises
+    :class:`~trainyard_common.rankfiles.RankFileRefused` instead of being followed or blocking."""
 
     def __init__(self, path: Path | str, offset: int = 0) -> None:
         self.path = Path(path)
@@ -75,21 +92,21 @@ class SpoolReader:
 
     def read_new(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield ``(offset_after_line, record)``; commit by storing the offset after publishing."""
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                while self._skipping:  # inside an over-long line: drop its bytes, a chunk at a time
-                    chunk = fh.read(READ_BYTES)
-                    if not chunk:
-                        return
-                    cut = chunk.find(b"\n")
-                    self.offset += len(chunk) if cut < 0 else cut + 1
-                    if cut >= 0:
-                        self._skipping = False
-                        fh.seek(self.offset)
-                data = fh.read(READ_BYTES)
-        except FileNotFoundError:
+        fd = open_rank_file(self.path, what="spool")
+        if fd is None:
             return
+        with open(fd, "rb") as fh:
+            fh.seek(self.offset)
+            while self._skipping:  # inside an over-long line: drop its bytes, a chunk at a time
+                chunk = fh.read(READ_BYTES)
+                if not chunk:
+                    return
+                cut = chunk.find(b"\n")
+                self.offset += len(chunk) if cut < 0 else cut + 1
+                if cut >= 0:
+                    self._skipping = False
+                    fh.seek(self.offset)
+            data = fh.read(READ_BYTES)
         base, start = self.offset, 0
         while (end := data.find(b"\n", start)) >= 0:
             raw, after, start = data[start:end], base + end + 1, end + 1
@@ -99,13 +116,7 @@ class SpoolReader:
             if len(raw) > MAX_LINE_BYTES:
                 yield after, {"corrupt": f"a spool line of {len(raw)} bytes (the limit is {MAX_LINE_BYTES})"}
                 continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                record = {"corrupt": text[:4096].decode(errors="replace")}
-            if not isinstance(record, dict):
-                record = {"corrupt": text[:4096].decode(errors="replace")}
-            yield after, record
+            yield after, decode_line(text)
         if len(data) - start > MAX_LINE_BYTES:
             self._skipping = True
             yield base + len(data), {"corrupt": f"a spool line longer than {MAX_LINE_BYTES} bytes: skipped to its end"}
