@@ -84,6 +84,7 @@ def test_decode_line() -> None:
     assert decode_line(b'{"a": "\xc3"}')["corrupt"].startswith('{"a": "')
     assert decode_line(b'"\xe9t\xe9"').keys() == {"corrupt"}
     assert decode_line(b"[1]").keys() == {"corrupt"}
+    assert decode_line(b"[" * 200_000).keys() == {"corrupt"}  # RecursionError, not a crash
 
 
 def test_a_spool_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:

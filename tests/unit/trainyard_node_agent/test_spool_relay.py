@@ -104,3 +104,57 @@ async def test_when_the_checkpoints_topic_refuses_too_everything_waits_in_order(
     bus.refusing.clear()
     await agent.spool_relay.relay(rank, quiet=True)
     assert [p["eventType"] for _, p in bus.published] == ["StepMetrics", "ShardWritten"]
+
+
+async def test_an_undecodable_line_is_dead_lettered_and_the_lines_after_it_are_relayed(tmp_path: Path) -> None:
+    agent, rank, bus, writer = agent_and_rank(tmp_path)
+    dead: list[Any] = []
+
+    async def publish(event: Any, **_: Any) -> None:
+        dead.append(event)
+
+    bus.publish = publish  # type: ignore[attr-defined]
+    step(writer, 1)
+    with writer.path.open("ab") as f:
+        f.write(b'\x00{"topic": "x"}\n')  # a NUL byte: UnicodeDecodeError, not JSONDecodeError
+        f.write(b'{"topic": "\xff"}\n')  # invalid UTF-8
+    step(writer, 2)
+    await agent.spool_relay.relay(rank)  # not quiet: an error would be raised here
+    assert [p["step"] for _, p in bus.published] == [1, 2]
+    assert [d.error for d in dead] == ["unreadable spool line (not one JSON object)"] * 2
+    assert rank.spool.offset == rank.spool.path.stat().st_size
+
+
+async def test_a_line_whose_handling_fails_for_good_is_dead_lettered_not_retried(tmp_path: Path,
+                                                                                  monkeypatch: Any) -> None:
+    from trainyard_node_agent import spool_relay
+
+    agent, rank, bus, writer = agent_and_rank(tmp_path)
+    dead: list[Any] = []
+
+    async def publish(event: Any, **_: Any) -> None:
+        dead.append(event)
+
+    bus.publish = publish  # type: ignore[attr-defined]
+    real = spool_relay.check_line
+
+    def check_line(record: Any, who: Any, *, offset: int) -> Any:
+        if record["payload"].get("step") == 1:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(record, who, offset=offset)
+
+    monkeypatch.setattr(spool_relay, "check_line", check_line)
+    step(writer, 1)
+    step(writer, 2)
+    await agent.spool_relay.relay(rank)
+    assert [p["step"] for _, p in bus.published] == [2]
+    assert len(dead) == 1 and dead[0].error.startswith("spool line that cannot be relayed: UnicodeDecodeError")
+
+
+async def test_draining_a_spool_that_is_a_fifo_gives_up_at_once_with_the_reason(tmp_path: Path) -> None:
+    import os
+
+    agent, rank, bus, writer = agent_and_rank(tmp_path)
+    os.mkfifo(writer.path)  # a plain open() would block the event loop for good
+    assert await agent.spool_relay.drain(rank) == "spool refused: not a regular file (a FIFO)"
+    assert bus.published == []

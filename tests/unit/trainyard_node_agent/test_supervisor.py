@@ -121,3 +121,38 @@ async def test_under_an_object_store_the_whole_log_is_shipped_before_the_exit_is
     supervisor.apply(Trigger.LAUNCHED)
     await supervisor.run()
     assert journal.steps == ["relay", "ship", "drain", "ship final", "exit", "track exited"]
+
+
+async def test_an_exit_note_that_is_a_fifo_is_refused_with_a_named_reason(tmp_path: Path) -> None:
+    import os
+
+    journal = Journal()
+    supervisor = supervised(tmp_path, journal)
+    supervisor.rank.process = Process(0)  # type: ignore[assignment]
+    supervisor.rank.last_step = 41
+    supervisor.apply(Trigger.LAUNCHED)
+    supervisor.rank.exit_file.parent.mkdir(parents=True)
+    os.mkfifo(supervisor.rank.note_file)  # read_text() would wait for a writer for ever
+    await supervisor.run()
+    (exited,) = journal.exits
+    assert exited.exit_code == 0 and exited.global_step == 41  # the last step relayed instead
+    assert exited.detail is not None and "exit note refused: not a regular file (a FIFO)" in exited.detail
+
+
+async def test_exit_files_that_are_links_or_huge_are_refused(tmp_path: Path) -> None:
+    journal = Journal()
+    supervisor = supervised(tmp_path, journal)
+    rank = supervisor.rank
+    rank.process = Process(3)  # type: ignore[assignment]
+    supervisor.apply(Trigger.LAUNCHED)
+    rank.exit_file.parent.mkdir(parents=True)
+    rank.note_file.symlink_to("/dev/zero")
+    with open(rank.exit_file, "wb") as fh:
+        fh.truncate(20 << 30)  # sparse: a read would cost 20 GiB of memory
+    rank.log_path.symlink_to("/dev/zero")
+    await supervisor.run()
+    (exited,) = journal.exits
+    assert exited.exit_code == 3  # the process's own status, since the exit file was refused
+    assert exited.detail is not None
+    assert "exit note refused: a symlink (never followed)" in exited.detail
+    assert "exit file refused: too large (21474836480 bytes" in exited.detail

@@ -68,7 +68,7 @@ def decode_line(text: bytes) -> dict[str, Any]:
     JSON object in UTF-8: a NUL byte, invalid UTF-8 (UnicodeDecodeError), broken JSON, a bare value."""
     try:
         record = json.loads(text.decode("utf-8"))  # strict UTF-8: json's own guess would try UTF-16/32
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError alike; nesting too deep
         record = None
     if not isinstance(record, dict):
         return {"corrupt": text[:4096].decode(errors="replace")}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainyard_common.rankfiles import RankFileRefused, open_rank_file, read_rank_file
 from trainyard_common.spool import SpoolReader
 
 from trainyard_node_agent import launcher
@@ -31,6 +32,7 @@ from trainyard_node_agent.watchdog import Liveness
 
 LAUNCHER = Path(launcher.__file__).resolve()
 LOG_TAIL_BYTES = 16 * 1024
+NOTE_LIMIT = 64 * 1024  # an exit note, an exit file, a pid file: a few hundred bytes in practice
 
 
 @dataclass
@@ -145,13 +147,34 @@ def note_file_for(exit_file: Path) -> Path:
     return exit_file.with_name(exit_file.stem + ".note.json") if exit_file.name else exit_file
 
 
+def read_json(path: Path, what: str) -> tuple[Any, str | None]:
+    """(the JSON in ``path``, None), or (None, why it was refused) for a file that is no small regular file
+    (:func:`~trainyard_common.rankfiles.read_rank_file`: a FIFO, a symlink, a huge file); (None, None) when
+    it is missing or no JSON. Blocks on nothing a rank controls; still, call it off the event loop."""
+    try:
+        data = read_rank_file(path, limit=NOTE_LIMIT, what=what)
+    except RankFileRefused as exc:
+        return None, str(exc)
+    except OSError:
+        return None, None
+    if data is None:
+        return None, None
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except (ValueError, RecursionError):
+        return None, None
+
+
+def read_note(path: Path) -> tuple[int | None, str | None]:
+    """(the ``globalStep`` of a trainer's exit note or None, why the note was refused or None)."""
+    entry, refused = read_json(path, "exit note")
+    step = entry.get("globalStep") if isinstance(entry, dict) else None
+    return (step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None), refused
+
+
 def read_note_step(path: Path) -> int | None:
     """The ``globalStep`` of a trainer's exit note, or None."""
-    try:
-        step = json.loads(path.read_text()).get("globalStep")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and step >= 0 else None
+    return read_note(path)[0]
 
 
 def clear_exit_files(exit_file: Path) -> None:
@@ -168,8 +191,8 @@ async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout
     pid_file = Path(launcher.pid_file_for(str(exit_file)))
     deadline = clock.monotonic() + timeout_s
     while clock.monotonic() < deadline:
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            return int(pid_file.read_text().strip())
+        with contextlib.suppress(OSError, ValueError, RankFileRefused, TypeError):  # a rank's file: never blocks
+            return int(read_rank_file(pid_file, limit=64, what="pid file").strip())  # type: ignore[union-attr]
         if process.returncode is not None:
             return None
         await clock.sleep(0.01)
@@ -178,20 +201,23 @@ async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout
 
 def read_start_error(path: Path) -> str | None:
     """The launcher's OSError when it could not start the command at all, or None."""
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    entry, _ = read_json(path, "exit file")
     error = entry.get("error") if isinstance(entry, dict) and entry.get("pid") is None else None
     return str(error) if error else None
 
 
 def read_exit_file(path: Path) -> int | None:
     """The exit code the launcher recorded, or None."""
+    return read_exit(path)[0]
+
+
+def read_exit(path: Path) -> tuple[int | None, str | None]:
+    """(the exit code the launcher recorded or None, why the exit file was refused or None)."""
+    entry, refused = read_json(path, "exit file")
     try:
-        return int(json.loads(path.read_text())["exitCode"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return int(entry["exitCode"]), None  # type: ignore[index]
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return None, refused
 
 
 async def wait_exited(process: asyncio.subprocess.Process, timeout_s: float) -> bool:
@@ -279,13 +305,16 @@ def alive(pid: int, pgid: int) -> bool:
 def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
     """The last ``limit`` bytes of a rank log (for the failure classification)."""
     try:
-        with open(path, "rb") as fh:
+        fd = open_rank_file(path, what="rank log")  # the rank may have put a FIFO or a link in its place
+        if fd is None:
+            return ""
+        with open(fd, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
             fh.seek(max(size - limit, 0))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
+            return fh.read(limit).decode(errors="replace")
+    except (OSError, RankFileRefused) as exc:
+        return f"(no log: {exc})" if isinstance(exc, RankFileRefused) else ""
 
 
 def file_size(path: Path) -> int:

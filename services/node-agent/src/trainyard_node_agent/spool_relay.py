@@ -11,10 +11,18 @@ them when it gets there), so a partition that refuses StepMetrics for a while (s
 embedded broker restarted empty) never keeps a durable checkpoint from becoming READY. The saved
 offset stays at the first unpublished line, so a restarted agent publishes the ones sent ahead again
 (same event ids: deduplicated).
+
+What a rank writes never wedges the relay: a line that is not UTF-8 JSON is dead-lettered (the reader
+yields it as corrupt), and so is a line whose handling raises an error that retrying could not cure
+(:data:`UNRELAYABLE`: the same bytes would fail the same way); the lines after it are relayed. Only
+the broker or Redis being away holds a spool up. The spool is read in a worker thread, as a rank's
+file (a FIFO or symlink in its place is refused: :class:`~trainyard_common.rankfiles.RankFileRefused`),
+and :meth:`SpoolRelay.drain` gives up on such a spool at once, with the reason, instead of retrying.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -26,6 +34,7 @@ from prometheus_client import Counter
 
 from trainyard_common.bus import Bus
 from trainyard_common.events import CHECKPOINTS, DeadLetter, ShardWritten, StepMetrics
+from trainyard_common.rankfiles import RankFileRefused
 from trainyard_common.spool import SpoolReader
 from trainyard_common.storage import ArtifactLayout, uri_to_path
 
@@ -41,6 +50,9 @@ RELAY_REFUSED = Counter("trainyard_node_agent_spool_refused_total",
                         "spool lines not relayed: kind=violation (a claim a rank may not make: the job fails) "
                         "or malformed (unreadable; dead-lettered)", ["kind"])
 
+# Errors the same spool line raises every time: retrying cannot help, so the line is dead-lettered.
+UNRELAYABLE = (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError)
+
 Persist = Callable[[RankProcess], Awaitable[None]]
 Violation = Callable[[RankProcess, Refusal], Awaitable[None]]
 
@@ -48,6 +60,11 @@ Violation = Callable[[RankProcess, Refusal], Awaitable[None]]
 def _event_id(record: Mapping[str, Any]) -> str | None:
     payload = record.get("payload")
     return str(payload["eventId"]) if isinstance(payload, dict) and "eventId" in payload else None
+
+
+async def _read_new(spool: SpoolReader) -> list[tuple[int, dict[str, Any]]]:
+    """The spool's new lines, read in a worker thread (bounded: SpoolReader.READ_BYTES a call)."""
+    return await asyncio.to_thread(lambda: list(spool.read_new()))
 
 
 class SpoolRelay:
@@ -70,13 +87,13 @@ class SpoolRelay:
         published = 0
         ahead = self._sent_ahead.setdefault(rank.key, set())
         try:
-            for offset, record in rank.spool.read_new():
+            for offset, record in await _read_new(rank.spool):
                 event_id = _event_id(record)
                 if event_id is not None and event_id in ahead:
                     ahead.discard(event_id)  # published already, ahead of a line that was held up
                 else:
                     try:
-                        await self._publish(rank, offset, record)
+                        await self._publish_or_dead_letter(rank, offset, record)
                     except Exception:
                         if record.get("topic") != CHECKPOINTS:
                             published += await self._checkpoints_ahead(rank, ahead)
@@ -96,16 +113,26 @@ class SpoolRelay:
             await self.persist(rank)
         return published
 
-    async def drain(self, rank: RankProcess) -> None:
-        """Relay until the spool is empty; retry while the broker is away (for 10 s more once closing)."""
+    async def drain(self, rank: RankProcess) -> str | None:
+        """Relay until the spool is empty; retry while the broker is away (for 10 s more once closing).
+        Returns why the rest of the spool was given up at once (a spool that is no regular file), else None."""
+        refused: list[str] = []
+
         async def relay_all() -> None:
-            while await self.relay(rank):
-                pass
+            try:
+                while await self.relay(rank):
+                    pass
+            except RankFileRefused as exc:  # the same next time: never retried
+                refused.append(str(exc))
 
         if not await backoff.retry(relay_all, policy=backoff.INFRASTRUCTURE, clock=self.clock,
                                    give_up=backoff.ClosingGrace(self.closing, self.clock, 10.0),
                                    what=f"draining the spool of {rank.key}"):
             log.error("the spool of %s stays unrelayed from offset %d", rank.key, rank.spool.offset)
+        if refused:
+            log.error("rank %s: %s; the rest of its spool is not relayed", rank.key, refused[0])
+            return refused[0]
+        return None
 
     def forget(self, key: str) -> None:
         """The rank ``key`` is gone from this node: drop what the relay kept about it."""
@@ -115,7 +142,7 @@ class SpoolRelay:
     async def _checkpoints_ahead(self, rank: RankProcess, ahead: set[str]) -> int:
         """Publish the checkpoint reports past the held-up line; returns how many (noted in ``ahead``)."""
         sent = 0
-        for offset, record in SpoolReader(rank.spool.path, rank.spool.offset).read_new():
+        for offset, record in await _read_new(SpoolReader(rank.spool.path, rank.spool.offset)):
             event_id = _event_id(record)
             if record.get("topic") != CHECKPOINTS or "corrupt" in record or event_id is None or event_id in ahead:
                 continue
@@ -129,6 +156,15 @@ class SpoolRelay:
             log.warning("rank %s: published %d checkpoint report(s) ahead of a spool line the broker refuses",
                         rank.key, sent)
         return sent
+
+    async def _publish_or_dead_letter(self, rank: RankProcess, offset: int, record: dict[str, Any]) -> None:
+        """:meth:`_publish`; a line it fails on for good (:data:`UNRELAYABLE`) is dead-lettered, not retried."""
+        try:
+            await self._publish(rank, offset, record)
+        except UNRELAYABLE as exc:
+            log.warning("rank %s: spool line ending at %d cannot be relayed (%r): dead-lettered", rank.key, offset, exc)
+            await self._refuse(rank, offset, record, Refusal(f"spool line that cannot be relayed: {exc!r}"[:500],
+                                                             violation=False))
 
     async def _publish(self, rank: RankProcess, offset: int, record: dict[str, Any]) -> None:
         """Publish one spool line if the rank may say it (relay.check_line), as the agent renders it;
@@ -156,7 +192,10 @@ class SpoolRelay:
     async def _refuse(self, rank: RankProcess, offset: int, record: dict[str, Any], refusal: Refusal) -> None:
         """Dead-letter a refused line with the reason; a forgery goes on to ``violation``."""
         RELAY_REFUSED.labels(kind="violation" if refusal.violation else "malformed").inc()
-        raw = record.get("corrupt") or json.dumps(record)
+        try:
+            raw = record.get("corrupt") or json.dumps(record)
+        except UNRELAYABLE:  # a record json cannot write back (nested too deep, …)
+            raw = repr(record)[:4096]
         await self.bus.publish(DeadLetter(
             source_topic=f"spool:{rank.spool.path}", partition=rank.rank, offset=offset,
             consumer_group=self.group, raw_b64=base64.b64encode(str(raw).encode()).decode(),

@@ -4,10 +4,16 @@ it left in its process group.
 
 Order: a rank's spool is drained completely before its WorkerExited is staged, so a final ShardWritten or
 StepMetrics never arrives after the exit that follows it.
+
+The files a rank can write (its exit note, its spool, its log, the exit file beside them) are read off the
+event loop and only as small regular files (:mod:`trainyard_common.rankfiles`): a FIFO, a symlink to
+``/dev/zero`` or a 20 GB note never stops the agent's heartbeats; the exit is reported with the refusal
+in its detail (``exit note refused: not a regular file (a FIFO)``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from collections.abc import Callable, Coroutine
@@ -41,8 +47,18 @@ def baseline(rank: rp.RankProcess, now: float) -> Liveness:
 def last_step_of(rank: rp.RankProcess) -> int | None:
     """The step WorkerExited reports: the trainer's exit note (its last step, the failing one after a
     NaN, the one it checkpointed at when asked to stop), else the last StepMetrics relayed."""
-    noted = rp.read_note_step(rank.note_file)
-    return noted if noted is not None else rank.last_step
+    return noted_step(rank)[0]
+
+
+def noted_step(rank: rp.RankProcess) -> tuple[int | None, str | None]:
+    """(:func:`last_step_of`, why the exit note was refused or None). Call it off the event loop."""
+    noted, refused = rp.read_note(rank.note_file)
+    return (noted if noted is not None else rank.last_step), refused
+
+
+def _with(detail: str | None, *more: str | None) -> str | None:
+    parts = [p for p in (detail, *more) if p]
+    return "; ".join(parts) if parts else None
 
 
 @dataclass(frozen=True)
@@ -100,20 +116,21 @@ class RankSupervisor:
                 await self.context.logs.ship(self.rank)
             if ended:
                 break
-        await self.context.relay.drain(self.rank)
+        spool_refused = await self.context.relay.drain(self.rank)
         await self._ship_the_rest_of_the_log()
-        await self.report_exit(*self.how_it_ended())
+        code, reason, detail = await asyncio.to_thread(self.how_it_ended)
+        await self.report_exit(code, reason, _with(detail, spool_refused))
         rp.signal_group(self.rank.pgid, signal.SIGKILL)
 
     async def report_unwatched(self) -> None:
         """A rank that ended while no agent watched it: relay the rest of its spool, report its exit
         (from the launcher's exit file; ``lost`` without one)."""
-        await self.context.relay.drain(self.rank)
+        spool_refused = await self.context.relay.drain(self.rank)
         await self._ship_the_rest_of_the_log()
-        code, reason, detail = self.how_it_ended()
+        code, reason, detail = await asyncio.to_thread(self.how_it_ended)
         if reason != "lost":
             detail = (detail + "; " if detail else "") + "it ended while its node agent was down"
-        await self.report_exit(code, reason, detail)
+        await self.report_exit(code, reason, _with(detail, spool_refused))
 
     async def _ship_the_rest_of_the_log(self) -> None:
         """All of an ended rank's log to the object store, before its exit is reported (one try: a failure
@@ -139,9 +156,10 @@ class RankSupervisor:
                                 now=self.context.clock.monotonic())
 
     def how_it_ended(self) -> tuple[int, str, str | None]:
-        """(exit code, reason, detail) from the exit file, the process and the log."""
+        """(exit code, reason, detail) from the exit file, the process and the log. It reads files the rank
+        could have replaced (bounded, never blocking): call it off the event loop."""
         rank = self.rank
-        recorded = rp.read_exit_file(rank.exit_file)
+        recorded, exit_refused = rp.read_exit(rank.exit_file)
         causes = exit_causes(rank.state, rank.stop_detail)
         lost = None
         if recorded is not None:
@@ -160,15 +178,18 @@ class RankSupervisor:
             user_code=rank.code_archive is not None, progressed=rank.progressed,
             start_error=rp.read_start_error(rank.exit_file) if code != 0 else None, violation=causes.violation,
         ))
-        return code, reason, detail if detail is not None else causes.fallback_detail
+        return code, reason, _with(detail if detail is not None else causes.fallback_detail, exit_refused)
 
     async def report_exit(self, code: int, reason: str, detail: str | None) -> None:
         """Stage WorkerExited in the outbox (retried while Redis is away) and wait for it to be seen applied."""
         rank, context = self.rank, self.context
+        step, note_refused = await asyncio.to_thread(noted_step, rank)  # the note is the rank's file
+        if note_refused:
+            log.warning("rank %s: %s", rank.key, note_refused)
         event = WorkerExited(
             job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id, epoch=rank.epoch,
-            node_id=context.settings.node_id, rank=rank.rank, exit_code=code, reason=reason, detail=detail,
-            global_step=last_step_of(rank), saved_step=rank.saved_step,
+            node_id=context.settings.node_id, rank=rank.rank, exit_code=code, reason=reason,
+            detail=_with(detail, note_refused), global_step=step, saved_step=rank.saved_step,
         )
         if not await backoff.retry(  # Redis away: the exit must still be reported
                 lambda: context.outbox.put(event, traceparent=rank.traceparent),
