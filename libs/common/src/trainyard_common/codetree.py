@@ -12,6 +12,7 @@ verified extraction. Pure functions over bytes and paths (no network, no Redis).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -28,6 +29,8 @@ from trainyard_common.errors import ConfigError
 #: Default limit of an archive (compressed) and of the tree it expands to.
 MAX_ARCHIVE_BYTES = 100 * 1024 * 1024
 MAX_TREE_BYTES = 1024 * 1024 * 1024
+#: Files and symlinks a tree may hold: refused when packing, and by :func:`extract` (the API at upload, the node
+#: agent at extraction), which also allows no more directory entries than this.
 MAX_FILES = 50_000
 #: Never packed, whatever .gitignore says (they are machine-local or rebuilt on import).
 ALWAYS_EXCLUDED = (".git", "__pycache__", ".trainyard", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache")
@@ -136,18 +139,59 @@ class TreeDigest:
         return cls(dict(data["files"]), dict(data["links"]))
 
 
-def extract(data: bytes, dest: Path, *, max_tree_bytes: int = MAX_TREE_BYTES) -> TreeDigest:
+def too_many_files(count: int, limit: int = MAX_FILES, *, what: str = "files and symlinks") -> str:
+    """Why an archive past the entry limit is refused (``count`` is how far reading got: at least that many)."""
+    return (f"the code archive holds at least {count} {what}, the limit is {limit}: leave data, checkpoints and "
+            "virtual environments out (.gitignore) and read data from a trainyard dataset instead")
+
+
+def count_entries(data: bytes, *, max_files: int = MAX_FILES, max_tree_bytes: int = MAX_TREE_BYTES) -> str | None:
+    """Why the archive holds too many entries (with their count), or None; reads member headers only, writes
+    nothing. Counting stops at ten times the limit, and where the members' declared sizes pass ``max_tree_bytes``
+    (None then: :func:`extract` refuses that archive with its own reason)."""
+    entries = directories = total = 0
+    stop = 10 * max_files
+    with contextlib.suppress(tarfile.TarError, EOFError, gzip.BadGzipFile, OSError), \
+            tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar:
+            if member.isdir():
+                directories += 1
+            else:
+                entries += 1
+                total += member.size if member.isreg() else 0
+            if total > max_tree_bytes or entries > stop or directories > stop:
+                break
+    for count, what in ((entries, "files and symlinks"), (directories, "directory entries")):
+        if count > max_files:
+            return (f"the code archive holds {'more than ' if count > stop else ''}{min(count, stop)} {what}, "
+                    f"the limit is {max_files}: leave data, checkpoints and virtual environments out "
+                    "(.gitignore) and read data from a trainyard dataset instead")
+    return None
+
+
+def extract(data: bytes, dest: Path, *, max_tree_bytes: int = MAX_TREE_BYTES,
+            max_files: int = MAX_FILES) -> TreeDigest:
     """Unpack archive bytes into the empty or new directory ``dest``; returns its digest.
 
     CodeTreeError on a member that is not a plain file, directory or in-tree relative symlink,
-    on a path outside ``dest``, or past ``max_tree_bytes`` uncompressed."""
+    on a path outside ``dest``, past ``max_tree_bytes`` uncompressed, or at the member past ``max_files``
+    files and symlinks (or directory entries): reading stops there, nothing more is written."""
     dest.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     links: dict[str, str] = {}
     total = 0
+    entries = directories = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             for member in tar:
+                if member.isdir():
+                    directories += 1
+                    if directories > max_files:
+                        raise CodeTreeError(too_many_files(directories, max_files, what="directory entries"))
+                else:
+                    entries += 1
+                    if entries > max_files:
+                        raise CodeTreeError(too_many_files(entries, max_files))
                 name = _clean(member.name)
                 target = dest / name
                 if member.isdir():

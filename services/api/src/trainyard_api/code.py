@@ -142,6 +142,8 @@ class CodeStore:
             raise problem
         if (existing := self.info(tenant, archive)) is not None:
             return existing, False
+        if too_many := codetree.count_entries(data):  # before writing any of them, even to a temporary directory
+            raise SpecError("body", f"{too_many}; pack the tree with `trainyard submit --code DIR`")
         digest = readable(data, "body")
         hex_digest = codetree.archive_hex(archive)
         info = ArchiveInfo(archive, len(data), len(digest.files) + len(digest.links), now)
