@@ -46,6 +46,17 @@ async def authenticate(store: StateStore, authorization: str | None, now: dateti
     return token if token.token_id else token.model_copy(update={"token_id": token_id_of(digest, token)})
 
 
+async def recheck(store: StateStore, authorization: str | None, now: datetime | None = None) -> dict[str, str] | None:
+    """None while the request's token is still active (its record read again); else why not, as the data of a
+    live stream's ``closed`` event: ``reason`` (the 401's message) and ``kind`` (revoked, expired, unknown)."""
+    try:
+        secret = bearer_token(authorization)
+    except AuthError as exc:
+        return {"reason": exc.message, "kind": "unknown"}
+    refusal = check_token(await store.tenant_for_token(secret), now or utcnow(), HOW_TO_GET_A_TOKEN)
+    return {"reason": refusal.message, "kind": refusal.reason} if refusal else None
+
+
 def require(token: TenantToken, right: Right, tenant: str | None = None) -> TenantToken:
     """``token`` when it has ``right`` on ``tenant`` (default its own); ForbiddenError naming the role needed."""
     if refusal := authorize(token, right, tenant):

@@ -4,13 +4,17 @@ nodes → devices for platform admins.
 Pure: :func:`capacity`, :func:`queue`, :func:`topology` over the scheduler's node records, its
 quarantine / drain / reputation hashes and the jobs. Which job holds a device comes from the
 running attempts' ``devices`` (``node:index``). What a viewer may see: another tenant's queued job
-shows with its state, size and reason, but neither its id nor its tenant.
+shows with its state, size and reason kind, but neither its id nor its tenant, and a reason text that is
+only its kind's general wording (:func:`public_reason`: the scheduler's text names the tenant, its quota,
+its cohort and the jobs it waits for); in the viewer's own reasons, a job id that is not the viewer's
+reads "another tenant's job" (:func:`redact_job_ids`).
 I/O: :class:`ClusterService` loads those from Redis (the newest ``scan_jobs`` jobs, unfinished ones).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +28,20 @@ from trainyard_common.store import Keys, StateStore
 from trainyard_api.schemas import _Out
 
 UNPLACED = "unplaced"
+OTHER_JOB = "another tenant's job"
+_JOB_ID = re.compile(r"\bjob-[\w-]+")
+_PUBLIC_REASONS = {
+    "quota": "waiting for its tenant's quota",
+    "capacity": "waiting for capacity",
+    "topology": "waiting for devices in the shape it needs",
+    "priority": "waiting behind jobs ahead in the queue",
+    "preemption": "waiting for preempted jobs to stop",
+    "backoff": "waiting to retry",
+    "quarantine": "waiting for a healthy node",
+    "maintenance": "waiting for maintenance to end",
+    "interrupted": "waiting to resume after an interruption",
+    "checkpoint": "waiting for a checkpoint",
+}
 
 
 class CapacityRow(_Out):
@@ -122,16 +140,35 @@ def capacity(nodes: Sequence[NodeRecord], held: Mapping[str, str], quarantined: 
     return [CapacityRow(device_type=t, **r) for t, r in sorted(rows.items())]
 
 
+def public_reason(job: JobRecord) -> str | None:
+    """What another tenant sees of why ``job`` waits: its kind's general wording, never the scheduler's text."""
+    if job.queued_reason is None and job.queued_reason_kind is None:
+        return None
+    return _PUBLIC_REASONS.get(job.queued_reason_kind or "", "waiting")
+
+
+def redact_job_ids(text: str | None, own: set[str]) -> str | None:
+    """``text`` with every job id that is not in ``own`` replaced by "another tenant's job"."""
+    if text is None:
+        return None
+    return _JOB_ID.sub(lambda m: m.group(0) if m.group(0) in own else OTHER_JOB, text)
+
+
 def queue(jobs: Sequence[JobRecord], viewer_tenant: str | None) -> list[QueueRow]:
-    """Queued jobs in placement order; ``viewer_tenant`` None sees every id (a platform admin)."""
+    """Queued jobs in placement order; ``viewer_tenant`` None sees every id and reason (a platform admin)."""
     waiting = sorted((j for j in jobs if j.state == "queued"), key=lambda j: (-j.priority, j.created_at))
+    mine = {j.job_id for j in jobs if j.tenant == viewer_tenant}
     rows = []
     for position, job in enumerate(waiting, start=1):
         own = viewer_tenant is None or job.tenant == viewer_tenant
+        if viewer_tenant is None:
+            reason = job.queued_reason
+        else:
+            reason = redact_job_ids(job.queued_reason, mine) if own else public_reason(job)
         res = job.spec.resources
         rows.append(QueueRow(job_id=job.job_id if own else None, tenant=job.tenant if own else None,
                              state=job.state, priority=job.priority, gpu_type=res.gpu_type, gpu_count=res.gpu_count,
-                             queued_reason=job.queued_reason, queued_reason_kind=job.queued_reason_kind,
+                             queued_reason=reason, queued_reason_kind=job.queued_reason_kind,
                              position=position))
     return rows
 

@@ -11,6 +11,11 @@ rank, every step) becomes one summary per job per interval (at most ``1 / min_in
 
 A slow client never blocks the hub: its queue is bounded and, when full, is emptied and given one
 ``resync`` (the client re-reads what it shows). :meth:`LiveHub.aclose` ends every stream.
+
+A stream is only as good as its token: given a ``check`` (the route reads the token's record again),
+:meth:`LiveHub.stream` runs it before each event it sends and at least every ``recheck_s`` while idle;
+once it refuses (revoked, expired, unknown), the stream sends one ``closed`` event with the reason and
+ends, so nothing reaches a revoked viewer after the revocation.
 Pure: :func:`visible` (tenant filtering), :func:`sse` (framing).
 """
 
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE = b": keepalive\n\n"
 RESYNC = "resync"
+CLOSED = "closed"
 _CLOSED = object()
 
 
@@ -80,12 +86,17 @@ class Subscriber:
 Summaries = Callable[[Sequence[str]], Awaitable[dict[str, tuple[str, str]]]]
 """job ids → {job id: (tenant, JobSummary JSON)} for those that exist."""
 
+Check = Callable[[], Awaitable[dict[str, str] | None]]
+"""None while the stream may go on; else the ``closed`` event's data (``reason``, ``kind``)."""
+
 
 class LiveHub:
-    def __init__(self, summaries: Summaries, *, min_interval_s: float = 0.5, keepalive_s: float = 15.0) -> None:
+    def __init__(self, summaries: Summaries, *, min_interval_s: float = 0.5, keepalive_s: float = 15.0,
+                 recheck_s: float = 1.0) -> None:
         self.summaries = summaries
         self.min_interval_s = min_interval_s
         self.keepalive_s = keepalive_s
+        self.recheck_s = recheck_s
         self.subscribers: set[Subscriber] = set()
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
@@ -164,22 +175,37 @@ class LiveHub:
                 await self._task
 
     # ------------------------------------------------------------------ outputs
-    async def stream(self, tenant: str, job_id: str | None, initial: Sequence[bytes] = ()) -> AsyncIterator[bytes]:
-        """The byte stream of one client: ``initial`` frames, then changes, keepalives, until closed."""
+    async def stream(self, tenant: str, job_id: str | None, initial: Sequence[bytes] = (),
+                     check: Check | None = None) -> AsyncIterator[bytes]:
+        """The byte stream of one client: ``initial`` frames, then changes, keepalives, until closed; with
+        ``check``, it is asked before every frame and at least every ``recheck_s`` while idle, and a refusal
+        ends the stream with one ``closed`` event carrying it."""
         sub = Subscriber(tenant, job_id)
         self.subscribers.add(sub)
+        clock = asyncio.get_running_loop().time
         try:
             yield b"retry: 2000\n\n"
             for frame in initial:
                 yield frame
+            beat = clock()
             while not self._closed:
+                wait = max(0.0, self.keepalive_s - (clock() - beat))
+                if check is not None:
+                    wait = min(wait, self.recheck_s)
                 try:
-                    item = await asyncio.wait_for(sub.queue.get(), timeout=self.keepalive_s)
+                    item: object = await asyncio.wait_for(sub.queue.get(), timeout=wait)
                 except TimeoutError:
-                    yield KEEPALIVE
-                    continue
+                    item = None
                 if item is _CLOSED:
                     return
+                if check is not None and (refusal := await check()) is not None:
+                    yield sse(CLOSED, json.dumps(refusal))
+                    return
+                if item is None:
+                    if clock() - beat >= self.keepalive_s:
+                        beat = clock()
+                        yield KEEPALIVE
+                    continue
                 yield sse(RESYNC, json.dumps({"dropped": sub.dropped})) if item == RESYNC else item  # type: ignore[misc]
         finally:
             self.subscribers.discard(sub)

@@ -15,6 +15,7 @@ from trainyard_common.records import JobRecord, Progress
 from trainyard_common.storage import ArtifactLayout
 from trainyard_common.store import Keys
 
+from trainyard_api.auth import recheck
 from trainyard_api.cluster import ClusterService, ClusterView
 from trainyard_api.deps import Ctx, JobId, Tenant
 from trainyard_api.http_errors import AUTH_ERRORS, JOB_ERRORS, invalid
@@ -186,7 +187,12 @@ SERVER_EVENT_SCHEMA = {
     "oneOf": [_event("job", "JobEvent", {"$ref": "#/components/schemas/JobSummary"}),
               _event("resync", "ResyncEvent", {"type": "object", "required": ["dropped"],
                                                "properties": {"dropped": {"type": "integer", "minimum": 0,
-                                                                          "description": "changes not sent"}}})],
+                                                                          "description": "changes not sent"}}}),
+              _event("closed", "ClosedEvent", {
+                  "type": "object", "required": ["reason", "kind"],
+                  "properties": {"reason": {"type": "string", "description": "why, as a 401 would say it"},
+                                 "kind": {"enum": ["revoked", "expired", "unknown"],
+                                          "description": "what became of the token"}}})],
 }
 """What ``GET /v1/events`` sends, event by event (a 3.1 document has no item schema: this is the schema)."""
 
@@ -197,22 +203,32 @@ SERVER_EVENT_SCHEMA = {
                              "description": "`event: job` + `data: <JobSummary JSON>` on each change of state, "
                                             "progress (at most 2/s per job), attempts or checkpoints; "
                                             "`event: resync` + `data: {\"dropped\": n}` when the client fell "
-                                            "behind (re-read); `: keepalive` (a comment) every 15 s. The schema "
-                                            "is that of one event"},
+                                            "behind (re-read); `: keepalive` (a comment) every 15 s; "
+                                            "`event: closed` + `data: {\"reason\", \"kind\"}` as the last "
+                                            "event once the token is revoked or expired (it is read again "
+                                            "before every event and every second). The schema is that of "
+                                            "one event"},
                        **JOB_ERRORS})
 async def events(
     ctx: Ctx, tenant: Tenant, request: Request,
     job_id: Annotated[str | None, Query(alias="jobId", max_length=128, description="only this job")] = None,
 ) -> StreamingResponse:
     """Read with `fetch()` and a stream reader (it needs the Authorization header, which
-    EventSource cannot send). With `jobId`, the first event is the job's current summary."""
+    EventSource cannot send). With `jobId`, the first event is the job's current summary. The token is
+    read again before each event and at least every second: once revoked or expired, the stream sends
+    `closed` with the reason and ends (nothing after the revocation reaches it)."""
     initial = []
     hub = live_hub(request)
     if job_id is not None:
         job = await ctx.jobs.get(tenant, job_id)
         found = await job_summaries(ctx.store.redis, [job.job_id])
         initial = [sse("job", found[job.job_id][1])] if job.job_id in found else []
-    return StreamingResponse(hub.stream(tenant.tenant, job_id, initial), media_type="text/event-stream",
+    authorization = request.headers.get("authorization")
+
+    async def check() -> dict[str, str] | None:
+        return await recheck(ctx.store, authorization)
+
+    return StreamingResponse(hub.stream(tenant.tenant, job_id, initial, check), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

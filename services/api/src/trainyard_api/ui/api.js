@@ -83,13 +83,24 @@ export function sseParser(onEvent) {
   };
 }
 
+/** The API no longer takes this tab's token (a `closed` event, or a 401): the shell shows the sign-in form. */
+export function tokenRefused(reason) {
+  window.dispatchEvent(new CustomEvent("trainyard:token-refused", { detail: reason }));
+}
+
 /**
  * Follow `GET /v1/events` (optionally one job's): `onJob(summary)` for each `job` event. Reconnects after a
- * dropped stream; where the server has no event stream, falls back to `poll()` every few seconds.
+ * dropped stream; where the server has no event stream, falls back to `poll()` every few seconds. A `closed`
+ * event (the token was revoked or expired) or a 401 ends it and signs the tab out with the reason.
  */
 export function liveJobs({ jobId, onJob, poll, signal }) {
   const path = "/v1/events" + (jobId ? `?jobId=${encodeURIComponent(jobId)}` : "");
+  let refused = null;
   const parse = sseParser((name, data) => {
+    if (name === "closed") {
+      try { refused = JSON.parse(data).reason; } catch { refused = "the API closed the stream"; }
+      return;
+    }
     if (name === "resync" && poll) { poll().catch(() => {}); return; } // the server dropped events for us: re-read
     if (name !== "job") return;
     try { onJob(JSON.parse(data)); } catch (e) { console.warn("unreadable job event", e); }
@@ -103,9 +114,11 @@ export function liveJobs({ jobId, onJob, poll, signal }) {
           await stream(path, parse, signal);
         } catch (e) {
           if (signal.aborted) return;
-          if (e instanceof ApiError && (e.status === 404 || e.status === 405)) streaming = false;
+          if (e instanceof ApiError && e.status === 401) refused = e.message;
+          else if (e instanceof ApiError && (e.status === 404 || e.status === 405)) streaming = false;
           else console.warn("event stream dropped, reconnecting:", e.message);
         }
+        if (refused !== null) return tokenRefused(refused);
         if (poll && !signal.aborted) await poll().catch(() => {}); // catch up on what the gap missed
         await wait(2000);
       } else {

@@ -102,5 +102,6 @@ window.addEventListener("hashchange", route);
 window.addEventListener("unhandledrejection", (e) => {
   if (e.reason instanceof ApiError && e.reason.status === 401) { e.preventDefault(); session.signOut(); showSignIn(`The API refused this token: ${e.reason.message}`); }
 });
+window.addEventListener("trainyard:token-refused", (e) => { session.signOut(); showSignIn(`The API refused this token: ${e.detail}`); });
 document.getElementById("sign-out").addEventListener("click", () => { session.signOut(); showSignIn(null); });
 start();
