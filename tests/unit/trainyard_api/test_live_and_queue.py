@@ -53,7 +53,8 @@ def job(job_id: str, tenant: str, reason: str, kind: str, priority: int = 0) -> 
 
 
 def test_another_tenants_reason_is_only_its_kinds_wording_and_own_reasons_hide_their_job_ids() -> None:
-    theirs = job("job-bbbbbbbbbbbb", "tenant-b", "quota: tenant tenant-b holds 4 cpu devices and may hold 4", "quota", 9)
+    theirs = job("job-bbbbbbbbbbbb", "tenant-b", "quota: tenant tenant-b holds 4 cpu devices and may hold 4",
+                 "quota", 9)
     mine = job("job-aaaaaaaaaaaa", "tenant-a",
                "preemption: waiting for job-bbbbbbbbbbbb, job-aaaaaaaaaaab to checkpoint", "preemption")
     other_mine = job("job-aaaaaaaaaaab", "tenant-a", "waiting for 2 x cpu", "capacity")
