@@ -140,8 +140,8 @@ async def test_metrics_on_the_broker_make_the_goodput_ledger_rank_timing_and_str
         assert everyone["tenants"]["tenant-a"]["wasted"]["lostWork"] == 20.0
 
     async def gauge() -> str | None:
-        async with httpx.AsyncClient(base_url=api.url) as plain:
-            text = (await plain.get("/metrics")).text
+        async with client_for(api.url, ADMIN) as admin:  # /metrics names tenants: a platform-admin token
+            text = (await admin.get("/metrics")).text
         line = 'trainyard_goodput_device_seconds{kind="lostWork",tenant="tenant-a"} 20.0'
         return text if line in text else None
 

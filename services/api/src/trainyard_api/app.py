@@ -44,7 +44,8 @@ Submit, watch and control LLM training jobs on trainyard.
   `POST /v1/training-jobs` validates it, stores it and answers `202` with the job id and
   the spec hash (sha256 of the canonical JSON, defaults filled in). A new configuration
   is a new job: there is no PATCH.
-* Every route except `/healthz` and `/metrics` needs `Authorization: Bearer <token>`. The events trainyard
+* Every route except `/healthz` needs `Authorization: Bearer <token>` (`/metrics`: a platform-admin token or
+  the metrics token, `TRAINYARD_API_METRICS_TOKEN`, since it names tenants and jobs). The events trainyard
   publishes and consumes are described by `/v1/asyncapi.yaml` (and `.json`, AsyncAPI 3.0; no token either).
   A tenant sees only its own jobs, checkpoints and artifacts. The local stack (`make up`)
   writes a development token to `.trainyard/dev-token`.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 
 from trainyard_common import codetree
 from trainyard_common.settings import ServiceSettings
@@ -51,6 +51,14 @@ class ApiSettings(ServiceSettings):
     api_git_local_repos: bool = Field(
         default=True, description="whether code.repo may name a repository on the API's machine (a path or a file:// "
                                   "URL); turn off where tenants must not read the API host's files")
+
+    api_metrics_token: SecretStr | None = Field(
+        default=None,
+        description="a bearer token that may read GET /metrics on the API's port (for a scraper), besides any "
+                    "platform-admin token; the metrics name tenants and jobs")
+    api_public_metrics: bool = Field(
+        default=False, description="serve GET /metrics on the API's port without a token (where only operators "
+                                   "reach that port); the metrics port (TRAINYARD_METRICS_PORT) is unaffected")
 
     api_bootstrap_admin_token_file: Path | None = Field(
         default=None,

@@ -1,11 +1,13 @@
-"""The ``operations`` routes, without authentication: health, Prometheus metrics, and the event contract
-(AsyncAPI 3.0; outside the OpenAPI document, like ``/openapi.json``)."""
+"""The ``operations`` routes: health and the event contract (AsyncAPI 3.0; outside the OpenAPI document, like
+``/openapi.json``) without authentication; Prometheus metrics (they name tenants and jobs) with a platform-admin
+token or the API's metrics token (``TRAINYARD_API_METRICS_TOKEN``), unless ``TRAINYARD_API_PUBLIC_METRICS``."""
 
 from __future__ import annotations
 
+import hmac
 import json
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
@@ -13,9 +15,13 @@ from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from trainyard_common import contract
+from trainyard_common.errors import AuthError
 from trainyard_common.store import Keys
 
+from trainyard_api.auth import authenticate, bearer_token, require
 from trainyard_api.deps import Ctx
+from trainyard_api.http_errors import ADMIN_ERRORS
+from trainyard_api.roles import Right
 from trainyard_api.schemas import Health, StuckConsumer
 
 router = APIRouter()
@@ -61,9 +67,29 @@ async def _stuck_consumers(redis: Redis) -> list[StuckConsumer]:
 
 
 @router.get("/metrics", tags=["operations"], summary="Prometheus metrics",
-            response_class=PlainTextResponse)
-async def metrics() -> Response:
+            response_class=PlainTextResponse,
+            responses=ADMIN_ERRORS)
+async def metrics(request: Request, ctx: Ctx) -> Response:
+    """The API's Prometheus metrics. They label tenants and jobs, so they need `Authorization: Bearer` with the
+    metrics token (`TRAINYARD_API_METRICS_TOKEN`, what a scraper is given) or a platform-admin token; open to
+    anyone only with `TRAINYARD_API_PUBLIC_METRICS=true`."""
+    if not ctx.settings.api_public_metrics:
+        await _metrics_reader(ctx, request.headers.get("authorization"))
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _metrics_reader(ctx: Ctx, authorization: str | None) -> None:
+    """Nothing when the request may read the metrics; AuthError (401) or ForbiddenError (403) saying why not."""
+    expected = ctx.settings.api_metrics_token
+    try:
+        secret = bearer_token(authorization)
+        if expected is not None and hmac.compare_digest(secret.encode(), expected.get_secret_value().encode()):
+            return
+        token = await authenticate(ctx.store, authorization)
+    except AuthError as exc:
+        raise AuthError(f"{exc.message} (GET /metrics takes the metrics token, TRAINYARD_API_METRICS_TOKEN, "
+                        "or a platform-admin token)") from exc
+    require(token, Right.NODES)
 
 
 @router.get("/v1/asyncapi.yaml", include_in_schema=False)
