@@ -167,8 +167,8 @@ def test_the_document_carries_the_constraints_the_server_enforces() -> None:
 async def test_a_query_parameter_given_twice_is_a_422_and_unknown_ones_are_ignored() -> None:
     resp = await as_tenant("GET", "/v1/plan/calibration?limit=false&limit=true&limit=%2B0.0")
     assert resp.status_code == 422 and [p["field"] for p in resp.json()["detail"]] == ["query.limit"]
-    app = create_app(ApiContext(ApiSettings(api_metrics_token="t"),  # the metrics token: no Redis needed
-                                StateStore(FailingRedis(redis_errors.ConnectionError("down"))), None))  # type: ignore[arg-type]
+    down = StateStore(FailingRedis(redis_errors.ConnectionError("down")))  # type: ignore[arg-type]
+    app = create_app(ApiContext(ApiSettings(api_metrics_token="t"), down, None))  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
                                  headers={"Authorization": "Bearer t"}) as c:
         assert (await c.get("/metrics?x=1&x=2")).status_code == 200
