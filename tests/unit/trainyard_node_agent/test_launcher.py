@@ -58,3 +58,31 @@ def test_the_exit_note_beside_the_exit_file(tmp_path: Path) -> None:
     assert read_note_step(note) == 12
     note.write_text(json.dumps({"globalStep": "12"}))
     assert read_note_step(note) is None
+
+
+async def test_rank_pid_waits_for_the_pid_file_and_never_reads_a_fifo(tmp_path: Path) -> None:
+    import asyncio
+    import os
+
+    from trainyard_node_agent.ranks import rank_pid
+
+    class Running:
+        returncode = None
+
+    exit_file = tmp_path / "rank-0.json"
+    pid_file = tmp_path / "rank-0.pid"
+
+    async def write_later() -> None:
+        await asyncio.sleep(0.05)
+        pid_file.write_text("4242\n")
+
+    writer = asyncio.create_task(write_later())
+    assert await rank_pid(exit_file, Running(), timeout_s=30) == 4242  # type: ignore[arg-type]
+    await writer
+    pid_file.unlink()
+    os.mkfifo(pid_file)  # put there by the rank: refused, never waited on
+
+    class Ended:
+        returncode = 0
+
+    assert await rank_pid(exit_file, Ended(), timeout_s=30) is None  # type: ignore[arg-type]

@@ -191,8 +191,10 @@ async def rank_pid(exit_file: Path, process: asyncio.subprocess.Process, timeout
     pid_file = Path(launcher.pid_file_for(str(exit_file)))
     deadline = clock.monotonic() + timeout_s
     while clock.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, RankFileRefused, TypeError):  # a rank's file: never blocks
-            return int(read_rank_file(pid_file, limit=64, what="pid file").strip())  # type: ignore[union-attr]
+        with contextlib.suppress(OSError, ValueError, RankFileRefused):  # a rank's file: never blocks
+            written = read_rank_file(pid_file, limit=64, what="pid file")
+            if written is not None:
+                return int(written.strip())
         if process.returncode is not None:
             return None
         await clock.sleep(0.01)
