@@ -158,16 +158,16 @@ async def test_redis_killed_between_the_manifest_write_and_the_ready_mark_settle
         private_redis: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     env = {k: v for k, v in private_redis.items() if not k.startswith("_")}
     kill, restart = private_redis["_kill"], private_redis["_restart"]
-    real_write = coordinator_module.commit_bytes
+    real_write = coordinator_module.commit_manifest
     killed_at: list[float] = []
 
-    def write_then_lose_redis(path: Path, data: bytes) -> None:
-        real_write(path, data)
+    def write_then_lose_redis(root: Path, path: Path, data: bytes) -> None:
+        real_write(root, path, data)
         if not killed_at:  # the manifest is on disk; Redis dies before the READY mark
             killed_at.append(time.monotonic())
             kill()
 
-    monkeypatch.setattr(coordinator_module, "commit_bytes", write_then_lose_redis)
+    monkeypatch.setattr(coordinator_module, "commit_manifest", write_then_lose_redis)
     stack = await start_stack(env)  # retry_backoff_max_s 1 s (with 10 s, READY came 10.6 s after Redis was back)
     try:
         job_id = "job-redis-mid-settle"

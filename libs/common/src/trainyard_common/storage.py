@@ -29,12 +29,14 @@ Layout::
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import posixpath
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,6 +134,140 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------- below the root, never through a link
+
+
+class UnsafePathError(StateStoreError):
+    """A location under the artifact root that goes through a symbolic link, or a component that is not
+    a directory (a file that is not a regular file): a rank may have swapped it. Never retried."""
+
+    retryable = False
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _parts_under(root: Path | str, path: Path | str) -> list[str]:
+    """``path``'s components below ``root`` (both made absolute and normalised as strings, never resolved)."""
+    base, target = os.path.normpath(os.path.abspath(root)), os.path.normpath(os.path.abspath(path))
+    if target == base:
+        return []
+    if not target.startswith(base.rstrip(os.sep) + os.sep):
+        raise UnsafePathError(f"{path} is not under the artifact root {root}")
+    return target[len(base.rstrip(os.sep)) + 1:].split(os.sep)
+
+
+def open_dir_under(root: Path | str, path: Path | str) -> int:
+    """A handle of the directory ``path`` under ``root``, opened from ``root`` one component at a time
+    (``O_DIRECTORY|O_NOFOLLOW`` relative to the previous handle, each checked with ``fstat``): a
+    component that is a symbolic link is refused (:class:`UnsafePathError`), whatever it points to and
+    whenever it was swapped in. ``root`` itself is the platform's configuration and is trusted.
+    FileNotFoundError when a component is missing. The caller closes the handle."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in _parts_under(root, path):
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                    raise UnsafePathError(f"{path}: {part!r} is a symbolic link or not a directory: refused") from exc
+                raise
+            os.close(fd)
+            fd = child
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):  # pragma: no cover - O_DIRECTORY says so already
+                raise UnsafePathError(f"{path}: {part!r} is not a directory: refused")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file_under(root: Path | str, path: Path | str) -> int:
+    """A read handle of the regular file ``path`` under ``root`` (its directories walked as in
+    :func:`open_dir_under`, the file itself ``O_NOFOLLOW|O_NONBLOCK``, ``fstat``: a regular file).
+    FileNotFoundError when it is missing; :class:`UnsafePathError` for a link, a FIFO, a device…"""
+    path = Path(path)
+    directory = open_dir_under(root, path.parent)
+    try:
+        try:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise UnsafePathError(f"{path} is a symbolic link: refused") from exc
+            raise
+    finally:
+        os.close(directory)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path} is not a regular file: refused")
+    return fd
+
+
+def stat_size_under(root: Path | str, path: Path | str) -> int | None:
+    """Size of the regular file ``path`` under ``root`` (see :func:`open_file_under`); None: missing."""
+    try:
+        fd = open_file_under(root, path)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def sha256_under(root: Path | str, path: Path | str) -> str:
+    """sha256 of the regular file ``path`` under ``root``, read from a handle :func:`open_file_under` opened."""
+    digest = hashlib.sha256()
+    with os.fdopen(open_file_under(root, path), "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def commit_bytes_under(root: Path | str, path: Path | str, data: bytes) -> None:
+    """Publish ``data`` whole at ``path`` under ``root`` without following a link on the way: the
+    directory is opened with :func:`open_dir_under` (it must exist: nothing is created), the temporary
+    file created in it (``O_CREAT|O_EXCL|O_NOFOLLOW``, ``dir_fd``), fsynced and renamed into place
+    relative to that handle, the directory fsynced. A directory swapped for a link before the walk is
+    refused (:class:`UnsafePathError`); one swapped after it is not written through (the handle holds the
+    real directory)."""
+    path = Path(path)
+    directory = open_dir_under(root, path.parent)
+    tmp = f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.rename(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def remove_file_under(root: Path | str, path: Path | str) -> None:
+    """Delete the file ``path`` under ``root`` relative to a handle of its directory (see
+    :func:`open_dir_under`); absent is fine."""
+    path = Path(path)
+    try:
+        directory = open_dir_under(root, path.parent)
+    except FileNotFoundError:
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.name, dir_fd=directory)
+            os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 # ----------------------------------------------------------------------------- object storage (fsspec)

@@ -20,7 +20,7 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -42,6 +42,7 @@ from trainyard_common.manifest import (
     tensor_order,
     tensors_hash,
 )
+from trainyard_common.errors import CheckpointError
 from trainyard_common.records import CheckpointRecord, checkpoint_id
 
 MANIFEST_NAME = "manifest.json"
@@ -138,6 +139,60 @@ def describe_conflict(old: ShardReport, new: ShardReport) -> str:
         name for name in ShardReport.model_fields if getattr(old, name) != getattr(new, name)
     ]
     return f"rank {new.rank} reported its shard twice with different content ({', '.join(fields)})"
+
+
+# --------------------------------------------------------------------------- whose shard it is
+
+
+class ShardRefused(CheckpointError):
+    """A shard report the coordinator will not record (dead-lettered, never retried): ``security: …``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"security: shard report refused: {reason}", retryable=False)
+        self.reason = reason
+
+
+def shard_refusal(report: ShardReport, key: CheckpointKey, *, job_tenant: str | None,
+                  checkpoint_dir_uri: str | None) -> str | None:
+    """Why a shard report is not the job's own, or None when it is.
+
+    The job record (written by the API) is the authority, not the event: ``job_tenant`` is the record's
+    tenant (None: no such job), ``checkpoint_dir_uri`` the URI of the record's checkpoint directory of
+    this attempt and step (``tenants/<tenant>/jobs/<job>/checkpoints/step-<step>-a<attempt>``). The
+    event's tenant must be the record's, and the shard and every extra file must be a plain file name
+    directly in that directory, compared as normalised strings: no ``..`` or ``.`` segment, no
+    percent-encoded separator, no other scheme, bucket, job or tenant, not the manifest itself. So a
+    victim's ShardWritten re-published as another job, and a forged one for the victim's job naming
+    another job's files, are both refused. (What is on disk behind the names is checked when the files
+    are read: through directory handles, never through a link.)"""
+    if job_tenant is None or checkpoint_dir_uri is None:
+        return f"job {key.job_id!r} has no job record"
+    if report.tenant != job_tenant:
+        return f"the event's tenant {report.tenant!r} is not the tenant of job {key.job_id!r}"
+    for what, uri in [("shard", report.uri)] + [("extra file", f.uri) for f in report.extra_files]:
+        if problem := _outside(uri, checkpoint_dir_uri):
+            return f"rank {report.rank}'s {what} {uri!r:.300} {problem} ({checkpoint_dir_uri})"
+    return None
+
+
+def _outside(uri: str, directory_uri: str) -> str | None:
+    """Why ``uri`` is not a file directly in ``directory_uri``; None when it is."""
+    if any(c in uri for c in ("\x00", "\\", "?", "#")):
+        return "is not a plain file URI"
+    parts, want = urlsplit(uri), urlsplit(directory_uri)
+    if (parts.scheme, parts.netloc) != (want.scheme, want.netloc):
+        return "is not in the job's checkpoint directory"
+    path, base = unquote(parts.path), unquote(want.path).rstrip("/")
+    if unquote(path) != path or "\x00" in path:
+        return "is not a plain file URI"
+    if any(segment in (".", "..") for segment in path.split("/")) or posixpath.normpath(path) != path:
+        return "is not a normalised path"
+    directory, name = posixpath.split(path)
+    if directory != base:
+        return "is not in the job's checkpoint directory"
+    if name in ("", MANIFEST_NAME) or name.startswith(f".{MANIFEST_NAME}.tmp"):
+        return "names the checkpoint's manifest"
+    return None
 
 
 # --------------------------------------------------------------------------- the set of reports

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from opentelemetry import trace
 from redis.asyncio import Redis
@@ -65,7 +66,22 @@ from trainyard_common.manifest import (
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
 from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import as_location, commit_bytes, remove_file
+from trainyard_common.storage import (
+    ArtifactLayout,
+    Location,
+    ObjectPath,
+    UnsafePathError,
+    is_object_url,
+    as_location,
+    commit_bytes,
+    commit_bytes_under,
+    location_uri,
+    remove_file,
+    remove_file_under,
+    sha256_under,
+    stat_size_under,
+    uri_to_path,
+)
 from trainyard_common.store import Keys, StateStore
 from trainyard_common.tracing import job_context
 
@@ -75,6 +91,7 @@ from trainyard_checkpoint_coordinator.assembly import (
     Complete,
     JobDefaults,
     Rejected,
+    ShardRefused,
     ShardReport,
     ShardTiming,
     ShardVerdict,
@@ -88,6 +105,7 @@ from trainyard_checkpoint_coordinator.assembly import (
     settle_ready,
     settle_refused,
     settled_event,
+    shard_refusal,
     timeout_reason,
 )
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
@@ -133,6 +151,7 @@ class Coordinator:
         self.outbox = outbox
         self.settings = settings
         self.clock = clock
+        self.layout = ArtifactLayout(settings.artifact_root)
         self.collector = GarbageCollector(redis, settings, clock=clock)
         self.measurements = Measurements(redis, settings, clock=clock)
         self.watch = ProtectionWatch(redis, settings, clock=clock)
@@ -169,6 +188,7 @@ class Coordinator:
             {"trainyard.job_id": key.job_id, "trainyard.attempt": key.attempt,
              "trainyard.global_step": key.global_step, "trainyard.rank": report.rank}
         )
+        await self._check_scope(key, report)
         verdict, existing = await self._classify(key, report)
         if verdict is ShardVerdict.NEW and not await self._record_shard(key, report, event):
             verdict, existing = await self._classify(key, report)  # another instance recorded it first
@@ -184,6 +204,19 @@ class Coordinator:
                 log.error("%s: %s; the checkpoint is settled already, left as it is", key, reason)
             return
         await self._settle(key)
+
+    async def _check_scope(self, key: CheckpointKey, report: ShardReport) -> None:
+        """Refuse (:class:`ShardRefused`: dead-lettered, counted, nothing recorded) a report that is not
+        the job's own: the job record says whose job it is and where its checkpoints lie, not the event."""
+        job = await self.store.get_job(key.job_id)
+        directory = None if job is None else location_uri(
+            self.layout.checkpoint_dir(job.tenant, job.job_id, key.attempt, key.global_step))
+        reason = shard_refusal(report, key, job_tenant=job.tenant if job else None, checkpoint_dir_uri=directory)
+        if reason is not None:
+            metrics.SHARDS.labels("refused").inc()
+            metrics.REFUSED.inc()
+            log.error("%s: security: refusing rank %d's shard report: %s", key, report.rank, reason)
+            raise ShardRefused(reason)
 
     async def _classify(self, key: CheckpointKey, report: ShardReport) -> tuple[ShardVerdict, ShardReport | None]:
         raw_epoch, raw_existing = await asyncio.gather(
@@ -305,7 +338,7 @@ class Coordinator:
             "checkpoint verify", attributes={"trainyard.shards": len(manifest.shards),
                                              "trainyard.extra_files": len(manifest.extra_files)}
         ) as span:
-            problems = await asyncio.to_thread(_verify, manifest)  # hashing must not block the loop
+            problems = await asyncio.to_thread(self._verify, manifest)  # hashing must not block the loop
             span.set_attribute("trainyard.problems", len(problems))
         metrics.VERIFY_SECONDS.observe(time.perf_counter() - started)
         if problems:
@@ -314,7 +347,12 @@ class Coordinator:
         path = as_location(complete.manifest_uri)
         with _tracer.start_as_current_span("checkpoint write manifest",
                                            attributes={"trainyard.uri": complete.manifest_uri}):
-            await asyncio.to_thread(commit_bytes, path, manifest.to_bytes())
+            try:
+                await asyncio.to_thread(commit_manifest, self.layout.root, path, manifest.to_bytes())
+            except (UnsafePathError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+                metrics.REFUSED.inc()
+                await self._fail(key, f"security: the manifest was not committed: {exc}")
+                return
         now = self.clock()
         timing = await self._timing(key)
         record = await self._transition(
@@ -323,7 +361,7 @@ class Coordinator:
         if record is None:
             return
         if record.state != "READY":  # fenced between verification and READY: no manifest may stay
-            await asyncio.to_thread(remove_file, path)
+            await asyncio.to_thread(remove_manifest, self.layout.root, path)
             self._count_failed(key, record)
             return
         metrics.CHECKPOINTS.labels("ready").inc()
@@ -410,6 +448,9 @@ class Coordinator:
         """Whether a newer attempt holds the job's fencing epoch (assess() then rejects the set)."""
         return record.epoch < int(await self.redis.get(Keys.epoch(key.job_id)) or 0)
 
+    def _verify(self, manifest: CheckpointManifest) -> list[str]:
+        return _verify(manifest, self.layout.root)
+
 
 def _job_defaults(job: JobRecord | None) -> JobDefaults:
     if job is None:
@@ -418,12 +459,41 @@ def _job_defaults(job: JobRecord | None) -> JobDefaults:
     return JobDefaults(spec_hash=job.spec_hash, parallelism=ParallelLayout(dp=p.data, tp=p.tensor, pp=p.pipeline))
 
 
-def _verify(manifest: CheckpointManifest) -> list[str]:
-    """verify_manifest against the files (or objects); unreadable locations are problems, not crashes."""
+def _verify(manifest: CheckpointManifest, root: Location | None = None) -> list[str]:
+    """verify_manifest against the files (or objects); unreadable locations are problems, not crashes.
+    Under a local ``root`` every file is read from a handle opened by walking down from the root without
+    following a link (``storage.open_file_under``): what is hashed is the file under the job's prefix."""
+    if isinstance(root, Path):
+        def size(uri: str) -> int | None:
+            return local_stat_size(uri) if is_object_url(uri) else stat_size_under(root, uri_to_path(uri))
+
+        def sha(uri: str) -> str:
+            return local_sha256(uri) if is_object_url(uri) else sha256_under(root, uri_to_path(uri))
+    else:
+        size, sha = local_stat_size, local_sha256
     try:
-        return verify_manifest(manifest, stat_size=local_stat_size, file_sha256=local_sha256)
-    except (StateStoreError, PermissionError, IsADirectoryError) as exc:
+        return verify_manifest(manifest, stat_size=size, file_sha256=sha)
+    except (StateStoreError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         return [f"cannot read the checkpoint files: {exc}"]
+
+
+def commit_manifest(root: Location, location: Location, data: bytes) -> None:
+    """The commit point: one PUT in an object store; locally an atomic rename in the step directory,
+    opened from the artifact root one component at a time without following a link
+    (:func:`~trainyard_common.storage.commit_bytes_under`): the step directory is the rank's, and a
+    link swapped in for it after verification is refused, never written through."""
+    if isinstance(location, ObjectPath) or not isinstance(root, Path):
+        commit_bytes(location, data)
+    else:
+        commit_bytes_under(root, location, data)
+
+
+def remove_manifest(root: Location, location: Location) -> None:
+    """Undo :func:`commit_manifest` (a fenced checkpoint), through the same directory handles."""
+    if isinstance(location, ObjectPath) or not isinstance(root, Path):
+        remove_file(location)
+    else:
+        remove_file_under(root, location)
 
 
 def build_service(settings: CoordinatorSettings, *, clock: Clock = utcnow) -> ServiceRuntime:

@@ -10,6 +10,11 @@ CHECKPOINTS = Counter(
 SHARDS = Counter(
     "trainyard_checkpoint_shard_reports_total", "Shard reports received, by verdict", ["verdict"]
 )
+REFUSED = Counter(
+    "trainyard_checkpoint_security_refusals_total",
+    "Shard reports refused (not the job's tenant, or a file outside the job's checkpoint directory) and "
+    "manifests not committed (the step directory swapped for a link)",
+)
 VERIFY_SECONDS = Histogram(
     "trainyard_checkpoint_verify_seconds", "Time to verify every shard's size and sha256",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900),
