@@ -148,3 +148,24 @@ async def test_a_forged_shard_report_for_the_victims_job_naming_the_attackers_fi
     assert await stack.record(VICTIM[1], 80) is None
     records = await stack.store.list_checkpoints(VICTIM[1])
     assert [(r.global_step, r.state) for r in records] == [(40, "READY")]  # the latest READY is still hers
+
+
+async def test_garbage_collection_through_a_swapped_checkpoints_directory_leaves_the_victims_files(
+        stack: Stack, env: dict[str, Any]) -> None:
+    from trainyard_checkpoint_coordinator import CoordinatorSettings
+    from trainyard_checkpoint_coordinator.collector import GarbageCollector
+
+    victim_epoch = await given_job(stack, *VICTIM)
+    victim_manifest = await ready_checkpoint(stack, *VICTIM, 40, victim_epoch)
+    before = {p.name: p.read_bytes() for p in victim_manifest.parent.iterdir()}
+    epoch = await given_job(stack, *ATTACKER)
+    events = shard_events(*ATTACKER, 40, write_shards(stack, *ATTACKER, 40), epoch)
+    await publish(stack, *(e.model_copy(update={"sha256": "0" * 64}) for e in events))  # fails verification
+    record = await wait_for(lambda: stack.settled(ATTACKER[1], 40), what="the attacker's checkpoint settled")
+    assert record.state == "FAILED"
+    mine = stack.layout.checkpoints_dir(*ATTACKER)  # the rank swaps it for the victim's, same step names
+    os.rename(mine, mine.with_name("checkpoints-moved"))
+    mine.symlink_to(stack.layout.checkpoints_dir(*VICTIM), target_is_directory=True)
+
+    await GarbageCollector(stack.redis, CoordinatorSettings(**env)).collect_job(ATTACKER[1])
+    assert {p.name: p.read_bytes() for p in victim_manifest.parent.iterdir()} == before

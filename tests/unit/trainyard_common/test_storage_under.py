@@ -108,3 +108,23 @@ def test_remove_goes_through_the_same_handles(tree: tuple[Path, Path, Path]) -> 
     with pytest.raises(UnsafePathError):
         remove_file_under(root, mine / "manifest.json")
     assert (victim / "manifest.json").exists()
+
+
+def test_remove_tree_unlinks_a_swapped_step_directory_and_refuses_a_link_above(
+        tree: tuple[Path, Path, Path]) -> None:
+    from trainyard_common.storage import remove_tree_under
+
+    root, mine, victim = tree
+    (mine / "__0_0.distcp").write_bytes(b"x")
+    remove_tree_under(root, mine)
+    assert not mine.exists()
+    remove_tree_under(root, mine)  # absent is fine
+    mine.symlink_to(victim, target_is_directory=True)  # the step directory swapped for a link
+    remove_tree_under(root, mine)
+    assert not mine.is_symlink() and (victim / "manifest.json").read_bytes() == b"victim's"
+    jobs = root / "tenants" / "evil" / "jobs"
+    os.rename(jobs / "j1", jobs / "old")
+    (jobs / "j1").symlink_to(victim.parents[2], target_is_directory=True)  # the job directory swapped
+    with pytest.raises(UnsafePathError):
+        remove_tree_under(root, jobs / "j1" / "checkpoints" / "step-000000040-a1")
+    assert (victim / "manifest.json").read_bytes() == b"victim's"

@@ -270,6 +270,31 @@ def remove_file_under(root: Path | str, path: Path | str) -> None:
         os.close(directory)
 
 
+def remove_tree_under(root: Path | str, path: Path | str) -> None:
+    """rm -r ``path`` under ``root`` relative to a handle of its parent (see :func:`open_dir_under`):
+    a ``path`` that is itself a link is unlinked, never followed; a link above it is refused
+    (:class:`UnsafePathError`); below it ``shutil.rmtree`` works from directory handles too. Absent is fine."""
+    import shutil
+
+    path = Path(path)
+    try:
+        parent = open_dir_under(root, path.parent)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            mode = os.lstat(path.name, dir_fd=parent).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(path.name, dir_fd=parent)
+        else:
+            os.unlink(path.name, dir_fd=parent)
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
 # ----------------------------------------------------------------------------- object storage (fsspec)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from datetime import datetime
 
@@ -26,8 +27,11 @@ from trainyard_common.storage import (
     ObjectPath,
     as_location,
     list_children,
+    UnsafePathError,
     remove_file,
+    remove_file_under,
     remove_tree,
+    remove_tree_under,
 )
 from trainyard_common.store import Keys, StateStore
 
@@ -105,21 +109,21 @@ class GarbageCollector:
                 await self._retire(record, reason, root)
             case Collect(record=record, reason=reason):
                 directory = self._directory(record, root)
-                await asyncio.to_thread(_remove_tree, directory, root)
-                await asyncio.to_thread(_remove_tree, directory.with_name(directory.name + ".tmp"), root)
+                await asyncio.to_thread(_remove_tree, directory, root, self.layout.root)
+                await asyncio.to_thread(_remove_tree, directory.with_name(directory.name + ".tmp"), root, self.layout.root)
                 await self._change(record, lambda r: r.model_copy(update={"deleted_at": self.clock()})
                                    if r.deleted_at is None else None)
                 metrics.GC.labels("collected").inc()
                 log.info("%s/%s: removed its files (%s)", record.job_id, record.checkpoint_id, reason)
             case Sweep(name=name, reason=reason):
-                await asyncio.to_thread(_remove_tree, root / name, root)
+                await asyncio.to_thread(_remove_tree, root / name, root, self.layout.root)
                 metrics.GC.labels("swept").inc()
                 log.info("removed %s: %s", root / name, reason)
 
     async def _retire(self, record: CheckpointRecord, reason: str, root: Location) -> None:
         directory = self._directory(record, root)
         # 1. the manifest: from now on no restore can choose it
-        await asyncio.to_thread(remove_file, directory / MANIFEST_NAME)
+        await asyncio.to_thread(_remove_file, directory / MANIFEST_NAME, self.layout.root)
         # 2. the record stops being READY
         retired = await self._change(
             record, lambda r: r.model_copy(update={"state": "DELETED", "reason": reason})
@@ -128,7 +132,7 @@ class GarbageCollector:
         if retired is None:
             return
         # 3. the shards  4. the stamp
-        await asyncio.to_thread(_remove_tree, directory, root)
+        await asyncio.to_thread(_remove_tree, directory, root, self.layout.root)
         await self._change(retired, lambda r: r.model_copy(update={"deleted_at": self.clock()})
                            if r.deleted_at is None else None)
         metrics.GC.labels("retired").inc()
@@ -160,14 +164,37 @@ class GarbageCollector:
                     continue
 
 
-def _remove_tree(path: Location, root: Location) -> None:
+def _remove_file(path: Location, artifact_root: Location) -> None:
+    """Delete one file; locally relative to its directory's handle, walked from the artifact root without
+    following a link (a rank owns the step directory), a link on the way refused and logged."""
+    if isinstance(path, ObjectPath) or isinstance(artifact_root, ObjectPath):
+        remove_file(path)
+        return
+    try:
+        remove_file_under(artifact_root, path)
+    except UnsafePathError as exc:
+        log.error("security: not removing %s: %s", path, exc)
+
+
+def _remove_tree(path: Location, root: Location, artifact_root: Location | None = None) -> None:
     """rm -r ``path`` (every object under the prefix), which must lie inside ``root`` (the job's
-    checkpoints directory)."""
+    checkpoints directory). Locally (with ``artifact_root``) by directory handles walked from the artifact
+    root (``storage.remove_tree_under``): a step directory a rank swapped for a link loses the link, never
+    the link's target."""
+    handles = not (isinstance(path, ObjectPath) or artifact_root is None or isinstance(artifact_root, ObjectPath))
     if isinstance(path, ObjectPath) or isinstance(root, ObjectPath):
         inside = root in path.parents
+    elif handles:  # by name: the walk below refuses links
+        inside = os.path.normpath(root) in [os.path.normpath(p) for p in path.parents]
     else:
         inside = root.resolve() in path.resolve().parents
     if not inside:
         log.error("refusing to remove %s: not inside %s", path, root)
         return
-    remove_tree(path)
+    if not handles:
+        remove_tree(path)
+        return
+    try:
+        remove_tree_under(artifact_root, path)
+    except UnsafePathError as exc:
+        log.error("security: not removing %s: %s", path, exc)
