@@ -109,8 +109,8 @@ class GarbageCollector:
                 await self._retire(record, reason, root)
             case Collect(record=record, reason=reason):
                 directory = self._directory(record, root)
-                await asyncio.to_thread(_remove_tree, directory, root, self.layout.root)
-                await asyncio.to_thread(_remove_tree, directory.with_name(directory.name + ".tmp"), root, self.layout.root)
+                for path in (directory, directory.with_name(directory.name + ".tmp")):
+                    await asyncio.to_thread(_remove_tree, path, root, self.layout.root)
                 await self._change(record, lambda r: r.model_copy(update={"deleted_at": self.clock()})
                                    if r.deleted_at is None else None)
                 metrics.GC.labels("collected").inc()
