@@ -8,7 +8,7 @@ import hmac
 import json
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -67,8 +67,12 @@ async def _stuck_consumers(redis: Redis) -> list[StuckConsumer]:
 
 
 @router.get("/metrics", tags=["operations"], summary="Prometheus metrics",
-            response_class=PlainTextResponse,
-            responses=ADMIN_ERRORS)
+            # Response, not PlainTextResponse: FastAPI documents every error's body in the route's media type, and
+            # the 401/403 bodies are JSON like everywhere else
+            response_class=Response,
+            responses={200: {"description": "the Prometheus text exposition format",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}},
+                       **ADMIN_ERRORS})
 async def metrics(request: Request, ctx: Ctx) -> Response:
     """The API's Prometheus metrics. They label tenants and jobs, so they need `Authorization: Bearer` with the
     metrics token (`TRAINYARD_API_METRICS_TOKEN`, what a scraper is given) or a platform-admin token; open to
