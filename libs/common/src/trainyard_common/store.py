@@ -111,6 +111,14 @@ class Keys:
         return f"ty:job:{job_id}:children"
 
     @staticmethod
+    def control_requests(job_id: str) -> str:
+        """Hash: eventId of a JobControlRequested → JSON ControlRequest ``{jobId, tenant, action, reason,
+        requestedBy, at}``: the control requests the API accepted for the job. Written only by the API, in the
+        MULTI that stages the event (:mod:`trainyard_common.controlrecords`); read by the scheduler, which acts on
+        an event only when its record is there and matches. Bounded: records count for 3 days, at most 256 a job."""
+        return f"ty:job:{job_id}:control"
+
+    @staticmethod
     def progress(job_id: str) -> str:
         return f"ty:job:{job_id}:progress"
 

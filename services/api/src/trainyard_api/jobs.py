@@ -3,7 +3,9 @@
 Decisions (job ids, which control actions a state allows, reference checks) are pure
 functions; :class:`JobService` loads, decides and writes. A job and its JobSubmitted are
 written in one Redis MULTI (the outbox relay publishes the event afterwards), so a job is
-never stored without its event nor announced without being stored.
+never stored without its event nor announced without being stored. A control request and its
+JobControlRequested likewise (:mod:`trainyard_common.controlrecords`): the scheduler treats both events as
+wake-ups and acts only on what this module wrote.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
 from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_common.controlrecords import (
+    CONTROL_REQUEST_TTL_S,
+    MAX_CONTROL_REQUESTS,
+    expired_requests,
+    room_for_request,
+    stage_control_request,
+)
 from trainyard_common.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
 from trainyard_common.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
 from trainyard_common.outbox import Outbox
@@ -374,9 +383,11 @@ class JobService:
     async def control(
         self, token: TenantToken, job_id: str, action: str, reason: str | None = None
     ) -> ControlResponse:
-        """Ask the scheduler to cancel, pause or resume: JobControlRequested via the outbox.
+        """Ask the scheduler to cancel, pause or resume: the request recorded (``Keys.control_requests``) and
+        JobControlRequested staged in the outbox in one MULTI; the scheduler acts only on a recorded request.
 
-        The request joins the job's trace (its span links to the HTTP request's span).
+        The request joins the job's trace (its span links to the HTTP request's span). 409 when the job's state
+        does not allow it, or when the job has :data:`MAX_CONTROL_REQUESTS` recent requests already.
         """
         job = await self.get(token, job_id)
         if refusal := control_refusal(job.state, action):
@@ -391,6 +402,20 @@ class JobService:
             f"job {action} requested", links=links,
             attributes={"trainyard.job_id": job.job_id, "trainyard.action": action},
         ):
-            await self.outbox.put(event, traceparent=current_traceparent())
+            await self._record_control(event, requested_by=token.name)
         CONTROL_REQUESTS.labels(action).inc()
         return ControlResponse(job_id=job.job_id, action=action, state=job.state)  # type: ignore[arg-type]
+
+    async def _record_control(self, event: JobControlRequested, *, requested_by: str) -> None:
+        """The control record and its event in one MULTI (the outbox confirms replication, as for every write
+        it stages; Redis errors reach the route's handlers as before); the job's expired records pruned."""
+        now = self.clock()
+        stored = await self.redis.hgetall(Keys.control_requests(event.job_id))
+        expired = expired_requests(stored, now=now)
+        if not room_for_request(stored, expired):
+            raise ConflictError(f"job {event.job_id} has {MAX_CONTROL_REQUESTS} control requests of the last "
+                                f"{CONTROL_REQUEST_TTL_S // 3600} hours already; try again later")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            stage_control_request(pipe, self.outbox, event, requested_by=requested_by, at=now, expired=expired,
+                                  traceparent=current_traceparent())
+            await pipe.execute()

@@ -3,6 +3,9 @@
 ``cluster_view`` is pure (the pass's jobs and nodes in, numbers out); ``publish`` sets the gauges. Labels are
 bounded: tenants and a fixed set of node states, never job ids. A standby clears them (``clear``), so only the
 leader's numbers are scraped (deploy/prometheus/rules.yml takes the max over instances).
+
+``UNAUTHORISED_EVENTS`` counts, on every instance (each consumes events), the job events its handlers did not take
+as they were because the API wrote no matching record (labels: event type and reason, both from fixed sets).
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ NODES = Gauge(
     "nodes in the inventory by state: placeable; out_of_service (live but quarantined or drained); unhealthy "
     "(reported unhealthy); silent (no heartbeat within node_timeout_s: lost)", ["state"])
 STRAGGLERS = Counter("trainyard_scheduler_stragglers_total", "StragglerDetected events the scheduler raised")
+UNAUTHORISED_EVENTS = Counter(
+    "trainyard_scheduler_unauthorised_events_total",
+    "JobSubmitted / JobControlRequested events the scheduler did not act on as they were, because the API wrote no "
+    "matching record: reason unrecorded (no record: forged, or the record lost), mismatch (the record differs from "
+    "the event: the record wins, or the control request is ignored), expired (a control record too old to count). "
+    "Anyone with broker access can publish these events; the deploy/prometheus alert "
+    "TrainyardUnauthorisedEvents fires on any", ["event", "reason"])
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,11 @@
            ``draining`` drains the node, one from a new agent incarnation (``bootId``) ends a drain;
            NodeQuarantined / NodeReinstated from an admin → node excluded / placeable again;
            NodeDrained / NodeUndrained → node drained (no new work, its attempts checkpoint and stop) / back.
-* JOBS     JobSubmitted → JobRecord created if absent; JobControlRequested → cancel/pause/resume.
+* JOBS     JobSubmitted → the job the API stored taken in; JobControlRequested → cancel/pause/resume. Both are
+           wake-ups, not facts (anyone on the broker can publish them): a JobSubmitted without the API's record
+           is ignored, one that differs from it loses to it; a control request is acted on only when the API
+           recorded it (``Keys.control_requests``) as the event says. What is refused is logged, counted
+           (``trainyard_scheduler_unauthorised_events_total``) and alerted on (deploy/prometheus).
 * WORKERS  WorkerStarted / WorkerExited → attempt and job transitions; a failure blames its node.
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
            pause, drain or preemption once it is the ranks' own stop checkpoint and every rank has exited
@@ -51,6 +55,7 @@ from opentelemetry import trace
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
+from trainyard_common.controlrecords import Refusal, control_refusal, parse_control_request
 from trainyard_common.devices import Device
 from trainyard_common.errors import ConfigError, FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.events import (
@@ -79,7 +84,6 @@ from trainyard_common.events import (
 from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.store import Keys
-from trainyard_common.tracing import current_traceparent
 
 from trainyard_scheduler import health
 from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
@@ -87,7 +91,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.fencing import FencedLeases, Leadership
 from trainyard_scheduler.jobtx import Decide, Facts, JobTransactions, job_span
 from trainyard_scheduler.keys import SchedulerKeys
-from trainyard_scheduler.metrics import ClusterGauges, cluster_view
+from trainyard_scheduler.metrics import UNAUTHORISED_EVENTS, ClusterGauges, cluster_view
 from trainyard_scheduler.node_health import NodeHealth
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
@@ -119,6 +123,18 @@ def _log_placed(job_id: str, outcome: tr.Outcome, allocation_id: str, lease_epoc
              allocation_id, lease_epoch, placement.world_size, placement.score,
              f"{detail.nodes} nodes / {detail.racks} racks / {detail.cross_rack_links} cross-rack links"
              if detail else "")
+
+
+def submission_refusal(event: JobSubmitted, stored: JobRecord | None) -> Refusal | None:
+    """Why a JobSubmitted is not the job as the API stored it (None: it is): no record at all (``unrecorded``:
+    the event is ignored), or a record with another tenant or spec (``mismatch``: the record wins)."""
+    if stored is None:
+        return Refusal("unrecorded", f"job {event.job_id} (tenant {event.tenant!r}): no job record written by the API")
+    differs = [f"{name} {got!r} (stored {want!r})" for name, got, want in (
+        ("tenant", event.tenant, stored.tenant), ("spec", event.spec_hash, stored.spec_hash)) if got != want]
+    if differs:
+        return Refusal("mismatch", f"job {event.job_id}: the event carries {', '.join(differs)}")
+    return None
 
 
 def _remaining_seconds(job: JobRecord) -> float | None:
@@ -223,22 +239,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
-        job = JobRecord(
-            job_id=event.job_id, tenant=event.tenant, spec=event.spec, spec_hash=event.spec_hash,
-            priority=event.spec.priority, submitted_by=event.submitted_by,
-            max_attempts=self.settings.max_attempts, traceparent=current_traceparent(),
-        )
-        created = await self.store.create_job(job)
-        existing = job if created else await self.store.get_job(event.job_id)
-        if existing and existing.spec_hash != event.spec_hash:
-            log.warning("JobSubmitted for %s carries spec %s but the job has %s; keeping the stored job",
-                        event.job_id, event.spec_hash, existing.spec_hash)
-        if existing and existing.state not in TERMINAL_STATES and await self._take_in(existing) \
-                and tr.is_pending(existing):  # the API stored it first ("already known"): it still waits for a pass
-            self.wake_at(None)
-        log.info("job %s %s (tenant %s, %d %s devices)", event.job_id,
-                 "created from JobSubmitted" if created else "already known",
-                 event.tenant, event.spec.resources.gpu_count, event.spec.resources.gpu_type)
+        """A wake-up: the job is the record the API wrote (with its indexes and audit entry), never the event.
+        No record: a forged (or unknown) submission, ignored and counted; one that differs: the record wins."""
+        job = await self.store.get_job(event.job_id)
+        if (refusal := submission_refusal(event, job)) is not None:
+            UNAUTHORISED_EVENTS.labels("JobSubmitted", refusal.kind).inc()
+        if job is None:
+            log.warning("forged/unknown JobSubmitted %s for job %s of tenant %r ignored: no job record written by "
+                        "the API", event.event_id, event.job_id, event.tenant)
+            return
+        if refusal is not None:
+            log.warning("JobSubmitted %s: %s; keeping the stored job", event.event_id, refusal.text)
+        if job.state not in TERMINAL_STATES and await self._take_in(job) and tr.is_pending(job):
+            self.wake_at(None)  # the API stored it: it waits for a pass
+        log.info("job %s known (tenant %s, %d %s devices)", job.job_id, job.tenant,
+                 job.spec.resources.gpu_count, job.spec.resources.gpu_type)
 
     async def _take_in(self, job: JobRecord) -> bool:
         """A job new to the scheduler (its JobSubmitted, or the change log): refused if its tenant may not read
@@ -265,16 +280,26 @@ class Scheduler:
         return True
 
     async def on_control(self, event: JobControlRequested) -> None:
+        """A wake-up: acted on only when the API recorded this very request (Keys.control_requests, by the event's
+        id, matching job, tenant and action); the recorded request is what is applied."""
+        raw = await self.redis.hget(Keys.control_requests(event.job_id), str(event.event_id))
+        recorded = parse_control_request(raw)
+        if (refusal := control_refusal(event, recorded, now=self.clock())) is not None:
+            UNAUTHORISED_EVENTS.labels("JobControlRequested", refusal.kind).inc()
+            log.warning("forged/unrecorded JobControlRequested ignored: %s", refusal.text)
+            return
+        assert recorded is not None  # control_refusal found it
+
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
-            if job.tenant != event.tenant:
-                return tr.unchanged(job, f"{event.action} from tenant {event.tenant!r} ignored: not the owner")
-            return tr.request_control(job, event.action, event.reason, self.clock(),
+            if job.tenant != recorded.tenant:  # the API records only the job's own tenant: never in practice
+                return tr.unchanged(job, f"{recorded.action} from tenant {recorded.tenant!r} ignored: not the owner")
+            return tr.request_control(job, recorded.action, recorded.reason, self.clock(),
                                       latest_ready_step=facts.latest_ready_step, grace_s=self.settings.pause_grace_s,
                                       final_ready=facts.final_ready)
 
-        outcome = await self._mutate(event.job_id, decide, need_checkpoints=True, label=f"control {event.action}")
+        outcome = await self._mutate(event.job_id, decide, need_checkpoints=True, label=f"control {recorded.action}")
         if outcome is None:
-            log.warning("%s for unknown job %s ignored", event.action, event.job_id)
+            log.warning("%s for unknown job %s ignored", recorded.action, event.job_id)
 
     # ------------------------------------------------------------------ workers and checkpoints
     async def on_worker_started(self, event: WorkerStarted) -> None:
