@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -47,6 +48,28 @@ def write_target(root: Path, component: str, service: str, port: int) -> Path:
     return path
 
 
+def metrics_token_file(root: Path) -> Path:
+    return root / "prometheus" / "metrics-token"
+
+
+def metrics_token(root: Path) -> str:
+    """The stack's metrics token (``TRAINYARD_METRICS_TOKEN`` of every component; Prometheus sends it), made
+    once, mode 0600: the metrics name tenants and jobs."""
+    path = metrics_token_file(root)
+    try:
+        found = path.read_text().strip()
+    except FileNotFoundError:
+        found = ""
+    if found:
+        return found
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token
+
+
 def forget(root: Path, stopped: list[str]) -> None:
     """After ``down``: the stopped components' targets, and Prometheus' URL if it was one of them."""
     for name in stopped:
@@ -63,6 +86,7 @@ def config(root: Path, *, scrape_interval_s: float, rules_dir: Path = RULES_DIR)
         "rule_files": [str(rules_dir / "*.yml")] if rules_dir.is_dir() else [],
         "scrape_configs": [{
             "job_name": JOB,
+            "authorization": {"type": "Bearer", "credentials_file": str(metrics_token_file(root))},
             "file_sd_configs": [{"files": [str(targets_dir(root) / "*.json")], "refresh_interval": "5s"}],
         }],
     }
@@ -74,6 +98,7 @@ def start_prometheus(root: Path, port: int, log_path: Path, *, scrape_interval_s
     home = root / "prometheus"
     (home / "data").mkdir(parents=True, exist_ok=True)
     targets_dir(root).mkdir(parents=True, exist_ok=True)
+    metrics_token(root)  # before Prometheus reads its credentials file
     config_file = home / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config(root, scrape_interval_s=scrape_interval_s), sort_keys=False))
     cmd = [

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -113,6 +113,7 @@ class ServiceRuntime:
         self._stopping = asyncio.Event()
         self._closed = False
         self._started = False
+        self._metrics_server: Any = None  # metrics_server.serve's, while the metrics port is open
         self._reported_stuck = True  # a previous process of this instance may have left the key: delete it once
 
     def deduper(self, group: str) -> Deduper:
@@ -143,9 +144,12 @@ class ServiceRuntime:
             )
         await self.bus.start()
         if self.settings.metrics_port:
-            from prometheus_client import start_http_server
+            from trainyard_common import metrics_server
 
-            start_http_server(self.settings.metrics_port)
+            token = self.settings.metrics_token
+            self._metrics_server = metrics_server.serve(
+                self.settings.metrics_port, addr=self.settings.metrics_addr,
+                token=token.get_secret_value() if token else None)
         self._spawn("outbox-relay", self.outbox.relay_forever(self.bus))
         self._spawn("health", self._periodic("health", self._beacon, self.settings.health_interval_s))
         for name, fn, every_s, wake in self._loops:
@@ -224,6 +228,9 @@ class ServiceRuntime:
         except (RedisError, OSError):
             pass
         await self.redis.aclose()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         shutdown_tracing()
 
     async def __aenter__(self) -> ServiceRuntime:

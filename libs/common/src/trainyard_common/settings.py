@@ -51,6 +51,10 @@ class ServiceSettings(BaseSettings):
     instance_id: str | None = Field(default=None, description="defaults to host:pid")
     log_level: str = "INFO"
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="Prometheus /metrics")
+    metrics_addr: str = Field(default="0.0.0.0", description="the address the metrics port listens on")  # noqa: S104
+    metrics_token: SecretStr | None = Field(
+        default=None, description="a bearer token the metrics port requires (its series name tenants and jobs); "
+                                  "without one it answers whoever reaches it")
     health_interval_s: float = Field(default=2.0, gt=0)
     consumer_session_timeout_ms: int = Field(
         default=6000, ge=1000, description="Kafka consumer session timeout; a dead consumer's partitions move after it"
