@@ -37,7 +37,8 @@ async def api(env: dict, redis) -> AsyncIterator[tuple[httpx.ASGITransport, Stat
     """The bare app over the real Redis, a small code limit (4 KiB) and the test's artifact root."""
     store = StateStore(redis)
     await seed(store)
-    settings = ApiSettings(**env, api_max_code_bytes=4096, api_git_timeout_s=30)
+    settings = ApiSettings(**env, api_max_code_bytes=4096, api_git_timeout_s=30,
+                           api_git_local_repos=True)
     app = create_app(ApiContext(settings, store, Outbox(redis, "api")))
     yield httpx.ASGITransport(app=app), store, ArtifactLayout(settings.artifact_root_abs)
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,7 @@ def write_dataset():
     (root / "datasets" / "tinycorpus" / "v1" / "evil").write_text("x"); return "wrote"
 def write_code(): (pathlib.Path(env["TRAINYARD_CODE_DIR"]) / "evil.py").write_text("x"); return "wrote"
 def become_root(): os.setuid(0); return "root"
+def stack_state(): return pathlib.Path(env["STACK_AOF"]).read_text()  # a local stack's Redis AOF, world-readable
 def credentials():
     found = {k: v for k, v in env.items() if k != "BROKER_PORT" and (
              any(s in k.upper() for s in ("REDIS", "KAFKA", "BOOTSTRAP", "SECRET", "TOKEN", "PASSWORD", "OTEL_EXPORTER_OTLP_HEADERS"))
@@ -115,7 +119,7 @@ sys.exit(0 if "breach" in outcome else 1)
 """
 ATTACKS = ("read_shard", "overwrite_shard", "plant_shard", "kill_victim", "kill_agent", "ptrace_victim",
            "victim_memory", "list_processes", "agent_state", "other_code", "list_tenants", "write_dataset",
-           "write_code", "become_root", "credentials")
+           "write_code", "become_root", "credentials", "stack_state")
 
 
 def store_archive(layout: ArtifactLayout, tenant: str, src: Path, files: dict[str, str]) -> str:
@@ -157,6 +161,20 @@ async def gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSp
 
 
 @pytest.fixture
+def stack_state() -> Iterator[Path]:
+    """A local stack's state directory (Redis' AOF in it, world-readable) outside /tmp and any home (which every
+    sandbox covers anyway), like a checkout under /work or /srv: what `make up` hides (TRAINYARD_SANDBOX_HIDE)."""
+    root = Path(tempfile.mkdtemp(prefix="trainyard-stack-state-", dir="/var/tmp"))
+    root.chmod(0o755)
+    aof = root / "redis" / "appendonly.aof"
+    aof.parent.mkdir()
+    aof.write_text("AUTH operator s3cr3t")
+    aof.chmod(0o644)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
 def layout(rig: Rig) -> ArtifactLayout:
     return ArtifactLayout(rig.env["artifact_root"])
 
@@ -174,11 +192,11 @@ def start_agent(rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **ext
 
 
 async def test_malicious_ranks_are_refused_and_the_victim_of_another_tenant_runs_on(
-        rig: Rig, layout: ArtifactLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        rig: Rig, layout: ArtifactLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack_state: Path) -> None:
     dataset = layout.dataset_dir("tinycorpus", "v1")  # make_spec's
     dataset.mkdir(parents=True)
     (dataset / "manifest.json").write_text('{"the": "manifest"}')
-    agent = start_agent(rig, tmp_path, monkeypatch)
+    agent = start_agent(rig, tmp_path, monkeypatch, sandbox_hide=str(stack_state))
     (beat,) = await rig.tap.wait(NodeHeartbeat, node_id=NODE, timeout_s=90)
     assert beat.sandbox == "enforce"
 
@@ -200,6 +218,7 @@ async def test_malicious_ranks_are_refused_and_the_victim_of_another_tenant_runs
     victim_tree = tmp_path / "code-cache" / victim_code.removeprefix("sha256:") / "tree"
     common = {"VICTIM_TENANT": VICTIM_TENANT, "VICTIM_PID": str(victim.pid), "AGENT_PID": str(agent.pid),
               "NODE": NODE, "VICTIM_TREE": str(victim_tree),
+              "STACK_AOF": str(stack_state / "redis" / "appendonly.aof"),
               "BROKER_PORT": rig.env["kafka_bootstrap"].rpartition(":")[2]}
     for device, attack in enumerate(ATTACKS, start=1):
         await gang(rig, f"attack-{attack.replace('_', '-')}", ATTACKER_TENANT, device,

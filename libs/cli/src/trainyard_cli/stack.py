@@ -231,6 +231,10 @@ class LocalStack:
     # ------------------------------------------------------------------ up
     def up(self) -> str:
         """Start everything not yet running, wait until healthy; returns the dev token."""
+        # the stack's state (Redis' AOF, the tokens, every tenant's artifacts) is its owner's alone; ranks never
+        # see it either (TRAINYARD_SANDBOX_HIDE below covers it in their sandbox)
+        self.s.root.mkdir(parents=True, exist_ok=True)
+        self.s.root.chmod(0o700)
         for d in (self.s.run_dir, self.s.log_dir, self.s.artifact_root):
             d.mkdir(parents=True, exist_ok=True)
         alive = {c.name for c in self.running()}
@@ -386,6 +390,8 @@ class LocalStack:
         if service == "api":
             env["TRAINYARD_API_PORT"] = str(self.s.api_port)
             env["TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE"] = str(self.admin_token_file)
+            # one user's own machine: code.repo may name a checkout on it (off by default elsewhere)
+            env.setdefault("TRAINYARD_API_GIT_LOCAL_REPOS", "true")
         if service == "node-agent":
             env.update(
                 {
@@ -393,6 +399,8 @@ class LocalStack:
                     "TRAINYARD_DEVICE_COUNT": str(self.s.devices_per_node),
                     "TRAINYARD_RACK": f"rack-{node_index // 2}",
                     "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
+                    # the stack's whole state directory is hidden from ranks, not only the artifact root
+                    "TRAINYARD_SANDBOX_HIDE": str(self.s.root),
                 }
             )
             if self.s.artifact_store:
@@ -400,6 +408,7 @@ class LocalStack:
         if self.s.prometheus:  # a metrics port and a scrape target of its own
             port = infra.free_port()
             env["TRAINYARD_METRICS_PORT"] = str(port)
+            env["TRAINYARD_METRICS_TOKEN"] = observe.metrics_token(self.s.root)
             observe.write_target(self.s.root, name, service, port)
         log_path = self.s.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:

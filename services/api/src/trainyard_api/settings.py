@@ -49,8 +49,10 @@ class ApiSettings(ServiceSettings):
     api_git_timeout_s: float = Field(default=60.0, gt=0,
                                      description="how long one git command may take resolving code.repo")
     api_git_local_repos: bool = Field(
-        default=True, description="whether code.repo may name a repository on the API's machine (a path or a file:// "
-                                  "URL); turn off where tenants must not read the API host's files")
+        default=False, description="whether code.repo may name a repository on the API's machine (a path or a "
+                                   "file:// URL): any tenant could then archive any checkout the API can read, so "
+                                   "it is off unless an operator turns it on (the local stack, `make up`, does: "
+                                   "one user's own machine)")
 
     api_metrics_token: SecretStr | None = Field(
         default=None,

@@ -42,7 +42,8 @@ class Confinement:
         self.layout = layout
         self.node_layout = node_layout or layout  # the attempts' own files (the artifact root when local)
         local = [self.node_layout.root, settings.code_cache_path, settings.agent_state_path.parent,
-                 settings.shard_cache_path, *([] if layout.remote else [layout.root])]
+                 settings.shard_cache_path, *([] if layout.remote else [layout.root]),
+                 *(p.expanduser() for p in settings.sandbox_hide)]
         platform = tuple(dict.fromkeys(p.resolve() for p in local))
         self.hidden = tuple(dict.fromkeys((*platform, *sb.host_hidden())))
         # the import path may lie under the agent user's home (a checkout there): bound back, read-only;

@@ -139,6 +139,16 @@ class NodeAgentSettings(ServiceSettings):
                     "the range, the same on every node); no user of the host may own one",
     )
     sandbox_uid_count: int = Field(default=2**20, ge=1, le=2**21, description="how many uids that range holds")
+    node_rank_blocked: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="endpoints sandboxed ranks may not connect to (TCP and UDP), comma-separated host:port: the "
+                    "control plane (the broker, Redis and its Sentinels, the API, the services' metrics ports, the "
+                    "OTLP collector, Prometheus, an S3 endpoint). A loopback or wildcard host means any address of "
+                    "this node, * any destination, a CIDR a network, a port may be a range lo-hi; the agent's own "
+                    "metrics port is added. Enforced by nftables rules on the job uid range (rank_network.py): under "
+                    "enforce the agent refuses to start when it cannot install them; empty: ranks reach everything "
+                    "(a warning). `make up` lists every endpoint of the local stack",
+    )
     agent_state_file: Path | None = Field(
         default=None,
         description="node-local copy of the rank table, read at start-up when Redis is down "
@@ -176,6 +186,20 @@ class NodeAgentSettings(ServiceSettings):
                     "without an instance role. Every rank on the node can then read them",
     )
 
+    sandbox_hide: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="more directories a sandboxed rank must not see, comma-separated, besides the artifact root, "
+                    "the caches, the agent's state and its user's home: e.g. a local stack's whole state directory "
+                    "(Redis' data, tokens), which `make up` passes",
+    )
+
+    @field_validator("sandbox_hide", mode="before")
+    @classmethod
+    def _paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [Path(p.strip()) for p in value.split(",") if p.strip()]
+        return value
+
     @property
     def local_root(self) -> Path:
         """The root of this node's own files (:attr:`node_state_dir`, resolved)."""
@@ -204,6 +228,15 @@ class NodeAgentSettings(ServiceSettings):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else [n.strip() for n in text.split(",") if n.strip()]
         return value
+
+    @field_validator("node_rank_blocked", mode="before")
+    @classmethod
+    def _endpoints(cls, value: object) -> object:
+        from trainyard_node_agent.rank_network import parse_entries  # "[::1]:6379" is an entry, not JSON
+
+        if isinstance(value, str):
+            value = value.split(",")
+        return [str(t) for t in parse_entries(value)] if isinstance(value, list) else value
 
     @field_validator("rank_command", mode="before")
     @classmethod
