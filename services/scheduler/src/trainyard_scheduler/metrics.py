@@ -37,6 +37,12 @@ UNAUTHORISED_EVENTS = Counter(
     "the event: the record wins, or the control request is ignored), expired (a control record too old to count). "
     "Anyone with broker access can publish these events; the deploy/prometheus alert "
     "TrainyardUnauthorisedEvents fires on any", ["event", "reason"])
+# Every series exists from the start at 0, so that the alert's increase() sees the first refusal (a series born at
+# 1 shows no increase).
+for _event, _reasons in (("JobSubmitted", ("unrecorded", "mismatch")),
+                         ("JobControlRequested", ("unrecorded", "mismatch", "expired"))):
+    for _reason in _reasons:
+        UNAUTHORISED_EVENTS.labels(_event, _reason)
 
 
 @dataclass(frozen=True)
