@@ -718,9 +718,13 @@ class Scheduler:
                              attempt=chosen.attempt, content_hash=chosen.content_hash)
 
     async def _next_port(self) -> int:
-        low, high = self.settings.rendezvous_port_min, self.settings.rendezvous_port_max
-        n = int(await self.redis.incr(SchedulerKeys.port))
-        return low + (n - 1) % (high - low + 1)
+        """A random rendezvous port, none that a live attempt holds (:mod:`ports`; the snapshot brought up to date
+        first, so attempts placed earlier in this pass count)."""
+        from trainyard_scheduler.ports import SYSTEM_RANDOM, choose_port, live_ports
+
+        view = await self.cache.refresh()
+        return choose_port(SYSTEM_RANDOM, self.settings.rendezvous_port_min, self.settings.rendezvous_port_max,
+                           live_ports(view.jobs.values()))
 
     # ------------------------------------------------------------------ reconcile
     async def reconcile(self, now: datetime, epoch: int) -> None:
