@@ -50,6 +50,23 @@ def judge(event: GangAllocated, node_id: str, *, highest_epoch: int | None,
     return Launch(share)
 
 
+def hosts_rendezvous(share: NodeAssignment) -> bool:
+    """Whether this node's part of the gang holds rank 0, whose TCPStore listens on the master port."""
+    return any(slot.rank == 0 for slot in share.ranks)
+
+
+def port_taken(event: GangAllocated, node_id: str, why: str) -> str:
+    """The ``WorkerExited.detail`` of every rank here when the master port is already held on this node.
+
+    The reason that goes with it is ``error``: retryable, and weighed 0 in a node's reputation (the node is not
+    blamed). The scheduler's next attempt draws another port at random (trainyard_scheduler.ports), so a port
+    someone squats costs one attempt, not the job. It still counts as one failure towards the job's
+    ``maxAttempts`` (every failed attempt does)."""
+    return (f"rendezvous port {event.master_port} is already in use on {node_id} ({why}): another process holds "
+            f"it; rank 0 would fail to listen, or its peers would reach that process. Not started; the next "
+            f"attempt gets another port")
+
+
 def pick_backend(setting: str, device_type: str, *, has_nvidia_smi: bool) -> str:
     """gloo for CPU devices; nccl for accelerators when the NVIDIA driver is present."""
     if setting != "auto":

@@ -85,9 +85,11 @@ from trainyard_node_agent.admission import (
     Launch,
     Refuse,
     cpu_thread_share,
+    hosts_rendezvous,
     interpreter_env,
     judge,
     pick_backend,
+    port_taken,
     rank_env,
 )
 from trainyard_node_agent.announcements import Announcements
@@ -96,6 +98,7 @@ from trainyard_node_agent.codecache import CodeCache, CodeTree, RankPaths, rank_
 from trainyard_node_agent.confinement import Confined, Confinement, scrubbed
 from trainyard_node_agent.localstate import LocalState, merge_tables
 from trainyard_node_agent.log_shipper import LogShipper
+from trainyard_node_agent.rank_network import RankNetwork, port_in_use
 from trainyard_node_agent.relay import Refusal
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.spool_relay import SpoolRelay
@@ -146,6 +149,10 @@ class NodeAgent:
         # no broker/Redis addresses or credentials reach a rank, except those the operator passes on by name
         self.base_env = scrubbed(base_env) | {k: base_env[k] for k in settings.rank_pass_env if k in base_env}
         self.sandbox = Confinement(settings, self.layout, self.node_layout)
+        # what sandboxed ranks may not connect to (the control plane): nftables rules on the job uid range
+        self.rank_network = RankNetwork(settings.node_id, settings.node_rank_blocked, enforced=self.sandbox.enforced,
+                                        first_uid=settings.sandbox_first_uid, uid_count=settings.sandbox_uid_count,
+                                        own_ports=[settings.metrics_port])
         self.backend = pick_backend(settings.backend, settings.device_type,
                                     has_nvidia_smi=shutil.which("nvidia-smi") is not None)
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
@@ -188,7 +195,9 @@ class NodeAgent:
         return cpu_thread_share(self._usable_cores, ranks_here, pinned=self.settings.cpu_threads_per_rank)
 
     def install(self) -> None:
-        """Subscribe (a group of its own: every agent sees every allocation), heartbeat, watchdogs."""
+        """The rank network rules (ConfigError: refuse to start), then subscribe (a group of its own: every agent
+        sees every allocation), heartbeat, watchdogs."""
+        self.rank_network.install()
         self.runtime.bus.subscribe(
             ALLOCATIONS,
             {GangAllocated: self.on_gang_allocated, AllocationRevoked: self.on_allocation_revoked,
@@ -306,6 +315,7 @@ class NodeAgent:
             await self.kube.aclose()
         self.code_cache.close()
         self._save_local(force=True)
+        self.rank_network.remove()  # its ranks are stopped (an agent that leaves them running keeps the rules)
         log.info("node agent %s stopped", self.settings.node_id)
 
     async def _drain_ranks(self) -> None:
@@ -474,6 +484,10 @@ class NodeAgent:
         attempt_dir = self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         atomic_write_bytes(allocation_file, event.to_bytes())
+        if hosts_rendezvous(share) and (why := await asyncio.to_thread(port_in_use, event.master_port)):
+            await self._refuse_all(event, share, traceparent, 127, "error",
+                                   port_taken(event, self.settings.node_id, why))
+            return
         code = event.spec.code
         tree = await self._prepare_code(event, share, code, traceparent) if code is not None else None
         if code is not None and tree is None:
@@ -510,10 +524,15 @@ class NodeAgent:
                 log.warning("job %s names the image %s for its ranks; this node agent runs them as its own "
                             "processes, in its own image", event.job_id, code.image)
             return tree
-        for slot in share.ranks:  # no rank here starts: each reports why
-            record = self._rank_record(event, slot, traceparent, code=code)
-            await self._supervisor(record).report_exit(exit_code, reason, detail)
+        await self._refuse_all(event, share, traceparent, exit_code, reason, detail)
         return None
+
+    async def _refuse_all(self, event: GangAllocated, share: NodeAssignment, traceparent: str | None,
+                          exit_code: int, reason: str, detail: str) -> None:
+        """No rank of ``share`` starts: each reports why (its WorkerExited)."""
+        for slot in share.ranks:
+            record = self._rank_record(event, slot, traceparent, code=event.spec.code)
+            await self._supervisor(record).report_exit(exit_code, reason, detail)
 
     def _rank_record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
                      code: Code | None) -> rp.RankProcess:
