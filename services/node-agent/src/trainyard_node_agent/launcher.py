@@ -1,7 +1,8 @@
-"""The rank launcher: ``python launcher.py <exit-file> -- <command…>``. Standard library only.
+"""The rank launcher: ``python launcher.py <exit-file> [--pid-by-child] -- <command…>``. Standard library only.
 
 It runs the rank's command as its child, writes the child's pid beside the exit file
-(``rank-<r>.pid``) as soon as it runs, waits for it, and writes its exit status to
+(``rank-<r>.pid``) as soon as it runs (with ``--pid-by-child`` the child writes it: the sandbox's exec
+wrapper, whose rank runs in a PID namespace one process further down, writes the rank's own pid), waits for it, and writes its exit status to
 ``<attempt dir>/exit/rank-<r>.json`` (``{"exitCode": n, "pid": p, "writer": "launcher"}``,
 negative n = killed by signal -n) before exiting with the same status. Why: a node agent that
 restarts while ranks run adopts them instead of killing them, but they are no longer its
@@ -56,8 +57,11 @@ def read_start_error(exit_file: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    pid_by_child = len(argv) > 1 and argv[1] == "--pid-by-child"
+    if pid_by_child:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: launcher.py <exit-file> -- <command…>", file=sys.stderr)
+        print("usage: launcher.py <exit-file> [--pid-by-child] -- <command…>", file=sys.stderr)
         return 2
     exit_file, command = argv[0], argv[2:]
     os.makedirs(os.path.dirname(os.path.abspath(exit_file)), exist_ok=True)
@@ -71,7 +75,8 @@ def main(argv: list[str]) -> int:
         write_atomically(exit_file, json.dumps({"exitCode": 127, "pid": None, "writer": "launcher",
                                                  "error": str(exc), "errno": exc.errno}))
         return 127
-    write_atomically(pid_file_for(exit_file), str(child.pid))
+    if not pid_by_child:
+        write_atomically(pid_file_for(exit_file), str(child.pid))
     while True:
         try:
             code = child.wait()

@@ -27,6 +27,7 @@ from trainyard_common.spool import SpoolReader
 from trainyard_node_agent import launcher
 from trainyard_node_agent.classify import parse_oom_kills
 from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock
+from trainyard_node_agent.sandbox import wrapped_pid_file
 from trainyard_node_agent.supervision import RankState
 from trainyard_node_agent.watchdog import Liveness
 
@@ -59,6 +60,7 @@ class RankProcess:
     stop_detail: str | None = None  # why the agent ends it: the reason behind REVOKED, HUNG, VIOLATED, STOPPING
     gone: bool = False  # an adopted rank's group leader has vanished (observed through /proc)
     oom_kills_at_start: int | None = None
+    oom_files: tuple[Path, ...] = ()  # its attempt cgroup's memory.events / memory.oom_control (sandboxed nodes)
     # what the hang watchdog judges; its window starts at launch and adoption (supervisor.baseline)
     liveness: Liveness = field(default_factory=lambda: Liveness(0.0))
     last_step: int | None = None  # the step of the last StepMetrics relayed
@@ -132,11 +134,13 @@ async def spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path,
     in ``cwd`` (default: the agent's own)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     clear_exit_files(exit_file)
+    # a sandboxed rank runs in a PID namespace under the wrapper: the wrapper writes the rank's own pid
+    by_child = ["--pid-by-child"] if wrapped_pid_file(command) == launcher.pid_file_for(str(exit_file)) else []
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         return await asyncio.create_subprocess_exec(
             # -I: the launcher runs as the agent's user; nothing in the rank's environment (PYTHONPATH…) may
             # make it import code it did not bring
-            sys.executable, "-I", str(LAUNCHER), str(exit_file), "--", *command, env=dict(env),
+            sys.executable, "-I", str(LAUNCHER), str(exit_file), *by_child, "--", *command, env=dict(env),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=cwd,
         )
@@ -327,10 +331,12 @@ def file_size(path: Path) -> int:
         return 0
 
 
-def oom_kills(pid: int | None = None) -> int | None:
-    """The kernel OOM-kill counter of ``pid``'s memory cgroup (v2 or v1), best effort; None if unknown."""
+def oom_kills(pid: int | None = None, attempt_files: Sequence[Path] = ()) -> int | None:
+    """The kernel OOM-kill counter of the rank's attempt cgroup when it has one (``attempt_files``), else of
+    ``pid``'s memory cgroup (v2 or v1), best effort; None if unknown."""
     base = Path("/sys/fs/cgroup")
-    for candidate in _cgroup_files(base, pid or os.getpid()):
+    existing = [f for f in attempt_files if f.exists()]
+    for candidate in existing or _cgroup_files(base, pid or os.getpid()):
         with contextlib.suppress(OSError):
             count = parse_oom_kills(candidate.read_text())
             if count is not None:

@@ -45,15 +45,19 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Literal
 
 ENFORCE = "enforce"
@@ -128,12 +132,19 @@ class SandboxPlan:
     env: dict[str, str] = field(default_factory=dict)  # set on top of the rank's environment
     hide_processes: bool = True
     start_error_file: str | None = None  # where an exec failure is written for the launcher
+    cgroup_procs: tuple[str, ...] = ()  # the attempt's cgroup.procs files: joined first, as root
+    shm: str | None = None  # the attempt's private tmpfs (the agent's), bound on /dev/shm
+    pid_namespace: bool = True  # the rank is pid 2 of its own PID namespace, under a pid-1 that forwards signals
+    pid_file: str | None = None  # where the rank's pid (the host's number) is written for the agent
+    seccomp: bool = True  # the filter of :mod:`seccomp`, installed right before the exec
 
     def to_json(self) -> str:
         return json.dumps({
             "uid": self.uid, "gid": self.gid, "cover": [list(c) for c in self.cover],
             "binds": [[b.path, b.writable, b.optional] for b in self.binds], "cwd": self.cwd, "env": self.env,
             "hideProcesses": self.hide_processes, "startErrorFile": self.start_error_file,
+            "cgroupProcs": list(self.cgroup_procs), "shm": self.shm, "pidNamespace": self.pid_namespace,
+            "pidFile": self.pid_file, "seccomp": self.seccomp,
         }, separators=(",", ":"))
 
     @classmethod
@@ -142,7 +153,10 @@ class SandboxPlan:
         return cls(uid=int(raw["uid"]), gid=int(raw["gid"]), cover=tuple((str(p), int(m)) for p, m in raw["cover"]),
                    binds=tuple(Bind(str(p), bool(w), bool(o)) for p, w, o in raw["binds"]), cwd=str(raw["cwd"]),
                    env={str(k): str(v) for k, v in raw.get("env", {}).items()},
-                   hide_processes=bool(raw.get("hideProcesses", True)), start_error_file=raw.get("startErrorFile"))
+                   hide_processes=bool(raw.get("hideProcesses", True)), start_error_file=raw.get("startErrorFile"),
+                   cgroup_procs=tuple(str(p) for p in raw.get("cgroupProcs", ())), shm=raw.get("shm"),
+                   pid_namespace=bool(raw.get("pidNamespace", True)), pid_file=raw.get("pidFile"),
+                   seccomp=bool(raw.get("seccomp", True)))
 
 
 def _under(path: Path, root: Path) -> bool:
@@ -320,10 +334,11 @@ def check_host(*, first_uid: int, timeout_s: float = 30.0) -> str | None:
 
 # ----------------------------------------------------------------------------- the exec wrapper (root → rank)
 
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_NO_NEW_PRIVS = 38
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # what pid 1 passes on to the rank
 
 
 class _Libc:
@@ -336,22 +351,61 @@ class _Libc:
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
     def unshare(self, flags: int) -> None:
-        self._check(self.lib.unshare(flags), "unshare(CLONE_NEWNS)")
+        self._check(self.lib.unshare(flags), f"unshare({flags:#x})")
 
     def mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
         enc = (lambda s: s.encode() if s is not None else None)
         self._check(self.lib.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
                     f"mount {source or ''} on {target}")
 
+    def umount(self, target: str, flags: int = 0) -> None:
+        self._check(self.lib.umount2(target.encode(), flags), f"umount {target}")
+
     def no_new_privs(self) -> None:
         self._check(self.lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
+def _sibling(name: str) -> ModuleType:
+    """A sibling module: imported from the package, or by path when this runs as ``python -I sandbox.py``."""
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    qualified = f"_trainyard_{name}"
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[qualified] = module
+        spec.loader.exec_module(module)
+    return sys.modules[qualified]
+
+
 def enter(plan: SandboxPlan) -> None:
-    """Build the mount namespace of ``plan`` and become its user (must run as root)."""
+    """Build the sandbox of ``plan`` and become its user (must run as root). With a PID namespace this
+    returns only in the rank's process; the processes that stay behind to supervise it (the caller, then
+    pid 1 of the namespace) exit the way the rank did and never return."""
     libc = _Libc()
-    libc.unshare(CLONE_NEWNS)
+    _cgroups = _sibling("cgroups")
+    _cgroups.join(plan.cgroup_procs)  # everything from here on, the rank included, is the attempt's
+    libc.unshare(CLONE_NEWNS | (CLONE_NEWPID if plan.pid_namespace else 0))
     libc.mount("none", "/", None, MS_REC | MS_PRIVATE, None)  # nothing we mount leaks back to the host
+    _mount_view(libc, plan)
+    if plan.pid_namespace:
+        _fork_into_namespace(libc, plan)  # returns in the rank only
+    else:
+        _mount_proc(libc, plan)
+    os.chdir(plan.cwd)
+    os.setgroups([])
+    os.setresgid(plan.gid, plan.gid, plan.gid)
+    os.setresuid(plan.uid, plan.uid, plan.uid)
+    libc.no_new_privs()
+    if os.getuid() != plan.uid or os.geteuid() != plan.uid:  # pragma: no cover - the kernel said yes above
+        raise OSError(errno.EPERM, "the drop to the job's user did not take")
+    if plan.seccomp:
+        _sibling("seccomp").install()
+
+
+def _mount_view(libc: _Libc, plan: SandboxPlan) -> None:
+    """Covers, the rank's paths bound back, the attempt's own /dev/shm."""
     sources: list[tuple[Bind, int]] = []
     for bind in plan.binds:  # opened before the covers hide them
         try:
@@ -359,6 +413,7 @@ def enter(plan: SandboxPlan) -> None:
         except FileNotFoundError:
             if not bind.optional:
                 raise
+    shm = os.open(plan.shm, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW) if plan.shm else None
     for path, mode in plan.cover:
         os.makedirs(path, exist_ok=True)
         libc.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o}")
@@ -374,20 +429,144 @@ def enter(plan: SandboxPlan) -> None:
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (0 if bind.writable else MS_RDONLY)
         libc.mount(None, bind.path, None, flags, None)
         os.close(fd)
-    if plan.hide_processes:
-        try:
-            libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-    os.chdir(plan.cwd)
-    os.setgroups([])
-    os.setresgid(plan.gid, plan.gid, plan.gid)
-    os.setresuid(plan.uid, plan.uid, plan.uid)
-    libc.no_new_privs()
-    if os.getuid() != plan.uid or os.geteuid() != plan.uid:  # pragma: no cover - the kernel said yes above
-        raise OSError(errno.EPERM, "the drop to the job's user did not take")
+    if shm is not None:
+        os.makedirs("/dev/shm", exist_ok=True)
+        libc.mount(f"/proc/self/fd/{shm}", "/dev/shm", None, MS_BIND, None)
+        libc.mount(None, "/dev/shm", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        os.close(shm)
+
+
+def _mount_proc(libc: _Libc, plan: SandboxPlan) -> None:
+    if not plan.hide_processes and not plan.pid_namespace:
+        return
+    options = "hidepid=invisible" if plan.hide_processes else None
+    try:
+        libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or options is None:
+            raise
+        libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+
+
+def _fork_into_namespace(libc: _Libc, plan: SandboxPlan) -> None:
+    """caller (outside, root) → pid 1 of the new namespace (mounts its /proc, reaps, forwards signals) → the
+    rank (pid 2; returns). Both supervisors leave the rank's process group once it is forked, so the agent's
+    signals to the group reach the rank once, directly; one sent to either of them is forwarded. When the
+    rank ends, pid 1 ends and the kernel kills whatever the rank left in its namespace."""
+    # pid 1 mounts the namespace's /proc over the one this process shares with it: the host's is kept open
+    host_proc = os.open("/proc", os.O_PATH | os.O_DIRECTORY)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until each process has its handlers
+    status_r, status_w = os.pipe()
+    init = os.fork()
+    if init:
+        os.close(status_w)
+        _exit_like(_supervise_outside(init, status_r, plan, held, host_proc))
+    os.close(status_r)
+    os.close(host_proc)  # never the rank's
+    try:
+        _mount_proc(libc, plan)
+    except OSError as exc:
+        print(f"{SANDBOX_FAILURE} the rank's sandbox: {exc}", file=sys.stderr, flush=True)
+        os.write(status_w, f"status {SANDBOX_EXIT << 8}\n".encode())
+        os._exit(SANDBOX_EXIT)
+    rank = os.fork()
+    if rank == 0:
+        os.close(status_w)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # the exec keeps the mask: the rank gets its signals
+        return
+    _exit_like(_supervise_inside(rank, status_w, held))
+
+
+def _forward_to(pid: int) -> None:
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # out of the rank's process group: see _fork_into_namespace
+
+
+def _supervise_inside(rank: int, status_w: int, held: set[signal.Signals]) -> int:
+    """Pid 1: forward signals, reap every orphan, and once the rank ends, hand its wait status outside."""
+    try:
+        _forward_to(rank)
+        os.write(status_w, b"forked\n")
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        while True:
+            pid, status = os.wait()
+            if pid == rank:
+                os.write(status_w, f"status {status}\n".encode())
+                return status
+    except BaseException:  # noqa: BLE001 - never fall back into the caller (the rank's code path)
+        return 255 << 8
+
+
+def _supervise_outside(init: int, status_r: int, plan: SandboxPlan, held: set[signal.Signals], host_proc: int) -> int:
+    """The caller, outside the namespace: note the rank's pid for the agent, forward signals, wait, and
+    return the rank's wait status (pid 1's own when the rank's never came)."""
+    try:
+        _forward_to(init)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        received = b""
+        noted = False
+        while chunk := os.read(status_r, 4096):
+            received += chunk
+            if not noted and b"forked\n" in received:
+                noted = True
+                _note_rank_pid(plan, init, host_proc)
+        _, init_status = os.waitpid(init, 0)
+        for line in received.decode(errors="replace").splitlines():
+            if line.startswith("status "):
+                return int(line.split()[1])
+        return init_status
+    except BaseException:  # noqa: BLE001 - never fall back into the caller (the rank's code path)
+        return 255 << 8
+
+
+def _note_rank_pid(plan: SandboxPlan, init: int, host_proc: int) -> None:
+    """The rank's pid, as this (the host's) namespace numbers it, where the agent reads it."""
+    if not plan.pid_file:
+        return
+    try:
+        fd = os.open(f"{init}/task/{init}/children", os.O_RDONLY, dir_fd=host_proc)
+        with open(fd, encoding="ascii") as fh:
+            children = fh.read().split()
+    except OSError:
+        children = []
+    pid = children[0] if children else str(init)
+    tmp = f"{plan.pid_file}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    with contextlib.suppress(OSError):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="ascii") as fh:
+            fh.write(pid)
+        os.replace(tmp, plan.pid_file)
+
+
+def _exit_like(status: int) -> None:
+    """End this process the way a wait status says (the same signal, or the same exit code)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 255)
+
+
+def wrapped_pid_file(command: Sequence[str]) -> str | None:
+    """Where the wrapper in ``command`` (see :func:`wrap`) writes the rank's pid itself, or None."""
+    if len(command) < 4 or command[1:3] != ["-I", str(WRAPPER)]:
+        return None
+    try:
+        plan = SandboxPlan.from_json(command[3])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return plan.pid_file if plan.pid_namespace else None
 
 
 def _note_start_error(plan: SandboxPlan, command: str, exc: OSError) -> None:

@@ -193,6 +193,28 @@ class NodeAgentSettings(ServiceSettings):
                     "(Redis' data, tokens), which `make up` passes",
     )
 
+    attempt_pids_max: int | None = Field(
+        default=4096, ge=16,
+        description="on a sandboxed node, the most processes and threads one attempt's ranks may have on this node "
+                    "together (its cgroup's pids.max; a fork bomb stops there); unset = no limit",
+    )
+    attempt_memory_bytes: int | None = Field(
+        default=None, ge=64 * 2**20,
+        description="on a sandboxed node, the memory one attempt's ranks may use on this node together (its "
+                    "cgroup's memory.max / memory.limit_in_bytes; past it the kernel OOM-kills a rank, reported "
+                    "as oom); unset = no limit",
+    )
+    attempt_cpu_cores: float | None = Field(
+        default=None, gt=0,
+        description="on a sandboxed node, the CPU time one attempt's ranks may use on this node, in cores (its "
+                    "cgroup's cpu.max / cpu.cfs_quota_us); unset = no quota",
+    )
+    attempt_shm_bytes: int = Field(
+        default=2**30, ge=2**20,
+        description="on a sandboxed node, the size of the private /dev/shm each attempt's ranks on this node share "
+                    "(a tmpfs of the agent's, counted against the attempt's memory; gone when the attempt ends)",
+    )
+
     @field_validator("sandbox_hide", mode="before")
     @classmethod
     def _paths(cls, value: object) -> object:

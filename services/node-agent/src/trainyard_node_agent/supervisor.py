@@ -170,7 +170,7 @@ class RankSupervisor:
             code = LOST_EXIT_CODE
             if not causes.stopped_by_agent:
                 lost = "the rank ended while this node agent was not its parent, and no exit status was recorded"
-        now_ooms = rp.oom_kills(None) if rank.oom_kills_at_start is not None else None
+        now_ooms = rp.oom_kills(None, rank.oom_files) if rank.oom_kills_at_start is not None else None
         ooms = max((now_ooms or 0) - (rank.oom_kills_at_start or 0), 0) if now_ooms is not None else 0
         reason, detail = classify_exit(ExitFacts(
             exit_code=code, log_tail=rp.log_tail(rank.log_path) if code != 0 else "",

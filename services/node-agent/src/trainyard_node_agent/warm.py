@@ -14,8 +14,9 @@ the exit file, waits for it and records its exit status, and exits the same way.
 before a launch means the agent no longer needs it: it exits 0.
 
 With ``sandbox`` the forked rank first does what the exec wrapper (:mod:`sandbox`) does for a cold rank —
-its own mount namespace showing only its paths, the job's uid/gid, no new privileges — and only then runs
-``main()``; the interpreter itself stays the agent's user, to record the rank's exit as the launcher would.
+it joins the attempt's cgroup, gets its own mount and PID namespaces showing only its paths (the forked child
+stays outside as the namespace's supervisor, and writes the rank's pid), the job's uid/gid, no new
+privileges, the seccomp filter — and only then runs ``main()``; the interpreter itself stays the agent's user, to record the rank's exit as the launcher would.
 A sandbox that cannot be entered ends the rank with the wrapper's exit status and message, so the agent
 reports it the same way. What the interpreter imported before it knew its job is the platform's own code.
 
@@ -69,6 +70,12 @@ def _confine(plan_json: str) -> int | None:
         return int(sandbox.SANDBOX_EXIT)
     os.environ.update(plan.env)
     return None
+
+
+def _rank_writes_pid(plan_json: str, exit_file: str) -> bool:
+    """Whether the sandbox writes the rank's pid itself (its rank runs in a PID namespace, a process further down)."""
+    plan = sandbox.SandboxPlan.from_json(plan_json)
+    return bool(plan.pid_namespace and plan.pid_file == launcher.pid_file_for(exit_file))
 
 
 def _run_rank(module: object, argv0: str, plan_json: str | None = None) -> int:
@@ -127,10 +134,12 @@ def main(argv: list[str]) -> int:
     os.makedirs(os.path.dirname(exit_file), exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # outlive the rank to record its end
         signal.signal(sig, lambda *_: None)
+    plan = launch.get("sandbox")
     pid = os.fork()
     if pid == 0:
-        os._exit(_run_rank(module, launch.get("argv0", "trainyard-train"), launch.get("sandbox")))
-    launcher.write_atomically(launcher.pid_file_for(exit_file), str(pid))
+        os._exit(_run_rank(module, launch.get("argv0", "trainyard-train"), plan))
+    if plan is None or not _rank_writes_pid(plan, exit_file):
+        launcher.write_atomically(launcher.pid_file_for(exit_file), str(pid))
     while True:
         try:
             _, status = os.waitpid(pid, 0)
