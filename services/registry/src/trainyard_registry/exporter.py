@@ -44,6 +44,7 @@ from trainyard_common.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,
+    UnsafePathError,
     as_location,
     is_file,
     location_uri,
@@ -129,13 +130,15 @@ class Exporter:
         tokenizer = await asyncio.to_thread(self._tokenizer, spec.dataset, manifest)
         await asyncio.to_thread(_remove, out)  # a whole directory a crash left without its record
         checkpoint = as_location(todo.checkpoint.uri)
-        if not any(isinstance(where, ObjectPath) for where in (checkpoint, tokenizer.path, out)):
-            return await self._run(todo, Staged(checkpoint, tokenizer.path, out), tokenizer.eos_token)
+        # the checkpoint is always copied (verified as it is read) before the conversion reads it: from an object
+        # store, or through handles under a local root, whose directories belong to the job's user (transfer.py)
+        root = None if self.layout.remote else Path(self.layout.root)
         scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="trainyard-export-"))
         try:  # inputs down, the command, the directory up (listing last)
             try:
-                staged = await asyncio.to_thread(stage_inputs, checkpoint, tokenizer.path, out, scratch)
-            except CheckpointError as exc:
+                staged = await asyncio.to_thread(stage_inputs, checkpoint, tokenizer.path, out, scratch, root=root)
+            except (CheckpointError, UnsafePathError) as exc:
+                log.warning("export %s refused: %s", todo.checkpoint.artifact_id, exc)
                 return Refuse(str(exc), [str(exc)])
             outcome = await self._run(todo, staged, tokenizer.eos_token)
             if isinstance(outcome, Refuse) or not isinstance(out, ObjectPath):

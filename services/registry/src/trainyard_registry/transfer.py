@@ -7,6 +7,13 @@
   against its manifest: a mismatch is a :class:`CheckpointCorruptError`, nothing is converted) and
   writes a local manifest naming the copies. Its content hash stays valid: it does not depend on
   where the files live. The dataset's tokenizer comes down too. Local inputs are used where they are.
+* :func:`stage_local_checkpoint` does the same for a checkpoint under a local root, because its directory
+  belongs to the job's user: a rank of that job (or a later one) could swap a shard, or the step directory,
+  for a link to another tenant's checkpoint after verification, and the conversion (root) would read the
+  victim's weights into the attacker's export. The manifest and every file are read from handles opened
+  from the artifact root one component at a time without following a link (``storage.open_file_under``),
+  copied into the conversion's private scratch directory while hashed, and checked against the manifest;
+  the conversion reads only the copies.
 * :func:`publish_export` uploads the directory the command wrote, each file hashed as it streams and
   checked against the command's listing, ``*.index.json`` after the weights it indexes, and the
   listing (``trainyard-export.json``) last: the commit point, one object whose sha256 is the export's.
@@ -19,6 +26,8 @@ delivered again and the conversion redone.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +35,19 @@ from pathlib import Path
 from trainyard_common.errors import CheckpointCorruptError, StateStoreError
 from trainyard_common.manifest import CheckpointManifest
 from trainyard_common.storage import (
+    CHUNK,
     EXPORT_LISTING,
     Location,
     ObjectPath,
     download_file,
     export_listing,
+    open_file_under,
     path_to_uri,
     read_bytes,
     remove_file,
     remove_tree,
     upload_file,
+    uri_to_path,
 )
 
 MANIFEST_FILE = "manifest.json"
@@ -51,11 +63,16 @@ class Staged:
     out: Path  # the directory the command creates
 
 
-def stage_inputs(checkpoint: Location, tokenizer: Location | None, out: Location, scratch: Path) -> Staged:
-    """Local paths for the command: inputs in an object store downloaded into ``scratch``, an output in one
-    written to ``scratch`` first. CheckpointCorruptError for a checkpoint that is not READY or not intact."""
+def stage_inputs(checkpoint: Location, tokenizer: Location | None, out: Location, scratch: Path, *,
+                 root: Path | None = None) -> Staged:
+    """Local paths for the command: a checkpoint copied into ``scratch`` (downloaded from an object store, or
+    read through handles under the local artifact ``root``), other inputs in an object store downloaded, an
+    output in one written to ``scratch`` first. CheckpointCorruptError for a checkpoint that is not READY or
+    not intact; UnsafePathError for one that goes through a link."""
     if isinstance(checkpoint, ObjectPath):
         checkpoint = stage_checkpoint(checkpoint, scratch / "checkpoint")
+    elif root is not None:
+        checkpoint = stage_local_checkpoint(root, checkpoint, scratch / "checkpoint")
     if isinstance(tokenizer, ObjectPath):
         (scratch / "tokenizer").mkdir(parents=True, exist_ok=True)
         local = scratch / "tokenizer" / tokenizer.name
@@ -98,6 +115,68 @@ def stage_checkpoint(location: ObjectPath, into: Path) -> Path:
     })
     (into / MANIFEST_FILE).write_bytes(copy.to_bytes())
     return into / MANIFEST_FILE
+
+
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists digests, not data: a larger one is refused unread
+
+
+def stage_local_checkpoint(root: Path, location: Path, into: Path) -> Path:
+    """Copy a READY checkpoint under the local artifact ``root`` (``location``: its manifest or its directory)
+    into ``into``, every file read from a handle walked from ``root`` without following a link, hashed as it
+    is copied and checked against the manifest; the local manifest, which names the copies."""
+    manifest_at = location if location.name == MANIFEST_FILE else location / MANIFEST_FILE
+    try:
+        raw = _read_under(root, manifest_at, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{manifest_at} does not exist: the checkpoint is not READY") from None
+    try:
+        manifest = CheckpointManifest.model_validate_json(raw)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"checkpoint manifest {manifest_at} is malformed: {exc}") from exc
+    into.mkdir(parents=True, exist_ok=True)
+    local: dict[str, str] = {}
+    for entry in [*manifest.shards, *manifest.extra_files]:
+        source = uri_to_path(entry.uri) if entry.uri.startswith("file://") else None
+        if source is None or source.parent != manifest_at.parent or source.name in local.values() \
+                or source.name in ("", ".", "..", MANIFEST_FILE):
+            raise CheckpointCorruptError(f"checkpoint file {entry.uri} is not beside its manifest {manifest_at}")
+        try:
+            size, sha256 = _copy_under(root, source, into / source.name, limit=entry.size_bytes)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{source} is missing") from None
+        if (size, sha256) != (entry.size_bytes, entry.sha256):
+            raise CheckpointCorruptError(
+                f"checkpoint step {manifest.global_step} ({manifest_at}) failed verification: {source.name} has "
+                f"{size} bytes or more, sha256 {sha256[:12]}…; its manifest says {entry.size_bytes} bytes, "
+                f"sha256 {entry.sha256[:12]}…")
+        local[entry.uri] = source.name
+    copy = manifest.model_copy(update={
+        "shards": [s.model_copy(update={"uri": path_to_uri(into / local[s.uri])}) for s in manifest.shards],
+        "extra_files": [f.model_copy(update={"uri": path_to_uri(into / local[f.uri])})
+                        for f in manifest.extra_files],
+    })
+    (into / MANIFEST_FILE).write_bytes(copy.to_bytes())
+    return into / MANIFEST_FILE
+
+
+def _read_under(root: Path, path: Path, *, limit: int) -> bytes:
+    with os.fdopen(open_file_under(root, path), "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointCorruptError(f"{path} is larger than {limit} bytes: refused")
+    return data
+
+
+def _copy_under(root: Path, source: Path, dest: Path, *, limit: int) -> tuple[int, str]:
+    """Copy the regular file ``source`` under ``root`` (never through a link) to ``dest``, at most ``limit`` + 1
+    bytes (a file that grew is refused by its size); its size and sha256 as copied."""
+    digest, size = hashlib.sha256(), 0
+    with os.fdopen(open_file_under(root, source), "rb") as src, open(dest, "wb") as out:
+        while size <= limit and (chunk := src.read(min(CHUNK, limit + 1 - size))):
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def publish_export(directory: Path, out: ObjectPath) -> str:
