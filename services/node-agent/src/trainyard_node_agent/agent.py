@@ -259,6 +259,8 @@ class NodeAgent:
                             rank.rank, rank.job_id, rank.attempt, rank.pid)
             else:
                 self._unreported[key] = rank
+        # what ended while no agent watched it may have left processes: its attempt's cgroup goes (not adopted ones)
+        await asyncio.to_thread(self.sandbox.sweep, {(s.rank.job_id, s.rank.attempt) for s in self.ranks.values()})
         self._save_local(force=True)
 
     async def start(self) -> None:
@@ -498,6 +500,7 @@ class NodeAgent:
         finally:
             if tree is not None:
                 self.code_cache.release(tree.hex)
+            await self._maybe_close_attempt(event.job_id, event.attempt)  # when no rank of it started
         if tree is not None and tree.materialised:
             self._in_background(self._collect_code())
         running = "" if code is None else f", code {code.archive} {code.entrypoint}"
@@ -619,7 +622,8 @@ class NodeAgent:
         supervisor.apply(Trigger.LAUNCHED)
         rank.pgid = rank.process.pid
         rank.start_ticks = rp.start_ticks(rank.pgid)
-        rank.oom_kills_at_start = rp.oom_kills(rank.pgid)
+        rank.oom_files = self.sandbox.oom_files(rank.job_id, rank.attempt)
+        rank.oom_kills_at_start = rp.oom_kills(rank.pgid, rank.oom_files)
         rank.pid = await rp.rank_pid(rank.exit_file, rank.process, clock=self.clock) or rank.pgid
         supervisor.restart_hang_window()
         self.ranks[rank.key] = supervisor
@@ -756,6 +760,15 @@ class NodeAgent:
         finally:
             self.ranks.pop(rank.key, None)
             self._ranks_changed_at = self.clock.monotonic()
+            await self._maybe_close_attempt(rank.job_id, rank.attempt)
+
+    async def _maybe_close_attempt(self, job_id: str, attempt: int) -> None:
+        """Once no rank of the attempt runs here any more, kill what it left and remove its cgroup and /dev/shm."""
+        if not any(r.job_id == job_id and r.attempt == attempt for r in self._records()):
+            try:
+                await asyncio.to_thread(self.sandbox.close_attempt, job_id, attempt)
+            except OSError as exc:
+                log.error("closing attempt %d of %s: %r", attempt, job_id, exc)
 
     def _records(self) -> list[rp.RankProcess]:
         return [s.rank for s in self.ranks.values()]
