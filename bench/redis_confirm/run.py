@@ -39,6 +39,7 @@ from trainyard_cli import infra, redisha
 from trainyard_common import events as ev
 from trainyard_common.outbox import Outbox
 from trainyard_common.records import DatasetRecord
+from trainyard_common.spec import TrainingSpec
 from trainyard_common.store import Keys, StateStore, connect_redis
 
 TOKEN = "bench-token"
@@ -49,7 +50,12 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
+SPEC = TrainingSpec.model_validate(EXAMPLE_SPEC)
+
+
 async def submission_multi(redis: Any, outbox: Outbox, n: int) -> None:
+    """The API's submission MULTI; the event it stages is the JobSubmitted of the record it writes (the scheduler
+    acts on no job event the API did not write the record of)."""
     job_id = f"job-bench{n:08d}"
     async with redis.pipeline(transaction=True) as pipe:
         pipe.set(Keys.job(job_id), "{}", nx=True)
@@ -57,7 +63,7 @@ async def submission_multi(redis: Any, outbox: Outbox, n: int) -> None:
         pipe.sadd("ty:bench:incoming", job_id)
         pipe.zadd("ty:bench:jobs", {job_id: n})
         pipe.zadd("ty:bench:tenant-jobs", {job_id: n})
-        outbox.stage(pipe, ev.JobControlRequested(job_id=job_id, tenant="t", action="pause", reason="bench"))
+        outbox.stage(pipe, ev.JobSubmitted(job_id=job_id, tenant="t", spec=SPEC, spec_hash=SPEC.spec_hash()))
         await pipe.execute()
 
 

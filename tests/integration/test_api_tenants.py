@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from trainyard_api import ApiServer, ApiSettings
+from trainyard_common.controlrecords import parse_control_request
 from trainyard_common.events import utcnow
 from trainyard_common.records import is_deleted_tenant
 from trainyard_common.store import Keys
@@ -221,7 +222,7 @@ async def test_tenants_settings_round_trip_and_bad_input_names_the_field(api: Ap
 
 
 async def _mark_cancelled(api: ApiServer, job_id: str) -> None:
-    """What the scheduler does on JobControlRequested(cancel) (no scheduler runs here)."""
+    """What the scheduler does on a recorded JobControlRequested(cancel) (no scheduler runs here)."""
     job = await api.runtime.store.get_job(job_id)
     assert job is not None
     await api.runtime.redis.set(Keys.job(job_id), job.model_copy(update={"state": "cancelled"}).dumps())
@@ -253,6 +254,13 @@ async def test_the_audit_log_records_who_did_what_and_how_it_ended(api: ApiServe
     seen = {(e["action"], e["target"], e["outcome"], e["actorName"]) for e in entries}
     assert ("job.submit", f"job/{job}", "ok", "a-submitter") in seen
     assert ("job.pause", f"job/{job}", "ok", "a-submitter") in seen
+    # the pause is recorded for the scheduler (which acts on no JobControlRequested without its record); the
+    # refused requests (not found, denied) recorded nothing
+    (recorded,) = [parse_control_request(raw) for raw in
+                   (await api.runtime.redis.hgetall(Keys.control_requests(job))).values()]
+    assert recorded is not None and (recorded.job_id, recorded.tenant, recorded.action, recorded.requested_by) == \
+        (job, "tenant-a", "pause", "a-submitter")
+    assert not await api.runtime.redis.exists(Keys.control_requests(NO_JOB))
     assert ("job.cancel", f"job/{NO_JOB}", "not-found", "a-submitter") in seen
     assert ("job.cancel", f"job/{job}", "denied", "a-viewer") in seen
     assert ("tenant.create", "tenant/tenant-a", "ok", "bootstrap-admin") in seen

@@ -44,6 +44,7 @@ from redis.exceptions import RedisError
 from tests.chaos.invariants import LeaseOp, check_no_double_booking
 from tests.support.redisha import redis_ha
 from trainyard_common import events as ev
+from trainyard_common.controlrecords import stage_control_request
 from trainyard_common.errors import (
     EpochNotReplicatedError,
     FencingError,
@@ -154,8 +155,9 @@ async def write_worker(redis: StateRedis, ledger: Ledger, stop: asyncio.Event, n
             if n % 2:
                 async with redis.pipeline(transaction=True) as pipe:
                     pipe.set(f"ty:failover-test:{record_id}", record_id)
-                    outbox.stage(pipe, ev.JobControlRequested(job_id=f"job-{name}", tenant="t", action="pause",
-                                                              reason=record_id))
+                    stage_control_request(pipe, outbox, ev.JobControlRequested(
+                        job_id=f"job-{name}", tenant="t", action="pause", reason=record_id),
+                        requested_by=name, at=ev.utcnow())
                     await pipe.execute()
                 into.append(("record", record_id))
             else:
@@ -431,9 +433,12 @@ async def test_a_write_no_replica_confirmed_is_not_acknowledged(tmp_path: Path) 
                     with pytest.raises(WriteNotReplicatedError) as caught:
                         await store.add_token("secret-frozen", "tenant-a", "frozen")
                     assert caught.value.retryable
-                    with pytest.raises(WriteNotReplicatedError):
-                        await outbox.put(ev.JobControlRequested(job_id="job-x", tenant="tenant-a", action="pause",
-                                                                reason="frozen replica"))
+                    with pytest.raises(WriteNotReplicatedError):  # a control request: its record and its event
+                        async with redis.pipeline(transaction=True) as pipe:
+                            stage_control_request(pipe, outbox, ev.JobControlRequested(
+                                job_id="job-x", tenant="tenant-a", action="pause", reason="frozen replica"),
+                                requested_by="alice", at=ev.utcnow())
+                            await pipe.execute()
                     with pytest.raises(WriteNotReplicatedError):  # the relay publishes nothing unconfirmed
                         await outbox.relay_once(bus=None)  # type: ignore[arg-type]
                     resp = await api.post("/v1/training-jobs", json=EXAMPLE_SPEC, headers={"Idempotency-Key": "k"})

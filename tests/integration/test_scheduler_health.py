@@ -20,6 +20,7 @@ import pytest_asyncio
 
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
 from trainyard_common.bus import Bus, ensure_topics
+from trainyard_common.controlrecords import record_control_request
 from trainyard_common.events import (
     DeviceInfo,
     GangAllocated,
@@ -60,6 +61,12 @@ class Rig:
     @property
     def redis(self) -> Any:
         return self.store.redis
+
+    async def cancel(self, job_id: str) -> None:
+        """What the API does: record the control request, then its JobControlRequested reaches the broker."""
+        event = JobControlRequested(job_id=job_id, tenant="t1", action="cancel")
+        await record_control_request(self.redis, event, requested_by="test", at=utcnow())
+        await self.bus.publish(event)
 
     async def submit(self, job_id: str, spec: TrainingSpec, *, max_attempts: int = 3) -> None:
         record = JobRecord(job_id=job_id, tenant="t1", spec=spec, spec_hash=spec.spec_hash(),
@@ -225,7 +232,7 @@ async def _queued_with_reason(r: Rig, job_id: str) -> JobRecord | None:
 
 async def test_a_gang_whose_allocation_never_reached_the_broker_is_published_again(rig: Rig) -> None:
     r = rig
-    await r.bus.publish(JobControlRequested(job_id="wide", tenant="t1", action="cancel"))
+    await r.cancel("wide")
     await poll(lambda: _no_leases(r), "the devices of the first test released", WAIT_S)
     spec = make_spec(2)
     # What a scheduler that crashed (or a broker that lost the message) leaves: leases and an attempt
@@ -277,7 +284,7 @@ async def test_auto_checkpoint_policy_hands_the_advised_interval_to_the_next_att
     the coordinator has stored its Young/Daly advice, the next attempt's GangAllocated carries it."""
     r = rig
     for job_id in ("wide", "lost-gang"):
-        await r.bus.publish(JobControlRequested(job_id=job_id, tenant="t1", action="cancel"))
+        await r.cancel(job_id)
     await poll(lambda: _no_leases(r), "the devices of earlier tests released", WAIT_S)
     base = make_spec(2, max_steps=100)
     policy = base.checkpoint_policy.model_copy(update={"auto": True, "every_steps": 50})
@@ -291,7 +298,7 @@ async def test_auto_checkpoint_policy_hands_the_advised_interval_to_the_next_att
     await r.fail_rank(first, first.nodes[0].node_id, "error")
     (second,) = await r.tap.wait(GangAllocated, job_id="auto", attempt=2, timeout_s=WAIT_S)
     assert second.checkpoint_every_steps == 7
-    await r.bus.publish(JobControlRequested(job_id="auto", tenant="t1", action="cancel"))
+    await r.cancel("auto")
 
 
 async def test_init_from_starts_the_first_attempt_from_the_parent_jobs_ready_checkpoint(rig: Rig) -> None:
@@ -318,7 +325,7 @@ async def test_init_from_starts_the_first_attempt_from_the_parent_jobs_ready_che
     (gang,) = await r.tap.wait(GangAllocated, job_id="child", attempt=1, timeout_s=WAIT_S)
     assert gang.start_checkpoint is not None and gang.start_checkpoint.global_step == 20  # latest READY
     assert gang.start_checkpoint.manifest_uri == "file:///ckpt/parent/step-20/manifest.json"
-    await r.bus.publish(JobControlRequested(job_id="child", tenant="t1", action="cancel"))
+    await r.cancel("child")
     await poll(lambda: _no_leases(r), "child's devices released", WAIT_S)
 
     gone = make_spec(2).model_copy(update={"init_from": InitFrom(job_id="parent", global_step=30)})

@@ -28,7 +28,6 @@ from trainyard_common.events import (
     CheckpointRequested,
     DeviceInfo,
     GangAllocated,
-    JobControlRequested,
     NodeDrained,
     NodeHeartbeat,
     NodeQuarantined,
@@ -134,7 +133,7 @@ async def _gang(r: Rig, job_id: str, number: int) -> GangAllocated:
 
 
 async def _cancel(r: Rig, job_id: str) -> None:
-    await r.bus.publish(JobControlRequested(job_id=job_id, tenant="t1", action="cancel"))
+    await r.cancel(job_id)
 
     async def released() -> bool:
         return not await r.scheduler.held_allocations()

@@ -22,6 +22,7 @@ import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
 
 from trainyard_common.bus import Bus, ensure_topics
+from trainyard_common.controlrecords import record_control_request
 from trainyard_common.events import (
     ALL_TOPICS,
     JOBS,
@@ -171,6 +172,14 @@ class Stack:
         assert await self.store.create_job(record)
         await self.publisher.publish(JobSubmitted(job_id=job_id, tenant=tenant, spec=spec,
                                                   spec_hash=spec.spec_hash()))
+
+    async def request_control(self, job_id: str, action: str, *, tenant: str = "t1",
+                              reason: str | None = None) -> JobControlRequested:
+        """What the API does: record the control request (Keys.control_requests), then publish its event."""
+        event = JobControlRequested(job_id=job_id, tenant=tenant, action=action, reason=reason)  # type: ignore[arg-type]
+        await record_control_request(self.redis, event, requested_by="test", at=utcnow())
+        await self.publisher.publish(event)
+        return event
 
     async def job(self, job_id: str) -> JobRecord:
         job = await self.store.get_job(job_id)
@@ -406,7 +415,7 @@ async def test_pause_resume_and_cancel_stop_running_ranks(stack: Stack) -> None:
     await s.publisher.publish(first.model_copy(update={"event_id": uuid.uuid4()}))
 
     # Pause asks the ranks for a checkpoint first; the attempt keeps its devices until theirs is READY.
-    await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="pause"))
+    await s.request_control("long", "pause")
     (asked,) = await s.tap.wait(CheckpointRequested, job_id="long", attempt=1)
     assert asked.reason == "pause requested" and asked.allocation_id == first.allocation_id
     job = await s.wait_job("long", lambda j: j.control == "pause", "pausing")
@@ -433,13 +442,14 @@ async def test_pause_resume_and_cancel_stop_running_ranks(stack: Stack) -> None:
     assert job.attempts[0].exited_ranks == {"0": 7, "1": 7}  # nobody SIGTERMed them
     assert await poll(lambda: _no_leases(s), "leases released on pause")
 
-    await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="resume"))
+    await s.request_control("long", "resume")
     (second,) = await s.tap.wait(GangAllocated, job_id="long", attempt=2)
     assert second.epoch > first.epoch
     assert second.start_checkpoint is not None and second.start_checkpoint.global_step == 5  # from the pause
     await s.tap.wait(WorkerStarted, 2, job_id="long", attempt=2)
-    await s.publisher.publish(JobControlRequested(job_id="long", tenant="other", action="cancel"))  # not the owner
-    await s.publisher.publish(JobControlRequested(job_id="long", tenant="t1", action="cancel", reason="enough"))
+    # another tenant's cancel, straight onto the bus: the API recorded none, so it is dead-lettered, not applied
+    await s.publisher.publish(JobControlRequested(job_id="long", tenant="other", action="cancel"))
+    await s.request_control("long", "cancel", reason="enough")
     exits = await s.tap.wait(WorkerExited, 2, job_id="long", attempt=2)
     assert {e.reason for e in exits} == {"revoked"}
     job = await s.wait_job("long", lambda j: j.state == "cancelled", "cancelled")

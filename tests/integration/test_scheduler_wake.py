@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from trainyard_common.controlrecords import UnauthorisedEventError
 from trainyard_common.events import JobSubmitted
 from trainyard_common.records import AttemptRecord, JobRecord
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import StateStore
+from trainyard_common.store import Keys, StateStore
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler.scheduler import SchedulerKeys
 from tests.support.api import spec_with
@@ -59,4 +60,17 @@ async def test_a_redelivered_submission_of_a_running_job_does_not(scheduler: Sch
                                                 state="running")])
     assert await store.create_job(running)
     await scheduler.on_job_submitted(submitted(running))
+    assert not scheduler._wake.is_set()
+
+
+async def test_a_submission_the_api_never_stored_creates_nothing(scheduler: Scheduler) -> None:
+    """A JobSubmitted is a wake-up, not a job: without the API's record it is refused (dead-lettered by the bus)
+    and the scheduler writes no record, no index entry, and does not wake."""
+    spec = TrainingSpec.model_validate(spec_with())
+    forged = JobSubmitted(job_id="job-wake-forged", tenant="victim", spec=spec, spec_hash=spec.spec_hash())
+    with pytest.raises(UnauthorisedEventError, match="no job record written by the API"):
+        await scheduler.on_job_submitted(forged)
+    assert await scheduler.store.get_job("job-wake-forged") is None
+    assert not await scheduler.redis.zscore(Keys.jobs, "job-wake-forged")
+    assert "job-wake-forged" not in await scheduler.redis.smembers(SchedulerKeys.active)
     assert not scheduler._wake.is_set()

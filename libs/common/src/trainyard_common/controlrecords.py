@@ -31,12 +31,13 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from trainyard_common.errors import AuthError
 from trainyard_common.events import JobControlRequested
 from trainyard_common.outbox import Outbox
 from trainyard_common.store import Keys
 from trainyard_common.wirebase import FrozenWire
 
-__all__ = ["CONTROL_REQUEST_TTL_S", "MAX_CONTROL_REQUESTS", "ControlRequest", "Refusal", "control_refusal",
+__all__ = ["CONTROL_REQUEST_TTL_S", "MAX_CONTROL_REQUESTS", "ControlRequest", "Refusal", "UnauthorisedEventError", "control_refusal",
            "expired_requests", "parse_control_request", "record_control_request", "room_for_request",
            "stage_control_record", "stage_control_request"]
 
@@ -69,6 +70,16 @@ class Refusal:
 
     kind: Literal["unrecorded", "mismatch", "expired"]
     text: str
+
+
+class UnauthorisedEventError(AuthError):
+    """A job event its owner's record does not back (an AuthError: never retried). Raised by a handler, it is
+    dead-lettered ``security: …`` and its event id is not marked handled, so a forged copy reusing a genuine
+    event's id, consumed first, cannot make the genuine one a duplicate."""
+
+    def __init__(self, event_type: str, refusal: Refusal) -> None:
+        super().__init__(f"security: {event_type} refused ({refusal.kind}): {refusal.text}", retryable=False)
+        self.refusal = refusal
 
 
 def parse_control_request(raw: str | bytes | None) -> ControlRequest | None:

@@ -55,7 +55,7 @@ from opentelemetry import trace
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from trainyard_common.controlrecords import Refusal, control_refusal, parse_control_request
+from trainyard_common.controlrecords import Refusal, UnauthorisedEventError, control_refusal, parse_control_request
 from trainyard_common.devices import Device
 from trainyard_common.errors import ConfigError, FencingError, LeaseConflictError, StaleLeaderError
 from trainyard_common.events import (
@@ -135,6 +135,18 @@ def submission_refusal(event: JobSubmitted, stored: JobRecord | None) -> Refusal
     if differs:
         return Refusal("mismatch", f"job {event.job_id}: the event carries {', '.join(differs)}")
     return None
+
+
+def _refuse(event_type: str, event: JobSubmitted | JobControlRequested, refusal: Refusal, *, fatal: bool) -> None:
+    """Count and log an event the API's record does not back; ``fatal``: refuse it (UnauthorisedEventError, so the
+    bus dead-letters it ``security: …`` without marking its id handled), else the record wins and handling goes on."""
+    UNAUTHORISED_EVENTS.labels(event_type, refusal.kind).inc()
+    if not fatal:
+        log.warning("%s %s: %s; keeping the stored job", event_type, event.event_id, refusal.text)
+        return
+    log.warning("forged/%s %s %s ignored: %s", "unknown" if event_type == "JobSubmitted" else "unrecorded",
+                event_type, event.event_id, refusal.text)
+    raise UnauthorisedEventError(event_type, refusal)
 
 
 def _remaining_seconds(job: JobRecord) -> float | None:
@@ -240,16 +252,13 @@ class Scheduler:
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
         """A wake-up: the job is the record the API wrote (with its indexes and audit entry), never the event.
-        No record: a forged (or unknown) submission, ignored and counted; one that differs: the record wins."""
+        No record: a forged (or unknown) submission, refused (UnauthorisedEventError: dead-lettered) and counted,
+        nothing created; a record that differs: the record wins, counted."""
         job = await self.store.get_job(event.job_id)
         if (refusal := submission_refusal(event, job)) is not None:
-            UNAUTHORISED_EVENTS.labels("JobSubmitted", refusal.kind).inc()
-        if job is None:
-            log.warning("forged/unknown JobSubmitted %s for job %s of tenant %r ignored: no job record written by "
-                        "the API", event.event_id, event.job_id, event.tenant)
+            _refuse("JobSubmitted", event, refusal, fatal=job is None)
+        if job is None:  # refused above
             return
-        if refusal is not None:
-            log.warning("JobSubmitted %s: %s; keeping the stored job", event.event_id, refusal.text)
         if job.state not in TERMINAL_STATES and await self._take_in(job) and tr.is_pending(job):
             self.wake_at(None)  # the API stored it: it waits for a pass
         log.info("job %s known (tenant %s, %d %s devices)", job.job_id, job.tenant,
@@ -281,14 +290,14 @@ class Scheduler:
 
     async def on_control(self, event: JobControlRequested) -> None:
         """A wake-up: acted on only when the API recorded this very request (Keys.control_requests, by the event's
-        id, matching job, tenant and action); the recorded request is what is applied."""
+        id, matching job, tenant and action); the recorded request is what is applied. Anything else is refused
+        (UnauthorisedEventError: dead-lettered, counted) and changes nothing."""
         raw = await self.redis.hget(Keys.control_requests(event.job_id), str(event.event_id))
         recorded = parse_control_request(raw)
         if (refusal := control_refusal(event, recorded, now=self.clock())) is not None:
-            UNAUTHORISED_EVENTS.labels("JobControlRequested", refusal.kind).inc()
-            log.warning("forged/unrecorded JobControlRequested ignored: %s", refusal.text)
+            _refuse("JobControlRequested", event, refusal, fatal=True)
+        if recorded is None:  # refused above
             return
-        assert recorded is not None  # control_refusal found it
 
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:
             if job.tenant != recorded.tenant:  # the API records only the job's own tenant: never in practice
