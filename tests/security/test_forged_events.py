@@ -225,3 +225,76 @@ def test_a_training_script_can_neither_find_nor_use_redis_credentials(stack: Loc
     assert "ENVIRONMENT []" in log, log  # no Redis or broker address, no password in a rank's environment
     assert "REFUSED AuthenticationError" in log, log  # no anonymous clients: no credentials, no connection
     assert ended["state"] == "failed", ended
+
+
+# A real sandboxed rank writes a genuine shard of its own, reports it, and then swaps its step directory for a link
+# to a directory it must never reach (another tenant's READY checkpoint, the platform's dataset) — at once, and a
+# moment later (while the coordinator verifies and commits). Root (the node agent's relay, the coordinator) must
+# never follow it: whichever layer sees the link first refuses it, and nothing is written at the link's target.
+SWAP = '''
+import hashlib
+own = os.path.join(ROOT, "tenants", TENANT, "jobs", JOB, "checkpoints", f"step-000000001-a{ATTEMPT}")
+os.makedirs(own, exist_ok=True)
+data = os.urandom(4096)
+with open(os.path.join(own, "__0_0.distcp"), "wb") as f:
+    f.write(data)
+spool("trainyard.checkpoints", {"eventType": "ShardWritten", "jobId": JOB, "tenant": TENANT, "attempt": ATTEMPT,
+    "epoch": EPOCH, "globalStep": 1, "rank": 0, "worldSize": 1, "uri": "file://" + own + "/__0_0.distcp",
+    "sizeBytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+time.sleep(float(os.environ["SWAP_AFTER_S"]))
+os.rename(own, own + ".real")
+os.symlink(os.environ["SWAP_TO"], own)
+print("swapped", own, "->", os.environ["SWAP_TO"], flush=True)
+time.sleep(20)
+'''
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_rank_that_swaps_its_step_directory_for_a_link_redirects_no_write(stack: LocalStack, tmp_path: Path) -> None:
+    victim_token = tenant_token(stack, VICTIM_TENANT)
+    attacker_token = stack.token_file.read_text().strip()
+    victim_spec = yaml.safe_load((REPO / "examples" / "gpt-sdk" / "spec.yaml").read_text())
+    victim_spec["name"] = "swap-victim"
+    victim_spec["training"]["maxSteps"] = 20
+    victim_spec["checkpointPolicy"]["everySteps"] = 10
+    victim = submit(stack, victim_token, victim_spec, REPO / "examples" / "gpt-sdk", tmp_path)
+    root = stack.s.artifact_root
+    victim_step = root / "tenants" / VICTIM_TENANT / "jobs" / victim / "checkpoints" / "step-000000010-a1"
+    dataset = root / "datasets" / "tinycorpus" / "v1"
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {victim_token}"},
+                      timeout=30) as client:
+        deadline = time.monotonic() + 600
+        while not any(c["state"] == "READY" and c["globalStep"] == 10 for c in job(client, victim)["checkpoints"]):
+            assert time.monotonic() < deadline and job(client, victim)["state"] not in TERMINAL, job(client, victim)
+            time.sleep(0.5)
+    before = {"victim": _files(victim_step), "dataset": _files(dataset)}
+
+    attacks = {}
+    for name, target, after_s in (("swap-to-victim-now", victim_step, 0.0), ("swap-to-dataset-later", dataset, 0.3)):
+        code = tmp_path / name
+        code.mkdir()
+        (code / "attack.py").write_text(PRELUDE + SWAP)
+        spec = attack_spec(name, victim)
+        spec["code"]["env"] |= {"SWAP_TO": str(target), "SWAP_AFTER_S": str(after_s)}
+        attacks[name] = submit(stack, attacker_token, spec, code, tmp_path)
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {attacker_token}"},
+                      timeout=30) as client:
+        for name, job_id in attacks.items():
+            ended = finished(client, job_id)
+            log = (root / "tenants" / ended["tenant"] / "jobs" / job_id / "attempts" / "1" / "logs" / "rank-0.log")
+            assert "swapped" in log.read_text(errors="replace"), (name, "the attack ran as written")
+            # its step 1 is READY only if it was committed before the swap, in its own (renamed) directory
+            for c in ended["checkpoints"]:
+                if c["state"] == "READY":
+                    assert f"/jobs/{job_id}/checkpoints/" in c["manifestUri"], (name, c)
+
+    assert _files(victim_step) == before["victim"], "nothing was written into the victim's checkpoint"
+    assert _files(dataset) == before["dataset"], "nothing was written into the platform's dataset"
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {victim_token}"},
+                      timeout=30) as client:
+        ended = finished(client, victim)
+    assert ended["state"] == "succeeded", ended
+    assert sorted(c["globalStep"] for c in ended["checkpoints"] if c["state"] == "READY") == [10, 20]
