@@ -42,6 +42,7 @@ from trainyard_common.leases import Device, LeaseManager
 from trainyard_common.spec import TrainingSpec
 from trainyard_common.storage import ArtifactLayout
 from trainyard_node_agent.rank_network import SETTING, table_name
+from trainyard_node_agent.settings import NodeAgentSettings
 
 from tests.conftest import env_vars
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
@@ -53,7 +54,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (scripts/ensure-system-deps.sh)")]
 
 ATTACKER_TENANT = "t1"
-TABLE = table_name(NODE)
 # Connects to every target (name → [host, port]); what each connect did goes to its checkpoint prefix; exits 0
 # when every blocked one was refused and the open one connected, 1 otherwise.
 ATTACKER = r"""
@@ -104,16 +104,23 @@ def http_server(host: str = "127.0.0.1") -> Iterator[int]:
         server.server_close()
 
 
-def table_listed() -> str | None:
-    done = subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, text=True, check=False)
+def agent_table(rig: Rig) -> str:
+    """The name of the agent's table (node id and state directory, as the agent derives it)."""
+    settings = NodeAgentSettings(**{**rig.env, **rig.agent_settings})  # type: ignore[arg-type]
+    return table_name(NODE, str(settings.agent_state_path.parent.resolve()))
+
+
+def table_listed(table: str) -> str | None:
+    done = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
     return done.stdout if done.returncode == 0 else None
 
 
 @pytest.fixture
-def rules_cleaned() -> Iterator[None]:
-    """Whatever happens to the agent (a test kills it with SIGKILL), its table does not outlive the test."""
-    yield
-    subprocess.run(["nft", "delete", "table", "inet", TABLE], capture_output=True, check=False)
+def table(rig: Rig) -> Iterator[str]:
+    """The agent's table; whatever happens to the agent (SIGKILL at the end of a test), gone afterwards."""
+    name = agent_table(rig)
+    yield name
+    subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True, check=False)
 
 
 async def publish_gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSpec, *, attempt: int = 1,
@@ -157,7 +164,7 @@ def reachable(port: int, host: str = "127.0.0.1") -> bool:
 
 
 async def test_a_rank_cannot_reach_the_broker_redis_or_the_api_and_the_rules_go_with_the_agent(
-        rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rules_cleaned: None) -> None:
+        rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str) -> None:
     layout = ArtifactLayout(rig.env["artifact_root"])
     dataset = layout.dataset_dir("tinycorpus", "v1")  # make_spec's
     dataset.mkdir(parents=True)
@@ -167,7 +174,7 @@ async def test_a_rank_cannot_reach_the_broker_redis_or_the_api_and_the_rules_go_
         blocked = f"127.0.0.1:{ports['broker']},localhost:{ports['redis']},127.0.0.1:{api_port},[::1]:{api6_port}"
         agent = start_agent(rig, tmp_path, monkeypatch, node_rank_blocked=blocked)
         await heartbeat_after(rig.tap)
-        listed = table_listed()
+        listed = table_listed(table)
         assert listed is not None and f"dport {ports['redis']}" in listed, rig.services.log("agent")[-4000:]
 
         victim_code = store_archive(layout, VICTIM_TENANT, tmp_path / "victim", {"main.py": VICTIM})
@@ -203,12 +210,11 @@ async def test_a_rank_cannot_reach_the_broker_redis_or_the_api_and_the_rules_go_
 
         agent.send_signal(signal.SIGTERM)
         assert rig.services.wait(agent, "agent", timeout_s=60) == 0
-        assert table_listed() is None, "the agent's rules are deleted when it closes"
+        assert table_listed(table) is None, "the agent's rules are deleted when it closes"
         assert "deleted the nftables table" in rig.services.log("agent")
 
 
-def test_an_agent_that_cannot_install_its_rules_refuses_to_start(rig: Rig, tmp_path: Path,
-                                                                 rules_cleaned: None) -> None:
+def test_an_agent_that_cannot_install_its_rules_refuses_to_start(rig: Rig, tmp_path: Path, table: str) -> None:
     settings = {**rig.agent_settings, "node_sandbox": "enforce", "code_cache_dir": tmp_path / "code-cache",
                 "node_rank_blocked": "127.0.0.1:6390"}
     own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in settings.items()}
@@ -219,7 +225,7 @@ def test_an_agent_that_cannot_install_its_rules_refuses_to_start(rig: Rig, tmp_p
     assert done.returncode == 2, done.stderr[-3000:]
     assert "cannot be installed with nftables" in done.stderr and SETTING in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert table_listed() is None
+    assert table_listed(table) is None
 
 
 async def test_a_squatted_rendezvous_port_starts_no_rank_and_fails_the_attempt_retryably(

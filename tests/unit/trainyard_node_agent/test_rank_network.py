@@ -4,6 +4,7 @@ nftables rules (pure, table-driven); the shell's decisions with nft injected; th
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -83,31 +84,34 @@ def test_targets_resolve_to_rule_destinations(entry: str, blocked: list[rn.Block
 ])
 def test_each_destination_renders_a_tcp_and_a_udp_rule_for_the_job_uid_range(blocked: rn.Blocked,
                                                                             rules: list[str]) -> None:
-    script = rn.render("node-0", [blocked], first_uid=FIRST, uid_count=COUNT)
+    script = rn.render("trainyard_node_0_x", [blocked], first_uid=FIRST, uid_count=COUNT)
     assert [line.strip() for line in script.splitlines() if line.strip().startswith("meta skuid")] == rules
 
 
 def test_the_script_replaces_the_agents_own_table_in_one_transaction() -> None:
-    script = rn.render("node-0", [], first_uid=FIRST, uid_count=COUNT)
-    table = rn.table_name("node-0")
+    table = rn.table_name("node-0", "/state/nodes/node-0")
+    script = rn.render(table, [], first_uid=FIRST, uid_count=COUNT)
     assert script.splitlines()[:4] == [f"table inet {table}", f"delete table inet {table}",
                                        f"table inet {table} {{", f"  chain {rn.CHAIN} {{"]
     assert "type filter hook output priority filter; policy accept;" in script
-    assert rn.render_delete("node-0") == f"table inet {table}\ndelete table inet {table}\n"
+    assert rn.render_delete(table) == f"table inet {table}\ndelete table inet {table}\n"
 
 
-@pytest.mark.parametrize(("node_id", "name"), [
-    ("node_0", "trainyard_node_0"),
-    ("n1", "trainyard_n1"),
+@pytest.mark.parametrize(("node_id", "prefix"), [
+    ("node_0", "trainyard_node_0_"),
+    ("n1", "trainyard_n1_"),
+    ("gpu-17.rack-3", "trainyard_gpu_17_rack_3_"),
 ])
-def test_table_names_come_from_the_node_id(node_id: str, name: str) -> None:
-    assert rn.table_name(node_id) == name
+def test_table_names_come_from_the_node_id(node_id: str, prefix: str) -> None:
+    name = rn.table_name(node_id, "/state")
+    assert name.startswith(prefix) and len(name) == len(prefix) + 8
+    assert all(c.isalnum() or c == "_" for c in name)
+    assert rn.table_name(node_id, "/state") == name  # an agent started again replaces its own
 
 
-def test_node_ids_that_differ_in_punctuation_get_different_tables() -> None:
-    names = {rn.table_name(n) for n in ("node-0", "node.0", "node_0")}
-    assert len(names) == 3 and all(n.startswith("trainyard_node_0") for n in names)
-    assert all(c.isalnum() or c == "_" for n in names for c in n)
+def test_two_agents_of_one_host_never_share_a_table() -> None:
+    names = {rn.table_name(n, "/a") for n in ("node-0", "node.0", "node_0")} | {rn.table_name("node-0", "/b")}
+    assert len(names) == 4  # ids differing in punctuation; two local stacks' node-0
 
 
 def shell(entries: list[str], *, enforced: bool = True, fails: bool = False,
@@ -119,8 +123,8 @@ def shell(entries: list[str], *, enforced: bool = True, fails: bool = False,
             raise FileNotFoundError("nft not found on PATH (the nftables package)")
         applied.append(script)
 
-    return rn.RankNetwork("node-0", entries, enforced=enforced, first_uid=FIRST, uid_count=COUNT, own_ports=own_ports,
-                          local_addresses=lambda: [], apply=apply, lookup=lookup), applied
+    return rn.RankNetwork("node-0", entries, enforced=enforced, first_uid=FIRST, uid_count=COUNT, scope="/s",
+                          own_ports=own_ports, local_addresses=lambda: [], apply=apply, lookup=lookup), applied
 
 
 def test_install_applies_the_rules_with_the_agents_metrics_port_and_remove_deletes_them() -> None:
@@ -129,7 +133,7 @@ def test_install_applies_the_rules_with_the_agents_metrics_port_and_remove_delet
     assert len(applied) == 1 and "th dport 6390 " in applied[0] and "th dport 9400 " in applied[0]
     net.remove()
     net.remove()  # idempotent
-    assert applied[1:] == [rn.render_delete("node-0")]
+    assert applied[1:] == [rn.render_delete(rn.table_name("node-0", "/s"))]
 
 
 def test_under_enforce_rules_that_cannot_be_installed_refuse_the_start_naming_nftables_and_the_setting() -> None:
@@ -177,3 +181,31 @@ def test_only_the_node_of_rank_0_checks_and_the_detail_names_the_port() -> None:
     assert hosts_rendezvous(first) and not any(hosts_rendezvous(n) for n in rest)
     detail = port_taken(event, "n0", "Address already in use")
     assert f"rendezvous port {event.master_port} is already in use on n0 (Address already in use)" in detail
+
+
+@pytest.mark.parametrize(("settings", "env", "expected"), [
+    ({}, {}, ["127.0.0.1:9092", "127.0.0.1:6390", "127.0.0.1:8080"]),
+    ({"redis_ha": True}, {},
+     ["127.0.0.1:9092", "127.0.0.1:6390", "127.0.0.1:6391", "127.0.0.1:26390", "127.0.0.1:26391", "127.0.0.1:26392",
+      "127.0.0.1:8080"]),
+    ({"kafka_bootstrap": "10.0.0.9:9092,10.0.0.10:9092", "redis_url": "redis+sentinel://u:p@[::1]:26390,h:26391/ty/0"},
+     {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000"},
+     ["10.0.0.9:9092", "10.0.0.10:9092", "[::1]:26390", "h:26391", "127.0.0.1:8080", "127.0.0.1:9000"]),
+])
+def test_the_local_stack_lists_its_control_plane_for_its_agents(tmp_path: Path, settings: dict,
+                                                               env: dict[str, str], expected: list[str]) -> None:
+    from trainyard_cli.stack import LocalStack, StackSettings
+
+    stack = LocalStack(StackSettings(state_dir=tmp_path / ".trainyard", **settings))
+    listed = stack.control_plane(env)
+    assert listed == expected
+    assert [str(t) for t in rn.parse_entries(listed)] == expected  # what the agents' setting accepts
+
+
+def test_with_prometheus_every_metrics_port_and_prometheus_are_listed_before_they_start(tmp_path: Path) -> None:
+    from trainyard_cli.stack import SERVICES, LocalStack, StackSettings
+
+    stack = LocalStack(StackSettings(state_dir=tmp_path / ".trainyard", prometheus=True, nodes=2))
+    listed = stack.control_plane({})
+    later = [stack._port(n) for n in (*SERVICES, "node-agent-0", "node-agent-1", "prometheus")]  # noqa: SLF001
+    assert len(set(later)) == len(later) and all(f"127.0.0.1:{p}" in listed for p in later)

@@ -152,6 +152,7 @@ class NodeAgent:
         # what sandboxed ranks may not connect to (the control plane): nftables rules on the job uid range
         self.rank_network = RankNetwork(settings.node_id, settings.node_rank_blocked, enforced=self.sandbox.enforced,
                                         first_uid=settings.sandbox_first_uid, uid_count=settings.sandbox_uid_count,
+                                        scope=str(settings.agent_state_path.parent.resolve()),
                                         own_ports=[settings.metrics_port])
         self.backend = pick_backend(settings.backend, settings.device_type,
                                     has_nvidia_smi=shutil.which("nvidia-smi") is not None)

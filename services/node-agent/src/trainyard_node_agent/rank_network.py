@@ -12,7 +12,7 @@ itself, a name for the addresses it resolves to at start-up; a port may be a ran
 metrics port is added. New TCP connections are reset and UDP answered port-unreachable (``ct state new``: the
 replies of a connection a peer opened to a rank are never matched, whatever their port).
 
-The rules are one table per agent, ``inet trainyard_<node id>`` (:func:`table_name`), rendered by
+The rules are one table per agent, ``inet trainyard_<node id>_<hash>`` (:func:`table_name`), rendered by
 :func:`render` (pure) and applied at start-up with ``nft -f -`` as one transaction that replaces a stale table of
 the same name (:class:`RankNetwork`); they are deleted when the agent closes after stopping its ranks (an agent
 that leaves its ranks running for the next one to adopt leaves the rules too; the next one replaces them).
@@ -119,20 +119,20 @@ def resolve(targets: Sequence[Target], *, lookup: Callable[[str], list[str]],
     return list(dict.fromkeys(out))
 
 
-def table_name(node_id: str) -> str:
-    """``trainyard_<node id>``: letters, digits and ``_`` only; an id that needed changing gets a short hash of
-    itself appended, so two ids that differ only in punctuation never share a table."""
+def table_name(node_id: str, scope: str = "") -> str:
+    """``trainyard_<node id>_<hash>``: the node id in letters, digits and ``_``, then a short hash of the id and
+    ``scope`` (the agent's state directory): an agent started again replaces its own table, while two agents of
+    one host never share one, not with ids that differ only in punctuation, nor two local stacks' ``node-0``."""
     clean = re.sub(r"[^A-Za-z0-9_]", "_", node_id)[:64]
-    if clean != node_id:
-        clean += "_" + hashlib.sha256(node_id.encode()).hexdigest()[:8]
-    return f"trainyard_{clean}"
+    digest = hashlib.sha256(f"{node_id}\0{scope}".encode()).hexdigest()[:8]
+    return f"trainyard_{clean}_{digest}"
 
 
-def render(node_id: str, blocked: Sequence[Blocked], *, first_uid: int, uid_count: int) -> str:
+def render(table: str, blocked: Sequence[Blocked], *, first_uid: int, uid_count: int) -> str:
     """The nft script that (re)creates this agent's table: for sockets of the job uid range, new TCP
     connections to ``blocked`` are reset and UDP datagrams refused. One transaction: a stale table of the same
-    name is replaced, never merged."""
-    table = f"inet {table_name(node_id)}"
+    name is replaced, never merged. ``table``: :func:`table_name`."""
+    table = f"inet {table}"
     owner = f"meta skuid {first_uid}-{first_uid + uid_count - 1} ct state new"
     rules = []
     for b in blocked:
@@ -154,9 +154,9 @@ def render(node_id: str, blocked: Sequence[Blocked], *, first_uid: int, uid_coun
     ])
 
 
-def render_delete(node_id: str) -> str:
-    """The nft script that deletes this agent's table (a no-op when there is none)."""
-    table = f"inet {table_name(node_id)}"
+def render_delete(table: str) -> str:
+    """The nft script that deletes the table (a no-op when there is none)."""
+    table = f"inet {table}"
     return f"table {table}\ndelete table {table}\n"
 
 
@@ -233,9 +233,10 @@ class RankNetwork:
     nothing to block."""
 
     def __init__(self, node_id: str, entries: Sequence[str], *, enforced: bool, first_uid: int, uid_count: int,
-                 own_ports: Sequence[int | None] = (), local_addresses: Callable[[], Iterable[str]] | None = None,
+                 scope: str = "", own_ports: Sequence[int | None] = (),
+                 local_addresses: Callable[[], Iterable[str]] | None = None,
                  apply: Callable[[str], None] = nft, lookup: Callable[[str], list[str]] = lookup_host) -> None:
-        self.node_id, self.enforced = node_id, enforced
+        self.table, self.enforced = table_name(node_id, scope), enforced
         self.first_uid, self.uid_count = first_uid, uid_count
         self.targets = parse_entries(entries)
         self.own = [Target("localhost", (p, p)) for p in own_ports if p]
@@ -260,7 +261,7 @@ class RankNetwork:
         targets = [*self.targets, *(t for t in self.own if t not in self.targets)]
         try:
             blocked = resolve(targets, lookup=self._lookup, local_addresses=self._local())
-            self._apply(render(self.node_id, blocked, first_uid=self.first_uid, uid_count=self.uid_count))
+            self._apply(render(self.table, blocked, first_uid=self.first_uid, uid_count=self.uid_count))
         except (OSError, subprocess.SubprocessError) as exc:
             raise ConfigError(
                 f"TRAINYARD_NODE_SANDBOX=enforce with {SETTING} set, but the rules that keep ranks off those "
@@ -269,16 +270,16 @@ class RankNetwork:
                 f"{SETTING} (ranks then reach the control plane: see docs/security.md)") from exc
         self.installed = True
         log.info("ranks (uids %d-%d) may not connect to %s (nftables table inet %s)", self.first_uid,
-                 self.first_uid + self.uid_count - 1, ", ".join(str(t) for t in targets), table_name(self.node_id))
+                 self.first_uid + self.uid_count - 1, ", ".join(str(t) for t in targets), self.table)
 
     def remove(self) -> None:
         """Delete the table this agent installed (best effort: logged when it fails)."""
         if not self.installed:
             return
         try:
-            self._apply(render_delete(self.node_id))
+            self._apply(render_delete(self.table))
         except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("could not delete the nftables table inet %s: %s", table_name(self.node_id), exc)
+            log.warning("could not delete the nftables table inet %s: %s", self.table, exc)
             return
         self.installed = False
-        log.info("deleted the nftables table inet %s", table_name(self.node_id))
+        log.info("deleted the nftables table inet %s", self.table)
