@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages trainyard's local stack and tests need, when missing: redis-server, and
 # chromium + chromium-driver for the dashboard's browser tests, prometheus (+ promtool) for `make observe` and
-# the alert-rule tests.
+# the alert-rule tests, nftables for sandboxed node agents.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -12,6 +12,9 @@ command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # Redis high availability (`TRAINYARD_REDIS_HA=1 make up`, tests/integration/test_redis_failover.py): Sentinel
 command -v redis-sentinel >/dev/null 2>&1 || need+=(redis-sentinel)
+# sandboxed ranks kept off the control plane (TRAINYARD_NODE_RANK_BLOCKED, which `make up` sets): nftables rules
+# the node agent installs; under enforce an agent without `nft` refuses to start (tests/security/test_rank_network.py)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing ${need[*]} with apt-get…"
@@ -34,7 +37,8 @@ elif [[ " ${need[*]} " == *" redis-server "* ]]; then
   exit 1
 else
   # no redis-server is missing: the stack runs; the browser tests fail saying what to install, the Prometheus
-  # tests skip, the Sentinel tests fall back to redis-server --sentinel
-  echo "trainyard: not installed (not root): ${need[*]} — the browser tests, make observe and" \
-       "TRAINYARD_REDIS_HA need them: sudo apt-get install -y ${need[*]}" >&2
+  # tests skip, the Sentinel tests fall back to redis-server --sentinel, the rank network tests skip (and a
+  # sandboxed node agent needs root anyway)
+  echo "trainyard: not installed (not root): ${need[*]} — the browser tests, make observe," \
+       "TRAINYARD_REDIS_HA and sandboxed node agents (nftables) need them: sudo apt-get install -y ${need[*]}" >&2
 fi

@@ -60,6 +60,9 @@ class ManyHostsStack(LocalStack):
             "TRAINYARD_RACK": f"rack-{node_index}",
             "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
         })
+        # the broker, Redis and the API as the host's namespace reaches them: on the switch's address
+        env.setdefault("TRAINYARD_NODE_RANK_BLOCKED", ",".join(
+            [*self.control_plane(env), f"{self.net.gateway}:{self.s.api_port}"]))
         log_path = self.s.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module, in the host's namespace

@@ -142,6 +142,7 @@ class LocalStack:
         self.s = settings
         self.extra_env = dict(extra_env or {})
         self.say = say
+        self._ports: dict[str, int] = {}  # metrics (and Prometheus') ports chosen in this process, by component
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -405,8 +406,10 @@ class LocalStack:
             )
             if self.s.artifact_store:
                 env.update(self._object_store_agent_env(env))
+            if "TRAINYARD_NODE_RANK_BLOCKED" not in env:  # the operator's own list (even an empty one) wins
+                env["TRAINYARD_NODE_RANK_BLOCKED"] = ",".join(self.control_plane(env))
         if self.s.prometheus:  # a metrics port and a scrape target of its own
-            port = infra.free_port()
+            port = self._port(name)
             env["TRAINYARD_METRICS_PORT"] = str(port)
             env["TRAINYARD_METRICS_TOKEN"] = observe.metrics_token(self.s.root)
             observe.write_target(self.s.root, name, service, port)
@@ -430,8 +433,35 @@ class LocalStack:
             "TRAINYARD_NODE_SANDBOX": env.get("TRAINYARD_NODE_SANDBOX") or "trusted-single-tenant",
         }
 
+    def control_plane(self, env: dict[str, str]) -> list[str]:
+        """Every endpoint of the stack a rank must not reach (its node agents' TRAINYARD_NODE_RANK_BLOCKED): the
+        broker, Redis (with its replica and Sentinels), the API, with Prometheus every component's metrics port
+        and Prometheus itself, an S3 endpoint of ``env``. Not an OTLP collector: ranks send their own spans there.
+        Ports of components started later by another `up` (a crashed one started again) are not in the lists of
+        agents already running."""
+        if self.s.redis_url:
+            redis: list[str] = []  # the operator's: what its URL names (rank_blocked)
+        elif self.s.redis_ha:
+            ha = self.redis_ha()
+            redis = [f"127.0.0.1:{p}" for p in (*ha.ports, *ha.sentinel_ports)]
+        else:
+            redis = [f"127.0.0.1:{self.s.redis_port}"]
+        metrics: list[int] = []
+        if self.s.prometheus:
+            names = [*SERVICES, *(f"node-agent-{i}" for i in range(self.s.nodes))]
+            metrics = [self._port(n) for n in names] + [self.s.prometheus_port or self._port("prometheus")]
+        return rank_blocked(kafka_bootstrap=self.kafka_bootstrap, redis_url=self.s.redis_url, redis=redis,
+                            api_port=self.s.api_port, metrics_ports=metrics, env=env)
+
+    def _port(self, component: str) -> int:
+        """The metrics port of ``component`` (or Prometheus' port): chosen once, so that the node agents started
+        before it can list it."""
+        if component not in self._ports:
+            self._ports[component] = infra.free_port()
+        return self._ports[component]
+
     def _start_prometheus(self) -> None:
-        port = self.s.prometheus_port or infra.free_port()
+        port = self.s.prometheus_port or self._port("prometheus")
         launched = observe.start_prometheus(self.s.root, port, self.s.log_dir / "prometheus.log",
                                             scrape_interval_s=self.s.prometheus_scrape_interval_s)
         self._record("prometheus", launched.process.pid)
@@ -564,6 +594,37 @@ class LocalStack:
             time.sleep(0.5)
             left = self._live_attempts()
         return left
+
+
+def rank_blocked(*, kafka_bootstrap: str, redis_url: str | None, redis: list[str], api_port: int,
+                 metrics_ports: list[int], env: dict[str, str]) -> list[str]:
+    """The ``host:port`` entries of a local stack's control plane (see :meth:`LocalStack.control_plane`). Pure."""
+    found = [b.strip() for b in kafka_bootstrap.split(",") if b.strip()]
+    found += [*redis, *_url_endpoints(redis_url), f"127.0.0.1:{api_port}"]
+    found += [f"127.0.0.1:{p}" for p in metrics_ports]
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        found += _url_endpoints(env.get(name))
+    return list(dict.fromkeys(found))
+
+
+def _url_endpoints(url: str | None) -> list[str]:
+    """``host:port`` of each host of a URL (``redis+sentinel://a:1,b:2/…`` names several; default ports by
+    scheme), none when there is no URL."""
+    if not url or "://" not in url:
+        return []
+    scheme, rest = url.split("://", 1)
+    hosts = rest.split("/", 1)[0].rpartition("@")[2]
+    default = {"http": 80, "https": 443, "redis": 6379, "rediss": 6379}.get(scheme, 26379 if "sentinel" in scheme else 0)
+    out = []
+    for host in filter(None, hosts.split(",")):
+        if host.startswith("["):  # [v6]:port
+            addr, _, port = host[1:].partition("]")
+            port = port.lstrip(":")
+            out.append(f"[{addr}]:{port or default}")
+            continue
+        addr, _, port = host.partition(":")
+        out.append(f"{addr}:{port or default}")
+    return [e for e in out if not e.endswith(":0")]
 
 
 def _first_line(path: Path) -> str:
