@@ -4,13 +4,15 @@ node agents, the trainer; real broker, real Redis).
 Tenant alpha publishes two versions through the API: ``private`` (shared with nobody) and ``shared``
 (shared with beta). Beta can neither see alpha's private version (list, get; qualified and unqualified
 refs) nor train on it — not through the API (a 422 naming ``dataset``, worded as for an unknown one)
-and not through a JobSubmitted forged straight onto the bus (the job fails naming the dataset and is
-never placed: no attempt, no GangAllocated). What alpha shares with beta, beta trains on.
+and not through a JobSubmitted forged straight onto the bus (the scheduler refuses a submission the API never
+stored: dead-lettered ``security: …``, no job record, never placed, no GangAllocated). What alpha shares with
+beta, beta trains on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 import uuid
@@ -80,7 +82,7 @@ def publish_through_api(client: httpx.Client, manifest: Path, shared_with: list[
     raise AssertionError(f"{location} not verified")
 
 
-def forge_submission(stack: LocalStack, tenant: str, spec: dict[str, Any]) -> str:
+def forge_submission(stack: LocalStack, tenant: str, spec: dict[str, Any]) -> ev.JobSubmitted:
     """A JobSubmitted for ``tenant`` published straight onto the bus, as no API would accept it."""
     parsed = TrainingSpec.model_validate(spec)
     job_id = f"job-forged{uuid.uuid4().hex[:6]}"
@@ -92,13 +94,13 @@ def forge_submission(stack: LocalStack, tenant: str, spec: dict[str, Any]) -> st
             await bus.publish(event)
 
     asyncio.run(go())
-    return job_id
+    return event
 
 
-def allocations_for(stack: LocalStack, job_id: str) -> list[ev.GangAllocated]:
-    """Every GangAllocated on the allocations topic so far (read to its current end) naming ``job_id``."""
-    async def go() -> list[ev.GangAllocated]:
-        topic = stack.s.topic_namespace + ev.ALLOCATIONS
+def on_topic(stack: LocalStack, logical: str) -> list[ev.Event]:
+    """Every event on a topic so far (read to its current end)."""
+    async def go() -> list[ev.Event]:
+        topic = stack.s.topic_namespace + logical
         consumer = AIOKafkaConsumer(bootstrap_servers=stack.kafka_bootstrap, group_id=None,
                                     auto_offset_reset="earliest", enable_auto_commit=False)
         await consumer.start()
@@ -107,13 +109,10 @@ def allocations_for(stack: LocalStack, job_id: str) -> list[ev.GangAllocated]:
             partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
             consumer.assign(partitions)
             ends = await consumer.end_offsets(partitions)
-            found: list[ev.GangAllocated] = []
+            found: list[ev.Event] = []
             while any([await consumer.position(tp) < end for tp, end in ends.items()]):
                 for records in (await consumer.getmany(timeout_ms=1000)).values():
-                    for record in records:
-                        event = ev.decode_event(ev.ALLOCATIONS, record.value or b"")
-                        if isinstance(event, ev.GangAllocated) and event.job_id == job_id:
-                            found.append(event)
+                    found.extend(ev.decode_event(logical, record.value or b"") for record in records)
             return found
         finally:
             await consumer.stop()
@@ -121,16 +120,21 @@ def allocations_for(stack: LocalStack, job_id: str) -> list[ev.GangAllocated]:
     return asyncio.run(go())
 
 
-def forged_job_ended(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:
-    """The forged job once it has ended (the scheduler creates its record from the event: a 404 before)."""
+def allocations_for(stack: LocalStack, job_id: str) -> list[ev.GangAllocated]:
+    """Every GangAllocated so far naming ``job_id``."""
+    return [e for e in on_topic(stack, ev.ALLOCATIONS) if isinstance(e, ev.GangAllocated) and e.job_id == job_id]
+
+
+def refused_by_scheduler(stack: LocalStack, event: ev.Event, timeout_s: float = 120) -> ev.DeadLetter:
+    """The scheduler's dead letter of ``event``, once it has one."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        resp = client.get(f"/v1/training-jobs/{job_id}")
-        if resp.status_code == 200 and resp.json()["state"] in ("succeeded", "failed", "cancelled"):
-            return dict(resp.json())
-        assert resp.status_code in (200, 404), resp.text
+        for letter in on_topic(stack, ev.DEADLETTER):
+            if isinstance(letter, ev.DeadLetter) and letter.consumer_group.endswith(".scheduler") and \
+                    json.loads(base64.b64decode(letter.raw_b64)).get("eventId") == str(event.event_id):
+                return letter
         time.sleep(0.5)
-    raise AssertionError(f"{job_id}: not ended")
+    raise AssertionError(f"{event.event_type} {event.event_id}: not refused by the scheduler")
 
 
 def model_artifacts(client: httpx.Client, job_id: str, timeout_s: float = 60) -> list[dict[str, Any]]:
@@ -172,13 +176,14 @@ def test_a_tenant_can_neither_see_nor_train_on_another_tenants_dataset_unless_it
             messages.add(problem["message"].replace(repr(ref), "REF"))
         assert len(messages) == 1, messages
 
-        # 3. train through a forged JobSubmitted: failed naming the dataset, never placed
+        # 3. train through a JobSubmitted forged onto the bus: the API stored no job, so the scheduler refuses it
+        # (a job exists only once the API wrote it): no record, never placed
         forged = forge_submission(stack, BETA, short_spec(private))
-        ended = forged_job_ended(beta, forged)
-        assert ended["state"] == "failed", ended
-        assert repr(private) in (ended.get("reason") or ""), ended
-        assert ended["attempts"] == [], "a job on a dataset it may not read is never placed"
-        assert allocations_for(stack, forged) == []
+        letter = refused_by_scheduler(stack, forged)
+        assert "security: JobSubmitted refused (unrecorded)" in letter.error, letter.error
+        assert beta.get(f"/v1/training-jobs/{forged.job_id}").status_code == 404
+        assert forged.job_id not in {j["jobId"] for j in beta.get("/v1/training-jobs").json()["jobs"]}
+        assert allocations_for(stack, forged.job_id) == []
 
         # 4. what alpha shares with beta, beta trains on (and its job names it qualified)
         resp = beta.post("/v1/training-jobs", json=short_spec(shared))
