@@ -1,8 +1,13 @@
 """The sandbox's pure part: a job's uid, the environment scrub, what a rank's plan binds where, who owns
-what; and the plan's round trip through the wrapper's command line."""
+what; and the plan's round trip through the wrapper's command line. As root: the wrapper's PID namespace
+(exit status passed through, nothing left behind)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -156,3 +161,66 @@ def test_a_hugging_face_start_directory_is_bound_read_only() -> None:
     assert sb.Bind(str(weights), writable=False, optional=True) in plan.binds
     assert not any(b.path == str(ROOT / "tenants/acme/models") for b in plan.binds)  # only that directory
     assert not any(b.path == str(weights) for b in sb.plan_rank(VIEW, uid=1, gid=1, hidden=HIDDEN).binds)
+
+
+RANK_ENDS = r"""
+import os, signal, sys, time
+how = sys.argv[1]
+if how.startswith("signal-"):
+    os.kill(os.getpid(), int(how.removeprefix("signal-")))
+    time.sleep(5)
+sys.exit(int(how))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="entering a sandbox needs root (CI runs as root)")
+@pytest.mark.parametrize(("how", "returncode"), [
+    ("0", 0), ("3", 3), ("137", 137),  # an exit code, even one that looks like a signal death, stays one
+    (f"signal-{int(signal.SIGKILL)}", -signal.SIGKILL), (f"signal-{int(signal.SIGTERM)}", -signal.SIGTERM),
+    (f"signal-{int(signal.SIGSEGV)}", -signal.SIGSEGV),
+])
+def test_the_wrapper_ends_the_way_the_rank_in_its_pid_namespace_did(tmp_path: Path, how: str,
+                                                                    returncode: int) -> None:
+    pid_file = tmp_path / "rank.pid"
+    plan = sb.SandboxPlan(uid=1_000_000_321, gid=1_000_000_321, cover=(), binds=(), cwd="/", pid_file=str(pid_file))
+    done = subprocess.run(sb.wrap(["/usr/bin/env", "python3", "-I", "-c", RANK_ENDS, how], plan),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == returncode, done.stderr
+    assert int(pid_file.read_text()) > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="entering a sandbox needs root (CI runs as root)")
+def test_a_rank_is_pid_2_of_its_namespace_and_what_it_leaves_behind_dies_with_it(tmp_path: Path) -> None:
+    """A double-forked, setsid survivor is killed when the rank ends; the pid file names the rank (the
+    host's number), which is the job's user."""
+    script = ("import os, sys, time\n"
+              "print(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), flush=True)\n"
+              "if os.fork() == 0:\n"
+              "    os.setsid()\n"
+              "    if os.fork() == 0:\n"
+              "        open(sys.argv[1], 'w').write('x'); time.sleep(60)\n"
+              "    os._exit(0)\n"
+              "time.sleep(1)\n")
+    shared = Path(tempfile.mkdtemp(prefix="trainyard-survivor-", dir="/tmp"))
+    shared.chmod(0o777)  # the job's user writes its marker there
+    marker = shared / "survivor"
+    plan = sb.SandboxPlan(uid=1_000_000_321, gid=1_000_000_321, cover=(), binds=(), cwd="/",
+                          pid_file=str(tmp_path / "rank.pid"))
+    proc = subprocess.Popen(sb.wrap(["/usr/bin/env", "python3", "-I", "-c", script, str(marker)], plan),
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split(" ", 1) == ["2", "[2]\n"], out  # pid 1 (root) is hidden too
+    assert marker.exists()
+    rank = int((tmp_path / "rank.pid").read_text())
+    assert not Path(f"/proc/{rank}").exists()
+    survivors = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(str(marker))]
+    assert survivors == [], survivors
+    marker.unlink()
+    shared.rmdir()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""

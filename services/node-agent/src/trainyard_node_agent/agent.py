@@ -502,6 +502,8 @@ class NodeAgent:
             if tree is not None:
                 self.code_cache.release(tree.hex)
             await self._maybe_close_attempt(event.job_id, event.attempt)  # when no rank of it started
+        await asyncio.to_thread(self.sandbox.detach_shm, event.job_id, event.attempt,
+                                [s.rank.exit_file for s in self._of_allocation(event.allocation_id)])
         if tree is not None and tree.materialised:
             self._in_background(self._collect_code())
         running = "" if code is None else f", code {code.archive} {code.entrypoint}"

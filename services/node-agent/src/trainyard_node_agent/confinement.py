@@ -5,7 +5,8 @@ files to the job's user and wrap its command in the exec wrapper.
 An attempt is contained as a whole (:class:`AttemptScopes`): before its first rank here starts, the agent
 makes its cgroup (:mod:`cgroups`: pids, memory and CPU limits) and its private ``/dev/shm`` (a size-limited
 tmpfs under the agent's state directory, the job's uid's alone, bound on ``/dev/shm`` in each of its ranks'
-sandboxes); when its last rank here has ended the agent kills the cgroup (nothing a rank left behind, a
+sandboxes, and taken off the host once they all are: it then lives in their namespaces only); when its last
+rank here has ended the agent kills the cgroup (nothing a rank left behind, a
 ``setsid`` double-fork included, survives), removes it and unmounts the tmpfs. At start-up it does the same
 to every attempt it no longer looks after (never to one whose ranks it adopted)."""
 
@@ -69,6 +70,14 @@ class Confinement:
         """The attempt's last rank here has ended: kill what is left of it, remove its cgroup and /dev/shm."""
         if self.scopes is not None:
             self.scopes.close(job_id, attempt)
+
+    def detach_shm(self, job_id: str, attempt: int, exit_files: Collection[Path]) -> None:
+        """Once every rank of the attempt here is in its sandbox (its wrapper wrote its pid file, after binding
+        /dev/shm), take the attempt's tmpfs off the host: it lives on in the ranks' mount namespaces only, and
+        goes with the last of them, even if this agent is killed."""
+        pid_files = [Path(launcher.pid_file_for(str(f))) for f in exit_files]
+        if self.scopes is not None and pid_files and all(p.exists() for p in pid_files):
+            self.scopes.detach_shm(job_id, attempt)
 
     def sweep(self, live: Collection[tuple[str, int]]) -> None:
         """At start-up: close every attempt scope left here except those of ``live`` (job, attempt) pairs."""
@@ -250,6 +259,10 @@ class AttemptScopes:
             left = sorted(cgroups.members(plan))
             if not left:
                 cgroups.remove(plan)
+            self._unmount(self.shm_dir(job_id, attempt))
+
+    def detach_shm(self, job_id: str, attempt: int) -> None:
+        with self._lock:
             self._unmount(self.shm_dir(job_id, attempt))
 
     def _unmount(self, shm: Path) -> None:

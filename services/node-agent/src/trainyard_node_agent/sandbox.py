@@ -36,6 +36,24 @@ The environment a rank inherits from the agent is scrubbed of anything secret-lo
 (:func:`scrub_env`): broker and Redis addresses and credentials, tokens, passwords, keys, OTLP
 headers, URLs with credentials. That holds in both modes.
 
+An attempt is one unit of processes: the wrapper first joins the attempt's cgroup (made by the agent,
+:mod:`cgroups`, killed as a whole when the attempt ends), then enters new mount *and PID* namespaces: it forks
+a pid 1 for the namespace (mounts its ``/proc``, reaps orphans, forwards SIGTERM/SIGINT/SIGUSR1/SIGHUP) which
+forks the rank (pid 2); both leave the rank's process group (the agent's group signals reach the rank once,
+directly), the wrapper writes the rank's host pid for the agent (``--pid-by-child`` of the launcher) and
+ends as the rank did (the same signal, or its exit code). When the rank ends, pid 1 ends and the kernel
+kills whatever the rank left in its namespace. ``/dev/shm`` is the attempt's own tmpfs (bound from the
+agent's), and right before the exec a seccomp filter (:mod:`seccomp`) refuses namespaces, mounts, ptrace,
+bpf, keyrings, modules, kexec.
+
+Why not bubblewrap (CONVENTIONS.md prefers it): it is not installed on the hosts this runs on (nor in the
+agent's image), so it would be a new system dependency of every node; its ``--seccomp`` takes a compiled
+BPF program anyway (the filter here would remain); the agent's ownership model relies on binding paths
+opened *before* the covers hide them (``O_PATH`` descriptors: a path swapped after the check is never
+followed), which bwrap's path-based ``--bind`` does not do; and the warm-interpreter path must enter the
+sandbox in an already running Python process (a fork of an interpreter that imported torch), which an exec
+of bwrap cannot. The hand-written part stays small: one unshare, a list of mounts, two forks.
+
 The part run as the exec wrapper uses the standard library only (it runs with ``python -I``).
 """
 
@@ -551,8 +569,9 @@ def _exit_like(status: int) -> None:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be caught, nor reset
+                signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
             os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 255)
