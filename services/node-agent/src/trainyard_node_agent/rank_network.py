@@ -24,6 +24,7 @@ veth, routing and port forwarding per attempt to keep that working, and the rule
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import logging
@@ -222,6 +223,8 @@ def port_in_use(port: int) -> str | None:
                 sock.bind((address, port))
                 sock.listen(1)
             except OSError as exc:
+                if family == socket.AF_INET6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue  # IPv6 disabled here: the IPv4 wildcard below
                 return f"{exc.strerror or exc}"
             return None
     return None
