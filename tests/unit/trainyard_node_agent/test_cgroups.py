@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from trainyard_node_agent import cgroups as cg
+from trainyard_node_agent import ranks as rp
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -54,11 +55,10 @@ def test_pure_v2_one_cgroup_with_its_controllers_enabled_down_to_it_and_v2_limit
     here = Path("/sys/fs/cgroup/system.slice/trainyard-node-agent.service/trainyard/n1-0123abcd/job-1.a2")
     assert plan.dirs == (here,)
     assert plan.procs == (here / "cgroup.procs",)
-    assert [str(f) for f, _ in plan.enable] == [
-        "/sys/fs/cgroup/system.slice/trainyard-node-agent.service/cgroup.subtree_control",
-        "/sys/fs/cgroup/system.slice/trainyard-node-agent.service/trainyard/cgroup.subtree_control",
-        "/sys/fs/cgroup/system.slice/trainyard-node-agent.service/trainyard/n1-0123abcd/cgroup.subtree_control"]
-    assert {v for _, v in plan.enable} == {"+memory +pids +cpu"}
+    service = "/sys/fs/cgroup/system.slice/trainyard-node-agent.service"
+    assert [(str(f), v) for f, v in plan.enable] == [
+        (f"{service}{below}/cgroup.subtree_control", f"+{c}")
+        for below in ("", "/trainyard", "/trainyard/n1-0123abcd") for c in ("memory", "pids", "cpu")]
     assert dict(plan.limits) == {here / "pids.max": "4096", here / "memory.max": str(8 * 2**30),
                                  here / "cpu.max": "250000 100000"}
     assert plan.kill_file == here / "cgroup.kill" and plan.freezer is None
@@ -108,3 +108,13 @@ def test_each_agent_has_its_own_directory() -> None:
     assert cg.agent_root("n1", Path("/a")) != cg.agent_root("n1", Path("/b"))
     assert cg.agent_root("n1", Path("/a")) == cg.agent_root("n1", Path("/a"))
     assert cg.agent_root("n/1", Path("/a")).count("/") == 1
+
+
+def test_oom_kills_are_counted_in_the_attempts_cgroup_when_it_has_one(tmp_path: Path) -> None:
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 0\n")
+    oom_control = tmp_path / "memory.oom_control"
+    oom_control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert rp.oom_kills(None, (events,)) == 2
+    assert rp.oom_kills(None, (oom_control,)) == 5
+    assert rp.oom_kills(None, (tmp_path / "gone",)) == rp.oom_kills(None)  # no attempt cgroup: the agent's own

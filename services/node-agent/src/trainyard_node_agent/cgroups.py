@@ -152,7 +152,8 @@ def plan(layout: Layout, own: Mapping[str, str], name: str, limits: Limits, root
         wanted = [c for c, v in (("memory", True), ("pids", limits.pids), ("cpu", limits.cpu_cores)) if v]
         own_dir = layout.unified / own.get("", "/").lstrip("/")  # type: ignore[operator]
         chain = [own_dir, *(own_dir / Path(*Path(root).parts[:i]) for i in range(1, len(Path(root).parts) + 1))]
-        enable = tuple((d / "cgroup.subtree_control", " ".join(f"+{c}" for c in wanted)) for d in chain)
+        # one controller per write: one the host lacks (cpu) must not keep the others off
+        enable = tuple((d / "cgroup.subtree_control", f"+{c}") for d in chain for c in wanted)
         values = _limit_values(limits, v2=True)
         return CgroupPlan(name, (here,), enable if wanted else (),
                           tuple((here / f, v) for f, v in values), here / "cgroup.kill", None,
