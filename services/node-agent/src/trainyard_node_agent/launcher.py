@@ -2,9 +2,9 @@
 
 It runs the rank's command as its child, writes the child's pid beside the exit file
 (``rank-<r>.pid``) as soon as it runs (with ``--pid-by-child`` the child writes it: the sandbox's exec
-wrapper, whose rank runs in a PID namespace one process further down, writes the rank's own pid), waits for it, and writes its exit status to
-``<attempt dir>/exit/rank-<r>.json`` (``{"exitCode": n, "pid": p, "writer": "launcher"}``,
-negative n = killed by signal -n) before exiting with the same status. Why: a node agent that
+wrapper, whose rank runs in a PID namespace one process further down, writes the rank's own pid), waits
+for it, and writes its exit status to ``<attempt dir>/exit/rank-<r>.json`` (``{"exitCode": n, "pid": p,
+"writer": "launcher"}``, negative n = killed by signal -n) before exiting with the same status. Why: a node agent that
 restarts while ranks run adopts them instead of killing them, but they are no longer its
 children, so it cannot wait() for them; it reads the exit file instead.
 

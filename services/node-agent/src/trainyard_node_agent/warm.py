@@ -16,7 +16,8 @@ before a launch means the agent no longer needs it: it exits 0.
 With ``sandbox`` the forked rank first does what the exec wrapper (:mod:`sandbox`) does for a cold rank —
 it joins the attempt's cgroup, gets its own mount and PID namespaces showing only its paths (the forked child
 stays outside as the namespace's supervisor, and writes the rank's pid), the job's uid/gid, no new
-privileges, the seccomp filter — and only then runs ``main()``; the interpreter itself stays the agent's user, to record the rank's exit as the launcher would.
+privileges, the seccomp filter — and only then runs ``main()``; the interpreter itself stays the agent's
+user, to record the rank's exit as the launcher would.
 A sandbox that cannot be entered ends the rank with the wrapper's exit status and message, so the agent
 reports it the same way. What the interpreter imported before it knew its job is the platform's own code.
 
