@@ -16,8 +16,13 @@ from typing import Any
 import pytest
 
 from trainyard_api import ApiServer, ApiSettings
-from trainyard_common.controlrecords import parse_control_request
-from trainyard_common.events import utcnow
+from trainyard_common.controlrecords import (
+    CONTROL_REQUEST_TTL_S,
+    MAX_CONTROL_REQUESTS,
+    parse_control_request,
+    stage_control_record,
+)
+from trainyard_common.events import JobControlRequested, utcnow
 from trainyard_common.records import is_deleted_tenant
 from trainyard_common.store import Keys
 from tests.support.api import client_for, seed, spec_with
@@ -315,3 +320,24 @@ async def test_whoami_says_each_tokens_tenant_role_and_rights_and_refuses_an_unk
     async with client_for(api.url, "not-a-token") as client:
         resp = await client.get("/v1/whoami")
     assert resp.status_code == 401 and "token" in resp.json()["detail"]
+
+
+async def test_a_job_takes_a_bounded_number_of_control_requests(api: ApiServer, tokens: dict[str, str]) -> None:
+    """Each accepted request is recorded for the scheduler; records older than their TTL are pruned at the next
+    request, and at MAX_CONTROL_REQUESTS live ones the API refuses the next (409) rather than drop one."""
+    redis = api.runtime.redis
+    async with client_for(api.url, tokens["submitter"]) as submitter:
+        job = (await submitter.post("/v1/training-jobs", json=spec_with())).json()["jobId"]
+        now = utcnow()
+        old = now - timedelta(seconds=CONTROL_REQUEST_TTL_S + 60)
+        async with redis.pipeline(transaction=True) as pipe:
+            for i in range(MAX_CONTROL_REQUESTS):
+                event = JobControlRequested(job_id=job, tenant="tenant-a", action="pause", reason=str(i))
+                stage_control_record(pipe, event, requested_by="a-submitter", at=old if i == 0 else now)
+            await pipe.execute()
+        assert (await submitter.post(f"/v1/training-jobs/{job}/pause")).status_code == 202  # the old one pruned
+        assert await redis.hlen(Keys.control_requests(job)) == MAX_CONTROL_REQUESTS
+        refused = await submitter.post(f"/v1/training-jobs/{job}/pause")
+        assert refused.status_code == 409 and "control requests" in refused.json()["detail"]
+        assert await redis.hlen(Keys.control_requests(job)) == MAX_CONTROL_REQUESTS
+        assert 0 < await redis.ttl(Keys.control_requests(job)) <= CONTROL_REQUEST_TTL_S

@@ -117,11 +117,13 @@ def _add_control_route(action: Literal["cancel", "pause", "resume"], doc: str) -
 
     control.__annotations__["tenant"] = _CONTROLLERS[action]  # per action: not a module-level name
 
-    control.__doc__ = doc + " Answers 202 with the job's state at the time of the request."
+    control.__doc__ = doc + (" Answers 202 with the job's state at the time of the request, once the request is "
+                             "recorded for the scheduler (which acts on no control event the API did not record).")
     router.post(
         f"/v1/training-jobs/{{job_id}}/{action}", status_code=202, response_model=ControlResponse,
         tags=["jobs"], summary=f"{action.capitalize()} a job", name=f"{action}_job",
-        responses={**JOB_ERRORS, **error(409, "not allowed in the job's state")},
+        responses={**JOB_ERRORS, **error(409, "not allowed in the job's state, or the job has had 256 control "
+                                              "requests in the last 3 days")},
     )(control)
 
 
