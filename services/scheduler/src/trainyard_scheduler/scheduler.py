@@ -6,9 +6,10 @@
            NodeDrained / NodeUndrained → node drained (no new work, its attempts checkpoint and stop) / back.
 * JOBS     JobSubmitted → the job the API stored taken in; JobControlRequested → cancel/pause/resume. Both are
            wake-ups, not facts (anyone on the broker can publish them): a JobSubmitted without the API's record
-           is ignored, one that differs from it loses to it; a control request is acted on only when the API
-           recorded it (``Keys.control_requests``) as the event says. What is refused is logged, counted
-           (``trainyard_scheduler_unauthorised_events_total``) and alerted on (deploy/prometheus).
+           creates nothing, one that differs from it loses to it; a control request is acted on only when the
+           API recorded it (``Keys.control_requests``) as the event says. A refused event is dead-lettered
+           ``security: …``, logged, counted (``trainyard_scheduler_unauthorised_events_total``) and alerted on
+           (deploy/prometheus).
 * WORKERS  WorkerStarted / WorkerExited → attempt and job transitions; a failure blames its node.
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a
            pause, drain or preemption once it is the ranks' own stop checkpoint and every rank has exited
