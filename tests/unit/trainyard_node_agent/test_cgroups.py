@@ -3,11 +3,14 @@ killed for one attempt on a pure v2, a hybrid and a v1-only host."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from trainyard_node_agent import cgroups as cg
 from trainyard_node_agent import ranks as rp
+from trainyard_node_agent.confinement import AttemptScopes
+from trainyard_node_agent.settings import NodeAgentSettings
 
 HYBRID = """\
 tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
@@ -118,3 +121,27 @@ def test_oom_kills_are_counted_in_the_attempts_cgroup_when_it_has_one(tmp_path: 
     assert rp.oom_kills(None, (events,)) == 2
     assert rp.oom_kills(None, (oom_control,)) == 5
     assert rp.oom_kills(None, (tmp_path / "gone",)) == rp.oom_kills(None)  # no attempt cgroup: the agent's own
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting the attempt's tmpfs needs root (CI runs as root)")
+def test_an_agent_closes_the_scopes_it_does_not_adopt_and_keeps_the_adopted_one(tmp_path: Path) -> None:
+    """A fake hybrid hierarchy under tmp_path: two attempts opened; the sweep at start-up keeps the adopted
+    one's cgroup and /dev/shm and removes the other's; closing the adopted one later removes it too."""
+    settings = NodeAgentSettings(node_id="n1", artifact_root=tmp_path / "artifacts")
+    scopes = AttemptScopes(settings)
+    scopes.layout = cg.Layout("hybrid", tmp_path / "unified", {"pids": tmp_path / "pids", "memory": tmp_path / "memory"})
+    scopes.own = {}
+    kept, _ = scopes.open("kept", 1, 1_000_000_321)
+    gone, _ = scopes.open("gone", 2, 1_000_000_321)
+    assert all(d.is_dir() for d in (*kept.dirs, *gone.dirs))
+    assert os.path.ismount(scopes.shm_dir("kept", 1)) and os.path.ismount(scopes.shm_dir("gone", 2))
+    assert (kept.dirs[1] / "pids.max").read_text() == "4096"  # the default per-attempt limit
+    for d in (*kept.dirs, *gone.dirs):  # a real cgroup's interface files go with it; these are plain files
+        (d / "pids.max").unlink(missing_ok=True)
+    try:
+        scopes.sweep({("kept", 1)})
+        assert not any(d.exists() for d in gone.dirs) and not scopes.shm_dir("gone", 2).exists()
+        assert all(d.is_dir() for d in kept.dirs) and os.path.ismount(scopes.shm_dir("kept", 1))
+    finally:
+        scopes.close("kept", 1)
+    assert not any(d.exists() for d in kept.dirs) and not scopes.shm_dir("kept", 1).exists()

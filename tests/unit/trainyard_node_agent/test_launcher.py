@@ -86,3 +86,14 @@ async def test_rank_pid_waits_for_the_pid_file_and_never_reads_a_fifo(tmp_path: 
         returncode = 0
 
     assert await rank_pid(exit_file, Ended(), timeout_s=30) is None  # type: ignore[arg-type]
+
+
+def test_with_pid_by_child_the_launcher_leaves_the_pid_file_to_its_child(tmp_path: Path) -> None:
+    """The sandbox's wrapper writes the rank's own pid (its rank runs in a PID namespace, further down)."""
+    exit_file = tmp_path / "exit" / "rank-0.json"
+    pid_file = tmp_path / "exit" / "rank-0.pid"
+    writes = f"open({str(pid_file)!r}, 'w').write('4242')"
+    proc = subprocess.run([sys.executable, str(LAUNCHER), str(exit_file), "--pid-by-child", "--", sys.executable,
+                           "-c", writes], timeout=60, capture_output=True)
+    assert proc.returncode == 0 and read_exit_file(exit_file) == 0
+    assert pid_file.read_text() == "4242"
