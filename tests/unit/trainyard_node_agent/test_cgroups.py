@@ -145,3 +145,44 @@ def test_an_agent_closes_the_scopes_it_does_not_adopt_and_keeps_the_adopted_one(
     finally:
         scopes.close("kept", 1)
     assert not any(d.exists() for d in kept.dirs) and not scopes.shm_dir("kept", 1).exists()
+
+
+FORK_TREE = r"""
+import os, sys, time
+for _ in range(3):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(120)
+        os._exit(0)
+print("forked", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/sys/fs/cgroup/freezer/cgroup.procs").exists(),
+                    reason="needs root and a v1 freezer hierarchy (this host's kind)")
+@pytest.mark.parametrize("through", ["freezer", "cgroup.kill"])
+def test_a_whole_process_tree_is_killed_setsid_survivors_included(tmp_path: Path, through: str) -> None:
+    import subprocess
+    import sys
+
+    layout, own = cg.host_layout()
+    if through == "freezer":  # as on a v1-only host: freeze, SIGKILL each pid, thaw
+        layout = cg.Layout("v1", None, layout.v1)
+    elif layout.unified is None:
+        pytest.skip("no cgroup2 hierarchy")
+    plan = cg.plan(layout, own, f"killtest.a{os.getpid()}", cg.Limits(pids=64), cg.agent_root("test", tmp_path))
+    assert cg.create(plan) == []
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", FORK_TREE], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: cg.join(plan.procs))
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "forked"
+        inside = cg.members(plan)
+        assert proc.pid in inside and len(inside) >= 4  # the parent and three setsid grandchildren
+        assert cg.kill(plan) and cg.members(plan) == set()
+        assert proc.wait(10) == -9
+    finally:
+        cg.kill(plan)
+        assert cg.remove(plan)
+    assert not any(d.exists() for d in plan.dirs)

@@ -268,7 +268,8 @@ def _kill_frozen(p: CgroupPlan) -> None:
 
 
 def remove(p: CgroupPlan, *, timeout_s: float = 5.0) -> bool:
-    """Remove the attempt's (empty) cgroup directories; True when none is left."""
+    """Remove the attempt's (empty) cgroup directories, and the agent's directory above them once it holds no
+    other attempt; True when none of the attempt's is left."""
     deadline = time.monotonic() + timeout_s
     left = [d for d in p.dirs if d.exists()]
     while left:
@@ -284,6 +285,9 @@ def remove(p: CgroupPlan, *, timeout_s: float = 5.0) -> bool:
                     return False
         if left:
             time.sleep(0.02)
+    for d in p.dirs:
+        with contextlib.suppress(OSError):  # another attempt in it (EBUSY, ENOTEMPTY): it stays
+            d.parent.rmdir()
     return True
 
 
