@@ -53,6 +53,7 @@ def test_every_alert_has_a_unit_test() -> None:
 def test_configs_are_valid(tmp_path: Path) -> None:
     promtool("check", "config", str(REPO / "deploy" / "compose" / "prometheus.yml"))
     local = tmp_path / "prometheus.yml"
+    observe.metrics_token(tmp_path)  # the credentials file the scrape config names (made before Prometheus starts)
     local.write_text(yaml.safe_dump(observe.config(tmp_path, scrape_interval_s=1.0)))
     observe.write_target(tmp_path, "node-agent-0", "node-agent", 9401)
     out = promtool("check", "config", str(local))
