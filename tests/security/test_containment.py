@@ -1,9 +1,9 @@
 """An attempt is contained as a whole, against a real sandboxed node agent (TRAINYARD_NODE_SANDBOX=enforce),
 the real broker and Redis, as real processes:
 
-- a rank that double-forks a ``setsid`` survivor and exits 0: once the attempt ends, nothing of the job runs
-  on the node any more and its cgroup is gone (the survivor had left the rank's process group, which is all
-  the agent used to kill);
+- a rank that double-forks a ``setsid`` survivor squatting a port, and exits 0: once the attempt ends,
+  nothing of the job runs on the node any more, the port is free and the attempt's cgroup is gone (the
+  survivor had left the rank's process group, which is all the agent used to kill);
 - ``/dev/shm``: what the attacker plants there is not in the victim's nor the host's, is gone after the
   attempt, and writing past the attempt's size fails with ENOSPC;
 - seccomp: inside a rank, a user namespace (``unshare``, ``unshare -U``), ``ptrace`` of its own child and
@@ -19,9 +19,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
+from trainyard_cli import infra
 from trainyard_common.events import NodeHeartbeat, WorkerExited, WorkerStarted
 from trainyard_common.storage import ArtifactLayout
 from trainyard_node_agent import cgroups
@@ -66,14 +68,24 @@ libc = ctypes.CDLL(None, use_errno=True)
 def errno_of(result):
     return 0 if result == 0 else ctypes.get_errno()
 
-def survivor():
+SQUAT = "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', int(sys.argv[1])))\ns.listen()\n" \
+        "while True: time.sleep(1)"
+
+def survivor():  # double-forked, out of the rank's session and process group, squatting a port
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            os.execv(sys.executable, [sys.executable, "-c", "import time\nwhile True: time.sleep(1)", "survivor"])
+            os.execv(sys.executable, [sys.executable, "-c", SQUAT, env["SQUAT_PORT"]])
         os._exit(0)
     os.wait()
-    return {"survivor": "started"}
+    import socket
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", int(env["SQUAT_PORT"])), timeout=1).close()
+            return {"survivor": "listening"}
+        except OSError:
+            time.sleep(0.1)
+    return {"survivor": "never listened"}
 
 def shm():
     pathlib.Path("/dev/shm/planted").write_text("the attacker's")
@@ -177,9 +189,10 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
 
     code = store_archive(layout, ATTACKER_TENANT, tmp_path / "attacker", {"main.py": ATTACKER})
     jobs = {attack: f"contain-{attack}" for attack in ATTACKS}
+    squat = infra.free_port()
     for device, attack in enumerate(ATTACKS, start=1):
         await gang(rig, jobs[attack], ATTACKER_TENANT, device,
-                   code_spec(code, {"ATTACK": attack, "SHM_BYTES": str(SHM_BYTES)}))
+                   code_spec(code, {"ATTACK": attack, "SHM_BYTES": str(SHM_BYTES), "SQUAT_PORT": str(squat)}))
     outcomes = {}
     for attack, job in jobs.items():
         out = layout.checkpoints_dir(ATTACKER_TENANT, job) / "outcome.json"
@@ -190,7 +203,8 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
         await poll(written, f"{job} to report:\n{rig.services.log('agent')[-4000:]}")
         outcomes[attack] = json.loads(out.read_text())
 
-    # (a) the survivor runs, as the job's user, in the attempt's cgroup
+    # (a) the survivor runs, as the job's user, in the attempt's cgroup, and holds the port
+    assert outcomes["survivor"] == {"survivor": "listening"}, outcomes["survivor"]
     survivor_uid = job_uid(jobs["survivor"], first=1_000_000_000, count=2**20)
     survivors = job_processes(survivor_uid)
     cgroup = attempt_cgroup(rig, jobs["survivor"])
@@ -229,6 +243,8 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
 
         await poll(ended, f"{job}'s processes and cgroup to be gone: {job_processes(uid)}")
     assert not any(Path(f"/proc/{pid}").exists() and pid in job_processes(survivor_uid) for pid in survivors)
+    with socket.socket() as free:  # the port it squatted is free again for the next job
+        free.bind(("127.0.0.1", squat))
     assert not shm_dir.exists(), "the attempt's /dev/shm is unmounted and removed"
 
     # the victim never saw the attacker's files, and ends ok with its own buffer intact
