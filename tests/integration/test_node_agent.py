@@ -94,7 +94,33 @@ def reap_rank_groups(artifact_root: Path) -> list[int]:
         except ProcessLookupError:
             continue
         reaped.append(pgid)
+    reap_attempt_cgroups(Path(artifact_root))
     return reaped
+
+
+def reap_attempt_cgroups(artifact_root: Path) -> None:
+    """Kill every attempt cgroup (cgroup2's ``cgroup.kill``) holding a process of a rank under ``artifact_root``:
+    a rank's wrappers (its PID namespace's pid 1) are not in its launcher's group, and an agent killed by a test
+    never closes its attempts' scopes."""
+    marker = f"TRAINYARD_ARTIFACT_ROOT={artifact_root}".encode()
+    kills = [k for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")  # pure cgroup2; a hybrid host's
+             for k in Path(base).glob("trainyard/*/*/cgroup.kill")]
+    for kill in kills:
+        try:
+            pids = [int(p) for p in (kill.parent / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ.split(b"\0") or marker + b"\0" in environ:
+                try:
+                    kill.write_text("1")
+                except OSError:
+                    pass
+                break
 
 
 @pytest.fixture(autouse=True)
