@@ -385,3 +385,31 @@ async def test_a_hugging_face_start_is_read_only_and_alone_and_never_another_ten
     assert json.loads((layout.model_dir(VICTIM_TENANT, "secret") / "config.json").read_text()) == {"name": "secret"}
     for device, event in enumerate(events):
         await LeaseManager(rig.redis).release(event.allocation_id, event.epoch, [Device(NODE, device)])
+
+
+async def test_a_start_checkpoint_swapped_for_a_link_to_another_tenants_is_never_bound(
+        rig: Rig, layout: ArtifactLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank of the base job (its checkpoint directory is its user's) swaps the step directory a fine-tune of its
+    tenant starts from for a link to another tenant's checkpoint, after the scheduler chose it: the fine-tune's
+    sandbox opens its binds from the artifact root without following a link, so it is refused (``security``),
+    never bound — before, the link was followed as root and the victim's checkpoint was readable."""
+    victim_step = layout.checkpoints_dir(VICTIM_TENANT, "victim-job") / "step-000000010-a1"
+    victim_step.mkdir(parents=True)
+    (victim_step / "manifest.json").write_text(json.dumps({"victim": SECRET}))
+    base = layout.checkpoints_dir(ATTACKER_TENANT, "base-job")
+    base.mkdir(parents=True)
+    (base / "step-000000020-a1").symlink_to(victim_step, target_is_directory=True)
+    start_agent(rig, tmp_path, monkeypatch)
+    await heartbeat_after(rig.tap)
+    code = store_archive(layout, ATTACKER_TENANT, tmp_path / "init", {"main.py": INIT_FROM})
+    event = await gang(rig, "fine-tune", ATTACKER_TENANT, 0, code_spec(code, {}),
+                       # the URI the scheduler hands out names the base job's directory (path_to_uri would
+                       # resolve the link here, where the swap happens after the choice)
+                       start=CheckpointRef(manifest_uri=f"file://{base}/step-000000020-a1/manifest.json",
+                                           global_step=20, attempt=1))
+    (exited,) = await rig.tap.wait(WorkerExited, job_id="fine-tune", timeout_s=60)
+    assert exited.reason == "security", exited
+    assert "step-000000020-a1" in (exited.detail or "") and "never followed" in (exited.detail or ""), exited
+    assert not (layout.checkpoints_dir(ATTACKER_TENANT, "fine-tune") / "seen.json").exists(), "the rank never ran"
+    assert json.loads((victim_step / "manifest.json").read_text()) == {"victim": SECRET}
+    await LeaseManager(rig.redis).release(event.allocation_id, event.epoch, [Device(NODE, 0)])

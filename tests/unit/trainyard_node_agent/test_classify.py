@@ -37,6 +37,11 @@ GLOO_PEER_LOG = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:5
     (ExitFacts(-9, hang="no step progress for 31s"), "hang", "31s"),
     (ExitFacts(-9, lost="no exit status was recorded"), "lost", "no exit status"),
     (ExitFacts(-9, NCCL_LOG, revoked="paused"), "revoked", "paused"),  # our own decision comes first
+    # the sandbox could not be set up: this node's trouble (retried) — unless a path was swapped for a link
+    (ExitFacts(125, "sandbox: cannot set up the rank's sandbox: [Errno 1] mount: Operation not permitted"),
+     "error", "cannot set up"),
+    (ExitFacts(125, "sandbox: cannot set up the rank's sandbox: [Errno 40] /a/step: 'step' is a symbolic link "
+                    "(a rank's path is never followed): refused"), "security", "never followed"),
 ])
 def test_classification(facts: ExitFacts, reason: str, detail_has: str | None) -> None:
     got, detail = classify_exit(facts)

@@ -224,3 +224,48 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+# ----------------------------------------------------------------------------- binds opened from their anchor
+
+
+@pytest.mark.parametrize(("path", "anchors", "expected"), [
+    ("/art/tenants/t/jobs/j/checkpoints", ["/art"], "/art"),
+    ("/art/tenants/t/jobs/j/checkpoints", ["/art", "/art/tenants/t"], "/art/tenants/t"),  # the innermost
+    ("/art", ["/art"], "/art"),
+    ("/artifacts-2/x", ["/art"], None),  # a name that starts the same is not under it
+    ("/usr/lib/python3", ["/art"], None),  # the interpreter's prefixes: opened as they are
+])
+def test_a_bind_is_anchored_at_the_innermost_platform_directory_holding_it(
+        path: str, anchors: list[str], expected: str | None) -> None:
+    assert sb.anchor_of(Path(path), [Path(a) for a in anchors]) == expected
+
+
+def test_a_rank_owned_bind_is_opened_from_its_anchor_never_through_a_link(tmp_path: Path) -> None:
+    (tmp_path / "jobs" / "base" / "step").mkdir(parents=True)
+    (tmp_path / "jobs" / "base" / "file").write_text("x")
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "jobs" / "swapped").symlink_to(tmp_path / "victim", target_is_directory=True)
+    (tmp_path / "jobs" / "above").symlink_to(tmp_path / "jobs" / "base", target_is_directory=True)
+    anchored = str(tmp_path)
+    for fine in ("jobs/base/step", "jobs/base/file", "."):
+        fd = sb.open_bind_source(sb.Bind(str(tmp_path / fine), anchor=anchored))
+        assert os.readlink(f"/proc/self/fd/{fd}") == str((tmp_path / fine).resolve())
+        os.close(fd)
+    for refused in ("jobs/swapped", "jobs/above/step"):  # the link itself, or a link above the path
+        with pytest.raises(OSError, match="symbolic link .*never followed"):
+            sb.open_bind_source(sb.Bind(str(tmp_path / refused), anchor=anchored))
+    with pytest.raises(FileNotFoundError):  # an optional bind that is not there is skipped, as before
+        sb.open_bind_source(sb.Bind(str(tmp_path / "jobs" / "missing"), anchor=anchored))
+    fd = sb.open_bind_source(sb.Bind(str(tmp_path / "jobs" / "swapped")))  # no anchor: as it was
+    assert os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "victim")
+    os.close(fd)
+
+
+def test_the_anchor_travels_in_the_plan_json() -> None:
+    plan = sb.plan_rank(sb.RankView(attempt_dir=Path("/art/a"), checkpoints=Path("/art/c"), scratch=Path("/art/s"),
+                                    runtime=(Path("/usr/lib/py"),)),
+                        uid=7, gid=7, hidden=[Path("/art"), Path("/usr/lib")], anchors=[Path("/art")])
+    again = sb.SandboxPlan.from_json(plan.to_json())
+    assert {b.path: b.anchor for b in again.binds} == {"/art/a": "/art", "/art/c": "/art", "/art/s": "/art",
+                                                        "/usr/lib/py": None}

@@ -159,6 +159,9 @@ class NodeAgent:
         self.group = f"{settings.group_prefix}.node-agent.{settings.node_id}"
         self.boot_id = uuid.uuid4().hex
         self.ranks: dict[str, RankSupervisor] = {}  # rank key -> the supervisor of a rank launched or adopted here
+        # attempts whose ranks here are being launched: their scope stays open even while none of them is on the
+        # table yet (a rank that ended at once must not close it under the ranks still to start)
+        self._launching: set[tuple[str, int]] = set()
         self.local = LocalState(settings.agent_state_path)
         self._seq = 0
         self._closing = False
@@ -495,10 +498,12 @@ class NodeAgent:
         tree = await self._prepare_code(event, share, code, traceparent) if code is not None else None
         if code is not None and tree is None:
             return
+        self._launching.add((event.job_id, event.attempt))
         try:
             for slot in share.ranks:
                 await self._launch_rank(event, share, slot, allocation_file, traceparent, tree)
         finally:
+            self._launching.discard((event.job_id, event.attempt))
             if tree is not None:
                 self.code_cache.release(tree.hex)
             await self._maybe_close_attempt(event.job_id, event.attempt)  # when no rank of it started
@@ -767,7 +772,8 @@ class NodeAgent:
 
     async def _maybe_close_attempt(self, job_id: str, attempt: int) -> None:
         """Once no rank of the attempt runs here any more, kill what it left and remove its cgroup and /dev/shm."""
-        if not any(r.job_id == job_id and r.attempt == attempt for r in self._records()):
+        if (job_id, attempt) not in self._launching and \
+                not any(r.job_id == job_id and r.attempt == attempt for r in self._records()):
             try:
                 await asyncio.to_thread(self.sandbox.close_attempt, job_id, attempt)
             except OSError as exc:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from trainyard_common.exitcodes import exit_reason
 
-from trainyard_node_agent.sandbox import SANDBOX_EXIT, SANDBOX_FAILURE
+from trainyard_node_agent.sandbox import NEVER_FOLLOWED, SANDBOX_EXIT, SANDBOX_FAILURE
 
 # Checked in this order: an OOM often mentions CUDA, a collective timeout often mentions NCCL.
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError", "Cannot allocate memory",
@@ -74,6 +74,8 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
     if facts.start_error is not None:
         return start_failure(facts.start_error, user_code=facts.user_code)
     if code == SANDBOX_EXIT and (line := marker_line(facts.log_tail, (SANDBOX_FAILURE,))):
+        if NEVER_FOLLOWED in line:  # a directory it was to see was swapped for a link: tampering, not the node
+            return "security", line
         return "error", line  # this node could not confine the rank: retried, elsewhere if it persists
     if facts.user_code and code > 0 and not facts.progressed and (line := start_failure_line(facts.log_tail)):
         return "config", line

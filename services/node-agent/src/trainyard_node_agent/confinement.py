@@ -56,6 +56,8 @@ class Confinement:
                  settings.shard_cache_path, *([] if layout.remote else [layout.root]),
                  *(p.expanduser() for p in settings.sandbox_hide)]
         platform = tuple(dict.fromkeys(p.resolve() for p in local))
+        # the anchors the rank's own paths are opened from (never through a link below them), as configured too
+        self.platform = tuple(dict.fromkeys((*platform, *(Path(p) for p in local if Path(p).is_absolute()))))
         self.hidden = tuple(dict.fromkeys((*platform, *sb.host_hidden())))
         # the import path may lie under the agent user's home (a checkout there): bound back, read-only;
         # never anything of the platform's own paths
@@ -157,7 +159,7 @@ class Confinement:
             runtime=self.runtime,
         )
         sb.apply_ownership(sb.ownership(view, events_file=events_file, exit_dir=exit_file.parent, uid=uid, gid=uid))
-        plan = sb.plan_rank(view, uid=uid, gid=uid, hidden=self.hidden,
+        plan = sb.plan_rank(view, uid=uid, gid=uid, hidden=self.hidden, anchors=self.platform,
                             start_error_file=Path(launcher.start_error_file_for(str(exit_file))))
         assert self.scopes is not None
         cgroup, shm = self.scopes.open(event.job_id, event.attempt, uid)

@@ -68,12 +68,13 @@ import importlib.util
 import json
 import os
 import re
+import stat
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -136,6 +137,10 @@ class Bind:
     path: str
     writable: bool = False
     optional: bool = False  # bound only if it exists (a calibration cache not written yet)
+    # a trusted directory above ``path`` (the artifact root, the code cache): ``path`` is then opened by walking
+    # down from it without following a link, since a rank may have swapped a directory below it (another job's
+    # start checkpoint for a link to a third tenant's) between the agent's checks and this bind
+    anchor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,8 @@ class SandboxPlan:
     def to_json(self) -> str:
         return json.dumps({
             "uid": self.uid, "gid": self.gid, "cover": [list(c) for c in self.cover],
-            "binds": [[b.path, b.writable, b.optional] for b in self.binds], "cwd": self.cwd, "env": self.env,
+            "binds": [[b.path, b.writable, b.optional, b.anchor] for b in self.binds], "cwd": self.cwd,
+            "env": self.env,
             "hideProcesses": self.hide_processes, "startErrorFile": self.start_error_file,
             "cgroupProcs": list(self.cgroup_procs), "shm": self.shm, "pidNamespace": self.pid_namespace,
             "pidFile": self.pid_file, "seccomp": self.seccomp,
@@ -169,7 +175,8 @@ class SandboxPlan:
     def from_json(cls, text: str) -> SandboxPlan:
         raw = json.loads(text)
         return cls(uid=int(raw["uid"]), gid=int(raw["gid"]), cover=tuple((str(p), int(m)) for p, m in raw["cover"]),
-                   binds=tuple(Bind(str(p), bool(w), bool(o)) for p, w, o in raw["binds"]), cwd=str(raw["cwd"]),
+                   binds=tuple(Bind(str(b[0]), bool(b[1]), bool(b[2]), b[3] if len(b) > 3 else None)
+                               for b in raw["binds"]), cwd=str(raw["cwd"]),
                    env={str(k): str(v) for k, v in raw.get("env", {}).items()},
                    hide_processes=bool(raw.get("hideProcesses", True)), start_error_file=raw.get("startErrorFile"),
                    cgroup_procs=tuple(str(p) for p in raw.get("cgroupProcs", ())), shm=raw.get("shm"),
@@ -179,6 +186,12 @@ class SandboxPlan:
 
 def _under(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
+
+
+def anchor_of(path: Path, anchors: Sequence[Path]) -> str | None:
+    """The innermost of ``anchors`` that holds ``path`` (as written: never resolved), if any."""
+    holding = [a for a in anchors if _under(path, a)]
+    return str(max(holding, key=lambda a: len(a.parts))) if holding else None
 
 
 def outermost(paths: Iterable[Path]) -> list[Path]:
@@ -208,9 +221,10 @@ class RankView:
 
 
 def plan_rank(view: RankView, *, uid: int, gid: int, hidden: Sequence[Path], private_tmp: bool = True,
-              start_error_file: Path | None = None) -> SandboxPlan:
+              start_error_file: Path | None = None, anchors: Sequence[Path] = ()) -> SandboxPlan:
     """The sandbox of one rank: ``hidden`` (artifact root, code cache, agent state) and ``/tmp`` covered,
-    the rank's own paths bound back."""
+    the rank's own paths bound back — each opened from the innermost of ``anchors`` (the platform's own
+    directories) that holds it without following a link (the interpreter's prefixes are opened as they are)."""
     covered = outermost([*hidden, *([Path("/tmp")] if private_tmp else [])])
     binds: list[Bind] = []
     if view.code_dir is not None:
@@ -224,8 +238,9 @@ def plan_rank(view: RankView, *, uid: int, gid: int, hidden: Sequence[Path], pri
     binds += [Bind(str(p), optional=True) for p in maybe]
     if view.calibration is not None:
         binds.append(Bind(str(view.calibration), optional=True))
-    binds += [Bind(str(p), optional=True) for p in view.runtime]
     binds += [Bind(str(p), writable=True) for p in (view.checkpoints, view.attempt_dir, view.scratch)]
+    binds = [replace(b, anchor=anchor_of(Path(b.path), anchors)) for b in binds]
+    binds += [Bind(str(p), optional=True) for p in view.runtime]
     # only what the covers hide needs binding back; parents first so a child bind lands on top
     binds = [b for b in binds if any(_under(Path(b.path), c) for c in covered)]
     binds.sort(key=lambda b: (len(Path(b.path).parts), b.path))
@@ -422,12 +437,43 @@ def enter(plan: SandboxPlan) -> None:
         _sibling("seccomp").install()
 
 
+NEVER_FOLLOWED = "(a rank's path is never followed): refused"
+"""In a refusal of :func:`open_bind_source`: the rank's inputs were tampered with (``classify``: ``security``)."""
+
+
+def open_bind_source(bind: Bind) -> int:
+    """An ``O_PATH`` handle of what ``bind`` names: walked down from its anchor one component at a time with
+    ``O_NOFOLLOW`` (each a directory, the last a directory or a regular file), or opened as it is without one.
+    OSError naming the link for a component that is a symbolic link; FileNotFoundError when one is missing."""
+    if bind.anchor is None:
+        return os.open(bind.path, os.O_PATH | os.O_CLOEXEC)
+    relative = os.path.relpath(bind.path, bind.anchor)
+    parts = [] if relative == "." else relative.split(os.sep)
+    if ".." in parts:
+        raise OSError(errno.EPERM, f"{bind.path} is not under {bind.anchor} {NEVER_FOLLOWED}")
+    fd = os.open(bind.anchor, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for index, part in enumerate(parts):
+            child = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            mode = os.fstat(fd).st_mode
+            last = index == len(parts) - 1
+            if not (stat.S_ISDIR(mode) or (last and stat.S_ISREG(mode))):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory or a regular file"
+                raise OSError(errno.ELOOP, f"{bind.path}: {part!r} is {kind} {NEVER_FOLLOWED}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _mount_view(libc: _Libc, plan: SandboxPlan) -> None:
     """Covers, the rank's paths bound back, the attempt's own /dev/shm."""
     sources: list[tuple[Bind, int]] = []
     for bind in plan.binds:  # opened before the covers hide them
         try:
-            sources.append((bind, os.open(bind.path, os.O_PATH)))
+            sources.append((bind, open_bind_source(bind)))
         except FileNotFoundError:
             if not bind.optional:
                 raise
