@@ -33,6 +33,7 @@ from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
 from tests.integration.test_scheduler_stack import poll
 from tests.security.test_rank_sandbox import VICTIM_TENANT, code_spec, gang, start_agent, store_archive
+from tests.support.responsiveness import report
 
 pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow]
 
@@ -228,6 +229,8 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
     beats = len(rig.tap.events(NodeHeartbeat, node_id=NODE))
     await rig.tap.wait(NodeHeartbeat, beats + 2, node_id=NODE, timeout_s=60)
     assert agent.poll() is None, "the node agent survived"
+    report("survivor, /dev/shm, seccomp and fork-bomb attacks", rig.tap, NODE,
+           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]
 
     for job in jobs.values():
         (layout.checkpoints_dir(ATTACKER_TENANT, job) / "release").write_text("")

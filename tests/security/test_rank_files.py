@@ -23,6 +23,7 @@ from trainyard_common.storage import ArtifactLayout
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
 from tests.security.test_rank_sandbox import VICTIM, VICTIM_TENANT, code_spec, gang, start_agent, store_archive
+from tests.support.responsiveness import report
 
 pytestmark = [pytest.mark.integration, pytest.mark.security, pytest.mark.slow]
 
@@ -103,6 +104,8 @@ async def test_a_rank_file_that_is_a_weapon_is_refused_and_the_agent_stays_respo
     beats = len(rig.tap.events(NodeHeartbeat, node_id=NODE))
     await rig.tap.wait(NodeHeartbeat, beats + 2, node_id=NODE, timeout_s=60)
     assert agent.poll() is None, "the node agent survived"
+    report("FIFO, /dev/zero and 20 GiB exit notes, poisoned spools", rig.tap, NODE,
+           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]
     assert rig.tap.events(WorkerExited, job_id="victim") == []
     (layout.checkpoints_dir(VICTIM_TENANT, "victim") / "release").write_text("")
     (done,) = await rig.tap.wait(WorkerExited, job_id="victim", timeout_s=60)
