@@ -29,8 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainyard_common.errors import CheckpointCorruptError, StateStoreError
 from trainyard_common.manifest import CheckpointManifest
@@ -85,36 +87,20 @@ def stage_checkpoint(location: ObjectPath, into: Path) -> Path:
     """Download a READY checkpoint (``location``: its manifest or its prefix) into ``into``; the local
     manifest, which names the local copies."""
     manifest_at = location if location.name == MANIFEST_FILE else location / MANIFEST_FILE
-    try:
-        raw = read_bytes(manifest_at)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{manifest_at} does not exist: the checkpoint is not READY") from None
-    except OSError as exc:
-        raise StateStoreError(f"cannot read {manifest_at}: {exc}", retryable=True) from exc
-    try:
-        manifest = CheckpointManifest.model_validate_json(raw)
-    except ValueError as exc:
-        raise CheckpointCorruptError(f"checkpoint manifest {manifest_at} is malformed: {exc}") from exc
-    into.mkdir(parents=True, exist_ok=True)
-    local: dict[str, str] = {}
-    for entry in [*manifest.shards, *manifest.extra_files]:
-        source = ObjectPath.parse(entry.uri) if "://" in entry.uri else None
-        if source is None or source.parent != manifest_at.parent or source.name in local.values():
-            raise CheckpointCorruptError(f"checkpoint file {entry.uri} is not beside its manifest {manifest_at}")
-        size, sha256 = _download(source, into / source.name)
-        if (size, sha256) != (entry.size_bytes, entry.sha256):
-            raise CheckpointCorruptError(
-                f"checkpoint step {manifest.global_step} ({manifest_at}) failed verification: {source.name} has "
-                f"{size} bytes, sha256 {sha256[:12]}…; its manifest says {entry.size_bytes} bytes, "
-                f"sha256 {entry.sha256[:12]}…")
-        local[entry.uri] = source.name
-    copy = manifest.model_copy(update={
-        "shards": [s.model_copy(update={"uri": path_to_uri(into / local[s.uri])}) for s in manifest.shards],
-        "extra_files": [f.model_copy(update={"uri": path_to_uri(into / local[f.uri])})
-                        for f in manifest.extra_files],
-    })
-    (into / MANIFEST_FILE).write_bytes(copy.to_bytes())
-    return into / MANIFEST_FILE
+
+    def read_manifest() -> bytes:
+        try:
+            return read_bytes(manifest_at)
+        except FileNotFoundError:
+            raise  # the checkpoint is not READY: _stage says so
+        except OSError as exc:
+            raise StateStoreError(f"cannot read {manifest_at}: {exc}", retryable=True) from exc
+
+    def source_of(uri: str) -> ObjectPath | None:
+        return ObjectPath.parse(uri) if "://" in uri else None
+
+    return _stage(manifest_at, into, read_manifest, source_of,
+                  lambda source, dest, _size: _download(source, dest))
 
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists digests, not data: a larger one is refused unread
@@ -125,8 +111,24 @@ def stage_local_checkpoint(root: Path, location: Path, into: Path) -> Path:
     into ``into``, every file read from a handle walked from ``root`` without following a link, hashed as it
     is copied and checked against the manifest; the local manifest, which names the copies."""
     manifest_at = location if location.name == MANIFEST_FILE else location / MANIFEST_FILE
+
+    def copy(source: Path, dest: Path, size: int) -> tuple[int, str]:
+        try:
+            return _copy_under(root, source, dest, limit=size)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{source} is missing") from None
+
+    return _stage(manifest_at, into, lambda: _read_under(root, manifest_at, limit=MAX_MANIFEST_BYTES),
+                  lambda uri: uri_to_path(uri) if uri.startswith("file://") else None, copy)
+
+
+def _stage(manifest_at: Any, into: Path, read_manifest: Callable[[], bytes],
+           source_of: Callable[[str], Any], fetch: Callable[[Any, Path, int], tuple[int, str]]) -> Path:
+    """The staging both stores share: the manifest read (``read_manifest``) and parsed, each file it names
+    (``source_of`` its URI) directly beside it, fetched into ``into`` (``fetch``: size and sha256 as written)
+    and checked against the manifest; a local manifest naming the copies. CheckpointCorruptError otherwise."""
     try:
-        raw = _read_under(root, manifest_at, limit=MAX_MANIFEST_BYTES)
+        raw = read_manifest()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{manifest_at} does not exist: the checkpoint is not READY") from None
     try:
@@ -136,18 +138,15 @@ def stage_local_checkpoint(root: Path, location: Path, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     local: dict[str, str] = {}
     for entry in [*manifest.shards, *manifest.extra_files]:
-        source = uri_to_path(entry.uri) if entry.uri.startswith("file://") else None
+        source = source_of(entry.uri)
         if source is None or source.parent != manifest_at.parent or source.name in local.values() \
                 or source.name in ("", ".", "..", MANIFEST_FILE):
             raise CheckpointCorruptError(f"checkpoint file {entry.uri} is not beside its manifest {manifest_at}")
-        try:
-            size, sha256 = _copy_under(root, source, into / source.name, limit=entry.size_bytes)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{source} is missing") from None
+        size, sha256 = fetch(source, into / source.name, entry.size_bytes)
         if (size, sha256) != (entry.size_bytes, entry.sha256):
             raise CheckpointCorruptError(
                 f"checkpoint step {manifest.global_step} ({manifest_at}) failed verification: {source.name} has "
-                f"{size} bytes or more, sha256 {sha256[:12]}…; its manifest says {entry.size_bytes} bytes, "
+                f"{size} bytes, sha256 {sha256[:12]}…; its manifest says {entry.size_bytes} bytes, "
                 f"sha256 {entry.sha256[:12]}…")
         local[entry.uri] = source.name
     copy = manifest.model_copy(update={
