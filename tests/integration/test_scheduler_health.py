@@ -123,7 +123,8 @@ async def rig(rig_env: dict[str, Any]) -> AsyncIterator[Rig]:
         **env, tick_s=0.3, reconcile_interval_s=0.5, retry_backoff_s=0.2, retry_backoff_max_s=0.5,
         instance_id="scheduler-health", republish_after_s=1.0, republish_max=2, start_timeout_s=600,
         straggler_window_steps=5, straggler_windows=2, quarantine_score=1.9, reinstate_score=0.5,
-        reputation_half_life_s=3600)
+        reputation_half_life_s=3600,
+        reputation_per_tenant_cap=None)  # one tenant's jobs on a faulty node: a single-tenant cluster
     runtime = ServiceRuntime("scheduler", settings)
     scheduler = Scheduler(runtime, settings)
     scheduler.install()

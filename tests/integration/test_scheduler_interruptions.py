@@ -87,7 +87,8 @@ async def rig(kafka_bootstrap: str, redis_server_url: str,
     settings = SchedulerSettings(
         **env, tick_s=0.3, reconcile_interval_s=0.5, retry_backoff_s=0.2, retry_backoff_max_s=0.5,
         instance_id="scheduler-interruptions", start_timeout_s=600, node_timeout_s=2.0, lease_ttl_s=60,
-        quarantine_score=1.9, reinstate_score=0.5, reputation_half_life_s=3600, pause_grace_s=120)
+        quarantine_score=1.9, reinstate_score=0.5, reputation_half_life_s=3600, pause_grace_s=120,
+        reputation_per_tenant_cap=None)  # one tenant's jobs on a faulty node: a single-tenant cluster
     runtime = ServiceRuntime("scheduler", settings)
     scheduler = Scheduler(runtime, settings)
     scheduler.install()

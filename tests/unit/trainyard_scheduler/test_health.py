@@ -103,6 +103,36 @@ def test_quarantine_at_the_threshold_and_back_after_decay() -> None:
     assert h.quarantine_until(0.5, T0, REP) == T0
 
 
+def test_one_tenant_failing_on_purpose_cannot_quarantine_a_node_alone() -> None:
+    """What a tenant's ranks report (a signal, a hang, NCCL markers, slow steps) counts up to its cap; a second
+    tenant's failures count on top; a node going silent (no tenant) is never capped."""
+    score = None
+    for _ in range(10):  # hang after hang, SIGSEGV after SIGSEGV: 10.0 uncapped
+        score = h.add(score, REP.weight("hang"), T0, REP, "attacker")
+    assert score.score == pytest.approx(1.5) and dict(score.tenants) == {"attacker": pytest.approx(1.5)}
+    assert not h.should_quarantine(score.score, False, REP)
+    score = h.add(score, REP.weight("nccl"), T0, REP, "another")  # a second tenant sees the node fail too
+    score = h.add(score, REP.weight("nccl"), T0, REP, "another")
+    assert score.score == pytest.approx(3.0) and h.should_quarantine(score.score, False, REP)
+    silent = h.add(None, 1.0, T0, REP)  # lost: the node's own silence
+    for _ in range(2):
+        silent = h.add(silent, 1.0, T0, REP)
+    assert silent.score == 3.0 and silent.tenants == {}
+
+
+def test_a_tenants_share_decays_with_the_score_and_the_record_round_trips() -> None:
+    score = h.add(None, 1.0, T0, REP, "t1")
+    score = h.add(score, 1.0, T0, REP, "t1")  # capped at 1.5
+    later = h.add(score, 1.0, T0 + timedelta(hours=1), REP, "t1")  # 0.75 left of its share: 0.75 more fits
+    assert later.score == pytest.approx(1.5) and later.tenants["t1"] == pytest.approx(1.5)
+    assert h.NodeScore.from_dict(later.to_dict()) == later
+    old = h.NodeScore.from_dict({"score": 2.0, "at": T0.isoformat()})  # written before the field existed
+    assert old.tenants == {} and h.add(old, 1.0, T0, REP, "t1").score == 3.0
+    uncapped = h.ReputationPolicy(half_life_s=3600, quarantine_at=3.0, reinstate_below=1.0, per_tenant_cap=None)
+    assert h.add(h.add(h.add(None, 1.0, T0, uncapped, "t1"), 1.0, T0, uncapped, "t1"), 1.0, T0, uncapped,
+                 "t1").score == 3.0
+
+
 def test_a_quarantine_is_recorded_the_same_way_whoever_decided_it() -> None:
     from trainyard_common.events import NodeQuarantined
 

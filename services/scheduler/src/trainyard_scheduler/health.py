@@ -14,7 +14,11 @@ failure score per node that quarantines a node and lets it back.
   the node adds :meth:`ReputationPolicy.weight` of its reason, a straggler report adds
   ``straggler_weight``. At ``quarantine_at`` or more the node is quarantined (no new
   placements) until its decayed score falls under ``reinstate_below`` — :func:`quarantine_until`
-  says when, if nothing new happens — or an admin reinstates it. :func:`quarantine_floor` keeps
+  says when, if nothing new happens — or an admin reinstates it. What a rank reports about itself (its
+  exit, a signal, a hang, NCCL markers in its log, its step times) is the tenant's code talking: one
+  tenant's failures add at most ``per_tenant_cap`` to a node's score within a half-life (:func:`add`), so
+  no tenant can quarantine a node alone by failing on purpose; silence of the node (``lost``) is not a
+  rank's to forge and is not capped. :func:`quarantine_floor` keeps
   automatic quarantine from taking more than a share of a device type's capacity (and never its
   last node): beyond that the scheduler alerts instead and only an admin quarantines.
 """
@@ -146,6 +150,8 @@ class ReputationPolicy:
     reinstate_below: float = 1.0
     straggler_weight: float = 1.0
     weights: dict[str, float] = field(default_factory=lambda: dict(NODE_REASONS))
+    # the most one tenant's jobs may add to a node's (decaying) score; None: no cap (a single-tenant cluster)
+    per_tenant_cap: float | None = 1.5
 
     def __post_init__(self) -> None:
         if self.half_life_s <= 0 or not 0 < self.reinstate_below < self.quarantine_at:
@@ -162,13 +168,19 @@ class ReputationPolicy:
 class NodeScore:
     score: float
     at: datetime
+    tenants: Mapping[str, float] = field(default_factory=dict)  # each tenant's share of ``score`` at ``at``
 
     def to_dict(self) -> dict[str, object]:
-        return {"score": self.score, "at": self.at.isoformat()}
+        out: dict[str, object] = {"score": self.score, "at": self.at.isoformat()}
+        if self.tenants:
+            out["tenants"] = dict(self.tenants)
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> NodeScore:
-        return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])))  # type: ignore[arg-type]
+        tenants = raw.get("tenants") or {}
+        return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])),  # type: ignore[arg-type]
+                   {str(k): float(v) for k, v in tenants.items()})  # type: ignore[union-attr]
 
 
 def decayed(score: NodeScore | None, now: datetime, policy: ReputationPolicy) -> float:
@@ -179,8 +191,16 @@ def decayed(score: NodeScore | None, now: datetime, policy: ReputationPolicy) ->
     return score.score * 0.5 ** (elapsed / policy.half_life_s)
 
 
-def add(score: NodeScore | None, weight: float, now: datetime, policy: ReputationPolicy) -> NodeScore:
-    return NodeScore(decayed(score, now, policy) + weight, now)
+def add(score: NodeScore | None, weight: float, now: datetime, policy: ReputationPolicy,
+        tenant: str | None = None) -> NodeScore:
+    """``score`` decayed to ``now`` plus ``weight`` — for a failure a ``tenant``'s rank reported, only as much as
+    keeps that tenant's own (decaying) share at or under ``policy.per_tenant_cap``."""
+    factor = 0.5 ** (max((now - score.at).total_seconds(), 0.0) / policy.half_life_s) if score else 1.0
+    tenants = {t: share * factor for t, share in (score.tenants if score else {}).items() if share * factor >= 1e-3}
+    if tenant is not None and policy.per_tenant_cap is not None:
+        weight = max(min(weight, policy.per_tenant_cap - tenants.get(tenant, 0.0)), 0.0)
+        tenants[tenant] = tenants.get(tenant, 0.0) + weight
+    return NodeScore(decayed(score, now, policy) + weight, now, tenants)
 
 
 def quarantine_until(score: float, now: datetime, policy: ReputationPolicy) -> datetime:

@@ -72,7 +72,8 @@ class NodeHealth:
         self._leases, self._wake_at = leases, wake_at
         self.reputation = health.ReputationPolicy(half_life_s=settings.reputation_half_life_s,
                                                   quarantine_at=settings.quarantine_score,
-                                                  reinstate_below=settings.reinstate_score)
+                                                  reinstate_below=settings.reinstate_score,
+                                                  per_tenant_cap=settings.reputation_per_tenant_cap)
         self.stragglers = health.StragglerDetector(health.StragglerPolicy(
             window_steps=settings.straggler_window_steps, factor=settings.straggler_factor,
             consecutive=settings.straggler_windows))
@@ -195,10 +196,11 @@ class NodeHealth:
     async def _show_quarantine(self, node_id: str, reason: str | None) -> None:
         await self._mirror_on_node(node_id, "quarantined", reason)
 
-    async def blame_node(self, node_id: str, reason: str, weight: float, *,
+    async def blame_node(self, node_id: str, reason: str, weight: float, *, tenant: str | None = None,
                          events: tuple[StragglerDetected, ...] = ()) -> float:
-        """Add ``weight`` to the node's decaying score (with ``events`` in the same MULTI); quarantine it
-        at the threshold. Returns the new score."""
+        """Add ``weight`` to the node's decaying score (with ``events`` in the same MULTI) — what a ``tenant``'s
+        rank reported only up to that tenant's cap (:func:`health.add`); quarantine it at the threshold. Returns
+        the new score."""
         now = self.clock()
         for _ in range(50):
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -206,7 +208,7 @@ class NodeHealth:
                 raw = await pipe.hget(Keys.node_reputation, node_id)
                 quarantined = await pipe.hget(Keys.node_quarantine, node_id) is not None
                 score = health.add(health.NodeScore.from_dict(json.loads(raw)) if raw else None, weight, now,
-                                   self.reputation)
+                                   self.reputation, tenant)
                 staged: list = list(events)
                 pipe.multi()
                 pipe.hset(Keys.node_reputation, node_id, json.dumps(score.to_dict()))
@@ -319,7 +321,8 @@ class NodeHealth:
             job_id=found.job_id, attempt=found.attempt, rank=found.rank, node_id=node_id, slowdown=found.slowdown,
             compute_seconds=found.compute_seconds, median_compute_seconds=found.median_compute_seconds,
             window_steps=found.window_steps, from_step=found.from_step, to_step=found.to_step)
-        score = await self.blame_node(node_id, "straggler", self.reputation.straggler_weight, events=(event,))
+        score = await self.blame_node(node_id, "straggler", self.reputation.straggler_weight, events=(event,),
+                                      tenant=job.tenant if job else None)
         STRAGGLERS.inc()
         log.warning("job %s attempt %d: rank %d on %s is a straggler (%.2fx the median rank over steps %d-%d); "
                     "node score %.2f", found.job_id, found.attempt, found.rank, node_id, found.slowdown,

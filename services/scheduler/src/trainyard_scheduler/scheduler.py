@@ -902,8 +902,9 @@ class Scheduler:
             self.wake_at(None)
         for node_id, reason in outcome.blame:
             weight = self.nodes.reputation.weight(reason)
-            if weight > 0:
-                await self.nodes.blame_node(node_id, reason, weight)
+            if weight > 0:  # what the job's ranks said of themselves counts against the tenant's cap; silence does not
+                await self.nodes.blame_node(node_id, reason, weight,
+                                            tenant=None if reason == "lost" else outcome.job.tenant)
         return outcome
 
     async def _release(self, allocation_id: str, epoch: int, devices: list[Device], *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainyard_common.settings import ServiceSettings
 
@@ -99,6 +99,18 @@ class SchedulerSettings(ServiceSettings):
     reinstate_score: float = Field(
         default=1.0, gt=0, description="a node quarantined by its score returns when the score decays below this",
     )
+    reputation_per_tenant_cap: float | None = Field(
+        default=1.5, gt=0,
+        description="the most one tenant's failures (what its ranks report: exits, signals, hangs, log markers, "
+                    "step times) add to a node's decaying score, so that no tenant can quarantine a node alone by "
+                    "failing on purpose; a node going silent ('lost') is not capped. Unset (empty) on a "
+                    "single-tenant cluster, where one tenant's failures alone should quarantine a node",
+    )
+
+    @field_validator("reputation_per_tenant_cap", mode="before")
+    @classmethod
+    def _no_cap(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
     quarantine_max_share: float = Field(
         default=0.5, gt=0, le=1,
         description="automatic quarantine never takes more than this share of a device type's devices out of "
