@@ -228,7 +228,7 @@ def test_an_agent_that_cannot_install_its_rules_refuses_to_start(rig: Rig, tmp_p
     assert table_listed(table) is None
 
 
-async def test_a_squatted_rendezvous_port_starts_no_rank_and_fails_the_attempt_retryably(
+async def test_a_squatted_rendezvous_port_starts_no_rank_and_interrupts_the_attempt(
         rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = ArtifactLayout(rig.env["artifact_root"])
     dataset = layout.dataset_dir("tinycorpus", "v1")
@@ -250,7 +250,8 @@ async def test_a_squatted_rendezvous_port_starts_no_rank_and_fails_the_attempt_r
     finally:
         squatter.kill()
         squatter.wait(10)
-    assert exited.reason == "error" and exited.exit_code != 0, exited  # retryable; no node is blamed for 'error'
+    # an interruption for the scheduler: another port, no failure budget spent, no node blamed (test_blame.py)
+    assert exited.reason == "port-in-use" and exited.exit_code != 0, exited
     assert f"rendezvous port {port} is already in use on {NODE}" in (exited.detail or ""), exited
     assert rig.tap.events(WorkerStarted, job_id="squatted") == [], "no rank started"
     assert not layout.rank_log(VICTIM_TENANT, "squatted", 1, 0).exists() or \

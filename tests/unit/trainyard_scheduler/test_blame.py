@@ -278,3 +278,23 @@ AGENT_DRAIN = {"reason": "stopping", "by": "node-agent", "bootId": "b1"}
 def test_a_heartbeat_starts_or_ends_a_drain(case: str, entry: dict | None, draining: bool, boot: str | None,
                                             previous: str | None, change: str) -> None:
     assert health.drain_change(entry, draining=draining, boot_id=boot, previous_boot_id=previous) == change, case
+
+
+def test_a_squatted_rendezvous_port_interrupts_the_attempt_without_a_failure_or_blame() -> None:
+    """Rank 0's node found the master port held (WorkerExited ``port-in-use``, no rank started): the attempt is
+    interrupted — no failure budget spent, no node blamed — and the job queues for another port; it never fails
+    however often a squatter does it."""
+    job = admitted(new_job())
+    for attempt in range(1, 6):  # more than max_attempts (3) squats in a row
+        a = job.current
+        assert a is not None and a.attempt == attempt
+        outcome = tr.worker_exited(job, exited(job, 0, 127, "port-in-use"), final_ready=False, policy=POLICY,
+                                   now=at(attempt))
+        job = outcome.job
+        assert job.state == "queued" and outcome.blame == [], (attempt, job.state, outcome.blame)
+        assert job.attempts[-1].interruption is not None and "rendezvous port" in job.attempts[-1].interruption
+        assert job.queued_reason_kind == "interrupted"
+        assert any(isinstance(e, AllocationRevoked) for e in outcome.events)
+        job = admitted(job, epoch=attempt + 1, now=attempt + 0.5)
+    assert tr.worker_exited(job, exited(job, 0, 1, "error"), final_ready=False, policy=POLICY,
+                            now=at(10)).job.state == "queued"  # an ordinary failure still counts: the first one

@@ -16,6 +16,9 @@ PREEMPTED = 7  # checkpointed on request (CheckpointRequested: preemption or pau
 _REASONS = {OK: "ok", ERROR: "error", CONFIG: "config", NAN: "nan", CHECKPOINT: "checkpoint",
             DATA: "data", OOM: "oom", PREEMPTED: "preempted"}
 RETRYABLE_REASONS = frozenset({"error", "killed", "lost", "oom", "hang", "nccl", "preempted"})
+# not started: the rendezvous port is held on rank 0's node (a squatter). An interruption, not a failure: the
+# scheduler retries on another port without spending the job's budget or blaming the node
+PORT_IN_USE = "port-in-use"
 
 
 def exit_reason(code: int) -> str:

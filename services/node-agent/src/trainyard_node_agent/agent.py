@@ -71,7 +71,7 @@ from trainyard_common.events import (
     SecurityViolation,
     WorkerStarted,
 )
-from trainyard_common.exitcodes import CONFIG
+from trainyard_common.exitcodes import CONFIG, PORT_IN_USE
 from trainyard_common.service import ServiceRuntime
 from trainyard_common.spec import Code
 from trainyard_common.spool import SpoolReader
@@ -491,7 +491,7 @@ class NodeAgent:
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         atomic_write_bytes(allocation_file, event.to_bytes())
         if hosts_rendezvous(share) and (why := await asyncio.to_thread(port_in_use, event.master_port)):
-            await self._refuse_all(event, share, traceparent, 127, "error",
+            await self._refuse_all(event, share, traceparent, 127, PORT_IN_USE,
                                    port_taken(event, self.settings.node_id, why))
             return
         code = event.spec.code

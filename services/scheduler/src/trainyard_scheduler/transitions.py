@@ -19,7 +19,9 @@ Attempt states: starting → running → succeeded | failed | revoked. An attemp
 (holds leases, has ranks) while starting or running. Attempts revoked by pause, cancel or
 preemption never count as failures, nor do attempts *interrupted* (``AttemptRecord.interruption``):
 by maintenance (a node drain, :func:`request_drain`: checkpoint, then stop, as for a pause) or by
-the control plane (most of the cluster went silent together, :func:`check_attempt`). Interrupted
+the control plane (most of the cluster went silent together, :func:`check_attempt`), or by a squatter (rank 0's
+node found the rendezvous port held, ``WorkerExited.reason`` ``port-in-use``: the next attempt draws another
+port). Interrupted
 jobs queue again and resume from their latest READY checkpoint by themselves; nobody is blamed.
 
 Checkpoint, then stop (pause, drain and preemption: one rule). ``request_control(pause)`` on a job
@@ -75,7 +77,7 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.exitcodes import RETRYABLE_REASONS
+from trainyard_common.exitcodes import PORT_IN_USE, RETRYABLE_REASONS
 from trainyard_common.records import (
     AttemptRecord,
     CheckpointRecord,
@@ -595,6 +597,9 @@ def worker_exited(
                                                         and event.reason in STOP_REASONS)
     if event.exit_code != 0 and (event.reason == "preempted" or stopping):
         return _ranks_stopping(new, event, latest_ready_step, now)
+    if event.reason == PORT_IN_USE:  # someone holds the port on rank 0's node: another port, no budget, no blame
+        return _interrupt(new, f"rendezvous port: {event.detail or f'port in use on {event.node_id}'}",
+                          "its ranks had not started", latest_ready_step, now)
     if event.exit_code != 0:
         reason = _classify(event.reason, event.exit_code)
         detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
