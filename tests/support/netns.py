@@ -83,8 +83,10 @@ class SimulatedHost:
     ifname: str = HOST_IFNAME
 
     def command(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside this host's network namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` run inside this host's network namespace — and only that: ``ip netns exec`` would also give it a
+        mount namespace with a fresh /sys, without the host's cgroup hierarchies a sandboxed node agent contains
+        its attempts in (a real host has its own /sys/fs/cgroup)."""
+        return ["nsenter", f"--net=/var/run/netns/{self.netns}", "--", *argv]
 
 
 @dataclass
