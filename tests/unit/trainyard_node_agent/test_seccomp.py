@@ -100,7 +100,8 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine not in ("x86_64", "aarch64"), reason="Linux only")
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="the filter is built for Linux on x86-64 and aarch64 only")
 def test_installed_for_real_threads_and_subprocesses_run_namespaces_mounts_and_ptrace_do_not() -> None:
     done = subprocess.run([sys.executable, "-I", "-c", CHILD, os.path.dirname(sc.__file__)],
                           capture_output=True, text=True, timeout=60, check=False)

@@ -97,6 +97,7 @@ from trainyard_scheduler.node_health import NodeHealth
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement
 from trainyard_scheduler.planner import Admit, PendingJob, Preempt, RunningJob, Wait, expected_duration_s, plan
 from trainyard_scheduler.policy import QueueConfig, parse_queue_config, tenant_seeds, with_tenant_settings
+from trainyard_scheduler.ports import SYSTEM_RANDOM, choose_port, live_ports
 from trainyard_scheduler.settings import SchedulerSettings
 from trainyard_scheduler.sizing import min_device_memory
 from trainyard_scheduler.snapshot import HeldAllocation, Snapshot, SnapshotCache, read_held_allocations
@@ -730,8 +731,6 @@ class Scheduler:
     async def _next_port(self) -> int:
         """A random rendezvous port, none that a live attempt holds (:mod:`ports`; the snapshot brought up to date
         first, so attempts placed earlier in this pass count)."""
-        from trainyard_scheduler.ports import SYSTEM_RANDOM, choose_port, live_ports
-
         view = await self.cache.refresh()
         return choose_port(SYSTEM_RANDOM, self.settings.rendezvous_port_min, self.settings.rendezvous_port_max,
                            live_ports(view.jobs.values()))

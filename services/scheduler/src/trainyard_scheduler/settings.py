@@ -31,10 +31,6 @@ class SchedulerSettings(ServiceSettings):
                                      description="lowest torch.distributed rendezvous port handed out")
     rendezvous_port_max: int = Field(default=29999, gt=1024, lt=65536,
                                      description="highest rendezvous port handed out")
-    max_attempts: int = Field(
-        default=3, gt=0,
-        description="ignored, kept so that existing configurations still parse: the scheduler creates no jobs (a "
-                    "job exists only once the API wrote it, with the API's TRAINYARD_API_MAX_ATTEMPTS)")
     retry_backoff_s: float = Field(
         default=0.5, ge=0,
         description="back-off after the first failed attempt since progress (a rank lost after the job made "
