@@ -8,6 +8,7 @@ Real broker, Redis, coordinator, registry and conversion command."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -120,3 +121,24 @@ async def test_a_shard_swapped_while_the_conversion_runs_is_not_what_it_reads(
         assert read == verified and read != victim.read_bytes(), "the conversion read the bytes that were verified"
     finally:
         await stop_stack(s)
+
+
+async def test_a_shard_made_a_fifo_or_grown_huge_is_refused_without_blocking_or_reading_it_all(stack: Stack) -> None:
+    """The registry reads a rank's files as hostile: a FIFO is never opened for a blocking read (the export worker
+    would hang for good), and a shard grown to 20 GiB after it was verified is read only one byte past the size its
+    manifest says, then refused."""
+    job_id = "job-export-weapons"
+    epoch = await given_job(stack, job_id)
+    fifo_artifact = await ready_artifact(stack, job_id, 20, epoch)
+    huge_artifact = await ready_artifact(stack, job_id, 40, epoch)
+    fifo = stack.layout.checkpoint_dir(TENANT, job_id, 1, 20) / "__0_0.distcp"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    huge = stack.layout.checkpoint_dir(TENANT, job_id, 1, 40) / "__0_0.distcp"
+    with open(huge, "r+b") as fh:
+        fh.truncate(20 << 30)
+    _, record = await export(stack, job_id, fifo_artifact)
+    assert record.state == "failed" and "not a regular file: refused" in record.reason, record
+    _, record = await export(stack, job_id, huge_artifact)
+    assert record.state == "failed" and "failed verification" in record.reason, record
+    assert {a.type for a in await stack.store.list_artifacts(job_id)} <= {"checkpoint", "model"}  # no export
