@@ -97,7 +97,7 @@ def unique() -> str:
 @pytest.fixture
 async def redis(env: dict[str, object]) -> AsyncIterator[object]:
     """An async client on this test's own (freshly flushed) Redis database."""
-    from trainyard_common.store import connect_redis
+    from trainyard_runtime.store import connect_redis
 
     client = connect_redis(str(env["redis_url"]))
     try:

@@ -18,7 +18,7 @@ BUCKET = "trainyard-test"
 
 def forget_filesystems() -> None:
     """Drop cached fsspec/s3fs instances (they hold the endpoint they were made with)."""
-    from trainyard_common import storage
+    from trainyard_contract import storage
 
     storage._FILESYSTEMS.clear()
     try:
@@ -45,7 +45,7 @@ def moto_s3() -> Iterator[str]:
     os.environ.update(env)
     forget_filesystems()
     try:
-        from trainyard_common.storage import object_filesystem
+        from trainyard_contract.storage import object_filesystem
 
         object_filesystem(f"s3://{BUCKET}").makedirs(BUCKET, exist_ok=True)  # moto's state is per process
         yield f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainyard_common.catalog import resolve_model
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.spec import LrSchedule
-from trainyard_common.storage import atomic_write_bytes
+from trainyard_contract.catalog import resolve_model
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.spec import LrSchedule
+from trainyard_contract.storage import atomic_write_bytes
 from trainyard_trainer.checkpoint import Checkpointer, load_checkpoint, save_checkpoint, verified_checkpoint_dir
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import apply_ddp
@@ -179,7 +179,7 @@ def object_store_main(args: argparse.Namespace) -> None:
     """DCP save MB/s into the object store ÷ raw s3fs upload MB/s of the same bytes, same run."""
     import uuid
 
-    from trainyard_common.storage import ObjectPath, commit_bytes, object_filesystem, remove_tree
+    from trainyard_contract.storage import ObjectPath, commit_bytes, object_filesystem, remove_tree
 
     with contextlib.ExitStack() as stack:
         store = args.store or stack.enter_context(_moto_bucket())
@@ -240,7 +240,7 @@ def _moto_bucket() -> Iterator[str]:
 
     from moto.server import ThreadedMotoServer
 
-    from trainyard_common.storage import object_filesystem
+    from trainyard_contract.storage import object_filesystem
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -260,7 +260,7 @@ def _save_without_hash(state: dict, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainyard_common.storage import fsync_dir
+    from trainyard_contract.storage import fsync_dir
     from trainyard_trainer.checkpoint import temporary_dir
 
     tmp = temporary_dir(directory)

@@ -42,7 +42,7 @@ TOKEN = "bench-token"
 
 def job_page(n: int = 20) -> bytes:
     """A page of ``n`` jobs as ``GET /v1/training-jobs`` answers it."""
-    from trainyard_common.wire import JobPage, JobSummary
+    from trainyard_contract.wire import JobPage, JobSummary
 
     now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
     jobs = [JobSummary(job_id=f"job-{i:012x}", name=f"sweep-lr-{i}", state=("running", "queued", "failed")[i % 3],

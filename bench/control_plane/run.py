@@ -58,8 +58,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import EMBEDDED_FETCH_MAX_WAIT_MS, LocalStack, StackSettings
-from trainyard_common.bus import ensure_topics
-from trainyard_common.events import ALLOCATIONS, METRICS, TERMINAL_STATES, WORKERS
+from trainyard_runtime.bus import ensure_topics
+from trainyard_contract.events import ALLOCATIONS, METRICS, TERMINAL_STATES, WORKERS
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"

@@ -42,13 +42,13 @@ from trainyard_api.metrics_history import (
     CURVES, TIMING, MetricHistory, attempt_key, level_key, levels_of, ranks_key, series_key,
 )
 from trainyard_api.routes.dashboard import MetricHistoryView, _plain
-from trainyard_common.events import StepMetrics
+from trainyard_contract.events import StepMetrics
 from trainyard_api.schemas import EXAMPLE_SPEC, JobPage
 from trainyard_api.views import job_summary
 from trainyard_cli.infra import start_redis
-from trainyard_common.records import JobRecord, Progress
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys
+from trainyard_contract.records import JobRecord, Progress
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys
 
 JOB = "job-bench00000001"
 HEAT_BUCKETS = 60  # what the job page asks for (ui/job.js)

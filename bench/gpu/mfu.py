@@ -43,8 +43,8 @@ def main() -> None:
 
     import torch
 
-    from trainyard_common.catalog import resolve_model
-    from trainyard_common.storage import ArtifactLayout
+    from trainyard_contract.catalog import resolve_model
+    from trainyard_contract.storage import ArtifactLayout
     from trainyard_trainer.data import prepare_dataset
     from trainyard_trainer.metrics import flops_per_token
 

@@ -53,8 +53,8 @@ import torch.multiprocessing as mp
 
 from trainyard_api.planning import trainer_bytes_per_parameter, trainer_layout, transformer_for
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import (
     FP32_ADAM,
     Sample,

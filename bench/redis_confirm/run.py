@@ -36,11 +36,11 @@ from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_cli import infra, redisha
-from trainyard_common import events as ev
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import DatasetRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract import events as ev
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import DatasetRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 
 TOKEN = "bench-token"
 

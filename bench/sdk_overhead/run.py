@@ -166,9 +166,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, root: Path, who: str, *, steps: int, every: int, tag: str) -> dict[str, Any]:
-    from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-    from trainyard_common.spec import TrainingSpec
-    from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
+    from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+    from trainyard_contract.spec import TrainingSpec
+    from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes
 
     port, layout, job = free_port(), ArtifactLayout(root), f"bench-{tag}"
     spec = TrainingSpec.model_validate(spec_wire(steps, every))

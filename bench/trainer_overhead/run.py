@@ -89,9 +89,9 @@ def job_id(world: int, run: int, threads: int = 1) -> str:
 
 
 def run_trainer(args: argparse.Namespace, root: Path, world: int, run: int, threads: int = 1) -> list[float]:
-    from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-    from trainyard_common.spec import TrainingSpec
-    from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
+    from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+    from trainyard_contract.spec import TrainingSpec
+    from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes
 
     spec = TrainingSpec.model_validate(spec_wire(args, world))
     layout, port, job = ArtifactLayout(root), free_port(), job_id(world, run, threads)
@@ -135,7 +135,7 @@ def baseline_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F  # noqa: N812
 
-    from trainyard_common.catalog import ModelConfig
+    from trainyard_contract.catalog import ModelConfig
     from trainyard_trainer.model import build_model
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

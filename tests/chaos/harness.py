@@ -29,10 +29,10 @@ import httpx
 from tests.chaos.invariants import AttemptSteps, LeaseOp
 from trainyard_cli import infra
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common.events import TERMINAL_STATES, DatasetVersionPublished
-from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
-from trainyard_common.storage import ArtifactLayout, path_to_uri, uri_to_path
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract.events import TERMINAL_STATES, DatasetVersionPublished
+from trainyard_contract.records import CheckpointRecord, JobRecord, checkpoint_id
+from trainyard_contract.storage import ArtifactLayout, path_to_uri, uri_to_path
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 
 TENANT = "dev"
 SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
@@ -164,7 +164,7 @@ class ChaosRig:
                                         tokenizer=tokenizer, num_tokens=getattr(manifest, "num_tokens", None))
 
         async def go() -> None:
-            from trainyard_common.bus import Bus
+            from trainyard_runtime.bus import Bus
 
             async with Bus(self.stack.kafka_bootstrap, service_name="chaos",
                            topic_namespace=self.stack.s.topic_namespace) as bus:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.manifest import CheckpointManifest, verify_manifest
-from trainyard_common.records import CheckpointRecord, JobRecord
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.manifest import CheckpointManifest, verify_manifest
+from trainyard_contract.records import CheckpointRecord, JobRecord
 
 # ----------------------------------------------------------------------------- 2. every job ends
 

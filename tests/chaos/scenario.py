@@ -15,9 +15,9 @@ from typing import Any
 
 from tests.chaos import invariants as inv
 from tests.chaos.harness import SERVICES, ChaosRig, chaos_spec
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.manifest import local_sha256, local_stat_size
-from trainyard_common.storage import uri_to_path
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.manifest import local_sha256, local_stat_size
+from trainyard_contract.storage import uri_to_path
 
 #: Fault kinds a plan is made of. "services" kills every service (and a node agent) in one wave.
 KINDS = ("rank", "hang", "agent", "services", "redis", "broker", *(f"service:{s}" for s in SERVICES))

@@ -23,10 +23,10 @@ from tests.chaos.invariants import (
     check_resumed_from_latest_ready,
     check_terminal,
 )
-from trainyard_common.events import CheckpointRef
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import CheckpointRef
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SPEC = TrainingSpec.model_validate({

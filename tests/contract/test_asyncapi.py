@@ -19,10 +19,10 @@ import jsonschema
 import pytest
 import yaml
 
-from trainyard_common import contract
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract import asyncapi as contract
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.spec import TrainingSpec
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from trainyard_common import events as ev
-from trainyard_common.contract import FLOWS
+from trainyard_contract import events as ev
+from trainyard_contract.asyncapi import FLOWS
 
 USERS = Path(__file__).parents[2] / "deploy" / "k8s" / "kafka-users.yaml"
 SERVICES = {"api", "scheduler", "checkpoint-coordinator", "registry", "node-agent"}

@@ -20,7 +20,7 @@ DASHBOARDS = REPO / "deploy" / "grafana" / "dashboards"
 RULES = REPO / "deploy" / "prometheus" / "rules"
 DATASOURCES = REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 SERVICES = ("trainyard_api", "trainyard_scheduler", "trainyard_checkpoint_coordinator", "trainyard_registry",
-            "trainyard_node_agent", "trainyard_common")
+            "trainyard_node_agent", "trainyard_runtime")
 EXPECTED = {"job.json", "cluster.json", "goodput.json"}
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from trainyard_common import codetree
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract import codetree
+from trainyard_contract.storage import ArtifactLayout
 from tests.support.api import TOKEN_A, api_in_thread, spec_with
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@e"}

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from tests.support.cli import LocalCli
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,8 +23,8 @@ import yaml
 from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common.storage import ArtifactLayout, uri_to_path
-from trainyard_common.store import StateStore, connect_redis
+from trainyard_contract.storage import ArtifactLayout, uri_to_path
+from trainyard_runtime.store import StateStore, connect_redis
 from tests.support.cli import trainyard
 from tests.support.downstream import RegistryFollower
 
@@ -116,7 +116,7 @@ def assert_loads_like_trainyard(directory: Path, manifest_uri: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainyard_common.catalog import resolve_model
+    from trainyard_contract.catalog import resolve_model
     from trainyard_trainer.hf import checkpoint_model_state
     from trainyard_trainer.model import build_model
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 from trainyard_cli.stack import LocalStack
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.storage import ArtifactLayout, sha256_file, uri_to_path
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.storage import ArtifactLayout, sha256_file, uri_to_path
 
 from tests.support.cli import trainyard
 from tests.support.hfmodels import hf_logits, save_transformers_model

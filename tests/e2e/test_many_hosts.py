@@ -28,8 +28,8 @@ from tests.support.manyhosts import ManyHostsStack, many_hosts_stack
 from tests.support.netns import unavailable
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import pid_alive
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.records import AttemptRecord, JobRecord
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.records import AttemptRecord, JobRecord
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HOSTS = 3

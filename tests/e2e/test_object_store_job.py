@@ -23,7 +23,7 @@ from tests.objectstore import moto_s3
 from trainyard_cli import infra
 from trainyard_cli.devstack import DATASET, prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common.storage import ArtifactLayout, ObjectPath, object_filesystem, read_bytes, sha256_of, stat_size
+from trainyard_contract.storage import ArtifactLayout, ObjectPath, object_filesystem, read_bytes, sha256_of, stat_size
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -155,7 +155,7 @@ def test_a_job_starts_from_a_hugging_face_model_imported_into_the_store(stack: L
     accepted (the API reads the prefix), its ranks fetch the model into the node once and start from it."""
     from tests.support.hfmodels import save_transformers_model
     from trainyard_cli.models import import_model
-    from trainyard_common.catalog import MODEL_CATALOG
+    from trainyard_contract.catalog import MODEL_CATALOG
 
     save_transformers_model(tmp_path / "hf", MODEL_CATALOG["llama-tiny@v1"], seed=7)
     imported = import_model(tmp_path / "hf", ArtifactLayout(store), "dev", "llama")

@@ -28,10 +28,10 @@ import yaml
 from aiokafka import AIOKafkaConsumer
 
 from trainyard_cli.stack import LocalStack
-from trainyard_common import events as ev
-from trainyard_common.bus import Deduper
-from trainyard_common.records import JobRecord
-from trainyard_common.store import StateStore, connect_redis
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Deduper
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import StateStore, connect_redis
 from tests.support.stack import running_stack
 from tests.support.waiting import wait_for, wait_for_state
 

@@ -34,7 +34,7 @@ from tests.support.redisha import kill_stack_primary
 from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import SERVICES, LocalStack, StackSettings
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_scheduler.fencing import LeaderKeys
 from tests.support.waiting import wait_for
 

@@ -21,9 +21,9 @@ import yaml
 from trainyard_cli import infra
 from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.storage import ArtifactLayout, sha256_file, uri_to_path
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.storage import ArtifactLayout, sha256_file, uri_to_path
 from tests.support import corpora
 from tests.support.cli import trainyard
 from tests.support.downstream import RegistryFollower
@@ -321,7 +321,7 @@ def _set(fields: dict) -> dict:
 
 
 def job_trace_id(stack: LocalStack, job_id: str) -> str:
-    from trainyard_common.store import StateStore, connect_redis
+    from trainyard_runtime.store import StateStore, connect_redis
 
     async def go() -> str:
         redis = connect_redis(stack.redis_url)

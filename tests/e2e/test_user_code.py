@@ -30,7 +30,7 @@ from tests.chaos.invariants import check_bitwise_identical
 from tests.support.cli import trainyard
 from tests.support.stack import running_stack
 from trainyard_cli.stack import LocalStack
-from trainyard_common.storage import uri_to_path
+from trainyard_contract.storage import uri_to_path
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

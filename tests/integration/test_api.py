@@ -21,12 +21,12 @@ from trainyard_api import ApiServer, ApiSettings
 from trainyard_cli import infra
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import ArtifactRecord, CheckpointRecord, Lineage
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import StateStore
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import ArtifactRecord, CheckpointRecord, Lineage
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import StateStore
 from tests.conftest import env_vars
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, seed, spec_with
 
@@ -372,10 +372,10 @@ async def test_the_api_process_serves_refuses_a_taken_port_and_stops_cleanly_on_
 async def test_healthz_is_degraded_while_any_services_consumer_is_stuck_on_one_record(env: dict, server) -> None:
     """A service whose handler keeps failing on one record (Redis refusing it, say) reports it with its health
     beacon; /healthz names it (200: the API itself still serves) until the record is handled."""
-    from trainyard_common.bus import RetryPolicy
-    from trainyard_common.errors import StateStoreError
-    from trainyard_common.service import ServiceRuntime
-    from trainyard_common.settings import ServiceSettings
+    from trainyard_runtime.bus import RetryPolicy
+    from trainyard_contract.errors import StateStoreError
+    from trainyard_runtime.service import ServiceRuntime
+    from trainyard_contract.settings import ServiceSettings
 
     failing = True
 

@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_api.calibration import StoredCalibration
 from trainyard_cli.main import app as cli
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
 
 T = TypeVar("T")

@@ -17,11 +17,11 @@ import pytest
 from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common import codetree
-from trainyard_common.outbox import Outbox
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.store import StateStore
+from trainyard_contract import codetree
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_runtime.store import StateStore
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,11 @@ from tests.objectstore import moto_s3
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed
 from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
-from trainyard_common import codetree
-from trainyard_common.outbox import Outbox
-from trainyard_common.spec import Code
-from trainyard_common.storage import ArtifactLayout, ObjectPath, commit_bytes, read_bytes, sha256_of
-from trainyard_common.store import StateStore
+from trainyard_contract import codetree
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.spec import Code
+from trainyard_contract.storage import ArtifactLayout, ObjectPath, commit_bytes, read_bytes, sha256_of
+from trainyard_runtime.store import StateStore
 from trainyard_node_agent.codecache import CodeCache
 
 pytestmark = pytest.mark.integration

@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 from trainyard_api import ApiServer
 from trainyard_api.metrics_history import MetricHistory
 from trainyard_cli.main import app as cli
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.records import AttemptRecord, JobRecord, NodeRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.records import AttemptRecord, JobRecord, NodeRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from tests.integration.test_api_calibration import eventually
 from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, running_api, spec_with
 

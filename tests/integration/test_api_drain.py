@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_cli.main import app as cli
-from trainyard_common import events as ev
-from trainyard_common.records import NodeRecord
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_contract.records import NodeRecord
+from trainyard_runtime.store import Keys
 from tests.integration.test_api import event_of, find_record
 from tests.support.api import TOKEN_A, TOKEN_ADMIN, client_for, seed
 

@@ -20,12 +20,12 @@ from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.steptiming import StepTimingStore
 from trainyard_cli.main import app as cli
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, NodeRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord, NodeRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore
 from tests.integration.test_api import event_of, find_record
 from tests.support.api import TOKEN_A, TOKEN_ADMIN, TOKEN_B, client_for, running_api, seed, spec_with
 from tests.integration.test_api_calibration import eventually

@@ -11,8 +11,8 @@ import pytest
 
 from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
-from trainyard_common.outbox import Outbox
-from trainyard_common.store import StateStore
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.store import StateStore
 from trainyard_planner import Transformer, estimate_memory, Layout, ZeroStage, young_interval
 from tests.support.api import TOKEN_A, client_for, seed
 

@@ -11,9 +11,9 @@ import pytest
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common import events as ev
-from trainyard_common.outbox import Outbox
-from trainyard_common.store import StateStore
+from trainyard_contract import events as ev
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.store import StateStore
 from tests.integration.test_api import event_of, find_record
 from tests.support.api import TOKEN_A, client_for, seed, spec_with
 

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 
 from trainyard_api import ApiServer, ApiSettings
-from trainyard_common.controlrecords import (
+from trainyard_runtime.controlrecords import (
     CONTROL_REQUEST_TTL_S,
     MAX_CONTROL_REQUESTS,
     parse_control_request,
     stage_control_record,
 )
-from trainyard_common.events import JobControlRequested, utcnow
-from trainyard_common.records import is_deleted_tenant
-from trainyard_common.store import Keys
+from trainyard_contract.events import JobControlRequested, utcnow
+from trainyard_contract.records import is_deleted_tenant
+from trainyard_runtime.store import Keys
 from tests.support.api import client_for, seed, spec_with
 
 JUNK = b"not a gzip archive"

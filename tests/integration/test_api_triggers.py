@@ -16,10 +16,10 @@ import pytest
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_TEMPLATE
-from trainyard_common.events import ArtifactRegistered
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import DELETED_TENANT_SETTINGS, DatasetRecord, TriggerRecord
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.events import ArtifactRegistered
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import DELETED_TENANT_SETTINGS, DatasetRecord, TriggerRecord
+from trainyard_runtime.store import Keys, StateStore
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, seed
 
 TOKEN_VIEWER = "token-tenant-a-viewer"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.api import TOKEN_A, running_api, spec_with
 from tests.integration.test_scheduler_stack import EventTap
-from trainyard_common.events import JobSubmitted
+from trainyard_contract.events import JobSubmitted
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ from collections import Counter
 from collections.abc import Callable
 
 
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus, Deduper, RetryPolicy, ensure_topics
-from trainyard_common.errors import StateStoreError, TrainyardError
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus, Deduper, RetryPolicy, ensure_topics
+from trainyard_contract.errors import StateStoreError, TrainyardError
 
 
 async def wait_until(pred: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -148,8 +148,8 @@ async def test_duplicate_event_ids_have_no_effect(env: dict, redis) -> None:
 
 CRASHING_CONSUMER = """
 import asyncio, sys, pathlib
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
 bootstrap, namespace, group, marker = sys.argv[1:5]
 async def main():
     bus = Bus(bootstrap, service_name="crasher", topic_namespace=namespace)
@@ -283,8 +283,8 @@ async def test_an_idle_consumer_stops_fetching_and_every_record_still_arrives(en
     fetched at the next poll. Nothing is lost, and it pauses again once idle."""
     from aiokafka import AIOKafkaProducer
 
-    from trainyard_common.idlefetch import Doorbell, IdlePolicy
-    from trainyard_common.store import connect_redis
+    from trainyard_runtime.idlefetch import Doorbell, IdlePolicy
+    from trainyard_runtime.store import connect_redis
 
     await ensure_topics(env["kafka_bootstrap"], partitions=2, namespace=env["topic_namespace"])
     redis_url = env["redis_url"]

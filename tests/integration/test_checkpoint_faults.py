@@ -39,11 +39,11 @@ from trainyard_checkpoint_coordinator import coordinator as coordinator_module
 from trainyard_checkpoint_coordinator.protection import Protection, protection_key
 from tests.support.api import client_for, running_api
 from trainyard_cli import infra
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.manifest import CheckpointManifest
-from trainyard_common.storage import ArtifactLayout, uri_to_path
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.manifest import CheckpointManifest
+from trainyard_contract.storage import ArtifactLayout, uri_to_path
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ from trainyard_api import ApiServer, ApiSettings
 from trainyard_cli.client import ApiClient
 from trainyard_cli.follow import EXIT_SUCCEEDED, follow_job
 from trainyard_cli.main import app
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.records import DatasetRecord
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.records import DatasetRecord
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "cli-test-token"

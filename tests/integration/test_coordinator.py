@@ -21,15 +21,15 @@ from aiokafka import AIOKafkaConsumer
 
 from trainyard_checkpoint_coordinator import CoordinatorSettings
 from trainyard_checkpoint_coordinator import build_service as build_coordinator
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.manifest import CheckpointManifest, tensors_hash
-from trainyard_common.records import AttemptRecord, CheckpointRecord, DatasetRecord, JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file, uri_to_path
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.manifest import CheckpointManifest, tensors_hash
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, DatasetRecord, JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, path_to_uri, sha256_file, uri_to_path
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_registry import RegistrySettings
 from trainyard_registry import build_service as build_registry
 

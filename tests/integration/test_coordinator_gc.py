@@ -24,13 +24,13 @@ from tests.integration.test_coordinator import (
     write_shards,
 )
 from trainyard_checkpoint_coordinator import JOBS_INDEX, CheckpointAdvice
-from trainyard_common import events as ev
-from trainyard_common.events import CheckpointRef
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import AttemptRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import uri_to_path
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_contract.events import CheckpointRef
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import AttemptRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import uri_to_path
+from trainyard_runtime.store import Keys
 from trainyard_planner.checkpoint import daly_interval
 
 pytestmark = pytest.mark.integration

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 import trainyard_checkpoint_coordinator.coordinator as coordinator_module
-from trainyard_common import events as ev
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import path_to_uri, sha256_file
+from trainyard_contract import events as ev
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import path_to_uri, sha256_file
 
 from tests.integration.test_coordinator import SPEC, Stack, publish, start_stack, stop_stack, wait_for
 

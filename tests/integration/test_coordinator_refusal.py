@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import events as ev
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_runtime.store import Keys
 from tests.integration.test_coordinator import (
     TENANT,
     Stack,

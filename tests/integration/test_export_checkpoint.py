@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.events import ShardWritten
-from trainyard_common.exitcodes import CHECKPOINT
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, path_to_uri
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.events import ShardWritten
+from trainyard_contract.exitcodes import CHECKPOINT
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, path_to_uri
 from trainyard_trainer.data import (
     STDLIB_SOURCES,
     load_dataset_manifest,

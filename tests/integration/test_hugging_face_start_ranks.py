@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainyard_common import exitcodes
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract import exitcodes
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_trainer.hf import from_hf_state_dict
 
 from tests.integration.test_trainer_ranks import (  # noqa: F401 - fixture

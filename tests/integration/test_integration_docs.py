@@ -17,10 +17,10 @@ import jsonschema
 from aiokafka import AIOKafkaConsumer
 from aiokafka.partitioner import DefaultPartitioner
 
-from trainyard_common import contract
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.storage import path_to_uri
+from trainyard_contract import asyncapi as contract
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.storage import path_to_uri
 
 DOC = Path(__file__).parents[2] / "docs" / "integration.md"
 

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from trainyard_common.errors import FencingError, LeaseConflictError
-from trainyard_common.leases import Device, LeaderFence, LeaseManager
-from trainyard_common.store import Keys
+from trainyard_contract.errors import FencingError, LeaseConflictError
+from trainyard_runtime.leases import Device, LeaderFence, LeaseManager
+from trainyard_runtime.store import Keys
 
 
 @pytest.fixture
 async def leases(env: dict):
-    from trainyard_common.store import connect_redis
+    from trainyard_runtime.store import connect_redis
 
     client = connect_redis(env["redis_url"])
     yield LeaseManager(client)

@@ -11,7 +11,7 @@ from trainyard_api.downsample import Buckets, bucket_stats
 from trainyard_api.metrics_history import (
     ENTRY, LEVELS, MetricHistory, Part, ReadPlan, Window, attempt_key, decode, level_key, level_for, levels_of, series_key,
 )
-from trainyard_common.events import StepMetrics
+from trainyard_contract.events import StepMetrics
 
 pytestmark = pytest.mark.integration
 JOB = "job-levels"

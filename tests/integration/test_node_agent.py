@@ -21,11 +21,11 @@ import pytest
 from tests.conftest import env_vars
 from tests.integration.scheduler_workload import control_file_for
 from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.events import GangAllocated, JobSubmitted, WorkerExited, WorkerStarted
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.events import GangAllocated, JobSubmitted, WorkerExited, WorkerStarted
 from trainyard_node_agent import AgentKeys
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from tests.support.datasets import verified
 
 class Services:

@@ -21,11 +21,11 @@ import pytest
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture
 from tests.integration.test_scheduler_stack import make_spec, poll
-from trainyard_common.codetree import archive_id, pack
-from trainyard_common.events import GangAllocated, WorkerExited
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.codetree import archive_id, pack
+from trainyard_contract.events import GangAllocated, WorkerExited
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TENANT = "t1"  # Rig.gang's tenant

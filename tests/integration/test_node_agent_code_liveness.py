@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.storage import ArtifactLayout
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_code import (  # noqa: F401

@@ -23,8 +23,8 @@ import pytest
 from tests.integration.test_node_agent import Services, alive, reap_ranks  # noqa: F401 - reap_ranks: autouse
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
 from trainyard_cli import infra
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.events import (
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.events import (
     CheckpointRequested,
     GangAllocated,
     NodeAssignment,
@@ -35,10 +35,10 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import StateStore, connect_redis
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import StateStore, connect_redis
 from trainyard_node_agent.agent import AgentKeys
 from trainyard_node_agent.sandbox import job_uid
 

@@ -24,10 +24,10 @@ import pytest
 from tests.integration.test_node_agent import Services, reap_ranks, services  # noqa: F401, F811 - fixtures
 from tests.integration.test_scheduler_stack import WORKLOAD, EventTap, make_spec, poll
 from trainyard_cli import infra
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.events import GangAllocated, JobSubmitted, NodeDrained, NodeUndrained
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.events import GangAllocated, JobSubmitted, NodeDrained, NodeUndrained
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from tests.support.datasets import verified
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

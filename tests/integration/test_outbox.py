@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.outbox import Outbox
-from trainyard_common.tracing import setup_tracing
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.tracing import setup_tracing
 from tests.integration.test_bus import wait_until
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -43,19 +43,19 @@ from redis.exceptions import RedisError
 
 from tests.chaos.invariants import LeaseOp, check_no_double_booking
 from tests.support.redisha import redis_ha
-from trainyard_common import events as ev
-from trainyard_common.controlrecords import stage_control_request
-from trainyard_common.errors import (
+from trainyard_contract import events as ev
+from trainyard_runtime.controlrecords import stage_control_request
+from trainyard_contract.errors import (
     EpochNotReplicatedError,
     FencingError,
     InfrastructureError,
     LeaseConflictError,
     WriteNotReplicatedError,
 )
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import TenantToken
-from trainyard_common.replication import StateRedis, write_confirmed
-from trainyard_common.store import Keys, connect_redis
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import TenantToken
+from trainyard_runtime.replication import StateRedis, write_confirmed
+from trainyard_runtime.store import Keys, connect_redis
 from trainyard_scheduler.fencing import Leadership, LeaderKeys
 
 LONG = os.environ.get("TRAINYARD_LONG_TESTS") == "1"
@@ -142,8 +142,8 @@ async def write_worker(redis: StateRedis, ledger: Ledger, stop: asyncio.Event, n
     the API stages JobSubmitted, the coordinator CheckpointReady, a control request), and a token record
     (StateStore.add_token, as an issue or a revocation). ``confirmed=False``: the same writes on a client that
     waits for no replica, into ``ledger.primary_only``."""
-    from trainyard_common.outbox import Outbox
-    from trainyard_common.store import StateStore
+    from trainyard_runtime.outbox import Outbox
+    from trainyard_runtime.store import StateStore
 
     outbox, store = Outbox(redis, f"failover-{name}"), StateStore(redis)
     into = ledger.acknowledged if confirmed else ledger.primary_only
@@ -415,8 +415,8 @@ async def test_a_write_no_replica_confirmed_is_not_acknowledged(tmp_path: Path) 
     from trainyard_api import ApiSettings
     from trainyard_api.app import ApiContext, create_app
     from trainyard_api.schemas import EXAMPLE_SPEC
-    from trainyard_common.outbox import Outbox
-    from trainyard_common.store import StateStore
+    from trainyard_runtime.outbox import Outbox
+    from trainyard_runtime.store import StateStore
 
     with redis_ha(tmp_path / "redis-ha") as ha:
         url = ha.url() + "?epoch_ack_timeout_ms=200"

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import events as ev
-from trainyard_common.events import CheckpointRef
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import path_to_uri, sha256_file
+from trainyard_contract import events as ev
+from trainyard_contract.events import CheckpointRef
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import path_to_uri, sha256_file
 from tests.support.datasets import published, write_dataset
 from tests.integration.test_coordinator import (
     SPEC,
@@ -52,7 +52,7 @@ def dataset_event(stack: Stack, name: str = "tinycorpus", **kw: object) -> ev.Da
 
 async def resumed_job(stack: Stack, job_id: str) -> tuple[int, str]:
     """A job on its second attempt, resumed from attempt 1's step-20 checkpoint."""
-    from trainyard_common.leases import Device, LeaseManager
+    from trainyard_runtime.leases import Device, LeaseManager
 
     leases = LeaseManager(stack.redis)
     epochs = [await leases.acquire(job_id, f"{job_id}-alloc-{n}", [Device(f"n{n}", 0), Device(f"n{n}", 1)])
@@ -84,7 +84,7 @@ class _Messages(logging.Handler):
 
 @pytest.fixture
 def bus_log() -> Iterator[_Messages]:
-    handler, logger = _Messages(), logging.getLogger("trainyard_common.bus")
+    handler, logger = _Messages(), logging.getLogger("trainyard_runtime.bus")
     logger.addHandler(handler)
     try:
         yield handler
@@ -136,7 +136,7 @@ async def test_a_script_that_saved_no_final_checkpoint_succeeds_without_a_model_
 ) -> None:
     """User code without the SDK saves no checkpoint: its success has no model to wait for, and
     waiting for one anyway would hold every later success on that partition behind its retries."""
-    from trainyard_common.spec import Code
+    from trainyard_contract.spec import Code
 
     spec = TrainingSpec.model_validate(SPEC).model_copy(
         update={"code": Code(archive="sha256:" + "c" * 64, entrypoint=["python", "train.py"])})

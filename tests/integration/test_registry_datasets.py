@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from trainyard_api import ApiServer
-from trainyard_common import events as ev
-from trainyard_common.storage import sha256_file
+from trainyard_contract import events as ev
+from trainyard_contract.storage import sha256_file
 
 from tests.integration.test_coordinator import Stack, TopicTail, publish, start_stack, stop_stack, wait_for
 from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, spec_with

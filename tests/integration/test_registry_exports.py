@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import events as ev
-from trainyard_common.records import ExportRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_contract.records import ExportRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys
 from tests.integration.test_coordinator import (
     SPEC,
     TENANT,

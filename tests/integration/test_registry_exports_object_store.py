@@ -24,13 +24,13 @@ from tests.support.api import TOKEN_A, client_for, seed
 from trainyard.checkpoint import save_checkpoint
 from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
-from trainyard_common import events as ev
-from trainyard_common.catalog import resolve_model
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import ArtifactRecord, DatasetRecord, JobRecord, Lineage
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import (
+from trainyard_contract import events as ev
+from trainyard_contract.catalog import resolve_model
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import ArtifactRecord, DatasetRecord, JobRecord, Lineage
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import (
     EXPORT_LISTING,
     ArtifactLayout,
     ObjectPath,
@@ -40,7 +40,7 @@ from trainyard_common.storage import (
     read_bytes,
     sha256_of,
 )
-from trainyard_common.store import StateStore
+from trainyard_runtime.store import StateStore
 from trainyard_registry import transfer
 from trainyard_registry.exporter import Exporter
 from trainyard_registry.settings import RegistrySettings

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import events as ev
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import ArtifactRecord, CheckpointRecord, Lineage
-from trainyard_common.store import StateStore, connect_redis
+from trainyard_contract import events as ev
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import ArtifactRecord, CheckpointRecord, Lineage
+from trainyard_runtime.store import StateStore, connect_redis
 from trainyard_registry.lineage import registered
 from tests.integration.test_coordinator import (
     TENANT,

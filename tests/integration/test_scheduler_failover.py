@@ -21,10 +21,10 @@ import pytest
 
 from tests.conftest import env_vars
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.events import DeviceInfo, GangAllocated, JobSubmitted, NodeHeartbeat
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.events import DeviceInfo, GangAllocated, JobSubmitted, NodeHeartbeat
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import SchedulerKeys
 from tests.support.datasets import verified
 

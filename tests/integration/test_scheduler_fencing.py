@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from trainyard_common.errors import FencingError, LeaseConflictError
-from trainyard_common.leases import Device
-from trainyard_common.store import Keys, connect_redis
+from trainyard_contract.errors import FencingError, LeaseConflictError
+from trainyard_runtime.leases import Device
+from trainyard_runtime.store import Keys, connect_redis
 from trainyard_scheduler.fencing import FencedLeases, LeaderKeys, Leadership
 from trainyard_scheduler.policy import UNLIMITED
 
@@ -112,8 +112,8 @@ async def test_queue_config_comes_from_redis_first_then_the_file(redis: Any, env
                                                                  tmp_path: Any) -> None:
     from types import SimpleNamespace
 
-    from trainyard_common.outbox import Outbox
-    from trainyard_common.store import StateStore
+    from trainyard_runtime.outbox import Outbox
+    from trainyard_runtime.store import StateStore
     from trainyard_scheduler import Scheduler, SchedulerSettings
 
     path = tmp_path / "queue.yaml"
@@ -140,8 +140,8 @@ async def test_a_tenants_settings_set_through_the_api_win_over_the_file_without_
         redis: Any, env: dict[str, Any], tmp_path: Any) -> None:
     from types import SimpleNamespace
 
-    from trainyard_common.outbox import Outbox
-    from trainyard_common.store import StateStore
+    from trainyard_runtime.outbox import Outbox
+    from trainyard_runtime.store import StateStore
     from trainyard_scheduler import Scheduler, SchedulerSettings
 
     path = tmp_path / "queue.yaml"
@@ -168,9 +168,9 @@ async def test_an_auto_checkpoint_policy_gets_the_advised_interval(redis: Any, e
     from types import SimpleNamespace
 
     from tests.integration.test_scheduler_stack import make_spec
-    from trainyard_common.outbox import Outbox
-    from trainyard_common.records import JobRecord
-    from trainyard_common.store import StateStore
+    from trainyard_runtime.outbox import Outbox
+    from trainyard_contract.records import JobRecord
+    from trainyard_runtime.store import StateStore
     from trainyard_scheduler import Scheduler, SchedulerSettings
 
     runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")

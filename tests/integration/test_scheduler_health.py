@@ -19,9 +19,9 @@ import pytest
 import pytest_asyncio
 
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.controlrecords import record_control_request
-from trainyard_common.events import (
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_runtime.controlrecords import record_control_request
+from trainyard_contract.events import (
     DeviceInfo,
     GangAllocated,
     JobControlRequested,
@@ -35,11 +35,11 @@ from trainyard_common.events import (
     WorkerStarted,
     utcnow,
 )
-from trainyard_common.leases import LeaseManager
-from trainyard_common.records import JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.leases import LeaseManager
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place
@@ -307,8 +307,8 @@ async def test_init_from_starts_the_first_attempt_from_the_parent_jobs_ready_che
     checkpoint of its own, its attempts start from the parent's (the trainer takes the weights);
     a parent checkpoint that is gone fails the child with the reason instead of silently starting
     from scratch."""
-    from trainyard_common.records import CheckpointRecord
-    from trainyard_common.spec import InitFrom
+    from trainyard_contract.records import CheckpointRecord
+    from trainyard_contract.spec import InitFrom
 
     r = rig
     await poll(lambda: _no_leases(r), "the devices of earlier tests released", WAIT_S)

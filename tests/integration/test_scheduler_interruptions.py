@@ -22,8 +22,8 @@ import pytest_asyncio
 
 from tests.integration.test_scheduler_health import Rig
 from tests.integration.test_scheduler_stack import EventTap, make_spec, poll
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.events import (
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_contract.events import (
     CheckpointReady,
     CheckpointRequested,
     DeviceInfo,
@@ -35,9 +35,9 @@ from trainyard_common.events import (
     NodeUndrained,
     WorkerExited,
 )
-from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract.records import CheckpointRecord, JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler import transitions as tr
 
@@ -111,7 +111,7 @@ async def rig(kafka_bootstrap: str, redis_server_url: str,
 
 
 async def _available(r: Rig, count: int) -> bool:
-    from trainyard_common.events import utcnow
+    from trainyard_contract.events import utcnow
 
     return len(await r.scheduler.nodes.available_nodes(utcnow())) == count
 

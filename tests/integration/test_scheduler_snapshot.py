@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from trainyard_common.events import DeviceInfo, NodeHeartbeat, utcnow
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.events import DeviceInfo, NodeHeartbeat, utcnow
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler.keys import SchedulerKeys
 from trainyard_scheduler.snapshot import SNAPSHOT_REPAIRS, SnapshotCache

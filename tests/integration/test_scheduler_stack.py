@@ -21,9 +21,9 @@ import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
 
-from trainyard_common.bus import Bus, ensure_topics
-from trainyard_common.controlrecords import record_control_request
-from trainyard_common.events import (
+from trainyard_runtime.bus import Bus, ensure_topics
+from trainyard_runtime.controlrecords import record_control_request
+from trainyard_contract.events import (
     ALL_TOPICS,
     JOBS,
     AllocationRevoked,
@@ -41,12 +41,12 @@ from trainyard_common.events import (
     decode_event,
     utcnow,
 )
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.records import CheckpointRecord, JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_node_agent import AgentKeys, NodeAgent, NodeAgentSettings
 from trainyard_scheduler import Scheduler, SchedulerSettings
 

@@ -40,8 +40,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from trainyard_common.errors import FencingError
-from trainyard_common.events import (
+from trainyard_contract.errors import FencingError
+from trainyard_contract.events import (
     AllocationRevoked,
     CheckpointReady,
     DeviceInfo,
@@ -54,10 +54,10 @@ from trainyard_common.events import (
     decode_event,
     utcnow,
 )
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import CheckpointRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_node_agent.admission import Launch, judge
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from trainyard_common.controlrecords import UnauthorisedEventError
-from trainyard_common.events import JobSubmitted
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys, StateStore
+from trainyard_runtime.controlrecords import UnauthorisedEventError
+from trainyard_contract.events import JobSubmitted
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys, StateStore
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler.scheduler import SchedulerKeys
 from tests.support.api import spec_with

@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import exitcodes
-from trainyard_common.events import CheckpointRef, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_contract import exitcodes
+from trainyard_contract.events import CheckpointRef, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
 from trainyard_cli import infra
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes
 from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
 from tests.integration.test_trainer_ranks import (
     RunResult,

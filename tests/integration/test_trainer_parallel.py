@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_trainer.data import STDLIB_SOURCES, TokenDataset, prepare_dataset
 from trainyard_trainer.model import build_model
 from trainyard_trainer.sampler import BatchLoader, GlobalSampler

@@ -40,11 +40,11 @@ from trainyard.checkpoint import save_checkpoint
 from trainyard.tensorhash import read_tensor_digests
 from trainyard_checkpoint_coordinator.assembly import CheckpointKey, Complete, ShardReport, assess
 from trainyard_cli import infra
-from trainyard_common import exitcodes
-from trainyard_common.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
-from trainyard_common.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash, tensors_hash
-from trainyard_common.spec import InitFrom, TrainingSpec
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
+from trainyard_contract import exitcodes
+from trainyard_contract.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_contract.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash, tensors_hash
+from trainyard_contract.spec import InitFrom, TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
 from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
 from tests.support.otlp import OtlpSink
 

@@ -20,12 +20,12 @@ import pytest
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api import ApiSettings
 
-from trainyard_common.outbox import Outbox
-from trainyard_common import codetree
-from trainyard_common.errors import ConfigError
-from trainyard_common.spec import Code
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.store import StateStore
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract import codetree
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.spec import Code
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_runtime.store import StateStore
 from trainyard_node_agent.codecache import CodeCache
 
 from tests.integration.test_api_code import GZIP, api  # noqa: F401 - fixture

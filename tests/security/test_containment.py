@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 from trainyard_cli import infra
-from trainyard_common.events import NodeHeartbeat, WorkerExited, WorkerStarted
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.events import NodeHeartbeat, WorkerExited, WorkerStarted
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_node_agent import cgroups
 from trainyard_node_agent.sandbox import job_uid
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from trainyard_api import ApiServer
 from trainyard_cli.main import app
-from trainyard_common.storage import ArtifactLayout, sha256_file
+from trainyard_contract.storage import ArtifactLayout, sha256_file
 from trainyard_trainer.data_cli import main as data_main
 
 from tests.support.api import TOKEN_A, TOKEN_B, running_api

@@ -26,10 +26,10 @@ import yaml
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from trainyard_cli.stack import LocalStack
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, sha256_file
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, sha256_file
 
 from tests.security.test_forged_events import finished, tenant_token
 from tests.support.stack import running_stack

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import events as ev
+from trainyard_contract import events as ev
 from tests.integration.test_coordinator import TENANT, Stack, given_job, publish, start_stack, stop_stack, wait_for
 from tests.integration.test_registry_exports import export_failed, ready_artifact, settled
 

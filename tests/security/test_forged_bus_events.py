@@ -24,10 +24,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from trainyard_api.jobs import JobService
-from trainyard_common import events as ev
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import JobRecord, TenantToken
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import JobRecord, TenantToken
+from trainyard_runtime.store import Keys
 
 from tests.integration.test_scheduler_stack import (  # noqa: F401 - stack_env and stack are fixtures
     Stack,

@@ -104,7 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 def tenant_token(stack: LocalStack, tenant: str) -> str:
     """A token of another tenant (the stack's own token is the dev tenant's)."""
     from trainyard_api.auth import issue_token
-    from trainyard_common.store import StateStore, connect_redis
+    from trainyard_runtime.store import StateStore, connect_redis
 
     async def issue() -> str:
         redis = connect_redis(stack.redis_url)

@@ -17,12 +17,12 @@ import httpx
 import pytest
 
 from trainyard_api import ApiServer
-from trainyard_common import events as ev
-from trainyard_common.bus import Bus
-from trainyard_common.events import utcnow
-from trainyard_common.records import JobRecord
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.store import Keys
+from trainyard_contract import events as ev
+from trainyard_runtime.bus import Bus
+from trainyard_contract.events import utcnow
+from trainyard_contract.records import JobRecord
+from trainyard_contract.spec import TrainingSpec
+from trainyard_runtime.store import Keys
 from tests.support.api import TOKEN_A, TOKEN_ADMIN, client_for, running_api, spec_with
 
 pytestmark = pytest.mark.integration

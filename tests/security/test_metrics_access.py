@@ -12,8 +12,8 @@ import httpx
 import pytest
 from trainyard_api import ApiSettings
 from trainyard_api.app import ApiContext, create_app
-from trainyard_common.outbox import Outbox
-from trainyard_common.store import StateStore
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.store import StateStore
 
 from tests.support.api import TOKEN_A, TOKEN_ADMIN, client_for, seed
 

@@ -9,9 +9,9 @@ import socket
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
-from trainyard_common import metrics_server
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.settings import ServiceSettings
+from trainyard_runtime import metrics_server
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.settings import ServiceSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.security]
 

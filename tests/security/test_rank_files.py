@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainyard_common.events import DeadLetter, NodeHeartbeat, StepMetrics, WorkerExited, WorkerStarted
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.events import DeadLetter, NodeHeartbeat, StepMetrics, WorkerExited, WorkerStarted
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.storage import ArtifactLayout
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture

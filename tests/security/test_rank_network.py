@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from trainyard_cli import infra
-from trainyard_common.events import (
+from trainyard_contract.events import (
     GangAllocated,
     NodeAssignment,
     NodeHeartbeat,
@@ -38,9 +38,9 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_node_agent.rank_network import SETTING, table_name
 from trainyard_node_agent.settings import NodeAgentSettings
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from trainyard_cli import infra
-from trainyard_common.codetree import archive_id, pack
-from trainyard_common.events import (
+from trainyard_contract.codetree import archive_id, pack
+from trainyard_contract.events import (
     CheckpointRef,
     GangAllocated,
     NodeAssignment,
@@ -34,9 +34,9 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.leases import Device, LeaseManager
-from trainyard_common.spec import InitFrom, TrainingSpec
-from trainyard_common.storage import ArtifactLayout, path_to_uri
+from trainyard_runtime.leases import Device, LeaseManager
+from trainyard_contract.spec import InitFrom, TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, path_to_uri
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
 from tests.integration.test_node_agent_failures import NODE, Rig, heartbeat_after, rig  # noqa: F401 - fixture

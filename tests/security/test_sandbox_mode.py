@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainyard_common.events import NodeHeartbeat
+from trainyard_contract.events import NodeHeartbeat
 
 from tests.conftest import env_vars
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test

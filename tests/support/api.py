@@ -24,8 +24,8 @@ import httpx
 
 from trainyard_api import ApiServer, ApiSettings
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.records import DatasetRecord
-from trainyard_common.store import StateStore
+from trainyard_contract.records import DatasetRecord
+from trainyard_runtime.store import StateStore
 
 TOKEN_A, TOKEN_B = "token-tenant-a", "token-tenant-b"
 TOKEN_ADMIN = "token-admin"
@@ -50,9 +50,9 @@ async def seed_history(store: StateStore, *, steps: int = 300) -> None:
     (the built-in series and a custom one), as the ingest writes it: the metrics routes answer with data, not
     empty. Finished, so that following its logs (``follow=true``) ends at once, as a request has to."""
     from trainyard_api.metrics_history import MetricHistory
-    from trainyard_common import events as ev
-    from trainyard_common.records import AttemptRecord, JobRecord, utcnow
-    from trainyard_common.spec import TrainingSpec
+    from trainyard_contract import events as ev
+    from trainyard_contract.records import AttemptRecord, JobRecord, utcnow
+    from trainyard_contract.spec import TrainingSpec
 
     spec = TrainingSpec.model_validate(spec_with())
     await store.create_job(JobRecord(

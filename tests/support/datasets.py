@@ -8,11 +8,11 @@ import json
 import shutil
 from pathlib import Path
 
-from trainyard_common import events as ev
-from trainyard_common.records import DatasetRecord
-from trainyard_common.spec import DatasetRef
-from trainyard_common.storage import ArtifactLayout, path_to_uri, sha256_file
-from trainyard_common.store import StateStore
+from trainyard_contract import events as ev
+from trainyard_contract.records import DatasetRecord
+from trainyard_contract.spec import DatasetRef
+from trainyard_contract.storage import ArtifactLayout, path_to_uri, sha256_file
+from trainyard_runtime.store import StateStore
 
 
 def write_dataset(layout: ArtifactLayout, name: str, version: str, tenant: str | None = None,

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.hfconfig import hf_config
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.hfconfig import hf_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

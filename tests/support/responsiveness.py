@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard_common.events import NodeHeartbeat
+from trainyard_contract.events import NodeHeartbeat
 
 
 def heartbeat_gaps(tap: Any, node_id: str) -> list[float]:

@@ -15,7 +15,7 @@ from redis import exceptions as redis_errors
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.settings import ApiSettings
-from trainyard_common.store import StateStore
+from trainyard_runtime.store import StateStore
 
 
 class FailingRedis:
@@ -177,7 +177,7 @@ async def test_a_query_parameter_given_twice_is_a_422_and_unknown_ones_are_ignor
 async def test_the_event_contract_is_served_without_a_token_and_without_redis() -> None:
     import yaml
 
-    from trainyard_common import contract
+    from trainyard_contract import asyncapi as contract
 
     app = create_app(ApiContext(ApiSettings(), StateStore(FailingRedis(AssertionError("no command"))), None))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as c:

@@ -10,8 +10,8 @@ from starlette.exceptions import HTTPException
 
 from trainyard_api.audit import entry_fields, entry_view, outcome_of
 from trainyard_api.roles import ForbiddenError
-from trainyard_common.errors import ConflictError, NotFoundError, SpecError, StateStoreError
-from trainyard_common.records import TenantToken
+from trainyard_contract.errors import ConflictError, NotFoundError, SpecError, StateStoreError
+from trainyard_contract.records import TenantToken
 
 
 @pytest.mark.parametrize(("exc", "outcome"), [

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from trainyard_api.bodies import PlanDevice, PlanLayout, SubmittedSpec
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import DeviceSpec, Layout
 
 INLINE = {"vocabSize": 1024, "nLayers": 2, "nHeads": 4, "dModel": 64, "maxSeqLen": 128}

@@ -34,11 +34,11 @@ from trainyard_api.planning import (
     transformer_for,
 )
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.errors import SpecError
-from trainyard_common.events import CheckpointRef, StepMetrics
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.errors import SpecError
+from trainyard_contract.events import CheckpointRef, StepMetrics
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import (
     FP32_ADAM,
     Calibration,

@@ -16,8 +16,8 @@ from trainyard_api.code import (
     upload_problem,
 )
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.errors import SpecError
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.errors import SpecError
+from trainyard_contract.spec import TrainingSpec
 
 HEX = "ab" * 32
 ARCHIVE = f"sha256:{HEX}"

@@ -7,7 +7,7 @@ import pytest
 
 from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
 from trainyard_api.metrics_history import curve, decode, parse_series, window
-from trainyard_common.errors import SpecError
+from trainyard_contract.errors import SpecError
 
 
 def series(n: int) -> tuple[np.ndarray, np.ndarray]:

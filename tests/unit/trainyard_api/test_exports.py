@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from trainyard_api.exports import Existing, New, export_request, job_of
-from trainyard_common.errors import ConflictError, NotFoundError
-from trainyard_common.records import ArtifactRecord, ExportRecord, Lineage, TenantToken
+from trainyard_contract.errors import ConflictError, NotFoundError
+from trainyard_contract.records import ArtifactRecord, ExportRecord, Lineage, TenantToken
 
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
 CKPT = "job-1/checkpoint/step-000000040-a1"

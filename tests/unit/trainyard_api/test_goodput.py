@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_api.goodput import KINDS, Ledger, StepTiming, attempt_ledger, job_ledger, total
 from trainyard_api.schemas import EXAMPLE_SPEC as SPEC
 

@@ -12,12 +12,12 @@ import pytest
 from trainyard_api.jobs import find_start, hugging_face_start
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.validation import check_hugging_face_start, resolve_model_config
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConfigError
-from trainyard_common.hfconfig import hf_config
-from trainyard_common.hfdir import HfDir
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.hfconfig import hf_config
+from trainyard_contract.hfdir import HfDir
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 
 LLAMA = MODEL_CATALOG["llama-tiny@v1"]
 

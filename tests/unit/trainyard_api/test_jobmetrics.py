@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 from prometheus_client import REGISTRY
 
-from trainyard_common.events import StepMetrics
-from trainyard_common.records import JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import StepMetrics
+from trainyard_contract.records import JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_api.goodput import Ledger
 from trainyard_api.jobmetrics import JobSeries, Seen, expired
 from trainyard_api.schemas import EXAMPLE_SPEC

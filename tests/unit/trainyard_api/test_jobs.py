@@ -11,8 +11,8 @@ import pytest
 
 from trainyard_api.jobs import control_refusal, new_job_id, new_job_record
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.records import TenantToken
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import TenantToken
+from trainyard_contract.spec import TrainingSpec
 
 
 def test_job_ids_are_job_dash_12_hex_and_idempotency_keys_are_per_tenant() -> None:

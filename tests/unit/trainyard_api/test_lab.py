@@ -15,7 +15,7 @@ from trainyard_api.lab import (
     lab_scaling,
 )
 from trainyard_api.planning import PlanRequest, plan
-from trainyard_common.errors import SpecError
+from trainyard_contract.errors import SpecError
 from trainyard_planner import device_spec, young_interval
 
 

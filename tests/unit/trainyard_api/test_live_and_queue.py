@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from trainyard_api.cluster import public_reason, queue, redact_job_ids
 from trainyard_api.live import LiveHub
-from trainyard_common.records import JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import JobRecord
+from trainyard_contract.spec import TrainingSpec
 from tests.support.api import spec_with
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from trainyard_api.admin import node_view
-from trainyard_common.records import NodeRecord
+from trainyard_contract.records import NodeRecord
 
 
 @pytest.mark.parametrize("mode", ["enforce", "trusted-single-tenant", None])

@@ -18,9 +18,9 @@ from trainyard_api.planning import (
 )
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.validation import InvalidSpecError
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import SpecError
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import SpecError
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import Recompute, ZeroStage
 
 # 4.0B parameters: 71.9 GB used on one device (inside 80 GB, but not with 15 % headroom)

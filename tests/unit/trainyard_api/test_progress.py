@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 import pytest
 
 from trainyard_api.progress import advance_progress
-from trainyard_common.events import StepMetrics
-from trainyard_common.records import Progress
+from trainyard_contract.events import StepMetrics
+from trainyard_contract.records import Progress
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 

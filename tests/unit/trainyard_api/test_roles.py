@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainyard_api.roles import ROLES, Right, authorize, check_token, may_grant, rights, token_state, weakest_role_with
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 R = Right

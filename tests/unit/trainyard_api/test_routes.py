@@ -13,7 +13,7 @@ from trainyard_api.context import ApiContext
 from trainyard_api.routes import audit, cluster, code, dashboard, datasets, goodput, jobs, lab, nodes, operations, plan
 from trainyard_api.routes import registry, tenants, triggers, whoami
 from trainyard_api.settings import ApiSettings
-from trainyard_common.store import StateStore
+from trainyard_runtime.store import StateStore
 
 
 @pytest.mark.parametrize(("module", "tag"), [

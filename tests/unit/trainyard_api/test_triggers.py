@@ -20,8 +20,8 @@ from trainyard_api.triggers import (
     visible_as,
 )
 from trainyard_api.validation import FieldProblem, field_errors, strict_body_errors, under
-from trainyard_common.events import ArtifactRegistered
-from trainyard_common.records import TriggerRecord
+from trainyard_contract.events import ArtifactRegistered
+from trainyard_contract.records import TriggerRecord
 
 
 def trigger(tenant: str = "acme", dataset: str = "wiki-*", sources: list[str] | None = None,

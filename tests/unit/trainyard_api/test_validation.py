@@ -19,8 +19,8 @@ from trainyard_api.validation import (
     field_errors,
     spec_field_paths,
 )
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.spec import TrainingSpec
 
 
 def spec_with(**changes: Any) -> dict[str, Any]:

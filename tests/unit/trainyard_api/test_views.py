@@ -13,9 +13,9 @@ from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.settings import ApiSettings
 from trainyard_api.goodput_history import GoodputInterval
 from trainyard_api.views import JobExtras, goodput_interval_view, job_summary, job_view
-from trainyard_common.errors import AuthError
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.errors import AuthError
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
+from trainyard_contract.spec import TrainingSpec
 
 REPO = Path(__file__).resolve().parents[3]
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -16,8 +16,8 @@ from trainyard_checkpoint_coordinator.advice import (
     device_mtbf,
 )
 from trainyard_checkpoint_coordinator.assembly import ShardTiming
-from trainyard_common.records import CheckpointRecord
-from trainyard_common.spec import CheckpointPolicy
+from trainyard_contract.records import CheckpointRecord
+from trainyard_contract.spec import CheckpointPolicy
 from trainyard_planner.checkpoint import daly_interval, young_interval
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -27,8 +27,8 @@ from trainyard_checkpoint_coordinator.assembly import (
     settle_ready,
     settled_event,
 )
-from trainyard_common.events import CheckpointFailed, CheckpointReady, FileDigest, ShardWritten, TensorDigest
-from trainyard_common.manifest import ParallelLayout, ShardEntry, content_hash, tensors_hash, verify_manifest
+from trainyard_contract.events import CheckpointFailed, CheckpointReady, FileDigest, ShardWritten, TensorDigest
+from trainyard_contract.manifest import ParallelLayout, ShardEntry, content_hash, tensors_hash, verify_manifest
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = CheckpointKey("job-1", attempt=1, global_step=40)

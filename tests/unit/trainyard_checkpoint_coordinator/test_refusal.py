@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.events import CheckpointRefused
-from trainyard_common.records import CheckpointRecord
+from trainyard_contract.events import CheckpointRefused
+from trainyard_contract.records import CheckpointRecord
 
 from trainyard_checkpoint_coordinator.assembly import refusal_reason, settle_refused
 

@@ -16,8 +16,8 @@ from trainyard_checkpoint_coordinator.retention import (
     protected_checkpoints,
     retention_candidates,
 )
-from trainyard_common.events import CheckpointRef
-from trainyard_common.records import AttemptRecord, CheckpointRecord
+from trainyard_contract.events import CheckpointRef
+from trainyard_contract.records import AttemptRecord, CheckpointRecord
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

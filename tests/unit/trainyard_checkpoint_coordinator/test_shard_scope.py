@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainyard_checkpoint_coordinator.assembly import CheckpointKey, ShardReport, shard_refusal
-from trainyard_common.events import FileDigest
+from trainyard_contract.events import FileDigest
 
 ROOT = "file:///srv/artifacts"
 DIR = f"{ROOT}/tenants/acme/jobs/job-1/checkpoints/step-000000040-a1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainyard_cli.admin import parse_duration, parse_quota, quota_limit
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("15m", 900), ("12h", 43_200),

@@ -18,8 +18,8 @@ from trainyard_cli import main
 NEVER = ("torch", "transformers", "faststream", "aiokafka", "redis", "opentelemetry", "numpy", "trio._core")
 """Not for any command that merely starts, asks for help or talks to the API (httpcore's ``import trio`` is
 listed even when it fails: ``trio._core`` says whether trio was loaded)."""
-NOT_FOR_HELP = (*NEVER, "httpx", "httpcore", "trainyard_common.wire", "trainyard_common.events",
-                "trainyard_common.spec", "trainyard_common.records", "trainyard_planner", "pydantic_settings",
+NOT_FOR_HELP = (*NEVER, "httpx", "httpcore", "trainyard_contract.wire", "trainyard_contract.events",
+                "trainyard_contract.spec", "trainyard_contract.records", "trainyard_planner", "pydantic_settings",
                 "rich.progress", "yaml", "pathspec")
 """Not for ``--help``, nor for importing the command line: the API client and the platform's models."""
 ENTRY = "import sys; from trainyard_cli.main import app; sys.exit(app(prog_name='trainyard'))"
@@ -68,11 +68,11 @@ def test_a_command_that_asks_the_api_imports_no_service_code() -> None:
                           env=ENV, check=False)
     assert done.returncode == 1 and "cannot reach the trainyard API" in done.stderr
     modules = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "httpx" in modules and "trainyard_common.wire" in modules
+    assert "httpx" in modules and "trainyard_contract.wire" in modules
     assert loaded(modules, NEVER) == []
-    # the REST bodies, not the event models and records behind them (trainyard_common.wirebase)
-    assert loaded(modules, ("trainyard_common.events", "trainyard_common.records", "trainyard_common.spec",
-                            "trainyard_common.catalog")) == []
+    # the REST bodies, not the event models and records behind them (trainyard_contract.wirebase)
+    assert loaded(modules, ("trainyard_contract.events", "trainyard_contract.records", "trainyard_contract.spec",
+                            "trainyard_contract.catalog")) == []
 
 
 @pytest.mark.parametrize("name", ["models", "dev", "admin", "plan"])

@@ -17,7 +17,7 @@ from trainyard_cli.client import (
     ApiUnreachableError,
     error_for,
 )
-from trainyard_common.errors import AuthError, NotFoundError, SpecError
+from trainyard_contract.errors import AuthError, NotFoundError, SpecError
 
 JOB = {
     "jobId": "job-0123456789ab", "tenant": "t", "name": "tiny", "state": "running", "specHash": "sha256:x",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from trainyard_cli import codepack
-from trainyard_common import codetree
-from trainyard_common.errors import ConfigError
+from trainyard_contract import codetree
+from trainyard_contract.errors import ConfigError
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@e", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}

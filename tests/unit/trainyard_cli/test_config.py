@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainyard_cli.config import DEFAULT_API_URL, CliConfig, load_spec, resolve_api_url, resolve_token
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 
 def test_flag_beats_files_and_files_beat_the_default(tmp_path: Path) -> None:

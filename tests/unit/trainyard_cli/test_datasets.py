@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainyard_cli.main import app
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_trainer.data_cli import main as data_main
 
 Answer = Callable[[httpx.Request], httpx.Response]

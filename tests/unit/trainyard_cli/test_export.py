@@ -9,7 +9,7 @@ import pytest
 
 from trainyard_cli.client import Artifact, ArtifactView, ExportState
 from trainyard_cli.export import ExportFailedError, export_outcome, listing_problem, next_steps, pick_checkpoint
-from trainyard_common.errors import ConflictError
+from trainyard_contract.errors import ConflictError
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from trainyard_cli.main import app
 from trainyard_cli.render import checkpoints_table, field_problems, fmt_tokens, jobs_table
-from trainyard_common.wire import CheckpointView, JobSummary
+from trainyard_contract.wire import CheckpointView, JobSummary
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from trainyard_cli.main import app
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.storage import ArtifactLayout, sha256_file
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.storage import ArtifactLayout, sha256_file
 from typer.testing import CliRunner
 
 from tests.support.hfmodels import save_transformers_model

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from trainyard_cli import session as session_module
 from trainyard_cli.client import ApiClient
 from trainyard_cli.main import app
-from trainyard_common.catalog import MODEL_CATALOG
+from trainyard_contract.catalog import MODEL_CATALOG
 
 REPO = Path(__file__).resolve().parents[3]
 

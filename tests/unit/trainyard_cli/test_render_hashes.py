@@ -7,7 +7,7 @@ from rich.console import Console
 
 from trainyard_cli.client import Artifact
 from trainyard_cli.render import artifacts_table, checkpoints_table
-from trainyard_common.wire import CheckpointView
+from trainyard_contract.wire import CheckpointView
 
 TENSORS, CONTENT = "sha256:" + "7e" * 32, "sha256:" + "c0" * 32
 

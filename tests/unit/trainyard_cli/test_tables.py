@@ -22,7 +22,7 @@ from trainyard_cli.render import (
     triggers_table,
 )
 from trainyard_cli.tables import Col, Fitted, fit, shorten_middle
-from trainyard_common.wire import CheckpointView, JobSummary
+from trainyard_contract.wire import CheckpointView, JobSummary
 
 MAX_CELL_LINES = 4
 ROOT = "file:///home/researcher/trainyard/.trainyard/artifacts/tenants/acme/jobs/job-3f9a1c2b7d4e"

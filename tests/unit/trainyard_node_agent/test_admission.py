@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_contract.spec import TrainingSpec
 from trainyard_node_agent.admission import Launch, Refuse, judge, pick_backend, rank_env
 from trainyard_node_agent.settings import NodeAgentSettings
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainyard_common.events import CheckpointRequested
-from trainyard_common.spool import SpoolReader
+from trainyard_contract.events import CheckpointRequested
+from trainyard_contract.spool import SpoolReader
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.agent import NodeAgent
 from trainyard_node_agent.relay import Refusal

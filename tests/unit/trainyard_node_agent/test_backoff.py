@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.bus import RetryPolicy
+from trainyard_runtime.bus import RetryPolicy
 from trainyard_node_agent.backoff import INFRASTRUCTURE, ClosingGrace, closing_and_capped, past, retry
 
 

@@ -18,7 +18,7 @@ GLOO_PEER_LOG = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:5
 
 @pytest.mark.parametrize(("facts", "reason", "detail_has"), [
     (ExitFacts(0), "ok", None),
-    (ExitFacts(3, "trainyard_common.errors.NonFiniteError: loss is nan at step 7"), "nan", "nan at step 7"),
+    (ExitFacts(3, "trainyard_contract.errors.NonFiniteError: loss is nan at step 7"), "nan", "nan at step 7"),
     (ExitFacts(6), "oom", None),
     (ExitFacts(2), "config", None),
     (ExitFacts(4), "checkpoint", None),

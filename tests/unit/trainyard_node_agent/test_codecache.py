@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from trainyard_common.codetree import CodeTreeError, archive_id, pack
-from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-from trainyard_common.spec import Code, TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.codetree import CodeTreeError, archive_id, pack
+from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_contract.spec import Code, TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_node_agent.admission import rank_env
 from trainyard_node_agent.codecache import (
     TAMPERED,
@@ -393,7 +393,7 @@ def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_pat
         raise OSError(28, "No space left on device")
 
     cache = cache_of(tmp_path, layout)
-    monkeypatch.setattr("trainyard_common.codetree.os.chmod", full)  # the first write after a file's data
+    monkeypatch.setattr("trainyard_contract.codetree.os.chmod", full)  # the first write after a file's data
     with pytest.raises(OSError, match="No space left") as caught:
         cache.prepare(TENANT, archive.removeprefix("sha256:"))
     assert not isinstance(caught.value, CodeTreeError)
@@ -402,7 +402,7 @@ def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_pat
 
 def test_the_rank_table_remembers_which_code_a_rank_runs(tmp_path: Path) -> None:
     """An agent restarted while user code runs adopts the rank and keeps its tree out of eviction."""
-    from trainyard_common.spool import SpoolReader
+    from trainyard_contract.spool import SpoolReader
     from trainyard_node_agent.ranks import RankProcess
 
     rank = RankProcess(job_id="j", tenant="t1", attempt=1, allocation_id="a", epoch=1, rank=0, local_rank=0, pid=5,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_node_agent.confirmation import Announcement, verdict
 
 SPEC = TrainingSpec.model_validate({

@@ -30,7 +30,7 @@ def test_save_is_throttled_unless_forced_and_load_survives_garbage(tmp_path: Pat
 
 
 def test_a_rank_round_trips_through_its_persisted_form(tmp_path: Path) -> None:
-    from trainyard_common.spool import SpoolReader
+    from trainyard_contract.spool import SpoolReader
 
     rank = RankProcess(job_id="j", tenant="t", attempt=2, allocation_id="al", epoch=5, rank=1, local_rank=1,
                        pid=4321, log_path=tmp_path / "log", spool=SpoolReader(tmp_path / "spool", 77),

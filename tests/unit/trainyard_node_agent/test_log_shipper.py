@@ -11,10 +11,10 @@ import pytest
 
 from tests.objectstore import moto_s3
 from trainyard_api.logs import RankLogs, ShippedLog
-from trainyard_common.logsegments import segment_name
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spool import SpoolReader
-from trainyard_common.storage import ArtifactLayout, ObjectPath, list_children
+from trainyard_contract.logsegments import segment_name
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spool import SpoolReader
+from trainyard_contract.storage import ArtifactLayout, ObjectPath, list_children
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.log_shipper import LogShipper, due
 from tests.unit.trainyard_node_agent.test_supervisor import FakeClock

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from trainyard_common.service import serve_until_signalled
+from trainyard_runtime.service import serve_until_signalled
 from trainyard_node_agent import __main__ as main
 
 

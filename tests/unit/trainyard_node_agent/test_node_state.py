@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainyard.settings import RankSettings
-from trainyard_common.errors import ConfigError
-from trainyard_common.storage import ArtifactLayout, ObjectPath
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.storage import ArtifactLayout, ObjectPath
 from trainyard_node_agent.admission import rank_env
 from trainyard_node_agent.confinement import Confinement
 from trainyard_node_agent.settings import DEFAULT_NODE_STATE_DIR, NodeAgentSettings

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.unit.trainyard_node_agent.test_admission import gang
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 from trainyard_node_agent import rank_network as rn
 from trainyard_node_agent.admission import hosts_rendezvous, port_taken
 from trainyard_node_agent.settings import NodeAgentSettings

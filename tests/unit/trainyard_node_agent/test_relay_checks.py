@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from trainyard_common.events import (
+from trainyard_contract.events import (
     CHECKPOINTS,
     JOBS,
     METRICS,

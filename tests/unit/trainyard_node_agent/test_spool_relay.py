@@ -7,8 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from trainyard_common.events import CHECKPOINTS, METRICS, ShardWritten, StepMetrics
-from trainyard_common.spool import SpoolReader
+from trainyard_contract.events import CHECKPOINTS, METRICS, ShardWritten, StepMetrics
+from trainyard_contract.spool import SpoolReader
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.agent import NodeAgent
 from trainyard_node_agent.settings import NodeAgentSettings

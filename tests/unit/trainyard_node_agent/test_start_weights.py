@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_node_agent.confinement import start_weights
 
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.events import WorkerExited
-from trainyard_common.spool import SpoolReader
+from trainyard_contract.events import WorkerExited
+from trainyard_contract.spool import SpoolReader
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.supervision import RankState, Trigger

@@ -102,7 +102,7 @@ def test_cpu_device_uses_the_measured_peak() -> None:
 
 
 def test_llama_flops_count_its_own_parameters_and_every_query_head() -> None:
-    from trainyard_common.catalog import MODEL_CATALOG
+    from trainyard_contract.catalog import MODEL_CATALOG
 
     config = MODEL_CATALOG["llama-1b@v1"]
     model = Transformer.from_model_config(config, seq_len=2048)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.catalog import MODEL_CATALOG
+from trainyard_contract.catalog import MODEL_CATALOG
 from trainyard_planner import Transformer
 
 

@@ -17,9 +17,9 @@ import pytest
 from tests.objectstore import moto_s3
 from trainyard_api.bodies import DatasetPublishBody
 from trainyard_api.datasets import DatasetService
-from trainyard_common.events import DatasetVersionPublished
-from trainyard_common.records import TenantToken
-from trainyard_common.storage import ArtifactLayout, commit_bytes, read_bytes, remove_file
+from trainyard_contract.events import DatasetVersionPublished
+from trainyard_contract.records import TenantToken
+from trainyard_contract.storage import ArtifactLayout, commit_bytes, read_bytes, remove_file
 from trainyard_registry.registry import Registry
 from trainyard_registry.settings import RegistrySettings
 from trainyard_trainer.data import train_tokenizer

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from trainyard_common.events import ExportRequested, decode_event, export_id, REGISTRY, EXPORTS
-from trainyard_common.records import ArtifactRecord, ExportRecord, Lineage
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import ExportRequested, decode_event, export_id, REGISTRY, EXPORTS
+from trainyard_contract.records import ArtifactRecord, ExportRecord, Lineage
+from trainyard_contract.spec import TrainingSpec
 from trainyard_registry.exports import (
     Convert,
     Refuse,

@@ -7,9 +7,9 @@ from uuid import UUID
 
 import pytest
 
-from trainyard_common import events as ev
-from trainyard_common.records import JobRecord, Lineage
-from trainyard_common.spec import Code
+from trainyard_contract import events as ev
+from trainyard_contract.records import JobRecord, Lineage
+from trainyard_contract.spec import Code
 from trainyard_registry.lineage import (
     artifact_lineage,
     build_lineage,

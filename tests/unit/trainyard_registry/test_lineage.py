@@ -6,10 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.events import CheckpointReady, CheckpointRef, DatasetVersionPublished
-from trainyard_common.records import AttemptRecord, CheckpointRecord, DatasetRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.events import CheckpointReady, CheckpointRef, DatasetVersionPublished
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, DatasetRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_registry.lineage import (
     artifact_id,
     artifact_lineage,
@@ -171,7 +171,7 @@ def test_dataset_from_manifest() -> None:
 
 
 def test_a_job_started_from_a_hugging_face_directory_names_it_in_every_artifact_and_others_do_not() -> None:
-    from trainyard_common.records import HuggingFaceStart
+    from trainyard_contract.records import HuggingFaceStart
 
     started = job(initFrom={"huggingFace": "models/tiny"}).model_copy(update={"hugging_face_start": HuggingFaceStart(
         directory="models/tiny", uri="file:///art/tenants/t/models/tiny", config_sha256="a" * 64,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from trainyard_common.records import CheckpointRecord
+from trainyard_contract.records import CheckpointRecord
 from trainyard_registry.lineage import checkpoint_artifact, retire, retired_since_ready, retirements
 from tests.unit.trainyard_registry.test_lineage import DATASET, MANIFEST, NOW, job, ready
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from trainyard_common.events import DatasetVersionPublished
+from trainyard_contract.events import DatasetVersionPublished
 from trainyard_registry.verification import (
     FileSeen,
     VersionSeen,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from trainyard_common.events import AllocationRevoked, CheckpointRequested
+from trainyard_contract.events import AllocationRevoked, CheckpointRequested
 from trainyard_scheduler import health
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence

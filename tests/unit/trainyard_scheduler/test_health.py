@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 from trainyard_scheduler import health as h
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -134,7 +134,7 @@ def test_a_tenants_share_decays_with_the_score_and_the_record_round_trips() -> N
 
 
 def test_a_quarantine_is_recorded_the_same_way_whoever_decided_it() -> None:
-    from trainyard_common.events import NodeQuarantined
+    from trainyard_contract.events import NodeQuarantined
 
     at = T0
     by_score = NodeQuarantined(node_id="n1", reason="failure score 3.10", score=3.1, until=at, by="reputation",

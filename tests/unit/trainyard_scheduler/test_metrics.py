@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 from prometheus_client import REGISTRY
 
-from trainyard_common.records import AttemptRecord, JobRecord, NodeRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import AttemptRecord, JobRecord, NodeRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler.metrics import ClusterGauges, cluster_view, waiting_since
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainyard_common.events import DeviceInfo
+from trainyard_contract.events import DeviceInfo
 from trainyard_scheduler.placement import (
     CLUSTER,
     DOMAIN,

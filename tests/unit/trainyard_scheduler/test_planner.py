@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from trainyard_common.devices import Device
-from trainyard_common.events import DeviceInfo
+from trainyard_contract.devices import Device
+from trainyard_contract.events import DeviceInfo
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
 from trainyard_scheduler.planner import (
     Admit,

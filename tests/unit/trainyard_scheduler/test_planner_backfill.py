@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler.planner import PlanStats, expected_duration_s, plan
 
 from .test_planner import T0, config, job, kinds, node, running, snapshot_with, summary

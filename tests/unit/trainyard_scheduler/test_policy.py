@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 from trainyard_scheduler.policy import UNLIMITED, QueueConfig, dump_queue_config, parse_queue_config
 
 YAML = """
@@ -97,7 +97,7 @@ def test_an_unreadable_stored_entry_is_named_and_the_document_entry_kept() -> No
 
 
 def test_a_tenant_deleted_through_the_api_is_not_seeded_again_from_the_document() -> None:
-    from trainyard_common.records import DELETED_TENANT_SETTINGS
+    from trainyard_contract.records import DELETED_TENANT_SETTINGS
     from trainyard_scheduler.policy import tenant_seeds, with_tenant_settings
 
     base = parse_queue_config("tenants: {a: {weight: 3}, b: {weight: 2}}\n")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from trainyard_common.events import NodeAssignment, RankAssignment
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import NodeAssignment, RankAssignment
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler import transitions as tr
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

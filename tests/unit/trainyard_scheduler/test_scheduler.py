@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_common.events import JobSubmitted
-from trainyard_common.records import JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import JobSubmitted
+from trainyard_contract.records import JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler.scheduler import submission_refusal
 
 SPEC = TrainingSpec.model_validate({

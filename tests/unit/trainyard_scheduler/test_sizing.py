@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard_common.catalog import MODEL_CATALOG
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import LayoutAssumption, Transformer, estimate_memory, spec_layout
 from trainyard_scheduler.sizing import min_device_memory
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from trainyard_common.events import (
+from trainyard_contract.events import (
     AllocationRevoked,
     CheckpointRef,
     CheckpointRequested,
@@ -17,8 +17,8 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.records import CheckpointRecord, DatasetRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
 
@@ -719,7 +719,7 @@ def test_the_wait_for_a_settling_checkpoint_is_bounded_and_can_be_turned_off() -
 
 
 def code_job() -> JobRecord:
-    from trainyard_common.spec import Code
+    from trainyard_contract.spec import Code
 
     spec = SPEC.model_copy(update={"code": Code(archive="sha256:" + "a" * 64, entrypoint=["python", "train.py"])})
     return JobRecord(job_id="j1", tenant="t1", spec=spec, spec_hash=spec.spec_hash(), created_at=T0)

@@ -29,11 +29,11 @@ from trainyard.checkpoint import (
 )
 from trainyard_checkpoint_coordinator.collector import _remove_tree, list_directories
 from trainyard_checkpoint_coordinator.coordinator import _verify
-from trainyard_common.errors import CheckpointError
-from trainyard_common.events import CheckpointRef, FileDigest
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.settings import ServiceSettings
-from trainyard_common.storage import (
+from trainyard_contract.errors import CheckpointError
+from trainyard_contract.events import CheckpointRef, FileDigest
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.settings import ServiceSettings
+from trainyard_contract.storage import (
     ArtifactLayout,
     ObjectPath,
     commit_bytes,

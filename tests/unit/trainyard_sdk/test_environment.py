@@ -10,7 +10,7 @@ import pytest
 import trainyard
 from trainyard.environment import local_settings, missing_rank_variables, read_allocation
 from trainyard.timing import Timing
-from trainyard_common import exitcodes
+from trainyard_contract import exitcodes
 
 
 class Clock:

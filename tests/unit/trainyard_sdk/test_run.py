@@ -14,8 +14,8 @@ import torch
 import trainyard
 from trainyard import Run
 from trainyard.environment import local_settings
-from trainyard_common import exitcodes
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract import exitcodes
+from trainyard_contract.spec import TrainingSpec
 
 
 def spec(**policy: Any) -> TrainingSpec:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from tests.objectstore import moto_s3
 from trainyard.data import DatasetManifest, TokenDataset, prepare_dataset, stdlib_root
 from trainyard.shardcache import CachedShard, ShardCache, ShardCacheMetrics, error_kind, plan_evictions
-from trainyard_common.errors import DataError
-from trainyard_common.storage import ObjectPath, commit_bytes
+from trainyard_contract.errors import DataError
+from trainyard_contract.storage import ObjectPath, commit_bytes
 
 
 @pytest.fixture

@@ -23,10 +23,10 @@ from trainyard.tensorhash import (
     reportable,
     tensor_header,
 )
-from trainyard_common.events import ShardWritten, TensorDigest
-from trainyard_common.manifest import tensors_hash
-from trainyard_common.spool import MAX_LINE_BYTES
-from trainyard_common.storage import sha256_file, uri_to_path
+from trainyard_contract.events import ShardWritten, TensorDigest
+from trainyard_contract.manifest import tensors_hash
+from trainyard_contract.spool import MAX_LINE_BYTES
+from trainyard_contract.storage import sha256_file, uri_to_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

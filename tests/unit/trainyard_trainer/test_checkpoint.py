@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import CheckpointCorruptError, CheckpointError
-from trainyard_common.events import CheckpointRef
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.spec import LrSchedule
-from trainyard_common.storage import atomic_write_bytes, path_to_uri, sha256_file
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import CheckpointCorruptError, CheckpointError
+from trainyard_contract.events import CheckpointRef
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.spec import LrSchedule
+from trainyard_contract.storage import atomic_write_bytes, path_to_uri, sha256_file
 from trainyard_trainer.checkpoint import (
     Checkpointer,
     CheckpointSchedule,

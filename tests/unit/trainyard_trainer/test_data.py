@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainyard_common.errors import DataError
+from trainyard_contract.errors import DataError
 from trainyard_trainer.data import (
     STDLIB_SOURCES,
     TokenDataset,

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from trainyard_common import exitcodes
-from trainyard_common.storage import path_to_uri, sha256_file
+from trainyard_contract import exitcodes
+from trainyard_contract.storage import path_to_uri, sha256_file
 from trainyard_trainer.data_cli import main
 
 

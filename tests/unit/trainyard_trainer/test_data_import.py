@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainyard_common import exitcodes
-from trainyard_common.errors import DataError
+from trainyard_contract import exitcodes
+from trainyard_contract.errors import DataError
 from trainyard_trainer import data_import
 from trainyard_trainer.data import (
     DatasetManifest,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.objectstore import moto_s3
-from trainyard_common.errors import DataError
-from trainyard_common.storage import (
+from trainyard_contract.errors import DataError
+from trainyard_contract.storage import (
     ArtifactLayout,
     ObjectPath,
     commit_bytes,
@@ -115,7 +115,7 @@ def test_an_existing_version_with_a_corrupted_shard_is_an_error_not_overwritten(
 def test_the_command_imports_to_an_object_store_and_verifies_there(
     s3_root: str, inputs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trainyard_common import exitcodes
+    from trainyard_contract import exitcodes
     from trainyard_trainer.data_cli import main
 
     corpus, tokenizer = inputs
@@ -142,7 +142,7 @@ def test_the_command_imports_to_an_object_store_and_verifies_there(
 def test_prepare_builds_the_example_and_uploads_it_manifest_last(
     s3_root: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trainyard_common import exitcodes
+    from trainyard_contract import exitcodes
     from trainyard_trainer.data_cli import main
 
     root = f"{s3_root}/prepared"

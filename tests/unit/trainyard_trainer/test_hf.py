@@ -16,11 +16,11 @@ import torch
 from trainyard.checkpoint import save_checkpoint
 from trainyard.data import END_OF_TEXT, train_tokenizer
 from trainyard.state import ModelState
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from trainyard_common.exitcodes import CHECKPOINT, CONFIG
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.storage import path_to_uri, sha256_file
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from trainyard_contract.exitcodes import CHECKPOINT, CONFIG
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.storage import path_to_uri, sha256_file
 from trainyard_trainer import hf
 from trainyard_trainer.export_cli import parse_size
 from trainyard_trainer.model import GPT, Llama, build_model

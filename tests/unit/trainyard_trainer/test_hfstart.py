@@ -11,10 +11,10 @@ import pytest
 import torch
 from trainyard.runrecord import RestoreRecord
 from trainyard_api.schemas import EXAMPLE_SPEC
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConfigError
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_trainer.hf import read_hf_model
 from trainyard_trainer.hfstart import load_full_state, maybe_init_from_hugging_face
 from trainyard_trainer.model import build_model
@@ -81,7 +81,7 @@ def test_a_state_without_an_entry_of_the_model_is_refused_by_name(tmp_path: Path
     save_transformers_model(tmp_path / "m", GQA, seed=0)
     _, state = read_hf_model(tmp_path / "m")
     del state["norm.weight"]
-    from trainyard_common.errors import CheckpointError
+    from trainyard_contract.errors import CheckpointError
     with pytest.raises(CheckpointError, match="no weights for norm.weight"):
         load_full_state(build_model(GQA, seed=0, device=CPU), state)
 
@@ -90,7 +90,7 @@ def test_a_state_without_an_entry_of_the_model_is_refused_by_name(tmp_path: Path
 def test_an_export_starts_a_job_with_exactly_the_exported_weights(tmp_path: Path, config: ModelConfig) -> None:
     """Continue training an export: its directory (sharded here) loads back bit for bit, and the job's record
     of it names the export's listing, whose sha256 is the export artifact's hash."""
-    from trainyard_common.hfdir import inspect_dir
+    from trainyard_contract.hfdir import inspect_dir
     from trainyard_trainer.hf import write_hf_model
 
     layout = ArtifactLayout(tmp_path)

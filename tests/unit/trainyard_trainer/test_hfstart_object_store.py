@@ -14,9 +14,9 @@ import torch
 from trainyard.runrecord import RestoreRecord
 from trainyard_api.jobs import find_start, hugging_face_start
 from trainyard_cli.models import import_model, list_models
-from trainyard_common.errors import CheckpointError, ConfigError
-from trainyard_common.hfdir import CONFIG_FILE, MODEL_LISTING, HfDirError, inspect_dir, resolve_start
-from trainyard_common.storage import ArtifactLayout, ObjectPath, commit_bytes, list_children, read_bytes, sha256_file
+from trainyard_contract.errors import CheckpointError, ConfigError
+from trainyard_contract.hfdir import CONFIG_FILE, MODEL_LISTING, HfDirError, inspect_dir, resolve_start
+from trainyard_contract.storage import ArtifactLayout, ObjectPath, commit_bytes, list_children, read_bytes, sha256_file
 from trainyard_trainer.hfstart import fetch_hf_dir, maybe_init_from_hugging_face
 from trainyard_trainer.model import build_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainyard_common.catalog import LLAMA_RMS_NORM_EPS, LLAMA_ROPE_THETA, MODEL_CATALOG, ModelConfig
+from trainyard_contract.catalog import LLAMA_RMS_NORM_EPS, LLAMA_ROPE_THETA, MODEL_CATALOG, ModelConfig
 from trainyard_trainer.model import GPT, Llama, build_model, hf_llama_name
 
 TINY = MODEL_CATALOG["llama-tiny@v1"]

@@ -3,17 +3,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainyard_common import exitcodes
-from trainyard_common.errors import (
+from trainyard_contract import exitcodes
+from trainyard_contract.errors import (
     CheckpointCorruptError,
     ConfigError,
     DataError,
     InfrastructureError,
     UnknownReferenceError,
 )
-from trainyard_common.events import GangAllocated, NodeAssignment, RankAssignment
-from trainyard_common.settings import load_settings
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignment
+from trainyard_contract.settings import load_settings
+from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.__main__ import exit_code_for, main, read_allocation
 from trainyard_trainer.runtime import Runtime
 from trainyard_trainer.settings import RankSettings

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainyard_common.catalog import MODEL_CATALOG
+from trainyard_contract.catalog import MODEL_CATALOG
 from trainyard_planner import Transformer
 from trainyard_planner.compute import model_flops_per_token
 from trainyard_trainer import metrics

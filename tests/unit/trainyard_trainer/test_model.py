@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_trainer.model import GPT, build_model, model_class
 
 

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import ConfigError
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import ParallelPlan, clip_grad_norm, parallelize, resolve_plan
 from trainyard_trainer.pipeline import keep_stage, split_layers

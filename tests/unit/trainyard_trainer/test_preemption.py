@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from trainyard_common import exitcodes
-from trainyard_common.events import CheckpointRefused, GangAllocated
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract import exitcodes
+from trainyard_contract.events import CheckpointRefused, GangAllocated
+from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.checkpoint import Refusal
 from trainyard_trainer.exits import RankEnd, exit_code_for
 from trainyard_trainer.preemption import (

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from trainyard_common.errors import CheckpointCorruptError
-from trainyard_common.events import CheckpointRef
-from trainyard_common.manifest import CheckpointManifest, ShardEntry, content_hash
-from trainyard_common.storage import atomic_write_bytes, path_to_uri, sha256_file
+from trainyard_contract.errors import CheckpointCorruptError
+from trainyard_contract.events import CheckpointRef
+from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
+from trainyard_contract.storage import atomic_write_bytes, path_to_uri, sha256_file
 from trainyard_trainer import checkpoint as ckpt
 from trainyard_trainer.checkpoint import (
     Candidate,

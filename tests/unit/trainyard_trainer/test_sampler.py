@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainyard_common.errors import DataError
+from trainyard_contract.errors import DataError
 from trainyard_trainer.sampler import BatchLoader, GlobalSampler, SampleOrder, sample_position
 
 
@@ -116,7 +116,7 @@ def test_batch_layout_states_what_it_runs() -> None:
 
 
 def test_batch_layout_refuses_with_the_numbers() -> None:
-    from trainyard_common.errors import ConfigError
+    from trainyard_contract.errors import ConfigError
     from trainyard_trainer.sampler import batch_layout
 
     with pytest.raises(ConfigError, match="globalBatchSize 16 is not a multiple of microBatchSize 4 x "

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainyard_common.spec import LrSchedule
+from trainyard_contract.spec import LrSchedule
 from trainyard_trainer.schedule import build_lr_scheduler, lr_multiplier
 
 

@@ -6,7 +6,7 @@ import copy
 
 import yaml
 
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.__main__ import apply_spec_choices
 from trainyard_trainer.settings import RankSettings
 

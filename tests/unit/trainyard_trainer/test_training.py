@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.spec import LrSchedule, TrainingSpec
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.spec import LrSchedule, TrainingSpec
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import CollectiveTimer, apply_ddp
 from trainyard_trainer.runtime import Runtime

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 from trainyard_cli.client import ApiClient
 from trainyard_cli.console import stderr, stdout

@@ -1,6 +1,6 @@
 """A typed HTTP client for the trainyard API (httpx), sync and async.
 
-Answers are parsed into the bodies the API publishes (``trainyard_common.wire``: one definition
+Answers are parsed into the bodies the API publishes (``trainyard_contract.wire``: one definition
 for both sides, so the CLI does not import the server package); fields it does not know are
 ignored. The job document is read here (:class:`Job`) with its spec and read models left as
 JSON. Failures raise :class:`ApiError` subclasses whose message says what to do.
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from trainyard_common.errors import AuthError, ConflictError, NotFoundError, SpecError, TrainyardError
-from trainyard_common.wire import (
+from trainyard_contract.errors import AuthError, ConflictError, NotFoundError, SpecError, TrainyardError
+from trainyard_contract.wire import (
     ApiModel,
     AttemptView,
     CheckpointList,

@@ -20,8 +20,8 @@ from typing import Any
 
 import pathspec
 
-from trainyard_common import codetree
-from trainyard_common.errors import ConfigError
+from trainyard_contract import codetree
+from trainyard_contract.errors import ConfigError
 
 _EXCLUDED = frozenset(codetree.ALWAYS_EXCLUDED)
 

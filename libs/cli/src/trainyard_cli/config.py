@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 DEFAULT_API_URL = "http://127.0.0.1:8080"
 STATE_DIR = ".trainyard"

@@ -16,8 +16,8 @@ from trainyard_cli.client import ApiClient
 from trainyard_cli.console import error, stderr, stdout
 from trainyard_cli.tables import Col, Fitted
 from trainyard_cli.stack import LocalStack, StackSettings
-from trainyard_common.errors import DataError, TrainyardError
-from trainyard_common.records import NodeRecord
+from trainyard_contract.errors import DataError, TrainyardError
+from trainyard_contract.records import NodeRecord
 
 dev_app = typer.Typer(
     help="Run the local stack on this host: a Kafka-protocol broker, Redis, the five services "
@@ -127,7 +127,7 @@ def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
     """Prepare tinycorpus@v1 under the artifact root (built in the stack's directory and uploaded, when the
     root is an object store: TRAINYARD_ARTIFACT_STORE), publish DatasetVersionPublished, and wait until the
     registry has recorded it."""
-    from trainyard_common.storage import ArtifactLayout, path_to_uri
+    from trainyard_contract.storage import ArtifactLayout, path_to_uri
     from trainyard_trainer.data import MANIFEST_FILE, prepare_dataset, upload_dataset
 
     name, version = DATASET
@@ -143,9 +143,9 @@ def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
 
 
 async def _publish_dataset(stack: LocalStack, manifest_uri: str, manifest_sha: str, manifest: object) -> None:
-    from trainyard_common.bus import Bus
-    from trainyard_common.events import DatasetVersionPublished
-    from trainyard_common.store import StateStore, connect_redis
+    from trainyard_runtime.bus import Bus
+    from trainyard_contract.events import DatasetVersionPublished
+    from trainyard_runtime.store import StateStore, connect_redis
 
     name, version = DATASET
     redis = connect_redis(stack.redis_url)
@@ -216,7 +216,7 @@ def demo(
 
 
 def _print_outcome(client: ApiClient, job_id: str) -> None:
-    from trainyard_common.storage import uri_to_path
+    from trainyard_contract.storage import uri_to_path
 
     ready = [c for c in client.checkpoints(job_id) if c.state == "READY"]
     final = max(ready, key=lambda c: c.global_step)

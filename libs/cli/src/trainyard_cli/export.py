@@ -29,9 +29,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from trainyard_common.errors import ConfigError, ConflictError, TrainyardError
-from trainyard_common.storage import EXPORT_LISTING, export_listing
-from trainyard_common.wire import ExportFile
+from trainyard_contract.errors import ConfigError, ConflictError, TrainyardError
+from trainyard_contract.storage import EXPORT_LISTING, export_listing
+from trainyard_contract.wire import ExportFile
 
 from trainyard_cli.client import ApiClient, Artifact, ArtifactView
 

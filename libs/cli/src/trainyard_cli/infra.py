@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainyard_common.errors import ConfigError, InfrastructureError
+from trainyard_contract.errors import ConfigError, InfrastructureError
 
 
 @dataclass

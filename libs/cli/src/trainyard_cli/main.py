@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 from trainyard_cli.config import CliConfig, load_spec, resolve_admin_token, resolve_api_url, resolve_token
 from trainyard_cli.console import error, stderr, stdout, warning
@@ -173,7 +173,7 @@ def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path
     from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
     from trainyard_cli import codepack
-    from trainyard_common import codetree
+    from trainyard_contract import codetree
 
     err = stderr()
     with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), console=err,

@@ -2,7 +2,7 @@
 store, to start jobs from (``initFrom: {huggingFace: models/<name>}``), and list those there.
 
 The import checks the directory as a submission will (config.json a GPT-2 / Llama trainyard builds
-exactly, safetensors weights present: ``trainyard_common.hfdir``), copies what a model directory
+exactly, safetensors weights present: ``trainyard_contract.hfdir``), copies what a model directory
 holds (config, weights, tokenizer and generation files; symlinks such as the Hugging Face cache's are
 followed) into a temporary sibling and renames it into place, so a model directory is either whole
 or absent. An existing model of that name is left alone: the same files are "already imported",
@@ -37,9 +37,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from trainyard_cli.console import error, stderr
-from trainyard_common.errors import ConfigError, TrainyardError
-from trainyard_common.hfdir import CONFIG_FILE, MODEL_LISTING, HfDir, inline_config, inspect_dir
-from trainyard_common.storage import (
+from trainyard_contract.errors import ConfigError, TrainyardError
+from trainyard_contract.hfdir import CONFIG_FILE, MODEL_LISTING, HfDir, inline_config, inspect_dir
+from trainyard_contract.storage import (
     CHUNK,
     ArtifactLayout,
     Location,
@@ -206,7 +206,7 @@ def list_models(layout: ArtifactLayout, tenant: str) -> list[tuple[str, HfDir | 
 
 
 def _default_root() -> Location:
-    from trainyard_common.settings import ServiceSettings, load_settings
+    from trainyard_contract.settings import ServiceSettings, load_settings
 
     return load_settings(ServiceSettings).artifact_root_abs
 

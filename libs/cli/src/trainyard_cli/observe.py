@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from trainyard_cli import infra
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 RULES_DIR = Path(__file__).resolve().parents[4] / "deploy" / "prometheus" / "rules"
 """The repository's rule files (absent when the CLI is installed without the repository: no rules then)."""

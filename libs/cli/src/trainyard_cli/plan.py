@@ -22,8 +22,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import ConfigError
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import ConfigError
 from trainyard_planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,

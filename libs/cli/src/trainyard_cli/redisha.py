@@ -21,8 +21,8 @@ from urllib.parse import quote
 import redis as redis_sync
 
 from trainyard_cli.infra import Launched, _spawn, redis_binary, require_free_port, wait_for_port
-from trainyard_common.errors import InfrastructureError
-from trainyard_common.replication import SENTINEL_SCHEME
+from trainyard_contract.errors import InfrastructureError
+from trainyard_runtime.replication import SENTINEL_SCHEME
 
 SERVICE = "trainyard"  # the name the Sentinels monitor the primary under
 

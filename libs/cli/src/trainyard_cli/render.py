@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the API's models cost an import the --help of a command sho
     from rich.table import Table
 
     from trainyard_cli.client import Artifact, Dataset, Job, Trigger
-    from trainyard_common.wire import CheckpointView, JobSummary
+    from trainyard_contract.wire import CheckpointView, JobSummary
 
 STATE_STYLES = {
     "queued": "yellow",

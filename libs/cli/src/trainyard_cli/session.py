@@ -6,7 +6,7 @@
 Every trainyard error ends the command with a one-line message (a refused spec: each field on its
 line) and an exit code: 2 for a configuration problem (no token, a bad URL), 1 for everything the API
 refused or could not do. httpx and the API's JSON stay inside :mod:`client`, which raises the tree
-of ``trainyard_common.errors``; this is the edge where they become what a shell sees.
+of ``trainyard_contract.errors``; this is the edge where they become what a shell sees.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import typer
 
-from trainyard_common.errors import ConfigError, TrainyardError
+from trainyard_contract.errors import ConfigError, TrainyardError
 
 from trainyard_cli.client import ApiClient, ApiSpecError
 from trainyard_cli.config import CliConfig

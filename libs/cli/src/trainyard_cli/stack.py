@@ -23,10 +23,10 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_cli import infra, observe, redisacl, redisha
-from trainyard_common.errors import ConfigError, InfrastructureError
-from trainyard_common.records import NodeRecord
-from trainyard_common.storage import ObjectPath
-from trainyard_common.store import Keys, StateStore, connect_redis
+from trainyard_contract.errors import ConfigError, InfrastructureError
+from trainyard_contract.records import NodeRecord
+from trainyard_contract.storage import ObjectPath
+from trainyard_runtime.store import Keys, StateStore, connect_redis
 
 SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
 DEV_TENANT = "dev"
@@ -37,7 +37,7 @@ EMBEDDED_FETCH_MAX_WAIT_MS = 20
 EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS = 250
 """The same for consumers nobody waits on: each idle consumer polls 4 times a second instead of 50."""
 EMBEDDED_IDLE_PAUSE_S = 0.5
-"""A consumer with no record for this long stops fetching until a doorbell rings (trainyard_common.idlefetch):
+"""A consumer with no record for this long stops fetching until a doorbell rings (trainyard_runtime.idlefetch):
 every trainyard producer rings, so it only needs to outlast the rings' coalescing (0.25 s)."""
 
 
@@ -349,7 +349,7 @@ class LocalStack:
                 time.sleep(0.5)
 
     async def _prepare_infra(self) -> None:
-        from trainyard_common.bus import ensure_topics
+        from trainyard_runtime.bus import ensure_topics
 
         await ensure_topics(self.kafka_bootstrap, partitions=self.s.topic_partitions,
                             namespace=self.s.topic_namespace)

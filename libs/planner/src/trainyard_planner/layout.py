@@ -95,7 +95,7 @@ class _Training(Protocol):
 
 
 class SpecLike(Protocol):
-    """What :func:`spec_layout` reads (``trainyard_common.spec.TrainingSpec``)."""
+    """What :func:`spec_layout` reads (``trainyard_contract.spec.TrainingSpec``)."""
 
     @property
     def parallelism(self) -> _Parallelism: ...

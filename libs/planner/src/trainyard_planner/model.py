@@ -24,7 +24,7 @@ _ASPECT = 128  # width / depth of GPT-3 6.7B..175B
 
 
 class ModelConfigLike(Protocol):
-    """What :meth:`Transformer.from_model_config` reads (``trainyard_common.catalog.ModelConfig``)."""
+    """What :meth:`Transformer.from_model_config` reads (``trainyard_contract.catalog.ModelConfig``)."""
 
     vocab_size: int
     n_layers: int
@@ -50,7 +50,7 @@ class Transformer(Model):
 
     The defaults describe the trainer's GPT-2 style network (LayerNorm with bias, biases in the
     linears, learned positions, output head tied to the input embedding), so that
-    :attr:`exact_parameters` equals ``trainyard_common.catalog.ModelConfig.num_parameters``.
+    :attr:`exact_parameters` equals ``trainyard_contract.catalog.ModelConfig.num_parameters``.
     """
 
     n_layers: int = Field(gt=0)

@@ -24,7 +24,7 @@ See docs/sdk.md for what each call guarantees.
 
 from torch import OutOfMemoryError
 
-from trainyard_common.errors import (
+from trainyard_contract.errors import (
     CheckpointCorruptError,
     CheckpointError,
     ConfigError,

@@ -17,7 +17,7 @@ The directory is invisible under its final name until every rank's file is durab
 becomes READY only when the checkpoint coordinator has verified every shard and written
 ``manifest.json``. Restore refuses anything whose manifest does not verify.
 
-In an object store (the directory is an :class:`~trainyard_common.storage.ObjectPath`) there is
+In an object store (the directory is an :class:`~trainyard_contract.storage.ObjectPath`) there is
 no rename and no ``.tmp``: rank 0 removes the objects of an interrupted save of the same
 directory (never one with a manifest), every rank uploads its shard straight under the final
 prefix through DCP's fsspec writer, hashing it as it streams (nothing is read back), and the
@@ -61,10 +61,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainyard_common.errors import CheckpointCorruptError, CheckpointError
-from trainyard_common.events import CheckpointRef, FileDigest, TensorDigest
-from trainyard_common.manifest import CheckpointManifest, local_sha256, local_stat_size, verify_manifest
-from trainyard_common.storage import (
+from trainyard_contract.errors import CheckpointCorruptError, CheckpointError
+from trainyard_contract.events import CheckpointRef, FileDigest, TensorDigest
+from trainyard_contract.manifest import CheckpointManifest, local_sha256, local_stat_size, verify_manifest
+from trainyard_contract.storage import (
     HashingWriter,
     Location,
     ObjectPath,
@@ -79,7 +79,7 @@ from trainyard_common.storage import (
     remove_tree,
     sha256_file,
 )
-from trainyard_common.storage import exists as location_exists
+from trainyard_contract.storage import exists as location_exists
 from trainyard.tensorhash import DigestingWriter
 
 log = logging.getLogger("trainyard")

@@ -44,9 +44,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.errors import DataError
-from trainyard_common.events import utcnow
-from trainyard_common.storage import (
+from trainyard_contract.errors import DataError
+from trainyard_contract.events import utcnow
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,

@@ -22,10 +22,10 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from trainyard_common.errors import ConfigError
-from trainyard_common.events import GangAllocated
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, is_object_url
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.events import GangAllocated
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, is_object_url
 
 from trainyard.preemption import CHECKPOINT_REQUEST_FILE, CheckpointRequest
 from trainyard.settings import RankSettings

@@ -1,4 +1,4 @@
-"""Which exit code a rank's failure becomes (see ``trainyard_common.exitcodes``)."""
+"""Which exit code a rank's failure becomes (see ``trainyard_contract.exitcodes``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from trainyard_common import exitcodes
-from trainyard_common.errors import CheckpointError, ConfigError, DataError, NonFiniteError, SpecError
-from trainyard_common.storage import atomic_write_bytes
+from trainyard_contract import exitcodes
+from trainyard_contract.errors import CheckpointError, ConfigError, DataError, NonFiniteError, SpecError
+from trainyard_contract.storage import atomic_write_bytes
 
 from trainyard.preemption import StoppedOnRequest
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The rank exit code for an exception (see trainyard_common.exitcodes)."""
+    """The rank exit code for an exception (see trainyard_contract.exitcodes)."""
     if isinstance(exc, StoppedOnRequest):
         return exitcodes.PREEMPTED
     if isinstance(exc, NonFiniteError):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.storage import atomic_write_bytes
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.storage import atomic_write_bytes
 
 log = logging.getLogger("trainyard")
 

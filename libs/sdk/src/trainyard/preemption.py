@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trainyard_common.errors import TrainyardError
+from trainyard_contract.errors import TrainyardError
 
 log = logging.getLogger("trainyard")
 

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainyard_common.errors import CheckpointError
-from trainyard_common.events import CheckpointRefused, GangAllocated
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.tracing import current_traceparent
+from trainyard_contract.errors import CheckpointError
+from trainyard_contract.events import CheckpointRefused, GangAllocated
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_contract.tracing import current_traceparent
 
 from trainyard.checkpoint import (
     Candidate,

@@ -37,15 +37,15 @@ from opentelemetry.trace import Status, StatusCode
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainyard_common import exitcodes
-from trainyard_common.catalog import ModelConfig, resolve_model
-from trainyard_common.errors import ConfigError, DataError, NonFiniteError, TrainyardError
-from trainyard_common.events import GangAllocated, ShardWritten, StepMetrics
-from trainyard_common.settings import load_settings
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.spool import SpoolWriter
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.tracing import current_traceparent, job_context, setup_tracing, shutdown_tracing
+from trainyard_contract import exitcodes
+from trainyard_contract.catalog import ModelConfig, resolve_model
+from trainyard_contract.errors import ConfigError, DataError, NonFiniteError, TrainyardError
+from trainyard_contract.events import GangAllocated, ShardWritten, StepMetrics
+from trainyard_contract.settings import load_settings
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.spool import SpoolWriter
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_contract.tracing import current_traceparent, job_context, setup_tracing, shutdown_tracing
 
 from trainyard.checkpoint import Checkpointer, CheckpointSchedule, SavedShard
 from trainyard.tensorhash import reportable

@@ -21,8 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import utcnow
-from trainyard_common.storage import atomic_write_bytes
+from trainyard_contract.events import utcnow
+from trainyard_contract.storage import atomic_write_bytes
 
 RUN_RECORD_FILE = "run-record.json"
 

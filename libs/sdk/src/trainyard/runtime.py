@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 from trainyard.settings import RankSettings
 

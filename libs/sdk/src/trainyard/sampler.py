@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainyard_common.errors import ConfigError, DataError
+from trainyard_contract.errors import ConfigError, DataError
 
 
 def sample_position(start: int, micro_step: int, dp_rank: int, row: int, *, micro_batch: int, dp: int) -> int:

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainyard_common.storage import root_setting
+from trainyard_contract.storage import root_setting
 
 
 class RankSettings(BaseSettings):

@@ -44,9 +44,9 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from trainyard_common.errors import DataError
-from trainyard_common.lru import least_recently_used
-from trainyard_common.storage import HashingWriter, Location, iter_chunks
+from trainyard_contract.errors import DataError
+from trainyard_contract.lru import least_recently_used
+from trainyard_contract.storage import HashingWriter, Location, iter_chunks
 
 __all__ = ["CachedShard", "ShardCache", "ShardCacheMetrics", "error_kind", "plan_evictions"]
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainyard_common.errors import CheckpointError
+from trainyard_contract.errors import CheckpointError
 
 
 class _FqnMap:

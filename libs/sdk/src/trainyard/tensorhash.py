@@ -16,7 +16,7 @@ unsharded tensor: offset zeros, shape = size). The dtype, the shape and the key 
 hash: the same bytes as another dtype or shape are another entry.
 
 The coordinator sorts the ranks' digests by key and offset and hashes them into ``tensorsHash``
-(:func:`trainyard_common.manifest.tensors_hash`). What it depends on:
+(:func:`trainyard_contract.manifest.tensors_hash`). What it depends on:
 
 * equal for two saves of the same values, whichever files or DCP metadata they were written with,
   and whichever rank wrote a replicated entry (DCP picks one);
@@ -52,8 +52,8 @@ import torch
 from pydantic import TypeAdapter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from trainyard_common.events import TensorDigest
-from trainyard_common.spec import canonical_json
+from trainyard_contract.events import TensorDigest
+from trainyard_contract.spec import canonical_json
 
 __all__ = ["MAX_REPORTED_BYTES", "DigestingWriter", "entry_digest", "plan_digests", "read_tensor_digests",
            "reportable", "tensor_header"]
@@ -98,7 +98,7 @@ def entry_digest(item: WriteItem, data: torch.Tensor | io.BytesIO) -> TensorDige
 
 MAX_REPORTED_BYTES = 768 * 1024
 """The most JSON the entry digests may add to one ShardWritten: the event travels as one spool line
-(at most 1 MiB, ``trainyard_common.spool.MAX_LINE_BYTES``) and one Kafka record (1 MiB by default).
+(at most 1 MiB, ``trainyard_contract.spool.MAX_LINE_BYTES``) and one Kafka record (1 MiB by default).
 About 5,000 entries of ~150 bytes: a 70B dense model with Adam under FSDP has ~2,900 per rank."""
 
 _DIGESTS = TypeAdapter(list[TensorDigest])

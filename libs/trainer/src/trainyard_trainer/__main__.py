@@ -26,10 +26,10 @@ from trainyard.environment import apply_spec_choices, checkpoint_request, read_a
 from trainyard.exits import RankEnd, exit_code_for
 from trainyard.run import conclude
 from trainyard.settings import RankSettings, describe_environment
-from trainyard_common import exitcodes
-from trainyard_common.errors import ConfigError
-from trainyard_common.settings import load_settings
-from trainyard_common.tracing import job_context, setup_tracing, shutdown_tracing
+from trainyard_contract import exitcodes
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.settings import load_settings
+from trainyard_contract.tracing import job_context, setup_tracing, shutdown_tracing
 
 from trainyard_trainer.training import resolve_job, train
 

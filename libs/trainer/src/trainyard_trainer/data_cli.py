@@ -27,11 +27,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.errors import TrainyardError
-from trainyard_common.events import dataset_key
-from trainyard_common.exitcodes import DATA, ERROR, OK
-from trainyard_common.settings import ServiceSettings, load_settings
-from trainyard_common.storage import (
+from trainyard_contract.errors import TrainyardError
+from trainyard_contract.events import dataset_key
+from trainyard_contract.exitcodes import DATA, ERROR, OK
+from trainyard_contract.settings import ServiceSettings, load_settings
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,

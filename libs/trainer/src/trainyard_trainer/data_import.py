@@ -23,7 +23,7 @@ the same tokenizer and inputs, and is an error otherwise (a published version is
 
 Under an object-store root (``s3://bucket/prefix``) nothing is renamed (S3 has no rename): the
 tokenizer and shards are uploaded straight under the version's prefix, each shard's sha256 and
-size taken from the bytes as they stream up (:class:`~trainyard_common.storage.HashingWriter`),
+size taken from the bytes as they stream up (:class:`~trainyard_contract.storage.HashingWriter`),
 and ``manifest.json`` is written last with a create-only PUT: it is the commit point, and a prefix
 without one is no version (what an interrupted import left is cleared by the next). Two imports
 of one version at once are not coordinated beyond that PUT: the first manifest stands, and the
@@ -65,8 +65,8 @@ from typing import IO, Any, Literal
 
 import numpy as np
 
-from trainyard_common.errors import DataError
-from trainyard_common.storage import (
+from trainyard_contract.errors import DataError
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 from pydantic import ValidationError
-from trainyard_common.catalog import ModelConfig, resolve_model
-from trainyard_common.errors import CheckpointError, ConfigError, TrainyardError
-from trainyard_common.exitcodes import CHECKPOINT, CONFIG, ERROR, OK
+from trainyard_contract.catalog import ModelConfig, resolve_model
+from trainyard_contract.errors import CheckpointError, ConfigError, TrainyardError
+from trainyard_contract.exitcodes import CHECKPOINT, CONFIG, ERROR, OK
 
 from trainyard_trainer.hf import (
     DEFAULT_MAX_SHARD_BYTES,

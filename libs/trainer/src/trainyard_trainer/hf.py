@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from trainyard_common.hfconfig import hf_config, model_config_from_hf
-from trainyard_common.manifest import CheckpointManifest
-from trainyard_common.storage import fsync_dir, path_to_uri, sha256_file, uri_to_path
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from trainyard_contract.hfconfig import hf_config, model_config_from_hf
+from trainyard_contract.manifest import CheckpointManifest
+from trainyard_contract.storage import fsync_dir, path_to_uri, sha256_file, uri_to_path
 
 from trainyard_trainer.model import hf_llama_name, model_class
 

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from trainyard.runrecord import RestoreRecord
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import CheckpointError, ConfigError
-from trainyard_common.hfdir import (
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import CheckpointError, ConfigError
+from trainyard_contract.hfdir import (
     CONFIG_FILE,
     EXPORT_LISTING,
     MODEL_LISTING,
@@ -44,8 +44,8 @@ from trainyard_common.hfdir import (
     resolve_start,
     shape_differences,
 )
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import (
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import (
     ArtifactLayout,
     ListedFile,
     Location,

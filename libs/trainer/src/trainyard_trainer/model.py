@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainyard_common.catalog import LLAMA_RMS_NORM_EPS, LLAMA_ROPE_THETA, ModelConfig
+from trainyard_contract.catalog import LLAMA_RMS_NORM_EPS, LLAMA_ROPE_THETA, ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

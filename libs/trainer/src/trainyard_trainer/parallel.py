@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import ConfigError
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import ConfigError
 
 Sharding = Literal["ddp", "zero1", "zero2", "fsdp"]
 ZERO_STAGE: dict[str, int] = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}

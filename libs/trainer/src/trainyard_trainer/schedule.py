@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainyard_common.spec import LrSchedule
+from trainyard_contract.spec import LrSchedule
 
 
 def lr_multiplier(step: int, *, schedule: LrSchedule, max_steps: int) -> float:

@@ -54,10 +54,10 @@ from trainyard.sampler import BatchLayout, batch_layout, micro_batch_seed
 from trainyard.settings import RankSettings
 from trainyard.state import Progress, checkpoint_state
 from trainyard.timing import StepTimes
-from trainyard_common.catalog import ModelConfig, resolve_model
-from trainyard_common.errors import ConfigError, DataError, NonFiniteError
-from trainyard_common.events import GangAllocated, StepMetrics
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import ModelConfig, resolve_model
+from trainyard_contract.errors import ConfigError, DataError, NonFiniteError
+from trainyard_contract.events import GangAllocated, StepMetrics
+from trainyard_contract.spec import TrainingSpec
 
 from trainyard_trainer.hfstart import maybe_init_from_hugging_face
 from trainyard_trainer.model import build_model

@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import sys
 
-from trainyard_common.errors import TrainyardError
-from trainyard_common.service import configure_logging, run_main
-from trainyard_common.settings import load_settings, settings_help
-from trainyard_common.records import TokenRole
-from trainyard_common.store import StateStore, connect_redis
+from trainyard_contract.errors import TrainyardError
+from trainyard_runtime.service import configure_logging, run_main
+from trainyard_contract.settings import load_settings, settings_help
+from trainyard_contract.records import TokenRole
+from trainyard_runtime.store import StateStore, connect_redis
 
 from trainyard_api.auth import issue_token
 from trainyard_api.roles import ROLES

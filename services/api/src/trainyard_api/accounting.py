@@ -21,10 +21,10 @@ from datetime import datetime
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
-from trainyard_common.errors import StateStoreError
-from trainyard_common.events import TERMINAL_STATES, utcnow
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.errors import StateStoreError
+from trainyard_contract.events import TERMINAL_STATES, utcnow
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_api.goodput import KINDS, Ledger, job_ledger
 from trainyard_api.goodput_history import Sample, expired_buckets, parse_samples, sample_entry

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainyard_common.errors import NotFoundError
-from trainyard_common.events import NodeDrained, NodeReinstated, NodeUndrained
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import NodeRecord, TenantToken
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.errors import NotFoundError
+from trainyard_contract.events import NodeDrained, NodeReinstated, NodeUndrained
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import NodeRecord, TenantToken
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_api.schemas import DrainResponse, NodeDrainView, NodeQuarantineView, NodeView, ReinstateResponse
 

@@ -3,7 +3,7 @@ routers of :mod:`trainyard_api.routes`, the error handlers and the dashboard ove
 
 ``create_app(context)`` builds the app over an :class:`ApiContext` (Redis-backed store,
 outbox, bus); the process wiring (uvicorn next to a ServiceRuntime) lives in ``server.py``.
-Errors from ``trainyard_common.errors`` map to HTTP as :mod:`trainyard_api.http_errors` says; every route
+Errors from ``trainyard_contract.errors`` map to HTTP as :mod:`trainyard_api.http_errors` says; every route
 documents each status it can answer, with its body.
 """
 

@@ -17,15 +17,15 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trainyard_common.errors import (
+from trainyard_contract.errors import (
     AuthError,
     ConflictError,
     NotFoundError,
     SpecError,
 )
-from trainyard_common.events import utcnow
-from trainyard_common.records import TenantToken
-from trainyard_common.store import Keys, token_id_of
+from trainyard_contract.events import utcnow
+from trainyard_contract.records import TenantToken
+from trainyard_runtime.store import Keys, token_id_of
 
 from trainyard_api.schemas import AuditEntry, AuditPage
 

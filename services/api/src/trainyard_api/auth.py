@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from trainyard_common.errors import AuthError
-from trainyard_common.events import utcnow
-from trainyard_common.records import TenantToken, TokenRole
-from trainyard_common.store import StateStore, hash_token, token_id_of
+from trainyard_contract.errors import AuthError
+from trainyard_contract.events import utcnow
+from trainyard_contract.records import TenantToken, TokenRole
+from trainyard_runtime.store import StateStore, hash_token, token_id_of
 
 from trainyard_api.roles import ForbiddenError, Right, authorize, check_token
 from trainyard_api.tenants import new_secret

@@ -1,7 +1,7 @@
 """The shared models as request bodies take them: the same fields, with every bound the API enforces
 stated on the field, so that validation and the OpenAPI document are one thing.
 
-``TrainingSpec`` (trainyard_common) checks in a model validator that a string ``modelConfig`` is a
+``TrainingSpec`` (trainyard_contract) checks in a model validator that a string ``modelConfig`` is a
 catalog reference; here the string carries the pattern. Its seed may reach 2**63, past what JSON
 carries exactly in most implementations (and past what schema validators compare exactly); here it
 stops at 2**53 - 1. ``ModelConfig`` and the planner's models leave some numbers unbounded; here each
@@ -19,9 +19,9 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.records import TokenRole, TriggerSource
-from trainyard_common.spec import REF_PATTERN, Code, Training, TrainingSpec
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.records import TokenRole, TriggerSource
+from trainyard_contract.spec import REF_PATTERN, Code, Training, TrainingSpec
 from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
 
 MAX_SAFE_INTEGER = 2**53 - 1

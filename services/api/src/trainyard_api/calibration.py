@@ -38,10 +38,10 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.events import StepMetrics
-from trainyard_common.records import JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.events import StepMetrics
+from trainyard_contract.records import JobRecord
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import (
     Calibration,
     DeviceCalibration,

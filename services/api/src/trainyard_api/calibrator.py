@@ -3,7 +3,7 @@
     StepMetrics (rank 0) ──ProgressProjector──> samples, in the same transaction as the progress
     refresh loop: 1. failed attempts of the newest jobs → samples  2. read every window  3. fit  4. store
 
-Redis (every key in :class:`~trainyard_common.store.Keys`):
+Redis (every key in :class:`~trainyard_runtime.store.Keys`):
 
 - ``calibration_samples(device, kind)``: a list of :class:`Measurement` JSON, newest first, capped
   at ``calibration_max_samples`` (LPUSH + LTRIM in one transaction);
@@ -28,10 +28,10 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.events import StepMetrics, utcnow
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.events import StepMetrics, utcnow
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_api.calibration import (
     KINDS,

@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import Field
 
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.records import JobRecord, NodeRecord
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.records import JobRecord, NodeRecord
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_api.schemas import _Out
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from trainyard_common import codetree
-from trainyard_common.errors import NotFoundError, SpecError
-from trainyard_common.events import utcnow
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, commit_bytes, is_file, read_bytes
+from trainyard_contract import codetree
+from trainyard_contract.errors import NotFoundError, SpecError
+from trainyard_contract.events import utcnow
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, commit_bytes, is_file, read_bytes
 
 from trainyard_api.validation import FieldProblem
 

@@ -8,10 +8,10 @@ from functools import cached_property
 
 from fastapi import Request
 
-from trainyard_common.bus import Bus
-from trainyard_common.outbox import Outbox
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.store import StateStore
+from trainyard_runtime.bus import Bus
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_runtime.store import StateStore
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.admin import AdminService

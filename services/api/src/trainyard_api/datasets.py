@@ -1,8 +1,8 @@
 """Dataset versions as tenants see them: list and get what the caller may use, publish its own.
 
-Visibility is :func:`trainyard_common.records.dataset_visible` (the owner, the platform's, shared
+Visibility is :func:`trainyard_contract.records.dataset_visible` (the owner, the platform's, shared
 with the caller's tenant or with "*"); a reference resolves as a submission resolves it
-(:func:`trainyard_common.records.resolve_dataset`). Another tenant's version that is not shared is
+(:func:`trainyard_contract.records.resolve_dataset`). Another tenant's version that is not shared is
 answered exactly like one that does not exist, so names do not leak. A rejected version is shown
 to its owner only, with the registry's reason — and so is a refused re-publish of a verified one (another
 sha256), beside the version that stands. A publish the API already knows to conflict with a verified version
@@ -11,18 +11,18 @@ is refused at once (409), never announced.
 
 from __future__ import annotations
 
-from trainyard_common.errors import ConflictError, NotFoundError
-from trainyard_common.events import DatasetVersionPublished, dataset_key
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import (
+from trainyard_contract.errors import ConflictError, NotFoundError
+from trainyard_contract.events import DatasetVersionPublished, dataset_key
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import (
     DatasetRecord,
     DatasetRejection,
     TenantToken,
     dataset_candidates,
     dataset_conflict,
 )
-from trainyard_common.storage import ArtifactLayout, location_uri
-from trainyard_common.store import StateStore
+from trainyard_contract.storage import ArtifactLayout, location_uri
+from trainyard_runtime.store import StateStore
 
 from trainyard_api.bodies import DatasetPublishBody
 from trainyard_api.schemas import DatasetPublished, DatasetRejectionView, DatasetView

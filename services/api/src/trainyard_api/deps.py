@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 from trainyard_api.audit import outcome_of
 from trainyard_api.auth import ForbiddenError, authenticate, require

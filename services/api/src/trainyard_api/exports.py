@@ -16,11 +16,11 @@ from datetime import datetime
 
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, NotFoundError
-from trainyard_common.events import ExportRequested, export_id, utcnow
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import ArtifactRecord, ExportRecord, TenantToken
-from trainyard_common.storage import (
+from trainyard_contract.errors import ConflictError, NotFoundError
+from trainyard_contract.events import ExportRequested, export_id, utcnow
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import ArtifactRecord, ExportRecord, TenantToken
+from trainyard_contract.storage import (
     EXPORT_LISTING,
     ArtifactLayout,
     Location,
@@ -29,7 +29,7 @@ from trainyard_common.storage import (
     is_file,
     read_bytes,
 )
-from trainyard_common.store import Keys, StateStore
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_api.schemas import ArtifactView, ExportFile
 

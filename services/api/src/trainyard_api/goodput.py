@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
 
 KINDS: tuple[str, ...] = ("productive", "lostWork", "launchRestore", "checkpointStall", "hang", "inFlight", "idle")
 WASTE_KINDS: tuple[str, ...] = ("lostWork", "launchRestore", "checkpointStall", "hang", "idle")

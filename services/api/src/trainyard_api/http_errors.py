@@ -1,4 +1,4 @@
-"""Errors over HTTP: the handlers that map ``trainyard_common.errors`` to statuses, and the error responses
+"""Errors over HTTP: the handlers that map ``trainyard_contract.errors`` to statuses, and the error responses
 routes document.
 
 SpecError 422 (with every bad field), AuthError 401 (its ForbiddenError, a role without the right: 403),
@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
-from trainyard_common.errors import AuthError, ConflictError, InfrastructureError, NotFoundError, SpecError, TrainyardError
+from trainyard_contract.errors import AuthError, ConflictError, InfrastructureError, NotFoundError, SpecError, TrainyardError
 
 from trainyard_api.auth import ForbiddenError
 from trainyard_api.code import ArchiveTooLargeError

@@ -16,8 +16,8 @@ from datetime import datetime
 
 from prometheus_client import Gauge, Histogram
 
-from trainyard_common.events import TERMINAL_STATES, StepMetrics
-from trainyard_common.records import JobRecord
+from trainyard_contract.events import TERMINAL_STATES, StepMetrics
+from trainyard_contract.records import JobRecord
 
 from trainyard_api.goodput import Ledger
 

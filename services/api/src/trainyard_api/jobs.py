@@ -4,7 +4,7 @@ Decisions (job ids, which control actions a state allows, reference checks) are 
 functions; :class:`JobService` loads, decides and writes. A job and its JobSubmitted are
 written in one Redis MULTI (the outbox relay publishes the event afterwards), so a job is
 never stored without its event nor announced without being stored. A control request and its
-JobControlRequested likewise (:mod:`trainyard_common.controlrecords`): the scheduler treats both events as
+JobControlRequested likewise (:mod:`trainyard_runtime.controlrecords`): the scheduler treats both events as
 wake-ups and acts only on what this module wrote.
 """
 
@@ -24,20 +24,20 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.controlrecords import (
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_runtime.controlrecords import (
     CONTROL_REQUEST_TTL_S,
     MAX_CONTROL_REQUESTS,
     expired_requests,
     room_for_request,
     stage_control_request,
 )
-from trainyard_common.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
-from trainyard_common.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
-from trainyard_common.outbox import Outbox
-from trainyard_common.replication import confirm_replicated
-from trainyard_common.hfdir import HfDir, inspect_dir, resolve_start
-from trainyard_common.records import (
+from trainyard_contract.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
+from trainyard_contract.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.replication import confirm_replicated
+from trainyard_contract.hfdir import HfDir, inspect_dir, resolve_start
+from trainyard_contract.records import (
     ArtifactRecord,
     CheckpointRecord,
     HuggingFaceStart,
@@ -46,10 +46,10 @@ from trainyard_common.records import (
     TenantToken,
     TriggerOrigin,
 )
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.storage import ArtifactLayout, location_uri
-from trainyard_common.store import Keys, StateStore, stage_change
-from trainyard_common.tracing import current_traceparent, job_context
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import ArtifactLayout, location_uri
+from trainyard_runtime.store import Keys, StateStore, stage_change
+from trainyard_contract.tracing import current_traceparent, job_context
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.code import CodeService

@@ -18,8 +18,8 @@ from fastapi import Body, FastAPI, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import SpecError
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import SpecError
 from trainyard_planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,

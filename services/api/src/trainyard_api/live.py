@@ -29,8 +29,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from trainyard_common.bus import Bus
-from trainyard_common.events import (
+from trainyard_runtime.bus import Bus
+from trainyard_contract.events import (
     CHECKPOINTS,
     JOBS,
     METRICS,

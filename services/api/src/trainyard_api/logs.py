@@ -1,7 +1,7 @@
 """Rank logs: the files the node agents write (``ArtifactLayout.rank_log``), tailed and followed.
 
 Under an object-store artifact root a rank's log is the segments its node agent ships as it grows
-(:mod:`trainyard_common.logsegments`): :class:`ShippedLog` reads those, :class:`LogFile` the file.
+(:mod:`trainyard_contract.logsegments`): :class:`ShippedLog` reads those, :class:`LogFile` the file.
 
 Pure: :func:`pick_attempt` (which attempt and rank a request means, or why not), :func:`last_lines`.
 I/O: :class:`RankLogs` reads the log's end and, to follow, polls it for new bytes until the attempt
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
-from trainyard_common import logsegments
-from trainyard_common.errors import NotFoundError
-from trainyard_common.records import AttemptRecord, JobRecord
-from trainyard_common.storage import ArtifactLayout, ObjectPath, list_children, read_bytes
+from trainyard_contract import logsegments
+from trainyard_contract.errors import NotFoundError
+from trainyard_contract.records import AttemptRecord, JobRecord
+from trainyard_contract.storage import ArtifactLayout, ObjectPath, list_children, read_bytes
 
 CHUNK = 64 * 1024
 

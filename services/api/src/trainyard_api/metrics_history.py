@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 from redis.asyncio import Redis
 
-from trainyard_common.errors import SpecError
-from trainyard_common.events import StepMetrics
-from trainyard_common.replication import undecoded
+from trainyard_contract.errors import SpecError
+from trainyard_contract.events import StepMetrics
+from trainyard_runtime.replication import undecoded
 
 from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
 

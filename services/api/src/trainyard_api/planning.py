@@ -47,9 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 import trainyard_planner
-from trainyard_common.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_common.errors import SpecError
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
+from trainyard_contract.errors import SpecError
+from trainyard_contract.spec import TrainingSpec
 from trainyard_planner import (
     DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,

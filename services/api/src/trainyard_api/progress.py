@@ -23,9 +23,9 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from trainyard_common.events import StepMetrics, utcnow
-from trainyard_common.records import Progress
-from trainyard_common.store import Keys
+from trainyard_contract.events import StepMetrics, utcnow
+from trainyard_contract.records import Progress
+from trainyard_runtime.store import Keys
 
 if TYPE_CHECKING:
     from trainyard_api.calibration import Measurement

@@ -16,8 +16,8 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from trainyard_common.errors import AuthError
-from trainyard_common.records import TenantToken, TokenRole
+from trainyard_contract.errors import AuthError
+from trainyard_contract.records import TenantToken, TokenRole
 
 ROLES: tuple[TokenRole, ...] = ("viewer", "submitter", "tenant-admin", "platform-admin")
 """Weakest first; each role has every right of the roles before it."""

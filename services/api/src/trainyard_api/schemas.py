@@ -1,6 +1,6 @@
 """Response bodies of the REST API (camelCase on the wire, like the spec and the events).
 
-The bodies the CLI reads too are defined once, in ``trainyard_common.wire``, and re-exported here
+The bodies the CLI reads too are defined once, in ``trainyard_contract.wire``, and re-exported here
 under the same names; the rest are the API's own.
 """
 
@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from trainyard_common.events import DeviceInfo, JobState
-from trainyard_common.records import (
+from trainyard_contract.events import DeviceInfo, JobState
+from trainyard_contract.records import (
     ArtifactRecord,
     DatasetRecord,
     ExportRecord,
@@ -20,8 +20,8 @@ from trainyard_common.records import (
     TriggerOrigin,
     TriggerSource,
 )
-from trainyard_common.spec import TrainingSpec
-from trainyard_common.wire import (  # the bodies the CLI reads too: defined there, published under these names
+from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.wire import (  # the bodies the CLI reads too: defined there, published under these names
     ApiModel,
     AttemptView,
     CheckpointList,

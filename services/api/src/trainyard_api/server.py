@@ -32,10 +32,10 @@ from pathlib import Path
 
 import uvicorn
 
-from trainyard_common.errors import ConfigError, InfrastructureError
-from trainyard_common.events import METRICS, WORKERS, StepMetrics, StragglerDetected
-from trainyard_common.service import ServiceRuntime, serve_until_signalled
-from trainyard_common.settings import settings_env
+from trainyard_contract.errors import ConfigError, InfrastructureError
+from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
+from trainyard_runtime.service import ServiceRuntime, serve_until_signalled
+from trainyard_contract.settings import settings_env
 
 from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
@@ -234,7 +234,7 @@ class ApiServer:
 
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT (or the HTTP server ends), then close: the services' one lifecycle
-        (:func:`~trainyard_common.service.serve_until_signalled`)."""
+        (:func:`~trainyard_runtime.service.serve_until_signalled`)."""
         await serve_until_signalled(self, "api", self._stop, ended=lambda: self._serving)
 
     async def aclose(self) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr
 
-from trainyard_common import codetree
-from trainyard_common.settings import ServiceSettings
+from trainyard_contract import codetree
+from trainyard_contract.settings import ServiceSettings
 
 from trainyard_api.planning import DEFAULT_CPU_PEAK_FLOPS, DEFAULT_WRITE_BANDWIDTH, Assumptions
 

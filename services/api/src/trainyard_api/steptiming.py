@@ -24,8 +24,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from trainyard_common.events import StepMetrics, StragglerDetected
-from trainyard_common.store import Keys
+from trainyard_contract.events import StepMetrics, StragglerDetected
+from trainyard_runtime.store import Keys
 
 from trainyard_api.goodput import StepTiming
 

@@ -25,11 +25,11 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, NotFoundError, SpecError
-from trainyard_common.events import TERMINAL_STATES, utcnow
-from trainyard_common.records import DELETED_TENANT_SETTINGS, TenantRecord, TenantToken, is_deleted_tenant
-from trainyard_common.replication import execute_confirmed, write_confirmed
-from trainyard_common.store import Keys, StateStore, hash_token, token_id_of
+from trainyard_contract.errors import ConflictError, NotFoundError, SpecError
+from trainyard_contract.events import TERMINAL_STATES, utcnow
+from trainyard_contract.records import DELETED_TENANT_SETTINGS, TenantRecord, TenantToken, is_deleted_tenant
+from trainyard_runtime.replication import execute_confirmed, write_confirmed
+from trainyard_runtime.store import Keys, StateStore, hash_token, token_id_of
 
 from trainyard_api.bodies import TenantCreateBody, TenantSettingsBody, TokenCreateBody
 from trainyard_api.roles import ForbiddenError, may_grant, token_state

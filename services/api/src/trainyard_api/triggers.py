@@ -24,14 +24,14 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
-from trainyard_common.bus import is_retryable
-from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
-from trainyard_common.events import REGISTRY, ArtifactRegistered, dataset_key, utcnow
-from trainyard_common.replication import execute_confirmed, write_confirmed
-from trainyard_common.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord, is_deleted_tenant
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import DatasetRef
-from trainyard_common.store import Keys
+from trainyard_runtime.bus import is_retryable
+from trainyard_contract.errors import ConflictError, NotFoundError, StateStoreError
+from trainyard_contract.events import REGISTRY, ArtifactRegistered, dataset_key, utcnow
+from trainyard_runtime.replication import execute_confirmed, write_confirmed
+from trainyard_contract.records import TenantToken, TriggerFailure, TriggerOrigin, TriggerRecord, is_deleted_tenant
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import DatasetRef
+from trainyard_runtime.store import Keys
 
 from trainyard_api.bodies import SubmittedSpec, TriggerCreateBody
 from trainyard_api.jobs import JobService, new_job_id

@@ -24,10 +24,10 @@ from typing import Any, NoReturn
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from trainyard_common.catalog import ModelConfig
-from trainyard_common.errors import ConfigError, SpecError
-from trainyard_common.hfdir import HfDir, inline_config, shape_differences
-from trainyard_common.spec import REF_PATTERN, TrainingSpec
+from trainyard_contract.catalog import ModelConfig
+from trainyard_contract.errors import ConfigError, SpecError
+from trainyard_contract.hfdir import HfDir, inline_config, shape_differences
+from trainyard_contract.spec import REF_PATTERN, TrainingSpec
 
 # FastAPI prefixes a location with where the value came from; only the body is the spec.
 _SOURCES = ("body", "query", "path", "header", "cookie")
@@ -342,7 +342,7 @@ HF_FIELD = "initFrom.huggingFace"
 def check_hugging_face_start(spec: TrainingSpec, model: ModelConfig | None,
                              found: HfDir | ConfigError) -> list[FieldProblem]:
     """``initFrom.huggingFace`` must be a usable directory (``found``: what
-    :func:`~trainyard_common.hfdir.inspect_dir` found there, or why it refused) whose model has the
+    :func:`~trainyard_contract.hfdir.inspect_dir` found there, or why it refused) whose model has the
     shape of the spec's ``model`` (None: the spec's model is unknown, which is reported on its own)."""
     if spec.init_from is None or spec.init_from.hugging_face is None:
         return []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from trainyard_common.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
 
 from trainyard_api.goodput import WASTE_KINDS, Ledger
 from trainyard_api.goodput_history import GoodputInterval

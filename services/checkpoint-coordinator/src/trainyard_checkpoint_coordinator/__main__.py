@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainyard_common.service import service_main
+from trainyard_runtime.service import service_main
 
 from trainyard_checkpoint_coordinator.coordinator import build_service
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings

@@ -29,8 +29,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.records import CheckpointRecord
-from trainyard_common.spec import CheckpointPolicy
+from trainyard_contract.records import CheckpointRecord
+from trainyard_contract.spec import CheckpointPolicy
 from trainyard_planner.checkpoint import daly_interval, job_mtbf, wasted_fraction, young_interval
 
 #: Llama 3 405B: 466 interruptions in 54 days on 16,384 GPUs, i.e. one per ~1.6e8 GPU-seconds

@@ -10,7 +10,7 @@ reports its shard once (``ShardWritten``); this module decides
 * when a pending checkpoint has waited too long (:func:`is_expired`).
 
 The I/O shell (``coordinator.py``) verifies the draft manifest against the files on disk
-with :func:`trainyard_common.manifest.verify_manifest` and applies the outcome.
+with :func:`trainyard_contract.manifest.verify_manifest` and applies the outcome.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.events import (
+from trainyard_contract.events import (
     CheckpointFailed,
     CheckpointReady,
     CheckpointRefused,
@@ -33,7 +33,7 @@ from trainyard_common.events import (
     ShardWritten,
     TensorDigest,
 )
-from trainyard_common.manifest import (
+from trainyard_contract.manifest import (
     CheckpointManifest,
     ParallelLayout,
     ShardEntry,
@@ -42,8 +42,8 @@ from trainyard_common.manifest import (
     tensor_order,
     tensors_hash,
 )
-from trainyard_common.errors import CheckpointError
-from trainyard_common.records import CheckpointRecord, checkpoint_id
+from trainyard_contract.errors import CheckpointError
+from trainyard_contract.records import CheckpointRecord, checkpoint_id
 
 MANIFEST_NAME = "manifest.json"
 

@@ -19,9 +19,9 @@ from datetime import datetime
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from trainyard_common.events import TERMINAL_STATES, utcnow
-from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.storage import (
+from trainyard_contract.events import TERMINAL_STATES, utcnow
+from trainyard_contract.records import CheckpointRecord, JobRecord
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,
@@ -33,7 +33,7 @@ from trainyard_common.storage import (
     remove_tree,
     remove_tree_under,
 )
-from trainyard_common.store import Keys, StateStore
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_checkpoint_coordinator import metrics
 from trainyard_checkpoint_coordinator.assembly import MANIFEST_NAME

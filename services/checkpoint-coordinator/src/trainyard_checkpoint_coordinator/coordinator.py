@@ -45,8 +45,8 @@ from opentelemetry import trace
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import StateStoreError
-from trainyard_common.events import (
+from trainyard_contract.errors import StateStoreError
+from trainyard_contract.events import (
     CHECKPOINTS,
     METRICS,
     WORKERS,
@@ -56,17 +56,17 @@ from trainyard_common.events import (
     WorkerExited,
     utcnow,
 )
-from trainyard_common.manifest import (
+from trainyard_contract.manifest import (
     CheckpointManifest,
     ParallelLayout,
     local_sha256,
     local_stat_size,
     verify_manifest,
 )
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import CheckpointRecord, JobRecord, checkpoint_id
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import (
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import CheckpointRecord, JobRecord, checkpoint_id
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,
@@ -82,8 +82,8 @@ from trainyard_common.storage import (
     stat_size_under,
     uri_to_path,
 )
-from trainyard_common.store import Keys, StateStore
-from trainyard_common.tracing import job_context
+from trainyard_runtime.store import Keys, StateStore
+from trainyard_contract.tracing import job_context
 
 from trainyard_checkpoint_coordinator import metrics
 from trainyard_checkpoint_coordinator.assembly import (
@@ -480,7 +480,7 @@ def _verify(manifest: CheckpointManifest, root: Location | None = None) -> list[
 def commit_manifest(root: Location, location: Location, data: bytes) -> None:
     """The commit point: one PUT in an object store; locally an atomic rename in the step directory,
     opened from the artifact root one component at a time without following a link
-    (:func:`~trainyard_common.storage.commit_bytes_under`): the step directory is the rank's, and a
+    (:func:`~trainyard_contract.storage.commit_bytes_under`): the step directory is the rank's, and a
     link swapped in for it after verification is refused, never written through."""
     if isinstance(location, ObjectPath) or not isinstance(root, Path):
         commit_bytes(location, data)

@@ -23,9 +23,9 @@ from datetime import datetime
 
 from redis.asyncio import Redis
 
-from trainyard_common.events import TERMINAL_STATES, StepMetrics, WorkerExited, utcnow
-from trainyard_common.records import JobRecord
-from trainyard_common.store import Keys, StateStore
+from trainyard_contract.events import TERMINAL_STATES, StepMetrics, WorkerExited, utcnow
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, counts_as_interruption
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX

@@ -15,7 +15,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.store import Keys
+from trainyard_runtime.store import Keys
 
 CONDITION = "CheckpointsStalled"
 

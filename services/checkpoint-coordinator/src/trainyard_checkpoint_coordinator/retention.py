@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from trainyard_common.records import AttemptRecord, CheckpointRecord, checkpoint_id
+from trainyard_contract.records import AttemptRecord, CheckpointRecord, checkpoint_id
 
 #: ``step-000000020-a1`` or ``step-000000020-a1.tmp`` (see ``ArtifactLayout.checkpoint_dir``).
 _DIR_NAME = re.compile(r"^step-(?P<step>\d+)-a(?P<attempt>\d+)(?P<tmp>\.tmp)?$")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trainyard_common.settings import ServiceSettings
+from trainyard_contract.settings import ServiceSettings
 
 from trainyard_checkpoint_coordinator.advice import PRIOR_DEVICE_MTBF_S
 

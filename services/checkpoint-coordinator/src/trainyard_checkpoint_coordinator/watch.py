@@ -16,8 +16,8 @@ from datetime import datetime
 
 from redis.asyncio import Redis
 
-from trainyard_common.events import TERMINAL_STATES, utcnow
-from trainyard_common.store import StateStore
+from trainyard_contract.events import TERMINAL_STATES, utcnow
+from trainyard_runtime.store import StateStore
 
 from trainyard_checkpoint_coordinator import metrics
 from trainyard_checkpoint_coordinator.protection import (

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 from redis.exceptions import RedisError
 
-from trainyard_common.bus import KafkaAuth, ensure_topics
-from trainyard_common.errors import TrainyardError
-from trainyard_common.service import ServiceRuntime, serve_until_signalled, service_main
+from trainyard_runtime.bus import KafkaAuth, ensure_topics
+from trainyard_contract.errors import TrainyardError
+from trainyard_runtime.service import ServiceRuntime, serve_until_signalled, service_main
 
 from trainyard_node_agent.agent import NodeAgent
 from trainyard_node_agent.network import ipv4_interfaces, rendezvous_env
@@ -46,7 +46,7 @@ async def serve(settings: NodeAgentSettings, base_env: Mapping[str, str]) -> Non
 
 
 class NodeAgentProcess:
-    """The node agent's process as a :class:`~trainyard_common.service.Lifecycle`. start: adopt what an earlier
+    """The node agent's process as a :class:`~trainyard_runtime.service.Lifecycle`. start: adopt what an earlier
     agent left running, wait for Redis and the broker (returning quietly when stopped meanwhile), start the
     runtime, then the agent. aclose: the agent (its ranks), then the runtime, bounded."""
 

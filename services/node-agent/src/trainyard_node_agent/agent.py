@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from redis.exceptions import RedisError
-from trainyard_common.codetree import CodeTreeError, archive_hex
-from trainyard_common.events import (
+from trainyard_contract.codetree import CodeTreeError, archive_hex
+from trainyard_contract.events import (
     ALLOCATIONS,
     AllocationRevoked,
     CheckpointRequested,
@@ -71,13 +71,13 @@ from trainyard_common.events import (
     SecurityViolation,
     WorkerStarted,
 )
-from trainyard_common.exitcodes import CONFIG, PORT_IN_USE
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.spec import Code
-from trainyard_common.spool import SpoolReader
-from trainyard_common.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
-from trainyard_common.store import Keys
-from trainyard_common.tracing import current_traceparent
+from trainyard_contract.exitcodes import CONFIG, PORT_IN_USE
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.spec import Code
+from trainyard_contract.spool import SpoolReader
+from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes, path_to_uri
+from trainyard_runtime.store import Keys
+from trainyard_contract.tracing import current_traceparent
 
 from trainyard_node_agent import backoff, kube
 from trainyard_node_agent import ranks as rp

@@ -13,10 +13,10 @@ from typing import Any
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from trainyard_common.events import Event
-from trainyard_common.records import checkpoint_id
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.store import Keys
+from trainyard_contract.events import Event
+from trainyard_contract.records import checkpoint_id
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_runtime.store import Keys
 
 from trainyard_node_agent.clock import Clock
 from trainyard_node_agent.confirmation import Announcement, Verdict, explain

@@ -1,5 +1,5 @@
 """Trying again what failed while Redis or the broker is away: one back-off policy, the bus's
-:class:`~trainyard_common.bus.RetryPolicy` (a first delay, doubling up to a cap), one loop (:func:`retry`),
+:class:`~trainyard_runtime.bus.RetryPolicy` (a first delay, doubling up to a cap), one loop (:func:`retry`),
 and the rules for giving up (pure over the failure count, the delay and the injected clock).
 
 While the agent serves it retries for ever: a spool waits, an exit must still be reported. Once it is
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from trainyard_common.bus import RetryPolicy
+from trainyard_runtime.bus import RetryPolicy
 
 from trainyard_node_agent.clock import Clock
 

@@ -1,7 +1,7 @@
 """Why a rank ended: the ``reason`` of its WorkerExited, from what the node agent knows. Pure.
 
 Order of evidence: the agent's own decision (it revoked the rank, or stopped it as hung); the
-trainer's exit code (``trainyard_common.exitcodes``: 3 nan, 6 oom, 2 config, 4 checkpoint,
+trainer's exit code (``trainyard_contract.exitcodes``: 3 nan, 6 oom, 2 config, 4 checkpoint,
 5 data, 7 preempted: it checkpointed on request and stopped); a SIGKILL while the cgroup's OOM-kill counter went up (the kernel OOM killer, best
 effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
 errors, collective timeouts); otherwise what the exit code says (error, killed, signal-<n>).
@@ -22,7 +22,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from trainyard_common.exitcodes import exit_reason
+from trainyard_contract.exitcodes import exit_reason
 
 from trainyard_node_agent.sandbox import NEVER_FOLLOWED, SANDBOX_EXIT, SANDBOX_FAILURE
 

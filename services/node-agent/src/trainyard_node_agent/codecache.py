@@ -2,7 +2,7 @@
 and job on this node, and the paths a rank of user code runs with.
 
 An entry is ``<cache dir>/<hex>/``: ``tree/`` (the extracted archive: files 0444 or 0555,
-directories 0555), ``digest.json`` (its :class:`~trainyard_common.codetree.TreeDigest`),
+directories 0555), ``digest.json`` (its :class:`~trainyard_contract.codetree.TreeDigest`),
 ``entry.json`` (archive id, size) and ``last-used`` (its mtime drives eviction).
 
 * Materialise once per hash: read the archive from the artifact store, check its sha256 (a
@@ -48,16 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter
-from trainyard_common.codetree import (
+from trainyard_contract.codetree import (
     CodeTreeError,
     TreeDigest,
     archive_hex,
     extract,
     verify_tree,
 )
-from trainyard_common.lru import least_recently_used
-from trainyard_common.spec import Code
-from trainyard_common.storage import ArtifactLayout, read_bytes
+from trainyard_contract.lru import least_recently_used
+from trainyard_contract.spec import Code
+from trainyard_contract.storage import ArtifactLayout, read_bytes
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainyard_common.errors import ConfigError
-from trainyard_common.events import GangAllocated
-from trainyard_common.hfdir import HfDirError, resolve_start
-from trainyard_common.storage import ArtifactLayout, uri_to_path
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.events import GangAllocated
+from trainyard_contract.hfdir import HfDirError, resolve_start
+from trainyard_contract.storage import ArtifactLayout, uri_to_path
 
 from trainyard_node_agent import cgroups, launcher
 from trainyard_node_agent import sandbox as sb

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.records import JobRecord
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.records import JobRecord
 
 Verdict = Literal["confirmed", "pending", "moot"]
 LIVE = frozenset({"starting", "running"})

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
-from trainyard_common.errors import InfrastructureError
+from trainyard_contract.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 

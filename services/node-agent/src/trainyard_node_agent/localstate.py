@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.storage import atomic_write_bytes
+from trainyard_contract.storage import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Rank logs to an object-store artifact root, as they grow (:mod:`trainyard_common.logsegments`).
+"""Rank logs to an object-store artifact root, as they grow (:mod:`trainyard_contract.logsegments`).
 
 A rank writes its log on its node (``TRAINYARD_NODE_STATE_DIR``); under a directory root the API reads it
 there. Under an object-store root nothing but the store is shared, so each rank's supervisor hands its
@@ -15,8 +15,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from trainyard_common.logsegments import SEGMENT_MAX, segment_name
-from trainyard_common.storage import ArtifactLayout, Location, commit_bytes
+from trainyard_contract.logsegments import SEGMENT_MAX, segment_name
+from trainyard_contract.storage import ArtifactLayout, Location, commit_bytes
 
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.clock import Clock

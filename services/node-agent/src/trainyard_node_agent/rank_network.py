@@ -35,7 +35,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 from trainyard_node_agent.network import ipv4_interfaces
 

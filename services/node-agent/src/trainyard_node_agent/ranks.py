@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.rankfiles import RankFileRefused, open_rank_file, read_rank_file
-from trainyard_common.spool import SpoolReader
+from trainyard_contract.rankfiles import RankFileRefused, open_rank_file, read_rank_file
+from trainyard_contract.spool import SpoolReader
 
 from trainyard_node_agent import launcher
 from trainyard_node_agent.classify import parse_oom_kills
@@ -153,7 +153,7 @@ def note_file_for(exit_file: Path) -> Path:
 
 def read_json(path: Path, what: str) -> tuple[Any, str | None]:
     """(the JSON in ``path``, None), or (None, why it was refused) for a file that is no small regular file
-    (:func:`~trainyard_common.rankfiles.read_rank_file`: a FIFO, a symlink, a huge file); (None, None) when
+    (:func:`~trainyard_contract.rankfiles.read_rank_file`: a FIFO, a symlink, a huge file); (None, None) when
     it is missing or no JSON. Blocks on nothing a rank controls; still, call it off the event loop."""
     try:
         data = read_rank_file(path, limit=NOTE_LIMIT, what=what)

@@ -35,8 +35,8 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
-from trainyard_common.events import CheckpointRefused, Event, ShardWritten, StepMetrics
-from trainyard_common.storage import ObjectPath, is_object_url
+from trainyard_contract.events import CheckpointRefused, Event, ShardWritten, StepMetrics
+from trainyard_contract.storage import ObjectPath, is_object_url
 
 __all__ = ["RANK_EVENTS", "Refusal", "Relay", "RankIdentity", "check_line", "inside"]
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from trainyard_common.settings import ServiceSettings
+from trainyard_contract.settings import ServiceSettings
 
 DEFAULT_NODE_STATE_DIR = Path(".trainyard/node-state")
 

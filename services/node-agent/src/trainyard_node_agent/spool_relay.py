@@ -16,7 +16,7 @@ What a rank writes never wedges the relay: a line that is not UTF-8 JSON is dead
 yields it as corrupt), and so is a line whose handling raises an error that retrying could not cure
 (:data:`UNRELAYABLE`: the same bytes would fail the same way); the lines after it are relayed. Only
 the broker or Redis being away holds a spool up. The spool is read in a worker thread, as a rank's
-file (a FIFO or symlink in its place is refused: :class:`~trainyard_common.rankfiles.RankFileRefused`),
+file (a FIFO or symlink in its place is refused: :class:`~trainyard_contract.rankfiles.RankFileRefused`),
 and :meth:`SpoolRelay.drain` gives up on such a spool at once, with the reason, instead of retrying.
 """
 
@@ -32,11 +32,11 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from trainyard_common.bus import Bus
-from trainyard_common.events import CHECKPOINTS, DeadLetter, ShardWritten, StepMetrics
-from trainyard_common.rankfiles import RankFileRefused
-from trainyard_common.spool import SpoolReader
-from trainyard_common.storage import ArtifactLayout, uri_to_path
+from trainyard_runtime.bus import Bus
+from trainyard_contract.events import CHECKPOINTS, DeadLetter, ShardWritten, StepMetrics
+from trainyard_contract.rankfiles import RankFileRefused
+from trainyard_contract.spool import SpoolReader
+from trainyard_contract.storage import ArtifactLayout, uri_to_path
 
 from trainyard_node_agent import backoff
 from trainyard_node_agent.announcements import Announcements

@@ -6,7 +6,7 @@ Order: a rank's spool is drained completely before its WorkerExited is staged, s
 StepMetrics never arrives after the exit that follows it.
 
 The files a rank can write (its exit note, its spool, its log, the exit file beside them) are read off the
-event loop and only as small regular files (:mod:`trainyard_common.rankfiles`): a FIFO, a symlink to
+event loop and only as small regular files (:mod:`trainyard_contract.rankfiles`): a FIFO, a symlink to
 ``/dev/zero`` or a 20 GB note never stops the agent's heartbeats; the exit is reported with the refusal
 in its detail (``exit note refused: not a regular file (a FIFO)``).
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from trainyard_common.events import WorkerExited
-from trainyard_common.outbox import Outbox
+from trainyard_contract.events import WorkerExited
+from trainyard_runtime.outbox import Outbox
 
 from trainyard_node_agent import backoff
 from trainyard_node_agent import ranks as rp

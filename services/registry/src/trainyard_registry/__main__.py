@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainyard_common.service import service_main
+from trainyard_runtime.service import service_main
 
 from trainyard_registry.registry import build_service
 from trainyard_registry.settings import RegistrySettings

@@ -35,12 +35,12 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import CheckpointError, StateStoreError
-from trainyard_common.events import EXPORTS, ExportRequested
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import ExportRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import (
+from trainyard_contract.errors import CheckpointError, StateStoreError
+from trainyard_contract.events import EXPORTS, ExportRequested
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import ExportRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,
@@ -50,7 +50,7 @@ from trainyard_common.storage import (
     location_uri,
     read_bytes,
 )
-from trainyard_common.store import Keys, StateStore
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_registry.exports import (
     Convert,

@@ -16,10 +16,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.events import ExportFailed, ExportRequested, export_id
-from trainyard_common.exitcodes import CHECKPOINT, CONFIG
-from trainyard_common.records import ArtifactRecord, ExportRecord, JobRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.events import ExportFailed, ExportRequested, export_id
+from trainyard_contract.exitcodes import CHECKPOINT, CONFIG
+from trainyard_contract.records import ArtifactRecord, ExportRecord, JobRecord
+from trainyard_contract.spec import TrainingSpec
 
 MAX_PROBLEMS = 64  # ExportFailed.problems holds at most this many
 MAX_LINE = 500  # characters of one stderr line kept in a reason or problem

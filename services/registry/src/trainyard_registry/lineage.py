@@ -12,8 +12,8 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID, uuid4
 
-from trainyard_common.events import ArtifactRegistered, CheckpointReady, DatasetRejected, DatasetVersionPublished
-from trainyard_common.records import (
+from trainyard_contract.events import ArtifactRegistered, CheckpointReady, DatasetRejected, DatasetVersionPublished
+from trainyard_contract.records import (
     ArtifactRecord,
     CheckpointRecord,
     DatasetRecord,
@@ -22,9 +22,9 @@ from trainyard_common.records import (
     Lineage,
     checkpoint_id,
 )
-from trainyard_common.records import dataset_conflict as _version_conflict
-from trainyard_common.events import ArtifactLineage, ArtifactRetired
-from trainyard_common.spec import DatasetRef, TrainingSpec, canonical_json
+from trainyard_contract.records import dataset_conflict as _version_conflict
+from trainyard_contract.events import ArtifactLineage, ArtifactRetired
+from trainyard_contract.spec import DatasetRef, TrainingSpec, canonical_json
 
 from trainyard_registry.verification import MAX_PROBLEMS, rejection_reason
 
@@ -255,7 +255,7 @@ def _count(value: Any) -> bool:
 
 def dataset_conflict(existing: DatasetRecord, new: DatasetVersionPublished | DatasetRecord) -> str | None:
     """Why ``new`` may not replace ``existing`` (None for an idempotent re-publish): the API's rule too
-    (:func:`trainyard_common.records.dataset_conflict`)."""
+    (:func:`trainyard_contract.records.dataset_conflict`)."""
     return _version_conflict(existing, new.sha256)
 
 

@@ -45,8 +45,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, NotFoundError, StateStoreError
-from trainyard_common.events import (
+from trainyard_contract.errors import ConflictError, NotFoundError, StateStoreError
+from trainyard_contract.events import (
     CHECKPOINTS,
     DATASETS,
     JOBS,
@@ -60,7 +60,7 @@ from trainyard_common.events import (
     dataset_key,
     utcnow,
 )
-from trainyard_common.records import (
+from trainyard_contract.records import (
     ArtifactRecord,
     CheckpointRecord,
     DatasetRecord,
@@ -69,9 +69,9 @@ from trainyard_common.records import (
     checkpoint_id,
     expects_final_checkpoint,
 )
-from trainyard_common.outbox import Outbox
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.storage import (
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_contract.storage import (
     ArtifactLayout,
     ObjectPath,
     is_object_url,
@@ -82,7 +82,7 @@ from trainyard_common.storage import (
     stat_size,
     uri_to_path,
 )
-from trainyard_common.store import Keys, StateStore
+from trainyard_runtime.store import Keys, StateStore
 
 from trainyard_registry.exporter import Exporter
 from trainyard_registry.exports import auto_export, requested_record

@@ -6,7 +6,7 @@ import sys
 
 from pydantic import Field
 
-from trainyard_common.settings import ServiceSettings
+from trainyard_contract.settings import ServiceSettings
 
 
 class RegistrySettings(ServiceSettings):

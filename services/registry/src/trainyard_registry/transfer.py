@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainyard_common.errors import CheckpointCorruptError, StateStoreError
-from trainyard_common.manifest import CheckpointManifest
-from trainyard_common.storage import (
+from trainyard_contract.errors import CheckpointCorruptError, StateStoreError
+from trainyard_contract.manifest import CheckpointManifest
+from trainyard_contract.storage import (
     CHUNK,
     EXPORT_LISTING,
     Location,

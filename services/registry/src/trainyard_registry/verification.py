@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainyard_common.events import DatasetVersionPublished, dataset_key
-from trainyard_common.spec import DatasetRef
+from trainyard_contract.events import DatasetVersionPublished, dataset_key
+from trainyard_contract.spec import DatasetRef
 
 MAX_PROBLEMS = 64  # DatasetRejected.problems holds at most this many
 

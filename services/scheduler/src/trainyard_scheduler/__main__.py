@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainyard_common.service import ServiceRuntime, service_main
+from trainyard_runtime.service import ServiceRuntime, service_main
 
 from trainyard_scheduler.faults import with_faults
 from trainyard_scheduler.fencing import FencedLeases

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from trainyard_common.errors import ConfigError
+from trainyard_contract.errors import ConfigError
 
 SilenceVerdict = Literal["alive", "drain", "wait", "control-plane", "node"]
 

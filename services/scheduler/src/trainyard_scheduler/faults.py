@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from trainyard_common.devices import Device
+from trainyard_contract.devices import Device
 
 from trainyard_scheduler.fencing import FencedLeases
 

@@ -5,7 +5,7 @@ leases whose grant checks that epoch inside the same Lua script.
   takeover (the key expired or was given up) increments ``ty:sched:leader-epoch``, which never
   goes down. The leader renews every tick; a standby takes over within ``ttl`` of the leader's
   last renewal. Behind Sentinel a takeover waits for a replica to hold its epoch (§5.2.1).
-* :class:`FencedLeases` — :class:`trainyard_common.leases.LeaseManager` with its optional leader
+* :class:`FencedLeases` — :class:`trainyard_runtime.leases.LeaseManager` with its optional leader
   fence bound to ``ty:sched:leader-epoch`` (checked inside the same Lua script as the grant): a
   paused or partitioned old leader's grant is refused (``STALE_LEADER``). Job-record
   writes of the tick are fenced the same way with WATCH on the epoch key (see the scheduler).
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
-from trainyard_common.errors import EpochNotReplicatedError
-from trainyard_common.leases import Device, LeaderFence, LeaseManager
-from trainyard_common.replication import epoch_acks, eval_durably
+from trainyard_contract.errors import EpochNotReplicatedError
+from trainyard_runtime.leases import Device, LeaderFence, LeaseManager
+from trainyard_runtime.replication import epoch_acks, eval_durably
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from trainyard_common.errors import ConfigError
-from trainyard_common.events import NodeQuarantined
-from trainyard_common.records import NodeRecord
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.events import NodeQuarantined
+from trainyard_contract.records import NodeRecord
 
 # ----------------------------------------------------------------------------- stragglers
 

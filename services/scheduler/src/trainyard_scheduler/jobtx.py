@@ -5,7 +5,7 @@ checkpoint records and the leader epoch when asked), read, decide with a pure fu
 :mod:`trainyard_scheduler.transitions`, then write the record and stage its events in one MULTI. A
 concurrent writer makes the MULTI fail — :meth:`JobTransactions.try_execute` says so with ``False``,
 no exception — and the decision is taken again on fresh state. A write fenced by a leader epoch that is
-no longer current raises :class:`~trainyard_common.errors.StaleLeaderError`.
+no longer current raises :class:`~trainyard_contract.errors.StaleLeaderError`.
 
 What follows a written change (leases released, the next pass woken, nodes blamed) is the scheduler's.
 """
@@ -22,12 +22,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError, StaleLeaderError
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import CheckpointRecord, JobRecord
-from trainyard_common.store import Keys, stage_change
-from trainyard_common.tracing import current_traceparent, job_context
+from trainyard_contract.errors import ConflictError, StaleLeaderError
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import CheckpointRecord, JobRecord
+from trainyard_runtime.store import Keys, stage_change
+from trainyard_contract.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.keys import SchedulerKeys

@@ -1,8 +1,8 @@
-"""Redis keys the scheduler owns (besides the shared ones in ``trainyard_common.store.Keys``)."""
+"""Redis keys the scheduler owns (besides the shared ones in ``trainyard_runtime.store.Keys``)."""
 
 from __future__ import annotations
 
-from trainyard_common.store import Keys
+from trainyard_runtime.store import Keys
 
 from trainyard_scheduler.fencing import LeaderKeys
 

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from prometheus_client import Counter, Gauge
 
-from trainyard_common.records import JobRecord, NodeRecord
+from trainyard_contract.records import JobRecord, NodeRecord
 
 NODE_STATES: tuple[str, ...] = ("placeable", "out_of_service", "unhealthy", "silent")
 

@@ -25,8 +25,8 @@ from prometheus_client import Counter
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from trainyard_common.errors import ConflictError
-from trainyard_common.events import (
+from trainyard_contract.errors import ConflictError
+from trainyard_contract.events import (
     NodeDrained,
     NodeHeartbeat,
     NodeQuarantined,
@@ -35,9 +35,9 @@ from trainyard_common.events import (
     StepMetrics,
     StragglerDetected,
 )
-from trainyard_common.outbox import Outbox
-from trainyard_common.records import NodeRecord
-from trainyard_common.store import Keys, StateStore, note_change, stage_change
+from trainyard_runtime.outbox import Outbox
+from trainyard_contract.records import NodeRecord
+from trainyard_runtime.store import Keys, StateStore, note_change, stage_change
 
 from trainyard_scheduler import health
 from trainyard_scheduler import transitions as tr

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from operator import eq, ne
 from typing import NamedTuple
 
-from trainyard_common.devices import Device
-from trainyard_common.events import DeviceInfo, NodeAssignment, PlacementDetail, RankAssignment
-from trainyard_common.records import NodeRecord
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.devices import Device
+from trainyard_contract.events import DeviceInfo, NodeAssignment, PlacementDetail, RankAssignment
+from trainyard_contract.records import NodeRecord
+from trainyard_contract.spec import TrainingSpec
 
 CLUSTER, TIER, RACK, DOMAIN, NODE = 0, 1, 2, 3, 4
 LEVEL_NAMES = ("cluster", "network tier", "rack", "NVLink domain", "node")

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from trainyard_common.devices import Device
+from trainyard_contract.devices import Device
 
 from trainyard_scheduler.placement import (
     CLUSTER,

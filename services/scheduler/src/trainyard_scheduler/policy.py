@@ -47,8 +47,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from trainyard_common.errors import ConfigError
-from trainyard_common.records import is_deleted_tenant
+from trainyard_contract.errors import ConfigError
+from trainyard_contract.records import is_deleted_tenant
 
 UNLIMITED = 1 << 62
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable
 
-from trainyard_common.records import JobRecord
+from trainyard_contract.records import JobRecord
 
 from trainyard_scheduler.transitions import is_live
 

@@ -56,10 +56,10 @@ from opentelemetry import trace
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from trainyard_common.controlrecords import Refusal, UnauthorisedEventError, control_refusal, parse_control_request
-from trainyard_common.devices import Device
-from trainyard_common.errors import ConfigError, FencingError, LeaseConflictError, StaleLeaderError
-from trainyard_common.events import (
+from trainyard_runtime.controlrecords import Refusal, UnauthorisedEventError, control_refusal, parse_control_request
+from trainyard_contract.devices import Device
+from trainyard_contract.errors import ConfigError, FencingError, LeaseConflictError, StaleLeaderError
+from trainyard_contract.events import (
     CHECKPOINTS,
     JOBS,
     METRICS,
@@ -82,9 +82,9 @@ from trainyard_common.events import (
     WorkerStarted,
     utcnow,
 )
-from trainyard_common.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
-from trainyard_common.service import ServiceRuntime
-from trainyard_common.store import Keys
+from trainyard_contract.records import CheckpointRecord, DatasetRecord, JobRecord, NodeRecord
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_runtime.store import Keys
 
 from trainyard_scheduler import health
 from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
@@ -210,7 +210,7 @@ class Scheduler:
         group = f"{self.settings.group_prefix}.scheduler"
         nodes = self.nodes
         # The nodes' topic in a group of its own, fetched at the background pace: heartbeats come every few
-        # seconds from every node, so a group reading them is never idle (trainyard_common.idlefetch) and on
+        # seconds from every node, so a group reading them is never idle (trainyard_runtime.idlefetch) and on
         # the embedded broker fetched 50 times a second; a heartbeat a few hundred ms later changes nothing.
         bus.subscribe(NODES, {NodeHeartbeat: nodes.on_heartbeat, NodeQuarantined: nodes.on_quarantined,
                               NodeReinstated: nodes.on_reinstated, NodeDrained: nodes.on_drained,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from trainyard_common.settings import ServiceSettings
+from trainyard_contract.settings import ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):

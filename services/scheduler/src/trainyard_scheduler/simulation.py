@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-from trainyard_common.events import DeviceInfo
+from trainyard_contract.events import DeviceInfo
 
 from trainyard_scheduler.placement import (
     ClusterSnapshot,

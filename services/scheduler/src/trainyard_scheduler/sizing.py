@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from trainyard_common.catalog import ModelConfig, resolve_model
-from trainyard_common.errors import TrainyardError
-from trainyard_common.spec import TrainingSpec
+from trainyard_contract.catalog import ModelConfig, resolve_model
+from trainyard_contract.errors import TrainyardError
+from trainyard_contract.spec import TrainingSpec
 
 log = logging.getLogger(__name__)
 

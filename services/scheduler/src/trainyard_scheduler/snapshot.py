@@ -34,10 +34,10 @@ from datetime import datetime, timedelta
 from prometheus_client import Counter
 from redis.asyncio import Redis
 
-from trainyard_common.devices import Device
-from trainyard_common.events import TERMINAL_STATES
-from trainyard_common.records import JobRecord, NodeRecord
-from trainyard_common.store import Keys
+from trainyard_contract.devices import Device
+from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.records import JobRecord, NodeRecord
+from trainyard_runtime.store import Keys
 
 from trainyard_scheduler.keys import SchedulerKeys
 from trainyard_scheduler.transitions import is_live

@@ -64,7 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from trainyard_common.events import (
+from trainyard_contract.events import (
     TERMINAL_STATES,
     AllocationRevoked,
     CheckpointRef,
@@ -77,8 +77,8 @@ from trainyard_common.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_common.exitcodes import PORT_IN_USE, RETRYABLE_REASONS
-from trainyard_common.records import (
+from trainyard_contract.exitcodes import PORT_IN_USE, RETRYABLE_REASONS
+from trainyard_contract.records import (
     AttemptRecord,
     CheckpointRecord,
     DatasetRecord,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 from trainyard_api.auth import require
 from trainyard_api.bodies import TENANT_PATTERN

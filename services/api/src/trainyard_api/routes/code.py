@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trainyard_common.records import TenantToken
-from trainyard_common.spec import ARCHIVE_PATTERN
+from trainyard_contract.records import TenantToken
+from trainyard_contract.spec import ARCHIVE_PATTERN
 
 from trainyard_api.code import ArchiveTooLargeError, too_large_message
 from trainyard_api.deps import Ctx, Tenant, may

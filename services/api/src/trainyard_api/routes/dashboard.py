@@ -11,9 +11,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from trainyard_common.records import JobRecord, Progress
-from trainyard_common.storage import ArtifactLayout
-from trainyard_common.store import Keys
+from trainyard_contract.records import JobRecord, Progress
+from trainyard_contract.storage import ArtifactLayout
+from trainyard_runtime.store import Keys
 
 from trainyard_api.auth import recheck
 from trainyard_api.cluster import ClusterService, ClusterView

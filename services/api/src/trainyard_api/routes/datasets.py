@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
 
-from trainyard_common.records import TenantToken
-from trainyard_common.spec import DATASET_REF_PATTERN
+from trainyard_contract.records import TenantToken
+from trainyard_contract.spec import DATASET_REF_PATTERN
 
 from trainyard_api.bodies import DatasetPublishBody
 from trainyard_api.deps import Ctx, Tenant, may, strict_body

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Body, Header, Query, Request, Response
 
-from trainyard_common.events import JobState
-from trainyard_common.records import TenantToken
-from trainyard_common.tracing import current_traceparent
+from trainyard_contract.events import JobState
+from trainyard_contract.records import TenantToken
+from trainyard_contract.tracing import current_traceparent
 
 from trainyard_api.bodies import SubmittedSpec
 from trainyard_api.deps import Ctx, JobId, Tenant, may, strict_body

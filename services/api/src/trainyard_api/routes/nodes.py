@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 from trainyard_api.deps import Admin, Ctx, may
 from trainyard_api.http_errors import ADMIN_ERRORS, error, invalid

@@ -14,9 +14,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
-from trainyard_common import contract
-from trainyard_common.errors import AuthError
-from trainyard_common.store import Keys
+from trainyard_contract import asyncapi as contract
+from trainyard_contract.errors import AuthError
+from trainyard_runtime.store import Keys
 
 from trainyard_api.auth import authenticate, bearer_token, require
 from trainyard_api.deps import Ctx

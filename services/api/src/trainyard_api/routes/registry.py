@@ -13,8 +13,8 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
 
-from trainyard_common.records import TenantToken
-from trainyard_common.storage import ObjectPath, iter_chunks
+from trainyard_contract.records import TenantToken
+from trainyard_contract.storage import ObjectPath, iter_chunks
 
 from trainyard_api.bodies import ExportBody
 from trainyard_api.deps import Ctx, Tenant, may, strict_body

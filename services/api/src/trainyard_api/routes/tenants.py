@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 from trainyard_api.auth import ForbiddenError
 from trainyard_api.bodies import TENANT_PATTERN, TenantCreateBody, TenantSettingsBody, TokenCreateBody

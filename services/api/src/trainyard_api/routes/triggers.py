@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request
 
-from trainyard_common.records import TenantToken
+from trainyard_contract.records import TenantToken
 
 from trainyard_api.bodies import TriggerCreateBody
 from trainyard_api.deps import Ctx, Tenant, may, strict_body
