@@ -390,10 +390,6 @@ class StateStore:
     async def put_dataset(self, record: DatasetRecord) -> None:
         await self.redis.hset(Keys.datasets, record.ref, record.dumps())
 
-    async def create_dataset(self, record: DatasetRecord) -> bool:
-        """Record a dataset version unless one is recorded already (first publish wins)."""
-        return bool(await self.redis.hsetnx(Keys.datasets, record.ref, record.dumps()))
-
     async def list_datasets(self, tenant: str | None = None, *, every: bool = False) -> list[DatasetRecord]:
         """The verified versions ``tenant`` may see (``every``: all of them, for operators and tests)."""
         records = await self._hvals(Keys.datasets, DatasetRecord)

@@ -64,11 +64,6 @@ def require(token: TenantToken, right: Right, tenant: str | None = None) -> Tena
     return token
 
 
-def require_admin(token: TenantToken) -> TenantToken:
-    """``token`` when it is a platform-admin token; ForbiddenError otherwise."""
-    return require(token, Right.NODES)
-
-
 async def issue_token(store: StateStore, tenant: str, name: str = "default", token: str | None = None,
                       *, admin: bool = False, role: TokenRole | None = None) -> str:
     """Register ``token`` (or a new random one) for ``tenant``; returns the plain token."""

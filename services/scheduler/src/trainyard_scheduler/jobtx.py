@@ -60,11 +60,6 @@ def checkpoint_facts(job: JobRecord, raw_records: list[str]) -> Facts:
     return Facts(final, latest)
 
 
-def final_checkpoint_ready(job: JobRecord, raw_records: list[str]) -> bool:
-    """Whether a READY checkpoint at (or past) ``maxSteps`` is among the raw CheckpointRecords."""
-    return checkpoint_facts(job, raw_records).final_ready
-
-
 def _trace_id(traceparent: str | None) -> str | None:
     parts = (traceparent or "").split("-")
     return parts[1] if len(parts) >= 3 else None

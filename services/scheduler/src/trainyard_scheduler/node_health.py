@@ -158,9 +158,6 @@ class NodeHealth:
                 setattr(record, field, reason)
                 await self.store.put_node(record)
 
-    async def drained_nodes(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_drain)).items()}
-
     async def on_quarantined(self, event: NodeQuarantined) -> None:
         """An admin's quarantine is recorded; the reputation's own was written before it was published."""
         if event.by != "reputation":
@@ -285,9 +282,6 @@ class NodeHealth:
                     continue
             await self._show_quarantine(node_id, None)
             log.info("node %s reinstated: %s", node_id, why)
-
-    async def quarantined_nodes(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in (await self.redis.hgetall(Keys.node_quarantine)).items()}
 
     async def available_nodes(self, now: datetime, *, include_quarantined: bool = False) -> list[NodeRecord]:
         """Nodes that heart-beat within ``node_timeout_s``, are healthy and (unless asked) neither quarantined

@@ -375,12 +375,6 @@ class ClusterSnapshot:
     def node_id(self, n: int) -> str:
         return self._views[n].node_id
 
-    def rack_of(self, n: int) -> int:
-        return self.dom_rack[self.node_dom[n]]
-
-    def tier_of(self, n: int) -> int:
-        return self.rack_tier[self.dom_rack[self.node_dom[n]]]
-
     def unit_of(self, n: int, level: int) -> int:
         """The index of node ``n``'s ancestor at ``level``."""
         if level == NODE:
