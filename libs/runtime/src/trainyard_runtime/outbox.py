@@ -71,9 +71,6 @@ class Outbox:
                 self.stage(pipe, event, traceparent=traceparent)
             await pipe.execute()
 
-    def notify(self) -> None:
-        self._wake.set()
-
     async def pending(self) -> int:
         return int(await self.redis.xlen(self.key))
 

@@ -200,9 +200,6 @@ class ServiceRuntime:
         """Run ``fn`` first when closing (before loops and the bus stop), e.g. to stop child processes."""
         self._closers.append(fn)
 
-    def request_stop(self) -> None:
-        self._stopping.set()
-
     async def run(self) -> None:
         """Start, then serve until SIGTERM or SIGINT, then close (:func:`serve_until_signalled`)."""
         await serve_until_signalled(self, self.name, self._stopping)

@@ -50,13 +50,10 @@ class Context:
         """Element-wise sum of ``values`` over all ranks."""
         return self._all_reduce(values, dist.ReduceOp.SUM)
 
-    def agree_max(self, values: list[int]) -> list[int]:
-        """Element-wise maximum of ``values`` over all ranks (any rank's "yes" is everyone's)."""
-        return self._all_reduce(values, dist.ReduceOp.MAX)
-
     def agree_max_later(self, values: list[int]) -> Agreement:
-        """:meth:`agree_max` started now and collected later (:meth:`Agreement.result`): the small
-        all-reduce runs on gloo's thread while the caller goes on (the step boundary's agreement)."""
+        """Element-wise maximum of ``values`` over all ranks (any rank's "yes" is everyone's), started now and
+        collected later (:meth:`Agreement.result`): the small all-reduce runs on gloo's thread while the caller
+        goes on (the step boundary's agreement)."""
         if self.world_size == 1:
             return Agreement(list(values))
         tensor = torch.tensor(values, dtype=torch.int64)

@@ -42,11 +42,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from typing import TYPE_CHECKING, Any
 
 from trainyard_contract.errors import DataError
 from trainyard_contract.lru import least_recently_used
 from trainyard_contract.storage import HashingWriter, Location, iter_chunks
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["CachedShard", "ShardCache", "ShardCacheMetrics", "error_kind", "plan_evictions"]
 
@@ -61,14 +64,33 @@ def error_kind(exc: BaseException) -> str:
     return "throttled" if any(word in text for word in _THROTTLED) else "error"
 
 
+class _Unrecorded:
+    """A metric that records nothing: the rank's environment has no prometheus-client (it is the SDK's
+    ``metrics`` extra, not a dependency: a training environment installs the contract alone)."""
+
+    def labels(self, *_: Any, **__: Any) -> _Unrecorded:
+        return self
+
+    def inc(self, *_: Any) -> None: ...
+
+    def observe(self, *_: Any) -> None: ...
+
+    def set(self, *_: Any) -> None: ...
+
+
 class ShardCacheMetrics:
-    """The cache's Prometheus metrics, registered once per registry."""
+    """The cache's Prometheus metrics, registered once per registry (unrecorded without prometheus-client)."""
 
     # by the registry itself, held weakly: an id() can be reused once a registry is gone (tests make many)
     _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ShardCacheMetrics] = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        if registry is None:
+            self.requests = self.fetch_seconds = self.errors = self.evictions = self.bytes = _Unrecorded()
+            return
+        from prometheus_client import Counter, Gauge, Histogram
+
         self.requests = Counter("trainyard_shard_cache_requests", "dataset shard lookups in the node-local cache",
                                 ["rank", "result"], registry=registry)
         self.fetch_seconds = Histogram("trainyard_shard_fetch_seconds",
@@ -83,7 +105,12 @@ class ShardCacheMetrics:
 
     @classmethod
     def of(cls, registry: CollectorRegistry | None = None) -> ShardCacheMetrics:
-        registry = registry or REGISTRY
+        if registry is None:
+            try:
+                from prometheus_client import REGISTRY
+            except ImportError:
+                return cls(None)
+            registry = REGISTRY
         with cls._lock:
             if registry not in cls._by_registry:
                 cls._by_registry[registry] = cls(registry)

@@ -229,9 +229,6 @@ class ApiServer:
                 raise InfrastructureError(f"the HTTP server did not start within {timeout_s:.0f}s")
             await asyncio.sleep(0.02)
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT (or the HTTP server ends), then close: the services' one lifecycle
         (:func:`~trainyard_runtime.service.serve_until_signalled`)."""

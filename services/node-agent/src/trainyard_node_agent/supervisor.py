@@ -44,14 +44,10 @@ def baseline(rank: rp.RankProcess, now: float) -> Liveness:
                     reported=rank.liveness.reported, printed=rank.liveness.printed)
 
 
-def last_step_of(rank: rp.RankProcess) -> int | None:
-    """The step WorkerExited reports: the trainer's exit note (its last step, the failing one after a
-    NaN, the one it checkpointed at when asked to stop), else the last StepMetrics relayed."""
-    return noted_step(rank)[0]
-
-
 def noted_step(rank: rp.RankProcess) -> tuple[int | None, str | None]:
-    """(:func:`last_step_of`, why the exit note was refused or None). Call it off the event loop."""
+    """(the step WorkerExited reports, why the exit note was refused or None). The step is the trainer's exit
+    note (its last step, the failing one after a NaN, the one it checkpointed at when asked to stop), else the
+    last StepMetrics relayed. Call it off the event loop."""
     noted, refused = rp.read_note(rank.note_file)
     return (noted if noted is not None else rank.last_step), refused
 
