@@ -7,6 +7,11 @@ Counts over ``services/*/src`` and ``libs/*/src`` (tests and benches excluded): 
 (lines, methods) and functions (lines), functions over 60 lines, ``# type: ignore`` comments and broad
 ``except`` clauses (bare ``except:``, ``except Exception``, ``except BaseException``; those that re-raise are
 counted apart, since they only clean up).
+
+    python scripts/code_shape.py --check
+
+fails (exit 1, naming each) when a class is over 300 lines or a function over 80: the limits issue #31 set for
+services/ and libs/, which ``make lint`` (and so ``make test``) holds.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import ast
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 BROAD = {"Exception", "BaseException"}
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 80
 
 
 def sources(root: Path) -> list[Path]:
@@ -68,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("root", nargs="?", default=".", type=Path, help="the repository (default: here)")
     parser.add_argument("--top", type=int, default=5, help="how many of the largest classes and functions")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--check", action="store_true",
+                        help=f"fail on a class over {MAX_CLASS_LINES} lines or a function over {MAX_FUNCTION_LINES}")
     args = parser.parse_args(argv)
     m = measure(args.root)
+    if args.check:
+        return check(m)
     top = {**m, "classes": m["classes"][: args.top], "functions": m["functions"][: args.top]}
     if args.json:
         json.dump(top, sys.stdout, indent=2)
@@ -83,6 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     print("largest functions:")
     for lines, where in top["functions"]:
         print(f"  {lines:5d} lines  {where}")
+    return 0
+
+
+def check(m: dict[str, Any]) -> int:
+    over = [f"class {where}: {lines} lines (limit {MAX_CLASS_LINES})"
+            for lines, _, where in m["classes"] if lines > MAX_CLASS_LINES]
+    over += [f"function {where}: {lines} lines (limit {MAX_FUNCTION_LINES})"
+             for lines, where in m["functions"] if lines > MAX_FUNCTION_LINES]
+    for line in over:
+        print(line, file=sys.stderr)
+    if over:
+        print(f"{len(over)} over the limits: split by concern (docs/design.md §10)", file=sys.stderr)
+        return 1
+    print(f"code shape: every class ≤ {MAX_CLASS_LINES} lines, every function ≤ {MAX_FUNCTION_LINES}")
     return 0
 
 
