@@ -29,6 +29,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from trainyard_contract.exitreasons import ExitReason
 from trainyard_contract.records import CheckpointRecord
 from trainyard_contract.spec import CheckpointPolicy
 from trainyard_planner.checkpoint import daly_interval, job_mtbf, wasted_fraction, young_interval
@@ -37,14 +38,12 @@ from trainyard_planner.checkpoint import daly_interval, job_mtbf, wasted_fractio
 #: (about 5 years per device). Used until a device type has failed at least once.
 PRIOR_DEVICE_MTBF_S = 16_384 * 54 * 86_400 / 466
 
-#: Attempt failures that count as interruptions for the MTBF. Spec, data and numerical errors
-#: are the job's own fault; revocation and preemption are the platform's choice.
-NOT_INTERRUPTIONS = frozenset({"ok", "revoked", "preempted", "config", "data", "nan"})
-
 
 def counts_as_interruption(reason: str, exit_code: int) -> bool:
-    """Whether a rank exit with ``reason`` is a failure of the hardware or the software stack."""
-    return exit_code != 0 and reason not in NOT_INTERRUPTIONS
+    """Whether a rank exit with ``reason`` is a failure of the hardware or the software stack, counted for
+    the MTBF (``ExitReason.counts_for_mtbf``): spec, data and numerical errors are the job's own fault;
+    revocation and preemption are the platform's choice."""
+    return exit_code != 0 and ExitReason.parse(reason).counts_for_mtbf
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ that fails at start (before it wrote anything to its event spool) with ``ModuleN
 fails at once: a retry would fail the same way). Once it made progress, an exception is ``error``
 (retried) like any other.
 
-Reasons: ok | error | config | nan | oom | checkpoint | data | nccl | hang | killed |
-signal-<n> | revoked | preempted | lost.
+The reasons are :class:`~trainyard_contract.exitreasons.ExitReason` (``signal-<n>`` on the wire for
+:attr:`~trainyard_contract.exitreasons.ExitReason.SIGNAL`); docs/failures.md has the table.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from trainyard_contract.exitcodes import exit_reason
+from trainyard_contract.exitreasons import ExitReason, exit_reason
 
 from trainyard_node_agent.sandbox import NEVER_FOLLOWED, SANDBOX_EXIT, SANDBOX_FAILURE
 
@@ -61,32 +61,40 @@ class ExitFacts:
 def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
     """(reason, detail) of an ended rank."""
     if facts.violation is not None:
-        return "security", facts.violation
+        return ExitReason.SECURITY, facts.violation
     if facts.lost is not None:
-        return "lost", facts.lost
+        return ExitReason.LOST, facts.lost
     if facts.revoked is not None:
-        return ("preempted" if "preempt" in facts.revoked.lower() else "revoked"), facts.revoked
+        preempted = "preempt" in facts.revoked.lower()
+        return (ExitReason.PREEMPTED if preempted else ExitReason.REVOKED), facts.revoked
     if facts.hang is not None:
-        return "hang", facts.hang
+        return ExitReason.HANG, facts.hang
     code = facts.exit_code
     if code == 0:
-        return "ok", None
+        return ExitReason.OK, None
     if facts.start_error is not None:
         return start_failure(facts.start_error, user_code=facts.user_code)
     if code == SANDBOX_EXIT and (line := marker_line(facts.log_tail, (SANDBOX_FAILURE,))):
         if NEVER_FOLLOWED in line:  # a directory it was to see was swapped for a link: tampering, not the node
-            return "security", line
-        return "error", line  # this node could not confine the rank: retried, elsewhere if it persists
+            return ExitReason.SECURITY, line
+        return ExitReason.ERROR, line  # this node could not confine the rank: retried, elsewhere if it persists
     if facts.user_code and code > 0 and not facts.progressed and (line := start_failure_line(facts.log_tail)):
-        return "config", line
-    named = exit_reason(code)
-    if named == "preempted":
+        return ExitReason.CONFIG, line
+    return _from_exit_status(facts)
+
+
+def _from_exit_status(facts: ExitFacts) -> tuple[str, str | None]:
+    """What the exit code names, then the OOM-kill counter, then markers in the log."""
+    named = exit_reason(facts.exit_code)
+    if named == ExitReason.PREEMPTED:
         return named, "checkpointed on request and stopped"
-    if named in ("nan", "oom", "config", "checkpoint", "data"):
+    if ExitReason.parse(named).from_exit_code:  # the trainer named the cause: the log is not searched
         return named, last_error_line(facts.log_tail)
-    if code == -signal.SIGKILL and facts.oom_kills > 0:
-        return "oom", f"killed by the kernel OOM killer ({facts.oom_kills} OOM kill(s) in its cgroup while it ran)"
-    for reason, markers in (("oom", OOM_MARKERS), ("hang", HANG_MARKERS), ("nccl", NCCL_MARKERS)):
+    if facts.exit_code == -signal.SIGKILL and facts.oom_kills > 0:
+        return ExitReason.OOM, (f"killed by the kernel OOM killer ({facts.oom_kills} OOM kill(s) in its cgroup "
+                                "while it ran)")
+    for reason, markers in ((ExitReason.OOM, OOM_MARKERS), (ExitReason.HANG, HANG_MARKERS),
+                            (ExitReason.NCCL, NCCL_MARKERS)):
         if line := marker_line(facts.log_tail, markers):
             return reason, line
     return named, last_error_line(facts.log_tail)
@@ -95,9 +103,9 @@ def classify_exit(facts: ExitFacts) -> tuple[str, str | None]:
 def start_failure(error: str, *, user_code: bool) -> tuple[str, str]:
     """A command the launcher could not exec: the job's fault for its own entrypoint, else the node's."""
     if not user_code:
-        return "error", f"cannot start the rank command: {_trim(error)}"
+        return ExitReason.ERROR, f"cannot start the rank command: {_trim(error)}"
     missing = "No such file or directory" in error or "Errno 2]" in error
-    return "config", _trim(f"entrypoint {'not found' if missing else 'cannot be started'}: {error}")
+    return ExitReason.CONFIG, _trim(f"entrypoint {'not found' if missing else 'cannot be started'}: {error}")
 
 
 def start_failure_line(text: str) -> str | None:

@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 
 from trainyard_contract.errors import ConfigError
 from trainyard_contract.events import NodeQuarantined
+from trainyard_contract.exitreasons import ExitReason
 from trainyard_contract.records import NodeRecord
 
 # ----------------------------------------------------------------------------- stragglers
@@ -137,10 +138,9 @@ class StragglerDetector:
 
 # ----------------------------------------------------------------------------- reputation
 
-# Failure reasons that say something about the node (not the code, the spec or the data).
-NODE_REASONS: dict[str, float] = {
-    "lost": 1.0, "hang": 1.0, "nccl": 1.0, "signal": 1.0, "oom": 0.5, "killed": 0.5, "start-timeout": 0.5,
-}
+# Failure reasons that say something about the node (not the code, the spec or the data), and their weight:
+# declared with each reason (ExitReason.blame_weight); the policy may weigh them otherwise.
+NODE_REASONS: dict[str, float] = {r.value: r.blame_weight for r in ExitReason if r.blames_node}
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,12 @@ class ReputationPolicy:
 
     def weight(self, reason: str) -> float:
         """What a failure for ``reason`` adds to the node's score (0: not the node's fault)."""
-        return self.weights.get("signal" if reason.startswith("signal") else reason, 0.0)
+        return self.weights.get(ExitReason.parse(reason).value, 0.0)
+
+    def tenant_bounded(self, reason: str) -> bool:
+        """Whether a failure for ``reason`` could be the tenant's ranks talking (then :func:`add` caps its share);
+        a node's silence (``lost``) is not theirs to forge."""
+        return ExitReason.parse(reason).tenant_bounded
 
 
 @dataclass(frozen=True)

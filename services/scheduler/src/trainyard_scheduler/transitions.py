@@ -44,7 +44,7 @@ never started again just to finish.
 
 Retry policy (``_fail_attempt``):
 
-* Retryable reasons (``RETRYABLE``): crashed, killed, lost or hung ranks, OOM, NCCL errors,
+* Retryable reasons (``ExitReason.retryable``): crashed, killed, lost or hung ranks, OOM, NCCL errors,
   start time-outs, a missing final checkpoint. Spec errors (``config``, ``data``) and failed
   checkpoint I/O of a rank (``checkpoint``) fail the job at once.
 * ``nan`` retries from the latest READY checkpoint, unless an earlier attempt already hit NaN at
@@ -77,7 +77,7 @@ from trainyard_contract.events import (
     WorkerExited,
     WorkerStarted,
 )
-from trainyard_contract.exitcodes import PORT_IN_USE, RETRYABLE_REASONS
+from trainyard_contract.exitreasons import ExitReason
 from trainyard_contract.records import (
     AttemptRecord,
     CheckpointRecord,
@@ -91,10 +91,6 @@ from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.placement import Placement
 
 LIVE_ATTEMPT_STATES = frozenset({"starting", "running"})
-# Failures the scheduler itself diagnoses are worth another attempt, like a crashed rank.
-RETRYABLE = RETRYABLE_REASONS | {"revoked", "start-timeout", "checkpoint-missing", "signal", "preempted"}
-# How ranks end when their node stops them on purpose: during a drain these are part of the stop, not failures.
-STOP_REASONS = frozenset({"preempted", "revoked", "killed", "lost"})
 
 
 @dataclass
@@ -593,11 +589,12 @@ def worker_exited(
     new.updated_at = now
     if not is_live(current) or job.state in TERMINAL_STATES:
         return Outcome(new, note="exit recorded for an ended attempt")
-    stopping = attempt.ranks_stopped_at is not None or (attempt.interruption is not None
-                                                        and event.reason in STOP_REASONS)
-    if event.exit_code != 0 and (event.reason == "preempted" or stopping):
+    said = ExitReason.parse(event.reason)
+    # how ranks end when their node stops them on purpose: during a drain, part of the stop, not failures
+    stopping = attempt.ranks_stopped_at is not None or (attempt.interruption is not None and said.stops_on_purpose)
+    if event.exit_code != 0 and (said is ExitReason.PREEMPTED or stopping):
         return _ranks_stopping(new, event, latest_ready_step, now)
-    if event.reason == PORT_IN_USE:  # someone holds the port on rank 0's node: another port, no budget, no blame
+    if said is ExitReason.PORT_IN_USE:  # someone holds the port on rank 0's node: another port, no budget, no blame
         return _interrupt(new, f"rendezvous port: {event.detail or f'port in use on {event.node_id}'}",
                           "its ranks had not started", latest_ready_step, now)
     if event.exit_code != 0:
@@ -605,8 +602,8 @@ def worker_exited(
         detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
         if event.detail:
             detail += f": {event.detail}"
-        retryable = reason in RETRYABLE
-        if reason == "nan":
+        retryable = ExitReason.parse(reason).retryable
+        if reason == ExitReason.NAN:
             retryable = not _nan_repeats(new, event.global_step)
             attempt.nan_step = event.global_step
             at = "an unknown step" if event.global_step is None else f"step {event.global_step}"
@@ -886,9 +883,12 @@ def _is_current(attempt: AttemptRecord | None, allocation_id: str, epoch: int) -
 
 
 def _classify(reason: str, exit_code: int) -> str:
-    if reason and reason != "ok":
-        return "signal" if reason.startswith("signal-") else reason
-    return "error" if exit_code else "ok"
+    """The reason a failed attempt is recorded with: the rank's, every ``signal-<n>`` as ``signal``; a non-zero
+    exit that gave none is an ``error``. An unknown reason is kept as given (and is not retried)."""
+    said = ExitReason.parse(reason)
+    if said is not ExitReason.OK:
+        return said.value if said is not ExitReason.UNKNOWN else reason
+    return ExitReason.ERROR.value if exit_code else ExitReason.OK.value
 
 
 def _nan_repeats(job: JobRecord, step: int | None) -> bool:
@@ -975,7 +975,7 @@ def _fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy,
     attempt.ready_step_at_end = latest_ready_step
     job.updated_at = now
     blamed = list(blame or [])
-    retryable = reason in RETRYABLE if retryable is None else retryable
+    retryable = ExitReason.parse(reason).retryable if retryable is None else retryable
     streak, total = failures_since_progress(job), failures(job)
     capped = policy.max_total_failures is not None and total >= policy.max_total_failures
     if retryable and streak < job.max_attempts and not capped:
