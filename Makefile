@@ -6,7 +6,7 @@ PYTHON   ?= python3
 VENV     := .venv
 BIN      := $(VENV)/bin
 STAMP    := $(VENV)/.trainyard-installed
-PACKAGES := libs/contract libs/runtime libs/planner libs/sdk libs/trainer libs/cli services/api services/scheduler services/node-agent services/checkpoint-coordinator services/registry
+PACKAGES := libs/contract libs/runtime libs/planner libs/sdk libs/trainer libs/cli services/telemetry services/api services/scheduler services/node-agent services/checkpoint-coordinator services/registry
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many worker processes, a test file per worker at a time (its module-scoped

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from trainyard_api.metrics_history import (
+from trainyard_telemetry.metrics_history import (
     CURVES, TIMING, MetricHistory, attempt_key, level_key, levels_of, ranks_key, series_key,
 )
 from trainyard_api.routes.dashboard import MetricHistoryView, _plain

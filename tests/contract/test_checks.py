@@ -27,7 +27,7 @@ def test_a_triggers_template_is_excused_the_rules_of_a_submission_under_template
 
 
 def test_a_series_the_job_never_reported_is_excused_and_nothing_else_of_the_metrics_query() -> None:
-    from trainyard_api.metrics_history import parse_series
+    from trainyard_telemetry.metrics_history import parse_series
     from trainyard_contract.errors import SpecError
 
     with pytest.raises(SpecError) as refused:  # the words the route really answers with

@@ -16,15 +16,15 @@ from typing import TypeVar
 import pytest
 from typer.testing import CliRunner
 
-from trainyard_api import ApiServer, ApiSettings
-from trainyard_api.calibration import StoredCalibration
+from trainyard_api import ApiServer
+from trainyard_telemetry.calibration import StoredCalibration
 from trainyard_cli.main import app as cli
 from trainyard_contract import events as ev
 from trainyard_runtime.bus import Bus
 from trainyard_contract.records import AttemptRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
 from trainyard_runtime.store import Keys
-from tests.support.api import TOKEN_A, TOKEN_B, client_for, seed, spec_with
+from tests.support.api import TOKEN_A, TOKEN_B, client_for, running_api, spec_with
 
 T = TypeVar("T")
 
@@ -43,10 +43,8 @@ EXAMPLE_PLAN = {"model": "gpt-tiny@v1", "device": "cpu", "sequenceLength": 64, "
 
 @pytest.fixture
 async def api(env: dict) -> AsyncIterator[ApiServer]:
-    settings = ApiSettings(**env, api_port=0, calibration_refresh_s=0.3, calibration_min_samples=3,
-                           calibration_warmup_steps=2, calibration_sample_every=1, calibration_max_samples=50)
-    async with ApiServer(settings) as server:
-        await seed(server.runtime.store)
+    async with running_api(env, calibration_refresh_s=0.3, calibration_min_samples=3, calibration_warmup_steps=2,
+                           calibration_sample_every=1, calibration_max_samples=50) as server:
         yield server
 
 
@@ -67,7 +65,7 @@ def step_metrics(job_id: str, step: int) -> ev.StepMetrics:
 
 
 async def fitted(api: ApiServer, device_type: str, *, steps: int = 0, failures: int = 0) -> StoredCalibration | None:
-    stored = await api.calibrator.samples.load()
+    stored = await api.context.calibrations.load()  # the telemetry service's fit, as POST /v1/plan reads it
     device = stored.fitted.devices.get(device_type) if stored else None
     if device and device.step_time_samples >= steps and device.failure_samples >= failures:
         return stored

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainyard_api import ApiServer
-from trainyard_api.metrics_history import MetricHistory
+from trainyard_telemetry.metrics_history import MetricHistory
 from trainyard_cli.main import app as cli
 from trainyard_contract import events as ev
 from trainyard_runtime.bus import Bus

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from redis.asyncio import Redis
 
 from trainyard_api import ApiServer, ApiSettings
-from trainyard_api.accounting import GoodputAccountant
+from trainyard_telemetry.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
-from trainyard_api.steptiming import StepTimingStore
+from trainyard_telemetry.steptiming import StepTimingStore
 from trainyard_cli.main import app as cli
 from trainyard_contract import events as ev
 from trainyard_runtime.bus import Bus

@@ -14,6 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from trainyard_api import ApiServer, ApiSettings
+from trainyard_telemetry import TelemetryService, TelemetrySettings
 from trainyard_cli.client import ApiClient
 from trainyard_cli.follow import EXIT_SUCCEEDED, follow_job
 from trainyard_cli.main import app
@@ -27,7 +28,8 @@ TOKEN = "cli-test-token"
 
 @pytest.fixture
 async def server(env: dict) -> AsyncIterator[ApiServer]:
-    async with ApiServer(ApiSettings(**env, api_port=0)) as api:
+    # the telemetry service beside the API: it keeps the progress that `trainyard follow` shows
+    async with TelemetryService(TelemetrySettings(**env)), ApiServer(ApiSettings(**env, api_port=0)) as api:
         await api.runtime.store.add_token(TOKEN, "tenant-cli", "cli")
         await api.runtime.store.put_dataset(DatasetRecord(
             name="tinycorpus", version="v1", manifest_uri="file:///m.json", sha256="0" * 64))

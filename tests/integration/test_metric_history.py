@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainyard_api.downsample import Buckets, bucket_stats
-from trainyard_api.metrics_history import (
+from trainyard_telemetry.downsample import Buckets, bucket_stats
+from trainyard_telemetry.metrics_history import (
     ENTRY, LEVELS, MetricHistory, Part, ReadPlan, Window, attempt_key, decode, level_key, level_for, levels_of, series_key,
 )
 from trainyard_contract.events import StepMetrics

@@ -1,5 +1,6 @@
 """The API as tests run it: the tenants' tokens, the example dataset, clients, example specs, and the
-whole API process (uvicorn + ServiceRuntime) over the real broker and Redis.
+whole API process (uvicorn + ServiceRuntime), with the telemetry service beside it, over the real broker and
+Redis.
 
 ``python -m tests.support.api [--port N]`` serves the same API over a broker and a Redis of its own (the
 local binaries, as the test fixtures start them) until SIGINT or SIGTERM, for running a tool such as
@@ -26,6 +27,7 @@ from trainyard_api import ApiServer, ApiSettings
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_contract.records import DatasetRecord
 from trainyard_runtime.store import StateStore
+from trainyard_telemetry import TelemetryService, TelemetrySettings
 
 TOKEN_A, TOKEN_B = "token-tenant-a", "token-tenant-b"
 TOKEN_ADMIN = "token-admin"
@@ -49,7 +51,7 @@ async def seed_history(store: StateStore, *, steps: int = 300) -> None:
     """:data:`HISTORY_JOB`, which ran on two ranks and succeeded, with ``steps`` steps of metric history on each
     (the built-in series and a custom one), as the ingest writes it: the metrics routes answer with data, not
     empty. Finished, so that following its logs (``follow=true``) ends at once, as a request has to."""
-    from trainyard_api.metrics_history import MetricHistory
+    from trainyard_telemetry.metrics_history import MetricHistory
     from trainyard_contract import events as ev
     from trainyard_contract.records import AttemptRecord, JobRecord, utcnow
     from trainyard_contract.spec import TrainingSpec
@@ -90,12 +92,18 @@ def spec_with(**changes: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_api(env: dict[str, object], *, admin: bool = False, history: bool = False,
+async def running_api(env: dict[str, object], *, admin: bool = False, history: bool = False, telemetry: bool = True,
                       **settings: Any) -> AsyncIterator[ApiServer]:
     """The whole API process in-process (uvicorn on a free port unless ``api_port`` is given, a started
     ServiceRuntime) over ``env``'s broker and Redis, seeded (see :func:`seed`; with ``history``,
-    :func:`seed_history` too)."""
-    async with ApiServer(ApiSettings(**{**env, "api_port": 0, **settings})) as api:
+    :func:`seed_history` too). With ``telemetry`` (the default) the telemetry service runs beside it, as in
+    every deployment: it keeps the StepMetrics read models the API's routes serve (``settings`` go to both;
+    each takes its own)."""
+    merged = {**env, "api_port": 0, **settings}
+    async with contextlib.AsyncExitStack() as stack:
+        if telemetry:
+            await stack.enter_async_context(TelemetryService(TelemetrySettings(**merged)))
+        api = await stack.enter_async_context(ApiServer(ApiSettings(**merged)))
         await seed(api.runtime.store, admin=admin)
         if history:
             await seed_history(api.runtime.store)

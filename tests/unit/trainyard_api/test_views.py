@@ -11,7 +11,7 @@ from trainyard_api.app import ApiContext, create_app
 from trainyard_api.auth import bearer_token
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_api.settings import ApiSettings
-from trainyard_api.goodput_history import GoodputInterval
+from trainyard_telemetry.goodput_history import GoodputInterval
 from trainyard_api.views import JobExtras, goodput_interval_view, job_summary, job_view
 from trainyard_contract.errors import AuthError
 from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord, Progress

@@ -28,7 +28,7 @@ from trainyard_contract.records import NodeRecord
 from trainyard_contract.storage import ObjectPath
 from trainyard_runtime.store import Keys, StateStore, connect_redis
 
-SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
+SERVICES = ("api", "telemetry", "scheduler", "checkpoint-coordinator", "registry")
 DEV_TENANT = "dev"
 
 

@@ -1,5 +1,6 @@
 """trainyard_api: the REST API (submission, auth, job read models, registry queries, capacity planning
-calibrated by the platform's measurements).
+calibrated by the platform's measurements): commands and queries; the StepMetrics read models it serves are
+kept by the telemetry service (``trainyard_telemetry``).
 
 ``ApiServer(settings)`` runs it (uvicorn + ServiceRuntime in one process);
 ``create_app(ApiContext(...))`` gives the bare FastAPI app (tests, embedding).
@@ -7,10 +8,8 @@ calibrated by the platform's measurements).
 
 from trainyard_api.app import ApiContext, create_app
 from trainyard_api.auth import issue_token
-from trainyard_api.calibrator import CalibrationStore, Calibrator
 from trainyard_api.jobs import JobService, Submission, new_job_id
 from trainyard_api.planning import MemoryCheck, PlanRequest, PlanResponse, check_spec_memory, plan
-from trainyard_api.progress import ProgressProjector, advance_progress
 from trainyard_api.server import ApiServer, bind_socket
 from trainyard_api.settings import ApiSettings
 from trainyard_api.validation import FieldProblem, InvalidSpecError, check_references, field_errors
@@ -19,17 +18,13 @@ __all__ = [
     "ApiContext",
     "ApiServer",
     "ApiSettings",
-    "CalibrationStore",
-    "Calibrator",
     "FieldProblem",
     "InvalidSpecError",
     "JobService",
     "MemoryCheck",
     "PlanRequest",
     "PlanResponse",
-    "ProgressProjector",
     "Submission",
-    "advance_progress",
     "bind_socket",
     "check_references",
     "check_spec_memory",

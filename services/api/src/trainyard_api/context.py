@@ -8,21 +8,21 @@ from functools import cached_property
 
 from fastapi import Request
 
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_runtime.bus import Bus
 from trainyard_runtime.outbox import Outbox
-from trainyard_contract.storage import ArtifactLayout
 from trainyard_runtime.store import StateStore
+from trainyard_telemetry.accounting import GoodputAccountant
+from trainyard_telemetry.calibrator import CalibrationStore
+from trainyard_telemetry.steptiming import StepTimingStore
 
-from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.admin import AdminService
 from trainyard_api.audit import AuditLog
-from trainyard_api.calibrator import CalibrationStore
 from trainyard_api.code import CodeService, CodeStore, GitSource
 from trainyard_api.datasets import DatasetService
 from trainyard_api.exports import ExportService
 from trainyard_api.jobs import JobService
 from trainyard_api.settings import ApiSettings
-from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import TenantService
 from trainyard_api.triggers import TriggerService, TriggerStore
 
@@ -83,7 +83,7 @@ class ApiContext:
 
     @cached_property
     def calibrations(self) -> CalibrationStore:
-        """The planner's calibration samples and fit (written by the Calibrator of ``server.py``)."""
+        """The planner's calibration samples and fit (written by the telemetry service's Calibrator)."""
         return CalibrationStore(self.store.redis, max_samples=self.settings.calibration_max_samples)
 
 

@@ -25,17 +25,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
 from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
-from trainyard_runtime.controlrecords import (
-    CONTROL_REQUEST_TTL_S,
-    MAX_CONTROL_REQUESTS,
-    expired_requests,
-    room_for_request,
-    stage_control_request,
-)
 from trainyard_contract.errors import ConfigError, ConflictError, NotFoundError, StateStoreError
 from trainyard_contract.events import TERMINAL_STATES, JobControlRequested, JobSubmitted, utcnow
-from trainyard_runtime.outbox import Outbox
-from trainyard_runtime.replication import confirm_replicated
 from trainyard_contract.hfdir import HfDir, inspect_dir, resolve_start
 from trainyard_contract.records import (
     ArtifactRecord,
@@ -48,14 +39,23 @@ from trainyard_contract.records import (
 )
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, location_uri
-from trainyard_runtime.store import Keys, StateStore, stage_change
 from trainyard_contract.tracing import current_traceparent, job_context
+from trainyard_runtime.controlrecords import (
+    CONTROL_REQUEST_TTL_S,
+    MAX_CONTROL_REQUESTS,
+    expired_requests,
+    room_for_request,
+    stage_control_request,
+)
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.replication import confirm_replicated
+from trainyard_runtime.store import Keys, StateStore, stage_change
+from trainyard_telemetry.accounting import GoodputAccountant
+from trainyard_telemetry.steptiming import StepTimingStore
 
-from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.code import CodeService
 from trainyard_api.planning import check_spec_memory
 from trainyard_api.schemas import ControlResponse, JobPage, JobView
-from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.validation import (
     FieldProblem,
     InvalidSpecError,

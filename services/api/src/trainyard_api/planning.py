@@ -27,7 +27,7 @@ accepted with a warning. ``cpu`` ranks share the host's memory, which the API do
 they are not checked; a device type the planner does not know is accepted with a warning.
 
 Calibration. ``plan`` takes the platform's fitted :class:`~trainyard_planner.Calibration` (see
-:mod:`trainyard_api.calibration`); when it holds the request's device type, the answer keeps the
+:mod:`trainyard_telemetry.calibration`); when it holds the request's device type, the answer keeps the
 raw estimates and adds ``calibrated``: the step time and checkpoint write time multiplied by the
 measured/predicted factors, time to train at the corrected MFU, the checkpoint plan at the
 effective write bandwidth (and at the measured MTBF when the request gave none), and which
@@ -46,7 +46,6 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-import trainyard_planner
 from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_contract.errors import SpecError
 from trainyard_contract.spec import TrainingSpec
@@ -62,7 +61,6 @@ from trainyard_planner import (
     DeviceSpec,
     FlopsCount,
     Layout,
-    LayoutAssumption,
     LinkTier,
     MemoryBreakdown,
     Recompute,
@@ -73,7 +71,6 @@ from trainyard_planner import (
     Transformer,
     attention_flops_per_token,
     checkpoint_bytes,
-    cpu_device,
     device_spec,
     estimate_memory,
     estimate_step,
@@ -82,11 +79,20 @@ from trainyard_planner import (
     model_flops_per_token,
     plan_checkpoint,
     recommend,
-    spec_layout,
     training_flops,
     training_time,
     transformer_for,
 )
+from trainyard_planner.platform import DEFAULT_CPU_PEAK_FLOPS as DEFAULT_CPU_PEAK_FLOPS  # re-exported: settings.py
+from trainyard_planner.platform import (
+    DEFAULT_DEVICE_MTBF_HOURS,
+    DEFAULT_MFU,
+    Assumptions,
+    device_type_of,
+    trainer_bytes_per_parameter,
+    trainer_layout,
+)
+from trainyard_planner.platform import DEFAULT_WRITE_BANDWIDTH as DEFAULT_WRITE_BANDWIDTH  # re-exported: settings.py
 
 from trainyard_api.bodies import (
     MAX_BATCH,
@@ -102,53 +108,10 @@ from trainyard_api.validation import FieldProblem, InvalidSpecError, field_error
 
 T = TypeVar("T")
 
-DEFAULT_MFU = 0.4
-"""MFU assumed for time-to-train when no layout was estimated (large dense runs report 35-55 %)."""
-
-DEFAULT_DEVICE_MTBF_HOURS = 50_000.0
-"""Per-device MTBF when none is given: Llama 3 saw 419 unexpected interruptions in 54 days on
-16,384 H100s (Dubey et al. 2024, §3.3.4), one per ~3.1 h for the job, ~50,000 h per device."""
-
-DEFAULT_CPU_PEAK_FLOPS = 10e9
-"""FLOP/s one CPU rank is assumed to reach: a conservative figure for one thread of fp32 matmul on a
-current x86 core (AVX2 reaches several times more); calibration corrects it per platform."""
-
-DEFAULT_WRITE_BANDWIDTH = 500e6
-"""Bytes/s the platform's checkpoint predictions assume for the artifact store (a local SSD's
-fsync'd sequential rate, conservatively); calibration corrects it."""
-
+# the platform's assumptions are the planner's (shared with the telemetry service's calibration)
 PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
 _GB = 1e9
 _MAX_SECONDS = 1e12  # ~31,700 years
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """What the platform assumes where neither a request nor a spec says: the ``cpu`` device
-    (a configured per-rank peak; ranks of one job share one host) and the checkpoint write bandwidth."""
-
-    cpu_peak_flops: float = DEFAULT_CPU_PEAK_FLOPS
-    cpu_memory_bytes: float = 16 * _GB
-    write_bandwidth: float = DEFAULT_WRITE_BANDWIDTH
-    efficiency: float = DEFAULT_EFFICIENCY
-
-    def device(self, name: str | DeviceSpec, *, devices: int = 1) -> DeviceSpec:
-        """The DeviceSpec of a device type; ``cpu`` from the assumed peak, with ``devices`` ranks on
-        one host (one shared-memory domain). Raises KeyError naming the known types."""
-        cpu = cpu_device(self.cpu_peak_flops, self.cpu_memory_bytes, devices_per_node=devices)
-        return trainyard_planner.resolve_device(name, cpu=cpu)
-
-
-def device_type_of(name: str) -> str:
-    """The canonical device type a calibration is kept under: ``h100`` → ``h100-80gb``, ``CPU`` → ``cpu``;
-    a type the planner does not know, lower-cased."""
-    key = name.strip().lower()
-    if key == "cpu":
-        return key
-    try:
-        return device_spec(key).name
-    except KeyError:
-        return key
 
 
 # ----------------------------------------------------------------------------- wire models
@@ -643,18 +606,6 @@ class MemoryCheck:
     problems: list[FieldProblem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     memory: MemoryBreakdown | None = None
-
-
-def trainer_bytes_per_parameter(spec: TrainingSpec) -> BytesPerParameter:
-    """fp32 weights and gradients, plus AdamW's m and v (16 B) or SGD's momentum (12 B)."""
-    if spec.training.optimizer.name == "sgd":
-        return BytesPerParameter(weights=4, gradients=4, master_weights=0, optimizer_states=4)
-    return FP32_ADAM
-
-
-def trainer_layout(spec: TrainingSpec) -> Layout:
-    """The layout the trainer runs a spec with: DDP (ZeRO 0), fused attention, no checkpointing."""
-    return spec_layout(spec, assume=LayoutAssumption.TRAINER_DEFAULTS)
 
 
 def check_spec_memory(spec: TrainingSpec, config: ModelConfig, *, headroom: float = DEFAULT_HEADROOM) -> MemoryCheck:

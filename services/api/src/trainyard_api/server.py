@@ -1,21 +1,23 @@
 """One API process: uvicorn serving the FastAPI app next to a ServiceRuntime.
 
-The runtime brings Redis, the bus, the outbox relay (which publishes JobSubmitted and
-JobControlRequested, NodeReinstated), the consumer of ``trainyard.metrics`` (progress, which also
-samples the planner's calibration; per-rank timing; rank 0's step ledger for goodput), the consumer
-of StragglerDetected on ``trainyard.workers``, the metric history (every rank's StepMetrics, see
-metrics_history.py), the live-updates hub (its own consumer group, see live.py), the consumer of ArtifactRegistered on ``trainyard.registry``
-(group ``api-triggers``: new dataset versions start the jobs of the triggers that match), the calibration refit loop and the goodput gauges loop. The listening
-socket is bound before anything else, so a taken port is a clear error at once.
+The API answers: commands (writing records, and the events they announce through the outbox relay) and
+queries (reading the records and the read models). It ingests no stream into a read model: the telemetry
+service (``trainyard_telemetry``) keeps every StepMetrics read model, and the routes read their keys with
+:mod:`trainyard_telemetry.readmodels`. What the process still consumes runs in every process alike: its
+outbox relay (JobSubmitted, JobControlRequested, NodeReinstated…), the ArtifactRegistered consumer of the
+triggers (group ``api-triggers``, shared: Kafka gives each event to one process of the group) and the
+live-updates hub (a consumer group of its own per process, see live.py). The listening socket is bound
+before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
 
 With ``api_workers`` > 1 this process also starts that many minus one HTTP workers (``python -m
 trainyard_api`` with ``api_worker_index`` and the listening socket's descriptor): they accept on the same
-socket and serve requests, each with its own outbox (``ty:outbox:api-w<i>``, relayed by that worker; a
-worker restarted under the same index relays what its predecessor left) and its own live-updates hub, but
-run no consumer of metrics, stragglers or triggers and no goodput loop — those stay here, once. What a
-request reads and writes is in Redis, so any worker answers any request alike, idempotency keys included
-(the job id derives from the key; the record is created under WATCH). A worker that exits is started again.
+socket and run exactly what this process runs, each with its own outbox (``ty:outbox:api-w<i>``, relayed
+by that worker; a worker restarted under the same index relays what its predecessor left) — the index
+names the outbox, which is why the workers are started here and not by uvicorn's ``--workers`` (whose
+workers have no stable identity to relay a dead predecessor's outbox by). What a request reads and writes
+is in Redis, so any worker answers any request alike, idempotency keys included (the job id derives from
+the key; the record is created under WATCH). A worker that exits is started again.
 """
 
 from __future__ import annotations
@@ -33,20 +35,14 @@ from pathlib import Path
 import uvicorn
 
 from trainyard_contract.errors import ConfigError, InfrastructureError
-from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
-from trainyard_runtime.service import ServiceRuntime, serve_until_signalled
 from trainyard_contract.settings import settings_env
+from trainyard_runtime.service import ServiceRuntime, serve_until_signalled
+from trainyard_telemetry.readmodels import MetricHistory
 
-from trainyard_api.accounting import GoodputAccountant
 from trainyard_api.app import ApiContext, create_app
-from trainyard_api.calibrator import Calibrator
-from trainyard_api.jobmetrics import JobSeries
 from trainyard_api.live import LiveHub
-from trainyard_api.metrics_history import MetricHistory
-from trainyard_api.progress import ProgressProjector
 from trainyard_api.routes.dashboard import job_summaries
 from trainyard_api.settings import ApiSettings
-from trainyard_api.steptiming import StepTimingStore
 from trainyard_api.tenants import bootstrap_admin
 from trainyard_api.triggers import TriggerFiring, TriggerStore
 
@@ -95,22 +91,10 @@ class ApiServer:
         self.primary = settings.api_worker_index == 0
         self.runtime = ServiceRuntime("api", settings,
                                       outbox_name=None if self.primary else f"api-w{settings.api_worker_index}")
-        self.calibrator = Calibrator(self.runtime.store, settings)
-        self.projector = ProgressProjector(self.runtime.redis, calibrator=self.calibrator)
-        self.timing = StepTimingStore(self.runtime.redis, max_points=settings.goodput_max_points)
-        self.series = JobSeries(linger_s=settings.job_metrics_linger_s)  # per-job Prometheus series
-        self.accounting = GoodputAccountant(self.runtime.store, self.timing,
-                                            history_bucket_s=settings.goodput_history_bucket_s,
-                                            history_retention_s=settings.goodput_history_retention_s,
-                                            series=self.series)
-        self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
         self.context = ApiContext(settings, self.runtime.store, self.runtime.outbox, self.runtime.bus)
         self.triggers = TriggerFiring(TriggerStore(self.runtime.redis), lambda: self.context.jobs)
-        if self.primary:  # what runs once however many HTTP workers serve
-            self.runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, background=True)
-            self.runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler}, background=True)
-            self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
-            self.triggers.install(self.runtime)
+        self.triggers.install(self.runtime)  # in every process: the group shares the events out
+        if self.primary:  # the supervisor of the other HTTP workers
             self.runtime.add_loop("http-workers", self._keep_workers, every_s=1.0)
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._sock: socket.socket | None = None
@@ -124,13 +108,6 @@ class ApiServer:
         self._stop = asyncio.Event()
         self._closed = False
         self.port: int | None = None
-
-    async def on_step_metrics(self, m: StepMetrics) -> None:
-        """Every rank's timing breakdown and rank 0's step ledger, then rank 0's progress."""
-        await self.timing.on_step_metrics(m)
-        await self.history.on_step_metrics(m)
-        await self.projector.on_step_metrics(m)
-        self.series.on_step(m)
 
     @property
     def url(self) -> str:

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord, Progress
+from trainyard_telemetry.goodput import WASTE_KINDS, Ledger
+from trainyard_telemetry.goodput_history import GoodputInterval
 
-from trainyard_api.goodput import WASTE_KINDS, Ledger
-from trainyard_api.goodput_history import GoodputInterval
 from trainyard_api.schemas import (
     AttemptView,
     CheckpointAdviceView,

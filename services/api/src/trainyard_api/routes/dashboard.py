@@ -1,5 +1,5 @@
 """The ``jobs`` routes behind the dashboard: metric history, rank logs, live updates (server-sent
-events), the cluster's capacity and queue. The logic is in :mod:`~trainyard_api.metrics_history`,
+events), the cluster's capacity and queue. The logic is in :mod:`~trainyard_telemetry.metrics_history`,
 :mod:`~trainyard_api.logs`, :mod:`~trainyard_api.live` and :mod:`~trainyard_api.cluster`;
 :func:`job_summaries` also feeds the process's live hub (``server.py``)."""
 
@@ -14,6 +14,7 @@ from pydantic import Field
 from trainyard_contract.records import JobRecord, Progress
 from trainyard_contract.storage import ArtifactLayout
 from trainyard_runtime.store import Keys
+from trainyard_telemetry.metrics_history import CURVES, MetricHistory, parse_series
 
 from trainyard_api.auth import recheck
 from trainyard_api.cluster import ClusterService, ClusterView
@@ -21,7 +22,6 @@ from trainyard_api.deps import Ctx, JobId, Tenant
 from trainyard_api.http_errors import AUTH_ERRORS, JOB_ERRORS, invalid
 from trainyard_api.live import LiveHub, sse
 from trainyard_api.logs import RankLogs, pick_attempt
-from trainyard_api.metrics_history import CURVES, MetricHistory, parse_series
 from trainyard_api.schemas import _Out
 from trainyard_api.views import job_summary
 

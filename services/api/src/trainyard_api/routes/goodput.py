@@ -9,9 +9,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BeforeValidator
 
+from trainyard_telemetry.goodput_history import intervals
+
 from trainyard_api.auth import require
 from trainyard_api.deps import Ctx, Tenant
-from trainyard_api.goodput_history import intervals
 from trainyard_api.http_errors import AUTH_ERRORS, invalid
 from trainyard_api.roles import Right
 from trainyard_api.schemas import GoodputHistory, GoodputIntervalView, GoodputReport

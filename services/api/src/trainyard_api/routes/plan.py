@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query
 from starlette.concurrency import run_in_threadpool
 
-from trainyard_api.calibration import CalibrationReport, report
+from trainyard_telemetry.calibration import CalibrationReport, report
+
 from trainyard_api.deps import Ctx, Tenant, strict_body
 from trainyard_api.http_errors import AUTH_ERRORS, NOT_JSON, invalid
 from trainyard_api.planning import PLAN_EXAMPLES, PlanRequest, PlanResponse, device_type_of, plan

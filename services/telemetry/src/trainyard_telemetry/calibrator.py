@@ -1,6 +1,6 @@
 """The calibration loop's I/O: measurements into capped Redis lists, the periodic refit, the report.
 
-    StepMetrics (rank 0) ──ProgressProjector──> samples, in the same transaction as the progress
+    rank 0's derived step (telemetry's ingest) ──ProgressProjector──> samples, in the same transaction as the progress
     refresh loop: 1. failed attempts of the newest jobs → samples  2. read every window  3. fit  4. store
 
 Redis (every key in :class:`~trainyard_runtime.store.Keys`):
@@ -13,7 +13,7 @@ Redis (every key in :class:`~trainyard_runtime.store.Keys`):
 - ``calibration``: the fitted :class:`StoredCalibration`, what ``POST /v1/plan`` applies.
 
 The decisions (what to sample, the predictions, the fit, the report) are in
-:mod:`trainyard_api.calibration`; nothing here decides.
+:mod:`trainyard_telemetry.calibration`; nothing here decides.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_contract.events import StepMetrics, utcnow
 from trainyard_contract.records import JobRecord
 from trainyard_runtime.store import Keys, StateStore
-
-from trainyard_api.calibration import (
+from trainyard_telemetry.calibration import (
     KINDS,
     JobPrediction,
     Measurement,
@@ -44,8 +43,7 @@ from trainyard_api.calibration import (
     predict_job,
     step_measurements,
 )
-from trainyard_api.settings import ApiSettings
-from trainyard_api.validation import resolve_model_config
+from trainyard_telemetry.settings import CalibrationSettings
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +129,12 @@ class CalibrationStore:
         await self.redis.set(Keys.calibration, stored.dumps())
 
 
+def _model_config(job: JobRecord, catalog: Mapping[str, ModelConfig]) -> ModelConfig | None:
+    """The job's model: inline, or looked up in ``catalog`` (None when the reference is unknown)."""
+    ref = job.spec.model_config_ref
+    return ref if isinstance(ref, ModelConfig) else catalog.get(ref)
+
+
 def _parse(raws: Iterable[str]) -> list[Measurement]:
     out = []
     for raw in raws:
@@ -149,7 +153,7 @@ class Calibrator:
     def __init__(
         self,
         store: StateStore,
-        settings: ApiSettings,
+        settings: CalibrationSettings,
         *,
         clock: Callable[[], datetime] = utcnow,
         catalog: Mapping[str, ModelConfig] = MODEL_CATALOG,
@@ -181,7 +185,7 @@ class Calibrator:
             self._jobs.move_to_end(key)
             return self._jobs[key]
         job = await self.store.get_job(job_id)
-        config = resolve_model_config(job.spec, self.catalog) if job else None
+        config = _model_config(job, self.catalog) if job else None
         start_step = attempt_start_step(job, attempt) if job else None
         if job is None or config is None or start_step is None:
             return None  # not cached: the job or its attempt may be recorded later

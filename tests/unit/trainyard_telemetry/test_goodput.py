@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
-from trainyard_api.goodput import KINDS, Ledger, StepTiming, attempt_ledger, job_ledger, total
+from trainyard_telemetry.goodput import KINDS, Ledger, StepTiming, attempt_ledger, job_ledger, total
 from trainyard_api.schemas import EXAMPLE_SPEC as SPEC
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -1,10 +1,12 @@
 """Per-attempt step timing read models, from StepMetrics and StragglerDetected.
 
 * rank 0: ``Keys.attempt_steps(job, attempt)`` (hash: first step, when it completed and its
-  seconds; last step and when; Σ work seconds = step seconds without checkpoint stall; Σ stall;
-  step count) and ``Keys.attempt_step_points`` (sorted set step → cumulative work seconds). The
-  goodput ledger needs the cumulative work at the attempt's last READY checkpoint, which lies at
-  most one checkpoint interval behind its last step, so only the newest ``max_points`` steps are
+  seconds; last step and when; Σ work seconds = step seconds without checkpoint stall (see
+  :mod:`.steps`); Σ stall; step count; ``recentWorkSeconds``, an exponential moving average of the work
+  seconds, which the checkpoint coordinator's interval advice reads instead of deriving its own) and
+  ``Keys.attempt_step_points`` (sorted set step → cumulative work seconds). The goodput ledger needs
+  the cumulative work at the attempt's last READY checkpoint, which lies at most one checkpoint
+  interval behind its last step, so only the newest ``max_points`` steps are
   kept (ZREMRANGEBYRANK); an older step is interpolated at the attempt's mean step time. Memory
   per attempt is bounded (~``max_points`` × 30 bytes) whether it runs 1e3 or 1e6 steps.
 * every rank: ``Keys.rank_timing(job, attempt)`` (hash rank → its latest timing breakdown).
@@ -26,8 +28,8 @@ from redis.asyncio import Redis
 
 from trainyard_contract.events import StepMetrics, StragglerDetected
 from trainyard_runtime.store import Keys
-
-from trainyard_api.goodput import StepTiming
+from trainyard_telemetry.goodput import StepTiming
+from trainyard_telemetry.steps import step_time
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ if not last then
   redis.call('HSET', KEYS[1], 'firstStep', ARGV[1], 'firstStepAt', ARGV[2], 'firstStepSeconds', ARGV[5])
 end
 local cum = redis.call('HINCRBYFLOAT', KEYS[1], 'workSeconds', ARGV[3])
+local work, alpha = tonumber(ARGV[3]), tonumber(ARGV[7])
+if work > 0 then
+  local old = redis.call('HGET', KEYS[1], 'recentWorkSeconds')
+  local value = work
+  if old then value = tonumber(old) * (1 - alpha) + work * alpha end
+  redis.call('HSET', KEYS[1], 'recentWorkSeconds', string.format('%.9g', value))
+end
 redis.call('HINCRBYFLOAT', KEYS[1], 'checkpointSeconds', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'steps', 1)
 redis.call('HSET', KEYS[1], 'lastStep', ARGV[1], 'lastStepAt', ARGV[2])
@@ -46,6 +55,9 @@ redis.call('ZADD', KEYS[2], cum, ARGV[1])
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -(tonumber(ARGV[6]) + 1))
 return 1
 """
+
+WORK_EWMA_ALPHA = 0.2
+"""Weight of the newest step in ``recentWorkSeconds`` (the checkpoint coordinator's advice reads it)."""
 
 _RANK = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
@@ -79,6 +91,7 @@ def timing_from_redis(attempt: int, fields: dict[str, str], points: Sequence[tup
         last_step=int(fields["lastStep"]), last_step_at=when("lastStepAt"),
         work_seconds=float(fields.get("workSeconds", 0)), checkpoint_seconds=float(fields.get("checkpointSeconds", 0)),
         points=[(int(step), float(cum)) for step, cum in points],
+        recent_work_seconds=float(fields["recentWorkSeconds"]) if fields.get("recentWorkSeconds") else None,
     )
 
 
@@ -98,11 +111,11 @@ class StepTimingStore:
                          args=[str(m.rank), m.step, json.dumps(rank_breakdown(m))])
         if m.rank != 0:
             return
-        work = max(m.step_seconds - m.checkpoint_seconds, 0.0)
+        t = step_time(m)
         await self._rank0(
             keys=[Keys.attempt_steps(m.job_id, m.attempt), Keys.attempt_step_points(m.job_id, m.attempt)],
-            args=[m.step, repr(m.occurred_at.timestamp()), repr(work), repr(max(m.checkpoint_seconds, 0.0)),
-                  repr(max(m.step_seconds, 0.0)), self.max_points],
+            args=[m.step, repr(m.occurred_at.timestamp()), repr(t.work_seconds), repr(t.stall_seconds),
+                  repr(t.seconds), self.max_points, repr(WORK_EWMA_ALPHA)],
         )
 
     async def on_straggler(self, event: StragglerDetected) -> None:

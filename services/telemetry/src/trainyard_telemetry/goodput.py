@@ -52,6 +52,9 @@ class StepTiming:
     work_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
     points: Sequence[tuple[int, float]] = ()
+    recent_work_seconds: float | None = None
+    """An exponential moving average of the work seconds of the attempt's steps (α = ``WORK_EWMA_ALPHA``):
+    the step time the checkpoint interval advice weighs a save against."""
 
     def work_through(self, step: int) -> float:
         """Cumulative work seconds of this attempt's steps up to and including ``step``."""

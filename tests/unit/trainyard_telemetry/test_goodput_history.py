@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trainyard_api.goodput import WASTE_KINDS
-from trainyard_api.goodput_history import (
+from trainyard_telemetry.goodput import WASTE_KINDS
+from trainyard_telemetry.goodput_history import (
     GoodputInterval,
     bucket_start,
     expired_buckets,

@@ -10,8 +10,8 @@ from prometheus_client import REGISTRY
 from trainyard_contract.events import StepMetrics
 from trainyard_contract.records import JobRecord
 from trainyard_contract.spec import TrainingSpec
-from trainyard_api.goodput import Ledger
-from trainyard_api.jobmetrics import JobSeries, Seen, expired
+from trainyard_telemetry.goodput import Ledger
+from trainyard_telemetry.jobmetrics import JobSeries, Seen, expired
 from trainyard_api.schemas import EXAMPLE_SPEC
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

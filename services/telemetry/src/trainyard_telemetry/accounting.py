@@ -25,11 +25,10 @@ from trainyard_contract.errors import StateStoreError
 from trainyard_contract.events import TERMINAL_STATES, utcnow
 from trainyard_contract.records import JobRecord
 from trainyard_runtime.store import Keys, StateStore
-
-from trainyard_api.goodput import KINDS, Ledger, job_ledger
-from trainyard_api.goodput_history import Sample, expired_buckets, parse_samples, sample_entry
-from trainyard_api.jobmetrics import JobSeries
-from trainyard_api.steptiming import StepTimingStore
+from trainyard_telemetry.goodput import KINDS, Ledger, job_ledger
+from trainyard_telemetry.goodput_history import Sample, expired_buckets, parse_samples, sample_entry
+from trainyard_telemetry.jobmetrics import JobSeries
+from trainyard_telemetry.steptiming import StepTimingStore
 
 log = logging.getLogger(__name__)
 

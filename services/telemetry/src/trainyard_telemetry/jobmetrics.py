@@ -18,8 +18,7 @@ from prometheus_client import Gauge, Histogram
 
 from trainyard_contract.events import TERMINAL_STATES, StepMetrics
 from trainyard_contract.records import JobRecord
-
-from trainyard_api.goodput import Ledger
+from trainyard_telemetry.goodput import Ledger
 
 _JOB = ["tenant", "job_id"]
 JOB_STEP_SECONDS = Gauge("trainyard_job_step_seconds", "rank 0's latest step time of a job", _JOB)

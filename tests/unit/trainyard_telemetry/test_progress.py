@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from trainyard_api.progress import advance_progress
+from trainyard_telemetry.progress import advance_progress
 from trainyard_contract.events import StepMetrics
 from trainyard_contract.records import Progress
 

@@ -7,7 +7,7 @@ that is not newer is a duplicate or a late delivery and is ignored.
 Its tokens/s and MFU are the attempt's (:func:`throughput`), not the newest step's: a finished job's last step
 is its final save, and showed a fraction of the run's throughput.
 
-With a :class:`~trainyard_api.calibrator.Calibrator`, the step's calibration samples (step time,
+With a :class:`~trainyard_telemetry.calibrator.Calibrator`, the step's calibration samples (step time,
 checkpoint stall) are pushed in the same transaction as the progress, so a redelivered or stale
 StepMetrics, which moves nothing, samples nothing either.
 """
@@ -26,10 +26,11 @@ from redis.exceptions import WatchError
 from trainyard_contract.events import StepMetrics, utcnow
 from trainyard_contract.records import Progress
 from trainyard_runtime.store import Keys
+from trainyard_telemetry.steps import step_time
 
 if TYPE_CHECKING:
-    from trainyard_api.calibration import Measurement
-    from trainyard_api.calibrator import Calibrator
+    from trainyard_telemetry.calibration import Measurement
+    from trainyard_telemetry.calibrator import Calibrator
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ STEP_METRICS = Counter(
 
 def _work(m: StepMetrics) -> tuple[float, float] | None:
     """The step's tokens and its seconds without its checkpoint stall (None when it reported no rate)."""
-    if not m.tokens_per_second or m.step_seconds <= 0:
+    t = step_time(m)
+    if not m.tokens_per_second or t.seconds <= 0:
         return None
-    work = m.step_seconds - max(m.checkpoint_seconds, 0.0)
-    return (m.tokens_per_second * m.step_seconds, work) if work > 0 else None
+    return (m.tokens_per_second * t.seconds, t.work_seconds) if t.work_seconds > 0 else None
 
 
 def throughput(current: Progress | None, m: StepMetrics) -> tuple[float, float, float | None, float | None]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from trainyard_api.calibration import (
+from trainyard_telemetry.calibration import (
     JobPrediction,
     Measurement,
     StoredCalibration,

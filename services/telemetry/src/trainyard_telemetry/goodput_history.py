@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainyard_api.goodput import WASTE_KINDS
+from trainyard_telemetry.goodput import WASTE_KINDS
 
 Sample = tuple[int, Mapping[str, float]]  # (when it was taken, epoch seconds; cumulative seconds by kind)
 SAMPLED_AT = "sampledAt"

@@ -46,8 +46,8 @@ from redis.asyncio import Redis
 from trainyard_contract.errors import SpecError
 from trainyard_contract.events import StepMetrics
 from trainyard_runtime.replication import undecoded
-
-from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
+from trainyard_runtime.store import Keys
+from trainyard_telemetry.downsample import Buckets, bucket_stats, lttb, minmax
 
 CURVES = ("loss", "lr", "tokensPerSecond", "mfu")
 TIMING = ("stepSeconds", "computeSeconds", "collectiveSeconds", "dataWaitSeconds", "checkpointSeconds")
@@ -62,7 +62,7 @@ NAN = struct.pack("<f", float("nan"))
 
 
 def _prefix(job_id: str) -> str:
-    return f"ty:mh:{{{job_id}}}"
+    return Keys.metrics_history(job_id)
 
 
 def attempt_key(job_id: str, rank: int) -> str:

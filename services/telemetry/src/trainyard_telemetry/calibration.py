@@ -6,7 +6,7 @@ where it came from. Three kinds, per device type (``resources.gpuType``, canonic
 
 - **step time**: rank 0's StepMetrics, ``stepSeconds - checkpointSeconds``, against
   ``estimate_step`` of the job as the trainer runs it (the submission check's layout and bytes per
-  parameter, see :mod:`trainyard_api.planning`) on the device (``cpu``: :class:`Assumptions`).
+  parameter, see :mod:`trainyard_planner.platform`) on the device (``cpu``: :class:`Assumptions`).
   Skipped: the first ``warmup_steps`` steps of an attempt (allocator, first collectives, caches),
   steps that included a checkpoint, and all but every ``every``-th step, so that one long job does
   not fill the window alone.
@@ -52,17 +52,17 @@ from trainyard_planner import (
     compare,
     estimate_step,
     fit,
+    transformer_for,
     write_seconds,
 )
-
-from trainyard_api.planning import (
+from trainyard_planner.platform import (
     DEFAULT_DEVICE_MTBF_HOURS,
     Assumptions,
     device_type_of,
     trainer_bytes_per_parameter,
     trainer_layout,
-    transformer_for,
 )
+from trainyard_telemetry.steps import step_time
 
 KINDS = tuple(SampleKind)
 UNITS = {SampleKind.STEP_TIME: "seconds", SampleKind.CHECKPOINT_WRITE: "seconds",
@@ -162,14 +162,14 @@ def step_measurements(
     if m.rank != 0 or steps_in <= warmup_steps:
         return []
     samples = []
-    compute = m.step_seconds - m.checkpoint_seconds
-    if m.checkpoint_seconds <= 0 and compute > 0 and prediction.step_seconds and steps_in % every == 0:
-        samples.append(Sample(kind=SampleKind.STEP_TIME, device_type=prediction.device_type, measured=compute,
-                              predicted=prediction.step_seconds, label=prediction.label))
+    t = step_time(m)
+    if not t.saved and t.work_seconds > 0 and prediction.step_seconds and steps_in % every == 0:
+        samples.append(Sample(kind=SampleKind.STEP_TIME, device_type=prediction.device_type,
+                              measured=t.work_seconds, predicted=prediction.step_seconds, label=prediction.label))
     save = saves_after(job.spec, m.step)
-    if m.checkpoint_seconds > 0 and save is not False and prediction.checkpoint_write_seconds:
+    if t.saved and save is not False and prediction.checkpoint_write_seconds:
         samples.append(Sample(kind=SampleKind.CHECKPOINT_WRITE, device_type=prediction.device_type,
-                              measured=m.checkpoint_seconds, predicted=prediction.checkpoint_write_seconds,
+                              measured=t.stall_seconds, predicted=prediction.checkpoint_write_seconds,
                               label=prediction.label))
     return [Measurement(sample=s, job_id=job.job_id, tenant=job.tenant, attempt=m.attempt, step=m.step,
                         recorded_at=now) for s in samples]

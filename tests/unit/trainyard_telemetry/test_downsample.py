@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainyard_api.downsample import Buckets, bucket_stats, lttb, minmax
-from trainyard_api.metrics_history import curve, decode, parse_series, window
+from trainyard_telemetry.downsample import Buckets, bucket_stats, lttb, minmax
+from trainyard_telemetry.metrics_history import curve, decode, parse_series, window
 from trainyard_contract.errors import SpecError
 
 

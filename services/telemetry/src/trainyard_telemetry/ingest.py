@@ -1,0 +1,46 @@
+"""The ingest: every StepMetrics into each read model, StragglerDetected into the job's straggler list.
+
+    trainyard.metrics (group ``telemetry``) ──> Ingest.on_step_metrics
+        1. step timing     every rank's breakdown; rank 0's step ledger and recent work time (steptiming.py)
+        2. metric history  every rank's series, down-sampled levels (metrics_history.py)
+        3. progress        rank 0's Progress, with the planner's calibration samples in its transaction
+        4. job series      the per-job Prometheus series (jobmetrics.py)
+    trainyard.workers ──> StragglerDetected ──> Keys.stragglers(job)
+
+Each step is idempotent (a re-delivered or late StepMetrics changes nothing: the Lua scripts and the WATCH
+compare the step with what is recorded), so the consumer commits after all four and a crash between
+them redoes the event whole. Rank 0's step time is split once (:mod:`.steps`); the read models all use
+that split, and the checkpoint coordinator reads the step-timing read model instead of deriving its own.
+"""
+
+from __future__ import annotations
+
+from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_telemetry.jobmetrics import JobSeries
+from trainyard_telemetry.metrics_history import MetricHistory
+from trainyard_telemetry.progress import ProgressProjector
+from trainyard_telemetry.steptiming import StepTimingStore
+
+
+class Ingest:
+    """The StepMetrics and StragglerDetected handlers over the read models' writers."""
+
+    def __init__(self, timing: StepTimingStore, history: MetricHistory, projector: ProgressProjector,
+                 series: JobSeries) -> None:
+        self.timing = timing
+        self.history = history
+        self.projector = projector
+        self.series = series
+
+    def install(self, runtime: ServiceRuntime) -> None:
+        """Subscribe (before ``runtime.start()``) in the service's own consumer group."""
+        runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, background=True)
+        runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler}, background=True)
+
+    async def on_step_metrics(self, m: StepMetrics) -> None:
+        """1. step timing 2. metric history 3. progress (and calibration samples) 4. job series."""
+        await self.timing.on_step_metrics(m)
+        await self.history.on_step_metrics(m)
+        await self.projector.on_step_metrics(m)
+        self.series.on_step(m)
