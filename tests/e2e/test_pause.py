@@ -116,7 +116,7 @@ def job_record(stack: LocalStack, job_id: str) -> JobRecord:
 
 def scheduler_handled(stack: LocalStack, event: ev.Event) -> bool:
     """Whether the scheduler has handled ``event`` (its consumer group's record of handled event ids)."""
-    return redis_read(stack, lambda store: Deduper(store.redis, "trainyard.scheduler").seen(str(event.event_id)))
+    return redis_read(stack, lambda store: Deduper(store.redis, "scheduler", "trainyard.scheduler").seen(str(event.event_id)))
 
 
 def pids(stack: LocalStack, *names: str) -> list[int]:

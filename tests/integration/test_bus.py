@@ -85,7 +85,7 @@ async def test_failing_handler_is_dead_lettered_retryable_one_is_retried(env: di
         letters.append(e)
 
     bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat},
-                  deduper_factory=lambda g: Deduper(redis, g))
+                  deduper_factory=lambda g: Deduper(redis, "test", g))
     bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group=f"{env['group_prefix']}.dlq-reader")
     async with bus:
         for seq in (1, 2, 3):
@@ -135,7 +135,7 @@ async def test_duplicate_event_ids_have_no_effect(env: dict, redis) -> None:
     async def on_heartbeat(e: ev.NodeHeartbeat) -> None:
         handled.append(str(e.event_id))
 
-    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, deduper_factory=lambda g: Deduper(redis, g))
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, deduper_factory=lambda g: Deduper(redis, "test", g))
     async with bus:
         once = heartbeat(seq=5)
         for _ in range(3):

@@ -1,5 +1,5 @@
-"""Redis ACL users: the ACL file (no anonymous clients, service users on trainyard's keys without
-@dangerous), stable passwords, URLs per service, and `trainyard admin credentials redis`."""
+"""Redis ACL users: the ACL file (no anonymous clients, service users on the keys the keyspace declaration
+gives them, without @dangerous), stable passwords, URLs per service, and `trainyard admin credentials redis`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from trainyard_cli import redisacl
+from trainyard_runtime import keyspace
 from trainyard_cli.main import app
 
 
@@ -17,9 +18,15 @@ def test_the_acl_file_gives_every_user_a_password_and_fences_the_services() -> N
     text = redisacl.acl_text({"scheduler": "p1", "operator": "p2", "default": "p3"})
     lines = text.splitlines()
     assert "user default on >p3 ~* &* +@all" in lines  # no nopass: anonymous clients get NOAUTH
-    assert "user scheduler on >p1 ~ty:* &* +@all -@dangerous" in lines
+    assert f"user scheduler on >p1 {keyspace.acl_rules('scheduler')}" in lines  # generated from the keyspace
+    assert "~ty:*" not in text and "&*" not in text.replace("~* &* +@all", "")
     assert "user operator on >p2 ~* &* +@all" in lines
     assert all("nopass" not in line for line in lines)
+
+
+def test_every_service_of_the_keyspace_is_a_user_and_an_unknown_name_gets_nothing() -> None:
+    assert set(redisacl.SERVICE_USERS) == set(keyspace.SERVICES) and "telemetry" in redisacl.SERVICE_USERS
+    assert redisacl.rules_for("retired-service") == "resetkeys resetchannels -@all"
 
 
 def test_passwords_are_made_once_and_kept(tmp_path: Path) -> None:

@@ -8,9 +8,12 @@ training script probing the control plane) is refused (NOAUTH); ranks are given 
 AOF as the default user, and a restricted (or ``off``) default user makes it refuse the replayed
 MULTI/EXEC blocks at start-up (NOPERM): every transaction since the last rewrite would be lost.
 
-Service users may touch only trainyard's keys (``~ty:*``) and no command of ``@dangerous``
-(FLUSHALL, CONFIG, KEYS, SHUTDOWN, DEBUG, ACL, …); the operator may do everything. Pure except
-:func:`load_or_create`.
+A service user's rules are generated from the keyspace declaration (:mod:`trainyard_runtime.keyspace`):
+it may write the key families it owns, read the ones it is a named reader of, use the bus's doorbell
+channel, and run no command of ``@dangerous`` (FLUSHALL, CONFIG, KEYS, SHUTDOWN, DEBUG, ACL, …). The
+node agent, on hosts that run untrusted code, writes only its own ``ty:agent:*`` keys and its beacons.
+The users are the declaration's services; the operator may do everything. Pure except
+:func:`load_or_create` and :func:`write_acl_file`.
 """
 
 from __future__ import annotations
@@ -21,20 +24,27 @@ import secrets
 from pathlib import Path
 from urllib.parse import quote
 
-SERVICE_USERS = ("api", "scheduler", "node-agent", "checkpoint-coordinator", "registry")
-OPERATOR = "operator"  # the CLI's `dev` commands, tests, people's redis-cli
+from trainyard_runtime import keyspace
+
+SERVICE_USERS = keyspace.SERVICES
+OPERATOR = keyspace.OPERATOR  # the CLI's `dev` commands, tests, people's redis-cli
 DEFAULT = "default"  # never handed out; a password so that no client is authenticated without one
-SERVICE_RULES = "~ty:* &* +@all -@dangerous"
 OPERATOR_RULES = "~* &* +@all"
+
+
+def rules_for(user: str) -> str:
+    """``user``'s ACL rules: everything for the operator and default, the keyspace's for a service, and
+    nothing for a name neither knows (a user left in an older passwords file)."""
+    if user in (OPERATOR, DEFAULT):
+        return OPERATOR_RULES
+    if user in SERVICE_USERS:
+        return keyspace.acl_rules(user)
+    return "resetkeys resetchannels -@all"
 
 
 def acl_text(passwords: dict[str, str]) -> str:
     """The ACL file for ``passwords`` (user → password)."""
-    lines = []
-    for user in sorted(passwords):
-        rules = OPERATOR_RULES if user in (OPERATOR, DEFAULT) else SERVICE_RULES
-        lines.append(f"user {user} on >{passwords[user]} {rules}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"user {user} on >{passwords[user]} {rules_for(user)}\n" for user in sorted(passwords))
 
 
 def url_for(user: str, password: str, *, host: str, port: int, db: int = 0) -> str:

@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 from trainyard_contract import events as ev
 from trainyard_contract.errors import BusError, TrainyardError
 from trainyard_runtime.idlefetch import Doorbell, IdleFetching, IdlePolicy
+from trainyard_runtime.store import Keys
 from trainyard_contract.tracing import inject_headers
 
 log = logging.getLogger(__name__)
@@ -220,15 +221,18 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 class Deduper:
-    """Remembers handled ``eventId``s per consumer group in Redis (idempotent consumers)."""
+    """Remembers handled ``eventId``s per consumer group in Redis (idempotent consumers). The keys carry the
+    service's name (:meth:`Keys.seen`): each service may write only its own, so no other service (a node
+    agent least of all) can mark an event as handled for it."""
 
-    def __init__(self, redis: Redis, group: str, ttl_s: int = SEEN_TTL_S) -> None:
+    def __init__(self, redis: Redis, service: str, group: str, ttl_s: int = SEEN_TTL_S) -> None:
         self._redis = redis
+        self._service = service
         self._group = group
         self._ttl_s = ttl_s
 
     def _key(self, event_id: str) -> str:
-        return f"ty:seen:{self._group}:{event_id}"
+        return Keys.seen(self._service, self._group, event_id)
 
     async def seen(self, event_id: str) -> bool:
         return bool(await self._redis.exists(self._key(event_id)))

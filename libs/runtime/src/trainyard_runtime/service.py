@@ -117,7 +117,7 @@ class ServiceRuntime:
         self._reported_stuck = True  # a previous process of this instance may have left the key: delete it once
 
     def deduper(self, group: str) -> Deduper:
-        return Deduper(self.redis, group)
+        return Deduper(self.redis, self.name, group)
 
     def add_loop(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float, *,
                  wake: asyncio.Event | None = None) -> None:

@@ -1,7 +1,9 @@
 """Redis keys and typed access to the durable records (see ``records.py``).
 
-Every key starts with ``ty:``. Services share these readers so the API's read models
-and the writers agree on one layout.
+Every key starts with ``ty:`` and is built here, by :class:`Keys`; each belongs to a family that
+:mod:`trainyard_runtime.keyspace` declares with its writers and readers (the ACLs are generated
+from that declaration, and a unit test holds every key built here and every ``"ty:`` literal in the
+code to it). Services share these readers so the API's read models and the writers agree on one layout.
 """
 
 from __future__ import annotations
@@ -76,6 +78,43 @@ class Keys:
     # set: ids of jobs stored but not yet taken in by the scheduler (it checks them, then moves them to its active
     # set); written with the record, so a scheduler that reloads finds every job however far behind it is
     incoming_jobs = "ty:sched:incoming"
+    sched_active = "ty:sched:active"  # set: jobs the scheduler has taken in that are not yet terminal
+    sched_leader = "ty:sched:leader"  # "<epoch> <instance>" of the scheduler leader, with a TTL
+    sched_leader_epoch = "ty:sched:leader-epoch"  # the scheduler's takeover counter, never decreasing
+    tenants_bootstrap_lock = "ty:tenants:bootstrap-lock"  # the API worker that bootstraps the first tenant
+    checkpoint_live_steps = "ty:ckpt:live-steps"  # hash job → rank 0's furthest (attempt, step) (coordinator)
+    replication_barrier = replication.BARRIER_KEY  # INCRed before a WAIT (every service)
+
+    @staticmethod
+    def replication_ack(token: str) -> str:
+        """A confirmed write's token (every service; see :func:`replication.execute_confirmed`)."""
+        return replication.confirmation_key(token)
+
+    @staticmethod
+    def seen(service: str, group: str, event_id: str) -> str:
+        """Set (with a TTL) once ``service``'s consumer ``group`` handled ``event_id`` (:class:`bus.Deduper`)."""
+        return f"ty:seen:{service}:{group}:{event_id}"
+
+    @staticmethod
+    def agent(node_id: str) -> str:
+        """The prefix of one node agent's own keys (``:epochs``, ``:launched``, ``:ranks``, ``:refused``,
+        ``:unconfirmed``: see the node agent's ``AgentKeys``)."""
+        return f"ty:agent:{node_id}"
+
+    @staticmethod
+    def metrics_history(job_id: str) -> str:
+        """The prefix of a job's metrics-history keys (telemetry); the braces keep them in one cluster slot."""
+        return f"ty:mh:{{{job_id}}}"
+
+    @staticmethod
+    def failures_seen(job_id: str, attempt: int) -> str:
+        """Set once the coordinator counted the attempt's failure (it is counted once)."""
+        return f"ty:failures:seen:{job_id}:{attempt}"
+
+    @staticmethod
+    def shard_timing(job_id: str, attempt: int, step: int) -> str:
+        """Hash rank → the rank's save timing of one checkpoint (coordinator)."""
+        return f"{Keys.shards(job_id, attempt, step)}:timing"
 
     @staticmethod
     def tenant_triggers(tenant: str) -> str:

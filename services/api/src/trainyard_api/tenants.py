@@ -37,7 +37,7 @@ from trainyard_api.schemas import IssuedToken, TenantList, TenantSettingsView, T
 
 log = logging.getLogger(__name__)
 
-BOOTSTRAP_LOCK = "ty:tenants:bootstrap-lock"
+BOOTSTRAP_LOCK = Keys.tenants_bootstrap_lock
 BOOTSTRAP_TOKEN_NAME = "bootstrap-admin"
 
 

@@ -43,7 +43,7 @@ from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 log = logging.getLogger(__name__)
 
 #: Sorted set of job ids that have checkpoints (score: last shard report), for GC and advice.
-JOBS_INDEX = "ty:ckpt:jobs"
+JOBS_INDEX = Keys.checkpoint_jobs
 
 Clock = Callable[[], datetime]
 RecordChange = Callable[[CheckpointRecord], CheckpointRecord | None]

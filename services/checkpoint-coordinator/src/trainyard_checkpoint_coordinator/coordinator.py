@@ -233,7 +233,7 @@ class Coordinator:
         timing = json.dumps({"at": event.occurred_at.isoformat(), "writeSeconds": event.write_seconds})
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(shards, str(report.rank), report.dumps())
-            pipe.hsetnx(f"{shards}:timing", str(report.rank), timing)
+            pipe.hsetnx(Keys.shard_timing(key.job_id, key.attempt, key.global_step), str(report.rank), timing)
             pipe.hsetnx(Keys.checkpoints(key.job_id), key.checkpoint_id, pending_record(key, report, now=now).dumps())
             pipe.zadd(PENDING_INDEX, {_member(key): now.timestamp()}, nx=True)
             pipe.zadd(JOBS_INDEX, {key.job_id: now.timestamp()})
@@ -241,7 +241,7 @@ class Coordinator:
         return bool(stored)
 
     async def _timing(self, key: CheckpointKey) -> ShardTiming:
-        raw = await self.redis.hgetall(f"{Keys.shards(key.job_id, key.attempt, key.global_step)}:timing")
+        raw = await self.redis.hgetall(Keys.shard_timing(key.job_id, key.attempt, key.global_step))
         reports: dict[int, tuple[datetime, float | None]] = {}
         for rank, text in raw.items():
             entry = json.loads(text)

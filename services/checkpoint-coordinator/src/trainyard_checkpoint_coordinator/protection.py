@@ -71,4 +71,4 @@ def protection_key(job_id: str) -> str:
 
 
 #: Hash job id → ``"<attempt>:<step>"``: the furthest step rank 0 reported (the measurements record it).
-LIVE_STEPS = "ty:ckpt:live-steps"
+LIVE_STEPS = Keys.checkpoint_live_steps

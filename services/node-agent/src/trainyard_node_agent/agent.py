@@ -116,7 +116,7 @@ class AgentKeys:
     """Redis keys a node agent owns, per node."""
 
     def __init__(self, node_id: str) -> None:
-        base = f"ty:agent:{node_id}"
+        base = Keys.agent(node_id)
         self.epochs = f"{base}:epochs"  # job id -> highest epoch seen
         self.launched = f"{base}:launched"  # allocation ids ever launched here
         self.ranks = f"{base}:ranks"  # "<allocation>/<rank>" -> RankProcess.persisted()

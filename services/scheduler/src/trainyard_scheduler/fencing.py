@@ -24,13 +24,14 @@ from redis.asyncio import Redis
 from trainyard_contract.errors import EpochNotReplicatedError
 from trainyard_runtime.leases import Device, LeaderFence, LeaseManager
 from trainyard_runtime.replication import epoch_acks, eval_durably
+from trainyard_runtime.store import Keys
 
 log = logging.getLogger(__name__)
 
 
 class LeaderKeys:
-    leader = "ty:sched:leader"  # "<epoch> <instance>", with a TTL
-    epoch = "ty:sched:leader-epoch"  # takeover counter, never decreasing
+    leader = Keys.sched_leader  # "<epoch> <instance>", with a TTL
+    epoch = Keys.sched_leader_epoch  # takeover counter, never decreasing
 
 
 # KEYS: leader, epoch   ARGV: instance, ttl_ms, my_epoch (0 = none), take (1: may take over; 0: return -1 instead,

@@ -8,7 +8,7 @@ from trainyard_scheduler.fencing import LeaderKeys
 
 
 class SchedulerKeys:
-    active = "ty:sched:active"  # ids of jobs the scheduler has taken in that are not yet terminal
+    active = Keys.sched_active  # ids of jobs the scheduler has taken in that are not yet terminal
     leader = LeaderKeys.leader  # "<epoch> <instance>" of the scheduler that runs the tick
     leader_epoch = LeaderKeys.epoch  # incremented at every takeover
     queue_config = Keys.queue_config
