@@ -32,6 +32,7 @@ from trainyard_contract.storage import ArtifactLayout, path_to_uri, sha256_file,
 from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_registry import RegistrySettings
 from trainyard_registry import build_service as build_registry
+from trainyard_telemetry import TelemetryService, TelemetrySettings
 
 TENANT = "acme"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -101,7 +102,7 @@ class Stack:
     store: StateStore
     tail: TopicTail
     layout: ArtifactLayout
-    runtimes: list[ServiceRuntime] = field(default_factory=list)
+    runtimes: list[ServiceRuntime | TelemetryService] = field(default_factory=list)
 
     @property
     def redis(self):  # noqa: ANN201 - redis.asyncio.Redis
@@ -117,9 +118,11 @@ class Stack:
 
 
 async def start_stack(env: dict[str, Any], *, with_registry: bool = False, registry: dict[str, Any] | None = None,
-                      tail_topics: tuple[str, ...] = (ev.CHECKPOINTS, ev.DEADLETTER), **coordinator: object) -> Stack:
-    """The coordinator (and, when asked, the registry, with ``registry`` settings) running in-process,
-    plus a publisher and a tail of ``tail_topics``.
+                      with_telemetry: bool = False, tail_topics: tuple[str, ...] = (ev.CHECKPOINTS, ev.DEADLETTER),
+                      **coordinator: object) -> Stack:
+    """The coordinator (and, when asked, the registry, with ``registry`` settings, and the telemetry service,
+    whose step-timing read model the interval advice reads) running in-process, plus a publisher and a tail
+    of ``tail_topics``.
 
     Each consumer group join costs the broker a few seconds, so the registry runs only where
     a test looks at its records.
@@ -127,6 +130,8 @@ async def start_stack(env: dict[str, Any], *, with_registry: bool = False, regis
     runtimes = [build_coordinator(CoordinatorSettings(**env, **coordinator))]
     if with_registry:
         runtimes.append(build_registry(RegistrySettings(**env, **(registry or {}))))
+    if with_telemetry:
+        runtimes.append(TelemetryService(TelemetrySettings(**env)))
     await runtimes[0].start()  # creates the namespaced topics too
     await asyncio.gather(*(runtime.start() for runtime in runtimes[1:]))
     bus = Bus(env["kafka_bootstrap"], service_name="test-ranks", group_prefix=env["group_prefix"],

@@ -39,7 +39,7 @@ HOUSEKEEPING = {"gc_interval_s": 0.5, "advice_interval_s": 0.5, "shard_timeout_s
 
 @pytest.fixture
 async def stack(env: dict[str, Any]) -> AsyncIterator[Stack]:
-    s = await start_stack(env, **HOUSEKEEPING)
+    s = await start_stack(env, with_telemetry=True, **HOUSEKEEPING)  # the advice reads telemetry's step timing
     try:
         yield s
     finally:

@@ -1,10 +1,12 @@
 """What the interval advice is computed from, measured as events arrive, and the advice itself.
 
 * ``StepMetrics`` → ``Keys.checkpoint_timing(job)``: the stall of each step (slowest rank:
-  ``stall:<attempt>:<step>``) and an exponential moving average of rank 0's step time without
-  the stall (``stepSeconds``); rank 0's furthest (attempt, step) per job (``LIVE_STEPS``, for the
+  ``stall:<attempt>:<step>``); rank 0's furthest (attempt, step) per job (``LIVE_STEPS``, for the
   protection watch); and the device-seconds of training of the job's device type
   (``exposure`` in ``Keys.failure_stats(type)``: rank 0's step time x the job's devices).
+* rank 0's step time without the stall is not derived here: the telemetry service derives it once and keeps
+  an exponential moving average of it in the step-timing read model (``recentWorkSeconds`` of
+  ``Keys.attempt_steps(job, attempt)``), which the advice reads (:func:`recent_step_seconds`).
 * ``WorkerExited`` that is an interruption (see :func:`advice.counts_as_interruption`) →
   ``failures`` of the device type, once per (job, attempt) however many ranks report it.
 * every ``advice_interval_s`` and after each READY: :func:`advice.advise` for each running job →
@@ -17,7 +19,7 @@ maximum or an already-counted attempt not at all (exposure may count a re-delive
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -26,6 +28,7 @@ from redis.asyncio import Redis
 from trainyard_contract.events import TERMINAL_STATES, StepMetrics, WorkerExited, utcnow
 from trainyard_contract.records import JobRecord
 from trainyard_runtime.store import Keys, StateStore
+from trainyard_telemetry.readmodels import StepTiming, StepTimingStore
 
 from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, counts_as_interruption
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX
@@ -35,34 +38,25 @@ from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
 
-# KEYS: timing, failure stats, live steps   ARGV: rank, attempt, step, step seconds, checkpoint seconds, alpha,
-# exposure, job id
+# KEYS: timing, failure stats, live steps   ARGV: rank, attempt, step, checkpoint seconds, exposure, job id
 _ON_STEP = """
 if ARGV[1] == '0' then
-  local seen = redis.call('HGET', KEYS[3], ARGV[8])
+  local seen = redis.call('HGET', KEYS[3], ARGV[6])
   local attempt, step = tonumber(ARGV[2]), tonumber(ARGV[3])
   local newer = true
   if seen then
     local a, s = string.match(seen, '^(%d+):(%d+)$')
     newer = a == nil or attempt > tonumber(a) or (attempt == tonumber(a) and step > tonumber(s))
   end
-  if newer then redis.call('HSET', KEYS[3], ARGV[8], ARGV[2] .. ':' .. ARGV[3]) end
+  if newer then redis.call('HSET', KEYS[3], ARGV[6], ARGV[2] .. ':' .. ARGV[3]) end
 end
-local stall = tonumber(ARGV[5])
+local stall = tonumber(ARGV[4])
 if stall > 0 then
   local field = 'stall:' .. ARGV[2] .. ':' .. ARGV[3]
   local current = tonumber(redis.call('HGET', KEYS[1], field) or '-1')
-  if stall > current then redis.call('HSET', KEYS[1], field, ARGV[5]) end
+  if stall > current then redis.call('HSET', KEYS[1], field, ARGV[4]) end
 end
-local compute = tonumber(ARGV[4]) - stall
-if ARGV[1] == '0' and compute > 0 then
-  local alpha = tonumber(ARGV[6])
-  local old = redis.call('HGET', KEYS[1], 'stepSeconds')
-  local value = compute
-  if old then value = tonumber(old) * (1 - alpha) + compute * alpha end
-  redis.call('HSET', KEYS[1], 'stepSeconds', string.format('%.9g', value))
-end
-if tonumber(ARGV[7]) > 0 then redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', ARGV[7]) end
+if tonumber(ARGV[5]) > 0 then redis.call('HINCRBYFLOAT', KEYS[2], 'exposure', ARGV[5]) end
 return 1
 """
 
@@ -74,8 +68,8 @@ end
 return -1
 """
 
-STEP_EWMA_ALPHA = 0.2
 SEEN_TTL_S = 90 * 86_400
+RECENT_ATTEMPTS = 2  # the current attempt, and the one before while the current has no step yet
 _MAX_STALL_FIELDS = 2000
 
 
@@ -97,6 +91,7 @@ class Measurements:
         self.clock = clock
         self._on_step = redis.register_script(_ON_STEP)
         self._on_failure = redis.register_script(_ON_FAILURE)
+        self.timing = StepTimingStore(redis)  # the telemetry service's read model: rank 0's step time
         self._facts: dict[str, JobFacts | None] = {}
 
     async def _job_facts(self, job_id: str) -> JobFacts | None:
@@ -124,8 +119,7 @@ class Measurements:
         exposure = max(event.step_seconds, 0.0) * facts.devices if event.rank == 0 else 0.0
         await self._on_step(
             keys=[Keys.checkpoint_timing(event.job_id), Keys.failure_stats(facts.device_type), LIVE_STEPS],
-            args=[event.rank, event.attempt, event.step, max(event.step_seconds, 0.0),
-                  max(event.checkpoint_seconds, 0.0), STEP_EWMA_ALPHA, exposure, event.job_id],
+            args=[event.rank, event.attempt, event.step, max(event.checkpoint_seconds, 0.0), exposure, event.job_id],
         )
 
     async def on_worker_exited(self, event: WorkerExited) -> None:
@@ -136,7 +130,7 @@ class Measurements:
         if facts is None:
             return
         count = await self._on_failure(
-            keys=[Keys.failures_seen(event.job_id, event.attempt), Keys.failure_stats(facts.device_type)],
+            keys=[f"ty:failures:seen:{event.job_id}:{event.attempt}", Keys.failure_stats(facts.device_type)],
             args=[SEEN_TTL_S],
         )
         if int(count) > 0:
@@ -168,10 +162,12 @@ class Measurements:
         device_type = job.spec.resources.gpu_type
         raw = await self.redis.hgetall(Keys.failure_stats(device_type))
         stats = FailureStats(int(raw.get("failures", 0)), float(raw.get("exposure", 0.0)))
+        attempts = [a.attempt for a in job.attempts[-RECENT_ATTEMPTS:]]
+        step_seconds = recent_step_seconds(await self.timing.timings(job.job_id, attempts)) if attempts else None
         return advise(
             job_id=job.job_id, device_type=device_type, devices=job.spec.resources.gpu_count,
             policy=job.spec.checkpoint_policy, max_steps=job.spec.training.max_steps, ready=measured,
-            stall_by_step=stalls, step_seconds=float(timing["stepSeconds"]) if "stepSeconds" in timing else None,
+            stall_by_step=stalls, step_seconds=step_seconds,
             stats=stats, now=self.clock(), prior_mtbf_s=self.settings.prior_device_mtbf_s,
             window=self.settings.advice_window,
         )
@@ -180,6 +176,16 @@ class Measurements:
         """Drop the oldest per-step stall entries (only the last few checkpoints are used)."""
         old = sorted(stalls)[: len(stalls) - _MAX_STALL_FIELDS // 2]
         await self.redis.hdel(Keys.checkpoint_timing(job_id), *[f"stall:{a}:{s}" for a, s in old])
+
+
+def recent_step_seconds(timings: Mapping[int, StepTiming]) -> float | None:
+    """Rank 0's recent step time without checkpoint stalls, from the step-timing read model: the newest
+    attempt's that has one (a new attempt has none until its first step, and then the previous one's is the
+    better guess). Pure."""
+    for attempt in sorted(timings, reverse=True):
+        if timings[attempt].recent_work_seconds is not None:
+            return timings[attempt].recent_work_seconds
+    return None
 
 
 def _stalls(timing: dict[str, str]) -> dict[tuple[int, int], float]:
