@@ -179,8 +179,8 @@ async def test_an_auto_checkpoint_policy_gets_the_advised_interval(redis: Any, e
     wire["checkpointPolicy"] = {"auto": True}
     auto = make_spec(2).model_validate(wire)
     job = JobRecord(job_id="j", tenant="t", spec=auto, spec_hash=auto.spec_hash())
-    assert await scheduler._advised_interval(job) is None  # no advice yet: the spec's interval
+    assert await scheduler.admission.advised_interval(job) is None  # no advice yet: the spec's interval
     await redis.set(Keys.checkpoint_advice("j"), json.dumps({"jobId": "j", "intervalSteps": 37}))
-    assert await scheduler._advised_interval(job) == 37
+    assert await scheduler.admission.advised_interval(job) == 37
     fixed = job.model_copy(update={"spec": make_spec(2)})
-    assert await scheduler._advised_interval(fixed) is None  # only with auto
+    assert await scheduler.admission.advised_interval(fixed) is None  # only with auto

@@ -42,7 +42,9 @@ from trainyard_contract.spec import TrainingSpec
 from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_scheduler import Scheduler, SchedulerSettings
 from trainyard_scheduler import transitions as tr
-from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place
+from trainyard_scheduler.gang import GangRequest, Placement
+from trainyard_scheduler.placement import place
+from trainyard_scheduler.topology import ClusterSnapshot
 from tests.support.datasets import verified
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -60,8 +60,12 @@ from trainyard_contract.spec import TrainingSpec
 from trainyard_runtime.store import Keys, StateStore, connect_redis
 from trainyard_node_agent.admission import Launch, judge
 from trainyard_scheduler import transitions as tr
-from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, Placement, place
-from trainyard_scheduler.scheduler import Scheduler, SchedulerKeys, attempt_devices
+from trainyard_scheduler.gang import GangRequest, Placement
+from trainyard_scheduler.placement import place
+from trainyard_scheduler.topology import ClusterSnapshot
+from trainyard_scheduler.keys import SchedulerKeys
+from trainyard_scheduler.queueview import attempt_devices
+from trainyard_scheduler.scheduler import Scheduler
 from trainyard_scheduler.settings import SchedulerSettings
 from tests.support.datasets import verified
 
@@ -138,7 +142,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.store = StateStore(self.redis)
         await self.redis.set(Keys.queue_config, json.dumps(QUEUE))
         settings = SchedulerSettings(redis_url=self.redis_url, node_timeout_s=15, lease_ttl_s=0, leader_ttl_s=3600,
-                                     retry_backoff_s=0, start_timeout_s=120, reconcile_interval_s=5, max_attempts=50)
+                                     retry_backoff_s=0, start_timeout_s=120, reconcile_interval_s=5)
         self.schedulers = [
             Scheduler(FakeRuntime(self.redis, self.store, Outbox(self.redis, "scheduler"), name), settings,
                       clock=lambda: self.now)
@@ -156,9 +160,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """What the bus does: hand the event to the handler of one scheduler instance."""
         self.history.append(event)
         s = self.schedulers[self.rng.randrange(2) if to is None else to]
-        handler = {JobSubmitted: s.on_job_submitted, NodeHeartbeat: s.nodes.on_heartbeat,
-                   WorkerStarted: s.on_worker_started, WorkerExited: s.on_worker_exited,
-                   CheckpointReady: s.on_checkpoint_ready}[type(event)]
+        handler = {JobSubmitted: s.handlers.on_job_submitted, NodeHeartbeat: s.nodes.on_heartbeat,
+                   WorkerStarted: s.handlers.on_worker_started, WorkerExited: s.handlers.on_worker_exited,
+                   CheckpointReady: s.handlers.on_checkpoint_ready}[type(event)]
         await handler(event)  # type: ignore[operator]
 
     async def _heartbeat(self, node: str) -> None:
@@ -342,7 +346,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def control(self, job_id: str, action: str) -> None:
         async def go() -> None:
             job = await self._job(job_id)
-            outcome = await self.schedulers[0]._mutate(
+            outcome = await self.schedulers[0].writer.mutate(
                 job_id, lambda j, _: tr.request_control(j, action, None, self.now), label=action)
             assert outcome is not None and outcome.job.tenant == job.tenant
 
@@ -417,7 +421,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         await self._deliver(JobSubmitted(job_id=job_id, tenant="b", spec=spec, spec_hash=spec.spec_hash()))
         self.submitted.append(job_id)
         with pytest.raises(FencingError):
-            await stale._mutate(job_id, lambda j, _: tr.note_waiting(j, "stale", "capacity"), fence=epoch)
+            await stale.writer.mutate(job_id, lambda j, _: tr.note_waiting(j, "stale", "capacity"), fence=epoch)
         assert (await self._job(job_id)).queued_reason != "stale"
         event("a stale leader's job write was refused")
         placement = await self._placement(stale, job)
@@ -425,7 +429,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         grants = len(await self.redis.xrange(Keys.lease_audit))
         with pytest.raises(FencingError):
-            await stale._admit(job_id, placement, epoch)
+            await stale.admission.admit(job_id, placement, epoch)
         assert len(await self.redis.xrange(Keys.lease_audit)) == grants
         assert not (await self._job(job_id)).attempts
         event("a stale leader's admission was refused")
@@ -482,10 +486,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         async def go() -> None:
             usage: dict[str, int] = {}
             active = await self.redis.smembers(SchedulerKeys.active)
+            incoming = await self.redis.smembers(Keys.incoming_jobs)  # stored, taken in by the leader's next pass
             for job_id in self.submitted:
                 job = await self._job(job_id)
                 if job.state not in ("succeeded", "failed", "cancelled"):
-                    assert job_id in active, f"{job_id} ({job.state}) unknown to the scheduler"
+                    assert job_id in active or job_id in incoming, f"{job_id} ({job.state}) unknown to the scheduler"
+                    assert job_id in active or tr.is_pending(job), f"{job_id} ({job.state}) runs untaken"
                 epochs = [a.epoch for a in job.attempts]
                 assert epochs == sorted(set(epochs)), f"{job_id} epochs {epochs}"
                 if tr.is_live(job.current) and job.current is not None:

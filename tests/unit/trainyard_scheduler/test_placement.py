@@ -8,19 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainyard_contract.events import DeviceInfo
-from trainyard_scheduler.placement import (
-    CLUSTER,
-    DOMAIN,
-    RACK,
-    TIER,
-    ClusterSnapshot,
-    GangRequest,
-    NodeView,
-    Placement,
-    Unschedulable,
-    parse_topology,
-    place,
-)
+from trainyard_scheduler.gang import GangRequest, Placement, Unschedulable, parse_topology
+from trainyard_scheduler.placement import place
+from trainyard_scheduler.topology import CLUSTER, DOMAIN, RACK, TIER, ClusterSnapshot, NodeView
 
 
 def node(node_id: str, count: int = 4, *, kind: str = "cpu", leased: tuple[int, ...] = (),

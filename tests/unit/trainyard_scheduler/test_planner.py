@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 from trainyard_contract.devices import Device
 from trainyard_contract.events import DeviceInfo
-from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
+from trainyard_scheduler.gang import GangRequest, Placement
+from trainyard_scheduler.placement import place
 from trainyard_scheduler.planner import (
     Admit,
     PendingJob,
@@ -19,6 +20,7 @@ from trainyard_scheduler.planner import (
     plan,
 )
 from trainyard_scheduler.policy import QueueConfig
+from trainyard_scheduler.topology import ClusterSnapshot, NodeView
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 H100 = "h100"

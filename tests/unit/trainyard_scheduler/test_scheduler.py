@@ -7,7 +7,7 @@ import pytest
 from trainyard_contract.events import JobSubmitted
 from trainyard_contract.records import JobRecord
 from trainyard_contract.spec import TrainingSpec
-from trainyard_scheduler.scheduler import submission_refusal
+from trainyard_scheduler.handlers import submission_refusal
 
 SPEC = TrainingSpec.model_validate({
     "specVersion": "v1", "modelConfig": "gpt-tiny@v1", "dataset": "tinycorpus@v1", "codeRevision": "t",

@@ -20,7 +20,9 @@ from trainyard_contract.events import (
 from trainyard_contract.records import CheckpointRecord, DatasetRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
 from trainyard_scheduler import transitions as tr
-from trainyard_scheduler.placement import ClusterSnapshot, GangRequest, NodeView, Placement, place
+from trainyard_scheduler.gang import GangRequest, Placement
+from trainyard_scheduler.placement import place
+from trainyard_scheduler.topology import ClusterSnapshot, NodeView
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 POLICY = tr.RetryPolicy(backoff_s=2.0, max_backoff_s=10.0)
@@ -664,7 +666,7 @@ def test_a_gang_whose_ranks_never_started_is_published_again_a_few_times() -> No
 
 
 def test_backfill_duration_is_the_spec_estimate_scaled_to_what_is_left() -> None:
-    from trainyard_scheduler.scheduler import _remaining_seconds
+    from trainyard_scheduler.queueview import remaining_seconds as _remaining_seconds
 
     assert _remaining_seconds(new_job()) is None  # no estimate: never backfilled past a reservation
     spec = SPEC.model_copy(update={"resources": SPEC.resources.model_copy(update={"expected_duration_minutes": 10})})

@@ -37,17 +37,11 @@ from datetime import UTC, datetime, timedelta
 
 from trainyard_contract.events import DeviceInfo
 
-from trainyard_scheduler.placement import (
-    ClusterSnapshot,
-    GangRequest,
-    NodeView,
-    Placement,
-    Unschedulable,
-    build_placement,
-    impossible,
-    place,
-)
-from trainyard_scheduler.planner import Admit, PendingJob, Placer, PlanStats, Preempt, RunningJob, plan
+from trainyard_scheduler.decisions import Admit, PendingJob, Placer, PlanStats, Preempt, RunningJob
+from trainyard_scheduler.gang import GangRequest, Placement, Unschedulable
+from trainyard_scheduler.placement import build_placement, impossible, place
+from trainyard_scheduler.planner import plan
+from trainyard_scheduler.topology import ClusterSnapshot, NodeView
 from trainyard_scheduler.policy import QueueConfig
 
 EPOCH = datetime(2025, 1, 1, tzinfo=UTC)

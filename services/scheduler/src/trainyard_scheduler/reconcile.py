@@ -1,0 +1,114 @@
+"""The leader's repair from durable state (design.md §3.6), when due and first thing in a new term.
+
+In order: the queue config; job discovery; reinstatement of nodes whose score decayed; every live attempt
+checked (:func:`transitions.check_attempt`, silent nodes judged by :func:`blame.judge_silence`); orphan leases
+released (read from the lease keys themselves); expired leases of live attempts restored; the snapshot verified
+against Redis. Every write is fenced by the leader epoch it runs under.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from redis.asyncio import Redis
+
+from trainyard_contract.records import JobRecord
+from trainyard_runtime.store import Keys, StateStore
+
+from trainyard_scheduler import transitions as tr
+from trainyard_scheduler.blame import Silence, SilencePolicy, judge_silence
+from trainyard_scheduler.discovery import JobDiscovery
+from trainyard_scheduler.fencing import FencedLeases
+from trainyard_scheduler.jobtx import Facts
+from trainyard_scheduler.leader import LeaderRole
+from trainyard_scheduler.node_health import NodeHealth
+from trainyard_scheduler.queueconfig import QueueConfigSource
+from trainyard_scheduler.queueview import attempt_devices
+from trainyard_scheduler.snapshot import HeldAllocation, SnapshotCache, read_held_allocations
+from trainyard_scheduler.writer import JobWriter
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    """Runs the repair every ``interval_s`` (and at once after :meth:`due_now`)."""
+
+    def __init__(self, *, redis: Redis, store: StateStore, queue: QueueConfigSource, discovery: JobDiscovery,
+                 nodes: NodeHealth, leases: FencedLeases, writer: JobWriter, cache: SnapshotCache, leader: LeaderRole,
+                 silence: SilencePolicy, deadlines: tr.Deadlines, clock: Callable[[], datetime],
+                 interval_s: float) -> None:
+        self.redis, self.store, self.queue, self.discovery = redis, store, queue, discovery
+        self.nodes, self.leases, self.writer, self.cache, self.leader = nodes, leases, writer, cache, leader
+        self.silence, self.deadlines, self.clock = silence, deadlines, clock
+        self.interval = timedelta(seconds=interval_s)
+        self._next: datetime | None = None
+
+    def due_now(self) -> None:
+        """Repair at the next pass (a new leadership: its predecessor's orphans first)."""
+        self._next = None
+
+    async def maybe_reconcile(self, now: datetime, epoch: int) -> None:
+        if self._next is None or now >= self._next:
+            await self.reconcile(now, epoch)
+            self._next = now + self.interval
+
+    async def reconcile(self, now: datetime, epoch: int) -> None:
+        """Repair from durable state: config, job discovery, live attempts, orphan and expired leases."""
+        await self.queue.load()
+        await self.discovery.discover(now)
+        await self.nodes.reinstate_recovered(now)
+        await self._check_attempts(now, epoch)
+        held = await read_held_allocations(self.redis)
+        await self._release_orphans(held, epoch)
+        await self._restore_leases(held, epoch)
+        await self.cache.verify()  # the snapshot, reloaded whole: what the change log missed is counted
+
+    async def _check_attempts(self, now: datetime, epoch: int) -> None:
+        """Every live (or completed, not yet settled) attempt against the nodes' liveness and its deadlines."""
+        # Liveness, not placeability: a quarantined node's running attempts run on.
+        available = frozenset(n.node_id for n in await self.nodes.available_nodes(now, include_quarantined=True))
+        last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
+        draining = frozenset(await self.redis.hkeys(Keys.node_drain))
+        since = self.leader.since
+
+        def judge(nodes: list[str]) -> Silence:
+            return judge_silence(nodes, available=available, last_seen=last_seen, draining=draining,
+                                 watching_since=since, now=self.clock(), policy=self.silence)
+
+        watched = (now - since).total_seconds() if since else 0.0
+        for job in await self.discovery.active_jobs():
+            current = job.current
+            if current is None or not (tr.is_live(current) or current.state == "succeeded"):
+                continue
+
+            def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
+                return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
+                                        deadlines=self.deadlines, policy=self.writer.policy, now=self.clock(),
+                                        latest_ready_step=facts.latest_ready_step, judge=judge,
+                                        watched_s=watched)
+
+            await self.writer.mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
+
+    async def _release_orphans(self, held: dict[str, HeldAllocation], epoch: int) -> None:
+        """Leases of allocations that are no job's live attempt."""
+        for allocation in held.values():
+            job = await self.store.get_job(allocation.job_id)
+            current = job.current if job else None
+            if current is None or current.allocation_id != allocation.allocation_id or not tr.is_live(current):
+                await self.writer.release(allocation.allocation_id, allocation.epoch, allocation.devices, fence=epoch)
+                log.warning("released orphan allocation %s of job %s", allocation.allocation_id, allocation.job_id)
+
+    async def _restore_leases(self, held: dict[str, HeldAllocation], epoch: int) -> None:
+        """Expired lease keys of live attempts, granted again under the attempt's own epoch."""
+        for job in await self.discovery.active_jobs():
+            current = job.current
+            if not tr.is_live(current) or current is None:
+                continue
+            have = len(held[current.allocation_id].devices) if current.allocation_id in held else 0
+            if have < len(current.devices):
+                restored, conflicts = await self.leases.restore(epoch, current.allocation_id, current.epoch,
+                                                                attempt_devices(job))
+                log.warning("job %s: restored %d expired lease(s) of allocation %s%s", job.job_id, restored,
+                            current.allocation_id, f" ({conflicts} held by others!)" if conflicts else "")
