@@ -67,7 +67,7 @@ def make(tmp_path: Path, rank_no: int = 0) -> tuple[NodeAgent, rp.RankProcess, F
                           spool=SpoolReader(tmp_path / f"rank-{rank_no}.jsonl"), traceparent=None,
                           exit_file=tmp_path / "exit" / f"rank-{rank_no}.json")
     rank.process = Process()  # type: ignore[assignment]
-    supervisor = agent._supervisor(rank)
+    supervisor = agent.attempts.supervisor(rank)
     supervisor.apply(Trigger.LAUNCHED)
     agent.ranks[rank.key] = supervisor
     return agent, rank, clock
@@ -94,9 +94,9 @@ async def test_how_a_rank_ended_follows_what_the_agent_decided(tmp_path: Path, s
                                                                outcome: tuple[str, str | None]) -> None:
     agent, rank, _ = make(tmp_path)
     if stop and stop.startswith("revoke"):
-        agent._revoke(agent.ranks[rank.key], "allocation released")
+        agent.control.revoke(agent.ranks[rank.key], "allocation released")
     if stop == "preempt":
-        agent._revoke(agent.ranks[rank.key], "preempted for job b")
+        agent.control.revoke(agent.ranks[rank.key], "preempted for job b")
     if stop and stop.endswith("agent"):
         stopping = agent.ranks[rank.key].apply(Trigger.AGENT_STOPPING, "the node agent stopped")
         assert stopping is not None
@@ -104,7 +104,7 @@ async def test_how_a_rank_ended_follows_what_the_agent_decided(tmp_path: Path, s
         await stopping
     if stop == "revoke+violation":
         agent.runtime.outbox = Outbox()
-        await agent._violation(rank, Refusal("forged", violation=True, event_type="ShardWritten"))
+        await agent.control.violation(rank, Refusal("forged", violation=True, event_type="ShardWritten"))
     exited(rank, code)
     assert agent.ranks[rank.key].how_it_ended()[1:] == outcome
 
@@ -112,10 +112,10 @@ async def test_how_a_rank_ended_follows_what_the_agent_decided(tmp_path: Path, s
 async def test_a_violation_stops_every_rank_of_the_allocation_once(tmp_path: Path) -> None:
     agent, first, _ = make(tmp_path, 0)
     _, second, _ = make(tmp_path, 1)
-    agent.ranks[second.key] = agent._supervisor(second)
+    agent.ranks[second.key] = agent.attempts.supervisor(second)
     refusal = Refusal("forged", violation=True, event_type="ShardWritten")
-    await agent._violation(first, refusal)
-    await agent._violation(first, refusal)
+    await agent.control.violation(first, refusal)
+    await agent.control.violation(first, refusal)
     assert [r.state for r in (first, second)] == [RankState.VIOLATED, RankState.VIOLATED]
     assert second.stop_detail == "rank 0 of this job was stopped: forged"
     assert len(agent.runtime.outbox.events) == 1  # one SecurityViolation
@@ -126,11 +126,11 @@ async def test_a_checkpoint_request_is_delivered_once_with_its_deadline_on_the_i
     deadline = datetime.fromtimestamp(clock.epoch + 90, UTC)
     request = CheckpointRequested(job_id="j", attempt=1, allocation_id="al", epoch=1, reason="preempt",
                                   deadline=deadline)
-    await agent.on_checkpoint_requested(request)
+    await agent.control.on_checkpoint_requested(request)
     assert rank.state is RankState.CHECKPOINTING
     assert rank.checkpoint_deadline == pytest.approx(clock.now + 90) and rank.liveness.at == clock.now
     clock.now += 5
-    await agent.on_checkpoint_requested(request)  # a duplicate: nothing moves
+    await agent.control.on_checkpoint_requested(request)  # a duplicate: nothing moves
     assert rank.checkpoint_deadline == pytest.approx(clock.now - 5 + 90)
-    agent._revoke(agent.ranks[rank.key], "preempted")
+    agent.control.revoke(agent.ranks[rank.key], "preempted")
     assert rank.state is RankState.REVOKED
