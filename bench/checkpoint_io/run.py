@@ -46,12 +46,12 @@ from trainyard_contract.catalog import resolve_model
 from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
 from trainyard_contract.spec import LrSchedule
 from trainyard_contract.storage import atomic_write_bytes
-from trainyard_trainer.checkpoint import Checkpointer, load_checkpoint, save_checkpoint, verified_checkpoint_dir
+from trainyard.checkpoint import Checkpointer, load_checkpoint, save_checkpoint, verified_checkpoint_dir
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import apply_ddp
-from trainyard_trainer.sampler import GlobalSampler
+from trainyard.sampler import GlobalSampler
 from trainyard_trainer.schedule import build_lr_scheduler
-from trainyard_trainer.state import Progress, RngState, checkpoint_state
+from trainyard.state import Progress, RngState, checkpoint_state
 
 
 def make_state(model_ref: str, seed: int) -> dict:
@@ -261,7 +261,7 @@ def _save_without_hash(state: dict, directory: Path) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from trainyard_contract.storage import fsync_dir
-    from trainyard_trainer.checkpoint import temporary_dir
+    from trainyard.checkpoint import temporary_dir
 
     tmp = temporary_dir(directory)
     dcp.save(dict(state), storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,

@@ -45,8 +45,8 @@ def main() -> None:
 
     from trainyard_contract.catalog import resolve_model
     from trainyard_contract.storage import ArtifactLayout
-    from trainyard_trainer.data import prepare_dataset
-    from trainyard_trainer.metrics import flops_per_token
+    from trainyard.data import prepare_dataset
+    from trainyard.metrics import flops_per_token
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark needs a GPU")

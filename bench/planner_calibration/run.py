@@ -67,13 +67,13 @@ from trainyard_planner import (
     fit,
     write_seconds,
 )
-from trainyard_trainer.checkpoint import save_checkpoint
+from trainyard.checkpoint import save_checkpoint
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import CollectiveTimer, apply_ddp
-from trainyard_trainer.runtime import Runtime, configure_determinism
-from trainyard_trainer.sampler import GlobalSampler
+from trainyard.runtime import Runtime, configure_determinism
+from trainyard.sampler import GlobalSampler
 from trainyard_trainer.schedule import build_lr_scheduler
-from trainyard_trainer.state import ModelState, Progress, RngState, checkpoint_state
+from trainyard.state import ModelState, Progress, RngState, checkpoint_state
 from trainyard_trainer.training import build_optimizer, train_step
 
 MODELS = ("gpt-tiny@v1", "gpt-small@v1")

@@ -244,7 +244,7 @@ def main() -> None:
         return
     choice = args.threads
 
-    from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+    from trainyard.data import STDLIB_SOURCES, prepare_dataset
 
     root = Path(tempfile.mkdtemp(prefix="overhead-bench-")) / "artifacts"
     try:

@@ -155,7 +155,7 @@ class ChaosRig:
 
     # ------------------------------------------------------------------ dataset and jobs
     def publish_dataset(self) -> None:
-        from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+        from trainyard.data import STDLIB_SOURCES, prepare_dataset
 
         path, sha, manifest = prepare_dataset(self.stack.s.artifact_root, "tinycorpus", "v1",
                                               sources=STDLIB_SOURCES[:6])

@@ -244,7 +244,7 @@ def test_a_users_corpus_and_tokenizer_land_and_a_trigger_trains_on_them(
     loader reads back decode to the original documents."""
     from tokenizers import Tokenizer
 
-    from trainyard_trainer.data import TokenDataset
+    from trainyard.data import TokenDataset
 
     vocabulary = corpora.words()
     tokenizer = corpora.train_bpe(tmp_path / "tokenizer.json", vocabulary)

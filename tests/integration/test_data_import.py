@@ -23,7 +23,7 @@ import torch
 from trainyard.loader import DataLoader
 from trainyard.sampler import GlobalSampler
 from trainyard_contract.errors import DataError
-from trainyard_trainer.data import TokenDataset
+from trainyard.data import TokenDataset
 from trainyard_trainer.data_import import ImportOptions, import_dataset
 
 from tests.support import corpora

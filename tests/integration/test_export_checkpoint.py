@@ -24,7 +24,7 @@ from trainyard_contract.events import ShardWritten
 from trainyard_contract.exitcodes import CHECKPOINT
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, path_to_uri
-from trainyard_trainer.data import (
+from trainyard.data import (
     STDLIB_SOURCES,
     load_dataset_manifest,
     prepare_dataset,

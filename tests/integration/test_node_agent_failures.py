@@ -324,7 +324,7 @@ async def test_a_checkpoint_request_stops_real_ranks_as_preempted_at_one_step(ri
     trainers, under the launcher) → they save one step together and exit 7 → WorkerExited(preempted)
     with that step. A stale epoch is ignored, a duplicate is a no-op, and saving is not a hang."""
     from tests.integration.test_trainer_ranks import preempt_spec
-    from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+    from trainyard.data import STDLIB_SOURCES, prepare_dataset
 
     root = Path(rig.env["artifact_root"])
     prepare_dataset(root, "tinycorpus", "v1", sources=STDLIB_SOURCES[:6])

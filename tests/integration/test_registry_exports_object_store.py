@@ -44,7 +44,7 @@ from trainyard_runtime.store import StateStore
 from trainyard_registry import transfer
 from trainyard_registry.exporter import Exporter
 from trainyard_registry.settings import RegistrySettings
-from trainyard_trainer.data import train_tokenizer
+from trainyard.data import train_tokenizer
 from trainyard_trainer.data_import import ImportOptions, import_dataset
 from trainyard_trainer.model import build_model
 

@@ -31,7 +31,7 @@ from trainyard_contract.events import CheckpointRef, GangAllocated, NodeAssignme
 from trainyard_cli import infra
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes
-from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+from trainyard.data import STDLIB_SOURCES, prepare_dataset
 from tests.integration.test_trainer_ranks import (
     RunResult,
     assert_bitwise_equal,

@@ -25,9 +25,9 @@ import torch
 from trainyard_contract.catalog import ModelConfig
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.storage import ArtifactLayout
-from trainyard_trainer.data import STDLIB_SOURCES, TokenDataset, prepare_dataset
+from trainyard.data import STDLIB_SOURCES, TokenDataset, prepare_dataset
 from trainyard_trainer.model import build_model
-from trainyard_trainer.sampler import BatchLoader, GlobalSampler
+from trainyard.sampler import BatchLoader, GlobalSampler
 from trainyard_trainer.schedule import build_lr_scheduler
 from trainyard_trainer.training import build_optimizer
 from tests.integration.test_trainer_ranks import (

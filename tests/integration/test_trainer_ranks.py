@@ -45,7 +45,7 @@ from trainyard_contract.events import CheckpointRef, CheckpointRefused, GangAllo
 from trainyard_contract.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash, tensors_hash
 from trainyard_contract.spec import InitFrom, TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
-from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+from trainyard.data import STDLIB_SOURCES, prepare_dataset
 from tests.support.otlp import OtlpSink
 
 WORLD = 2

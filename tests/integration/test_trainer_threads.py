@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from trainyard_contract.storage import ArtifactLayout, path_to_uri
-from trainyard_trainer.data import STDLIB_SOURCES, prepare_dataset
+from trainyard.data import STDLIB_SOURCES, prepare_dataset
 from tests.integration.test_trainer_ranks import (
     EVERY,
     MAX_STEPS,

@@ -22,7 +22,7 @@ from trainyard_contract.records import TenantToken
 from trainyard_contract.storage import ArtifactLayout, commit_bytes, read_bytes, remove_file
 from trainyard_registry.registry import Registry
 from trainyard_registry.settings import RegistrySettings
-from trainyard_trainer.data import train_tokenizer
+from trainyard.data import train_tokenizer
 from trainyard_trainer.data_import import ImportOptions, ImportResult, import_dataset
 
 TENANT = "acme"

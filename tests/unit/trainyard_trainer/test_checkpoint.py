@@ -12,7 +12,7 @@ from trainyard_contract.events import CheckpointRef
 from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
 from trainyard_contract.spec import LrSchedule
 from trainyard_contract.storage import atomic_write_bytes, path_to_uri, sha256_file
-from trainyard_trainer.checkpoint import (
+from trainyard.checkpoint import (
     Checkpointer,
     CheckpointSchedule,
     check_restorable,
@@ -23,9 +23,9 @@ from trainyard_trainer.checkpoint import (
 )
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import apply_ddp
-from trainyard_trainer.sampler import GlobalSampler
+from trainyard.sampler import GlobalSampler
 from trainyard_trainer.schedule import build_lr_scheduler
-from trainyard_trainer.state import Progress, RngState, checkpoint_state
+from trainyard.state import Progress, RngState, checkpoint_state
 
 
 @pytest.mark.parametrize(("every_steps", "every_minutes", "step", "elapsed_min", "due"), [
@@ -212,7 +212,7 @@ def test_a_new_save_waits_for_the_pending_one_and_sync_mode_reports_inside_save(
 def test_a_failed_background_save_is_a_checkpoint_error_at_the_next_boundary(
     world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import trainyard_trainer.checkpoint as module
+    import trainyard.checkpoint as module
 
     state, *_ = make_state(seed=1)
     group = dist.new_group(backend="gloo")

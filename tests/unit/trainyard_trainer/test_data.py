@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from trainyard_contract.errors import DataError
-from trainyard_trainer.data import (
+from trainyard.data import (
     STDLIB_SOURCES,
     TokenDataset,
     load_dataset_manifest,

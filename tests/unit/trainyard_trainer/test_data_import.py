@@ -17,7 +17,7 @@ import pytest
 from trainyard_contract import exitcodes
 from trainyard_contract.errors import DataError
 from trainyard_trainer import data_import
-from trainyard_trainer.data import (
+from trainyard.data import (
     DatasetManifest,
     TokenDataset,
     load_dataset_manifest,

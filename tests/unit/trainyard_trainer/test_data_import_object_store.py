@@ -23,7 +23,7 @@ from trainyard_contract.storage import (
     sha256_of,
 )
 from trainyard_trainer import data_import
-from trainyard_trainer.data import load_dataset_manifest, train_tokenizer
+from trainyard.data import load_dataset_manifest, train_tokenizer
 from trainyard_trainer.data_import import ImportOptions, import_dataset
 
 DOCS = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 50}" for j in range(i % 13 + 1)) for i in range(60)]

@@ -15,8 +15,8 @@ from trainyard_contract.events import GangAllocated, NodeAssignment, RankAssignm
 from trainyard_contract.settings import load_settings
 from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.__main__ import exit_code_for, main, read_allocation
-from trainyard_trainer.runtime import Runtime
-from trainyard_trainer.settings import RankSettings
+from trainyard.runtime import Runtime
+from trainyard.settings import RankSettings
 from trainyard_trainer.training import NonFiniteError, resolve_job
 
 

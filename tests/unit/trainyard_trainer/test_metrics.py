@@ -9,8 +9,8 @@ import torch
 from trainyard_contract.catalog import MODEL_CATALOG
 from trainyard_planner import Transformer
 from trainyard_planner.compute import model_flops_per_token
-from trainyard_trainer import metrics
-from trainyard_trainer.metrics import cpu_peak_flops, device_peak_flops, flops_per_token, mfu, table_peak_flops
+from trainyard import metrics
+from trainyard.metrics import cpu_peak_flops, device_peak_flops, flops_per_token, mfu, table_peak_flops
 
 
 @pytest.mark.parametrize("ref", sorted(MODEL_CATALOG))

@@ -10,7 +10,7 @@ from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import ParallelPlan, clip_grad_norm, parallelize, resolve_plan
 from trainyard_trainer.pipeline import keep_stage, split_layers
-from trainyard_trainer.state import OptimizerState
+from trainyard.state import OptimizerState
 from trainyard_trainer.training import build_optimizer
 
 CONFIG = ModelConfig(vocab_size=40, n_layers=4, n_heads=4, d_model=16, max_seq_len=8)
@@ -173,7 +173,7 @@ def test_state_walks_agree_with_torchs_helpers(world_of_one: None) -> None:
     """After the first call, Model/OptimizerState take a direct walk; it must give torch's entries."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    from trainyard_trainer.state import ModelState, local_optimizer
+    from trainyard.state import ModelState, local_optimizer
 
     for sharding, checkpointing in (("ddp", False), ("zero1", True)):
         model = build_model(CONFIG, seed=0, device=torch.device("cpu"))

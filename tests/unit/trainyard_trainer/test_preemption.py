@@ -15,9 +15,9 @@ import pytest
 from trainyard_contract import exitcodes
 from trainyard_contract.events import CheckpointRefused, GangAllocated
 from trainyard_contract.spec import TrainingSpec
-from trainyard_trainer.checkpoint import Refusal
-from trainyard_trainer.exits import RankEnd, exit_code_for
-from trainyard_trainer.preemption import (
+from trainyard.checkpoint import Refusal
+from trainyard.exits import RankEnd, exit_code_for
+from trainyard.preemption import (
     StepPlan,
     StoppedOnRequest,
     Boundary,

@@ -9,8 +9,8 @@ from trainyard_contract.errors import CheckpointCorruptError
 from trainyard_contract.events import CheckpointRef
 from trainyard_contract.manifest import CheckpointManifest, ShardEntry, content_hash
 from trainyard_contract.storage import atomic_write_bytes, path_to_uri, sha256_file
-from trainyard_trainer import checkpoint as ckpt
-from trainyard_trainer.checkpoint import (
+from trainyard import checkpoint as ckpt
+from trainyard.checkpoint import (
     Candidate,
     choose_checkpoint,
     find_ready_checkpoints,

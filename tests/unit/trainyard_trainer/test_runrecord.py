@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainyard_trainer.runrecord import (
+from trainyard.runrecord import (
     BatchRecord,
     Environment,
     ParallelRecord,
@@ -58,7 +58,7 @@ def test_local_environment() -> None:
 
 
 def test_the_writers_cpu_threads_come_from_its_run_record(tmp_path: Path) -> None:
-    from trainyard_trainer.runrecord import written_cpu_threads
+    from trainyard.runrecord import written_cpu_threads
 
     r = record()
     r.environment.cpu_threads = [4]
@@ -85,7 +85,7 @@ def test_the_writers_cpu_threads_come_from_its_run_record(tmp_path: Path) -> Non
 ])
 def test_a_resume_with_other_cpu_threads_is_reported(written: list[int] | None, now: list[int],
                                                      says: str | None) -> None:
-    from trainyard_trainer.runrecord import cpu_threads_change
+    from trainyard.runrecord import cpu_threads_change
 
     note = cpu_threads_change(written, now)
     assert (note is None) == (says is None)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from trainyard_contract.errors import DataError
-from trainyard_trainer.sampler import BatchLoader, GlobalSampler, SampleOrder, sample_position
+from trainyard.sampler import BatchLoader, GlobalSampler, SampleOrder, sample_position
 
 
 def sampler(dp: int, rank: int, *, n: int = 1000, seed: int = 3, global_batch: int = 32, micro: int = 8) -> GlobalSampler:
@@ -103,7 +103,7 @@ def test_loader_yields_shifted_targets_and_advances() -> None:
 
 
 def test_batch_layout_states_what_it_runs() -> None:
-    from trainyard_trainer.sampler import batch_layout
+    from trainyard.sampler import batch_layout
 
     same = batch_layout(global_batch=16, micro_batch=4, dp=2, spec_dp=2, sequence_length=32)
     assert same.grad_accumulation == 2 and same.tokens_per_step == 512
@@ -117,7 +117,7 @@ def test_batch_layout_states_what_it_runs() -> None:
 
 def test_batch_layout_refuses_with_the_numbers() -> None:
     from trainyard_contract.errors import ConfigError
-    from trainyard_trainer.sampler import batch_layout
+    from trainyard.sampler import batch_layout
 
     with pytest.raises(ConfigError, match="globalBatchSize 16 is not a multiple of microBatchSize 4 x "
                                           "data-parallel size 3 = 12"):
@@ -126,7 +126,7 @@ def test_batch_layout_refuses_with_the_numbers() -> None:
 
 def test_micro_batches_and_their_seeds_do_not_depend_on_the_number_of_ranks() -> None:
     """A micro batch holds the same rows whatever dp is, so its dropout seed can be the data's."""
-    from trainyard_trainer.sampler import micro_batch_seed
+    from trainyard.sampler import micro_batch_seed
 
     def micro_batches(dp: int) -> dict[int, list[int]]:
         out = {}

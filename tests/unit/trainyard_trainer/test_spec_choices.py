@@ -8,7 +8,7 @@ import yaml
 
 from trainyard_contract.spec import TrainingSpec
 from trainyard_trainer.__main__ import apply_spec_choices
-from trainyard_trainer.settings import RankSettings
+from trainyard.settings import RankSettings
 
 EXAMPLE = yaml.safe_load(open("examples/tiny.yaml"))
 RANK = dict(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr="127.0.0.1", master_port=29500,

@@ -4,7 +4,7 @@
 def test_rng_reseed_is_reproducible_and_depends_on_rank_and_step() -> None:
     import torch
 
-    from trainyard_trainer.state import RngState
+    from trainyard.state import RngState
 
     def draw(rank: int, step: int) -> tuple[float, float]:
         rng = RngState(rank, torch.device("cpu"), seed=3)

@@ -9,7 +9,7 @@ from trainyard_contract.catalog import ModelConfig
 from trainyard_contract.spec import LrSchedule, TrainingSpec
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import CollectiveTimer, apply_ddp
-from trainyard_trainer.runtime import Runtime
+from trainyard.runtime import Runtime
 from trainyard_trainer.schedule import build_lr_scheduler
 from trainyard_trainer.training import NonFiniteError, build_optimizer, train_step
 
@@ -94,8 +94,8 @@ def test_non_finite_loss_stops_before_the_update(world_of_one: None) -> None:
 
 
 def test_time_based_checkpoints_are_agreed_one_boundary_late(world_of_one: None, tmp_path: Path) -> None:
-    from trainyard_trainer.checkpoint import Checkpointer, CheckpointSchedule
-    from trainyard_trainer.preemption import CheckpointRequest
+    from trainyard.checkpoint import Checkpointer, CheckpointSchedule
+    from trainyard.preemption import CheckpointRequest
     from trainyard_trainer.training import BoundaryAgreement, Context
 
     ctx = Context(rank=0, world_size=1)

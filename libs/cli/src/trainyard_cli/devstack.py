@@ -128,7 +128,7 @@ def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
     root is an object store: TRAINYARD_ARTIFACT_STORE), publish DatasetVersionPublished, and wait until the
     registry has recorded it."""
     from trainyard_contract.storage import ArtifactLayout, path_to_uri
-    from trainyard_trainer.data import MANIFEST_FILE, prepare_dataset, upload_dataset
+    from trainyard.data import MANIFEST_FILE, prepare_dataset, upload_dataset
 
     name, version = DATASET
     if not (ArtifactLayout(stack.s.artifact_root).dataset_dir(name, version) / MANIFEST_FILE).exists():

@@ -2,7 +2,7 @@
 training loop, checkpoint I/O and metrics — plus the ``trainyard-data`` dataset builder and
 the ``trainyard-export`` conversion to Hugging Face model directories (:mod:`trainyard_trainer.hf`)."""
 
-from trainyard_trainer.checkpoint import (
+from trainyard.checkpoint import (
     Candidate,
     Checkpointer,
     CheckpointSchedule,
@@ -12,7 +12,7 @@ from trainyard_trainer.checkpoint import (
     find_ready_checkpoints,
     save_checkpoint,
 )
-from trainyard_trainer.data import (
+from trainyard.data import (
     STDLIB_SOURCES,
     DatasetManifest,
     ShardInfo,
@@ -30,7 +30,7 @@ from trainyard_trainer.hf import (
     to_hf_state_dict,
     write_hf_model,
 )
-from trainyard_trainer.metrics import DEVICE_PEAK_FLOPS, PeakFlops, device_peak_flops, flops_per_token, mfu
+from trainyard.metrics import DEVICE_PEAK_FLOPS, PeakFlops, device_peak_flops, flops_per_token, mfu
 from trainyard_trainer.model import GPT, Llama, build_model
 from trainyard_trainer.parallel import (
     CollectiveTimer,
@@ -44,12 +44,12 @@ from trainyard_trainer.parallel import (
     parallelize,
     resolve_plan,
 )
-from trainyard_trainer.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
-from trainyard_trainer.runrecord import RUN_RECORD_FILE, RunRecord
-from trainyard_trainer.sampler import BatchLayout, GlobalSampler, batch_layout, micro_batch_seed, sample_position
+from trainyard.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
+from trainyard.runrecord import RUN_RECORD_FILE, RunRecord
+from trainyard.sampler import BatchLayout, GlobalSampler, batch_layout, micro_batch_seed, sample_position
 from trainyard_trainer.schedule import build_lr_scheduler, lr_multiplier
-from trainyard_trainer.settings import RankSettings
-from trainyard_trainer.state import ModelState, OptimizerState, Progress, RngState, checkpoint_state
+from trainyard.settings import RankSettings
+from trainyard.state import ModelState, OptimizerState, Progress, RngState, checkpoint_state
 
 __all__ = [
     "DEVICE_PEAK_FLOPS",

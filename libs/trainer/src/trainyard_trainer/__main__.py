@@ -3,7 +3,7 @@
 Started by a node agent with the rank environment contract; trains to ``maxSteps``,
 checkpointing as the spec says, and reports StepMetrics / ShardWritten through its spool.
 
-SIGUSR1 asks the rank to checkpoint and stop (see :mod:`trainyard_trainer.preemption`): its
+SIGUSR1 asks the rank to checkpoint and stop (see :mod:`trainyard.preemption`): its
 handler only sets a flag, read at the next step boundary; the ranks then save that step
 together and exit 7 (preempted).
 

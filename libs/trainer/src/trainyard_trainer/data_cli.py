@@ -41,7 +41,7 @@ from trainyard_contract.storage import (
     sha256_of,
 )
 
-from trainyard_trainer.data import (
+from trainyard.data import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VOCAB_SIZE,
     MANIFEST_FILE,

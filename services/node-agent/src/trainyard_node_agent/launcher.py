@@ -8,7 +8,7 @@ for it, and writes its exit status to ``<attempt dir>/exit/rank-<r>.json`` (``{"
 restarts while ranks run adopts them instead of killing them, but they are no longer its
 children, so it cannot wait() for them; it reads the exit file instead.
 
-SIGUSR1 (a checkpoint request, see ``trainyard_trainer.preemption``) is ignored here, and the
+SIGUSR1 (a checkpoint request, see ``trainyard.preemption``) is ignored here, and the
 child inherits that until the trainer installs its handler: a request that arrives while the rank
 is still importing must not kill it (the request file the agent writes covers that window).
 
