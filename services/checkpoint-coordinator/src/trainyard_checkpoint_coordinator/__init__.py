@@ -19,7 +19,8 @@ from trainyard_checkpoint_coordinator.assembly import (
     build_manifest,
     classify_shard,
 )
-from trainyard_checkpoint_coordinator.coordinator import PENDING_INDEX, Coordinator, build_service
+from trainyard_checkpoint_coordinator.coordinator import Coordinator, build_service
+from trainyard_checkpoint_coordinator.ledger import PENDING_INDEX, CheckpointLedger
 from trainyard_checkpoint_coordinator.advice import CheckpointAdvice, FailureStats, advise, device_mtbf
 from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
 from trainyard_checkpoint_coordinator.measurements import Measurements
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointKey",
     "Collect",
     "Complete",
+    "CheckpointLedger",
     "Coordinator",
     "CoordinatorSettings",
     "FailureStats",

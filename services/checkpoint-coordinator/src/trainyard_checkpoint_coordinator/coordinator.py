@@ -1,7 +1,9 @@
 """The coordinator's I/O shell: ShardWritten → shard hash in Redis → (all ranks) verified
 manifest on disk → READY record + CheckpointReady in one MULTI.
 
-State in Redis (the system of record):
+State in Redis (the system of record), read and written through :class:`~.ledger.CheckpointLedger`
+(every settle under WATCH, its event staged in the same MULTI); this module keeps the handlers, the
+verification and the commit of the manifest, and the sweep:
 
 * ``Keys.shards(job, attempt, step)``  hash rank → :class:`ShardReport` JSON (HSETNX: the first
   report of a rank wins; a different re-report fails the checkpoint);
@@ -34,17 +36,12 @@ committed only after the handler returns) or, failing that, by the sweep.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 from opentelemetry import trace
 from redis.asyncio import Redis
-from redis.exceptions import WatchError
-
 from trainyard_contract.errors import StateStoreError
 from trainyard_contract.events import (
     CHECKPOINTS,
@@ -63,18 +60,16 @@ from trainyard_contract.manifest import (
     local_stat_size,
     verify_manifest,
 )
-from trainyard_runtime.outbox import Outbox
 from trainyard_contract.records import CheckpointRecord, JobRecord, checkpoint_id
-from trainyard_runtime.service import ServiceRuntime
 from trainyard_contract.storage import (
     ArtifactLayout,
     Location,
     ObjectPath,
     UnsafePathError,
-    is_object_url,
     as_location,
     commit_bytes,
     commit_bytes_under,
+    is_object_url,
     location_uri,
     remove_file,
     remove_file_under,
@@ -82,8 +77,10 @@ from trainyard_contract.storage import (
     stat_size_under,
     uri_to_path,
 )
-from trainyard_runtime.store import Keys, StateStore
 from trainyard_contract.tracing import job_context
+from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.service import ServiceRuntime
+from trainyard_runtime.store import StateStore
 
 from trainyard_checkpoint_coordinator import metrics
 from trainyard_checkpoint_coordinator.assembly import (
@@ -93,22 +90,23 @@ from trainyard_checkpoint_coordinator.assembly import (
     Rejected,
     ShardRefused,
     ShardReport,
-    ShardTiming,
     ShardVerdict,
     Waiting,
     assess,
     checkpoint_key,
-    classify_shard,
     describe_conflict,
-    pending_record,
     settle_failed,
     settle_ready,
     settle_refused,
-    settled_event,
     shard_refusal,
     timeout_reason,
 )
-from trainyard_checkpoint_coordinator.collector import JOBS_INDEX, GarbageCollector
+from trainyard_checkpoint_coordinator.collector import GarbageCollector
+from trainyard_checkpoint_coordinator.ledger import (
+    CheckpointLedger,
+    Clock,
+    parse_member,
+)
 from trainyard_checkpoint_coordinator.measurements import Measurements
 from trainyard_checkpoint_coordinator.settings import CoordinatorSettings
 from trainyard_checkpoint_coordinator.watch import ProtectionWatch
@@ -119,21 +117,6 @@ _tracer = trace.get_tracer("trainyard.checkpoint_coordinator")
 SERVICE_NAME = "checkpoint-coordinator"
 #: The measurements' consumer group is the coordinator's group plus this suffix.
 MEASUREMENTS_GROUP_SUFFIX = "-measurements"
-#: Sorted set of pending checkpoints (member: JSON [job, attempt, step]; score: creation time).
-PENDING_INDEX = Keys.pending_checkpoints
-
-Clock = Callable[[], datetime]
-Transition = Callable[[CheckpointRecord, int], CheckpointRecord]
-
-
-def _member(key: CheckpointKey) -> str:
-    return json.dumps([key.job_id, key.attempt, key.global_step])
-
-
-def _parse_member(member: str) -> CheckpointKey:
-    job_id, attempt, step = json.loads(member)
-    return CheckpointKey(job_id, int(attempt), int(step))
-
 
 class Coordinator:
     """Collects shard reports and settles checkpoints. Handlers are idempotent."""
@@ -155,6 +138,7 @@ class Coordinator:
         self.collector = GarbageCollector(redis, settings, clock=clock)
         self.measurements = Measurements(redis, settings, clock=clock)
         self.watch = ProtectionWatch(redis, settings, clock=clock)
+        self.ledger = CheckpointLedger(redis, outbox, clock=clock)
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe (checkpoints; metrics and worker exits for the advice) and register the loops."""
@@ -189,9 +173,9 @@ class Coordinator:
              "trainyard.global_step": key.global_step, "trainyard.rank": report.rank}
         )
         await self._check_scope(key, report)
-        verdict, existing = await self._classify(key, report)
-        if verdict is ShardVerdict.NEW and not await self._record_shard(key, report, event):
-            verdict, existing = await self._classify(key, report)  # another instance recorded it first
+        verdict, existing = await self.ledger.classify(key, report)
+        if verdict is ShardVerdict.NEW and not await self.ledger.record_shard(key, report, event):
+            verdict, existing = await self.ledger.classify(key, report)  # another instance recorded it first
         metrics.SHARDS.labels(verdict.value).inc()
         if verdict is ShardVerdict.STALE:
             log.warning("%s: ignoring rank %d's shard from fenced epoch %d (a zombie attempt)",
@@ -218,36 +202,6 @@ class Coordinator:
             log.error("%s: security: refusing rank %d's shard report: %s", key, report.rank, reason)
             raise ShardRefused(reason)
 
-    async def _classify(self, key: CheckpointKey, report: ShardReport) -> tuple[ShardVerdict, ShardReport | None]:
-        raw_epoch, raw_existing = await asyncio.gather(
-            self.redis.get(Keys.epoch(key.job_id)),
-            self.redis.hget(Keys.shards(key.job_id, key.attempt, key.global_step), str(report.rank)),
-        )
-        existing = ShardReport.loads(raw_existing) if raw_existing else None
-        return classify_shard(report, current_epoch=int(raw_epoch or 0), existing=existing), existing
-
-    async def _record_shard(self, key: CheckpointKey, report: ShardReport, event: ShardWritten) -> bool:
-        """Store the shard (first report wins) and, with the first shard, the PENDING record."""
-        now = self.clock()
-        shards = Keys.shards(key.job_id, key.attempt, key.global_step)
-        timing = json.dumps({"at": event.occurred_at.isoformat(), "writeSeconds": event.write_seconds})
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(shards, str(report.rank), report.dumps())
-            pipe.hsetnx(Keys.shard_timing(key.job_id, key.attempt, key.global_step), str(report.rank), timing)
-            pipe.hsetnx(Keys.checkpoints(key.job_id), key.checkpoint_id, pending_record(key, report, now=now).dumps())
-            pipe.zadd(PENDING_INDEX, {_member(key): now.timestamp()}, nx=True)
-            pipe.zadd(JOBS_INDEX, {key.job_id: now.timestamp()})
-            stored, *_ = await pipe.execute()
-        return bool(stored)
-
-    async def _timing(self, key: CheckpointKey) -> ShardTiming:
-        raw = await self.redis.hgetall(Keys.shard_timing(key.job_id, key.attempt, key.global_step))
-        reports: dict[int, tuple[datetime, float | None]] = {}
-        for rank, text in raw.items():
-            entry = json.loads(text)
-            reports[int(rank)] = (datetime.fromisoformat(entry["at"]), entry.get("writeSeconds"))
-        return ShardTiming.of(reports)
-
     # ------------------------------------------------------------------ CheckpointRefused
     async def on_checkpoint_refused(self, event: CheckpointRefused) -> None:
         """A restoring attempt refused a checkpoint: mark it FAILED so no attempt is handed it again.
@@ -264,7 +218,7 @@ class Coordinator:
             log.warning("%s: attempt %d refused %s, which has no checkpoint record; nothing to mark",
                         event.job_id, event.attempt, event.manifest_uri)
             return
-        refused = await self._change(event.job_id, record_id, lambda rec: settle_refused(rec, event))
+        refused = await self.ledger.change(event.job_id, record_id, lambda rec: settle_refused(rec, event))
         if refused is None:
             log.info("%s/%s: refusal by attempt %d changes nothing (settled already)",
                      event.job_id, record_id, event.attempt)
@@ -281,41 +235,17 @@ class Coordinator:
                 return record.checkpoint_id
         return None
 
-    async def _change(
-        self, job_id: str, record_id: str, change: Callable[[CheckpointRecord], CheckpointRecord | None]
-    ) -> CheckpointRecord | None:
-        """Rewrite one record under WATCH (and drop it from the pending index); None: unchanged."""
-        records_key = Keys.checkpoints(job_id)
-        while True:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    await pipe.watch(records_key)
-                    raw = await pipe.hget(records_key, record_id)
-                    changed = change(CheckpointRecord.model_validate_json(raw)) if raw else None
-                    if changed is None:
-                        return None
-                    pipe.multi()
-                    pipe.hset(records_key, record_id, changed.dumps())
-                    pipe.zrem(PENDING_INDEX, _member(CheckpointKey(job_id, changed.attempt, changed.global_step)))
-                    await pipe.execute()
-                    return changed
-                except WatchError:
-                    continue
-
     # ------------------------------------------------------------------ settling
     async def _settle(self, key: CheckpointKey, *, timed_out: bool = False) -> None:
         """Assess the reports of a PENDING checkpoint and act: wait, fail, or finalize."""
-        record = await self._record(key)
+        record = await self.ledger.record(key)
         if record is None or record.state != "PENDING":
             return
-        raw_reports, raw_epoch, job = await asyncio.gather(
-            self.redis.hgetall(Keys.shards(key.job_id, key.attempt, key.global_step)),
-            self.redis.get(Keys.epoch(key.job_id)),
-            self.store.get_job(key.job_id),
+        reports, epoch, job = await asyncio.gather(
+            self.ledger.reports(key), self.ledger.epoch(key.job_id), self.store.get_job(key.job_id),
         )
-        reports = {int(rank): ShardReport.loads(raw) for rank, raw in raw_reports.items()}
         outcome = assess(
-            key, reports, world_size=record.world_size, current_epoch=int(raw_epoch or 0),
+            key, reports, world_size=record.world_size, current_epoch=epoch,
             created_at=self.clock(), defaults=_job_defaults(job),
         )
         match outcome:
@@ -338,7 +268,7 @@ class Coordinator:
             "checkpoint verify", attributes={"trainyard.shards": len(manifest.shards),
                                              "trainyard.extra_files": len(manifest.extra_files)}
         ) as span:
-            problems = await asyncio.to_thread(self._verify, manifest)  # hashing must not block the loop
+            problems = await asyncio.to_thread(_verify, manifest, self.layout.root)  # hashing must not block the loop
             span.set_attribute("trainyard.problems", len(problems))
         metrics.VERIFY_SECONDS.observe(time.perf_counter() - started)
         if problems:
@@ -354,8 +284,8 @@ class Coordinator:
                 await self._fail(key, f"security: the manifest was not committed: {exc}")
                 return
         now = self.clock()
-        timing = await self._timing(key)
-        record = await self._transition(
+        timing = await self.ledger.timing(key)
+        record = await self.ledger.transition(
             key, lambda rec, epoch: settle_ready(rec, complete, current_epoch=epoch, now=now, timing=timing)
         )
         if record is None:
@@ -372,7 +302,7 @@ class Coordinator:
 
     async def _fail(self, key: CheckpointKey, reason: str) -> bool:
         """Mark a PENDING checkpoint FAILED and announce it; False when it was settled already."""
-        record = await self._transition(key, lambda rec, _epoch: settle_failed(rec, reason))
+        record = await self.ledger.transition(key, lambda rec, _epoch: settle_failed(rec, reason))
         if record is not None:
             self._count_failed(key, record)
         return record is not None
@@ -380,32 +310,6 @@ class Coordinator:
     def _count_failed(self, key: CheckpointKey, record: CheckpointRecord) -> None:
         metrics.CHECKPOINTS.labels("failed").inc()
         log.warning("%s FAILED: %s", key, record.reason)
-
-    async def _transition(self, key: CheckpointKey, change: Transition) -> CheckpointRecord | None:
-        """Settle a PENDING record and stage its event atomically (WATCH on the record and the
-        job's fencing epoch). None when the record is missing or settled already."""
-        records_key, epoch_key = Keys.checkpoints(key.job_id), Keys.epoch(key.job_id)
-        while True:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    await pipe.watch(records_key, epoch_key)
-                    raw = await pipe.hget(records_key, key.checkpoint_id)
-                    record = CheckpointRecord.model_validate_json(raw) if raw else None
-                    if record is None or record.state != "PENDING":
-                        return None
-                    settled = change(record, int(await pipe.get(epoch_key) or 0))
-                    pipe.multi()
-                    pipe.hset(records_key, key.checkpoint_id, settled.dumps())
-                    pipe.zrem(PENDING_INDEX, _member(key))
-                    self.outbox.stage(pipe, settled_event(settled, self.clock()))
-                    await pipe.execute()
-                    return settled
-                except WatchError:
-                    continue
-
-    async def _record(self, key: CheckpointKey) -> CheckpointRecord | None:
-        raw = await self.redis.hget(Keys.checkpoints(key.job_id), key.checkpoint_id)
-        return CheckpointRecord.model_validate_json(raw) if raw else None
 
     async def _after_ready(self, job_id: str) -> None:
         """Retention and a fresh interval advice; their failures never undo the READY."""
@@ -425,16 +329,15 @@ class Coordinator:
         now = self.clock().timestamp()
         timeout_cutoff = now - self.settings.shard_timeout_s
         cutoff = now - min(self.settings.sweep_interval_s, self.settings.shard_timeout_s)
-        for member, created in await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff, withscores=True):
-            key = _parse_member(member)
-            record = await self._record(key)
+        for member, created in await self.ledger.pending_before(cutoff):
+            key = parse_member(member)
+            record = await self.ledger.record(key)
             if record is None or record.state != "PENDING":
-                await self.redis.zrem(PENDING_INDEX, member)
+                await self.ledger.unindex(member)
                 continue
             timed_out = created <= timeout_cutoff
-            if not timed_out and not await self._fenced(key, record) \
-                    and await self.redis.hlen(Keys.shards(key.job_id, key.attempt, key.global_step)) \
-                    < record.world_size:
+            if not timed_out and not await self.ledger.fenced(key, record) \
+                    and await self.ledger.shard_count(key) < record.world_size:
                 continue  # still collecting: the shard reports settle it, or the timeout does
             job = await self.store.get_job(key.job_id)
             with job_context(job.traceparent if job else None), _tracer.start_as_current_span(
@@ -442,14 +345,6 @@ class Coordinator:
                 attributes={"trainyard.job_id": key.job_id, "trainyard.checkpoint_id": key.checkpoint_id}
             ):
                 await self._settle(key, timed_out=timed_out)
-
-
-    async def _fenced(self, key: CheckpointKey, record: CheckpointRecord) -> bool:
-        """Whether a newer attempt holds the job's fencing epoch (assess() then rejects the set)."""
-        return record.epoch < int(await self.redis.get(Keys.epoch(key.job_id)) or 0)
-
-    def _verify(self, manifest: CheckpointManifest) -> list[str]:
-        return _verify(manifest, self.layout.root)
 
 
 def _job_defaults(job: JobRecord | None) -> JobDefaults:
