@@ -43,7 +43,7 @@ from trainyard_planner.memory import (
     estimate_memory, model_states_per_device,
 )
 from trainyard_planner.model import Transformer
-from trainyard_planner.step import DEFAULT_EFFICIENCY, estimate_step
+from trainyard_planner.step import DEFAULT_EFFICIENCY, StepEstimate, estimate_step
 
 MIN_PARAMETERS = 1e6
 MAX_PARAMETERS = 1e15
@@ -325,26 +325,9 @@ def scaling_lab(
         fitted = f"{fitted} (measured {measured_step_seconds:g} s per step on {measured_nodes} nodes)"
     points: list[ScalingPoint] = []
     for n in counts:
-        world = n * devices_per_node
-        layout = layout_for(n)
-        microbatches = layout.microbatches
-        step = estimate_step(model, layout, device, topology, efficiency=efficiency, dp_overlap=dp_overlap,
+        step = estimate_step(model, layout_for(n), device, topology, efficiency=efficiency, dp_overlap=dp_overlap,
                              bytes_per_parameter=bytes_per_parameter, headroom=headroom)
-        per_device = step.tokens_per_second / world
-        first = points[0] if points else None
-        base = first.tokens_per_second_per_device if first else per_device
-        marginal = None
-        if points:
-            previous = points[-1]
-            marginal = (step.tokens_per_second - previous.tokens_per_second) / (world - previous.devices) / base
-        points.append(ScalingPoint(
-            nodes=n, devices=world, global_batch=layout.global_batch, microbatches=microbatches,
-            step_seconds=step.step_seconds, compute_seconds=step.compute_seconds,
-            communication_seconds=step.exposed_comm_seconds, comm_to_compute=step.comm_to_compute_ratio,
-            tokens_per_second=step.tokens_per_second, tokens_per_second_per_device=per_device, mfu=step.mfu,
-            efficiency=per_device / base, marginal_efficiency=marginal, fits=step.fits,
-            memory_bytes_per_device=step.memory.used_bytes_per_device, bottleneck=step.bottleneck,
-        ))
+        points.append(scaling_point(n, n * devices_per_node, step, points))
     stops = next((points[i - 1].devices for i in range(1, len(points))
                   if (points[i].marginal_efficiency or 0.0) < marginal_threshold), None)
     return ScalingLab(
@@ -353,6 +336,26 @@ def scaling_lab(
              f"{marginal_threshold:g} x the first point's tokens/s per device",
         interconnect_bandwidth=topology.intra_rack.bandwidth, intra_node_bandwidth=topology.nvlink.bandwidth,
         compute_efficiency=efficiency, fitted=fitted,
+    )
+
+
+def scaling_point(nodes: int, devices: int, step: StepEstimate, earlier: Sequence[ScalingPoint]) -> ScalingPoint:
+    """One node count's point: its efficiency against the first point's tokens/s per device, its marginal
+    efficiency (what the devices it adds bring, per device) against the point before it."""
+    layout = step.layout
+    per_device = step.tokens_per_second / devices
+    base = earlier[0].tokens_per_second_per_device if earlier else per_device
+    marginal = None
+    if earlier:
+        previous = earlier[-1]
+        marginal = (step.tokens_per_second - previous.tokens_per_second) / (devices - previous.devices) / base
+    return ScalingPoint(
+        nodes=nodes, devices=devices, global_batch=layout.global_batch, microbatches=layout.microbatches,
+        step_seconds=step.step_seconds, compute_seconds=step.compute_seconds,
+        communication_seconds=step.exposed_comm_seconds, comm_to_compute=step.comm_to_compute_ratio,
+        tokens_per_second=step.tokens_per_second, tokens_per_second_per_device=per_device, mfu=step.mfu,
+        efficiency=per_device / base, marginal_efficiency=marginal, fits=step.fits,
+        memory_bytes_per_device=step.memory.used_bytes_per_device, bottleneck=step.bottleneck,
     )
 
 
