@@ -22,6 +22,7 @@ Interruptions (``ExitReason.interruption``) never come here: they end the attemp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
 from trainyard_contract.events import AllocationRevoked, Event
@@ -41,7 +42,7 @@ from trainyard_scheduler.transitions.state import (
 
 def fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, now: datetime, *,
                  latest_ready_step: int | None = None, retryable: bool | None = None,
-                 blame: list[tuple[str, str]] | None = None) -> Outcome:
+                 blame: Sequence[tuple[str, str]] = ()) -> Outcome:
     """Fail the current attempt of ``job`` (a private copy, changed in place); retry or fail the job.
 
     ``retryable``: None reads it from the reason. A job being paused becomes ``paused`` instead of ``queued``.
@@ -49,7 +50,7 @@ def fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, 
     attempt = job.attempts[-1]
     events: list[Event] = []
     released = _end_failed(job, attempt, reason, detail, latest_ready_step, events, now)
-    blamed = list(blame or [])
+    blamed = list(blame)
     retryable = ExitReason.parse(reason).retryable if retryable is None else retryable
     streak, total = failures_since_progress(job), failures(job)
     capped = policy.max_total_failures is not None and total >= policy.max_total_failures
