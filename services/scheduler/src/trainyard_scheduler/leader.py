@@ -40,6 +40,10 @@ class LeaderRole:
             self._on_new_term()
         return self.epoch
 
+    async def renew(self) -> None:
+        """:meth:`lead` as the runtime's loop (its own cadence, so a long pass never lets the lease lapse)."""
+        await self.lead()
+
     def stand_by(self) -> None:
         """Stop leading now (a newer leader, or a refused fenced write): the next :meth:`lead` takes it again."""
         self.epoch = None

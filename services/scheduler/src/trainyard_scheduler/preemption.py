@@ -18,12 +18,21 @@ from datetime import datetime, timedelta
 from trainyard_contract.devices import Device
 
 from trainyard_scheduler.backfill import Reservations
-from trainyard_scheduler.decisions import Decision, PendingJob, Placer, PlanStats, Preempt, Reservation, RunningJob, Wait
+from trainyard_scheduler.decisions import (
+    Decision,
+    PendingJob,
+    Placer,
+    PlanStats,
+    Preempt,
+    Reservation,
+    RunningJob,
+    Wait,
+)
 from trainyard_scheduler.gang import GangRequest, Placement
 from trainyard_scheduler.placement import idle_level, place
 from trainyard_scheduler.policy import UNLIMITED, QueueConfig
 from trainyard_scheduler.quota import Quota
-from trainyard_scheduler.topology import CLUSTER, RACK, Aggregates, ClusterSnapshot, DOMAIN, TIER
+from trainyard_scheduler.topology import CLUSTER, DOMAIN, RACK, TIER, Aggregates, ClusterSnapshot
 
 MAX_CANDIDATES = 128  # the cheapest victims a preemption search considers (bounds its cost)
 UNIT_CANDIDATES = 48  # of which, for a gang that fits one unit

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class QueueConfigSource:
     """The queue policy in force (:attr:`config`), reloaded by :meth:`load`."""
 
-    def __init__(self, redis: Redis, path: str | None) -> None:
+    def __init__(self, redis: Redis, path: str | Path | None) -> None:
         self.redis, self.path = redis, path
         self.config = QueueConfig()
         self._base = QueueConfig()  # the last good queue-config document, before tenants' own settings

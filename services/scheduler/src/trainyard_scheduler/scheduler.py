@@ -154,7 +154,7 @@ class Scheduler:
         # a job submitted through the API (or changed by either instance) wakes the pass without a broker hop
         self.runtime.add_loop("changes", self.cycle.watch_changes, 0.0)
         # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
-        self.runtime.add_loop("leader", self.leader.lead, self.leader.leadership.ttl_ms / 3000)
+        self.runtime.add_loop("leader", self.leader.renew, self.leader.leadership.ttl_ms / 3000)
 
     async def aclose(self) -> None:
         """Give up the leader lease so a standby does not wait for it to expire."""

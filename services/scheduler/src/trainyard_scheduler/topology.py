@@ -464,7 +464,7 @@ class ClusterSnapshot:
         return [(n, kind, idx) for n, idx in grouped.items()]
 
     def _change(self, pieces: Sequence[tuple[int, str, list[int]]], *, take: bool) -> None:
-        touched: dict[str, list[int]] = {}
+        touched: dict[str, dict[int, int]] = {}  # kind → {node: its free devices of the kind}
         for n, kind, indices in pieces:
             free = self.free[n].get(kind)
             if free is None:

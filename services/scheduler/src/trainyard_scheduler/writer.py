@@ -47,7 +47,8 @@ class JobWriter:
             return outcome
         if outcome.release is not None:
             a = outcome.release
-            await self.release(a.allocation_id, a.epoch, [Device(*d.rsplit(":", 1)) for d in a.devices])
+            devices = [Device(n, int(i)) for n, i in (d.rsplit(":", 1) for d in a.devices)]
+            await self.release(a.allocation_id, a.epoch, devices)
         if tr.is_pending(outcome.job) and not tr.is_pending(before):  # requeued or resumed: place it ASAP
             self._wake_at(tr.retry_not_before(outcome.job, self.policy))
         elif outcome.release is not None:  # devices came free for whoever waits
