@@ -105,9 +105,10 @@ def _references(family: keyspace.Family) -> set[str]:
 
 
 #: Families a service writes through a runtime helper rather than by naming the key: the helper's name in
-#: the service's code stands for the key (the leases' Lua scripts, the change stream's stage_change).
+#: the service's code stands for the key (the leases' Lua scripts, the change stream's stage_change, the
+#: goodput ledgers' accountant).
 _HELPERS = {"lease": "LeaseManager", "allocation": "LeaseManager", "epoch": "LeaseManager",
-            "lease-audit": "LeaseManager", "changes": "stage_change"}
+            "lease-audit": "LeaseManager", "changes": "stage_change", "goodput-final": "GoodputAccountant"}
 
 
 def _code_of(service: str) -> str:

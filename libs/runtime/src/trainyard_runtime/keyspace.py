@@ -15,6 +15,8 @@ One writer per family is the rule. The exceptions are declared, each with its re
   tenants that have none (HSETNX);
 * ``ty:export:<id>``: the API or the registry writes the REQUESTED record in the MULTI that stages the
   ExportRequested, the registry then READY/FAILED;
+* ``ty:goodput:final``: a finished job's ledger, computed once and kept: by telemetry's walks, or by the API
+  when a GET comes first (both through telemetry's ``GoodputAccountant``);
 * ``ty:replication:*``: every service's confirmed writes (random tokens, nothing is read back by another).
 
 Families kept per writer (outboxes, health beacons, stuck-partition lists, consumer dedup keys) carry
@@ -159,7 +161,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("rank-timing", "ty:job:<job>:ranks:<attempt>", (_T,), (_A,), "hash rank → latest timing breakdown"),
     _f("stragglers", "ty:job:<job>:stragglers", (_T,), (_A,), "list: StragglerDetected, newest first"),
     _f("metrics-history", "ty:mh:{<job>}:<part...>", (_T,), (_A,), "a job's downsampled series and indexes"),
-    _f("goodput-final", "ty:goodput:final", (_T,), (_A,), "hash job → ledger of a finished job"),
+    _f("goodput-final", "ty:goodput:final", (_T, _A), (), "hash job → ledger of a finished job (a cache)"),
     _f("goodput-history-tenants", "ty:goodput:hist-tenants", (_T,), (_A,), "set: tenants with a history"),
     _f("goodput-history", "ty:goodput:hist:<tenant>", (_T,), (_A,), "hash bucket → cumulative ledger"),
     _f("calibration", "ty:calib:fit", (_T,), (_A,), "JSON: the planner's fitted Calibration"),
