@@ -1,4 +1,5 @@
-"""Which exit code a rank's failure becomes (see ``trainyard_contract.exitcodes``)."""
+"""Which exit code a rank's failure becomes (``trainyard_contract.exitcodes``; what each one means to the platform:
+``trainyard_contract.exitreasons.ExitReason``)."""
 
 from __future__ import annotations
 
