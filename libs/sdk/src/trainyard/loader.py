@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from trainyard_contract.errors import ConfigError, DataError
+from trainyard_contract.spec import TrainingSpec
 
+from trainyard.data import TokenDataset
 from trainyard.sampler import BatchLoader, GlobalSampler
+from trainyard.shardcache import ShardCache
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "open_loader"]
 
 
 class DataLoader(BatchLoader):
@@ -48,3 +54,21 @@ class DataLoader(BatchLoader):
         self.sampler.load_state_dict(state)
         self.last_start = self.sampler.position
         self.maybe_prefetch()
+
+
+def open_loader(spec: TrainingSpec, manifest_path: Path, *, dp: int, dp_rank: int, device: torch.device,
+                cache: Callable[[], ShardCache | None]) -> DataLoader:
+    """The loader ``run.data_loader()`` returns: the spec's batch over the dataset at ``manifest_path``, this
+    data-parallel rank's rows; ``cache`` opens the node's shard cache (once the batch sizes are known to divide)."""
+    t = spec.training
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"training.globalBatchSize {t.global_batch_size} is not a multiple of microBatchSize "
+            f"{t.micro_batch_size} x data-parallel size {dp}: choose sizes that divide")
+    try:
+        dataset = TokenDataset(manifest_path, t.sequence_length, cache=cache())
+    except FileNotFoundError as exc:
+        raise DataError(f"dataset {spec.dataset} not found at {manifest_path}: {exc}") from exc
+    sampler = GlobalSampler(len(dataset), seed=t.seed, global_batch=t.global_batch_size,
+                            micro_batch=t.micro_batch_size, dp=dp, dp_rank=dp_rank)
+    return DataLoader(dataset, sampler, device)

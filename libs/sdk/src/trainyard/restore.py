@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.stateful import Stateful
@@ -110,24 +111,33 @@ def restore(job: JobLike, state: MutableMapping[str, Stateful], ctx: Context, la
     directory = checkpoint_dir_of(manifest, choice.candidate.manifest_uri)
     if manifest.job_id != settings.job_id:
         return _init_from(state, manifest, directory, choice.candidate.manifest_uri, record, started)
-    same_world = manifest.world_size == settings.world_size
+    _resume(state, manifest, directory, record, world_size=settings.world_size,
+            run_record=(node_layout or layout).attempt_dir(manifest.tenant, manifest.job_id, manifest.attempt)
+            / RUN_RECORD_FILE)
+    record.manifest_uri = choice.candidate.manifest_uri
+    record.seconds = time.perf_counter() - started
+    progress: Progress = state["progress"]  # type: ignore[assignment]
+    (log.warning if choice.fell_back else log.info)(
+        "restore: %s; resumed from %s at step %d (%d tokens consumed)",
+        choice.reason, choice.candidate.manifest_uri, progress.global_step, progress.consumed_tokens)
+    return record
+
+
+def _resume(state: MutableMapping[str, Stateful], manifest: Any, directory: Any, record: RestoreRecord, *,
+            world_size: int, run_record: Path) -> None:
+    """Load this job's own checkpoint into ``state``; the RNG only when it was written by as many ranks as this
+    attempt has (else each rank's generators are reseeded from the step), noted in ``record``."""
+    same_world = manifest.world_size == world_size
     to_load = dict(state) if same_world else {k: v for k, v in state.items() if k != "rng"}
     load_checkpoint(to_load, directory)
     progress: Progress = state["progress"]  # type: ignore[assignment]
     if not same_world:
         state["rng"].reseed(progress.global_step)  # type: ignore[attr-defined]
-    record.manifest_uri = choice.candidate.manifest_uri
     record.global_step = progress.global_step
     record.world_size = manifest.world_size
-    record.cpu_threads = written_cpu_threads(
-        (node_layout or layout).attempt_dir(manifest.tenant, manifest.job_id, manifest.attempt) / RUN_RECORD_FILE)
+    record.cpu_threads = written_cpu_threads(run_record)
     record.rng = "restored" if same_world else (
-        f"reseeded: written by {manifest.world_size} ranks, this attempt has {settings.world_size}")
-    record.seconds = time.perf_counter() - started
-    (log.warning if choice.fell_back else log.info)(
-        "restore: %s; resumed from %s at step %d (%d tokens consumed)",
-        choice.reason, choice.candidate.manifest_uri, progress.global_step, progress.consumed_tokens)
-    return record
+        f"reseeded: written by {manifest.world_size} ranks, this attempt has {world_size}")
 
 
 def _init_from(state: MutableMapping[str, Stateful], manifest: Any, directory: Any, manifest_uri: str,

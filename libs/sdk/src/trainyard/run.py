@@ -21,13 +21,12 @@ the request was seen); after a request, stop once that save is durable.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +34,32 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from trainyard_contract import exitcodes
 from trainyard_contract.catalog import ModelConfig, resolve_model
-from trainyard_contract.errors import ConfigError, DataError, NonFiniteError, TrainyardError
-from trainyard_contract.events import GangAllocated, ShardWritten, StepMetrics
+from trainyard_contract.errors import (
+    ConfigError,
+    NonFiniteError,
+    TrainyardError,
+)
+from trainyard_contract.events import GangAllocated, StepMetrics
 from trainyard_contract.settings import load_settings
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.spool import SpoolWriter
 from trainyard_contract.storage import ArtifactLayout
-from trainyard_contract.tracing import current_traceparent, job_context, setup_tracing, shutdown_tracing
+from trainyard_contract.tracing import (
+    job_context,
+    setup_tracing,
+    shutdown_tracing,
+)
 
+from trainyard.boundary import StepBoundary
 from trainyard.checkpoint import Checkpointer, CheckpointSchedule, SavedShard
-from trainyard.tensorhash import reportable
 from trainyard.context import Context, open_context
-from trainyard.data import MANIFEST_FILE, DatasetManifest, TokenDataset, load_dataset_manifest
+from trainyard.data import (
+    MANIFEST_FILE,
+    DatasetManifest,
+    load_dataset_manifest,
+)
 from trainyard.environment import (
     LOCAL_ENV,
     apply_spec_choices,
@@ -61,10 +70,11 @@ from trainyard.environment import (
     read_allocation,
 )
 from trainyard.exits import RankEnd, exit_code_for
-from trainyard.loader import DataLoader
-from trainyard.metrics import PeakFlops, device_peak_flops, mfu
+from trainyard.loader import DataLoader, open_loader
+from trainyard.metrics import PeakFlops
 from trainyard.policy import BoundaryAgreement, checkpoint_policy
-from trainyard.preemption import CheckpointRequest, StoppedOnRequest, plan_boundary
+from trainyard.preemption import CheckpointRequest, StoppedOnRequest
+from trainyard.reporting import StepReporter
 from trainyard.restore import restore as restore_state
 from trainyard.runrecord import CheckpointPolicyRecord, RestoreRecord
 from trainyard.runtime import (
@@ -76,9 +86,8 @@ from trainyard.runtime import (
     shutdown_distributed,
     usable_cores,
 )
-from trainyard.sampler import GlobalSampler
-from trainyard.shardcache import ShardCache
 from trainyard.settings import RankSettings
+from trainyard.shardcache import ShardCache
 from trainyard.state import Progress, RngState
 from trainyard.timing import Timing
 
@@ -86,7 +95,6 @@ __all__ = ["Run", "conclude", "init"]
 
 log = logging.getLogger("trainyard")
 _tracer = trace.get_tracer("trainyard")
-PEAK_FLOPS_CACHE = ("calibration", "peak-flops.json")  # under the node's root (the artifact root when local)
 
 
 class Run:
@@ -108,29 +116,25 @@ class Run:
         self.layout = ArtifactLayout(settings.artifact_root)  # checkpoints, datasets: maybe an object store
         self.node_layout = ArtifactLayout(settings.local_root)  # the attempt's own files, on this node
         training = allocation.spec.training
-        self.progress = Progress()
         self.rng = RngState(settings.rank, runtime.device, seed=training.seed)
         self.timing = Timing(synchronize=runtime.synchronize)
+        self._closers = contextlib.ExitStack()
+        self._closed = False
+        self.reporter = StepReporter(settings, allocation.spec, spool=spool, timing=self.timing, end=self.end,
+                                     attempt_dir=self.attempt_dir, node_root=self.node_layout.root,
+                                     closers=self._closers)
+        self.progress = self.reporter.progress
         self.policy: CheckpointPolicyRecord = checkpoint_policy(self)
         self.schedule = CheckpointSchedule(max_steps=training.max_steps, every_steps=self.policy.every_steps,
                                            every_minutes=self.policy.every_minutes, last_save_at=time.monotonic())
         self.checkpointer = Checkpointer(rank=settings.rank, mode=settings.checkpoint_mode, barrier=ctx.barrier,
                                          agree=ctx.agree, group=ctx.background, device=runtime.device)
         self.agreement = BoundaryAgreement(ctx)
+        self.boundary = StepBoundary(settings, spec_hash=allocation.spec_hash, max_steps=training.max_steps,
+                                     layout=self.layout, spool=spool, schedule=self.schedule,
+                                     checkpointer=self.checkpointer, agreement=self.agreement, request=request,
+                                     timing=self.timing)
         self.restored: RestoreRecord | None = None
-        self.stopped: StoppedOnRequest | None = None
-        self.parallelism: dict[str, int] = {"dp": settings.world_size, "tp": 1, "pp": 1}
-        self.peak: PeakFlops | None = None
-        self.flops_per_token: float | None = None
-        self._last_saved: int | None = None
-        self._counted = 0  # the last step whose tokens run.progress counted
-        self._last_report = time.perf_counter()
-        self._nan_at: int | None = None
-        self._metrics_file: Any = None
-        self._closers = contextlib.ExitStack()
-        self._closed = False
-        self._hook = (register_optimizer_step_pre_hook(self._before_optimizer_step)
-                      if settings.checkpoint_mode == "async" else None)
 
     # ------------------------------------------------------------------ opening
 
@@ -141,27 +145,8 @@ class Run:
 
         Raises trainyard's errors (ConfigError: exit 2); on success the caller owns the run and
         must :meth:`close` it (``with`` does)."""
-        request = request or checkpoint_request(settings)
-        allocation = read_allocation(settings)
-        settings = apply_spec_choices(settings, allocation.spec)
-        if (allocation.job_id, allocation.attempt) != (settings.job_id, settings.attempt):
-            raise ConfigError(f"allocation file is for job {allocation.job_id} attempt {allocation.attempt}, "
-                              f"the environment says {settings.job_id} attempt {settings.attempt}")
-        if allocation.world_size != settings.world_size:
-            raise ConfigError(f"allocation has world size {allocation.world_size}, WORLD_SIZE is {settings.world_size}")
-        runtime = select_runtime(settings)
-        training = allocation.spec.training
-        configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic,
-                              cpu_threads=rank_cpu_threads(settings, usable_cores()))
-        init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
-        try:
-            ctx = open_context(settings.rank, settings.world_size)
-            spool = SpoolWriter(settings.events_file)
-        except BaseException:
-            shutdown_distributed()
-            raise
-        return cls(settings=settings, allocation=allocation, runtime=runtime, ctx=ctx, spool=spool,
-                   request=request, end=end, local=local, exit_on_error=exit_on_error)
+        joined = join_job(settings, request or checkpoint_request(settings))
+        return cls(**vars(joined), end=end, local=local, exit_on_error=exit_on_error)
 
     # ------------------------------------------------------------------ who and where
 
@@ -212,8 +197,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        t = self.spec.training
-        return t.global_batch_size * t.sequence_length
+        return self.reporter.tokens_per_step
 
     @property
     def attempt_dir(self) -> Path:
@@ -237,20 +221,9 @@ class Run:
         ``dp`` / ``dp_rank``: the data-parallel size and this rank's place in it (default: every
         rank is a data-parallel rank). The batch comes from the spec (``globalBatchSize``,
         ``microBatchSize``, ``sequenceLength``, ``seed``)."""
-        t = self.spec.training
-        dp = self.world_size if dp is None else dp
-        dp_rank = self.rank if dp_rank is None else dp_rank
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            raise ConfigError(
-                f"training.globalBatchSize {t.global_batch_size} is not a multiple of microBatchSize "
-                f"{t.micro_batch_size} x data-parallel size {dp}: choose sizes that divide")
-        try:
-            dataset = TokenDataset(self.dataset_manifest_path, t.sequence_length, cache=self._shard_cache())
-        except FileNotFoundError as exc:
-            raise DataError(f"dataset {self.spec.dataset} not found at {self.dataset_manifest_path}: {exc}") from exc
-        sampler = GlobalSampler(len(dataset), seed=t.seed, global_batch=t.global_batch_size,
-                                micro_batch=t.micro_batch_size, dp=dp, dp_rank=dp_rank)
-        return DataLoader(dataset, sampler, device or self.device)
+        return open_loader(self.spec, self.dataset_manifest_path, dp=self.world_size if dp is None else dp,
+                           dp_rank=self.rank if dp_rank is None else dp_rank, device=device or self.device,
+                           cache=self._shard_cache)
 
     def _shard_cache(self) -> ShardCache | None:
         """The node's shard cache, for a dataset in an object store (None for a directory: read in place)."""
@@ -282,11 +255,9 @@ class Run:
         full = self.full_state(state)
         self.restored = restore_state(self, full, self.ctx, self.layout, self.spool, node_layout=self.node_layout)
         step = full["progress"].global_step  # type: ignore[attr-defined]
-        self._last_saved = step if self.restored.manifest_uri is not None else None
-        self._counted = max(self._counted, self.progress.global_step)
-        self.end.global_step = step
+        self.boundary.last_saved = step if self.restored.manifest_uri is not None else None
+        self.reporter.restored(step)
         self.schedule.saved(time.monotonic())
-        self._last_report = time.perf_counter()
         return step
 
     def checkpoint(self, step: int, state: Mapping[str, Stateful],
@@ -304,44 +275,31 @@ class Run:
             self.advance(step)
         elif progress.global_step < step:
             progress.global_step = step
-        boundary = self.agreement.collect()  # what every rank sent at the previous boundary
-        stall = self.checkpointer.settle(done_save=boundary.done_save, failed_save=boundary.failed_save)
-        decided = plan_boundary(step=step, max_steps=self.max_steps,
-                                due=self.schedule.due_by_step(step) or boundary.due,
-                                requested=boundary.requested, last_saved_step=self._last_saved)
-        if decided.stop:
-            log.warning("checkpoint requested%s: %s step %d, then stopping", " (signal)" if self.request.signalled
-                        else "", "saving" if decided.save else "already saved", step)
-        if decided.save:
-            stall += self._save(step, full, progress, on_durable)
-            self.schedule.saved(time.monotonic())
-            self._last_saved = step
-        if decided.stop or (decided.save and step >= self.max_steps):
-            stall += self.checkpointer.wait()  # durable, and its ShardWritten spooled
-        elif step < self.max_steps:
-            self.agreement.send(self.schedule, self.checkpointer, self.request)
-        self.timing.add(checkpoint=stall)
-        if decided.stop:
-            self.stopped = StoppedOnRequest(step, saved=decided.save)
-        return decided.save
+        return self.boundary.decide(step, full, progress, on_durable)
 
     def advance(self, step: int, *, tokens: int | None = None, samples: int | None = None) -> Progress:
         """Count ``step`` as done in ``run.progress`` (once: :meth:`report` and :meth:`checkpoint` call
         it; the first call for a step counts its tokens and samples, default the spec's global batch)."""
-        p = self.progress
-        if step > self._counted:
-            t = self.spec.training
-            p.consumed_tokens += self.tokens_per_step if tokens is None else tokens
-            p.consumed_samples += t.global_batch_size if samples is None else samples
-            self._counted = step
-        p.global_step = max(p.global_step, step)
-        self.end.global_step = step
-        return p
+        return self.reporter.advance(step, tokens=tokens, samples=samples)
 
     def should_stop(self) -> bool:
         """Whether the ranks agreed, at the last :meth:`checkpoint`, to stop (pause or preemption);
         the step is saved and durable. Leave the loop; the run exits 7 and resumes there later."""
         return self.stopped is not None
+
+    @property
+    def stopped(self) -> StoppedOnRequest | None:
+        """The agreed stop (its step, whether it saved there), once the ranks agreed on one."""
+        return self.boundary.stopped
+
+    @property
+    def parallelism(self) -> dict[str, int]:
+        """The layout this rank's shards are saved in (``dp``, ``tp``, ``pp``; set by a parallel trainer)."""
+        return self.boundary.parallelism
+
+    @parallelism.setter
+    def parallelism(self, layout: dict[str, int]) -> None:
+        self.boundary.parallelism = layout
 
     def before_update(self) -> float:
         """Wait until a pending asynchronous save has its copy of the state (seconds waited).
@@ -352,67 +310,22 @@ class Run:
 
     def wait(self) -> float:
         """Until the pending save (if any) is durable and reported (a collective); seconds waited."""
-        waited = self.checkpointer.wait()
-        self.timing.add(checkpoint=waited)
-        return waited
-
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        waited = self.checkpointer.before_update()
-        if waited:
-            self.timing.add(checkpoint=waited)
-
-    def _save(self, step: int, state: dict[str, Stateful], progress: Progress,
-              on_durable: Callable[[SavedShard, int], None] | None) -> float:
-        s = self.settings
-        tokens, samples = progress.consumed_tokens, progress.consumed_samples
-        directory = self.layout.checkpoint_dir(s.tenant, s.job_id, s.attempt, step)
-        span = _tracer.start_span("checkpoint save", attributes={
-            "trainyard.job_id": s.job_id, "trainyard.rank": s.rank, "trainyard.global_step": step,
-            "trainyard.attempt": s.attempt, "trainyard.checkpoint_mode": s.checkpoint_mode})
-
-        def durable(saved: SavedShard) -> None:
-            self._shard_written(saved, step=step, tokens=tokens, samples=samples, span=span)
-            if on_durable is not None:
-                on_durable(saved, step)
-
-        return self.checkpointer.save(state, directory, durable)
-
-    def _shard_written(self, saved: SavedShard, *, step: int, tokens: int, samples: int, span: Any) -> None:
-        s = self.settings
-        stall = saved.seconds if saved.stall is None else saved.stall
-        tensors = reportable(saved.tensors)
-        if tensors is None and saved.tensors is not None:
-            log.warning("checkpoint step %d: the digests of the %d entries this rank saved do not fit in its shard "
-                        "report; the checkpoint gets no tensorsHash", step, len(saved.tensors))
-        with trace.use_span(span, end_on_exit=True):
-            span.set_attribute("trainyard.shard_bytes", saved.shard.size_bytes)
-            self.spool.write(ShardWritten(
-                job_id=s.job_id, tenant=s.tenant, attempt=s.attempt, epoch=s.epoch, global_step=step, rank=s.rank,
-                world_size=s.world_size, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
-                sha256=saved.shard.sha256, extra_files=saved.extra_files, consumed_tokens=tokens,
-                consumed_samples=samples, spec_hash=self.allocation.spec_hash, parallelism=dict(self.parallelism),
-                write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0), tensor_digests=tensors,
-            ), traceparent=current_traceparent())
-        log.info("checkpoint step %d durable: %s (%d bytes, %.2fs from start to rename)", step, saved.shard.uri,
-                 saved.shard.size_bytes, saved.seconds)
+        return self.boundary.wait()
 
     # ------------------------------------------------------------------ metrics
+
+    @property
+    def peak(self) -> PeakFlops | None:
+        return self.reporter.peak
+
+    @property
+    def flops_per_token(self) -> float | None:
+        return self.reporter.flops_per_token
 
     def enable_mfu(self, flops_per_token: float) -> PeakFlops | None:
         """Report MFU from now on: the model's training FLOPs per token (6N + attention) against the
         device's peak (a table, ``TRAINYARD_PEAK_FLOPS``, or a CPU probe run once per host). A collective."""
-        s, runtime = self.settings, self.runtime
-        cache = self.node_layout.root.joinpath(*PEAK_FLOPS_CACHE)
-        first_on_host = s.local_rank == 0
-        if first_on_host:
-            self.peak = device_peak_flops(runtime.device, runtime.autocast_dtype, cache_file=cache,
-                                          override=s.peak_flops)
-        self.ctx.barrier()  # the others read the first rank's probe from the cache
-        if not first_on_host:
-            self.peak = device_peak_flops(runtime.device, runtime.autocast_dtype, cache_file=cache,
-                                          override=s.peak_flops)
-        self.flops_per_token = flops_per_token
-        return self.peak
+        return self.reporter.enable_mfu(self.runtime, self.ctx, flops_per_token)
 
     def report(self, step: int, *, loss: float, tokens: int | None = None, samples: int | None = None,
                lr: float | None = None, **metrics: float) -> StepMetrics:
@@ -423,48 +336,7 @@ class Run:
         SDK's checkpoint stalls). ``metrics``: your own numbers, logged and appended to
         ``metrics/rank<r>.jsonl`` in the attempt directory, and carried in the event. A non-finite loss raises
         NonFiniteError (exit 3, the exit note names ``step``)."""
-        if not math.isfinite(loss):
-            self.end.global_step = self._nan_at = step
-            raise NonFiniteError(f"loss {loss} at step {step} is not finite")
-        now = time.perf_counter()
-        seconds, self._last_report = now - self._last_report, now
-        t = self.spec.training
-        tokens = self.tokens_per_step if tokens is None else tokens
-        samples = t.global_batch_size if samples is None else samples
-        p = self.advance(step, tokens=tokens, samples=samples)
-        times = self.timing.take()
-        tokens_per_second = tokens / seconds if seconds > 0 else None
-        step_mfu = None
-        if tokens_per_second and self.peak and self.flops_per_token:
-            step_mfu = mfu(flops_per_token=self.flops_per_token, tokens_per_second=tokens_per_second,
-                           devices=self.world_size, peak_flops=self.peak.flops)
-        s = self.settings
-        event = StepMetrics(
-            job_id=s.job_id, tenant=s.tenant, attempt=s.attempt, rank=s.rank, step=step, max_steps=t.max_steps,
-            loss=loss, lr=lr, consumed_tokens=p.consumed_tokens, consumed_samples=p.consumed_samples,
-            tokens_per_second=tokens_per_second, mfu=step_mfu, step_seconds=seconds,
-            compute_seconds=times.compute, collective_seconds=times.collective,
-            data_wait_seconds=times.data_wait, checkpoint_seconds=times.checkpoint,
-            metrics=_finite_numbers(metrics),
-        )
-        # A step's metrics need not survive a host crash (the next step's replace them): no fsync.
-        self.spool.write(event, traceparent=current_traceparent(), durable=False)
-        if metrics:
-            self._write_metrics(step, metrics)
-        if log.isEnabledFor(logging.INFO):
-            extra = "".join(f" {k} {v:.4g}" for k, v in metrics.items())
-            log.info("step %d/%d loss %.4f lr %s%s %.0f tok/s mfu %s (data %.3fs compute %.3fs comm %.3fs "
-                     "ckpt %.3fs)", step, t.max_steps, loss, f"{lr:.3g}" if lr is not None else "-", extra,
-                     tokens_per_second or 0.0, f"{step_mfu:.4f}" if step_mfu is not None else "-",
-                     times.data_wait, times.compute, times.collective, times.checkpoint)
-        return event
-
-    def _write_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        if self._metrics_file is None:
-            path = self.attempt_dir / "metrics" / f"rank{self.rank}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = self._closers.enter_context(path.open("a", buffering=1))
-        self._metrics_file.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+        return self.reporter.report(step, loss=loss, tokens=tokens, samples=samples, lr=lr, metrics=metrics)
 
     # ------------------------------------------------------------------ closing
 
@@ -475,9 +347,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
-        self.checkpointer.close()
+        self.boundary.close()
         self._closers.close()
         self.spool.close()
         if not self.exit_on_error:
@@ -498,7 +368,7 @@ class Run:
                     exc = failed
             if exc is None and self.stopped is not None:
                 exc = self.stopped
-            if isinstance(exc, NonFiniteError) and self._nan_at is None:
+            if isinstance(exc, NonFiniteError) and self.reporter.nan_at is None:
                 self.end.global_step = self.progress.global_step + 1  # the step that was not finite
             return conclude(self.settings, self.end, exc)
         finally:
@@ -517,6 +387,42 @@ class Run:
             if code != exitcodes.OK:
                 raise SystemExit(code) from None  # the error is logged (and in the exit note), not a traceback twice
         return False
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What :meth:`Run.open` hands the run: the allocation read and checked, the runtime chosen, the process
+    group joined, the context and the spool open."""
+
+    settings: RankSettings
+    allocation: GangAllocated
+    runtime: Runtime
+    ctx: Context
+    spool: SpoolWriter
+    request: CheckpointRequest
+
+
+def join_job(settings: RankSettings, request: CheckpointRequest) -> Joined:
+    """Read the allocation, choose device and backend, seed, join the process group, open the spool."""
+    allocation = read_allocation(settings)
+    settings = apply_spec_choices(settings, allocation.spec)
+    if (allocation.job_id, allocation.attempt) != (settings.job_id, settings.attempt):
+        raise ConfigError(f"allocation file is for job {allocation.job_id} attempt {allocation.attempt}, "
+                          f"the environment says {settings.job_id} attempt {settings.attempt}")
+    if allocation.world_size != settings.world_size:
+        raise ConfigError(f"allocation has world size {allocation.world_size}, WORLD_SIZE is {settings.world_size}")
+    runtime = select_runtime(settings)
+    training = allocation.spec.training
+    configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic,
+                          cpu_threads=rank_cpu_threads(settings, usable_cores()))
+    init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
+    try:
+        ctx = open_context(settings.rank, settings.world_size)
+        spool = SpoolWriter(settings.events_file)
+    except BaseException:
+        shutdown_distributed()
+        raise
+    return Joined(settings, allocation, runtime, ctx, spool, request)
 
 
 def conclude(settings: RankSettings, end: RankEnd, exc: BaseException | None) -> int:
@@ -601,15 +507,3 @@ def init(*, local: bool | None = None, spec: TrainingSpec | str | None = None,
         log.info("local mode: a world of one; artifacts under %s", settings.artifact_root)
     return run
 
-
-def _finite_numbers(metrics: Mapping[str, float]) -> dict[str, float]:
-    """The user's metrics as the event carries them: finite floats (a NaN accuracy is left out, not an error)."""
-    out: dict[str, float] = {}
-    for name, value in list(metrics.items())[:64]:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"run.report({name}=…): a metric must be a number, not {type(value).__name__}") from None
-        if math.isfinite(number):
-            out[str(name)[:128]] = number
-    return out
