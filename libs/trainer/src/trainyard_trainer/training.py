@@ -201,6 +201,25 @@ def as_parallel_model(model: torch.nn.Module | ParallelModel, timer: CollectiveT
                          timer=timer or CollectiveTimer(), device=device)
 
 
+def forward_backward(pm: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]], *, runtime: Runtime,
+                     seeds: list[int] | None) -> torch.Tensor:
+    """Forward and backward over this rank's micro batches (the pipeline schedule's, when there is one): the
+    gradients accumulated, the mean of the micro-batch losses returned (not yet reduced over ranks)."""
+    if pm.pipeline is not None:
+        return pm.pipeline.step(batches, seeds=seeds, autocast=runtime.autocast())
+    accumulation = len(batches)
+    loss_sum = torch.zeros((), device=runtime.device)
+    for k, (inputs, targets) in enumerate(batches):
+        with pm.sync_context(last_micro_step=k == accumulation - 1):
+            if seeds:
+                torch.manual_seed(seeds[k])
+            with runtime.autocast():
+                _, loss = pm.module(inputs, targets)
+            (loss / accumulation).backward()
+        loss_sum += loss.detach()
+    return loss_sum / accumulation
+
+
 def train_step(
     model: torch.nn.Module | ParallelModel,
     optimizer: torch.optim.Optimizer,
@@ -227,21 +246,8 @@ def train_step(
     pm = as_parallel_model(model, timer, world_size, runtime.device)
     timer = pm.timer
     started = clock()
-    accumulation = len(batches)
     timer.reset()
-    if pm.pipeline is not None:
-        local_mean = pm.pipeline.step(batches, seeds=seeds, autocast=runtime.autocast())
-    else:
-        loss_sum = torch.zeros((), device=runtime.device)
-        for k, (inputs, targets) in enumerate(batches):
-            with pm.sync_context(last_micro_step=k == accumulation - 1):
-                if seeds:
-                    torch.manual_seed(seeds[k])
-                with runtime.autocast():
-                    _, loss = pm.module(inputs, targets)
-                (loss / accumulation).backward()
-            loss_sum += loss.detach()
-        local_mean = loss_sum / accumulation
+    local_mean = forward_backward(pm, batches, runtime=runtime, seeds=seeds)
     runtime.synchronize()
     backward_end = clock()
     exposed = timer.exposed_seconds(backward_end)
@@ -448,6 +454,20 @@ def train(job: Job, run: Run) -> Progress:
         return RecordKeeper(job, record, record_path, peak, fpt, progress, loader.sampler)
 
     # 4. restore, and the run record saying from what and why
+    keeper = restore_and_record(job, run, state, trainee, loader, environments, keeper_for)
+
+    # 5. steps: train, then the boundary (agree, maybe save, maybe stop), then StepMetrics
+    train_steps(job, run, trainee, loader, state, keeper)
+    keeper.flush(status="succeeded", exit_code=0)
+    return progress
+
+
+def restore_and_record(job: Job, run: Run, state: dict[str, Any], trainee: Trainee, loader: DataLoader,
+                       environments: list[dict[str, Any]],
+                       keeper_for: Callable[[RestoreRecord], RecordKeeper]) -> RecordKeeper:
+    """Restore the start checkpoint (or the Hugging Face weights the spec names) into ``state``; the run
+    record, written before anything can fail, says from what and why (a refusal is recorded, then raised)."""
+    settings, spec, runtime = job.settings, job.spec, job.runtime
     try:
         run.restore(state)
     except NoVerifiedCheckpointError as exc:
@@ -472,8 +492,14 @@ def train(job: Job, run: Run) -> Progress:
     if keeper.record is not None:
         keeper.record.checkpoint_policy = run.policy
     keeper.flush()
+    return keeper
 
-    # 5. steps: train, then the boundary (agree, maybe save, maybe stop), then StepMetrics
+
+def train_steps(job: Job, run: Run, trainee: Trainee, loader: DataLoader, state: dict[str, Any],
+                keeper: RecordKeeper) -> None:
+    """Steps until ``maxSteps``: train, then the boundary (agree, maybe save, maybe stop), then StepMetrics.
+    A stop on request raises :class:`StoppedOnRequest` once its save is durable; any error is recorded."""
+    progress, training = run.progress, job.spec.training
     trainee.pm.module.train()
     try:
         while progress.global_step < training.max_steps:
@@ -490,8 +516,6 @@ def train(job: Job, run: Run) -> Progress:
             run.end.global_step = progress.global_step + 1  # the step whose loss or gradient was not finite
         keeper.failed(exc, failed_step=run.end.global_step, signalled=run.request.signalled)
         raise
-    keeper.flush(status="succeeded", exit_code=0)
-    return progress
 
 
 def _initial_record(job: Job, batch: BatchLayout, environments: list[dict[str, Any]], restored: RestoreRecord,
