@@ -1,5 +1,6 @@
-"""The embedded local stack: broker, Redis, the five services and N simulated nodes, as
-processes on this host, tracked by pid files so ``down`` stops exactly what ``up`` started.
+"""The embedded local stack: broker, Redis, the services (API, telemetry, scheduler, checkpoint coordinator,
+registry) and N simulated nodes, as processes on this host, tracked by pid files so ``down`` stops exactly
+what ``up`` started.
 
 Used by ``trainyard dev up|down|status`` (``make up``/``make down``) and by the end-to-end
 tests, which run the same code against a temporary state directory and free ports.
@@ -8,28 +9,28 @@ tests, which run the same code against a temporary state directory and free port
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainyard_cli import infra, observe, redisacl, redisha
-from trainyard_contract.errors import ConfigError, InfrastructureError
+from trainyard_cli.stackprocs import Component, Processes, pid_alive
+from trainyard_cli.stacknet import MetricsPorts, rank_blocked
+from trainyard_cli.stackredis import StackRedis
+from trainyard_cli.stackstate import StackState
+from trainyard_cli.stacktokens import DEV_TENANT, DevTokens, first_line
+from trainyard_contract.errors import InfrastructureError
 from trainyard_contract.records import NodeRecord
 from trainyard_contract.storage import ObjectPath
-from trainyard_runtime.store import Keys, StateStore, connect_redis
+
+__all__ = ["DEV_TENANT", "EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS", "EMBEDDED_FETCH_MAX_WAIT_MS", "SERVICES", "Component",
+           "LocalStack", "StackSettings", "pid_alive", "rank_blocked"]
 
 SERVICES = ("api", "telemetry", "scheduler", "checkpoint-coordinator", "registry")
-DEV_TENANT = "dev"
 
 
 EMBEDDED_FETCH_MAX_WAIT_MS = 20
@@ -108,41 +109,28 @@ class StackSettings(BaseSettings):
         return f"http://127.0.0.1:{self.api_port}"
 
 
-@dataclass(frozen=True)
-class Component:
-    name: str
-    pid: int
-    log: Path
-
-    @property
-    def alive(self) -> bool:
-        return pid_alive(self.pid)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours counts as dead
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
-
-
 class LocalStack:
-    """Start, inspect and stop the local stack described by ``settings``."""
+    """Start, inspect and stop the local stack described by ``settings``.
+
+    The parts, by concern: :class:`~trainyard_cli.stackprocs.Processes` (pid files, spawning, stopping),
+    :class:`~trainyard_cli.stackredis.StackRedis` (Redis or its failover set, ACL users and their URLs),
+    :class:`~trainyard_cli.stacknet.MetricsPorts` and :func:`~trainyard_cli.stacknet.rank_blocked` (ports and
+    the ranks' block list), :class:`~trainyard_cli.stacktokens.DevTokens` (the dev and admin tokens),
+    :class:`~trainyard_cli.stackstate.StackState` (what Redis says: health, nodes, live attempts, draining
+    agents). This class orders them: ``up`` (infrastructure, services, node agents, Prometheus, readiness,
+    the dev token) and ``down`` (drain, services, infrastructure)."""
 
     def __init__(self, settings: StackSettings, *, extra_env: dict[str, str] | None = None,
                  say: Callable[[str], None] = lambda _m: None) -> None:
         self.s = settings
         self.extra_env = dict(extra_env or {})
         self.say = say
-        self._ports: dict[str, int] = {}  # metrics (and Prometheus') ports chosen in this process, by component
+        self.procs = Processes(settings.run_dir, settings.log_dir)
+        self.redis_server = StackRedis(settings.root, settings.log_dir, port=settings.redis_port,
+                                replica_port=settings.redis_replica_port, sentinel_port=settings.redis_sentinel_port,
+                                ha=settings.redis_ha, url=settings.redis_url)
+        self.tokens = DevTokens(settings.root)
+        self.ports = MetricsPorts()  # metrics (and Prometheus') ports chosen in this process, by component
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -156,30 +144,33 @@ class LocalStack:
 
     def redis_url_for(self, user: str) -> str:
         """Redis as ``user`` sees it: the stack's Redis with that ACL user (TRAINYARD_REDIS_URL when given)."""
-        if self.s.redis_url:
-            return self.s.redis_url
-        passwords = redisacl.load_or_create(self.redis_users_file)
-        if self.s.redis_ha:
-            return self.redis_ha().url(user, passwords[user])
-        return redisacl.url_for(user, passwords[user], host="127.0.0.1", port=self.s.redis_port)
+        return self.redis_server.url_for(user)
 
     @property
     def redis_users_file(self) -> Path:
-        return self.s.root / "redis-users.json"
+        return self.redis_server.users_file
+
+    def redis_ha(self) -> redisha.RedisHA:
+        """The primary, replica and Sentinels of ``TRAINYARD_REDIS_HA`` (see :mod:`trainyard_cli.redisha`)."""
+        return self.redis_server.failover()
 
     @property
     def prometheus_url(self) -> str | None:
         """The stack's Prometheus, when it runs one (written by :meth:`up`)."""
-        return _first_line(self.s.root / "prometheus-url") or None
+        return first_line(self.s.root / "prometheus-url") or None
 
     @property
     def token_file(self) -> Path:
-        return self.s.root / "dev-token"
+        return self.tokens.token_file
 
     @property
     def admin_token_file(self) -> Path:
         """The platform-admin token the API bootstraps (TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE)."""
-        return self.s.root / "admin-token"
+        return self.tokens.admin_token_file
+
+    @property
+    def state(self) -> StackState:
+        return StackState(self.redis_url)
 
     def service_env(self, service: str = redisacl.OPERATOR) -> dict[str, str]:
         env = dict(os.environ)
@@ -207,27 +198,16 @@ class LocalStack:
         env.update(self.extra_env)
         return env
 
-    # ------------------------------------------------------------------ pid files
-    def _pidfile(self, name: str) -> Path:
-        return self.s.run_dir / f"{name}.pid"
-
+    # ------------------------------------------------------------------ processes
     def components(self) -> list[Component]:
-        found = []
-        if self.s.run_dir.is_dir():
-            for pidfile in sorted(self.s.run_dir.glob("*.pid")):
-                try:
-                    pid = int(pidfile.read_text().strip())
-                except ValueError:
-                    continue
-                found.append(Component(pidfile.stem, pid, self.s.log_dir / f"{pidfile.stem}.log"))
-        return found
+        return self.procs.components()
 
     def running(self) -> list[Component]:
         return [c for c in self.components() if c.alive]
 
-    def _record(self, name: str, pid: int) -> None:
-        self.s.run_dir.mkdir(parents=True, exist_ok=True)
-        self._pidfile(name).write_text(f"{pid}\n")
+    def nodes(self) -> list[NodeRecord]:
+        """The node inventory as the scheduler recorded it from the agents' heartbeats."""
+        return sorted(asyncio.run(self.state.nodes()), key=lambda n: n.node_id)
 
     # ------------------------------------------------------------------ up
     def up(self) -> str:
@@ -240,20 +220,12 @@ class LocalStack:
             d.mkdir(parents=True, exist_ok=True)
         alive = {c.name for c in self.running()}
         for stale in {c.name for c in self.components()} - alive:
-            self._pidfile(stale).unlink(missing_ok=True)
+            self.procs.forget(stale)
         if not self.s.kafka_bootstrap and "broker" not in alive:
             self.say(f"starting the Kafka-protocol broker (tansu, memory storage) on :{self.s.kafka_port}")
             launched = infra.start_broker(self.s.kafka_port, self.s.log_dir / "broker.log")
-            self._record("broker", launched.process.pid)
-        if not self.s.redis_url and self.s.redis_ha:
-            self._start_redis_ha(alive)
-        elif not self.s.redis_url and "redis" not in alive:
-            self.say(f"starting redis-server (AOF, fsync always) on :{self.s.redis_port}")
-            acl = redisacl.write_acl_file(self.s.root / "redis" / "users.acl",
-                                          redisacl.load_or_create(self.redis_users_file))
-            launched = infra.start_redis(self.s.redis_port, self.s.root / "redis", self.s.log_dir / "redis.log",
-                                         acl_file=acl)
-            self._record("redis", launched.process.pid)
+            self.procs.record("broker", launched.process.pid)
+        self.redis_server.start(alive, self.procs.record, self.say)
         asyncio.run(self._prepare_infra())
         alive -= self._wait_for_stopping_agents(alive)
         if "api" not in alive:
@@ -269,33 +241,12 @@ class LocalStack:
             self._start_prometheus()
         self._wait_ready()
         (self.s.root / "api-url").write_text(self.s.api_url + "\n")
-        return self._dev_token_when_the_api_answers()
-
-    def redis_ha(self) -> redisha.RedisHA:
-        """The primary, replica and Sentinels of ``TRAINYARD_REDIS_HA`` (see :mod:`trainyard_cli.redisha`)."""
-        passwords = redisacl.load_or_create(self.redis_users_file)
-        first = self.s.redis_sentinel_port
-        return redisha.RedisHA(self.s.root / "redis-ha", self.s.log_dir, (self.s.redis_port, self.s.redis_replica_port),
-                               (first, first + 1, first + 2), auth=(redisacl.OPERATOR, passwords[redisacl.OPERATOR]))
-
-    def _start_redis_ha(self, alive: set[str]) -> None:
-        ha = self.redis_ha()
-        names = [f"redis-{p}" for p in ha.ports] + [f"redis-sentinel-{p}" for p in ha.sentinel_ports]
-        if all(n in alive for n in names):
-            return
-        self.say(f"starting Redis with failover: redis-server on :{ha.ports[0]} and :{ha.ports[1]} (AOF, fsync "
-                 f"always; one replicates the other), redis-sentinel on :{', :'.join(map(str, ha.sentinel_ports))}")
-        redisacl.write_acl_file(ha.root / "users.acl", redisacl.load_or_create(self.redis_users_file))
-        try:
-            ha.start(skip=[n for n in names if n in alive])
-        finally:  # what did start is recorded even when the rest failed: `make down` stops it
-            for launched in (*ha.servers.values(), *ha.sentinels.values()):
-                self._record(launched.name, launched.process.pid)
+        return self.tokens.when_the_api_answers(self.s.api_url)
 
     def _wait_for_stopping_agents(self, alive: set[str]) -> set[str]:
         """Node agents still running but stopping (SIGTERM-ed: their node is drained by their own incarnation)
         are waited for, so that `up` starts them again instead of counting them as running; their names."""
-        stopping = asyncio.run(self._stopping_agents({n for n in alive if n.startswith("node-agent-")}))
+        stopping = asyncio.run(self.state.stopping_agents({n for n in alive if n.startswith("node-agent-")}))
         if not stopping:
             return set()
         grace = self.s.drain_timeout_s + 60.0
@@ -310,43 +261,8 @@ class LocalStack:
                 f"{', '.join(still)} did not finish stopping within {grace:.0f}s; see its log "
                 f"({self.s.log_dir}) or stop it (`make down`), then `make up` again", retryable=True)
         for name in stopping:
-            self._pidfile(name).unlink(missing_ok=True)
+            self.procs.forget(name)
         return stopping
-
-    async def _stopping_agents(self, names: set[str]) -> set[str]:
-        """Of ``names`` (node-agent-<i>), those whose node's drain was started by the incarnation that sent
-        the node's latest heartbeat: that agent is stopping."""
-        if not names:
-            return set()
-        redis = connect_redis(self.redis_url)
-        try:
-            drains = await redis.hgetall(Keys.node_drain)
-            nodes = {n.node_id: n for n in await StateStore(redis).list_nodes()}
-        finally:
-            await redis.aclose()
-        out = set()
-        for name in names:
-            node_id = "node-" + name.rsplit("-", 1)[1]
-            raw, node = drains.get(node_id), nodes.get(node_id)
-            entry = json.loads(raw) if raw else None
-            if entry and node and entry.get("by") == "node-agent" and entry.get("bootId") == node.boot_id:
-                out.add(name)
-        return out
-
-    def _dev_token_when_the_api_answers(self, timeout_s: float = 60.0) -> str:
-        """:meth:`_ensure_dev_token`, retried while the API is unreachable or answers 5xx (it may still be
-        connecting to the broker right after it turned healthy); other errors at once."""
-        from trainyard_cli.client import ApiError
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self._ensure_dev_token()
-            except ApiError as exc:
-                transient = exc.status is None or exc.status >= 500
-                if not transient or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
 
     async def _prepare_infra(self) -> None:
         from trainyard_runtime.bus import ensure_topics
@@ -354,117 +270,63 @@ class LocalStack:
         await ensure_topics(self.kafka_bootstrap, partitions=self.s.topic_partitions,
                             namespace=self.s.topic_namespace)
 
-    def _ensure_dev_token(self) -> str:
-        """The dev token (tenant-admin of tenant ``dev``): the file's while the API accepts it, else a new one
-        issued through the API with the bootstrap admin token. Nothing here writes Redis."""
-        from trainyard_cli.client import ApiAuthError, ApiClient, ApiConflictError
-
-        token = _first_line(self.token_file)
-        if token:
-            with ApiClient(self.s.api_url, token) as api:
-                try:
-                    api.list_jobs(limit=1)
-                    return token
-                except ApiAuthError:
-                    pass  # unknown (a fresh Redis), revoked or expired: issue another
-        admin = _first_line(self.admin_token_file)
-        if not admin:
-            raise InfrastructureError(
-                f"the API accepts no dev token and wrote no admin token to {self.admin_token_file}; an active "
-                "platform-admin token exists elsewhere: issue the dev token with it (`trainyard --token <admin> "
-                f"admin tokens create --tenant {DEV_TENANT} --role tenant-admin > {self.token_file}`)",
-                retryable=False)
-        with ApiClient(self.s.api_url, admin) as api:
-            try:
-                api.call_json("POST", "/v1/admin/tenants", body={"tenant": DEV_TENANT})
-            except ApiConflictError:
-                pass  # exists already
-            issued = api.call_json("POST", f"/v1/admin/tenants/{DEV_TENANT}/tokens",
-                                   body={"name": "dev", "role": "tenant-admin"})
-        _write_private(self.token_file, issued["token"])
-        return str(issued["token"])
-
     def _spawn_service(self, service: str, *, name: str | None = None, node_index: int = 0) -> None:
         name = name or service
         env = self.service_env(service)
-        module = "trainyard_" + service.replace("-", "_")
         if service == "api":
             env["TRAINYARD_API_PORT"] = str(self.s.api_port)
             env["TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE"] = str(self.admin_token_file)
             # one user's own machine: code.repo may name a checkout on it (off by default elsewhere)
             env.setdefault("TRAINYARD_API_GIT_LOCAL_REPOS", "true")
         if service == "node-agent":
-            env.update(
-                {
-                    "TRAINYARD_NODE_ID": f"node-{node_index}",
-                    "TRAINYARD_DEVICE_COUNT": str(self.s.devices_per_node),
-                    "TRAINYARD_RACK": f"rack-{node_index // 2}",
-                    "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
-                    # the stack's whole state directory is hidden from ranks, not only the artifact root
-                    "TRAINYARD_SANDBOX_HIDE": str(self.s.root),
-                }
-            )
-            if self.s.artifact_store:
-                env.update(self._object_store_agent_env(env))
-            if "TRAINYARD_NODE_RANK_BLOCKED" not in env:  # the operator's own list (even an empty one) wins
-                env["TRAINYARD_NODE_RANK_BLOCKED"] = ",".join(self.control_plane(env))
+            env.update(self._agent_env(env, node_index))
         if self.s.prometheus:  # a metrics port and a scrape target of its own
             port = self._port(name)
             env["TRAINYARD_METRICS_PORT"] = str(port)
             env["TRAINYARD_METRICS_TOKEN"] = observe.metrics_token(self.s.root)
             observe.write_target(self.s.root, name, service, port)
-        log_path = self.s.log_dir / f"{name}.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                [sys.executable, "-m", module],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=str(self.s.root.parent), start_new_session=True,
-            )
-        self._record(name, proc.pid)
-        self.say(f"started {name} (pid {proc.pid}); log {log_path}")
+        pid = self.procs.spawn(name, "trainyard_" + service.replace("-", "_"), env, cwd=self.s.root.parent)
+        self.say(f"started {name} (pid {pid}); log {self.s.log_dir / f'{name}.log'}")
 
-    def _object_store_agent_env(self, env: dict[str, str]) -> dict[str, str]:
-        """A node agent's settings under an object-store root: its own files in the stack's directory, the
-        AWS configuration passed on to its ranks, ranks unsandboxed (a sandbox cannot scope the credentials)."""
-        return {
-            "TRAINYARD_NODE_STATE_DIR": str(self.s.artifact_root),
-            "TRAINYARD_RANK_PASS_ENV": env.get("TRAINYARD_RANK_PASS_ENV") or ",".join(
-                sorted(k for k in env if k.startswith(("AWS_", "FSSPEC_S3_")))),
-            "TRAINYARD_NODE_SANDBOX": env.get("TRAINYARD_NODE_SANDBOX") or "trusted-single-tenant",
+    def _agent_env(self, env: dict[str, str], node_index: int) -> dict[str, str]:
+        """A node agent's own settings: its node, its rack, the drain, what its ranks may not see or reach."""
+        out = {
+            "TRAINYARD_NODE_ID": f"node-{node_index}",
+            "TRAINYARD_DEVICE_COUNT": str(self.s.devices_per_node),
+            "TRAINYARD_RACK": f"rack-{node_index // 2}",
+            "TRAINYARD_DRAIN_TIMEOUT_S": str(self.s.drain_timeout_s),
+            # the stack's whole state directory is hidden from ranks, not only the artifact root
+            "TRAINYARD_SANDBOX_HIDE": str(self.s.root),
         }
+        if self.s.artifact_store:
+            out.update(object_store_agent_env(env, self.s.artifact_root))
+        if "TRAINYARD_NODE_RANK_BLOCKED" not in env:  # the operator's own list (even an empty one) wins
+            out["TRAINYARD_NODE_RANK_BLOCKED"] = ",".join(self.control_plane({**env, **out}))
+        return out
 
     def control_plane(self, env: dict[str, str]) -> list[str]:
         """Every endpoint of the stack a rank must not reach (its node agents' TRAINYARD_NODE_RANK_BLOCKED): the
         broker, Redis (with its replica and Sentinels), the API, with Prometheus every component's metrics port
-        and Prometheus itself, an S3 endpoint of ``env``. Not an OTLP collector: ranks send their own spans there.
-        Ports of components started later by another `up` (a crashed one started again) are not in the lists of
-        agents already running."""
-        if self.s.redis_url:
-            redis: list[str] = []  # the operator's: what its URL names (rank_blocked)
-        elif self.s.redis_ha:
-            ha = self.redis_ha()
-            redis = [f"127.0.0.1:{p}" for p in (*ha.ports, *ha.sentinel_ports)]
-        else:
-            redis = [f"127.0.0.1:{self.s.redis_port}"]
+        (every service's, the telemetry service's included) and Prometheus itself, an S3 endpoint of ``env``.
+        Not an OTLP collector: ranks send their own spans there. Ports of components started later by another
+        `up` (a crashed one started again) are not in the lists of agents already running."""
         metrics: list[int] = []
         if self.s.prometheus:
             names = [*SERVICES, *(f"node-agent-{i}" for i in range(self.s.nodes))]
             metrics = [self._port(n) for n in names] + [self.s.prometheus_port or self._port("prometheus")]
-        return rank_blocked(kafka_bootstrap=self.kafka_bootstrap, redis_url=self.s.redis_url, redis=redis,
-                            api_port=self.s.api_port, metrics_ports=metrics, env=env)
+        return rank_blocked(kafka_bootstrap=self.kafka_bootstrap, redis_url=self.s.redis_url,
+                            redis=self.redis_server.endpoints(), api_port=self.s.api_port, metrics_ports=metrics, env=env)
 
     def _port(self, component: str) -> int:
         """The metrics port of ``component`` (or Prometheus' port): chosen once, so that the node agents started
         before it can list it."""
-        if component not in self._ports:
-            self._ports[component] = infra.free_port()
-        return self._ports[component]
+        return self.ports.port(component)
 
     def _start_prometheus(self) -> None:
         port = self.s.prometheus_port or self._port("prometheus")
         launched = observe.start_prometheus(self.s.root, port, self.s.log_dir / "prometheus.log",
                                             scrape_interval_s=self.s.prometheus_scrape_interval_s)
-        self._record("prometheus", launched.process.pid)
+        self.procs.record("prometheus", launched.process.pid)
         (self.s.root / "prometheus-url").write_text(launched.address + "\n")
         self.say(f"started prometheus on {launched.address} (storage {self.s.root / 'prometheus' / 'data'})")
         unscraped = [c.name for c in self.running() if c.name not in ("broker", "redis", "prometheus")
@@ -495,37 +357,7 @@ class LocalStack:
         )
 
     async def _not_ready(self) -> list[str]:
-        missing: list[str] = []
-        redis = connect_redis(self.redis_url)
-        try:
-            for service in (*SERVICES, "node-agent"):
-                keys = [k async for k in redis.scan_iter(match=Keys.health(service, "*"), count=100)]
-                need = self.s.nodes if service == "node-agent" else 1
-                if len(keys) < need:
-                    missing.append(f"{service} ({len(keys)}/{need})")
-            nodes = await StateStore(redis).list_nodes()
-            if len(nodes) < self.s.nodes:
-                missing.append(f"node inventory ({len(nodes)}/{self.s.nodes} nodes)")
-        finally:
-            await redis.aclose()
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                resp = await client.get(f"{self.s.api_url}/healthz")
-                if resp.status_code != 200:
-                    missing.append(f"api /healthz ({resp.status_code})")
-        except httpx.HTTPError:
-            missing.append("api /healthz (no answer)")
-        return missing
-
-    def nodes(self) -> list[NodeRecord]:
-        """The node inventory as the scheduler recorded it from the agents' heartbeats."""
-        async def read() -> list[NodeRecord]:
-            redis = connect_redis(self.redis_url)
-            try:
-                return await StateStore(redis).list_nodes()
-            finally:
-                await redis.aclose()
-        return sorted(asyncio.run(read()), key=lambda n: n.node_id)
+        return await self.state.not_ready(SERVICES, nodes=self.s.nodes, api_url=self.s.api_url)
 
     # ------------------------------------------------------------------ down
     def down(self, timeout_s: float = 20.0) -> list[str]:
@@ -557,32 +389,12 @@ class LocalStack:
         return stopped
 
     def _stop(self, group: list[Component], timeout_s: float) -> list[str]:
-        for c in group:
-            _signal_group(c.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(c.alive for c in group):
-            time.sleep(0.2)
-        for c in group:
-            if c.alive:
-                _signal_group(c.pid, signal.SIGKILL)
-            self._pidfile(c.name).unlink(missing_ok=True)
-        return [c.name for c in group]
+        return self.procs.stop(group, timeout_s)
 
     def _live_attempts(self) -> list[str]:
         """Jobs whose current attempt is live (starting or running), from Redis; [] if unreachable."""
-        async def go() -> list[str]:
-            redis = connect_redis(self.redis_url)
-            try:
-                store = StateStore(redis)
-                ids = await redis.zrange(Keys.jobs, 0, -1)
-                jobs = await store.get_jobs(list(ids)) if ids else []
-                return [j.job_id for j in jobs if j.current is not None and j.current.state in ("starting", "running")
-                        and j.state not in ("succeeded", "failed", "cancelled")]
-            finally:
-                await redis.aclose()
-
         try:
-            return asyncio.run(go())
+            return asyncio.run(self.state.live_attempts())
         except Exception:  # noqa: BLE001 - Redis already down: nothing to wait for
             return []
 
@@ -596,57 +408,12 @@ class LocalStack:
         return left
 
 
-def rank_blocked(*, kafka_bootstrap: str, redis_url: str | None, redis: list[str], api_port: int,
-                 metrics_ports: list[int], env: dict[str, str]) -> list[str]:
-    """The ``host:port`` entries of a local stack's control plane (see :meth:`LocalStack.control_plane`). Pure."""
-    found = [b.strip() for b in kafka_bootstrap.split(",") if b.strip()]
-    found += [*redis, *_url_endpoints(redis_url), f"127.0.0.1:{api_port}"]
-    found += [f"127.0.0.1:{p}" for p in metrics_ports]
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        found += _url_endpoints(env.get(name))
-    return list(dict.fromkeys(found))
-
-
-def _url_endpoints(url: str | None) -> list[str]:
-    """``host:port`` of each host of a URL (``redis+sentinel://a:1,b:2/…`` names several; default ports by
-    scheme), none when there is no URL."""
-    if not url or "://" not in url:
-        return []
-    scheme, rest = url.split("://", 1)
-    hosts = rest.split("/", 1)[0].rpartition("@")[2]
-    default = {"http": 80, "https": 443, "redis": 6379, "rediss": 6379}.get(scheme, 26379 if "sentinel" in scheme else 0)
-    out = []
-    for host in filter(None, hosts.split(",")):
-        if host.startswith("["):  # [v6]:port
-            addr, _, port = host[1:].partition("]")
-            port = port.lstrip(":")
-            out.append(f"[{addr}]:{port or default}")
-            continue
-        addr, _, port = host.partition(":")
-        out.append(f"{addr}:{port or default}")
-    return [e for e in out if not e.endswith(":0")]
-
-
-def _first_line(path: Path) -> str:
-    try:
-        return path.read_text().strip().split("\n", 1)[0].strip()
-    except OSError:
-        return ""
-
-
-def _write_private(path: Path, secret: str) -> None:
-    """``secret`` into ``path``, readable by its owner only from the moment it exists."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secret + "\n")
-    path.chmod(0o600)
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    """Signal the process group our start_new_session gave the component (its children too)."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError as exc:
-        raise ConfigError(f"not allowed to stop pid {pid}: {exc}") from exc
+def object_store_agent_env(env: dict[str, str], artifact_root: Path) -> dict[str, str]:
+    """A node agent's settings under an object-store root: its own files in the stack's directory, the
+    AWS configuration passed on to its ranks, ranks unsandboxed (a sandbox cannot scope the credentials)."""
+    return {
+        "TRAINYARD_NODE_STATE_DIR": str(artifact_root),
+        "TRAINYARD_RANK_PASS_ENV": env.get("TRAINYARD_RANK_PASS_ENV") or ",".join(
+            sorted(k for k in env if k.startswith(("AWS_", "FSSPEC_S3_")))),
+        "TRAINYARD_NODE_SANDBOX": env.get("TRAINYARD_NODE_SANDBOX") or "trusted-single-tenant",
+    }
