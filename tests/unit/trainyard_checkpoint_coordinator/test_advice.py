@@ -42,7 +42,7 @@ def test_mtbf_is_observed_device_seconds_per_failure_else_the_prior() -> None:
 @pytest.mark.parametrize(("reason", "code", "counts"), [
     ("error", 1, True), ("killed", -9, True), ("lost", -9, True), ("hang", -9, True), ("nccl", 1, True),
     ("oom", 6, True), ("ok", 0, False), ("revoked", -15, False), ("preempted", -15, False),
-    ("signal-11", -11, True), ("checkpoint", 4, True), ("a-reason-from-a-newer-agent", 1, True),
+    ("signal-11", -11, True), ("checkpoint", 4, True), ("a-reason-from-a-newer-agent", 1, True), ("", 1, True),
     ("config", 2, False), ("nan", 3, False), ("data", 5, False),
 ])
 def test_which_exits_are_interruptions(reason: str, code: int, counts: bool) -> None:

@@ -59,7 +59,9 @@ def test_interruptions_spend_no_budget_and_blame_nobody() -> None:
 
 @pytest.mark.parametrize(("text", "reason"), [
     ("oom", R.OOM), ("port-in-use", R.PORT_IN_USE), ("signal-11", R.SIGNAL), ("signal-6", R.SIGNAL),
-    ("signal", R.SIGNAL), ("", R.OK), (None, R.OK),
+    ("signal", R.SIGNAL), ("ok", R.OK),
+    # no reason at all: unknown (the scheduler records a non-zero exit without one as an error)
+    ("", R.UNKNOWN), (None, R.UNKNOWN),
     # unknown strings (a retired reason, a newer producer's): parsed, never retried, nobody blamed
     ("gpu-fell-off-the-bus", R.UNKNOWN), ("OOM", R.UNKNOWN), ("unknown", R.UNKNOWN),
 ])

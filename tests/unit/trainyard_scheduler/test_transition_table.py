@@ -220,3 +220,20 @@ def test_every_other_pair_is_refused(state: JobState, happening: Happening) -> N
 def test_terminal_states_only_record_late_exits() -> None:
     for state in ("succeeded", "failed", "cancelled"):
         assert {h for (s, h) in TABLE if s == state} == {H.EXIT_RECORDED}
+
+
+@pytest.mark.parametrize(("reason", "recorded", "state"), [
+    ("gpu-fell-off-the-bus", "gpu-fell-off-the-bus", "failed"),  # unknown: not retried, kept as given
+    ("", "error", "queued"),  # no reason: an error, retried
+    ("signal-11", "signal", "queued"),
+    ("port-in-use", None, "queued"),  # an interruption: no failure recorded
+])
+def test_a_rank_exit_reason_decides_through_exit_reason(reason: str, recorded: str | None, state: str) -> None:
+    outcome = exit_of(running(admitted(new_job())), "running", 1 if reason != "port-in-use" else 127, reason)
+    assert outcome.job.state == state
+    attempt = outcome.job.attempts[-1]
+    if recorded is None:
+        assert attempt.state == "revoked" and outcome.blame == [] and tr.failures(outcome.job) == 0
+    else:
+        assert attempt.state == "failed" and (attempt.failure_reason or "").startswith(f"{recorded}: ")
+        assert outcome.blame == [("n1", recorded)]

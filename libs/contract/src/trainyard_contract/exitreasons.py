@@ -83,10 +83,10 @@ class ExitReason(StrEnum):
 
     @classmethod
     def parse(cls, text: str | None) -> ExitReason:
-        """The reason a wire string names: ``signal-<n>`` is :attr:`SIGNAL`, an unknown one :attr:`UNKNOWN`,
-        an empty one :attr:`OK` (an exit that gave none)."""
+        """The reason a wire string names: ``signal-<n>`` is :attr:`SIGNAL`; an unknown one, or none at all,
+        :attr:`UNKNOWN`."""
         if not text:
-            return cls.OK
+            return cls.UNKNOWN
         if text.startswith(SIGNAL_PREFIX):
             return cls.SIGNAL
         try:
