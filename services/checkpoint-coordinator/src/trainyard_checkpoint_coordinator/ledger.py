@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from datetime import datetime
+from typing import cast
 
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
@@ -150,7 +151,8 @@ class CheckpointLedger:
 
     async def pending_before(self, cutoff: float) -> list[tuple[str, float]]:
         """Members of the pending index created before ``cutoff`` (epoch seconds), with their creation time."""
-        return list(await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff, withscores=True))
+        entries = await self.redis.zrangebyscore(PENDING_INDEX, "-inf", cutoff, withscores=True)
+        return cast(list[tuple[str, float]], entries)
 
     async def unindex(self, text: str) -> None:
         await self.redis.zrem(PENDING_INDEX, text)
