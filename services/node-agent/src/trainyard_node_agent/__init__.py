@@ -5,9 +5,11 @@ attempts, stops them on revocation, and adopts them again after its own restart.
 Pure decisions live in :mod:`admission` (fencing, the rank environment), :mod:`supervision` (a rank's
 lifecycle: :class:`RankState`, :func:`transition`), :mod:`classify` (why a rank ended), :mod:`watchdog`
 (hang detection) and :mod:`confirmation` (when an announced event was applied). The I/O shells, on an
-injected :class:`Clock`, retrying through :mod:`backoff`: :class:`NodeAgent` (handlers, launch, node-wide
-loops), one :class:`RankSupervisor` per rank (its lifecycle, its watch, its exit report) and the
-:class:`SpoolRelay` (the ranks' spools onto the bus). Ranks start under :mod:`launcher` (cold) or in a
+injected :class:`Clock`, retrying through :mod:`backoff`: :class:`NodeAgent` wires the parts (:mod:`launch`
+admits and launches, :mod:`rank_start` starts one rank in its sandbox, :mod:`control` stops or asks ranks
+to stop, :mod:`attempts` watches them and closes each attempt's containment, :mod:`rank_table` and
+:mod:`recovery` keep and adopt the rank table, :mod:`heartbeat`), one :class:`RankSupervisor` per rank (its
+lifecycle, its watch, its exit report) and the :class:`SpoolRelay` (the ranks' spools onto the bus). Ranks start under :mod:`launcher` (cold) or in a
 warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
 A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
 trees (one per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes,
