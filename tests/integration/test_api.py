@@ -372,7 +372,7 @@ async def test_the_api_process_serves_refuses_a_taken_port_and_stops_cleanly_on_
 async def test_healthz_is_degraded_while_any_services_consumer_is_stuck_on_one_record(env: dict, server) -> None:
     """A service whose handler keeps failing on one record (Redis refusing it, say) reports it with its health
     beacon; /healthz names it (200: the API itself still serves) until the record is handled."""
-    from trainyard_runtime.bus import RetryPolicy
+    from trainyard_runtime.retry import RetryPolicy
     from trainyard_contract.errors import StateStoreError
     from trainyard_runtime.service import ServiceRuntime
     from trainyard_contract.settings import ServiceSettings
@@ -385,7 +385,7 @@ async def test_healthz_is_degraded_while_any_services_consumer_is_stuck_on_one_r
 
     probe = ServiceRuntime("probe", ServiceSettings(**env, health_interval_s=0.2), outbox_name="probe")
     probe.bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat},
-                        retry=RetryPolicy(first_s=0.01, max_s=0.05, stuck_after=3))
+                        retry=RetryPolicy(initial_interval_s=0.01, maximum_interval_s=0.05), stuck_after=3)
 
     async def health() -> dict[str, Any]:
         async with client_for(server.url, None) as c:

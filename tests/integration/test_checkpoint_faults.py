@@ -168,7 +168,7 @@ async def test_redis_killed_between_the_manifest_write_and_the_ready_mark_settle
             kill()
 
     monkeypatch.setattr(coordinator_module, "commit_manifest", write_then_lose_redis)
-    stack = await start_stack(env)  # retry_backoff_max_s 1 s (with 10 s, READY came 10.6 s after Redis was back)
+    stack = await start_stack(env)  # shard_report_retry_max_s 1 s (with 10 s, READY came 10.6 s after Redis was back)
     try:
         job_id = "job-redis-mid-settle"
         epoch = await given_job(stack, job_id)
@@ -178,7 +178,7 @@ async def test_redis_killed_between_the_manifest_write_and_the_ready_mark_settle
         restart()
         back = time.monotonic()
         record = await wait_for(lambda: _ready(stack, job_id, 40), timeout_s=60, what="READY after Redis is back")
-        # the back-off is capped (retry_backoff_max_s, 1 s): not the 10 s an idle consumer used to sleep
+        # the back-off is capped (shard_report_retry_max_s, 1 s): not the 10 s an idle consumer used to sleep
         assert time.monotonic() - back < 5.0, f"READY {time.monotonic() - back:.1f}s after Redis was back"
         assert _manifest_of(record).content_hash == record.content_hash
     finally:

@@ -32,6 +32,7 @@ MANY_HOSTS_ENV = {
     "TRAINYARD_LEASE_CHECK_S": "1",
     "TRAINYARD_WARM_RANKS": "0",  # three agents on a small machine: no torch imported ahead of need
     "TRAINYARD_SWEEP_INTERVAL_S": "2",  # checkpoint coordinator
+    "TRAINYARD_SHARD_REPORT_RETRY_MAX_S": "2",
     "TRAINYARD_LOG_LEVEL": "INFO",
 }
 

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainyard_runtime.bus import RetryPolicy, StuckPartition, _body_bytes, _Failing, stuck_partitions
+from trainyard_runtime.bus import Redelivery, StuckPartition, _body_bytes, _Failing, stuck_partitions
+from trainyard_runtime.retry import RetryPolicy
 
-POLICY = RetryPolicy(first_s=0.1, max_s=1.0, stuck_after=3)  # forgotten after 3 * 1 + 30 = 33 s
+# forgotten after 3 * 1 + 30 = 33 s
+POLICY = Redelivery(RetryPolicy(initial_interval_s=0.1, maximum_interval_s=1.0), stuck_after=3)
 
 
 @pytest.mark.parametrize(("tries", "last_at", "stuck"), [
@@ -28,7 +30,7 @@ def test_a_partition_is_stuck_after_its_policys_tries_while_tries_keep_coming(tr
 
 def test_each_topic_is_judged_by_its_own_policy() -> None:
     failing = {("a", 0, 1): _Failing(3, 0.0, 99.0, "x"), ("b", 0, 1): _Failing(3, 0.0, 99.0, "x")}
-    got = stuck_partitions("g", failing, {"a": POLICY, "b": RetryPolicy(stuck_after=4)}, now=100.0)
+    got = stuck_partitions("g", failing, {"a": POLICY, "b": Redelivery(stuck_after=4)}, now=100.0)
     assert [s.topic for s in got] == ["a"]
 
 

@@ -1,10 +1,10 @@
-"""The one retry loop of the node agent: the bus's back-off policy, and when each caller gives up."""
+"""The one retry loop of the node agent: the platform's retry policy, and when each caller gives up."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainyard_runtime.bus import RetryPolicy
+from trainyard_runtime.retry import RetryPolicy
 from trainyard_node_agent.backoff import INFRASTRUCTURE, ClosingGrace, closing_and_capped, past, retry
 
 
@@ -85,7 +85,7 @@ def test_past_a_deadline() -> None:
 async def test_flush_style_retry_stops_at_its_deadline() -> None:
     clock = FakeClock()
     calls, attempt = failing(100)
-    policy = RetryPolicy(first_s=0.5, max_s=0.5)
+    policy = RetryPolicy(initial_interval_s=0.5, maximum_interval_s=0.5)
     assert not await retry(attempt, policy=policy, give_up=past(clock.now + 2.0, clock), clock=clock,  # type: ignore[arg-type]
                            what="x")
     assert clock.slept == [0.5, 0.5, 0.5, 0.5] and len(calls) == 5

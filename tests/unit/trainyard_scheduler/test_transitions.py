@@ -25,7 +25,7 @@ from trainyard_scheduler.placement import place
 from trainyard_scheduler.topology import ClusterSnapshot, NodeView
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
-POLICY = tr.RetryPolicy(backoff_s=2.0, max_backoff_s=10.0)
+POLICY = tr.RetryPolicy(initial_interval_s=2.0, maximum_interval_s=10.0)
 DEADLINES = tr.Deadlines(start_timeout_s=60.0, final_checkpoint_timeout_s=120.0)
 
 SPEC = TrainingSpec.model_validate({
@@ -614,7 +614,7 @@ def test_failures_without_progress_double_the_back_off_and_spend_the_budget() ->
 
 
 def test_an_optional_total_cap_ends_even_a_progressing_job() -> None:
-    capped = tr.RetryPolicy(backoff_s=1, max_backoff_s=1, max_total_failures=2)
+    capped = tr.RetryPolicy(initial_interval_s=1, maximum_interval_s=1, maximum_attempts=2)
     job = fail(running(admitted(new_job(), epoch=1)), at_s=10, ready=10, policy=capped).job
     assert job.state == "queued"
     job = fail(running(admitted(job, epoch=2, now=20, start=checkpoint(10))), at_s=30, ready=20, policy=capped).job
@@ -768,7 +768,7 @@ def test_a_security_violation_fails_the_job_at_once_without_retry_or_blame() -> 
     assert outcome.release is not None and outcome.blame == []
     # the ranks' exits that follow (reason security, or errors of their peers) change nothing
     after = tr.worker_exited(outcome.job, exited(job, 0, code=1, reason="error"), final_ready=False,
-                             policy=tr.RetryPolicy(), now=at(6))
+                             policy=tr.JOB_RETRY, now=at(6))
     assert after.job.state == "failed" and len(after.job.attempts) == 1
 
 

@@ -2,12 +2,19 @@
 
 Each service subclasses :class:`ServiceSettings` with its own fields. Nothing deeper in
 the code reads ``os.environ``; the settings object is passed down.
+
+A setting has one name per meaning. When one is renamed, its old variable stays accepted for a while: the
+class lists it in ``renamed_env``, and parsing takes its value with a warning (a ``FutureWarning``, the category
+Python shows operators by default) unless the new variable is set.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -81,6 +88,24 @@ class ServiceSettings(BaseSettings):
         default=5.0, gt=0, description="how often a paused idle consumer fetches anyway (a record from a producer "
                                        "without a doorbell waits at most this long)")
     reconcile_interval_s: float = Field(default=5.0, gt=0)
+
+    #: Old variable (full name) -> the field it sets now; read with a FutureWarning (see the module docstring).
+    renamed_env: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_variables(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        for old, field in cls.renamed_env.items():
+            if old not in os.environ:
+                continue
+            if field not in data:  # set, the new name wins (the old one may be another service's setting)
+                warnings.warn(f"{old} is deprecated: {cls.__name__} reads it as {prefix}{field.upper()}; set that "
+                              "instead", FutureWarning, stacklevel=2)
+                data = {**data, field: os.environ[old]}
+        return data
 
     @field_validator("artifact_root", mode="before")
     @classmethod
@@ -159,6 +184,8 @@ def settings_help(cls: type[BaseSettings]) -> str:
         lines.append(f"  {prefix}{name.upper()}  ({default})")
         if info.description:
             lines.extend(textwrap.wrap(info.description, 76, initial_indent="      ", subsequent_indent="      "))
+    for old, field in getattr(cls, "renamed_env", {}).items():
+        lines.append(f"  {old}  (deprecated: {prefix}{field.upper()})")
     lines += [
         "  OTEL_EXPORTER_OTLP_ENDPOINT",
         "      traces are exported there over OTLP (e.g. Jaeger) when set; other OTEL_* variables apply",

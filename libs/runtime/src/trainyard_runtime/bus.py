@@ -8,7 +8,7 @@
   ``trainyard.deadletter`` with its topic, partition, offset, raw bytes and the error, and
   the consumer carries on; infrastructure errors are retried with back-off (the message
   is re-delivered, never skipped), and a partition held on one record for
-  :attr:`RetryPolicy.stuck_after` tries is reported (:meth:`Bus.stuck`, a metric, the health beacon);
+  :attr:`Redelivery.stuck_after` tries is reported (:meth:`Bus.stuck`, a metric, the health beacon);
 * decoding is ours, whatever the record's headers say: faststream's own parser decodes every header
   as UTF-8 and its decoder parses the body by ``content-type`` *before* a handler runs, so a record
   with a non-JSON body under ``content-type: application/json`` (the header our producers set) or a
@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 from trainyard_contract import events as ev
 from trainyard_contract.errors import BusError, TrainyardError
 from trainyard_runtime.idlefetch import Doorbell, IdleFetching, IdlePolicy
+from trainyard_runtime.retry import RetryPolicy
 from trainyard_runtime.store import Keys
 from trainyard_contract.tracing import inject_headers
 
@@ -110,25 +111,26 @@ Handler = Callable[[Any], Awaitable[None]]  # called with an instance of the eve
 SEEN_TTL_S = 7 * 24 * 3600
 
 
+#: A message whose handler failed retryably is tried again after 0.4 s, doubling per failure up to 10 s.
+REDELIVERY_RETRY = RetryPolicy(initial_interval_s=0.4, maximum_interval_s=10.0)
+#: A record tried this often without success is reported: its partition is stuck.
+STUCK_AFTER = 5
+
+
 @dataclass(frozen=True)
-class RetryPolicy:
-    """How a message whose handler failed with a retryable error is tried again: after ``first_s``,
-    doubling per failure of the same message up to ``max_s``. Its partition waits meanwhile (paused,
-    so nothing after it on that partition is handled out of order); the group's other partitions and
-    topics go on."""
+class Redelivery:
+    """How a message whose handler failed with a retryable error is tried again (``retry``, never giving up),
+    and after how many tries its partition is reported stuck. Its partition waits meanwhile (paused, so
+    nothing after it on that partition is handled out of order); the group's other partitions and topics go
+    on."""
 
-    first_s: float = 0.4
-    max_s: float = 10.0
-    stuck_after: int = 5  # a record tried this often without success is reported: its partition is stuck
-
-    def delay(self, failures: int) -> float:
-        """Seconds before try ``failures + 1`` (``failures`` >= 1). Pure."""
-        return min(self.max_s, self.first_s * 2 ** min(max(failures - 1, 0), 16))
+    retry: RetryPolicy = REDELIVERY_RETRY
+    stuck_after: int = STUCK_AFTER
 
     def forgotten_after_s(self) -> float:
         """A failure older than this (no retry of it seen since) is a partition that moved to another
         consumer or a record handled elsewhere: no longer ours to report."""
-        return 3 * self.max_s + 30.0
+        return 3 * self.retry.maximum_interval_s + 30.0
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,13 @@ class _Failing:
     error: str
 
 
-def stuck_partitions(group: str, failing: Mapping[tuple[str, int, int], _Failing], policies: Mapping[str, RetryPolicy],
+def stuck_partitions(group: str, failing: Mapping[tuple[str, int, int], _Failing], policies: Mapping[str, Redelivery],
                      now: float) -> list[StuckPartition]:
     """The partitions among ``failing`` held on one record for at least their policy's ``stuck_after`` tries,
-    whose last try is recent (:meth:`RetryPolicy.forgotten_after_s`). Pure."""
+    whose last try is recent (:meth:`Redelivery.forgotten_after_s`). Pure."""
     out = []
     for (topic, partition, offset), f in sorted(failing.items()):
-        policy = policies.get(topic, RetryPolicy())
+        policy = policies.get(topic, Redelivery())
         if f.tries >= policy.stuck_after and now - f.last_at <= policy.forgotten_after_s():
             out.append(StuckPartition(group, topic, partition, offset, f.tries, f.first_at, f.error))
     return out
@@ -380,8 +382,8 @@ class Bus:
         *,
         group: str | None = None,
         deduper_factory: Callable[[str], Deduper] | None = None,
-        max_backoff_s: float = 10.0,
-        retry: RetryPolicy | None = None,
+        retry: RetryPolicy = REDELIVERY_RETRY,
+        stuck_after: int = STUCK_AFTER,
         offset_reset: Literal["earliest", "latest"] = "earliest",
         background: bool = False,
     ) -> str:
@@ -392,8 +394,9 @@ class Bus:
         group are read by one consumer (one group join at start-up, not one per topic), so
         call this before :meth:`start`.
 
-        ``retry`` (or ``max_backoff_s``, the cap of the default policy): how a retryable failure of this
-        topic's handlers is tried again (:class:`RetryPolicy`); each subscription keeps its own.
+        ``retry``: how a retryable failure of this topic's handlers is tried again (its ``maximum_attempts``
+        is not used: an event is never skipped), ``stuck_after``: after how many tries of one record its
+        partition is reported stuck (:class:`Redelivery`); each subscription keeps its own.
 
         ``background``: nobody waits on this group's events (metrics, the registry's records), so its
         consumer fetches with the longer ``background_fetch_max_wait_ms``; a group is background only if
@@ -408,7 +411,7 @@ class Bus:
         route.handlers[topic] = dict(handlers)
         if deduper_factory is not None:
             route.dedupers[topic] = deduper_factory(group_id)
-        route.retry[topic] = retry or RetryPolicy(first_s=min(0.4, max_backoff_s), max_s=max_backoff_s)
+        route.retry[topic] = Redelivery(retry, stuck_after)
         route.offset_reset = offset_reset
         route.background = background if len(route.handlers) == 1 else route.background and background
         return group_id
@@ -481,7 +484,7 @@ def _entry_point(dispatcher: _Dispatcher) -> Callable[[KafkaMessage], Awaitable[
 class _GroupRoute:
     handlers: dict[str, dict[type[ev.Event], Handler]] = field(default_factory=dict)
     dedupers: dict[str, Deduper] = field(default_factory=dict)
-    retry: dict[str, RetryPolicy] = field(default_factory=dict)  # per topic: each subscription's own
+    retry: dict[str, Redelivery] = field(default_factory=dict)  # per topic: each subscription's own
     offset_reset: Literal["earliest", "latest"] = "earliest"
     background: bool = False
 
@@ -505,7 +508,7 @@ class _Delivery:
 class _Dispatcher:
     """Each record, in separate steps: decode (a record that is no event of ours is dead-lettered) →
     handle once (dedupe, the handler of its class, mark seen) → on failure, retry per message
-    (:class:`RetryPolicy`: its partition is paused for the back-off, the rest of the group goes on) or
+    (:class:`Redelivery`: its partition is paused for the back-off, the rest of the group goes on) or
     dead-letter."""
 
     def __init__(self, bus: Bus, group: str, route: _GroupRoute) -> None:
@@ -516,7 +519,7 @@ class _Dispatcher:
 
     def stuck(self, now: float) -> list[StuckPartition]:
         for where, f in list(self._failures.items()):  # forget what moved elsewhere long ago
-            if now - f.last_at > 10 * self.route.retry.get(where[0], RetryPolicy()).forgotten_after_s():
+            if now - f.last_at > 10 * self.route.retry.get(where[0], Redelivery()).forgotten_after_s():
                 del self._failures[where]
         return stuck_partitions(self.group, self._failures, self.route.retry, now)
 
@@ -589,7 +592,7 @@ class _Dispatcher:
 
     async def _retry_later(self, message: KafkaMessage, record: Any, topic: str, exc: Exception) -> NoReturn:
         """Hand ``record`` back to be fetched again after its back-off (its partition paused meanwhile); count
-        the try, so a partition held on it is reported once :attr:`RetryPolicy.stuck_after` tries failed."""
+        the try, so a partition held on it is reported once :attr:`Redelivery.stuck_after` tries failed."""
         if self.bus.stopping:  # do not hold up shutdown: uncommitted, the group delivers it again
             raise NackMessage() from exc
         where = (topic, record.partition, record.offset)
@@ -598,8 +601,8 @@ class _Dispatcher:
         failing.tries, failing.last_at = failing.tries + 1, now
         failing.error = f"{type(exc).__name__}: {_short(exc, 300)}"
         self._failures[where] = failing
-        policy = self.route.retry.get(topic, RetryPolicy())
-        delay = policy.delay(failing.tries)
+        policy = self.route.retry.get(topic, Redelivery())
+        delay = policy.retry.delay(failing.tries)
         _REDELIVERIES.labels(self.bus.service_name, self.group, topic).inc()
         level = logging.ERROR if failing.tries == policy.stuck_after else logging.WARNING
         log.log(level, "%s: retryable error on %s@%s/%s (try %d, again in %.1fs)%s: %r",

@@ -32,11 +32,15 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from trainyard_runtime.retry import Backoff, RetryPolicy
+
 log = logging.getLogger(__name__)
 
 CHANNEL = "ty:bus:doorbell"
 RING_EVERY_S = 0.25  # far below any idle_pause_s: a consumer that saw a ring this recently is still awake
 POLL_AWAKE_S = 0.05  # how long a poll's resume lasts when nothing rang: one or two fetch rounds
+#: The doorbell listener, when Redis is away: again after 0.5 s, doubling up to 10 s (the consumers poll meanwhile).
+LISTENER_RETRY = RetryPolicy(initial_interval_s=0.5, maximum_interval_s=10.0)
 
 
 @dataclass(frozen=True)
@@ -175,12 +179,12 @@ class Doorbell:
 
     async def listen_forever(self) -> None:
         """Hear every ring on :data:`CHANNEL` (again after a Redis outage or failover; polls cover the gap)."""
-        backoff = 0.5
+        backoff = Backoff(LISTENER_RETRY)
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(CHANNEL)
-                    backoff = 0.5
+                    backoff.succeeded()
                     async for message in pubsub.listen():
                         if message.get("type") == "message":
                             data = message["data"]
@@ -188,8 +192,8 @@ class Doorbell:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the listener never dies; the consumers poll meanwhile
-                log.warning("doorbell listener: %r; again in %.1fs", exc, backoff)
+                delay = backoff.failed()
+                log.warning("doorbell listener: %r; again in %.1fs", exc, delay)
                 for listener in self._listeners:  # a ring may have been missed: look now
                     listener.state.rung = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                await asyncio.sleep(delay)

@@ -21,8 +21,12 @@ from trainyard_runtime.bus import Bus
 from trainyard_contract.errors import WriteNotReplicatedError
 from trainyard_contract.events import Event
 from trainyard_runtime.replication import BARRIER_KEY, epoch_acks, execute_confirmed
+from trainyard_runtime.retry import Backoff, RetryPolicy
 from trainyard_runtime.store import Keys
 from trainyard_contract.tracing import current_traceparent
+
+#: The relay, when the broker or Redis is away: again after 0.2 s, doubling up to 10 s.
+RELAY_RETRY = RetryPolicy(initial_interval_s=0.2, maximum_interval_s=10.0)
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +108,11 @@ class Outbox:
         return entries
 
     async def relay_forever(self, bus: Bus, *, idle_poll_s: float = 1.0) -> None:
-        backoff = 0.2
+        backoff = Backoff(RELAY_RETRY)
         while True:
             try:
                 if await self.relay_once(bus):
-                    backoff = 0.2
+                    backoff.succeeded()
                     continue
                 self._wake.clear()
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (gh-86296)
@@ -120,6 +124,6 @@ class Outbox:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a relay never dies on one failure
-                log.warning("outbox relay %s: %r; retrying in %.1fs", self.key, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                delay = backoff.failed()
+                log.warning("outbox relay %s: %r; retrying in %.1fs", self.key, exc, delay)
+                await asyncio.sleep(delay)

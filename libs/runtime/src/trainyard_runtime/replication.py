@@ -48,25 +48,28 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
-from redis.backoff import ExponentialBackoff
+from redis.backoff import AbstractBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from trainyard_contract.errors import ConfigError, EpochNotReplicatedError, WriteNotReplicatedError
+from trainyard_runtime.retry import RetryPolicy
 
 __all__ = ["SENTINEL_SCHEME", "EpochAcks", "RedisTarget", "StateRedis", "confirm_replicated", "connect",
            "epoch_acks", "eval_durably", "execute_confirmed", "parse_redis_url", "undecoded", "write_confirmed"]
 
 SENTINEL_SCHEME = "redis+sentinel"
 
-#: Standalone: a command that meets a dead connection is tried again a few times within about half a
-#: second (after a Redis restart every pooled connection is dead). tries, first back-off, cap (s).
-STANDALONE_RETRY = (3, 0.05, 0.5)
+#: Standalone: a command that meets a dead connection is tried again on a fresh one, three more times within
+#: about 0.7 s (0.1, 0.2, 0.4 s). After a Redis restart every pooled connection is dead, and each one used to
+#: fail the first command sent over it, seconds later: a shard report retried after a back-off, late enough for
+#: its checkpoint to be fenced (chaos seed 1796110550, job-21f429ec888b).
+STANDALONE_RETRY = RetryPolicy(initial_interval_s=0.1, maximum_interval_s=0.5, maximum_attempts=4)
 #: Through Sentinel: long enough to ride out a failover (down-after-milliseconds, the election, the
-#: promotion, the Sentinels naming the new primary): 0.1, 0.2, 0.4, 0.8, then 1 s, about 10 s in all.
-SENTINEL_RETRY = (12, 0.1, 1.0)
+#: promotion, the Sentinels naming the new primary): 0.2, 0.4, 0.8, then 1 s, about 10 s in all.
+SENTINEL_RETRY = RetryPolicy(initial_interval_s=0.2, maximum_interval_s=1.0, maximum_attempts=13)
 #: How long a Sentinel or a new connection may take to answer before the next one is tried.
 SENTINEL_CONNECT_TIMEOUT_S = 1.0
 
@@ -195,13 +198,32 @@ class StateRedis(Redis):
             await sentinel.aclose()
 
 
+class PolicyBackoff(AbstractBackoff):
+    """redis-py's retry waiting as a :class:`~trainyard_runtime.retry.RetryPolicy` says."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+
+    def reset(self) -> None:
+        pass
+
+    def compute(self, failures: int) -> float:
+        return self.policy.delay(failures)
+
+
+def redis_retry(policy: RetryPolicy) -> Retry:
+    """redis-py's ``Retry`` for ``policy``: its retries are the attempts after the first."""
+    if policy.maximum_attempts is None:
+        raise ValueError("a Redis command's retry policy needs maximum_attempts")
+    return Retry(PolicyBackoff(policy), policy.maximum_attempts - 1)
+
+
 def connect(url: str) -> StateRedis:
     """A client for ``url`` (decoded responses, retried on connection errors; see the module docstring)."""
     target = parse_redis_url(url)
-    tries, base, cap = SENTINEL_RETRY if target.is_sentinel else STANDALONE_RETRY
     common: dict[str, Any] = {
         "decode_responses": True, "health_check_interval": 10,
-        "retry": Retry(ExponentialBackoff(cap=cap, base=base), tries),
+        "retry": redis_retry(SENTINEL_RETRY if target.is_sentinel else STANDALONE_RETRY),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
     if not target.is_sentinel:

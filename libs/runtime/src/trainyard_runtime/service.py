@@ -31,6 +31,7 @@ from trainyard_runtime.bus import Bus, Deduper, KafkaAuth, ensure_topics
 from trainyard_contract.errors import StateStoreError, TrainyardError
 from trainyard_runtime.idlefetch import Doorbell, IdlePolicy
 from trainyard_runtime.outbox import Outbox
+from trainyard_runtime.retry import Backoff, RetryPolicy
 from trainyard_contract.settings import ServiceSettings, redacted
 
 from trainyard_runtime.store import Keys, StateStore, connect_redis
@@ -173,13 +174,14 @@ class ServiceRuntime:
 
     async def _periodic(self, name: str, fn: Callable[[], Awaitable[None]], every_s: float,
                         wake: asyncio.Event | None = None) -> None:
-        failures = 0
+        # after a failure: twice the period, doubling up to 30 s
+        backoff = Backoff(RetryPolicy(initial_interval_s=2 * every_s, maximum_interval_s=30.0))
         while True:
             try:
                 if wake is not None:
                     wake.clear()
                 await fn()
-                failures = 0
+                backoff.succeeded()
                 if wake is None:
                     await asyncio.sleep(every_s)
                 else:
@@ -189,11 +191,10 @@ class ServiceRuntime:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - loops back off, never die
-                failures += 1
-                delay = min(every_s * 2**failures, 30.0)
+                delay = backoff.failed()
                 level = logging.WARNING if isinstance(exc, TrainyardError) and exc.retryable else logging.ERROR
                 log.log(level, "%s loop %r failed (%d in a row), retry in %.1fs: %r",
-                        self.name, name, failures, delay, exc, exc_info=level == logging.ERROR)
+                        self.name, name, backoff.failures, delay, exc, exc_info=level == logging.ERROR)
                 await asyncio.sleep(delay)
 
     def add_closer(self, fn: Callable[[], Awaitable[None]]) -> None:

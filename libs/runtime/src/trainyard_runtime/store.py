@@ -287,13 +287,6 @@ def token_id_of(digest: str, record: TenantToken) -> str:
     return record.token_id or f"tok_{digest[:12]}"
 
 
-#: A command that meets a dead connection is tried again on a fresh one, a few times within about
-#: half a second. After a Redis restart every pooled connection is dead, and each one used to fail
-#: the first command sent over it, seconds later: a shard report retried after a back-off, late
-#: enough for its checkpoint to be fenced (chaos seed 1796110550, job-21f429ec888b).
-REDIS_RETRY = replication.STANDALONE_RETRY  # tries, first back-off, cap (seconds)
-
-
 def connect_redis(url: str) -> Redis:
     """A client for ``TRAINYARD_REDIS_URL``: ``redis://…`` (one server) or ``redis+sentinel://…`` (a primary
     that Sentinel fails over; the client follows it and epoch increments wait for a replica): see

@@ -149,7 +149,7 @@ class Coordinator:
         runtime.bus.subscribe(CHECKPOINTS, {ShardWritten: self.on_shard_written,
                                             CheckpointRefused: self.on_checkpoint_refused},
                               group=group, deduper_factory=runtime.deduper,
-                              max_backoff_s=self.settings.retry_backoff_max_s)
+                              retry=self.settings.shard_report_retry())
         # Measurements read in a group of their own, so the per-step metrics (one per rank and step,
         # a backlog of thousands after an outage) never queue in front of the shard reports, and their
         # retries never hold checkpoints up. They are idempotent on their own (max, once per attempt).

@@ -1,5 +1,5 @@
-"""Trying again what failed while Redis or the broker is away: one back-off policy, the bus's
-:class:`~trainyard_runtime.bus.RetryPolicy` (a first delay, doubling up to a cap), one loop (:func:`retry`),
+"""Trying again what failed while Redis or the broker is away: the platform's one back-off policy,
+:class:`~trainyard_runtime.retry.RetryPolicy` (a first delay, doubling up to a cap), one loop (:func:`retry`),
 and the rules for giving up (pure over the failure count, the delay and the injected clock).
 
 While the agent serves it retries for ever: a spool waits, an exit must still be reported. Once it is
@@ -14,16 +14,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from trainyard_runtime.bus import RetryPolicy
+from trainyard_runtime.retry import RetryPolicy
 
 from trainyard_node_agent.clock import Clock
 
 log = logging.getLogger(__name__)
 
 # Relaying a spool, recording an exit: 0.2 s, doubling to 5 s.
-INFRASTRUCTURE = RetryPolicy(first_s=0.2, max_s=5.0)
+INFRASTRUCTURE = RetryPolicy(initial_interval_s=0.2, maximum_interval_s=5.0)
 # Flushing the outbox at shutdown: every half second until its deadline.
-SHUTDOWN_FLUSH = RetryPolicy(first_s=0.5, max_s=0.5)
+SHUTDOWN_FLUSH = RetryPolicy(initial_interval_s=0.5, maximum_interval_s=0.5)
 
 
 class GiveUp(Protocol):
@@ -49,7 +49,7 @@ class ClosingGrace:
 
 def closing_and_capped(closing: Callable[[], bool], policy: RetryPolicy) -> GiveUp:
     """Never while the agent serves; once it is closing, as soon as the delay has reached the policy's cap."""
-    return lambda failures, delay: closing() and delay >= policy.max_s
+    return lambda failures, delay: closing() and delay >= policy.maximum_interval_s
 
 
 def past(deadline: float, clock: Clock) -> GiveUp:

@@ -90,8 +90,9 @@ class Scheduler:
         self.runtime, self.settings, self.clock = runtime, settings, clock
         self.redis, self.store = runtime.redis, runtime.store
         self.leases = leases or FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
-        self.policy = tr.RetryPolicy(settings.retry_backoff_s, settings.retry_backoff_max_s,
-                                     settings.max_total_failures)
+        self.policy = tr.RetryPolicy(initial_interval_s=settings.retry_backoff_s,
+                                     maximum_interval_s=settings.retry_backoff_max_s,
+                                     maximum_attempts=settings.max_total_failures)
         self.silence = SilencePolicy(node_timeout_s=settings.node_timeout_s,
                                      cluster_share=settings.silent_cluster_share,
                                      recent_s=max(_RECENT_NODE_S, settings.node_timeout_s))

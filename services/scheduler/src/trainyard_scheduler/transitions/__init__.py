@@ -23,7 +23,7 @@ never count as failures, nor do attempts *interrupted* (``AttemptRecord.interrup
 silent together) or by a squatter (``port-in-use``). By concern:
 
 * ``table``     — the transition table, and the gate every transition goes through;
-* ``state``     — :class:`Outcome`, :class:`RetryPolicy`, :class:`Deadlines`, predicates over a record;
+* ``state``     — :class:`Outcome`, the job's :class:`RetryPolicy`, :class:`Deadlines`, predicates over a record;
 * ``admission`` — placement (GangAllocated), a job that can never start, a security violation;
 * ``workers``   — ranks started and exited, the final checkpoint READY or failed;
 * ``retry``     — a failed attempt: retried or the job failed (the retry policy);
@@ -45,6 +45,7 @@ from trainyard_scheduler.transitions.admission import (
 from trainyard_scheduler.transitions.control import request_control
 from trainyard_scheduler.transitions.reconcile import check_attempt
 from trainyard_scheduler.transitions.state import (
+    JOB_RETRY,
     LIVE_ATTEMPT_STATES,
     Deadlines,
     Outcome,
@@ -73,7 +74,7 @@ from trainyard_scheduler.transitions.workers import (
 )
 
 __all__ = [
-    "LIVE_ATTEMPT_STATES", "TABLE", "Deadlines", "Happening", "Outcome", "RetryPolicy", "Row",
+    "JOB_RETRY", "LIVE_ATTEMPT_STATES", "TABLE", "Deadlines", "Happening", "Outcome", "RetryPolicy", "Row",
     "TransitionTableError", "admit", "check_attempt", "check_preemption", "checkpoint_failed", "checkpoint_ready",
     "checkpoint_settling", "dataset_refusal", "fail_unstartable", "failures", "failures_since_progress",
     "gang_allocated", "is_final_step", "is_live", "is_pending", "is_stopping", "made_progress", "note_waiting",

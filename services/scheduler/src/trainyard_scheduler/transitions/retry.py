@@ -11,10 +11,11 @@ Retry policy (:func:`fail_attempt`):
   deterministic NaN would only repeat. A NaN at an unknown step is retried once.
 * Failures count *since progress*: an attempt made progress when a READY checkpoint newer than
   the one it started from existed when it ended. The streak of failed attempts since (and
-  including) the last one that made progress drives both the back-off (``backoff_s`` doubling to
-  ``max_backoff_s``) and the budget: the job fails once ``JobRecord.max_attempts`` failures in a
-  row made no progress — a week-long job that fails every few hours but checkpoints in between
-  never runs out. ``RetryPolicy.max_total_failures`` optionally caps all failures of a job.
+  including) the last one that made progress drives both the back-off (the policy's
+  ``initial_interval_s`` doubling to ``maximum_interval_s``) and the budget: the job fails once
+  ``JobRecord.max_attempts`` failures in a row made no progress — a week-long job that fails every few
+  hours but checkpoints in between never runs out. The policy's ``maximum_attempts`` optionally caps all
+  failures of a job.
 
 Interruptions (``ExitReason.interruption``) never come here: they end the attempt as revoked
 (``stops.interrupt``), spending no budget.
@@ -53,7 +54,7 @@ def fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, 
     blamed = list(blame)
     retryable = ExitReason.parse(reason).retryable if retryable is None else retryable
     streak, total = failures_since_progress(job), failures(job)
-    capped = policy.max_total_failures is not None and total >= policy.max_total_failures
+    capped = policy.exhausted(total)
     if retryable and streak < job.max_attempts and not capped:
         why = f"attempt {attempt.attempt} failed ({reason}: {detail})"
         if job.control == "pause":
@@ -66,7 +67,7 @@ def fail_attempt(job: JobRecord, reason: str, detail: str, policy: RetryPolicy, 
     if not retryable:
         budget = f"{total} failed; not retryable"
     elif capped:
-        budget = f"{total} failed in all, the cap is {policy.max_total_failures}"
+        budget = f"{total} failed in all, the cap is {policy.maximum_attempts}"
     else:
         budget = f"{streak} of {job.max_attempts} failed in a row without a new READY checkpoint"
     why = f"{reason}: {detail} (attempt {attempt.attempt}, {budget})"

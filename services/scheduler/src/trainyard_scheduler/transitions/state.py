@@ -1,4 +1,4 @@
-"""What every transition reads and writes: :class:`Outcome`, the retry and deadline settings, the predicates
+"""What every transition reads and writes: :class:`Outcome`, the retry policy and deadlines, the predicates
 over a job record (live, pending, stopping, progress), and the two edits every transition makes in place on
 its private copy (:func:`set_state`, :func:`revoke_live`). Pure."""
 
@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 from trainyard_contract.events import TERMINAL_STATES, AllocationRevoked, Event, JobState, JobStateChanged
 from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
+from trainyard_runtime.retry import RetryPolicy
 
 LIVE_ATTEMPT_STATES = frozenset({"starting", "running"})
 
@@ -28,13 +29,10 @@ class Outcome:
     blame: list[tuple[str, str]] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Back-off and budget of retries (see the module docstring)."""
-
-    backoff_s: float = 0.5
-    max_backoff_s: float = 60.0
-    max_total_failures: int | None = None
+#: A failed job's next attempt waits 0.5 s after the first failure since progress, doubling up to 60 s; the
+#: policy's ``maximum_attempts`` (``TRAINYARD_MAX_TOTAL_FAILURES``, default none) caps all failed attempts of a job
+#: (:mod:`~trainyard_scheduler.transitions.retry`).
+JOB_RETRY = RetryPolicy(initial_interval_s=0.5, maximum_interval_s=60.0)
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ def retry_not_before(job: JobRecord, policy: RetryPolicy) -> datetime | None:
     current = job.current
     if current is None or current.state != "failed" or current.ended_at is None:
         return None
-    delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** max(failures_since_progress(job) - 1, 0))
+    delay = policy.delay(failures_since_progress(job))
     return current.ended_at + timedelta(seconds=delay)
 
 
