@@ -42,6 +42,7 @@ REGENERATE = "python -m trainyard_contract.asyncapi > docs/asyncapi.yaml"
 
 SERVICES: dict[str, str] = {
     "api": "trainyard's REST API (services/api)",
+    "telemetry": "keeps the StepMetrics read models the API serves (services/telemetry)",
     "scheduler": "places gangs, owns job state (services/scheduler)",
     "node-agent": "one per node: runs ranks and relays what they write to their spool (services/node-agent)",
     "checkpoint-coordinator": "turns shard reports into READY checkpoints (services/checkpoint-coordinator)",
@@ -173,7 +174,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.StragglerDetected: Flow(
         "A rank is markedly slower than the median rank.",
         (Producer("scheduler", "direct, from StepMetrics"),),
-        (Consumer("api", "the job's step-timing read model", "api"),)),
+        (Consumer("telemetry", "the job's step-timing read model", "telemetry"),)),
     ev.SecurityViolation: Flow(
         "A rank claimed what a rank may not; the job fails, not retried.",
         (Producer("node-agent", "outbox, when a rank's spool line is a forgery"),),
@@ -201,7 +202,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.StepMetrics: Flow(
         "One rank's numbers for one training step.",
         (Producer("node-agent", _RELAYED),),
-        (Consumer("api", "progress, step timing, goodput, calibration", "api"),
+        (Consumer("telemetry", "progress, step timing, metric history, goodput, calibration", "telemetry"),
          Consumer("scheduler", "straggler detection", "scheduler-metrics"),
          Consumer("checkpoint-coordinator", "checkpoint interval advice", "checkpoint-coordinator-measurements"))),
     # datasets
