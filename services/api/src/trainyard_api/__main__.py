@@ -24,8 +24,8 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "The trainyard REST API: POST /v1/training-jobs and the job read models, with bearer-token "
             "auth per tenant. Runs the HTTP server (uvicorn) and the service runtime (Redis, the Kafka "
-            "bus, the outbox relay, the StepMetrics progress consumer, the planner's calibration refit) in "
-            "one process; SIGTERM stops both cleanly. OpenAPI docs at /docs."
+            "bus, the outbox relay, the triggers' consumer) in one process; SIGTERM stops both cleanly. The "
+            "StepMetrics read models it serves are kept by trainyard-telemetry. OpenAPI docs at /docs."
         ),
         epilog=settings_help(ApiSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,

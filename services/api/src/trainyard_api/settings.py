@@ -38,8 +38,9 @@ class ApiSettings(ServiceSettings):
     api_access_log: bool = Field(default=False, description="log every HTTP request (uvicorn access log)")
     api_workers: int = Field(
         default=1, ge=1, le=64,
-        description="HTTP worker processes on the one port: this process plus api_workers - 1 that serve requests "
-                    "only (each with its own outbox); the consumers and the refresh loops run here alone")
+        description="HTTP worker processes on the one port: this process plus api_workers - 1 it starts and keeps "
+                    "running; every one runs the same (its own outbox, the triggers' shared consumer group, its "
+                    "live-updates feed)")
     api_worker_index: int = Field(default=0, ge=0, description="set by the API for its HTTP workers (1, 2, …)")
     api_listen_fd: int | None = Field(
         default=None, ge=0, description="set by the API for its HTTP workers: the listening socket they share")
@@ -82,31 +83,17 @@ class ApiSettings(ServiceSettings):
         default=DEFAULT_WRITE_BANDWIDTH, gt=0,
         description="bytes/s checkpoint predictions assume for the artifact store; calibration corrects it from "
                     "measured checkpoint stalls")
-    calibration_refresh_s: float = Field(default=30.0, gt=0, description="how often the calibration is refitted")
     calibration_max_samples: int = Field(default=200, gt=0,
                                          description="samples kept per device type and kind (the newest)")
     calibration_min_samples: int = Field(default=3, gt=0,
                                          description="samples a kind needs before its factor is fitted")
-    calibration_warmup_steps: int = Field(default=2, ge=0,
-                                          description="first steps of an attempt never sampled (warm-up)")
-    calibration_sample_every: int = Field(default=5, gt=0,
-                                          description="sample every n-th step time of an attempt")
-    calibration_scan_jobs: int = Field(default=1000, gt=0,
-                                       description="newest jobs searched for failed attempts at each refit")
-
-    goodput_refresh_s: float = Field(default=30.0, gt=0,
-                                     description="how often the trainyard_goodput_device_seconds gauges are refreshed")
     goodput_history_bucket_s: int = Field(
         default=300, gt=0, description="width of a goodput history bucket: each refresh overwrites its tenant's "
                                        "sample of the current bucket (GET /v1/goodput/history)")
     goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
                                                description="how long goodput history samples are kept")
-    job_metrics_linger_s: float = Field(
-        default=900.0, ge=0, description="how long a finished job's Prometheus series (trainyard_job_step_seconds, "
-                                         "trainyard_job_goodput_ratio, …) are still served before they are removed")
-    goodput_max_points: int = Field(
-        default=4096, gt=1, description="newest steps per attempt whose cumulative step time is kept (older steps "
-                                        "are interpolated); bounds the goodput read model's memory per attempt")
+    # the ingest's settings (calibration_refresh_s, goodput_refresh_s, …) are the telemetry service's
+    # (trainyard_telemetry.settings): the API keeps what its queries read
 
     @property
     def assumptions(self) -> Assumptions:
