@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # long files first was slower too (1,036 s: the heavy files then run side by side). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 
-.PHONY: venv deps up observe down logs status demo data test test-unit test-long chaos bench clean help
+.PHONY: venv deps up observe down logs status demo data lint test test-unit test-long chaos bench clean help
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,7 +54,12 @@ data: venv ## build the example dataset (tinycorpus@v1) if needed
 demo: up ## run the tiny example job end to end on the local stack
 	$(BIN)/trainyard dev demo
 
-test: deps ## install what is missing, start what tests need, run the test suite
+lint: venv ## ruff (ruff.toml), mypy over libs/ and services/ (mypy.ini), the code-shape limits (class 300, function 80)
+	$(BIN)/ruff check
+	$(BIN)/mypy
+	$(BIN)/python scripts/code_shape.py --check
+
+test: deps lint ## install what is missing, start what tests need, lint and type-check, run the test suite
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-unit: venv ## unit tests only (no broker, no redis)
