@@ -420,7 +420,7 @@ async def sustained_phase(api: httpx.AsyncClient, args: argparse.Namespace, devi
 
 async def measure(stack: LocalStack, token: str, args: argparse.Namespace) -> dict[str, Any]:
     namespace, bootstrap = stack.s.topic_namespace, stack.kafka_bootstrap
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731 - a one-line printer
     say(f"baseline: {args.samples} broker round trips")
     baseline = summary_ms(await broker_round_trip(bootstrap, namespace, args.samples))
     watch = await EventWatch.start(bootstrap, namespace)

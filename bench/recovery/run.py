@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.chaos.harness import TENANT, ChaosRig, chaos_spec  # noqa: E402
+from tests.chaos.harness import TENANT, ChaosRig, chaos_spec  # noqa: E402 - after the sys.path set-up
 
 
 def first_log_time(path: Path) -> float | None:

@@ -95,9 +95,9 @@ async def run(samples: int) -> dict[str, Any]:
                 await alone.set("ty:bench:x", "1")
             for n in range(samples):
                 for name, op in (
-                    ("baseline", lambda: alone.set("ty:bench:x", str(n))),
-                    ("multi", lambda: submission_multi(alone, outboxes["alone"], 2 * n)),
-                    ("multi+confirm", lambda: submission_multi(confirmed, outboxes["confirmed"], 2 * n + 1)),
+                    ("baseline", lambda: alone.set("ty:bench:x", str(n))),  # noqa: B023 - run in this iteration
+                    ("multi", lambda: submission_multi(alone, outboxes["alone"], 2 * n)),  # noqa: B023 - as above
+                    ("multi+confirm", lambda: submission_multi(confirmed, outboxes["confirmed"], 2 * n + 1)),  # noqa: B023 - as above
                     ("post", lambda: posts["alone"][0].post("/v1/training-jobs", json=EXAMPLE_SPEC)),
                     ("post+confirm", lambda: posts["confirmed"][0].post("/v1/training-jobs", json=EXAMPLE_SPEC)),
                 ):

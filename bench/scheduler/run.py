@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "services" / "scheduler" / "src"))
 
-from trainyard_scheduler.simulation import (  # noqa: E402
+from trainyard_scheduler.simulation import (  # noqa: E402 - after the sys.path set-up
     ClusterShape,
     SimReport,
     Simulator,

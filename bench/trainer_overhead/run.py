@@ -133,7 +133,7 @@ def baseline_rank(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F  # noqa: N812
+    import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
     from trainyard_contract.catalog import ModelConfig
     from trainyard_trainer.model import build_model

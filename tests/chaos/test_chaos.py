@@ -34,7 +34,7 @@ def _evidence_dir(name: str) -> Path:
     return Path(base) / f"{name}-{SEED}-{time.strftime('%Y%m%dT%H%M%S')}"
 
 
-def _report(report, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+def _report(report, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001 - report: the harness's
     path = Path(os.environ.get("TRAINYARD_CHAOS_REPORT") or tmp_path / "chaos-report.json")
     report.write(path)
     with capsys.disabled():

@@ -114,7 +114,7 @@ def test_ready_checkpoints_must_verify(tmp_path: Path) -> None:
                               state="READY", manifest_uri="file:///c/manifest.json", content_hash=manifest.content_hash)
     disk = {**files, "file:///c/manifest.json": manifest.to_bytes()}
 
-    def check(d: dict[str, bytes], records: list[CheckpointRecord] = [record]) -> list[str]:  # noqa: B006
+    def check(d: dict[str, bytes], records: list[CheckpointRecord] = [record]) -> list[str]:  # noqa: B006 - read only
         return check_ready_checkpoints(records, read_manifest=d.get,
                                        stat_size=lambda u: len(d[u]) if u in d else None,
                                        file_sha256=lambda u: sha(d[u]))

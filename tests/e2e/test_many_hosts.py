@@ -38,7 +38,7 @@ if _why_not:
     pytestmark.append(pytest.mark.skip(reason=_why_not))
 
 
-def wait_for(what: str, probe, timeout_s: float, every_s: float = 0.5):  # noqa: ANN001, ANN201
+def wait_for(what: str, probe, timeout_s: float, every_s: float = 0.5):  # noqa: ANN001, ANN201 - any probe
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := probe():
@@ -62,7 +62,7 @@ def agent_log(stack: ManyHostsStack, node_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def stack(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a generator fixture
     with many_hosts_stack(tmp_path_factory.mktemp("many-hosts") / ".trainyard", HOSTS) as s:
         prepare_and_publish(s)
         yield s

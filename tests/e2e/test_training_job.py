@@ -298,7 +298,7 @@ def test_a_users_corpus_and_tokenizer_land_and_a_trigger_trains_on_them(
     assert manifest["dtype"] == "uint32" and manifest["tokenizer"]["vocabSize"] == corpora.LARGE_VOCAB
     assert manifest["tokenizer"]["sha256"] == sha256_file(tokenizer)  # the user's tokenizer, byte for byte
     lineages = [a["lineage"] for a in artifacts["artifacts"]]
-    assert lineages and all(l["dataset"] == ref and l["datasetSha256"] == version["sha256"] for l in lineages)
+    assert lineages and all(lin["dataset"] == ref and lin["datasetSha256"] == version["sha256"] for lin in lineages)
 
     # What the loader serves, read back from the version the job trained on, decodes to the documents.
     data, seq = TokenDataset(manifest_path, 32), 32

@@ -101,7 +101,7 @@ async def test_retention_keeps_the_newest_and_the_live_attempts_start_and_delete
     assert [c.global_step for c in await stack.store.list_checkpoints(job_id) if c.state == "READY"] == [30, 40]
 
 
-async def _deleted(stack: Stack, job_id: str, step: int, attempt: int = 1):  # noqa: ANN202
+async def _deleted(stack: Stack, job_id: str, step: int, attempt: int = 1):  # noqa: ANN202 - a predicate
     record = await stack.record(job_id, step, attempt)
     return record if record and record.state == "DELETED" and record.deleted_at else None
 
@@ -138,7 +138,7 @@ async def test_failed_checkpoints_and_stale_leftovers_are_collected_but_live_one
     assert await stack.redis.zscore(JOBS_INDEX, job_id) is not None
 
 
-async def _collected(stack: Stack, job_id: str, step: int):  # noqa: ANN202
+async def _collected(stack: Stack, job_id: str, step: int):  # noqa: ANN202 - a predicate
     record = await stack.record(job_id, step)
     return record if record and record.deleted_at else None
 

@@ -41,13 +41,13 @@ def spec(parallelism: dict[str, int], config: ModelConfig = GPT) -> TrainingSpec
 
 
 @pytest.fixture(scope="module")
-def reference(root: Path) -> object:  # noqa: F811
+def reference(root: Path) -> object:  # noqa: F811 - the fixture, by name
     return save_transformers_model(ArtifactLayout(root).model_dir(TENANT, "gpt"), GPT, seed=11)
 
 
 @pytest.mark.parametrize("parallelism", [{"tensor": 2}, {"pipeline": 2}], ids=["tensor", "pipeline"])
 def test_each_rank_loads_its_part_of_the_transformers_weights(
-        root: Path, reference: object, parallelism: dict[str, int], tmp_path: Path) -> None:  # noqa: F811
+        root: Path, reference: object, parallelism: dict[str, int], tmp_path: Path) -> None:  # noqa: F811 - fixtures
     job = f"job-hf-{next(iter(parallelism))}"
     result = run_attempt(root, job, attempt=1, spec=spec(parallelism))
     assert result.codes == [0] * WORLD, "\n".join(result.logs)
@@ -60,7 +60,7 @@ def test_each_rank_loads_its_part_of_the_transformers_weights(
     assert worst <= 1e-6, worst
 
 
-def test_a_directory_of_another_shape_fails_the_attempt_as_config(root: Path, reference: object) -> None:  # noqa: F811
+def test_a_directory_of_another_shape_fails_the_attempt_as_config(root: Path, reference: object) -> None:  # noqa: F811 - fixtures
     wider = GPT.model_copy(update={"d_ff": 128})
     result = run_attempt(root, "job-hf-shape", attempt=1, spec=spec({}, wider))
     assert result.codes == [exitcodes.CONFIG] * WORLD, "\n".join(result.logs)

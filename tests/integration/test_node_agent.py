@@ -40,7 +40,7 @@ class Services:
         own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in settings.items()}
         environ = {**os.environ, **env_vars(self.env), **own}
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", module], env=environ, stdout=log,  # noqa: S603
+            proc = subprocess.Popen([sys.executable, "-m", module], env=environ, stdout=log,  # noqa: S603 - our own module
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc

@@ -12,7 +12,7 @@ import pytest
 from trainyard_contract.storage import ArtifactLayout
 
 from tests.integration.test_node_agent import reap_ranks  # noqa: F401 - autouse: no rank outlives a test
-from tests.integration.test_node_agent_code import (  # noqa: F401
+from tests.integration.test_node_agent_code import (  # noqa: F401 - fixtures, used by name
     code_spec,
     layout,
     run_gang,

@@ -6,7 +6,6 @@ not even from a Lua script, and no other service's dedup keys or outbox."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis

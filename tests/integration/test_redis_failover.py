@@ -366,7 +366,7 @@ async def test_a_killed_primary_back_believing_it_is_primary_confirms_nothing_an
         leases = LeaseManager(redis)
         stale: Any = None
         try:
-            confirmed = [await until_confirmed(lambda: leases.acquire("job", f"job-a{i}", DEVICES[2 * i:2 * i + 2]))
+            confirmed = [await until_confirmed(lambda: leases.acquire("job", f"job-a{i}", DEVICES[2 * i:2 * i + 2]))  # noqa: B023 - awaited at once
                          for i in range(2)]
             assert confirmed == [1, 2]
             old, new = await asyncio.to_thread(ha.kill_primary_back_as_it_was)

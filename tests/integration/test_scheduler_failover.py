@@ -45,7 +45,7 @@ class Processes:
     def start(self, name: str) -> subprocess.Popen[bytes]:
         own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in {**SCHEDULER, "instance_id": name}.items()}
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "trainyard_scheduler"],  # noqa: S603
+            proc = subprocess.Popen([sys.executable, "-m", "trainyard_scheduler"],  # noqa: S603 - our own module
                                     env={**os.environ, **env_vars(self.env), **own}, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = proc

@@ -55,7 +55,7 @@ def _archive(name: str, kind: bytes, link: str = "", data: bytes = b"") -> bytes
     _archive("/tmp/escaped.py", tarfile.REGTYPE, data=b"x = 1\n"),
     _archive("dev", tarfile.CHRTYPE),
 ], ids=["absolute-symlink", "symlink-up", "nested-symlink-up", "hardlink", "dot-dot", "absolute-name", "device"])
-async def test_an_archive_that_escapes_its_tree_is_refused_at_upload(api, archive: bytes) -> None:  # noqa: F811
+async def test_an_archive_that_escapes_its_tree_is_refused_at_upload(api, archive: bytes) -> None:  # noqa: F811 - the api fixture
     transport, _, layout = api
     async with client_for("http://api", TOKEN_A, transport=transport) as c:
         refused = await c.put(f"/v1/code/{codetree.archive_id(archive)}", content=archive, headers=GZIP)

@@ -238,7 +238,7 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
              if e.job_id in jobs.values()}
     assert {j: (e.exit_code, e.reason) for j, e in exits.items()} == {j: (0, "ok") for j in jobs.values()}, exits
 
-    for attack, job in jobs.items():
+    for job in jobs.values():
         uid = job_uid(job, first=1_000_000_000, count=2**20)
 
         async def ended(uid: int = uid, job: str = job) -> bool:

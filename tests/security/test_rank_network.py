@@ -220,7 +220,7 @@ def test_an_agent_that_cannot_install_its_rules_refuses_to_start(rig: Rig, tmp_p
     own = {f"TRAINYARD_{k.upper()}": str(v) for k, v in settings.items()}
     bare = str(Path(sys.executable).parent)  # no nft on this PATH
     environ = {**os.environ, **env_vars(rig.env), **own, "PATH": bare}
-    done = subprocess.run([sys.executable, "-m", "trainyard_node_agent"], env=environ, capture_output=True,  # noqa: S603
+    done = subprocess.run([sys.executable, "-m", "trainyard_node_agent"], env=environ, capture_output=True,  # noqa: S603 - our own module
                           text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "cannot be installed with nftables" in done.stderr and SETTING in done.stderr, done.stderr[-3000:]

@@ -38,7 +38,7 @@ class LocalCli:
                                 port=self.redis_port)
 
     def __call__(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=self.root, env=self.env,  # noqa: S603
+        return subprocess.run([sys.executable, "-m", "trainyard_cli", *args], cwd=self.root, env=self.env,  # noqa: S603 - our own CLI
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 

@@ -23,7 +23,7 @@ def transformers_model(config: ModelConfig, *, seed: int) -> Any:
     hf = transformers.AutoConfig.for_model(**hf_config(config, bos_token_id=0, eos_token_id=0))
     model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
     with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: perturb them so a mix-up shows
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.05 * torch.randn_like(p))
     return model.eval()

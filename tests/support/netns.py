@@ -33,7 +33,7 @@ HOST_IFNAME = "eth-ty"  # every host's interface has this name, inside its own n
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)  # noqa: S603,S607
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)  # noqa: S603,S607 - iproute2's ip, test rigs only
 
 
 def unavailable() -> str | None:

@@ -59,6 +59,6 @@ def test_a_listing_is_the_exports_only_when_its_sha256_is_the_exports_hash() -> 
     assert "the export's hash is sha256:00" in (listing_problem(listing, "sha256:00") or "")
 
 
-def test_what_to_do_next_names_from_pretrained(tmp_path) -> None:  # noqa: ANN001
+def test_what_to_do_next_names_from_pretrained(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
     assert f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' in next_steps(view("ready"), tmp_path)
     assert "--out DIR" in next_steps(view("ready", uri="file:///x"), None)

@@ -207,5 +207,5 @@ def test_with_prometheus_every_metrics_port_and_prometheus_are_listed_before_the
 
     stack = LocalStack(StackSettings(state_dir=tmp_path / ".trainyard", prometheus=True, nodes=2))
     listed = stack.control_plane({})
-    later = [stack._port(n) for n in (*SERVICES, "node-agent-0", "node-agent-1", "prometheus")]  # noqa: SLF001
+    later = [stack._port(n) for n in (*SERVICES, "node-agent-0", "node-agent-1", "prometheus")]  # noqa: SLF001 - the ports it chose
     assert len(set(later)) == len(later) and all(f"127.0.0.1:{p}" in listed for p in later)

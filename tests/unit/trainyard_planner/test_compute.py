@@ -56,7 +56,7 @@ def test_full_recompute_matches_megatron_flops_formula() -> None:
     iteration costs 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs (the layers run forward twice, the
     logits once). For N = 12lh^2 + Vh, the count their formula assumes, ours agrees to 1e-4 (it
     also counts biases, norms and learned positions)."""
-    l, h, s, v, b = 96, 12288, 2048, 51200, 1536
+    l, h, s, v, b = 96, 12288, 2048, 51200, 1536  # noqa: E741 - the paper's symbols
     model = Transformer(n_layers=l, d_model=h, n_heads=96, vocab_size=v, seq_len=s,
                         declared_parameters=12 * l * h * h + v * h)
     megatron = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))

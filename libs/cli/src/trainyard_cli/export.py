@@ -167,7 +167,7 @@ class Exporting:
                 digest = hashlib.sha256()
                 size = 0
                 with open(into / f.name, "wb") as fh:
-                    def sink(chunk: bytes, fh=fh, digest=digest) -> None:  # noqa: ANN001
+                    def sink(chunk: bytes, fh=fh, digest=digest) -> None:  # noqa: ANN001 - defaults bind the loop's file
                         nonlocal size
                         fh.write(chunk)
                         digest.update(chunk)

@@ -13,6 +13,7 @@ verified extraction. Pure functions over bytes and paths (no network, no Redis).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import io
@@ -214,7 +215,7 @@ def extract(data: bytes, dest: Path, *, max_tree_bytes: int = MAX_TREE_BYTES,
                 target.parent.mkdir(parents=True, exist_ok=True)
                 digest = hashlib.sha256()
                 with open(target, "xb") as out:
-                    for chunk in iter(lambda: source.read(1 << 20), b""):
+                    for chunk in iter(functools.partial(source.read, 1 << 20), b""):
                         digest.update(chunk)
                         out.write(chunk)
                 os.chmod(target, 0o755 if member.mode & 0o100 else 0o644)

@@ -57,7 +57,7 @@ class Event(_Wire):
 
     def key(self) -> str:
         """Partition key: the job id, or the node id for node events."""
-        return getattr(self, "job_id", None) or getattr(self, "node_id")
+        return getattr(self, "job_id", None) or getattr(self, "node_id")  # noqa: B009 - not every Event has one
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(by_alias=True).encode()
@@ -658,7 +658,7 @@ class DeadLetter(Event):
 def _union(*classes: type[Event]) -> Any:
     if len(classes) == 1:
         return TypeAdapter(classes[0])
-    return TypeAdapter(Annotated[Union[classes], Field(discriminator="event_type")])  # noqa: UP007
+    return TypeAdapter(Annotated[Union[classes], Field(discriminator="event_type")])  # noqa: UP007 - X | Y cannot unpack a tuple
 
 
 TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {

@@ -58,7 +58,7 @@ class ServiceSettings(BaseSettings):
     instance_id: str | None = Field(default=None, description="defaults to host:pid")
     log_level: str = "INFO"
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="Prometheus /metrics")
-    metrics_addr: str = Field(default="0.0.0.0", description="the address the metrics port listens on")  # noqa: S104
+    metrics_addr: str = Field(default="0.0.0.0", description="the address the metrics port listens on")  # noqa: S104 - a scraper reaches it from another host
     metrics_token: SecretStr | None = Field(
         default=None, description="a bearer token the metrics port requires (its series name tenants and jobs); "
                                   "without one it answers whoever reaches it")

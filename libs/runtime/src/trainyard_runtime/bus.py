@@ -532,7 +532,7 @@ class _Dispatcher:
             self.idle.saw_record()
         try:
             delivery = await self._decode(message.raw_message)
-        except Exception as exc:  # the dead letter could not be published: this record again, after a back-off
+        except Exception as exc:  # noqa: BLE001 - the dead letter could not be published: again, after a back-off
             await self._retry_later(message, message.raw_message, self.logical(message.raw_message.topic), exc)
         if delivery is None:
             return

@@ -134,7 +134,10 @@ class NodeAgent:
         self.announcements = Announcements(runtime, settings, self.keys.unconfirmed, clock)
         self.control = RankControl(runtime, settings, self.table, node_layout=self.node_layout,
                                    lifecycle=self.lifecycle, background=self.background, clock=clock)
-        closing = lambda: self.lifecycle.closing
+
+        def closing() -> bool:
+            return self.lifecycle.closing
+
         self.spool_relay = SpoolRelay(runtime.bus, layout=self.layout, group=self.group,
                                       announcements=self.announcements, persist=self.table.persist,
                                       violation=self.control.violation, closing=closing, clock=clock)

@@ -197,7 +197,7 @@ def nft(script: str, *, binary: str = "nft", timeout_s: float = 15.0) -> None:
     path = shutil.which(binary)
     if path is None:
         raise FileNotFoundError(f"{binary} not found on PATH (the nftables package)")
-    done = subprocess.run([path, "-f", "-"], input=script, capture_output=True, text=True,  # noqa: S603
+    done = subprocess.run([path, "-f", "-"], input=script, capture_output=True, text=True,  # noqa: S603 - nft found on PATH, our script
                           timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise OSError(f"nft -f - exited {done.returncode}: {(done.stderr or done.stdout).strip()[-600:]}")
@@ -208,8 +208,8 @@ def port_in_use(port: int) -> str | None:
     torch's TCPStore binds it (the wildcard address, IPv6 dual-stack where the host has IPv6, ``SO_REUSEADDR``,
     so a connection of an earlier attempt in TIME_WAIT does not count), then released at once. A listener of any
     user on any address of the host makes it fail."""
-    families = ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")) if socket.has_ipv6 else (  # noqa: S104
-        (socket.AF_INET, "0.0.0.0"),)  # noqa: S104
+    families = ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")) if socket.has_ipv6 else (  # noqa: S104 - probing every address
+        (socket.AF_INET, "0.0.0.0"),)  # noqa: S104 - probing every address
     for family, address in families:
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)

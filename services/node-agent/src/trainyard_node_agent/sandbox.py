@@ -387,7 +387,9 @@ class _Libc:
         self._check(self.lib.unshare(flags), f"unshare({flags:#x})")
 
     def mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-        enc = (lambda s: s.encode() if s is not None else None)
+        def enc(s: str | None) -> bytes | None:
+            return s.encode() if s is not None else None
+
         self._check(self.lib.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
                     f"mount {source or ''} on {target}")
 

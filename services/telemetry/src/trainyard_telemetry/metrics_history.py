@@ -341,7 +341,7 @@ def levels_of(fence: np.ndarray, values: np.ndarray) -> list[bytes]:
         pad = n * FANOUT - len(count)
 
         def grid(a: np.ndarray, fill: float) -> np.ndarray:
-            return np.concatenate([a, np.full(pad, fill, dtype=a.dtype)]).reshape(n, FANOUT)
+            return np.concatenate([a, np.full(pad, fill, dtype=a.dtype)]).reshape(n, FANOUT)  # noqa: B023 - called in this iteration only
 
         glo, ghi, gmean, gcount = grid(lo, np.nan), grid(hi, np.nan), grid(mean, np.nan), grid(count, 0)
         offsets = np.arange(FANOUT) * size
