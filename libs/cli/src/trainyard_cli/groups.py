@@ -41,10 +41,10 @@ class LazyGroup(TyperGroup):
         super().__init__(*args, **kwargs)
         self._listing = False
 
-    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]
+    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]  # click's Context, typer's subclass
         return [*super().list_commands(ctx), *(name for name in self.lazy if name not in self.commands)]
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:  # type: ignore[override]
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:  # type: ignore[override]  # as above
         if cmd_name in self.commands or cmd_name not in self.lazy:
             return super().get_command(ctx, cmd_name)
         entry = self.lazy[cmd_name]
@@ -55,7 +55,7 @@ class LazyGroup(TyperGroup):
         self.commands[cmd_name] = command
         return command
 
-    def format_help(self, ctx: typer.Context, formatter: Any) -> None:  # type: ignore[override]
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:  # type: ignore[override]  # as above
         self._listing = True
         try:
             super().format_help(ctx, formatter)

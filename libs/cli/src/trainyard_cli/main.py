@@ -57,7 +57,7 @@ class _Program(typer.Typer):
         # httpcore imports trio when it is installed (to serve async code under trio), a tenth of a second of
         # every command's start; this process is synchronous, so trio counts as absent here (an import of it
         # raises ImportError, which httpcore expects). Not done on import: a test or library keeps its trio.
-        sys.modules.setdefault("trio", None)  # type: ignore[arg-type]
+        sys.modules.setdefault("trio", None)  # type: ignore[arg-type]  # None blocks the import, as documented
         return super().__call__(*args, **kwargs)
 
 

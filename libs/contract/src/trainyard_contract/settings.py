@@ -146,7 +146,7 @@ def redacted(url: str) -> str:
 def load_settings(cls: type[S], **overrides: object) -> S:
     """Parse settings once; a bad variable becomes a ConfigError naming it."""
     try:
-        return cls(**overrides)  # type: ignore[arg-type]
+        return cls(**overrides)  # type: ignore[arg-type]  # any subclass's fields, checked by pydantic
     except ValidationError as exc:
         prefix = cls.model_config.get("env_prefix", "")
         problems = "; ".join(

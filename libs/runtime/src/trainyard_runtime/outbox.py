@@ -65,8 +65,8 @@ class Outbox:
             finally:
                 wake.set()
 
-        pipe.execute = execute_then_wake  # type: ignore[method-assign]
-        pipe._outbox_wakes = wake  # type: ignore[attr-defined]
+        pipe.execute = execute_then_wake  # type: ignore[method-assign, assignment]  # wrapped: it wakes the relay
+        pipe._outbox_wakes = wake  # type: ignore[attr-defined]  # our mark on redis-py's pipeline
 
     async def put(self, *events: Event, traceparent: str | None = None) -> None:
         """Stage events on their own (no other state change to pair them with)."""

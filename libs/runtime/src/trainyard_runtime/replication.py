@@ -253,7 +253,7 @@ def undecoded(redis: Redis) -> Redis:
     pool = redis.connection_pool
     sentinel = getattr(redis, "sentinel", None)
     if isinstance(redis, StateRedis) and sentinel is not None:
-        client = sentinel.master_for(pool.service_name, redis_class=StateRedis,  # type: ignore[attr-defined]
+        client = sentinel.master_for(pool.service_name, redis_class=StateRedis,  # type: ignore[attr-defined]  # a Sentinel pool's
                                      connection_class=_FollowingConnection, decode_responses=False)
         client.epoch_acks = redis.epoch_acks  # its own .sentinel stays None: closing it leaves the Sentinels open
         return client

@@ -158,7 +158,7 @@ class ServiceRuntime:
         log.info("%s started (instance %s)", self.name, self.instance)
 
     def _spawn(self, name: str, coro: Awaitable[None]) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=f"{self.name}:{name}"))  # type: ignore[arg-type]
+        self._tasks.append(asyncio.create_task(coro, name=f"{self.name}:{name}"))  # type: ignore[arg-type]  # a coroutine
 
     async def _beacon(self) -> None:
         """The liveness key, and beside it the consumers stuck on one record (read by the API's ``/healthz``)."""
@@ -279,7 +279,7 @@ def service_main(
 def run_main(coro_factory: Callable[[], Awaitable[None]]) -> None:
     """Entry point helper: run the service; a TrainyardError at start-up exits 2 with its message."""
     try:
-        asyncio.run(coro_factory())  # type: ignore[arg-type]
+        asyncio.run(coro_factory())  # type: ignore[arg-type]  # the factory returns a coroutine
     except TrainyardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

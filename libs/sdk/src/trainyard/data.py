@@ -170,7 +170,7 @@ class DatasetManifest(_Wire):
 
 def _location(value: Path | str | ObjectPath) -> Path | ObjectPath:
     """A dataset file's location: an object-store URL, or a path as given (not resolved)."""
-    return as_location(value) if is_object_url(value) else Path(value)  # type: ignore[arg-type]
+    return as_location(value) if is_object_url(value) else Path(value)  # type: ignore[arg-type]  # not a URL: a path
 
 
 def load_dataset_manifest(path: Path | str | ObjectPath) -> DatasetManifest:

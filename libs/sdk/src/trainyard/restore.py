@@ -116,7 +116,7 @@ def restore(job: JobLike, state: MutableMapping[str, Stateful], ctx: Context, la
             / RUN_RECORD_FILE)
     record.manifest_uri = choice.candidate.manifest_uri
     record.seconds = time.perf_counter() - started
-    progress: Progress = state["progress"]  # type: ignore[assignment]
+    progress: Progress = state["progress"]  # type: ignore[assignment]  # the run's Progress entry
     (log.warning if choice.fell_back else log.info)(
         "restore: %s; resumed from %s at step %d (%d tokens consumed)",
         choice.reason, choice.candidate.manifest_uri, progress.global_step, progress.consumed_tokens)
@@ -130,9 +130,9 @@ def _resume(state: MutableMapping[str, Stateful], manifest: Any, directory: Any,
     same_world = manifest.world_size == world_size
     to_load = dict(state) if same_world else {k: v for k, v in state.items() if k != "rng"}
     load_checkpoint(to_load, directory)
-    progress: Progress = state["progress"]  # type: ignore[assignment]
+    progress: Progress = state["progress"]  # type: ignore[assignment]  # the run's Progress entry
     if not same_world:
-        state["rng"].reseed(progress.global_step)  # type: ignore[attr-defined]
+        state["rng"].reseed(progress.global_step)  # type: ignore[attr-defined]  # the run's RngState entry
     record.global_step = progress.global_step
     record.world_size = manifest.world_size
     record.cpu_threads = written_cpu_threads(run_record)

@@ -254,7 +254,7 @@ class Run:
         None verifying raises NoVerifiedCheckpointError (exit 4). Every rank calls it."""
         full = self.full_state(state)
         self.restored = restore_state(self, full, self.ctx, self.layout, self.spool, node_layout=self.node_layout)
-        step = full["progress"].global_step  # type: ignore[attr-defined]
+        step = full["progress"].global_step  # type: ignore[attr-defined]  # the run's Progress entry
         self.boundary.last_saved = step if self.restored.manifest_uri is not None else None
         self.reporter.restored(step)
         self.schedule.saved(time.monotonic())
@@ -270,7 +270,7 @@ class Run:
         (:meth:`should_stop`) once the save is durable. ``on_durable(saved, step)`` runs on every
         rank when its shard is durable and its ShardWritten spooled."""
         full = self.full_state(state)
-        progress: Progress = full["progress"]  # type: ignore[assignment]
+        progress: Progress = full["progress"]  # type: ignore[assignment]  # the run's Progress entry
         if progress is self.progress:
             self.advance(step)
         elif progress.global_step < step:

@@ -127,7 +127,7 @@ class DigestingWriter:
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
         self.tensor_digests = plan_digests(plan.items, planner.resolve_data)
-        return super().write_data(plan, planner)  # type: ignore[misc]
+        return super().write_data(plan, planner)  # type: ignore[misc]  # torch's untyped base method
 
 
 def read_tensor_digests(directory: str | os.PathLike[str]) -> list[TensorDigest]:

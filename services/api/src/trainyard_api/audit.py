@@ -85,9 +85,9 @@ class AuditLog:
         fields = entry_fields(token, action, target, tenant, outcome, detail, utcnow())
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xadd(Keys.audit, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]
+                pipe.xadd(Keys.audit, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]  # str fields
                 if tenant:
-                    pipe.xadd(Keys.tenant_audit(tenant), fields, maxlen=self.max_entries,  # type: ignore[arg-type]
+                    pipe.xadd(Keys.tenant_audit(tenant), fields, maxlen=self.max_entries,  # type: ignore[arg-type]  # str fields
                               approximate=True)
                 await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - the action happened: its answer must not become a 500

@@ -89,4 +89,4 @@ class ApiContext:
 
 def context_of(request: Request) -> ApiContext:
     """The app's context (``create_app`` puts it on ``app.state``); a dependency of every route."""
-    return request.app.state.context  # type: ignore[no-any-return]
+    return request.app.state.context

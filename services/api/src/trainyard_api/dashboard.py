@@ -17,7 +17,7 @@ PREFIX = "/ui"
 class _Pages(StaticFiles):
     """The dashboard's files, revalidated on every load so a new version of the API serves its own pages."""
 
-    def file_response(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def file_response(self, *args, **kwargs):
         response = super().file_response(*args, **kwargs)
         response.headers["Cache-Control"] = "no-cache"
         return response

@@ -83,7 +83,7 @@ def export_request(
     eid = export_id(artifact_id, fmt)
     event = ExportRequested(
         occurred_at=now, export_id=eid, checkpoint_artifact_id=artifact_id, job_id=artifact.job_id,
-        tenant=artifact.tenant, format=fmt, requested_by=token.token_id or token.name,  # type: ignore[arg-type]
+        tenant=artifact.tenant, format=fmt, requested_by=token.token_id or token.name,
     )
     return New(ExportRecord(export_id=eid, checkpoint_artifact_id=artifact_id, job_id=artifact.job_id,
                             tenant=artifact.tenant, format=fmt, state="requested", requested_by=event.requested_by,

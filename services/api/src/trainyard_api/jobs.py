@@ -393,7 +393,7 @@ class JobService:
         if refusal := control_refusal(job.state, action):
             raise ConflictError(refusal)
         event = JobControlRequested(
-            job_id=job.job_id, tenant=job.tenant, action=action,  # type: ignore[arg-type]
+            job_id=job.job_id, tenant=job.tenant, action=action,
             reason=reason or f"{action} requested by {token.name}",
         )
         request_span = trace.get_current_span().get_span_context()
@@ -404,7 +404,7 @@ class JobService:
         ):
             await self._record_control(event, requested_by=token.name)
         CONTROL_REQUESTS.labels(action).inc()
-        return ControlResponse(job_id=job.job_id, action=action, state=job.state)  # type: ignore[arg-type]
+        return ControlResponse(job_id=job.job_id, action=action, state=job.state)
 
     async def _record_control(self, event: JobControlRequested, *, requested_by: str) -> None:
         """The control record and its event in one MULTI (the outbox confirms replication, as for every write

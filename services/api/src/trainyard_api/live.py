@@ -206,6 +206,6 @@ class LiveHub:
                         beat = clock()
                         yield KEEPALIVE
                     continue
-                yield sse(RESYNC, json.dumps({"dropped": sub.dropped})) if item == RESYNC else item  # type: ignore[misc]
+                yield sse(RESYNC, json.dumps({"dropped": sub.dropped})) if item == RESYNC else item  # type: ignore[misc]  # queued items are SSE frames
         finally:
             self.subscribers.discard(sub)

@@ -49,7 +49,7 @@ class Announcements:
 
     async def track(self, event: Event, kind: str, rank: RankProcess, traceparent: str | None) -> None:
         await self.remember(Announcement(
-            event_id=str(event.event_id), kind=kind, topic=event.topic, key=event.key(),  # type: ignore[arg-type]
+            event_id=str(event.event_id), kind=kind, topic=event.topic, key=event.key(),  # type: ignore[arg-type]  # topic: every rank event has one
             payload=event.to_bytes().decode(), traceparent=traceparent, job_id=rank.job_id, attempt=rank.attempt,
             allocation_id=rank.allocation_id, rank=rank.rank,
         ))

@@ -150,7 +150,7 @@ def plan(layout: Layout, own: Mapping[str, str], name: str, limits: Limits, root
         top = bases[""]
         here = top / name
         wanted = [c for c, v in (("memory", True), ("pids", limits.pids), ("cpu", limits.cpu_cores)) if v]
-        own_dir = layout.unified / own.get("", "/").lstrip("/")  # type: ignore[operator]
+        own_dir = layout.unified / own.get("", "/").lstrip("/")  # type: ignore[operator]  # v2: unified is set
         chain = [own_dir, *(own_dir / Path(*Path(root).parts[:i]) for i in range(1, len(Path(root).parts) + 1))]
         # one controller per write: one the host lacks (cpu) must not keep the others off
         enable = tuple((d / "cgroup.subtree_control", f"+{c}") for d in chain for c in wanted)
@@ -264,7 +264,7 @@ def _kill_frozen(p: CgroupPlan) -> None:
             os.kill(pid, signal.SIGKILL)
     if frozen:
         with contextlib.suppress(OSError):
-            p.freezer.write_text("THAWED")  # type: ignore[union-attr]
+            p.freezer.write_text("THAWED")  # type: ignore[union-attr]  # frozen: it has a freezer
 
 
 def remove(p: CgroupPlan, *, timeout_s: float = 5.0) -> bool:

@@ -221,7 +221,7 @@ def read_exit(path: Path) -> tuple[int | None, str | None]:
     """(the exit code the launcher recorded or None, why the exit file was refused or None)."""
     entry, refused = read_json(path, "exit file")
     try:
-        return int(entry["exitCode"]), None  # type: ignore[index]
+        return int(entry["exitCode"]), None
     except (ValueError, KeyError, TypeError, OverflowError):
         return None, refused
 

@@ -229,7 +229,7 @@ class NodeAgentSettings(ServiceSettings):
             return self.node_state_dir.expanduser().resolve()
         if self.artifact_root_is_remote:
             return DEFAULT_NODE_STATE_DIR.resolve()
-        return self.artifact_root_abs  # type: ignore[no-any-return]
+        return self.artifact_root_abs
 
     @property
     def agent_state_path(self) -> Path:

@@ -86,7 +86,7 @@ def _run_rank(module: object, argv0: str, plan_json: str | None = None) -> int:
         return refused
     sys.argv = [argv0]
     try:
-        code = module.main()  # type: ignore[attr-defined]
+        code = module.main()  # type: ignore[attr-defined]  # an entry module imported by name
     except SystemExit as exc:
         code = exc.code
     except BaseException:  # noqa: BLE001 - the process boundary

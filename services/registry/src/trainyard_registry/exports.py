@@ -224,7 +224,7 @@ def failed(record: ExportRecord, refused: Refuse, *, now: datetime) -> tuple[Exp
                                         "problems": problems, "uri": None, "hash": None})
     event = ExportFailed(
         occurred_at=now, export_id=record.export_id, checkpoint_artifact_id=record.checkpoint_artifact_id,
-        job_id=record.job_id, tenant=record.tenant, format=record.format,  # type: ignore[arg-type]
+        job_id=record.job_id, tenant=record.tenant, format=record.format,
         reason=refused.reason, problems=problems,
     )
     return changed, event

@@ -184,8 +184,8 @@ class NodeScore:
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> NodeScore:
         tenants = raw.get("tenants") or {}
-        return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])),  # type: ignore[arg-type]
-                   {str(k): float(v) for k, v in tenants.items()})  # type: ignore[union-attr]
+        return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])),  # type: ignore[arg-type]  # JSON numbers
+                   {str(k): float(v) for k, v in tenants.items()})
 
 
 def decayed(score: NodeScore | None, now: datetime, policy: ReputationPolicy) -> float:

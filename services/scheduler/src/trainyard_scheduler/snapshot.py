@@ -238,7 +238,7 @@ def _id_after(a: str, b: str) -> bool:
 
 async def read_held_allocations(redis: Redis) -> dict[str, HeldAllocation]:
     """Every allocation holding a device lease, read from the lease keys themselves (allocation id → holder)."""
-    keys = [k async for k in redis.scan_iter(match=Keys.lease("*", "*"), count=500)]  # type: ignore[arg-type]
+    keys = [k async for k in redis.scan_iter(match=Keys.lease("*", "*"), count=500)]  # type: ignore[arg-type]  # a pattern, not a key
     held: dict[str, HeldAllocation] = {}
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]

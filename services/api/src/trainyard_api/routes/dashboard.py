@@ -67,7 +67,7 @@ class JobRanks(_Out):
     reported_ranks: list[int] = Field(description="ranks that have metric history")
 
 
-async def job_summaries(redis, ids):  # type: ignore[no-untyped-def]
+async def job_summaries(redis, ids):
     """job id → (tenant, JobSummary JSON), for the live hub."""
     raws = await redis.mget([Keys.job(j) for j in ids] + [Keys.progress(j) for j in ids])
     out = {}
@@ -240,7 +240,7 @@ async def cluster(ctx: Ctx, tenant: Tenant) -> ClusterView:
     return await ClusterService(ctx.store).view(tenant.tenant)
 
 
-def _plain(value):  # type: ignore[no-untyped-def]
+def _plain(value):
     """Dataclasses of the history → plain dicts with the answer's camelCase names."""
     from dataclasses import is_dataclass
 
