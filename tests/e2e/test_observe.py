@@ -26,7 +26,7 @@ pytestmark = [
                        reason="prometheus missing: `make deps` installs Debian's prometheus"),
 ]
 NODES = 2
-COMPONENTS = {"api", "scheduler", "checkpoint-coordinator", "registry"} | {f"node-agent-{i}" for i in range(NODES)}
+COMPONENTS = {"api", "telemetry", "scheduler", "checkpoint-coordinator", "registry"} | {f"node-agent-{i}" for i in range(NODES)}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,8 @@ def test_prometheus_scrapes_every_service_and_node_agent(stack: LocalStack) -> N
     up = poll("every target up", lambda: query(stack, 'up{job="trainyard"}'),
               lambda r: {s["metric"]["component"] for s in r if s["value"][1] == "1"} == COMPONENTS)
     assert len(up) == len(COMPONENTS)
-    assert {s["metric"]["service"] for s in up} == {"api", "scheduler", "checkpoint-coordinator", "registry",
-                                                    "node-agent"}
+    assert {s["metric"]["service"] for s in up} == {"api", "telemetry", "scheduler", "checkpoint-coordinator",
+                                                    "registry", "node-agent"}
     nodes = poll("the leader's node gauge", lambda: query(stack, 'cluster:trainyard_nodes:by_state{state="placeable"}'),
                  lambda r: bool(r) and float(r[0]["value"][1]) == NODES)
     assert nodes
@@ -100,7 +100,7 @@ def test_a_jobs_step_time_and_goodput_are_in_prometheus(stack: LocalStack) -> No
         return len(result) == 1 and float(result[0]["value"][1]) > 0
 
     step = poll("the job's step time", lambda: query(stack, f'trainyard_job_step_seconds{{job_id="{job_id}"}}'), positive)
-    assert step[0]["metric"]["tenant"] == "dev" and step[0]["metric"]["service"] == "api"
+    assert step[0]["metric"]["tenant"] == "dev" and step[0]["metric"]["service"] == "telemetry"  # it computes them
     assert float(step[0]["value"][1]) < 60
     goodput = poll("the job's goodput", lambda: query(stack, f'trainyard_job_goodput_ratio{{job_id="{job_id}"}}'),
                    positive)
