@@ -320,19 +320,9 @@ def prepare_dataset(
     ids = encode_documents(tokenizer_json, texts)
 
     staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     tokenizer_bytes = tokenizer_json.encode()
     tok_sha = hashlib.sha256(tokenizer_bytes).hexdigest()
-    atomic_write_bytes(staging / TOKENIZER_FILE, tokenizer_bytes)
-    shard_infos = []
-    for i, shard in enumerate(split_into_shards(ids, shard_tokens)):
-        data = shard.astype(TOKEN_DTYPE, copy=False).tobytes()
-        file = f"shard-{i:05d}.bin"
-        atomic_write_bytes(staging / file, data)
-        shard_infos.append(ShardInfo(
-            file=file, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), num_tokens=len(shard)
-        ))
+    shard_infos = _stage_files(staging, tokenizer_bytes, ids, shard_tokens)
     manifest = DatasetManifest(
         name=name,
         version=version,
@@ -359,6 +349,22 @@ def prepare_dataset(
     log.info("dataset %s@%s: %d tokens in %d shards, tokenizer %s",
              name, version, manifest.num_tokens, len(shard_infos), manifest.tokenizer.version)
     return manifest_path, sha256_file(manifest_path), manifest
+
+
+def _stage_files(staging: Path, tokenizer_bytes: bytes, ids: np.ndarray, shard_tokens: int) -> list[ShardInfo]:
+    """Write the tokenizer and the token shards into a fresh ``staging`` directory; what each shard holds."""
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    atomic_write_bytes(staging / TOKENIZER_FILE, tokenizer_bytes)
+    shard_infos = []
+    for i, shard in enumerate(split_into_shards(ids, shard_tokens)):
+        data = shard.astype(TOKEN_DTYPE, copy=False).tobytes()
+        file = f"shard-{i:05d}.bin"
+        atomic_write_bytes(staging / file, data)
+        shard_infos.append(ShardInfo(
+            file=file, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), num_tokens=len(shard)
+        ))
+    return shard_infos
 
 
 def _existing(directory: Path) -> tuple[Path, str, DatasetManifest]:
