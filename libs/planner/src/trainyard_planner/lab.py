@@ -310,11 +310,8 @@ def scaling_lab(
                             interconnect_bandwidth=interconnect_bandwidth, intra_node_bandwidth=intra_node_bandwidth)
 
     def layout_for(n: int) -> Layout:
-        dp = n * devices_per_node // tensor
-        microbatches = max(1, math.ceil(global_batch / (micro_batch * dp)))
-        return Layout(dp=dp, tp=tensor, zero_stage=sharding.zero_stage if dp > 1 else ZeroStage.NONE,
-                      micro_batch=micro_batch, microbatches=microbatches, sequence_parallel=tensor > 1,
-                      recompute=recompute)
+        return scaling_layout(n * devices_per_node, global_batch=global_batch, micro_batch=micro_batch,
+                              tensor=tensor, sharding=sharding, recompute=recompute)
 
     fitted = None
     if measured_step_seconds is not None and measured_nodes is not None:
@@ -337,6 +334,17 @@ def scaling_lab(
         interconnect_bandwidth=topology.intra_rack.bandwidth, intra_node_bandwidth=topology.nvlink.bandwidth,
         compute_efficiency=efficiency, fitted=fitted,
     )
+
+
+def scaling_layout(devices: int, *, global_batch: int, micro_batch: int, tensor: int, sharding: Sharding,
+                   recompute: Recompute) -> Layout:
+    """The Lab's layout on ``devices``: tensor parallel ``tensor`` inside a node, data parallel across, the global
+    batch in as many micro-batches as it takes (at least one per data-parallel rank)."""
+    dp = devices // tensor
+    microbatches = max(1, math.ceil(global_batch / (micro_batch * dp)))
+    return Layout(dp=dp, tp=tensor, zero_stage=sharding.zero_stage if dp > 1 else ZeroStage.NONE,
+                  micro_batch=micro_batch, microbatches=microbatches, sequence_parallel=tensor > 1,
+                  recompute=recompute)
 
 
 def scaling_point(nodes: int, devices: int, step: StepEstimate, earlier: Sequence[ScalingPoint]) -> ScalingPoint:
