@@ -57,7 +57,7 @@ class JobWriter:
             weight = self.nodes.reputation.weight(reason)
             if weight > 0:  # what the job's ranks said of themselves counts against the tenant's cap; silence does not
                 await self.nodes.blame_node(node_id, reason, weight,
-                                            tenant=None if reason == "lost" else outcome.job.tenant)
+                                            tenant=outcome.job.tenant if self.nodes.reputation.tenant_bounded(reason) else None)
         return outcome
 
     async def release(self, allocation_id: str, epoch: int, devices: list[Device], *,
