@@ -62,6 +62,7 @@ def throughput(current: Progress | None, m: StepMetrics) -> tuple[float, float, 
     tokens, seconds = (current.attempt_tokens, current.attempt_work_seconds) if same and current else (0.0, 0.0)
     if same and work:
         tokens, seconds = tokens + work[0], seconds + work[1]
+    rate: float | None
     if seconds > 0:
         rate = tokens / seconds
     elif work:  # the attempt's first step

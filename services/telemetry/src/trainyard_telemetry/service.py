@@ -45,10 +45,16 @@ class TelemetryService:
                                             history_retention_s=settings.goodput_history_retention_s,
                                             series=self.series)
         self.ingest.install(self.runtime)
-        self.runtime.add_loop("calibration", self.calibrator.refresh, every_s=settings.calibration_refresh_s)
-        self.runtime.add_loop("goodput", self.accounting.refresh, every_s=settings.goodput_refresh_s)
+        self.runtime.add_loop("calibration", self._refit, every_s=settings.calibration_refresh_s)
+        self.runtime.add_loop("goodput", self._account, every_s=settings.goodput_refresh_s)
         self._stop = asyncio.Event()
         self._closed = False
+
+    async def _refit(self) -> None:
+        await self.calibrator.refresh()
+
+    async def _account(self) -> None:
+        await self.accounting.refresh()
 
     async def start(self) -> None:
         await self.runtime.start()
