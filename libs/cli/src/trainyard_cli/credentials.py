@@ -2,7 +2,8 @@
 
 ``redis``: a password per service user, the ACL file for redis-server (``--aclfile``; no anonymous clients),
 a Kubernetes Secret ``trainyard-redis-users`` holding each service's TRAINYARD_REDIS_URL (the
-manifests in deploy/k8s read it) and ``<service>.env`` files with the same (docker compose ``env_file``). Run it again to add missing users; existing passwords are kept.
+manifests in deploy/k8s read it) and ``<service>.env`` files with the same (docker compose ``env_file``). Run it again
+to add missing users; existing passwords are kept.
 """
 
 from __future__ import annotations

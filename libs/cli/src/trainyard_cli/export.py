@@ -159,8 +159,8 @@ class Exporting:
 
     def _fetch(self, export_id: str, files: Sequence[ExportFile], into: Path) -> None:
         total = sum(f.size for f in files)
-        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=self.console, transient=True) as bar:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=self.console, transient=True) as bar:
             task = bar.add_task("downloading", total=total)
             for f in files:
                 bar.update(task, description=f"downloading {f.name}")

@@ -92,7 +92,8 @@ def _global_options(
     ctx: typer.Context,
     api_url: Annotated[str | None, typer.Option(
         "--api-url", envvar="TRAINYARD_API_URL", show_default=False,
-        help="API base URL (default: the contents of .trainyard/api-url if present, else http://127.0.0.1:8080)")] = None,
+        help="API base URL (default: the contents of .trainyard/api-url if present, else "
+             "http://127.0.0.1:8080)")] = None,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="TRAINYARD_TOKEN", show_default=False,
         help="API token (default: the contents of .trainyard/dev-token if present, which `make up` writes; "
@@ -126,7 +127,7 @@ With --code DIR your own training code runs instead of the built-in trainer, pin
 Which files: in a git checkout, what `git ls-files --cached --others --exclude-standard` lists (tracked and untracked files, .gitignore respected), and code.commit / code.dirty record HEAD and whether the checkout had uncommitted changes; outside git, every .gitignore in the tree is honoured. .git, .venv, __pycache__ and .trainyard are never packed. An archive over 100 MiB is refused before uploading, with the largest files listed: .gitignore them.
 
 Without --code a spec may name code.repo + code.revision (a git URL, or a path on the API's machine): the API resolves the revision to a commit and archives it itself.
-"""
+"""  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
 
 @app.command(help=SUBMIT_HELP)
@@ -183,7 +184,8 @@ def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path
         data = codepack.pack(selection)
     archive = codetree.archive_id(data)
     spec = codepack.with_code(spec, archive=archive, selection=selection, entrypoint=entrypoint)
-    state = "" if selection.commit is None else f", commit {selection.commit[:12]}{' (dirty)' if selection.dirty else ''}"
+    dirty = " (dirty)" if selection.dirty else ""
+    state = "" if selection.commit is None else f", commit {selection.commit[:12]}{dirty}"
     if client.code_archive(archive) is not None:
         err.print(f"code {archive[:19]}… already uploaded ({len(selection.files)} files{state})")
         return spec
@@ -342,7 +344,7 @@ With --out DIR every file is downloaded and checked against its sha256 (the list
     AutoModelForCausalLM.from_pretrained("DIR"); AutoTokenizer.from_pretrained("DIR")
 
 A spec with `export: {format: hf}` is exported like this automatically when the job succeeds.
-"""
+"""  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
 
 @app.command("export", help=EXPORT_HELP)
@@ -432,7 +434,7 @@ TRIGGER_CREATE_HELP = """Create a trigger: each new verified version of a datase
 --template is a training spec (YAML or JSON, the same as for `trainyard submit`) without dataset: a dataset it names is left out, since each new version fills it in. The API checks it as it checks a submission; a problem is named template.<field>. The job is submitted once per version, however often the version is announced; `trainyard triggers show` lists the jobs it started and, when a version could not start one (say the template no longer validates), why.
 
 Whose datasets: --source own (your tenant's, the default), platform (the platform's, such as tinycorpus), shared (other tenants' shared with yours); repeat it for several.
-"""
+"""  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
 
 def _trigger_name(glob: str) -> str:
@@ -467,8 +469,9 @@ def triggers_create(
     if as_json:
         _print_json(created.model_dump(mode="json", by_alias=True))
         return
-    stdout().print(Text.assemble("created trigger ", (created.trigger_id, "bold"), f" ({created.name}): new versions of "
-                                 f"{created.dataset} ({', '.join(created.sources)}) submit its job"))
+    stdout().print(Text.assemble("created trigger ", (created.trigger_id, "bold"),
+                                 f" ({created.name}): new versions of {created.dataset} "
+                                 f"({', '.join(created.sources)}) submit its job"))
 
 
 @triggers_app.command("list")

@@ -254,8 +254,8 @@ def models_import(
         layout = ArtifactLayout(artifact_root or _default_root())
         model = inspect_dir(source.expanduser().resolve())
         total = sum(size for _, size in model.weight_files)
-        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=stderr(), transient=True, disable=total < PROGRESS_BYTES) as bar:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), console=stderr(), transient=True, disable=total < PROGRESS_BYTES) as bar:
             task = bar.add_task(f"importing {name}", total=total)
             done = import_model(source, layout, owner, name, advance=lambda n: bar.advance(task, n))
     except ConfigError as exc:

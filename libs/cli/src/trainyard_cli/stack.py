@@ -192,7 +192,8 @@ class LocalStack:
             # idle stack: ~0.7 of a core with every consumer at 20 ms), so the consumers nobody waits on
             # (metrics, registry, triggers, live feed) poll 4 times a second.
             env.setdefault("TRAINYARD_CONSUMER_FETCH_MAX_WAIT_MS", str(EMBEDDED_FETCH_MAX_WAIT_MS))
-            env.setdefault("TRAINYARD_CONSUMER_BACKGROUND_FETCH_MAX_WAIT_MS", str(EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS))
+            env.setdefault("TRAINYARD_CONSUMER_BACKGROUND_FETCH_MAX_WAIT_MS",
+                           str(EMBEDDED_BACKGROUND_FETCH_MAX_WAIT_MS))
             # ... and at 20 ms an idle consumer would ask 50 times a second: idle ones sleep until a doorbell rings
             env.setdefault("TRAINYARD_CONSUMER_IDLE_PAUSE_S", str(EMBEDDED_IDLE_PAUSE_S))
         env.update(self.extra_env)
@@ -315,7 +316,8 @@ class LocalStack:
             names = [*SERVICES, *(f"node-agent-{i}" for i in range(self.s.nodes))]
             metrics = [self._port(n) for n in names] + [self.s.prometheus_port or self._port("prometheus")]
         return rank_blocked(kafka_bootstrap=self.kafka_bootstrap, redis_url=self.s.redis_url,
-                            redis=self.redis_server.endpoints(), api_port=self.s.api_port, metrics_ports=metrics, env=env)
+                            redis=self.redis_server.endpoints(), api_port=self.s.api_port, metrics_ports=metrics,
+                            env=env)
 
     def _port(self, component: str) -> int:
         """The metrics port of ``component`` (or Prometheus' port): chosen once, so that the node agents started

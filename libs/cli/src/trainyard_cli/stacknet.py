@@ -43,7 +43,8 @@ def url_endpoints(url: str | None) -> list[str]:
         return []
     scheme, rest = url.split("://", 1)
     hosts = rest.split("/", 1)[0].rpartition("@")[2]
-    default = {"http": 80, "https": 443, "redis": 6379, "rediss": 6379}.get(scheme, 26379 if "sentinel" in scheme else 0)
+    default = {"http": 80, "https": 443, "redis": 6379, "rediss": 6379}.get(
+        scheme, 26379 if "sentinel" in scheme else 0)
     out = []
     for host in filter(None, hosts.split(",")):
         if host.startswith("["):  # [v6]:port

@@ -240,7 +240,8 @@ FLOWS: dict[type[ev.Event], Flow] = {
                                 "export loads with transformers' from_pretrained")),
         public=True, key="{jobId} | {artifactId}",
         example=ev.ArtifactRegistered(
-            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="job-5f0c2a9e41d7/model/step-000002000-a2", kind="model",
+            event_id=_EXAMPLE_ID, occurred_at=_EXAMPLE_AT, artifact_id="job-5f0c2a9e41d7/model/step-000002000-a2",
+            kind="model",
             tenant="acme", job_id="job-5f0c2a9e41d7", global_step=2000, consumed_tokens=65_536_000,
             uri="file:///srv/trainyard/artifacts/tenants/acme/jobs/job-5f0c2a9e41d7/checkpoints/"
                 "step-000002000-a2/manifest.json",
@@ -462,7 +463,8 @@ def _example(event: ev.Event) -> dict[str, Any]:
     return {
         "name": f"{event.event_type}-example",
         "summary": f"key `{event.key()}`",
-        "headers": {"content-type": CONTENT_TYPE, "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        "headers": {"content-type": CONTENT_TYPE,
+                    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
         "payload": json.loads(event.to_bytes()),
     }
 

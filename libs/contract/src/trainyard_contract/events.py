@@ -459,7 +459,8 @@ class StepMetrics(Event):
     checkpoint_seconds: float = 0.0
     metrics: dict[str, float] = Field(
         default={}, max_length=64, description="the training script's own numbers for this step (grad norm, "
-                                               "accuracy, …), as it reported them (`run.report(step, loss=…, **metrics)`)",
+                                               "accuracy, …), as it reported them "
+                                               "(`run.report(step, loss=…, **metrics)`)",
     )
 
 

@@ -104,7 +104,8 @@ def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Locatio
         parts = [p for p in relative.split("/") if p]
         if not parts or {".", ".."} & set(parts):
             raise HfDirError(f"{relative!r} is not a directory under your tenant's prefix: name one, e.g. "
-                             "models/<name> (trainyard models import) or an export's jobs/<job>/exports/<checkpoint>/hf")
+                             "models/<name> (trainyard models import) or an export's "
+                             "jobs/<job>/exports/<checkpoint>/hf")
         found: ObjectPath = layout.tenant_dir(tenant)
         for part in parts:
             found = found / part

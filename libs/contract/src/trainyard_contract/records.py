@@ -252,7 +252,8 @@ class ArtifactRecord(Record):
     lineage: Lineage
     created_at: datetime = Field(default_factory=utcnow)
     retired_at: datetime | None = Field(
-        default=None, description="when its checkpoint stopped being loadable (deleted by retention, refused at restore)"
+        default=None,
+        description="when its checkpoint stopped being loadable (deleted by retention, refused at restore)"
     )
     retired_reason: str | None = Field(default=None, description="why it was retired")
 

@@ -80,7 +80,8 @@ class ServiceSettings(BaseSettings):
     consumer_idle_pause_s: float | None = Field(
         default=None, ge=0.5,
         description="pause an idle consumer's fetching after this many seconds without a record; a doorbell "
-                    "(a Redis PUBLISH by trainyard's producers) or the poll below wakes it (trainyard_runtime.idlefetch). "
+                    "(a Redis PUBLISH by trainyard's producers) or the poll below wakes it "
+                    "(trainyard_runtime.idlefetch). "
                     "Off by default (Apache Kafka answers a waiting fetch when a record arrives); the local stack sets "
                     "it (0.5), since the embedded broker answers only at the end of each wait; at least twice the "
                     "doorbell's coalescing (0.25 s)")
@@ -123,7 +124,8 @@ class ServiceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _sasl_needs_a_user(self) -> ServiceSettings:
-        if self.kafka_security_protocol.startswith("SASL") and not (self.kafka_sasl_username and self.kafka_sasl_password):
+        sasl = self.kafka_security_protocol.startswith("SASL")
+        if sasl and not (self.kafka_sasl_username and self.kafka_sasl_password):
             raise ValueError(f"TRAINYARD_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs "
                              "TRAINYARD_KAFKA_SASL_USERNAME and TRAINYARD_KAFKA_SASL_PASSWORD")
         return self

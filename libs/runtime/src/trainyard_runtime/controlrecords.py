@@ -37,8 +37,8 @@ from trainyard_runtime.outbox import Outbox
 from trainyard_runtime.store import Keys
 from trainyard_contract.wirebase import FrozenWire
 
-__all__ = ["CONTROL_REQUEST_TTL_S", "MAX_CONTROL_REQUESTS", "ControlRequest", "Refusal", "UnauthorisedEventError", "control_refusal",
-           "expired_requests", "parse_control_request", "record_control_request", "room_for_request",
+__all__ = ["CONTROL_REQUEST_TTL_S", "MAX_CONTROL_REQUESTS", "ControlRequest", "Refusal", "UnauthorisedEventError",
+           "control_refusal", "expired_requests", "parse_control_request", "record_control_request", "room_for_request",
            "stage_control_record", "stage_control_request"]
 
 CONTROL_REQUEST_TTL_S = 3 * 24 * 3600

@@ -27,10 +27,10 @@ never loaded, so a half-written one is as invisible as a ``.tmp`` directory.
 Asynchronous save (:class:`Checkpointer`, ``mode="async"``) runs the same protocol with steps
 2–3 in the background: a thread copies the state into reusable host buffers (overlapping the
 next step's forward and backward; only the next optimizer update waits for the copy), then
-writes the copy with ``dcp.save`` over a gloo group of its own, fsyncs and hashes its file. At each step boundary the ranks agree
-(one small all-reduce) on whether every rank's write has finished; when it has, rank 0 renames
-and fsyncs the parent, barrier, and only then each rank reports ShardWritten. One save is in
-flight at a time: a new save, or the end of training, waits for the previous one.
+writes the copy with ``dcp.save`` over a gloo group of its own, fsyncs and hashes its file. At each step boundary the
+ranks agree (one small all-reduce) on whether every rank's write has finished; when it has, rank 0 renames and fsyncs
+the parent, barrier, and only then each rank reports ShardWritten. One save is in flight at a time: a new save, or the
+end of training, waits for the previous one.
 
 Restore with fallback (:func:`choose_checkpoint`): the allocation's start checkpoint is
 verified first (manifest, then every file's size and sha256, the hashing split over the

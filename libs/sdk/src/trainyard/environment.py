@@ -63,7 +63,8 @@ def read_allocation(settings: RankSettings) -> GangAllocated:
     except FileNotFoundError:
         raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} does not exist") from None
     except ValidationError as exc:
-        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} is not a GangAllocated: {exc}") from exc
+        raise ConfigError(f"TRAINYARD_ALLOCATION_FILE {settings.allocation_file} is not a GangAllocated: "
+                          f"{exc}") from exc
 
 
 def apply_spec_choices(settings: RankSettings, spec: TrainingSpec) -> RankSettings:

@@ -51,7 +51,8 @@ def select_runtime(settings: RankSettings) -> Runtime:
     else:
         count = torch.cuda.device_count()
         # A node agent that narrows CUDA_VISIBLE_DEVICES to this rank's device leaves one visible.
-        index = 0 if count == 1 else (settings.device_index if settings.device_index is not None else settings.local_rank)
+        chosen = settings.device_index if settings.device_index is not None else settings.local_rank
+        index = 0 if count == 1 else chosen
         if index >= count:
             raise ConfigError(f"device index {index} but only {count} CUDA devices are visible")
         torch.cuda.set_device(index)

@@ -1,4 +1,5 @@
-"""The rank environment contract (node agent → ``python -m trainyard_trainer`` or a user script using the SDK), parsed once.
+"""The rank environment contract (node agent → ``python -m trainyard_trainer`` or a user script using the SDK),
+parsed once.
 
 torch.distributed's own variables keep their usual names (``RANK``, ``WORLD_SIZE``, …);
 trainyard's carry the ``TRAINYARD_`` prefix; ``TRACEPARENT`` is the W3C trace context of
@@ -70,7 +71,8 @@ class RankSettings(BaseSettings):
     )
     events_file: Path = Field(validation_alias="TRAINYARD_EVENTS_FILE", description="this rank's event spool")
     traceparent: str | None = Field(
-        default=None, validation_alias="TRACEPARENT", description="W3C trace context of the job; this rank's spans join it",
+        default=None, validation_alias="TRACEPARENT",
+        description="W3C trace context of the job; this rank's spans join it",
     )
     collective_timeout_s: float = Field(
         default=600.0, gt=0, validation_alias="TRAINYARD_COLLECTIVE_TIMEOUT_S",

@@ -164,7 +164,8 @@ def _normalise_hf_names(config: ModelConfig, hf_state: Mapping[str, torch.Tensor
                 name = "transformer." + name
         out[name] = tensor
     head, embedding = hf_state.get("lm_head.weight"), out.get("transformer.wte.weight")
-    if config.architecture == "gpt2" and head is not None and embedding is not None and not torch.equal(head, embedding):
+    gpt2 = config.architecture == "gpt2"
+    if gpt2 and head is not None and embedding is not None and not torch.equal(head, embedding):
         raise ConfigError("lm_head.weight differs from transformer.wte.weight: trainyard's gpt2 ties them")
     return out
 

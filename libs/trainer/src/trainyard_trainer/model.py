@@ -100,7 +100,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(batch, seq, vocab)`` and, given targets, the mean token cross-entropy."""
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:
@@ -239,7 +240,8 @@ class Llama(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(batch, seq, vocab)`` and, given targets, the mean token cross-entropy."""
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:

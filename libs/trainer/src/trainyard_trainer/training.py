@@ -136,7 +136,8 @@ def resolve_job(settings: RankSettings, allocation: GangAllocated, runtime: Runt
         raise ConfigError(str(exc.args[0])) from None
     if spec.training.sequence_length > config.max_seq_len:
         raise ConfigError(
-            f"training.sequenceLength {spec.training.sequence_length} exceeds the model's maxSeqLen {config.max_seq_len}"
+            f"training.sequenceLength {spec.training.sequence_length} exceeds the model's maxSeqLen "
+            f"{config.max_seq_len}"
         )
     plan = resolve_plan(
         world_size=settings.world_size, local_world_size=settings.local_world_size,

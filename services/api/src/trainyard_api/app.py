@@ -61,7 +61,7 @@ Submit, watch and control LLM training jobs on trainyard.
 * `503` (with `Retry-After`) means the state store is unavailable, nothing else.
 * `OPTIONS` on a path answers `204` with `Allow` listing its methods; a method the path does not
   have answers `405` with the same `Allow`.
-"""
+"""  # noqa: E501 - the OpenAPI description, as served
 
 TAGS = [
     {"name": "jobs", "description": "Submit training jobs, follow their progress, cancel, pause and resume them."},

@@ -5,8 +5,8 @@ stated on the field, so that validation and the OpenAPI document are one thing.
 catalog reference; here the string carries the pattern. Its seed may reach 2**63, past what JSON
 carries exactly in most implementations (and past what schema validators compare exactly); here it
 stops at 2**53 - 1. ``ModelConfig`` and the planner's models leave some numbers unbounded; here each
-has a range inside which the planner's arithmetic stays finite and its enumeration of layouts small. Each class is its parent with narrower fields, so everything
-downstream takes it as the parent.
+has a range inside which the planner's arithmetic stays finite and its enumeration of layouts small. Each class is its
+parent with narrower fields, so everything downstream takes it as the parent.
 """
 
 from __future__ import annotations

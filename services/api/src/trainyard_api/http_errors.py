@@ -21,7 +21,14 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
-from trainyard_contract.errors import AuthError, ConflictError, InfrastructureError, NotFoundError, SpecError, TrainyardError
+from trainyard_contract.errors import (
+    AuthError,
+    ConflictError,
+    InfrastructureError,
+    NotFoundError,
+    SpecError,
+    TrainyardError,
+)
 
 from trainyard_api.auth import ForbiddenError
 from trainyard_api.code import ArchiveTooLargeError

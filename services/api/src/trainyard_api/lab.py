@@ -38,7 +38,14 @@ from trainyard_planner import (
 )
 from trainyard_planner.lab import DEFAULT_MARGINAL_THRESHOLD, MAX_PARAMETERS, MIN_PARAMETERS
 
-from trainyard_api.bodies import MAX_BATCH, MAX_DEVICES, BoundedModelConfig, CatalogRef, PlanBytesPerParameter, PlanDevice
+from trainyard_api.bodies import (
+    MAX_BATCH,
+    MAX_DEVICES,
+    BoundedModelConfig,
+    CatalogRef,
+    PlanBytesPerParameter,
+    PlanDevice,
+)
 from trainyard_api.planning import (
     PRECISIONS,
     Assumptions,

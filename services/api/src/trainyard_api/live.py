@@ -113,7 +113,8 @@ class LiveHub:
 
         bus.subscribe(JOBS, {JobSubmitted: on, JobStateChanged: on, JobControlRequested: on}, group=group,
                       offset_reset="latest", background=True)
-        bus.subscribe(CHECKPOINTS, {CheckpointReady: on, CheckpointFailed: on}, group=group, offset_reset="latest", background=True)
+        bus.subscribe(CHECKPOINTS, {CheckpointReady: on, CheckpointFailed: on}, group=group, offset_reset="latest",
+                      background=True)
         bus.subscribe(WORKERS, {WorkerStarted: on, WorkerExited: on, AttemptEnded: on}, group=group,
                       offset_reset="latest", background=True)
         bus.subscribe(METRICS, {StepMetrics: on}, group=group, offset_reset="latest", background=True)

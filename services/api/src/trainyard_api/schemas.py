@@ -191,7 +191,8 @@ class JobCondition(_Out):
     reason: str
     since: datetime | None = None
     attempt: int
-    unprotected_intervals: int | None = Field(default=None, description="checkpoint intervals past the newest READY one")
+    unprotected_intervals: int | None = Field(default=None,
+                                              description="checkpoint intervals past the newest READY one")
 
 
 class JobView(_Out):

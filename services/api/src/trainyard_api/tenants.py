@@ -116,7 +116,8 @@ class TenantService:
 
     async def list(self) -> TenantList:
         now = utcnow()
-        records = {t: TenantRecord.model_validate_json(raw) for t, raw in (await self.redis.hgetall(Keys.tenants)).items()}
+        raw_records = await self.redis.hgetall(Keys.tenants)
+        records = {t: TenantRecord.model_validate_json(raw) for t, raw in raw_records.items()}
         tokens, settings = await self.store.token_records(), await self._settings()
         names = sorted(set(records) | {t.tenant for t in tokens.values() if token_state(t, now) == "active"})
         return TenantList(tenants=[self._view(n, records.get(n), settings.get(n), tokens, now) for n in names])

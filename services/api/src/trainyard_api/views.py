@@ -118,7 +118,8 @@ def checkpoint_view(c: CheckpointRecord) -> CheckpointView:
     return CheckpointView(
         checkpoint_id=c.checkpoint_id, state=c.state, global_step=c.global_step, attempt=c.attempt,
         world_size=c.world_size, manifest_uri=c.manifest_uri, content_hash=c.content_hash,
-        tensors_hash=c.tensors_hash, consumed_tokens=c.consumed_tokens, reason=c.reason, created_at=c.created_at, ready_at=c.ready_at,
+        tensors_hash=c.tensors_hash, consumed_tokens=c.consumed_tokens, reason=c.reason, created_at=c.created_at,
+        ready_at=c.ready_at,
         write_seconds=c.write_seconds, deleted_at=c.deleted_at, size_bytes=c.size_bytes,
     )
 

@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     async def serve(settings: CoordinatorSettings) -> None:
         await build_service(settings).run()
 
-    service_main(argv, prog="trainyard-checkpoint-coordinator", description=DESCRIPTION, settings_cls=CoordinatorSettings, serve=serve,
-                 service="checkpoint-coordinator")
+    service_main(argv, prog="trainyard-checkpoint-coordinator", description=DESCRIPTION,
+                 settings_cls=CoordinatorSettings, serve=serve, service="checkpoint-coordinator")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ injected :class:`Clock`, retrying through :mod:`backoff`: :class:`NodeAgent` wir
 admits and launches, :mod:`rank_start` starts one rank in its sandbox, :mod:`control` stops or asks ranks
 to stop, :mod:`attempts` watches them and closes each attempt's containment, :mod:`rank_table` and
 :mod:`recovery` keep and adopt the rank table, :mod:`heartbeat`), one :class:`RankSupervisor` per rank (its
-lifecycle, its watch, its exit report) and the :class:`SpoolRelay` (the ranks' spools onto the bus). Ranks start under :mod:`launcher` (cold) or in a
-warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit status.
-A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only
-trees (one per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes,
-:func:`rank_paths` what a rank of user code may touch); its liveness counts its output too
-(:func:`observe`).
+lifecycle, its watch, its exit report) and the :class:`SpoolRelay` (the ranks' spools onto the bus). Ranks start under
+:mod:`launcher` (cold) or in a warm interpreter (:mod:`warm`, :class:`WarmPool`), both of which record the rank's exit
+status. A job's own code (``spec.code``) runs cold from :class:`CodeCache`, the node's verified, read-only trees (one
+per archive hash; :func:`choose_evictions` and :func:`choose_purges` decide what goes, :func:`rank_paths` what a rank of
+user code may touch); its liveness counts its output too (:func:`observe`).
 """
 
 from trainyard_node_agent.admission import (

@@ -58,9 +58,9 @@ def hosts_rendezvous(share: NodeAssignment) -> bool:
 def port_taken(event: GangAllocated, node_id: str, why: str) -> str:
     """The ``WorkerExited.detail`` of every rank here when the master port is already held on this node.
 
-    The reason that goes with it is ``port-in-use`` (``trainyard_contract.exitcodes.PORT_IN_USE``): the scheduler ends the attempt as an
-    interruption — no failure budget spent, no node blamed — and its next attempt draws another port at random
-    (trainyard_scheduler.ports), so whoever squats a port delays a job, never fails it."""
+    The reason that goes with it is ``port-in-use`` (``trainyard_contract.exitcodes.PORT_IN_USE``): the scheduler ends
+    the attempt as an interruption — no failure budget spent, no node blamed — and its next attempt draws another
+    port at random (trainyard_scheduler.ports), so whoever squats a port delays a job, never fails it."""
     return (f"rendezvous port {event.master_port} is already in use on {node_id} ({why}): another process holds "
             f"it; rank 0 would fail to listen, or its peers would reach that process. Not started; the next "
             f"attempt gets another port")

@@ -141,7 +141,8 @@ class NodeAgent:
         self.spool_relay = SpoolRelay(runtime.bus, layout=self.layout, group=self.group,
                                       announcements=self.announcements, persist=self.table.persist,
                                       violation=self.control.violation, closing=closing, clock=clock)
-        shipper = LogShipper(self.layout, clock, interval_s=settings.log_ship_interval_s) if self.layout.remote else None
+        shipper = (LogShipper(self.layout, clock, interval_s=settings.log_ship_interval_s) if self.layout.remote
+                   else None)
         context = SupervisorContext(settings, clock, self.spool_relay, runtime.outbox, self.announcements,
                                     closing=closing, logs=shipper)
         self.code_cache = CodeCache(settings.code_cache_path, self.layout, max_bytes=settings.code_cache_max_bytes)

@@ -2,8 +2,8 @@
 
 Order of evidence: the agent's own decision (it revoked the rank, or stopped it as hung); the
 trainer's exit code (``trainyard_contract.exitcodes``: 3 nan, 6 oom, 2 config, 4 checkpoint,
-5 data, 7 preempted: it checkpointed on request and stopped); a SIGKILL while the cgroup's OOM-kill counter went up (the kernel OOM killer, best
-effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
+5 data, 7 preempted: it checkpointed on request and stopped); a SIGKILL while the cgroup's OOM-kill counter went up (the
+kernel OOM killer, best effort); markers in the tail of the rank's log (CUDA out of memory, NCCL / CUDA / hardware
 errors, collective timeouts); otherwise what the exit code says (error, killed, signal-<n>).
 
 User code (``spec.code``) is the job's own: an entrypoint the launcher cannot start, and a script
@@ -30,7 +30,8 @@ from trainyard_node_agent.sandbox import NEVER_FOLLOWED, SANDBOX_EXIT, SANDBOX_F
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError", "Cannot allocate memory",
                "std::bad_alloc", "Out of memory")
 HANG_MARKERS = ("Watchdog caught collective operation timeout", "collective operation timeout",
-                "Timed out waiting", "ProcessGroupGloo::recv timed out", "Socket Timeout", "DistNetworkError: timed out")
+                "Timed out waiting", "ProcessGroupGloo::recv timed out", "Socket Timeout",
+                "DistNetworkError: timed out")
 NCCL_MARKERS = ("NCCL error", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError", "ncclRemoteError",
                 "ncclInvalidUsage", "NCCL WARN", "CUDA error", "cudaError", "CUBLAS_STATUS", "uncorrectable ECC",
                 "ECC error", "Xid", "illegal memory access", "device-side assert")

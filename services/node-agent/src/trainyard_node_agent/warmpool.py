@@ -2,10 +2,10 @@
 
 ``take()`` hands out one that has finished importing; else the one that has been importing the
 longest (the launch line waits in its stdin: it is never slower than a cold start, which would
-import from scratch); else None (the caller then starts the rank cold). ``take()`` does not refill: importing torch costs
-seconds of CPU, and refilling while a new attempt's ranks start would slow exactly the start-up
-the pool is for. The agent calls ``fill()`` once its ranks have made their first progress. Each interpreter runs in its own session, so once it
-becomes a rank it is signalled, watched and adopted exactly like a cold-started one.
+import from scratch); else None (the caller then starts the rank cold). ``take()`` does not refill: importing torch
+costs seconds of CPU, and refilling while a new attempt's ranks start would slow exactly the start-up the pool is for.
+The agent calls ``fill()`` once its ranks have made their first progress. Each interpreter runs in its own session, so
+once it becomes a rank it is signalled, watched and adopted exactly like a cold-started one.
 
 On a sandboxed node (``TRAINYARD_NODE_SANDBOX=enforce``) the interpreters start as the agent's user, like the
 launcher does; the launch line carries the rank's sandbox plan, and the forked rank enters it (mount namespace,

@@ -41,7 +41,8 @@ class JobDiscovery:
             ids = await self.redis.zrangebyscore(Keys.jobs, since, "+inf")
         else:
             ids = await self.redis.zrange(Keys.jobs, 0, -1)
-        active, incoming = await self.redis.smembers(SchedulerKeys.active), await self.redis.smembers(Keys.incoming_jobs)
+        active = await self.redis.smembers(SchedulerKeys.active)
+        incoming = await self.redis.smembers(Keys.incoming_jobs)
         missing = [i for i in ids if i not in active and i not in incoming]
         for start in range(0, len(missing), _MGET_CHUNK):
             jobs = await self.store.get_jobs(missing[start:start + _MGET_CHUNK])

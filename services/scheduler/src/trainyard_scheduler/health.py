@@ -229,8 +229,8 @@ def quarantine_floor(node_id: str, *, capacity: Mapping[str, Mapping[str, int]],
     """Why quarantining ``node_id`` automatically would take too much capacity (None: it may be).
 
     ``capacity``: node → device type → devices, for the nodes of the cluster; ``out``: nodes
-    already out of service (quarantined or drained). Automatic quarantine never leaves a device type with no node, and never
-    takes more than ``max_share`` of a type's devices; beyond that only an admin quarantines.
+    already out of service (quarantined or drained). Automatic quarantine never leaves a device type with no node, and
+    never takes more than ``max_share`` of a type's devices; beyond that only an admin quarantines.
     """
     mine = capacity.get(node_id, {})
     gone = set(out) | {node_id}
@@ -308,7 +308,8 @@ class OutOfService:
             return (f"{self.node_id} quarantined{who} ({self.reason}){until}; reinstate: "
                     f"trainyard admin nodes reinstate {self.node_id}")
         until = " until its node agent restarts" if self.by == "node-agent" else ""
-        return f"{self.node_id} drained{who} ({self.reason}){until}; undrain: trainyard admin nodes undrain {self.node_id}"
+        return (f"{self.node_id} drained{who} ({self.reason}){until}; "
+                f"undrain: trainyard admin nodes undrain {self.node_id}")
 
 
 def explain_wait(reason: str, kind: str | None, *, gpu_type: str, available_devices: int,

@@ -250,7 +250,8 @@ class NodeHealth:
                     kinds[d.type] = kinds.get(d.type, 0) + 1
                 capacity[node.node_id] = kinds
         # drained nodes are out of service too: what a quarantine may take is what is left
-        out = (set(await self.redis.hkeys(Keys.node_quarantine)) | set(await self.redis.hkeys(Keys.node_drain))) - {node_id}
+        quarantined, drained = await self.redis.hkeys(Keys.node_quarantine), await self.redis.hkeys(Keys.node_drain)
+        out = (set(quarantined) | set(drained)) - {node_id}
         why = health.quarantine_floor(node_id, capacity=capacity, out=out, max_share=self.settings.quarantine_max_share)
         if why is None:
             return None

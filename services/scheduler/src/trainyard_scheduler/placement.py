@@ -346,7 +346,8 @@ def _impossible(snapshot: ClusterSnapshot, request: GangRequest) -> Unschedulabl
     whole = snapshot.aggregates(kind, 1)
     healthy = whole.idle[CLUSTER][0]
     if healthy < need:
-        holders = sum(1 for n in range(snapshot.node_count()) if snapshot.available[n] and snapshot.healthy[n].get(kind))
+        holders = sum(1 for n in range(snapshot.node_count())
+                      if snapshot.available[n] and snapshot.healthy[n].get(kind))
         if healthy == 0:
             types = ", ".join(snapshot.device_types()) or "none"
             return Unschedulable(f"needs {need} {kind} devices; the cluster has no healthy {kind} devices "

@@ -59,7 +59,8 @@ class _Cfg(BaseModel):
 
 class QuotaConfig(_Cfg):
     guaranteed: int | None = Field(default=None, ge=0, description="devices reserved to the tenant; null = unlimited")
-    borrow_limit: int | None = Field(default=None, ge=0, description="devices above guaranteed it may borrow; null = no limit")
+    borrow_limit: int | None = Field(default=None, ge=0,
+                                     description="devices above guaranteed it may borrow; null = no limit")
 
 
 class TenantConfig(_Cfg):

@@ -113,7 +113,8 @@ class GoodputAccountant:
         return ledgers
 
     async def record_history(self, ledgers: dict[str, Ledger], *, now_s: float) -> None:
-        """1. each tenant's cumulative seconds, and when, under the current bucket  2. drop buckets past the retention."""
+        """1. each tenant's cumulative seconds, and when, under the current bucket  2. drop buckets past the
+        retention."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for tenant, ledger in ledgers.items():
                 pipe.hset(Keys.goodput_history(tenant), *sample_entry(now_s, self.history_bucket_s, ledger.seconds()))

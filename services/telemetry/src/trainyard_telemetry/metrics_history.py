@@ -22,8 +22,8 @@ A read picks the coarsest level that still has at least two blocks per point ask
 (:func:`level_for`): a curve is down-sampled from the blocks' minima and maxima, which are real points
 at their real steps (so a spike survives: it is its block's extreme), a heat map from the blocks' means
 and counts with bucket edges on block boundaries (so every mean is exact). The blocks that hold the
-window's first and last steps are read at full resolution (:class:`ReadPlan`). A whole 1M-step run at 2,000 points reads ~280 KB per
-series instead of 4 MB.
+window's first and last steps are read at full resolution (:class:`ReadPlan`). A whole 1M-step run at 2,000 points reads
+~280 KB per series instead of 4 MB.
 
 Rank 0 stores every series (loss, lr, tokensPerSecond, mfu, the timing series and the script's own
 ``metrics``); the other ranks the timing series. ``series`` (set) names the job's custom series,

@@ -36,7 +36,7 @@ async def read_audit(
     """Every administrative action and every control action on a job (submit, pause, resume, cancel,
     code upload, trigger create and delete): who (token id, name, tenant, role), what (action, target), when, and the outcome
     (ok, denied, not-found, conflict, invalid, failed). A platform-admin reads all of it (or one
-    tenant's with `tenant`), a tenant-admin its own tenant's."""
+    tenant's with `tenant`), a tenant-admin its own tenant's."""  # noqa: E501 - the OpenAPI description, as served
     if tenant is None and Right.ALL_TENANTS not in rights(reader.effective_role):
         tenant = reader.tenant
     if tenant is not None:

@@ -227,7 +227,8 @@ def interrupt(new: JobRecord, why: str, how: str, latest_ready_step: int | None,
         released.failure_reason = f"{why} ({how})"
     kind = why.split(":", 1)[0]
     set_state(new, "queued", events, now, reason=f"interrupted by {kind}")
-    start = "the latest READY checkpoint" if latest_ready_step is None else f"the checkpoint at step {latest_ready_step}"
+    start = ("the latest READY checkpoint" if latest_ready_step is None
+             else f"the checkpoint at step {latest_ready_step}")
     new.queued_reason = (f"attempt {attempt.attempt} interrupted by {why} ({how}); not a failure: attempt "
                          f"{attempt.attempt + 1} resumes from {start} by itself")
     new.queued_reason_kind = "maintenance" if kind == ExitReason.MAINTENANCE else "interrupted"
