@@ -41,7 +41,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
@@ -189,7 +189,7 @@ class StateRedis(Redis):
     Sentinel, closes its Sentinel connections with itself."""
 
     epoch_acks: EpochAcks = EpochAcks()
-    sentinel: Sentinel | None = None
+    sentinel: Sentinel | None = None  # type: ignore[assignment]  # shadows redis-py's SENTINEL command method
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
@@ -227,7 +227,7 @@ def connect(url: str) -> StateRedis:
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
     if not target.is_sentinel:
-        client = StateRedis.from_url(target.url, **common)
+        client = cast(StateRedis, StateRedis.from_url(target.url, **common))  # from_url builds cls
     else:
         sentinel = Sentinel(
             list(target.sentinels),
@@ -237,7 +237,8 @@ def connect(url: str) -> StateRedis:
                              "decode_responses": True},
             username=target.username, password=target.password, db=target.db,
             socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S, **common)
-        client = sentinel.master_for(target.service, redis_class=StateRedis, connection_class=_FollowingConnection)
+        client = cast(StateRedis, sentinel.master_for(target.service, redis_class=StateRedis,
+                                                      connection_class=_FollowingConnection))
         client.sentinel = sentinel
     client.epoch_acks = target.acks
     return client
@@ -277,7 +278,7 @@ async def eval_durably(redis: Redis, script: AsyncScript, keys: Sequence[Any], a
         return await script(keys=list(keys), args=list(args))
     # EVAL, not EVALSHA: the pipeline may be re-sent to a new primary that never loaded the script
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.eval(script.script, len(keys), *keys, *args)
+        pipe.eval(script.script, len(keys), *keys, *args)  # type: ignore[arg-type]  # registered from str
         pipe.wait(acks.replicas, acks.timeout_ms)
         result, acked = await pipe.execute(raise_on_error=False)
     if isinstance(result, Exception):

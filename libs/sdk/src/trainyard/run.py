@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from opentelemetry import trace
@@ -377,7 +377,7 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is not None and not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as they are
             self.close()
             return False

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trainyard-train: {exc}", file=sys.stderr)
         return exitcodes.CONFIG
-    sys.stdout.reconfigure(line_buffering=True)  # the node agent tails this into the rank log
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper; the agent tails it
     logging.basicConfig(
         level=settings.log_level.upper(), stream=sys.stdout,
         format=f"%(asctime)s rank{settings.rank} %(levelname)s %(name)s: %(message)s",

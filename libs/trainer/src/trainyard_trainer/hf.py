@@ -280,7 +280,7 @@ def _save_weights(directory: Path, hf_state: dict[str, torch.Tensor], max_shard_
         progress(f"writing {WEIGHTS_FILE} ({sum(sizes.values()) / 2**20:.1f} MiB)")
         save_file(hf_state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         return
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, names in enumerate(shards, start=1):
         file = shard_file_name(i, len(shards))
         progress(f"writing {file} ({i}/{len(shards)})")

@@ -164,6 +164,8 @@ def build_optimizer(
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     lr = spec.training.learning_rate
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
     if opt.name == "sgd":
         cls, kwargs = torch.optim.SGD, {"lr": lr, "momentum": opt.beta1}
     else:
