@@ -189,7 +189,7 @@ def main() -> None:
     results = [run(args, warm=0)] + ([run(args, warm=args.warm)] if args.warm != 0 else [])
     medians = [report(r) for r in results]
     if len(medians) == 2 and all(medians):
-        print(f"\ndefault (warm) / cold median recovery: {medians[1] / medians[0]:.2f} "  # type: ignore[operator]
+        print(f"\ndefault (warm) / cold median recovery: {medians[1] / medians[0]:.2f} "  # type: ignore[operator]  # both medians exist here
               f"({medians[1]:.2f}s vs {medians[0]:.2f}s)")
     print(f"({time.monotonic() - started:.0f}s)")
     if args.json:

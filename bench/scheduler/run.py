@@ -179,7 +179,7 @@ def run_pair(cluster: ClusterShape, trace: TraceShape, args: argparse.Namespace,
         placers.append(("first fit, whole TP groups", first_fit_whole_groups))
     for name, placer in placers:
         kwargs = {"placer": placer} if placer else {}
-        sim = Simulator(cluster, trace, name=name, tick_s=args.tick, check=args.check, timer=clock,  # type: ignore[arg-type]
+        sim = Simulator(cluster, trace, name=name, tick_s=args.tick, check=args.check, timer=clock,  # type: ignore[arg-type]  # a stand-in timer
                         **kwargs)
         result = sim.run()
         sim.check_no_job_lost()

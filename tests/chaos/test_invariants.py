@@ -39,13 +39,13 @@ SPEC = TrainingSpec.model_validate({
 
 def job(job_id: str = "j", state: str = "succeeded", attempts: list[AttemptRecord] | None = None,
         reason: str | None = None) -> JobRecord:
-    return JobRecord(job_id=job_id, tenant="t", spec=SPEC, spec_hash="h", state=state,  # type: ignore[arg-type]
+    return JobRecord(job_id=job_id, tenant="t", spec=SPEC, spec_hash="h", state=state,  # type: ignore[arg-type]  # a str for a Literal field
                      attempts=attempts or [], reason=reason)
 
 
 def attempt(n: int, epoch: int, state: str = "failed", start: int | None = None, at: float = 0.0) -> AttemptRecord:
     ref = CheckpointRef(manifest_uri="file:///m", global_step=start, attempt=1) if start is not None else None
-    return AttemptRecord(attempt=n, allocation_id=f"a{n}", epoch=epoch, state=state, world_size=2,  # type: ignore[arg-type]
+    return AttemptRecord(attempt=n, allocation_id=f"a{n}", epoch=epoch, state=state, world_size=2,  # type: ignore[arg-type]  # a str for a Literal field
                          start_checkpoint=ref, started_at=T0 + timedelta(seconds=at))
 
 

@@ -163,7 +163,7 @@ async def test_what_the_bus_sends_is_what_the_document_says(doc: dict[str, Any],
         sent.append((topic, payload, key, dict(headers or {})))
 
     bus = Bus("127.0.0.1:1", service_name="contract-test")
-    bus.publish_raw = record  # type: ignore[method-assign]
+    bus.publish_raw = record  # type: ignore[method-assign]  # a test double's method
     await bus.publish(event, traceparent=TRACEPARENT)
     ((topic, payload, key, headers),) = sent
     message = doc["components"]["messages"][event.event_type]

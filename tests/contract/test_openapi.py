@@ -65,7 +65,7 @@ def test_sequences_of_calls_answer_as_the_document_says(api_schema: schemathesis
 
     failures: list[BaseException] = []
 
-    class Scenarios(api_schema.as_state_machine()):  # type: ignore[misc]
+    class Scenarios(api_schema.as_state_machine()):  # type: ignore[misc]  # schemathesis's dynamic base class
         def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
             return {"headers": credentials(case)}
 

@@ -41,7 +41,7 @@ def test_submit_works_right_after_up(tmp_path: Path) -> None:
         (tmp_path / "long.yaml").write_text(yaml.safe_dump(spec))
         long_run = trainyard("submit", str(tmp_path / "long.yaml"))
         assert long_run.returncode == 0, long_run.stdout + long_run.stderr
-        long_id = re.search(r"submitted (job-[0-9a-f]+)", long_run.stdout).group(1)  # type: ignore[union-attr]
+        long_id = re.search(r"submitted (job-[0-9a-f]+)", long_run.stdout).group(1)  # type: ignore[union-attr]  # present here (the test asserts it)
         cancelled = trainyard("jobs", "cancel", long_id)
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
 
@@ -50,7 +50,7 @@ def test_submit_works_right_after_up(tmp_path: Path) -> None:
         assert made.returncode == 0 and "research" in made.stdout, made.stdout + made.stderr
         issued = trainyard("admin", "tokens", "create", "--tenant", "research", "--name", "ci", "--ttl", "30d")
         assert issued.returncode == 0 and issued.stdout.startswith("ty_"), issued.stdout + issued.stderr
-        token_id = re.search(r"tok_[0-9a-f]{12}", issued.stderr).group(0)  # type: ignore[union-attr]
+        token_id = re.search(r"tok_[0-9a-f]{12}", issued.stderr).group(0)  # type: ignore[union-attr]  # present here (the test asserts it)
         listed = trainyard("admin", "tokens", "list", "--tenant", "research")
         assert listed.returncode == 0 and token_id in listed.stdout and issued.stdout.strip() not in listed.stdout
         assert trainyard("admin", "tokens", "revoke", token_id, "--tenant", "research").returncode == 0

@@ -54,7 +54,7 @@ async def test_an_admin_drains_and_undrains_a_node(api: ApiServer, env: dict) ->
     event = ev.decode_event(ev.NODES, drained.value)
     assert isinstance(event, ev.NodeDrained) and event.by == "olga" and event.reason == "new NIC"
     undrained = await find_record(env, ev.NODES, lambda r: event_of(r, ev.NodeUndrained, node_id="node-a"))
-    assert ev.decode_event(ev.NODES, undrained.value).by == "olga"  # type: ignore[attr-defined]
+    assert ev.decode_event(ev.NODES, undrained.value).by == "olga"  # type: ignore[attr-defined]  # a NodeUndrained
 
     # the CLI: `trainyard admin nodes drain|undrain`
     def run(*args: str) -> tuple[int, str]:

@@ -99,7 +99,7 @@ async def publisher(env: dict[str, Any]) -> AsyncIterator[Stack]:
     await bus.start()
     redis = connect_redis(env["redis_url"])
     try:
-        yield Stack(env, bus, StateStore(redis), tail=None, layout=ArtifactLayout(env["artifact_root"]))  # type: ignore[arg-type]
+        yield Stack(env, bus, StateStore(redis), tail=None, layout=ArtifactLayout(env["artifact_root"]))  # type: ignore[arg-type]  # a test double
     finally:
         await bus.aclose()
         await redis.aclose()

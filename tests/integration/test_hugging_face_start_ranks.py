@@ -54,7 +54,7 @@ def test_each_rank_loads_its_part_of_the_transformers_weights(
     assert result.record is not None
     assert result.record["restore"]["huggingFaceUri"] == ArtifactLayout(root).model_dir(TENANT, "gpt").as_uri()
     saved = load_whole(ArtifactLayout(root).checkpoint_dir(TENANT, job, 1, 1), tmp_path)["model"]
-    theirs = from_hf_state_dict(GPT, reference.state_dict())  # type: ignore[attr-defined]
+    theirs = from_hf_state_dict(GPT, reference.state_dict())  # type: ignore[attr-defined]  # a transformers model
     assert set(saved) == set(theirs)
     worst = max((saved[n] - theirs[n]).abs().max().item() for n in theirs)
     assert worst <= 1e-6, worst

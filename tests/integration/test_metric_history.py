@@ -24,7 +24,7 @@ def step(attempt: int, s: int, rank: int, loss: float, compute: float, *, grad: 
 
 @pytest.fixture
 async def history(redis: object) -> MetricHistory:
-    h = MetricHistory(redis)  # type: ignore[arg-type]
+    h = MetricHistory(redis)  # type: ignore[arg-type]  # the fixture's client
     yield h
     await h.aclose()
 

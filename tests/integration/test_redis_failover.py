@@ -440,7 +440,7 @@ async def test_a_write_no_replica_confirmed_is_not_acknowledged(tmp_path: Path) 
                                 requested_by="alice", at=ev.utcnow())
                             await pipe.execute()
                     with pytest.raises(WriteNotReplicatedError):  # the relay publishes nothing unconfirmed
-                        await outbox.relay_once(bus=None)  # type: ignore[arg-type]
+                        await outbox.relay_once(bus=None)  # type: ignore[arg-type]  # a test double
                     resp = await api.post("/v1/training-jobs", json=EXAMPLE_SPEC, headers={"Idempotency-Key": "k"})
                     assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
                 finally:

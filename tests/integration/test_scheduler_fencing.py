@@ -119,7 +119,7 @@ async def test_queue_config_comes_from_redis_first_then_the_file(redis: Any, env
     path = tmp_path / "queue.yaml"
     path.write_text("tenants: {a: {quotas: {cpu: {guaranteed: 4, borrowLimit: 0}}}}\n")
     runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
-    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]  # a SimpleNamespace runtime
     await scheduler.load_queue_config()
     assert scheduler.queue.cap("a", "cpu") == 4
     await redis.delete(Keys.tenant_config)  # the file seeded tenant a's settings: start without them again
@@ -147,7 +147,7 @@ async def test_a_tenants_settings_set_through_the_api_win_over_the_file_without_
     path = tmp_path / "queue.yaml"
     path.write_text("tenants: {a: {quotas: {cpu: {guaranteed: 4, borrowLimit: 0}}}}\n")
     runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
-    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"], queue_config=path))  # type: ignore[arg-type]  # a SimpleNamespace runtime
     await scheduler.load_queue_config()
     seeded = json.loads(await redis.hget(Keys.tenant_config, "a"))
     assert seeded["quotas"]["cpu"] == {"guaranteed": 4, "borrowLimit": 0}  # the file seeds what is not stored
@@ -174,7 +174,7 @@ async def test_an_auto_checkpoint_policy_gets_the_advised_interval(redis: Any, e
     from trainyard_scheduler import Scheduler, SchedulerSettings
 
     runtime = SimpleNamespace(redis=redis, store=StateStore(redis), outbox=Outbox(redis, "scheduler"), instance="s")
-    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"]))  # type: ignore[arg-type]
+    scheduler = Scheduler(runtime, SchedulerSettings(redis_url=env["redis_url"]))  # type: ignore[arg-type]  # a SimpleNamespace runtime
     wire = make_spec(2).wire()
     wire["checkpointPolicy"] = {"auto": True}
     auto = make_spec(2).model_validate(wire)

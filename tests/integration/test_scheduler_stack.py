@@ -176,7 +176,7 @@ class Stack:
     async def request_control(self, job_id: str, action: str, *, tenant: str = "t1",
                               reason: str | None = None) -> JobControlRequested:
         """What the API does: record the control request (Keys.control_requests), then publish its event."""
-        event = JobControlRequested(job_id=job_id, tenant=tenant, action=action, reason=reason)  # type: ignore[arg-type]
+        event = JobControlRequested(job_id=job_id, tenant=tenant, action=action, reason=reason)  # type: ignore[arg-type]  # a str for a Literal field
         await record_control_request(self.redis, event, requested_by="test", at=utcnow())
         await self.publisher.publish(event)
         return event

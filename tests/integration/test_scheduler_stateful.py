@@ -163,7 +163,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         handler = {JobSubmitted: s.handlers.on_job_submitted, NodeHeartbeat: s.nodes.on_heartbeat,
                    WorkerStarted: s.handlers.on_worker_started, WorkerExited: s.handlers.on_worker_exited,
                    CheckpointReady: s.handlers.on_checkpoint_ready}[type(event)]
-        await handler(event)  # type: ignore[operator]
+        await handler(event)  # type: ignore[operator]  # a handler
 
     async def _heartbeat(self, node: str) -> None:
         devices = [DeviceInfo(index=i, type="cpu", memory_bytes=16 << 30) for i in range(DEVICES)]

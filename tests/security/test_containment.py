@@ -230,7 +230,7 @@ async def test_nothing_of_an_attempt_outlives_it_and_its_shm_seccomp_and_pids_li
     await rig.tap.wait(NodeHeartbeat, beats + 2, node_id=NODE, timeout_s=60)
     assert agent.poll() is None, "the node agent survived"
     report("survivor, /dev/shm, seccomp and fork-bomb attacks", rig.tap, NODE,
-           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]
+           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]  # the rig's setting
 
     for job in jobs.values():
         (layout.checkpoints_dir(ATTACKER_TENANT, job) / "release").write_text("")

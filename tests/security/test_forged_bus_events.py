@@ -154,7 +154,7 @@ async def test_a_forged_cancel_stops_nothing_while_the_apis_own_cancel_works(sta
 
     still = await s.job(running.job_id)
     assert still.state == "running" and still.current is not None and still.current.state == "running"
-    assert still.current.allocation_id == running.current.allocation_id  # type: ignore[union-attr]
+    assert still.current.allocation_id == running.current.allocation_id  # type: ignore[union-attr]  # present here (the test asserts it)
     assert not await no_lease_of(s, running.job_id)  # it keeps its devices
     assert s.tap.events(ev.WorkerExited, job_id=running.job_id) == []
     assert (await s.job(queued.job_id)).state == "queued"

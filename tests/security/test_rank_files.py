@@ -105,7 +105,7 @@ async def test_a_rank_file_that_is_a_weapon_is_refused_and_the_agent_stays_respo
     await rig.tap.wait(NodeHeartbeat, beats + 2, node_id=NODE, timeout_s=60)
     assert agent.poll() is None, "the node agent survived"
     report("FIFO, /dev/zero and 20 GiB exit notes, poisoned spools", rig.tap, NODE,
-           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]
+           float(rig.agent_settings["heartbeat_s"]))  # type: ignore[arg-type]  # the rig's setting
     assert rig.tap.events(WorkerExited, job_id="victim") == []
     (layout.checkpoints_dir(VICTIM_TENANT, "victim") / "release").write_text("")
     (done,) = await rig.tap.wait(WorkerExited, job_id="victim", timeout_s=60)

@@ -106,7 +106,7 @@ def http_server(host: str = "127.0.0.1") -> Iterator[int]:
 
 def agent_table(rig: Rig) -> str:
     """The name of the agent's table (node id and state directory, as the agent derives it)."""
-    settings = NodeAgentSettings(**{**rig.env, **rig.agent_settings})  # type: ignore[arg-type]
+    settings = NodeAgentSettings(**{**rig.env, **rig.agent_settings})  # type: ignore[arg-type]  # settings from strings, as the environment gives them
     return table_name(NODE, str(settings.agent_state_path.parent.resolve()))
 
 

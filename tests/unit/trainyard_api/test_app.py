@@ -31,7 +31,7 @@ class FailingRedis:
 
 
 def client(redis: object) -> httpx.AsyncClient:
-    app = create_app(ApiContext(ApiSettings(), StateStore(redis), None))  # type: ignore[arg-type]
+    app = create_app(ApiContext(ApiSettings(), StateStore(redis), None))  # type: ignore[arg-type]  # a test double
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
                              headers={"Authorization": "Bearer t"})
 
@@ -52,7 +52,7 @@ async def as_tenant(method: str, path: str, **kwargs: Any) -> httpx.Response:
 
 
 def document() -> dict[str, Any]:
-    return create_app(ApiContext(ApiSettings(), None, None)).openapi()  # type: ignore[arg-type]
+    return create_app(ApiContext(ApiSettings(), None, None)).openapi()  # type: ignore[arg-type]  # a test double
 
 
 async def test_503_means_redis_cannot_serve_and_a_refused_command_is_500() -> None:
@@ -110,7 +110,7 @@ async def test_a_body_that_is_no_json_is_told_where_it_breaks(body: bytes, where
 
 
 async def test_a_whole_number_is_an_integer_as_in_json_schema() -> None:
-    spec = {**EXAMPLE_SPEC, "resources": {**EXAMPLE_SPEC["resources"], "gpuCount": 3.0}}  # type: ignore[dict-item]
+    spec = {**EXAMPLE_SPEC, "resources": {**EXAMPLE_SPEC["resources"], "gpuCount": 3.0}}  # type: ignore[dict-item]  # an invalid value, on purpose
     resp = await as_tenant("POST", "/v1/training-jobs", json=spec)
     # past the types: 3 devices for data parallelism 2 is the spec's own rule, not a type error
     assert resp.status_code == 422 and [p["field"] for p in resp.json()["detail"]] == ["parallelism"]
@@ -167,8 +167,8 @@ def test_the_document_carries_the_constraints_the_server_enforces() -> None:
 async def test_a_query_parameter_given_twice_is_a_422_and_unknown_ones_are_ignored() -> None:
     resp = await as_tenant("GET", "/v1/plan/calibration?limit=false&limit=true&limit=%2B0.0")
     assert resp.status_code == 422 and [p["field"] for p in resp.json()["detail"]] == ["query.limit"]
-    down = StateStore(FailingRedis(redis_errors.ConnectionError("down")))  # type: ignore[arg-type]
-    app = create_app(ApiContext(ApiSettings(api_metrics_token="t"), down, None))  # type: ignore[arg-type]
+    down = StateStore(FailingRedis(redis_errors.ConnectionError("down")))  # type: ignore[arg-type]  # a test double
+    app = create_app(ApiContext(ApiSettings(api_metrics_token="t"), down, None))  # type: ignore[arg-type]  # a test double
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
                                  headers={"Authorization": "Bearer t"}) as c:
         assert (await c.get("/metrics?x=1&x=2")).status_code == 200

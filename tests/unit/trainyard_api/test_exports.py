@@ -26,7 +26,7 @@ def artifact(**changes: object) -> ArtifactRecord:
 
 def record(state: str) -> ExportRecord:
     return ExportRecord(export_id="job-1/export/step-000000040-a1/hf", checkpoint_artifact_id=CKPT, job_id="job-1",
-                        tenant="acme", format="hf", state=state, requested_by="tok_a",  # type: ignore[arg-type]
+                        tenant="acme", format="hf", state=state, requested_by="tok_a",  # type: ignore[arg-type]  # a str for a Literal field
                         requested_at=NOW)
 
 

@@ -10,7 +10,7 @@ from trainyard_contract.spec import TrainingSpec
 from tests.support.api import spec_with
 
 
-async def no_summaries(ids):  # type: ignore[no-untyped-def]
+async def no_summaries(ids):  # type: ignore[no-untyped-def]  # a stub
     return {}
 
 

@@ -33,7 +33,7 @@ class TokenOnlyRedis:
 
 async def test_a_router_serves_on_a_bare_app() -> None:
     app = FastAPI()
-    app.state.context = ApiContext(ApiSettings(), StateStore(TokenOnlyRedis()), None)  # type: ignore[arg-type]
+    app.state.context = ApiContext(ApiSettings(), StateStore(TokenOnlyRedis()), None)  # type: ignore[arg-type]  # a test double
     app.include_router(whoami.router)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
                                  headers={"Authorization": "Bearer t"}) as client:

@@ -90,7 +90,7 @@ def test_example_spec_matches_examples_tiny_yaml() -> None:
 
 
 def test_openapi_documents_every_route_with_tags_and_no_patch_of_a_job() -> None:
-    doc = create_app(ApiContext(ApiSettings(), None, None)).openapi()  # type: ignore[arg-type]
+    doc = create_app(ApiContext(ApiSettings(), None, None)).openapi()  # type: ignore[arg-type]  # a test double
     assert {"/v1/training-jobs", "/v1/training-jobs/{job_id}", "/v1/training-jobs/{job_id}/cancel",
             "/v1/training-jobs/{job_id}/checkpoints", "/v1/registry/artifacts", "/healthz"} <= set(doc["paths"])
     # a job's spec is immutable (a new configuration is a new job); a tenant's settings are not

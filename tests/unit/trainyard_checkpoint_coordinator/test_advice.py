@@ -76,20 +76,20 @@ def test_daly_interval_in_seconds_and_steps_from_the_measured_stall() -> None:
 def test_cost_falls_back_to_write_time_then_shard_spread_and_interval_is_never_shorter_than_a_write() -> None:
     common = dict(job_id="j", device_type="cpu", devices=1, policy=CheckpointPolicy(every_steps=5), max_steps=1000,
                   step_seconds=1.0, stats=FailureStats(10, 100.0), now=NOW)  # MTBF 10 s: a tiny interval
-    by_write = advise(ready=[ready(5, write=30.0)], stall_by_step={}, **common)  # type: ignore[arg-type]
+    by_write = advise(ready=[ready(5, write=30.0)], stall_by_step={}, **common)  # type: ignore[arg-type]  # the common keyword arguments
     assert by_write.cost_source == "write" and by_write.interval_seconds >= 30.0
-    by_spread = advise(ready=[ready(5, spread=0.2)], stall_by_step={}, **common)  # type: ignore[arg-type]
+    by_spread = advise(ready=[ready(5, spread=0.2)], stall_by_step={}, **common)  # type: ignore[arg-type]  # the common keyword arguments
     assert by_spread.cost_source == "shard-spread" and by_spread.checkpoint_cost_seconds == pytest.approx(0.2)
-    nothing = advise(ready=[], stall_by_step={}, **common)  # type: ignore[arg-type]
+    nothing = advise(ready=[], stall_by_step={}, **common)  # type: ignore[arg-type]  # the common keyword arguments
     assert nothing.cost_source == "none" and nothing.interval_steps is None and "no checkpoint" in nothing.note
 
 
 def test_interval_steps_are_capped_at_max_steps_and_need_a_step_time() -> None:
     common = dict(job_id="j", device_type="h100", devices=8, policy=CheckpointPolicy(auto=True), max_steps=50,
                   ready=[ready(10)], stall_by_step={(1, 10): 5.0}, stats=FailureStats(), now=NOW)
-    capped = advise(step_seconds=0.1, **common)  # type: ignore[arg-type]
+    capped = advise(step_seconds=0.1, **common)  # type: ignore[arg-type]  # the common keyword arguments
     assert capped.mtbf_source == "prior" and capped.interval_steps == 50 and capped.auto
-    unknown = advise(step_seconds=None, **common)  # type: ignore[arg-type]
+    unknown = advise(step_seconds=None, **common)  # type: ignore[arg-type]  # a test double
     assert unknown.interval_steps is None and unknown.interval_seconds is not None
 
 

@@ -14,7 +14,7 @@ URI = "file:///ckpt/acme/job-1/a1/step-40/manifest.json"
 
 def record(state: str, manifest_uri: str | None = URI) -> CheckpointRecord:
     return CheckpointRecord(job_id="job-1", tenant="acme", attempt=1, epoch=3, global_step=40, world_size=2,
-                            state=state, manifest_uri=manifest_uri, content_hash="sha256:x")  # type: ignore[arg-type]
+                            state=state, manifest_uri=manifest_uri, content_hash="sha256:x")  # type: ignore[arg-type]  # a str for a Literal field
 
 
 def refused(**kw: object) -> CheckpointRefused:

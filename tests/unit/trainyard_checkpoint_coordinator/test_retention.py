@@ -24,13 +24,13 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 def ckpt(step: int, attempt: int = 1, state: str = "READY", deleted: bool = False) -> CheckpointRecord:
     return CheckpointRecord(job_id="j", tenant="t", attempt=attempt, epoch=attempt, global_step=step,
-                            world_size=2, state=state, deleted_at=NOW if deleted else None)  # type: ignore[arg-type]
+                            world_size=2, state=state, deleted_at=NOW if deleted else None)  # type: ignore[arg-type]  # a test double
 
 
 def attempt(n: int, state: str, start: tuple[int, int] | None = None) -> AttemptRecord:
     ref = CheckpointRef(manifest_uri=f"file:///x/step-{start[0]:09d}-a{start[1]}/manifest.json",
                         global_step=start[0], attempt=start[1]) if start else None
-    return AttemptRecord(attempt=n, allocation_id=f"al{n}", epoch=n, state=state, world_size=2,  # type: ignore[arg-type]
+    return AttemptRecord(attempt=n, allocation_id=f"al{n}", epoch=n, state=state, world_size=2,  # type: ignore[arg-type]  # a str for a Literal field
                          start_checkpoint=ref)
 
 

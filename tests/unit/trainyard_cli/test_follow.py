@@ -51,7 +51,7 @@ def run(client: ScriptedClient, **kwargs: Any) -> tuple[int, str]:
     buffer = io.StringIO()
     console = Console(file=buffer, width=200, force_terminal=False)
     clock = iter(range(10_000))
-    code = follow_job(client, "job-1", console=console, sleep=lambda s: None,  # type: ignore[arg-type]
+    code = follow_job(client, "job-1", console=console, sleep=lambda s: None,  # type: ignore[arg-type]  # a test double
                       clock=lambda: float(next(clock)), **kwargs)
     return code, buffer.getvalue()
 

@@ -13,7 +13,7 @@ from trainyard_cli.render import fmt_advice, fmt_goodput, job_detail, nodes_tabl
 def rendered(renderable: object) -> str:
     console = Console(file=io.StringIO(), width=200)
     console.print(renderable)
-    return console.file.getvalue()  # type: ignore[attr-defined]
+    return console.file.getvalue()  # type: ignore[attr-defined]  # a test double's attribute
 
 
 def test_goodput_and_advice_lines() -> None:

@@ -44,8 +44,8 @@ def test_down_drains_the_agents_first_then_stops_the_rest(tmp_path: Path, monkey
     said = calls.pop(0)[1]
     assert [c[0] for c in calls] == ["stop", "wait", "stop", "stop"]
     assert calls[0][1] == (["node-agent-0", "node-agent-1"], 140.0)  # the drain, plus room to report
-    assert calls[2][1][0] == ["api", "checkpoint-coordinator", "registry", "scheduler"]  # type: ignore[index]
-    assert calls[3][1][0] == ["broker", "redis"]  # type: ignore[index]
+    assert calls[2][1][0] == ["api", "checkpoint-coordinator", "registry", "scheduler"]  # type: ignore[index]  # each call is a tuple
+    assert calls[3][1][0] == ["broker", "redis"]  # type: ignore[index]  # each call is a tuple
     assert set(stopped) == set(NAMES)
     assert said == ["draining: 2 running attempt(s) checkpoint and stop (waiting up to 120s); they resume from "
                     "that checkpoint after `make up`",
@@ -56,7 +56,7 @@ def test_down_without_running_jobs_or_with_the_drain_off_waits_for_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s, calls = stack(tmp_path, monkeypatch, live=[[]])
     s.down(timeout_s=20)
-    assert [c[0] for c in calls[1:]] == ["stop", "stop", "stop"] and calls[1][1][1] == 20  # type: ignore[index]
+    assert [c[0] for c in calls[1:]] == ["stop", "stop", "stop"] and calls[1][1][1] == 20  # type: ignore[index]  # each call is a tuple
     off, calls = stack(tmp_path, monkeypatch, live=[], drain=0)
     off.down(timeout_s=20)
     assert [c[0] for c in calls[1:]] == ["stop", "stop", "stop"] and calls[0][1] == []
@@ -67,4 +67,4 @@ def test_down_says_which_attempts_the_scheduler_did_not_record_in_time(
     s, calls = stack(tmp_path, monkeypatch, live=[["job-1"], ["job-1"]])
     s.down(timeout_s=20)
     said = calls[0][1]
-    assert said[-1].startswith("0 attempt(s) interrupted by maintenance (no failure); job-1 not recorded in time")  # type: ignore[index]
+    assert said[-1].startswith("0 attempt(s) interrupted by maintenance (no failure); job-1 not recorded in time")  # type: ignore[index]  # each call is a tuple

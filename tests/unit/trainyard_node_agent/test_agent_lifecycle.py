@@ -61,12 +61,12 @@ def make(tmp_path: Path, rank_no: int = 0) -> tuple[NodeAgent, rp.RankProcess, F
     settings = NodeAgentSettings(node_id="n", artifact_root=tmp_path, agent_state_file=tmp_path / "ranks.json",
                                  hang_timeout_s=30)
     runtime = SimpleNamespace(redis=Redis(), bus=None, outbox=Outbox())
-    agent = NodeAgent(runtime, settings, base_env={}, clock=clock)  # type: ignore[arg-type]
+    agent = NodeAgent(runtime, settings, base_env={}, clock=clock)  # type: ignore[arg-type]  # a test double
     rank = rp.RankProcess(job_id="j", tenant="t", attempt=1, allocation_id="al", epoch=1, rank=rank_no,
                           local_rank=rank_no, pid=0, log_path=tmp_path / f"rank-{rank_no}.log",
                           spool=SpoolReader(tmp_path / f"rank-{rank_no}.jsonl"), traceparent=None,
                           exit_file=tmp_path / "exit" / f"rank-{rank_no}.json")
-    rank.process = Process()  # type: ignore[assignment]
+    rank.process = Process()  # type: ignore[assignment]  # a fake process
     supervisor = agent.attempts.supervisor(rank)
     supervisor.apply(Trigger.LAUNCHED)
     agent.ranks[rank.key] = supervisor
@@ -74,7 +74,7 @@ def make(tmp_path: Path, rank_no: int = 0) -> tuple[NodeAgent, rp.RankProcess, F
 
 
 def exited(rank: rp.RankProcess, code: int | None) -> None:
-    rank.process.returncode = code if code is not None else -9  # type: ignore[union-attr]
+    rank.process.returncode = code if code is not None else -9  # type: ignore[union-attr]  # present here (the test asserts it)
     if code is not None:
         rank.exit_file.parent.mkdir(parents=True, exist_ok=True)
         rank.exit_file.write_text(json.dumps({"exitCode": code}))

@@ -40,7 +40,7 @@ def failing(times: int) -> tuple[list[int], object]:
 async def test_it_retries_with_the_policy_until_it_succeeds() -> None:
     clock = FakeClock()
     calls, attempt = failing(7)
-    assert await retry(attempt, policy=INFRASTRUCTURE, give_up=lambda n, d: False, clock=clock,  # type: ignore[arg-type]
+    assert await retry(attempt, policy=INFRASTRUCTURE, give_up=lambda n, d: False, clock=clock,  # type: ignore[arg-type]  # a test double
                        what="x")
     assert len(calls) == 8
     assert clock.slept == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]  # doubling from 0.2 s, capped at 5 s
@@ -49,7 +49,7 @@ async def test_it_retries_with_the_policy_until_it_succeeds() -> None:
 async def test_it_reports_giving_up() -> None:
     clock = FakeClock()
     calls, attempt = failing(100)
-    assert not await retry(attempt, policy=INFRASTRUCTURE, give_up=lambda n, d: n == 3, clock=clock,  # type: ignore[arg-type]
+    assert not await retry(attempt, policy=INFRASTRUCTURE, give_up=lambda n, d: n == 3, clock=clock,  # type: ignore[arg-type]  # a test double
                            what="x")
     assert len(calls) == 3 and clock.slept == [0.2, 0.4]
 
@@ -86,6 +86,6 @@ async def test_flush_style_retry_stops_at_its_deadline() -> None:
     clock = FakeClock()
     calls, attempt = failing(100)
     policy = RetryPolicy(initial_interval_s=0.5, maximum_interval_s=0.5)
-    assert not await retry(attempt, policy=policy, give_up=past(clock.now + 2.0, clock), clock=clock,  # type: ignore[arg-type]
+    assert not await retry(attempt, policy=policy, give_up=past(clock.now + 2.0, clock), clock=clock,  # type: ignore[arg-type]  # a test double
                            what="x")
     assert clock.slept == [0.5, 0.5, 0.5, 0.5] and len(calls) == 5

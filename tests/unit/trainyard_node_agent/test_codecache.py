@@ -107,7 +107,7 @@ async def test_a_tampered_entry_is_extracted_again_before_it_runs(tmp_path: Path
     cache = cache_of(tmp_path, layout)
     tree = (await cache.acquire(TENANT, code(archive))).root
     cache.release(tree.parent.name)
-    tamper(tree)  # type: ignore[operator]
+    tamper(tree)  # type: ignore[operator]  # a tampering function
     assert cache.problems(tree.parent.name)
     before = TAMPERED._value.get()
     again = await cache.acquire(TENANT, code(archive))

@@ -16,16 +16,16 @@ SPEC = TrainingSpec.model_validate({
 
 
 def ann(kind: str, rank: int = 1, attempt: int = 2, allocation: str = "al2") -> Announcement:
-    return Announcement(event_id="e", kind=kind, topic="t", key="j", payload="{}", traceparent=None,  # type: ignore[arg-type]
+    return Announcement(event_id="e", kind=kind, topic="t", key="j", payload="{}", traceparent=None,  # type: ignore[arg-type]  # a test double
                         job_id="j", attempt=attempt, allocation_id=allocation, rank=rank, step=5)
 
 
 def job(state: str = "running", attempt_state: str = "running", started: list[int] | None = None,
         exited: dict[str, int] | None = None) -> JobRecord:
     attempts = [AttemptRecord(attempt=1, allocation_id="al1", epoch=1, state="failed", world_size=2),
-                AttemptRecord(attempt=2, allocation_id="al2", epoch=2, state=attempt_state, world_size=2,  # type: ignore[arg-type]
+                AttemptRecord(attempt=2, allocation_id="al2", epoch=2, state=attempt_state, world_size=2,  # type: ignore[arg-type]  # a str for a Literal field
                               started_ranks=started or [], exited_ranks=exited or {})]
-    return JobRecord(job_id="j", tenant="t", spec=SPEC, spec_hash="h", state=state, attempts=attempts)  # type: ignore[arg-type]
+    return JobRecord(job_id="j", tenant="t", spec=SPEC, spec_hash="h", state=state, attempts=attempts)  # type: ignore[arg-type]  # a str for a Literal field
 
 
 @pytest.mark.parametrize(("a", "j", "expected"), [

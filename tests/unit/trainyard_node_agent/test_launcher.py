@@ -77,7 +77,7 @@ async def test_rank_pid_waits_for_the_pid_file_and_never_reads_a_fifo(tmp_path: 
         pid_file.write_text("4242\n")
 
     writer = asyncio.create_task(write_later())
-    assert await rank_pid(exit_file, Running(), timeout_s=30) == 4242  # type: ignore[arg-type]
+    assert await rank_pid(exit_file, Running(), timeout_s=30) == 4242  # type: ignore[arg-type]  # a test double
     await writer
     pid_file.unlink()
     os.mkfifo(pid_file)  # put there by the rank: refused, never waited on
@@ -85,7 +85,7 @@ async def test_rank_pid_waits_for_the_pid_file_and_never_reads_a_fifo(tmp_path: 
     class Ended:
         returncode = 0
 
-    assert await rank_pid(exit_file, Ended(), timeout_s=30) is None  # type: ignore[arg-type]
+    assert await rank_pid(exit_file, Ended(), timeout_s=30) is None  # type: ignore[arg-type]  # a test double
 
 
 def test_with_pid_by_child_the_launcher_leaves_the_pid_file_to_its_child(tmp_path: Path) -> None:

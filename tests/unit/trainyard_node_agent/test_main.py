@@ -35,7 +35,7 @@ class Journal:
 
 
 def process(journal: Journal, stop: asyncio.Event) -> main.NodeAgentProcess:
-    return main.NodeAgentProcess(journal.part("runtime"), None, journal.part("agent"), stop)  # type: ignore[arg-type]
+    return main.NodeAgentProcess(journal.part("runtime"), None, journal.part("agent"), stop)  # type: ignore[arg-type]  # a test double
 
 
 async def test_starts_in_order_and_closes_the_agent_before_the_runtime_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -158,11 +158,11 @@ def test_nothing_is_applied_without_endpoints_or_sandbox_and_it_says_so(
 
 def test_the_setting_is_a_comma_list_validated_at_start_up() -> None:
     base = {"node_id": "n", "kafka_bootstrap": "k:1", "redis_url": "redis://r"}
-    settings = NodeAgentSettings(**base, node_rank_blocked="[::1]:8080, localhost:9092")  # type: ignore[arg-type]
+    settings = NodeAgentSettings(**base, node_rank_blocked="[::1]:8080, localhost:9092")  # type: ignore[arg-type]  # settings from strings, as the environment gives them
     assert settings.node_rank_blocked == ["[::1]:8080", "localhost:9092"]
-    assert NodeAgentSettings(**base).node_rank_blocked == []  # type: ignore[arg-type]
+    assert NodeAgentSettings(**base).node_rank_blocked == []  # type: ignore[arg-type]  # settings from strings, as the environment gives them
     with pytest.raises(ValidationError, match="is not host:port"):
-        NodeAgentSettings(**base, node_rank_blocked="localhost")  # type: ignore[arg-type]
+        NodeAgentSettings(**base, node_rank_blocked="localhost")  # type: ignore[arg-type]  # settings from strings, as the environment gives them
 
 
 def test_a_port_someone_listens_on_is_in_use_and_a_released_one_is_free() -> None:

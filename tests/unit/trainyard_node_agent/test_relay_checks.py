@@ -132,7 +132,7 @@ def test_event_ids_are_the_agents_stable_per_line_and_unique_to_the_rank() -> No
     other = check_line(line(event), RankIdentity(**{**WHO.__dict__, "rank": 0}), offset=100)
     assert isinstance(other, Refusal)  # and the same line from another rank is not its line at all
     twin = RankIdentity(**{**WHO.__dict__, "allocation_id": "alloc-3", "epoch": 5})
-    assert relayed(line(event)).event.event_id != check_line(line(event), twin, offset=100).event.event_id  # type: ignore[union-attr]
+    assert relayed(line(event)).event.event_id != check_line(line(event), twin, offset=100).event.event_id  # type: ignore[union-attr]  # present here (the test asserts it)
 
 
 def test_a_trace_outside_the_jobs_trace_is_replaced_by_the_launchs() -> None:

@@ -50,7 +50,7 @@ def agent_and_rank(tmp_path: Path) -> tuple[NodeAgent, rp.RankProcess, Bus, Spoo
     bus, redis = Bus(), Redis()
     settings = NodeAgentSettings(node_id="n", artifact_root=tmp_path, agent_state_file=tmp_path / "ranks.json")
     runtime = SimpleNamespace(redis=redis, bus=bus, outbox=None)
-    agent = NodeAgent(runtime, settings, base_env={})  # type: ignore[arg-type]
+    agent = NodeAgent(runtime, settings, base_env={})  # type: ignore[arg-type]  # a stand-in runtime
     spool = tmp_path / "rank-1.jsonl"
     rank = rp.RankProcess(job_id="j", tenant="t", attempt=1, allocation_id="al", epoch=1, rank=1, local_rank=1,
                           pid=0, log_path=tmp_path / "rank.log", spool=SpoolReader(spool), traceparent=None,
@@ -113,7 +113,7 @@ async def test_an_undecodable_line_is_dead_lettered_and_the_lines_after_it_are_r
     async def publish(event: Any, **_: Any) -> None:
         dead.append(event)
 
-    bus.publish = publish  # type: ignore[attr-defined]
+    bus.publish = publish  # type: ignore[attr-defined]  # a test double's method
     step(writer, 1)
     with writer.path.open("ab") as f:
         f.write(b'\x00{"topic": "x"}\n')  # a NUL byte: UnicodeDecodeError, not JSONDecodeError
@@ -135,7 +135,7 @@ async def test_a_line_whose_handling_fails_for_good_is_dead_lettered_not_retried
     async def publish(event: Any, **_: Any) -> None:
         dead.append(event)
 
-    bus.publish = publish  # type: ignore[attr-defined]
+    bus.publish = publish  # type: ignore[attr-defined]  # a test double's method
     real = spool_relay.check_line
 
     def check_line(record: Any, who: Any, *, offset: int) -> Any:

@@ -64,7 +64,7 @@ class Process:
 
 def supervised(tmp_path: Path, journal: Journal) -> RankSupervisor:
     settings = NodeAgentSettings(node_id="n", artifact_root=tmp_path, agent_state_file=tmp_path / "ranks.json")
-    context = SupervisorContext(settings, FakeClock(), journal, journal, journal,  # type: ignore[arg-type]
+    context = SupervisorContext(settings, FakeClock(), journal, journal, journal,  # type: ignore[arg-type]  # a test double
                                 closing=lambda: False)
     rank = rp.RankProcess(job_id="j", tenant="t", attempt=1, allocation_id="al", epoch=1, rank=0, local_rank=0,
                           pid=0, log_path=tmp_path / "rank-0.log", spool=SpoolReader(tmp_path / "rank-0.jsonl"),
@@ -75,7 +75,7 @@ def supervised(tmp_path: Path, journal: Journal) -> RankSupervisor:
 async def test_the_spool_is_drained_before_the_exit_is_staged(tmp_path: Path) -> None:
     journal = Journal()
     supervisor = supervised(tmp_path, journal)
-    supervisor.rank.process = Process(0)  # type: ignore[assignment]
+    supervisor.rank.process = Process(0)  # type: ignore[assignment]  # a fake process
     supervisor.apply(Trigger.LAUNCHED)
     await supervisor.run()
     assert journal.steps == ["relay", "drain", "exit", "track exited"]
@@ -116,8 +116,8 @@ class Shipper:
 async def test_under_an_object_store_the_whole_log_is_shipped_before_the_exit_is_staged(tmp_path: Path) -> None:
     journal = Journal()
     supervisor = supervised(tmp_path, journal)
-    supervisor.context = replace(supervisor.context, logs=Shipper(journal))  # type: ignore[arg-type]
-    supervisor.rank.process = Process(0)  # type: ignore[assignment]
+    supervisor.context = replace(supervisor.context, logs=Shipper(journal))  # type: ignore[arg-type]  # a test double
+    supervisor.rank.process = Process(0)  # type: ignore[assignment]  # a fake process
     supervisor.apply(Trigger.LAUNCHED)
     await supervisor.run()
     assert journal.steps == ["relay", "ship", "drain", "ship final", "exit", "track exited"]
@@ -128,7 +128,7 @@ async def test_an_exit_note_that_is_a_fifo_is_refused_with_a_named_reason(tmp_pa
 
     journal = Journal()
     supervisor = supervised(tmp_path, journal)
-    supervisor.rank.process = Process(0)  # type: ignore[assignment]
+    supervisor.rank.process = Process(0)  # type: ignore[assignment]  # a fake process
     supervisor.rank.last_step = 41
     supervisor.apply(Trigger.LAUNCHED)
     supervisor.rank.exit_file.parent.mkdir(parents=True)
@@ -143,7 +143,7 @@ async def test_exit_files_that_are_links_or_huge_are_refused(tmp_path: Path) -> 
     journal = Journal()
     supervisor = supervised(tmp_path, journal)
     rank = supervisor.rank
-    rank.process = Process(3)  # type: ignore[assignment]
+    rank.process = Process(3)  # type: ignore[assignment]  # a fake process
     supervisor.apply(Trigger.LAUNCHED)
     rank.exit_file.parent.mkdir(parents=True)
     rank.note_file.symlink_to("/dev/zero")

@@ -68,7 +68,7 @@ class NothingVerified:
 
 async def announce(root: str, version: str, sha256: str) -> DatasetVersionPublished:
     outbox = Announced()
-    service = DatasetService(NothingVerified(), outbox, ArtifactLayout(root))  # type: ignore[arg-type]
+    service = DatasetService(NothingVerified(), outbox, ArtifactLayout(root))  # type: ignore[arg-type]  # a test double
     token = TenantToken(token_id="tok_a", tenant=TENANT, name="alice")
     await service.publish(token, DatasetPublishBody(name="wiki", version=version, sha256=sha256))
     (event,) = outbox.events

@@ -16,7 +16,7 @@ LATER = datetime(2026, 1, 2, tzinfo=UTC)
 def record(state: str, **kw: object) -> CheckpointRecord:
     fields = dict(job_id="j", tenant="t", attempt=2, epoch=2, global_step=40, world_size=2, state=state,
                   manifest_uri=MANIFEST, content_hash="sha256:" + "c" * 64, reason="kept the newest 3")
-    return CheckpointRecord(**{**fields, **kw})  # type: ignore[arg-type]
+    return CheckpointRecord(**{**fields, **kw})  # type: ignore[arg-type]  # a str for a Literal field
 
 
 @pytest.mark.parametrize("state", ["DELETED", "FAILED"])

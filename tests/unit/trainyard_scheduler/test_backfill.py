@@ -15,7 +15,7 @@ from .test_planner import T0, config, job, node, running
 
 
 def reservations(snapshot: ClusterSnapshot, *busy: object, stats: PlanStats | None = None) -> Reservations:
-    live = {r.job_id: r for r in busy}  # type: ignore[attr-defined]
+    live = {r.job_id: r for r in busy}  # type: ignore[attr-defined]  # the test's records
     return Reservations(snapshot, config(), T0, live, place, stats)
 
 

@@ -78,7 +78,7 @@ KW = {"final_ready": False, "deadlines": DEADLINES, "policy": POLICY}
 def test_reconcile_acts_on_the_verdict(verdict: str, state: str, blamed: list, failed: int) -> None:
     job = running(admitted(new_job()))
     outcome = tr.check_attempt(job, available_nodes=frozenset(), now=at(5), latest_ready_step=10,
-                               judge=lambda nodes: Silence(verdict, tuple(nodes), f"{verdict} detail"), **KW)  # type: ignore[arg-type]
+                               judge=lambda nodes: Silence(verdict, tuple(nodes), f"{verdict} detail"), **KW)  # type: ignore[arg-type]  # a test double
     assert outcome.job.state == state and outcome.blame == blamed and tr.failures(outcome.job) == failed
     if verdict == "control-plane":
         assert outcome.job.current.state == "revoked" and outcome.release is not None

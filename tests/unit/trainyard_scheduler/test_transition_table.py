@@ -122,7 +122,7 @@ def violation(job: JobRecord) -> SecurityViolation:
 
 
 def control(job: JobRecord, state: JobState, action: str, **kwargs: object) -> tr.Outcome:
-    return tr.request_control(forced(job, state), action, None, at(3), **kwargs)  # type: ignore[arg-type]
+    return tr.request_control(forced(job, state), action, None, at(3), **kwargs)  # type: ignore[arg-type]  # a test double
 
 
 SCENARIOS: dict[Happening, Callable[[JobState], tr.Outcome]] = {
@@ -212,7 +212,7 @@ REFUSED = [(s, h) for s in JOB_STATES for h in Happening if (s, h) not in TABLE]
 def test_every_other_pair_is_refused(state: JobState, happening: Happening) -> None:
     job = forced(running(admitted(new_job())), state)
     called: list[bool] = []
-    outcome = table.enter(job, happening, lambda: called.append(True) or tr.Outcome(job))  # type: ignore[func-returns-value]
+    outcome = table.enter(job, happening, lambda: called.append(True) or tr.Outcome(job))  # type: ignore[func-returns-value]  # append returns None, on purpose
     assert not called and not outcome.changed and outcome.job is job
     assert outcome.note == f"{happening.value} refused: the job is {state}"
 

@@ -742,7 +742,7 @@ def test_a_script_that_saved_no_final_checkpoint_succeeds_when_every_rank_exits_
 
 def test_a_script_that_saved_its_last_step_succeeds_only_once_that_checkpoint_is_ready() -> None:
     outcome = exit_all(running(admitted(code_job())), saved=SPEC.training.max_steps)
-    assert outcome.job.state == "running" and outcome.job.current.final_saved  # type: ignore[union-attr]
+    assert outcome.job.state == "running" and outcome.job.current.final_saved  # type: ignore[union-attr]  # present here (the test asserts it)
     done = tr.checkpoint_ready(outcome.job, global_step=SPEC.training.max_steps, now=at(6))
     assert done.job.state == "succeeded"
 

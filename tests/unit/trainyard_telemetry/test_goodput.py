@@ -22,7 +22,7 @@ def at(seconds: float) -> datetime:
 
 def attempt(n: int, start: float, end: float | None, state: str, world: int = 2, reason: str | None = None
             ) -> AttemptRecord:
-    return AttemptRecord(attempt=n, allocation_id=f"a{n}", epoch=n, world_size=world, state=state,  # type: ignore[arg-type]
+    return AttemptRecord(attempt=n, allocation_id=f"a{n}", epoch=n, world_size=world, state=state,  # type: ignore[arg-type]  # a str for a Literal field
                          started_at=at(start), ended_at=at(end) if end is not None else None, failure_reason=reason)
 
 

@@ -159,7 +159,7 @@ def _spec(policy: dict[str, Any]) -> TrainingSpec:
 def test_the_allocations_interval_overrides_the_spec(policy: dict[str, Any], advised: int | None,
                                                       expected: tuple[Any, ...]) -> None:
     job = SimpleNamespace(spec=_spec(policy), allocation=SimpleNamespace(checkpoint_every_steps=advised))
-    record = checkpoint_policy(job)  # type: ignore[arg-type]
+    record = checkpoint_policy(job)  # type: ignore[arg-type]  # a stand-in job
     assert (record.every_steps, record.every_minutes) == expected[:2] and record.source.startswith(expected[2])
 
 
@@ -181,7 +181,7 @@ def test_every_refused_checkpoint_with_a_step_is_spooled() -> None:
     refused = [Refusal("file:///c/4/manifest.json", 4, ["shard 1 sha256 differs"], attempt=2),
                Refusal("file:///c/x/manifest.json", None, ["malformed"]),
                Refusal("file:///c/2/manifest.json", 2, ["shard 0 missing"], attempt=1)]
-    assert report_refusals(SimpleNamespace(settings=settings), spool, refused) == 2  # type: ignore[arg-type]
+    assert report_refusals(SimpleNamespace(settings=settings), spool, refused) == 2  # type: ignore[arg-type]  # a test double
     assert all(isinstance(e, CheckpointRefused) for e in spool.events)
     assert [(e.global_step, e.checkpoint_attempt, e.attempt, e.problems) for e in spool.events] == [
         (4, 2, 3, ["shard 1 sha256 differs"]), (2, 1, 3, ["shard 0 missing"])]

@@ -23,7 +23,7 @@ def test_warmup_is_linear_and_starts_above_zero(name: str) -> None:
     ("constant", 5, 1.0), ("constant", 39, 1.0),
 ])
 def test_decay(name: str, step: float, expected: float) -> None:
-    assert mult(step, name) == pytest.approx(expected)  # type: ignore[arg-type]
+    assert mult(step, name) == pytest.approx(expected)  # type: ignore[arg-type]  # a str for a Literal name
 
 
 def test_cosine_is_monotone_after_warmup_and_respects_the_floor() -> None:
