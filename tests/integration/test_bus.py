@@ -111,7 +111,8 @@ async def test_a_message_backing_off_holds_up_only_its_partition_not_the_groups_
     async def on_started(e: ev.WorkerStarted) -> None:
         others.append(e.job_id)
 
-    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat}, retry=RetryPolicy(initial_interval_s=60.0, maximum_interval_s=60.0))
+    bus.subscribe(ev.NODES, {ev.NodeHeartbeat: on_heartbeat},
+                  retry=RetryPolicy(initial_interval_s=60.0, maximum_interval_s=60.0))
     bus.subscribe(ev.WORKERS, {ev.WorkerStarted: on_started})
     async with bus:
         await bus.publish(heartbeat(seq=1))

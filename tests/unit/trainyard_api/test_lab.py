@@ -22,7 +22,8 @@ from trainyard_planner import device_spec, young_interval
 def test_memory_answers_the_contracts_shape_with_plans_numbers() -> None:
     body = {"model": "gpt-1b@v1", "devices": 8, "sharding": "zero2", "microBatch": 2, "device": "h100"}
     wire = lab_memory(LabMemoryRequest.model_validate(body)).wire()
-    assert {"perDevice", "bytesPerParameter", "curve", "shardingNeededAbove", "fitsUpTo", "model", "device"} <= set(wire)
+    assert {"perDevice", "bytesPerParameter", "curve", "shardingNeededAbove", "fitsUpTo", "model",
+            "device"} <= set(wire)
     assert set(wire["curve"][0]) == {"parameters", "ddp", "zero1", "zero2", "fsdp"}
     assert wire["bytesPerParameter"]["total"] == 16
     # POST /v1/plan for the same model and layout says the same memory

@@ -44,7 +44,8 @@ EVERY = ["own", "platform", "shared"]
 
 @pytest.mark.parametrize(("case", "t", "event", "matches"), [
     ("own dataset, own source", trigger(), registered("acme/wiki-en@v2", "acme"), True),
-    ("the glob is on the name, not the version", trigger(dataset="wiki-en"), registered("acme/wiki-en@v2", "acme"), True),
+    ("the glob is on the name, not the version", trigger(dataset="wiki-en"), registered("acme/wiki-en@v2", "acme"),
+     True),
     ("a name the glob does not match", trigger(), registered("acme/books@v1", "acme"), False),
     ("globs are case-sensitive", trigger(), registered("acme/Wiki-en@v1", "acme"), False),
     ("? and [] work", trigger(dataset="wiki-[ef]?"), registered("acme/wiki-en@v1", "acme"), True),

@@ -102,7 +102,8 @@ def test_the_spec_names_the_archive_commit_dirty_state_and_entrypoint(tmp_path: 
     selection = codepack.Selection(tmp_path, ("train.py",), commit="a" * 40, dirty=True)
     spec = {"specVersion": "v1", "code": {"entrypoint": ["python", "old.py"], "env": {"A": "1"}}}
     archive = "sha256:" + "b" * 64
-    code = codepack.with_code(spec, archive=archive, selection=selection, entrypoint="python train.py --lr 3e-4")["code"]
+    code = codepack.with_code(spec, archive=archive, selection=selection,
+                              entrypoint="python train.py --lr 3e-4")["code"]
     assert code == {"archive": archive, "commit": "a" * 40, "dirty": True, "env": {"A": "1"},
                     "entrypoint": ["python", "train.py", "--lr", "3e-4"]}
     kept = codepack.with_code(spec, archive=archive, selection=codepack.Selection(tmp_path, ("t",)), entrypoint=None)

@@ -138,7 +138,8 @@ def test_a_refused_spec_prints_each_field_as_text(runner: CliRunner, api_answers
 
 def test_a_server_note_in_a_table_prints_as_text(runner: CliRunner, api_answers: dict[str, httpx.Response]) -> None:
     job = {"jobId": "job-0123456789ab", "name": "[bold]x[/bold]", "state": "failed", "specHash": "sha256:x",
-           "model": "gpt-tiny@v1", "dataset": "tinycorpus@v1", "gpuCount": 1, "attempts": 1, "globalStep": 3, "maxSteps": 40,
+           "model": "gpt-tiny@v1", "dataset": "tinycorpus@v1", "gpuCount": 1, "attempts": 1, "globalStep": 3,
+           "maxSteps": 40,
            "lastLoss": None, "createdAt": "2024-05-01T12:00:00Z", "updatedAt": "2024-05-01T12:00:00Z",
            "queuedReason": None, "reason": "rank [1, 2] exited [/]"}
     api_answers["/v1/training-jobs"] = httpx.Response(200, json={"jobs": [job], "nextOffset": None})

@@ -24,7 +24,8 @@ def test_jobs_get_shows_archive_commit_dirty_and_entrypoint() -> None:
                                ("working dir", "src")]
     shown = text(job_detail(Job(job_id="job-1", state="queued", spec_hash="h", spec={"code": code})))
     assert ARCHIVE in shown and "c" * 40 + " (dirty)" in shown
-    assert code_rows(None) == [] and "entrypoint" not in text(job_detail(Job(job_id="j", state="queued", spec_hash="h")))
+    assert code_rows(None) == []
+    assert "entrypoint" not in text(job_detail(Job(job_id="j", state="queued", spec_hash="h")))
 
 
 def test_artifacts_list_names_the_code_archive() -> None:

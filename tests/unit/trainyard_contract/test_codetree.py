@@ -53,7 +53,8 @@ def test_the_same_tree_packs_to_the_same_bytes_whoever_packs_it_and_when(tmp_pat
     second = codetree.pack(tmp_path / "b", list(reversed(files)))
     assert first == second
     assert codetree.archive_id(first) == codetree.archive_id(second)
-    assert codetree.archive_id(first).startswith("sha256:") and len(codetree.archive_hex(codetree.archive_id(first))) == 64
+    assert codetree.archive_id(first).startswith("sha256:")
+    assert len(codetree.archive_hex(codetree.archive_id(first))) == 64
     (tmp_path / "b" / "train.py").write_text("print('changed')\n")
     assert codetree.pack(tmp_path / "b", files) != first  # another tree, another address
 

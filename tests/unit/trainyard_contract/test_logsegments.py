@@ -17,11 +17,14 @@ def test_a_segment_is_named_by_its_offset_and_read_back() -> None:
 
 @pytest.mark.parametrize(("listing", "expected"), [
     ([], []),
-    ([(segment_name(0), 10), (segment_name(10), 5)], [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(10), 10, 0, 5)]),
+    ([(segment_name(0), 10), (segment_name(10), 5)],
+     [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(10), 10, 0, 5)]),
     # listed in any order
-    ([(segment_name(10), 5), (segment_name(0), 10)], [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(10), 10, 0, 5)]),
+    ([(segment_name(10), 5), (segment_name(0), 10)],
+     [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(10), 10, 0, 5)]),
     # a restarted agent shipped again from 0: the second segment adds only what is new
-    ([(segment_name(0), 10), (segment_name(4), 16)], [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(4), 10, 6, 10)]),
+    ([(segment_name(0), 10), (segment_name(4), 16)],
+     [Piece(segment_name(0), 0, 0, 10), Piece(segment_name(4), 10, 6, 10)]),
     # a segment inside what is covered adds nothing
     ([(segment_name(0), 10), (segment_name(2), 3)], [Piece(segment_name(0), 0, 0, 10)]),
     # a gap is skipped over; other names and empty objects are ignored

@@ -62,14 +62,16 @@ def test_hash_changes_with_any_field() -> None:
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
-        ({"training__globalBatchSize": 30}, "globalBatchSize (30) must be a multiple of microBatchSize (8) x parallelism.data (2) = 16"),
+        ({"training__globalBatchSize": 30},
+         "globalBatchSize (30) must be a multiple of microBatchSize (8) x parallelism.data (2) = 16"),
         ({"resources__gpuCount": 4}, "must equal resources.gpuCount = 4"),
         ({"checkpointPolicy": {"keepLast": 2}}, "exactly one of everySteps or everyMinutes"),
         ({"checkpointPolicy": {"everySteps": 5, "everyMinutes": 3}}, "exactly one of everySteps or everyMinutes"),
         ({"specVersion": "v9"}, "specVersion"),
         ({"dataset": "no-version"}, "dataset"),
         ({"training__learningRate": -1}, "learningRate"),
-        ({"modelConfig": {"vocabSize": 10, "nLayers": 1, "nHeads": 3, "dModel": 8, "maxSeqLen": 4}}, "divisible by nHeads"),
+        ({"modelConfig": {"vocabSize": 10, "nLayers": 1, "nHeads": 3, "dModel": 8, "maxSeqLen": 4}},
+         "divisible by nHeads"),
         ({"unexpected": 1}, "unexpected"),
     ],
 )

@@ -129,7 +129,8 @@ def test_an_agent_closes_the_scopes_it_does_not_adopt_and_keeps_the_adopted_one(
     one's cgroup and /dev/shm and removes the other's; closing the adopted one later removes it too."""
     settings = NodeAgentSettings(node_id="n1", artifact_root=tmp_path / "artifacts")
     scopes = AttemptScopes(settings)
-    scopes.layout = cg.Layout("hybrid", tmp_path / "unified", {"pids": tmp_path / "pids", "memory": tmp_path / "memory"})
+    scopes.layout = cg.Layout("hybrid", tmp_path / "unified",
+                              {"pids": tmp_path / "pids", "memory": tmp_path / "memory"})
     scopes.own = {}
     kept, _ = scopes.open("kept", 1, 1_000_000_321)
     gone, _ = scopes.open("gone", 2, 1_000_000_321)

@@ -9,8 +9,9 @@ from trainyard_node_agent.classify import ExitFacts, classify_exit, last_error_l
 NCCL_LOG = """step 12/40 loss 3.1
 [rank1]:[E ProcessGroupNCCL.cpp:1595] NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled system error
 RuntimeError: NCCL communicator was aborted
-"""
-CUDA_OOM_LOG = "RuntimeError: CUDA error: out of memory\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+"""  # noqa: E501 - a log as torch writes it
+CUDA_OOM_LOG = ("RuntimeError: CUDA error: out of memory\n"
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
 TIMEOUT_LOG = ("[E ProcessGroupNCCL.cpp:607] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
                "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n")
 GLOO_PEER_LOG = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"

@@ -165,7 +165,8 @@ S3_PREFIX = "s3://bucket/root/tenants/t1/jobs/job-a/checkpoints"
 @pytest.mark.parametrize(("uri", "ok"), [
     (f"{S3_PREFIX}/step-1/__0_0.distcp", True), (f"{S3_PREFIX}//step-1/x", True), (S3_PREFIX, False),
     (f"{S3_PREFIX}x/a", False), (f"{S3_PREFIX}/a/../../../../job-b/checkpoints/x", False),
-    (f"{S3_PREFIX}/../../../../../../other-bucket/x", False), ("gs://bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
+    (f"{S3_PREFIX}/../../../../../../other-bucket/x", False),
+    ("gs://bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
     ("file:///bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
     ("/bucket/root/tenants/t1/jobs/job-a/checkpoints/a", False),
     ("s3://other/root/tenants/t1/jobs/job-a/checkpoints/a", False),

@@ -83,7 +83,8 @@ async def test_a_refused_step_metric_does_not_hold_up_the_checkpoint_report_behi
     assert await agent.spool_relay.relay(rank, quiet=True) == 1  # the report, sent ahead of step 10
     assert [(t, p["eventType"]) for t, p in bus.published] == [(METRICS, "StepMetrics"), (CHECKPOINTS, "ShardWritten")]
     held_at = rank.spool.offset
-    assert agent.announcements.pending and next(iter(agent.announcements.pending.values())).step == 10  # confirmed end to end as usual
+    # confirmed end to end as usual
+    assert agent.announcements.pending and next(iter(agent.announcements.pending.values())).step == 10
 
     await agent.spool_relay.relay(rank, quiet=True)  # still refused: the report is not published twice
     assert sum(t == CHECKPOINTS for t, _ in bus.published) == 1 and rank.spool.offset == held_at

@@ -110,7 +110,8 @@ def test_llama_flops_count_its_own_parameters_and_every_query_head() -> None:
     assert model_flops_per_token(model) == 6 * 1_100_048_384 + 12 * 22 * 2048 * 2048
     mha = model.model_copy(update={"n_kv_heads": None})
     assert mha.exact_parameters > model.exact_parameters
-    assert model_flops_per_token(mha) - model_flops_per_token(model) == 6 * (mha.exact_parameters - model.exact_parameters)
+    extra = mha.exact_parameters - model.exact_parameters
+    assert model_flops_per_token(mha) - model_flops_per_token(model) == 6 * extra
 
 
 CPU_RANK = cpu_device(10e9, 16e9, devices_per_node=4)

@@ -74,7 +74,8 @@ def test_width_must_split_into_heads() -> None:
 def test_llama_catalog_models_take_the_llama_shape() -> None:
     config = MODEL_CATALOG["llama-1b@v1"]
     model = Transformer.from_model_config(config)
-    assert (model.tied_embeddings, model.learned_positions, model.biases, model.gated_mlp) == (False, False, False, True)
+    shape = (model.tied_embeddings, model.learned_positions, model.biases, model.gated_mlp)
+    assert shape == (False, False, False, True)
     assert model.n_kv_heads == 4 and model.kv_width == 4 * 64
     assert model.exact_parameters == 1_100_048_384  # TinyLlama-1.1B's released checkpoint
     gpt = Transformer.from_model_config(MODEL_CATALOG["gpt-tiny@v1"])

@@ -74,7 +74,8 @@ def test_an_export_without_a_record_is_converted_and_its_record_comes_from_the_r
 
 @pytest.mark.parametrize(("event", "ckpt", "why"), [
     (request(), checkpoint(retired_at=NOW, retired_reason="checkpoint step-000000040-a2 deleted by retention: "
-                                                          "keepLast=1"), "retired: checkpoint step-000000040-a2 deleted"),
+                                                          "keepLast=1"),
+     "retired: checkpoint step-000000040-a2 deleted"),
     (request(), None, "no checkpoint artifact"),
     (request(tenant="other"), checkpoint(), "no checkpoint artifact"),
     (request(), checkpoint(type="export"), "only checkpoints and models"),
@@ -129,7 +130,8 @@ def test_the_commands_json_line_is_its_result_and_its_stderr_the_refusal() -> No
         "file:///o/hf", "e" * 64, ["config.json"])
     assert parse_output("no json here") is None
     refused = refusal(4, "trainyard-export: verifying checkpoint /c\ntrainyard-export: refused: "
-                         "__1_0.distcp: sha256 differs from the manifest\n", timeout_s=300, command=["trainyard-export"])
+                         "__1_0.distcp: sha256 differs from the manifest\n", timeout_s=300,
+                      command=["trainyard-export"])
     assert refused.reason == "refused: __1_0.distcp: sha256 differs from the manifest"
     assert refused.problems == [refused.reason]  # the progress lines are not problems
     crashed = refusal(1, "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n", timeout_s=300,

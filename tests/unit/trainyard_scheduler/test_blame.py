@@ -211,11 +211,13 @@ UNTIL = datetime(2026, 1, 1, 12, tzinfo=UTC)
 
 @pytest.mark.parametrize(("case", "out", "available", "kind", "says"), [
     ("nothing out of service", [], 0, "capacity", [NO_CPU]),
-    ("every node quarantined", [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "failure score 3.99", "reputation", UNTIL),
+    ("every node quarantined", [health.OutOfService("node-0", {"cpu": 4}, "quarantined", "failure score 3.99",
+                                                    "reputation", UNTIL),
                                 health.OutOfService("node-1", {"cpu": 4}, "quarantined", "by hand", "alice")],
      0, "quarantine", ["quarantine: every cpu node is out of service (8 healthy cpu devices on 2 nodes)",
                        "node-0 quarantined by reputation (failure score 3.99) until 2026-01-01T12:00:00+00:00",
-                       "trainyard admin nodes reinstate node-0", "node-1 quarantined by alice (by hand) until an admin"]),
+                       "trainyard admin nodes reinstate node-0",
+                       "node-1 quarantined by alice (by hand) until an admin"]),
     ("every node drained", [health.OutOfService("node-0", {"cpu": 4}, "drained", "kernel upgrade", "alice")],
      0, "maintenance", ["maintenance: every cpu node is out of service", "trainyard admin nodes undrain node-0"]),
     ("a node agent stopping", [health.OutOfService("node-0", {"cpu": 4}, "drained", "stopping", "node-agent")],

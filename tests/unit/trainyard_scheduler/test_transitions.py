@@ -717,7 +717,7 @@ def test_the_wait_for_a_settling_checkpoint_is_bounded_and_can_be_turned_off() -
     assert tr.checkpoint_settling(admitted(new_job()), records, recorded, now=at(1), settle_s=15) is None  # running
 
 
-# ----------------------------------------------------------------------------- user code: success without a final checkpoint
+# ------------------------------------------------------------------ user code: success without a final checkpoint
 
 
 def code_job() -> JobRecord:

@@ -100,7 +100,8 @@ def test_an_object_store_root_needs_a_node_state_dir_for_the_attempts_own_files(
     from trainyard.environment import checkpoint_request_file
     from trainyard.settings import RankSettings
 
-    contract = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500", "TRAINYARD_JOB_ID": "j", "TRAINYARD_TENANT": "t",
+    contract = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500", "TRAINYARD_JOB_ID": "j",
+                "TRAINYARD_TENANT": "t",
                 "TRAINYARD_ATTEMPT": "2", "TRAINYARD_EPOCH": "1", "TRAINYARD_ALLOCATION_ID": "a",
                 "TRAINYARD_ALLOCATION_FILE": str(tmp_path / "a.json"), "TRAINYARD_EVENTS_FILE": str(tmp_path / "e")}
     local = RankSettings.model_validate({**contract, "TRAINYARD_ARTIFACT_ROOT": str(tmp_path / "art")})

@@ -134,7 +134,8 @@ def test_a_dataset_in_s3_is_read_through_the_cache_with_the_next_shard_prefetche
             dataset.prefetch([last])
             np.testing.assert_array_equal(dataset.window(last), local.window(last))
             assert sorted(p.name for p in cache.directory.iterdir()) == sorted(
-                {f"{s.sha256}.bin" for s in manifest.shards[:2]} | {f"{manifest.shards[dataset.locate(last)[0]].sha256}.bin"}
+                {f"{s.sha256}.bin" for s in manifest.shards[:2]}
+                | {f"{manifest.shards[dataset.locate(last)[0]].sha256}.bin"}
                 | ({f"{manifest.shards[dataset.locate(last)[0] + 1].sha256}.bin"}
                    if dataset.locate(last)[0] + 1 < len(manifest.shards) else set()))
 

@@ -146,7 +146,8 @@ def test_the_reported_digests_are_what_the_files_hold(tmp_path: Path) -> None:
     assert tensors_hash(recomputed) == tensors_hash(saved.tensors)
 
 
-def digests(n: int, key: str = "optimizer.state.model.layers.{i}.self_attn.q_proj.weight.exp_avg") -> list[TensorDigest]:
+def digests(n: int,
+            key: str = "optimizer.state.model.layers.{i}.self_attn.q_proj.weight.exp_avg") -> list[TensorDigest]:
     return [TensorDigest(key=key.format(i=i), offset=[1 << 33, 4096], sha256="ab" * 32) for i in range(n)]
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from trainyard_telemetry.downsample import Buckets
-from trainyard_telemetry.metrics_history import (ENTRY, LEVELS, Blocks, Part, ReadPlan, Window, decode_blocks, level_for,
-                                                 levels_of)
+from trainyard_telemetry.metrics_history import (ENTRY, LEVELS, Blocks, Part, ReadPlan, Window, decode_blocks,
+                                                 level_for, levels_of)
 
 
 def history(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

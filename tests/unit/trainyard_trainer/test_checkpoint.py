@@ -32,8 +32,10 @@ from trainyard.state import Progress, RngState, checkpoint_state
     (3, None, 3, 0, True), (3, None, 4, 0, False), (3, None, 10, 0, True),  # 10 = maxSteps
     (None, 2.0, 1, 1.9, False), (None, 2.0, 1, 2.0, True), (None, 2.0, 10, 0, True),
 ])
-def test_schedule(every_steps: int | None, every_minutes: float | None, step: int, elapsed_min: float, due: bool) -> None:
-    schedule = CheckpointSchedule(max_steps=10, every_steps=every_steps, every_minutes=every_minutes, last_save_at=100.0)
+def test_schedule(every_steps: int | None, every_minutes: float | None, step: int, elapsed_min: float,
+                  due: bool) -> None:
+    schedule = CheckpointSchedule(max_steps=10, every_steps=every_steps, every_minutes=every_minutes,
+                                  last_save_at=100.0)
     assert schedule.due(step, 100.0 + elapsed_min * 60) is due
     assert schedule.needs_agreement is (every_minutes is not None)
 

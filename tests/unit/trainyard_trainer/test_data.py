@@ -66,7 +66,8 @@ def test_tokens_round_trip_to_the_source_text(tmp_path: Path, corpus: Path) -> N
     assert ids.max() < 300
     tokenizer = Tokenizer.from_file(str(path.parent / "tokenizer.json"))
     text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-    assert text == (corpus / "textwrap.py").read_text() + "<|endoftext|>" + (corpus / "bisect.py").read_text() + "<|endoftext|>"
+    eot = "<|endoftext|>"
+    assert text == (corpus / "textwrap.py").read_text() + eot + (corpus / "bisect.py").read_text() + eot
 
 
 def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, corpus: Path) -> None:

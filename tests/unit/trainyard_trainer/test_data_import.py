@@ -133,7 +133,8 @@ def test_parse_records_names_file_and_line_of_the_first_bad_record() -> None:
     parsed = parse_records(JSONL_TASK, skip_bad=False)
     assert parsed.error == "in/x.jsonl:12: not valid JSON (Expecting value)" and parsed.texts == ["one"]
     rest = Task("jsonl", "in/x.jsonl", 13, JSONL_TASK.items[3:], "text")
-    assert parse_records(rest, False).error == "in/x.jsonl:13: no field 'text' (its fields: body, id); choose one with --text-field"
+    assert parse_records(rest, False).error == ("in/x.jsonl:13: no field 'text' (its fields: body, id); "
+                                                "choose one with --text-field")
     rest = Task("jsonl", "in/x.jsonl", 14, JSONL_TASK.items[4:], "text")
     assert parse_records(rest, False).error == "in/x.jsonl:14: field 'text' is a number, not a string"
     rest = Task("jsonl", "in/x.jsonl", 15, JSONL_TASK.items[5:], "text")
@@ -144,7 +145,8 @@ def test_parse_records_names_file_and_line_of_the_first_bad_record() -> None:
 
 def test_parse_records_skip_bad_counts_and_keeps_the_good() -> None:
     parsed = parse_records(JSONL_TASK, skip_bad=True)
-    assert parsed.error is None and parsed.texts == ["one", "two"] and parsed.skipped == 5  # the blank line is no record
+    # the blank line is no record
+    assert parsed.error is None and parsed.texts == ["one", "two"] and parsed.skipped == 5
 
 
 def test_parse_records_parquet_and_txt() -> None:
@@ -233,7 +235,8 @@ def test_parquet_column(tmp_path: Path, tokenizer_file: Path) -> None:
     pq.write_table(pa.table({"body": DOCS[:30], "n": list(range(30))}), tmp_path / "p.parquet")
     result = build(tmp_path / "root", [str(tmp_path / "p.parquet")], tokenizer_file, column="body")
     assert decoded_documents(result.manifest_path) == DOCS[:30]
-    with pytest.raises(DataError, match=r"p\.parquet: no column 'text' \(its columns: body, n\); choose one with --column"):
+    with pytest.raises(DataError,
+                       match=r"p\.parquet: no column 'text' \(its columns: body, n\); choose one with --column"):
         import_dataset(tmp_path / "root", "p", "v2", [str(tmp_path / "p.parquet")], tokenizer=str(tokenizer_file),
                        workers=1)
 

@@ -110,7 +110,8 @@ def test_gpt2_names_and_transposes() -> None:
     assert out["transformer.h.1.mlp.c_fc.weight"].shape == (32, 48)
     assert out["transformer.h.1.mlp.c_proj.weight"].shape == (48, 32)
     assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.bias",
-            "transformer.h.0.ln_1.weight", "transformer.h.0.ln_2.bias", "transformer.h.0.attn.c_proj.weight"} <= set(out)
+            "transformer.h.0.ln_1.weight", "transformer.h.0.ln_2.bias",
+            "transformer.h.0.attn.c_proj.weight"} <= set(out)
     assert all(t.is_contiguous() for t in out.values())
 
 
@@ -150,7 +151,8 @@ def test_parse_size(text: str, size: int) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_export_loads_in_transformers_with_our_logits(config: ModelConfig, tokenizer_json: Path, tmp_path: Path) -> None:
+def test_export_loads_in_transformers_with_our_logits(config: ModelConfig, tokenizer_json: Path,
+                                                      tmp_path: Path) -> None:
     model = random_model(config)
     out = tmp_path / "export"
     listing = hf.write_hf_model(out, config, model.state_dict(), tokenizer_json=tokenizer_json, eos_token=END_OF_TEXT)

@@ -128,7 +128,8 @@ def test_hf_names() -> None:
     assert hf_llama_name("lm_head.weight") == "lm_head.weight"
 
 
-@pytest.mark.parametrize(("sharding", "checkpointing"), [("ddp", False), ("ddp", True), ("zero1", True), ("zero2", False), ("fsdp", True)])
+@pytest.mark.parametrize(("sharding", "checkpointing"),
+                         [("ddp", False), ("ddp", True), ("zero1", True), ("zero2", False), ("fsdp", True)])
 def test_data_parallel_wrappers_and_activation_checkpointing_keep_the_gradients(
         world_of_one: None, sharding: str, checkpointing: bool) -> None:
     """The parallel modes that need nothing architecture-specific wrap the llama as they wrap the GPT

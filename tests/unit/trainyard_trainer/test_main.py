@@ -85,7 +85,8 @@ def spec(**training: object) -> TrainingSpec:
 def allocation(s: TrainingSpec, **kw: object) -> GangAllocated:
     fields = dict(job_id="j1", tenant="acme", attempt=2, allocation_id="a1", epoch=5, world_size=2,
                   master_addr="127.0.0.1", master_port=29500, spec=s, spec_hash=s.spec_hash(),
-                  nodes=[NodeAssignment(node_id="n", host="h", ranks=[RankAssignment(rank=0, local_rank=0, device_index=0)])])
+                  nodes=[NodeAssignment(node_id="n", host="h",
+                                        ranks=[RankAssignment(rank=0, local_rank=0, device_index=0)])])
     fields.update(kw)
     return GangAllocated(**fields)
 

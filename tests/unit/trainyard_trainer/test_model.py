@@ -27,7 +27,8 @@ def test_embeddings_are_tied() -> None:
     x = torch.randint(0, 50, (2, 5))
     logits, _ = model(x)
     assert logits.shape == (2, 5, 50)
-    expected = model.ln_f(model.blocks[1](model.blocks[0](model.wte(x) + model.wpe(torch.arange(5))))) @ model.wte.weight.T
+    hidden = model.blocks[1](model.blocks[0](model.wte(x) + model.wpe(torch.arange(5))))
+    expected = model.ln_f(hidden) @ model.wte.weight.T
     torch.testing.assert_close(logits, expected)
 
 

@@ -6,7 +6,8 @@ from trainyard_contract.errors import DataError
 from trainyard.sampler import BatchLoader, GlobalSampler, SampleOrder, sample_position
 
 
-def sampler(dp: int, rank: int, *, n: int = 1000, seed: int = 3, global_batch: int = 32, micro: int = 8) -> GlobalSampler:
+def sampler(dp: int, rank: int, *, n: int = 1000, seed: int = 3, global_batch: int = 32,
+            micro: int = 8) -> GlobalSampler:
     return GlobalSampler(n, seed=seed, global_batch=global_batch, micro_batch=micro, dp=dp, dp_rank=rank)
 
 
@@ -46,7 +47,8 @@ def test_each_step_sees_the_same_samples_whatever_the_number_of_ranks() -> None:
     two = [sampler(2, r, micro=8) for r in range(2)]  # grad accumulation 2
     four = [sampler(4, r, micro=4) for r in range(4)]  # grad accumulation 2
     for _ in range(40):  # crosses the 1000-sample epoch boundary
-        contents = [sorted(i for rank in step_ids(group) for micro in rank for i in micro) for group in (one, two, four)]
+        contents = [sorted(i for rank in step_ids(group) for micro in rank for i in micro)
+                    for group in (one, two, four)]
         assert contents[0] == contents[1] == contents[2]
 
 

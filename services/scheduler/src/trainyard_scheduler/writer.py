@@ -56,8 +56,8 @@ class JobWriter:
         for node_id, reason in outcome.blame:
             weight = self.nodes.reputation.weight(reason)
             if weight > 0:  # what the job's ranks said of themselves counts against the tenant's cap; silence does not
-                await self.nodes.blame_node(node_id, reason, weight,
-                                            tenant=outcome.job.tenant if self.nodes.reputation.tenant_bounded(reason) else None)
+                bounded = self.nodes.reputation.tenant_bounded(reason)
+                await self.nodes.blame_node(node_id, reason, weight, tenant=outcome.job.tenant if bounded else None)
         return outcome
 
     async def release(self, allocation_id: str, epoch: int, devices: list[Device], *,
