@@ -489,7 +489,8 @@ class ChaosRig:
         (dest / "chaos-report.json").write_text(json.dumps(report, indent=2, default=str))
         return dest
 
-    def final_state(self, job_id: str, checkpoints: list[CheckpointRecord], max_steps: int, tmp: Path) -> dict[str, Any]:
+    def final_state(self, job_id: str, checkpoints: list[CheckpointRecord], max_steps: int,
+                    tmp: Path) -> dict[str, Any]:
         """Every value of the job's READY checkpoint at ``max_steps``, loaded in this process."""
         import torch
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

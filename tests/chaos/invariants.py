@@ -140,7 +140,8 @@ def check_ready_checkpoints(
         except ValueError as exc:
             problems.append(f"{where}: unreadable manifest: {exc}")
             continue
-        if (manifest.global_step, manifest.attempt, manifest.content_hash) != (c.global_step, c.attempt, c.content_hash):
+        recorded = (c.global_step, c.attempt, c.content_hash)
+        if (manifest.global_step, manifest.attempt, manifest.content_hash) != recorded:
             problems.append(f"{where}: manifest says step {manifest.global_step} attempt {manifest.attempt} "
                             f"{manifest.content_hash}, the record {c.global_step} {c.attempt} {c.content_hash}")
         problems += [f"{where}: {p}" for p in verify_manifest(manifest, stat_size=stat_size, file_sha256=file_sha256)]

@@ -60,7 +60,8 @@ class ChaosReport:
         if self.lost_steps:
             lines.append(f"  lost work per failure (steps/interval): {self.lost_steps}")
         if self.settle_s:
-            lines.append(f"  heal -> checkpoints settled: max {max(self.settle_s):.1f}s over {len(self.settle_s)} heals")
+            lines.append(f"  heal -> checkpoints settled: max {max(self.settle_s):.1f}s "
+                         f"over {len(self.settle_s)} heals")
         if self.assembly_faults:
             lines.append(f"  faults while a checkpoint was being assembled: {self.assembly_faults}")
         lines += [f"  note {k}: {v}" for k, vs in self.notes.items() for v in vs]
@@ -271,4 +272,5 @@ def check_everything(rig: ChaosRig, report: ChaosReport, *, reference: str, faul
         record("bitwise-identical", 1, [f"{job_id}: {p}" for p in inv.check_bitwise_identical(ref_state, state)])
         if len(job.attempts) > 1:
             report.notes.setdefault("resumed jobs compared bitwise", []).append(
-                f"{job_id}: {len(job.attempts)} attempts ({', '.join(a.failure_reason or a.state for a in job.attempts)})")
+                f"{job_id}: {len(job.attempts)} attempts "
+                f"({', '.join(a.failure_reason or a.state for a in job.attempts)})")

@@ -30,7 +30,8 @@ EXTRA_FAULTS = int(os.environ.get("TRAINYARD_CHAOS_FAULTS", "10"))
 
 
 def _evidence_dir(name: str) -> Path:
-    base = os.environ.get("TRAINYARD_CHAOS_EVIDENCE") or Path(__file__).resolve().parents[2] / ".trainyard" / "chaos-evidence"
+    default = Path(__file__).resolve().parents[2] / ".trainyard" / "chaos-evidence"
+    base = os.environ.get("TRAINYARD_CHAOS_EVIDENCE") or default
     return Path(base) / f"{name}-{SEED}-{time.strftime('%Y%m%dT%H%M%S')}"
 
 

@@ -1,6 +1,7 @@
 """The Grafana dashboards (deploy/grafana/dashboards) query only what exists: every metric name in a panel's or
 a variable's PromQL is one the services register with prometheus_client, a recording rule of
-deploy/prometheus/rules, or Prometheus' own ``up``; and they use the provisioned datasource. The same holds for the rules' expressions."""
+deploy/prometheus/rules, or Prometheus' own ``up``; and they use the provisioned datasource. The same holds for the
+rules' expressions."""
 
 from __future__ import annotations
 

@@ -161,7 +161,8 @@ def test_a_job_starts_from_a_hugging_face_model_imported_into_the_store(stack: L
     imported = import_model(tmp_path / "hf", ArtifactLayout(store), "dev", "llama")
     assert str(imported.directory) == f"{store}/tenants/dev/models/llama"
     spec = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
-    spec |= {"name": "from-s3-hugging-face", "modelConfig": "llama-tiny@v1", "initFrom": {"huggingFace": "models/llama"}}
+    spec |= {"name": "from-s3-hugging-face", "modelConfig": "llama-tiny@v1",
+             "initFrom": {"huggingFace": "models/llama"}}
     spec["training"] |= {"maxSteps": 2, "learningRate": 1e-9, "lrSchedule": {"name": "constant"}, "sequenceLength": 32}
     spec["checkpointPolicy"] = {"everySteps": 1, "keepLast": 1}
     token = stack.token_file.read_text().strip()

@@ -26,7 +26,8 @@ pytestmark = [
                        reason="prometheus missing: `make deps` installs Debian's prometheus"),
 ]
 NODES = 2
-COMPONENTS = {"api", "telemetry", "scheduler", "checkpoint-coordinator", "registry"} | {f"node-agent-{i}" for i in range(NODES)}
+COMPONENTS = ({"api", "telemetry", "scheduler", "checkpoint-coordinator", "registry"}
+              | {f"node-agent-{i}" for i in range(NODES)})
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def test_a_jobs_step_time_and_goodput_are_in_prometheus(stack: LocalStack) -> No
     def positive(result: list[dict[str, Any]]) -> bool:
         return len(result) == 1 and float(result[0]["value"][1]) > 0
 
-    step = poll("the job's step time", lambda: query(stack, f'trainyard_job_step_seconds{{job_id="{job_id}"}}'), positive)
+    step = poll("the job's step time",
+                lambda: query(stack, f'trainyard_job_step_seconds{{job_id="{job_id}"}}'), positive)
     assert step[0]["metric"]["tenant"] == "dev" and step[0]["metric"]["service"] == "telemetry"  # it computes them
     assert float(step[0]["value"][1]) < 60
     goodput = poll("the job's goodput", lambda: query(stack, f'trainyard_job_goodput_ratio{{job_id="{job_id}"}}'),

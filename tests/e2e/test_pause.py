@@ -52,7 +52,8 @@ class CheckpointTap:
     """The CHECKPOINTS events of one job as they reach the broker (its own thread and event loop)."""
 
     def __init__(self, stack: LocalStack, job_id: str) -> None:
-        self.bootstrap, self.topic, self.job_id = stack.kafka_bootstrap, stack.s.topic_namespace + ev.CHECKPOINTS, job_id
+        self.bootstrap, self.job_id = stack.kafka_bootstrap, job_id
+        self.topic = stack.s.topic_namespace + ev.CHECKPOINTS
         self.seen: list[ev.Event] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,7 +117,8 @@ def job_record(stack: LocalStack, job_id: str) -> JobRecord:
 
 def scheduler_handled(stack: LocalStack, event: ev.Event) -> bool:
     """Whether the scheduler has handled ``event`` (its consumer group's record of handled event ids)."""
-    return redis_read(stack, lambda store: Deduper(store.redis, "scheduler", "trainyard.scheduler").seen(str(event.event_id)))
+    return redis_read(stack, lambda store: Deduper(store.redis, "scheduler",
+                                                   "trainyard.scheduler").seen(str(event.event_id)))
 
 
 def pids(stack: LocalStack, *names: str) -> list[int]:
@@ -168,12 +170,14 @@ def test_a_pause_while_a_scheduled_checkpoint_is_assembled_stops_at_the_ranks_ow
                 wait_for_state(client, job_id, {"running"}, timeout_s=180)
                 # (on a shared host an attempt can fail to rendezvous and be retried: follow the one that runs)
                 attempt = wait_for(lambda: (a := job_record(stack, job_id).current) is not None and a.state == "running"
-                                   and len(a.started_ranks) == WORLD and a.attempt, "ranks running", timeout_s=180, every_s=0.05)
+                                   and len(a.started_ranks) == WORLD and a.attempt, "ranks running",
+                                   timeout_s=180, every_s=0.05)
                 # 1. the coordinator stops assembling: the next scheduled checkpoint's shards wait on the broker
                 freeze(coordinator)
                 ready_before = {e.global_step for e in tap.events(ev.CheckpointReady)}
                 in_flight = wait_for(lambda: [s for s in tap.assembled_steps(attempt) if s not in ready_before],
-                                     "every shard of a scheduled checkpoint on the broker", timeout_s=120, every_s=0.05)[0]
+                                     "every shard of a scheduled checkpoint on the broker",
+                                     timeout_s=120, every_s=0.05)[0]
                 assert in_flight % EVERY == 0 and in_flight < MAX_STEPS
                 # 2. the agents stop relaying: the pause request reaches no rank until they go on
                 freeze(*agents)

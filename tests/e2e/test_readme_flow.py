@@ -1,7 +1,8 @@
 """The README's commands, in the order it shows them, as a new user types them: `trainyard dev up`
 (what `make up` runs) on a fresh state directory, then `trainyard submit examples/tiny.yaml`, which
 must be accepted without any other step (the example dataset is published by `up`), then the job
-commands, then the tenant-administration commands, then `trainyard dev down`. A second `up` is idempotent and does not build the data again."""
+commands, then the tenant-administration commands, then `trainyard dev down`. A second `up` is idempotent and does not
+build the data again."""
 
 from __future__ import annotations
 

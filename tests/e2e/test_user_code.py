@@ -107,7 +107,8 @@ def final_state(j: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
 def rank_log(stack: LocalStack, j: dict[str, Any], attempt: int, rank: int) -> str:
     root = stack.s.state_dir / "artifacts"
-    path = root / "tenants" / j["tenant"] / "jobs" / j["jobId"] / "attempts" / str(attempt) / "logs" / f"rank-{rank}.log"
+    attempt_dir = root / "tenants" / j["tenant"] / "jobs" / j["jobId"] / "attempts" / str(attempt)
+    path = attempt_dir / "logs" / f"rank-{rank}.log"
     return path.read_text(errors="replace")
 
 
@@ -245,7 +246,7 @@ def test_a_paused_sdk_job_resumes_from_its_pause_checkpoint(
     assert ready_steps(j)[-1] == 400
 
 
-# --------------------------------------------------------------------------- bad code: a clear reason, nothing retried in vain
+# ------------------------------------------------------------------ bad code: a clear reason, nothing retried in vain
 
 
 def test_broken_scripts_fail_with_the_scripts_own_last_error_line(

@@ -131,7 +131,8 @@ async def test_invalid_specs_are_422_naming_every_bad_field(app_url) -> None:
         bad = spec_with(**{"training.globalBatchSize": 33})
         assert "training.globalBatchSize" in await problems(bad)
 
-        bad = spec_with(**{"resources.gpuCount": 0, "training.learningRate": "fast", "checkpointPolicy.everyMinutes": 5})
+        bad = spec_with(**{"resources.gpuCount": 0, "training.learningRate": "fast",
+                           "checkpointPolicy.everyMinutes": 5})
         del bad["training"]["maxSteps"]
         found = await problems(bad)
         assert {"resources.gpuCount", "training.learningRate", "training.maxSteps",

@@ -150,7 +150,8 @@ async def test_metrics_on_the_broker_make_the_goodput_ledger_rank_timing_and_str
 
 async def test_admin_lists_nodes_with_quarantine_and_reinstates_through_the_outbox(api: ApiServer, env: dict) -> None:
     store, redis = api.runtime.store, api.runtime.redis
-    await store.put_node(NodeRecord(node_id="node-a", host="h-a", rack="r1", devices=[ev.DeviceInfo(index=0, type="cpu", memory_bytes=1 << 30)]))
+    await store.put_node(NodeRecord(node_id="node-a", host="h-a", rack="r1",
+                                    devices=[ev.DeviceInfo(index=0, type="cpu", memory_bytes=1 << 30)]))
     await store.put_node(NodeRecord(node_id="node-b", host="h-b", devices=[]))
     await redis.hset(Keys.node_quarantine, "node-a", json.dumps(
         {"reason": "3 failures in 1h", "by": "reputation", "score": 3.2, "until": None}))

@@ -183,8 +183,9 @@ async def test_a_new_dataset_version_submits_one_job_per_matching_trigger_whatev
             await bus.publish(event)
         await eventually("the job for tinycorpus@v2", lambda: _has(jobs_of(tiny["triggerId"]), "tinycorpus@v2"))
 
+        second = (await jobs_of(tiny["triggerId"]))["tinycorpus@v2"]
         assert await jobs_of(tiny["triggerId"]) == {"tinycorpus@v1": started["tinycorpus@v1"],
-                                                    "tinycorpus@v2": (await jobs_of(tiny["triggerId"]))["tinycorpus@v2"]}
+                                                    "tinycorpus@v2": second}
         listed = (await a.get("/v1/training-jobs")).json()["jobs"]
         assert sorted(j["dataset"] for j in listed) == ["tinycorpus@v1", "tinycorpus@v2"]  # nothing else started
         assert (await b.get("/v1/training-jobs")).json()["jobs"] == []

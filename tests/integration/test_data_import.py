@@ -53,7 +53,8 @@ def corpus(tmp_path: Path, documents: list[str]) -> Path:
     d = tmp_path / "corpus"
     d.mkdir()
     half = len(documents) // 2
-    (d / "part-0.jsonl").write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(documents[:half])))
+    (d / "part-0.jsonl").write_text("".join(json.dumps({"text": t, "n": i}) + "\n"
+                                            for i, t in enumerate(documents[:half])))
     payload = "".join(json.dumps({"text": t}) + "\n" for t in documents[half:]).encode()
     (d / "part-1.jsonl.gz").write_bytes(gzip.compress(payload, mtime=0))
     return d
@@ -72,7 +73,8 @@ def test_large_vocabulary_import_reads_back_through_the_loader(tmp_path: Path, c
     two = run_import(tmp_path / "w2", corpus, big_tokenizer, workers=2)
     assert one.manifest_path.read_bytes() == two.manifest_path.read_bytes() and one.sha256 == two.sha256
     for shard in one.manifest.shards:
-        assert (one.manifest_path.parent / shard.file).read_bytes() == (two.manifest_path.parent / shard.file).read_bytes()
+        mine, theirs = one.manifest_path.parent / shard.file, two.manifest_path.parent / shard.file
+        assert mine.read_bytes() == theirs.read_bytes()
 
     m = two.manifest
     assert m.dtype == "uint32" and m.tokenizer.vocab_size == VOCAB and m.import_info.documents == len(documents)
@@ -119,7 +121,8 @@ def test_bad_record_in_a_worker_leaves_no_version_and_skip_bad_is_deterministic(
 
     with pytest.raises(DataError, match=r"part-0\.jsonl:121: not valid JSON"):
         run_import(tmp_path / "w2", corpus, big_tokenizer, workers=2)
-    assert not (tmp_path / "w2" / "datasets" / "big").exists() or not any((tmp_path / "w2" / "datasets" / "big").iterdir())
+    big = tmp_path / "w2" / "datasets" / "big"
+    assert not big.exists() or not any(big.iterdir())
 
     one = run_import(tmp_path / "w1", corpus, big_tokenizer, workers=1, skip_bad=True)
     two = run_import(tmp_path / "w2", corpus, big_tokenizer, workers=2, skip_bad=True)

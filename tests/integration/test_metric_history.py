@@ -9,7 +9,8 @@ import pytest
 
 from trainyard_telemetry.downsample import Buckets, bucket_stats
 from trainyard_telemetry.metrics_history import (
-    ENTRY, LEVELS, MetricHistory, Part, ReadPlan, Window, attempt_key, decode, level_key, level_for, levels_of, series_key,
+    ENTRY, LEVELS, MetricHistory, Part, ReadPlan, Window, attempt_key, decode, level_key, level_for, levels_of,
+    series_key,
 )
 from trainyard_contract.events import StepMetrics
 

@@ -77,7 +77,8 @@ async def test_a_spec_export_is_requested_with_the_model_and_an_unconvertible_ch
     export_id = f"{job_id}/export/step-000000040-a1/hf"
     (requested,) = await wait_for(lambda: stack.tail.of(ev.ExportRequested, export_id=export_id),
                                   what="the spec's ExportRequested")
-    assert (requested[0].requested_by, requested[0].checkpoint_artifact_id) == ("spec", f"{job_id}/model/step-000000040-a1")
+    assert (requested[0].requested_by, requested[0].checkpoint_artifact_id) == (
+        "spec", f"{job_id}/model/step-000000040-a1")
 
     record = await wait_for(lambda: settled(stack, export_id), timeout_s=180, what="the export settled")
     assert record.state == "failed" and record.reason and record.requested_by == "spec", record

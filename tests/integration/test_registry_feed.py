@@ -33,7 +33,8 @@ from tests.integration.test_coordinator import (
 
 @pytest.fixture
 async def stack(env: dict[str, Any]) -> AsyncIterator[Stack]:
-    s = await start_stack(env, with_registry=True, registry={"retire_interval_s": 0.5}, tail_topics=(ev.CHECKPOINTS, ev.REGISTRY, ev.DEADLETTER))
+    s = await start_stack(env, with_registry=True, registry={"retire_interval_s": 0.5},
+                          tail_topics=(ev.CHECKPOINTS, ev.REGISTRY, ev.DEADLETTER))
     try:
         yield s
     finally:

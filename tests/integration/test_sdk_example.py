@@ -27,7 +27,14 @@ from typing import Any
 import pytest
 
 from trainyard_contract import exitcodes
-from trainyard_contract.events import CheckpointRef, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_contract.events import (
+    CheckpointRef,
+    GangAllocated,
+    NodeAssignment,
+    RankAssignment,
+    ShardWritten,
+    StepMetrics,
+)
 from trainyard_cli import infra
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes

@@ -61,7 +61,8 @@ def architecture(request: pytest.FixtureRequest) -> str:
 
 
 def model_config(architecture: str) -> ModelConfig:
-    return ModelConfig.model_validate({**MODELS[architecture], "dropout": 0.0})  # TP splits heads: dropout draws would differ
+    # TP splits heads: dropout draws would differ
+    return ModelConfig.model_validate({**MODELS[architecture], "dropout": 0.0})
 
 
 def mode_spec(architecture: str, **parallelism: int) -> TrainingSpec:
@@ -141,7 +142,8 @@ def check_run(result: RunResult, reference: Reference, *, rel: float, layout: di
     got = losses(result)
     assert got and set(got) <= set(reference.losses)
     for step, loss in got.items():
-        assert loss == pytest.approx(reference.losses[step], rel=rel), f"step {step}: {loss} vs {reference.losses[step]}"
+        expected = reference.losses[step]
+        assert loss == pytest.approx(expected, rel=rel), f"step {step}: {loss} vs {expected}"
     for step in range(EVERY, STEPS + 1, EVERY):
         if step in got:
             assert [s.parallelism for s in shards_of(result, step)] == [layout, layout]

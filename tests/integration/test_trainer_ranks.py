@@ -41,7 +41,15 @@ from trainyard.tensorhash import read_tensor_digests
 from trainyard_checkpoint_coordinator.assembly import CheckpointKey, Complete, ShardReport, assess
 from trainyard_cli import infra
 from trainyard_contract import exitcodes
-from trainyard_contract.events import CheckpointRef, CheckpointRefused, GangAllocated, NodeAssignment, RankAssignment, ShardWritten, StepMetrics
+from trainyard_contract.events import (
+    CheckpointRef,
+    CheckpointRefused,
+    GangAllocated,
+    NodeAssignment,
+    RankAssignment,
+    ShardWritten,
+    StepMetrics,
+)
 from trainyard_contract.manifest import CheckpointManifest, ParallelLayout, ShardEntry, content_hash, tensors_hash
 from trainyard_contract.spec import InitFrom, TrainingSpec
 from trainyard_contract.storage import ArtifactLayout, atomic_write_bytes, path_to_uri, sha256_file, uri_to_path
@@ -83,7 +91,8 @@ class RunResult:
 
     def of(self, cls: type) -> list[Any]:
         name = cls.model_fields["event_type"].default
-        return [cls.model_validate(r["payload"]) for rank in self.events for r in rank if r["payload"]["eventType"] == name]
+        return [cls.model_validate(r["payload"]) for rank in self.events for r in rank
+                if r["payload"]["eventType"] == name]
 
 
 def run_attempt(
@@ -123,7 +132,8 @@ def run_attempt(
         })
         rank_env.update(env or {})
         if otlp_endpoint:
-            rank_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+            rank_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+                             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
         else:
             rank_env["OTEL_TRACES_EXPORTER"] = "none"
         log_path = layout.rank_log(TENANT, job_id, attempt, rank)

@@ -116,7 +116,7 @@ except (OSError, ValueError) as exc:
 (own / "outcome.json").write_text(json.dumps(outcome))
 print(json.dumps(outcome), flush=True)
 sys.exit(0 if "breach" in outcome else 1)
-"""
+"""  # noqa: E501 - a rank's script, run as written
 ATTACKS = ("read_shard", "overwrite_shard", "plant_shard", "kill_victim", "kill_agent", "ptrace_victim",
            "victim_memory", "list_processes", "agent_state", "other_code", "list_tenants", "write_dataset",
            "write_code", "become_root", "credentials", "stack_state")
