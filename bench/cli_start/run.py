@@ -105,7 +105,8 @@ def main() -> None:
     env["COLUMNS"] = "80"
     variants = {"after": env}
     if args.before_src is not None:
-        variants["before"] = {**env, "PYTHONPATH": f"{args.before_src.resolve()}{os.pathsep}{env.get('PYTHONPATH', '')}"}
+        path = f"{args.before_src.resolve()}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        variants["before"] = {**env, "PYTHONPATH": path}
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {v: {c: [] for c in commands} for v in variants}
     try:
         for _ in range(args.runs):

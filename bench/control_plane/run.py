@@ -10,12 +10,11 @@ ports, a temporary directory, tinycorpus@v1 published) is started, and in the sa
                    topic, created with aiokafka's admin client: tansu creates no topic by itself)
     (1) placement  ``--submissions`` sequential submissions of a 1-device job on the idle cluster: the time
                    from sending the POST (its own round trip included: the GangAllocated often arrives before
-                   the 202 does) to the GangAllocated event with that jobId; also from the 202's arrival (read by an aiokafka
-                   consumer of its own group, at the latest offset, started before the first submission).
-                   Each job is cancelled right after its GangAllocated and the next one is submitted once it
-                   is terminal and its rank has exited (a warm interpreter starts it within ~0.1 s: WorkerStarted
-                   = WorkerExited on trainyard.workers), so the cluster is idle at every submission (one
-                   uncounted warm-up first)
+                   the 202 does) to the GangAllocated event with that jobId; also from the 202's arrival (read by an
+                   aiokafka consumer of its own group, at the latest offset, started before the first submission). Each
+                   job is cancelled right after its GangAllocated and the next one is submitted once it is terminal and
+                   its rank has exited (a warm interpreter starts it within ~0.1 s: WorkerStarted = WorkerExited on
+                   trainyard.workers), so the cluster is idle at every submission (one uncounted warm-up first)
     (2) sustained  an open loop of POSTs at ``--rate``/s for ``--seconds`` s (each POST is sent at its
                    scheduled moment, whatever the earlier ones are doing; its latency counts from that
                    moment). The jobs ask for more devices than the cluster has, so they are accepted and

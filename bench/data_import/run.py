@@ -133,7 +133,8 @@ def main() -> None:
         print(f"{'cores':>5} {'import tok/s':>13} {'limit tok/s':>12} {'import/limit':>12} "
               f"{'import scaling':>14} {'limit scaling':>13}")
         for n, imp, lim in rows:
-            print(f"{n:>5} {imp:>13,.0f} {lim:>12,.0f} {imp / lim:>12.2f} {imp / base_imp:>14.2f} {lim / base_lim:>13.2f}")
+            print(f"{n:>5} {imp:>13,.0f} {lim:>12,.0f} {imp / lim:>12.2f} {imp / base_imp:>14.2f} "
+                  f"{lim / base_lim:>13.2f}")
         print(f"manifest sha256 identical for every core count: {len(hashes) == 1}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -76,8 +76,10 @@ def main() -> None:
         size = (f"{config.num_parameters / 1e9:.2f}B" if config.num_parameters >= 1e8
                 else f"{config.num_parameters / 1e6:.2f}M")
         print(f"{args.model} ({config.architecture}): {size} parameters, {fpt / 1e9:.3g} GFLOP/token (PaLM), "
-              f"batch {args.micro_batch} x {args.accumulation} x {args.seq} tokens, {record['parallelism']['precision']}, "
-              f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'} peak {peak / 1e12:.3g} TFLOP/s ({record['throughput']['peakFlopsSource']})")
+              f"batch {args.micro_batch} x {args.accumulation} x {args.seq} tokens, "
+              f"{record['parallelism']['precision']}, "
+              f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'} peak {peak / 1e12:.3g} TFLOP/s "
+              f"({record['throughput']['peakFlopsSource']})")
         print(f"  step {statistics.median(e['stepSeconds'] for e in steps):.3f} s, "
               f"{steady:,.0f} tokens/s steady, trainer-reported MFU per step "
               f"{[round(e['mfu'], 3) for e in steps]}")

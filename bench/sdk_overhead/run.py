@@ -101,8 +101,8 @@ def rank_main(args: argparse.Namespace) -> None:
                      "loader": loader}
             step = run.restore(state)
         else:
-            shards = [m for m in (np.memmap(p, dtype="<u2", mode="r") for p in sorted(Path(args.data).glob("shard-*.bin")))
-                      if len(m) > 2 * (seq + 1)]
+            files = sorted(Path(args.data).glob("shard-*.bin"))
+            shards = [m for m in (np.memmap(p, dtype="<u2", mode="r") for p in files) if len(m) > 2 * (seq + 1)]
             rng = np.random.default_rng(rank)
             step = 0
 

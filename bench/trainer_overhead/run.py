@@ -13,10 +13,10 @@ on 1 rank and on 2-rank DDP (gloo, CPU), in the same run, alternating, twice: wi
 intra-op thread per rank (the old comparison), and with each rank's share of the machine's
 cores (what the node agent gives a rank: usable cores // ranks, ``TRAINYARD_CPU_THREADS``),
 the hand-written loop calling ``torch.set_num_threads`` with the same count. A world whose
-share is one thread is measured once. Throughput is steady-state tokens/s: tokens per median interval between step ends (the first
-WARMUP steps and the final step, which waits for its checkpoint, are left out); the figure per
-configuration is the best of REPEATS runs (as timeit does: interference only ever slows a run
-down). Target: trainer / baseline >= 0.97.
+share is one thread is measured once. Throughput is steady-state tokens/s: tokens per median interval between step ends
+(the first WARMUP steps and the final step, which waits for its checkpoint, are left out); the figure per configuration
+is the best of REPEATS runs (as timeit does: interference only ever slows a run down). Target: trainer / baseline >=
+0.97.
 
     python bench/trainer_overhead/run.py [--steps 40] [--repeats 2] [--device cpu|cuda] [--threads 1,share]
                                          [--json PATH]
@@ -273,7 +273,8 @@ def main() -> None:
             print(f"  {label}: hand-written loop {base:10.1f} tok/s   trainyard trainer {ours:10.1f} tok/s   "
                   f"runs {[round(v) for v in rates['baseline']]} / {[round(v) for v in rates['trainer']]}")
             print(f"    step p50/p99 ms: loop {1e3 * percentile(steps['baseline'], .5):.1f}/"
-                  f"{1e3 * percentile(steps['baseline'], .99):.1f}   trainer {1e3 * percentile(steps['trainer'], .5):.1f}/"
+                  f"{1e3 * percentile(steps['baseline'], .99):.1f}   "
+                  f"trainer {1e3 * percentile(steps['trainer'], .5):.1f}/"
                   f"{1e3 * percentile(steps['trainer'], .99):.1f}")
             print(f"RATIO trainer/baseline tokens/s, {label} = {ours / base:.3f}   (target >= 0.97)")
             figures.append({
