@@ -91,7 +91,8 @@ LABELS_JS = """
   const out = [];
   const leaves = "th, dt, caption, figcaption, summary, option, button, legend, h1, h2, h3, svg text, .legend span";
   for (const el of document.querySelectorAll(leaves)) out.push(el.textContent.trim());
-  for (const el of document.querySelectorAll("[title], [aria-label]")) out.push(el.getAttribute("title") || "", el.getAttribute("aria-label") || "");
+  for (const el of document.querySelectorAll("[title], [aria-label]"))
+    out.push(el.getAttribute("title") || "", el.getAttribute("aria-label") || "");
   return out.filter(Boolean);
 """
 
@@ -146,7 +147,8 @@ def test_a_wrong_token_shows_the_apis_message_and_the_form_again(driver: WebDriv
     assert driver.find_element(By.ID, "token").is_displayed()
     assert not driver.find_element(By.ID, "nav").is_displayed()
     # the refused request is the only thing the console reports
-    assert console_errors(driver, allowed=("/v1/whoami - Failed to load resource: the server responded with a status of 401",)) == []
+    refused = "/v1/whoami - Failed to load resource: the server responded with a status of 401"
+    assert console_errors(driver, allowed=(refused,)) == []
 
 
 def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_serves(
@@ -173,7 +175,8 @@ def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_
                       params={"series": "loss,lr,tokensPerSecond,mfu", "maxPoints": 2000}).json()
     expected = len(metrics["series"]["loss"]["steps"])
     assert expected > 0
-    drawn = wait(driver, lambda d: int(d.find_element(By.CSS_SELECTOR, '[data-series="loss"] polyline').get_attribute("data-points")) == expected
+    curve = '[data-series="loss"] polyline'
+    drawn = wait(driver, lambda d: int(d.find_element(By.CSS_SELECTOR, curve).get_attribute("data-points")) == expected
                  and expected, "the loss curve with every point the API returned")
     assert drawn == expected
 
@@ -184,7 +187,8 @@ def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_
     assert len(timing["ranks"]) == world == 2
     assert sorted(attrs(driver, "#heatmap tr[data-rank]", "data-rank", "the heat map")) == sorted(timing["ranks"])
     Select(driver.find_element(By.ID, "heat-series")).select_by_value("collectiveSeconds")
-    assert wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#heatmap table").get_attribute("data-series") == "collectiveSeconds", "the collective heat map")
+    assert wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#heatmap table").get_attribute("data-series")
+                == "collectiveSeconds", "the collective heat map")
 
     # checkpoints and attempts as the API lists them
     view = api.get(f"/v1/training-jobs/{job_id}").json()
@@ -207,7 +211,8 @@ def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_
     timing = api.get(f"/v1/training-jobs/{job_id}/metrics", params={
         "series": "tokensPerSecond,stepSeconds,checkpointSeconds", "maxPoints": 2000}).json()
     assert timing["method"] == "all"
-    tps, step_s, stall_s = (timing["series"][k]["values"][1:] for k in ("tokensPerSecond", "stepSeconds", "checkpointSeconds"))
+    tps, step_s, stall_s = (timing["series"][k]["values"][1:]
+                            for k in ("tokensPerSecond", "stepSeconds", "checkpointSeconds"))
     expected_rate = sum(r * t for r, t in zip(tps, step_s)) / sum(t - c for t, c in zip(step_s, stall_s))
     assert view["progress"]["tokensPerSecond"] == pytest.approx(expected_rate, rel=1e-3)
     shown_rate = attrs(driver, "#job-tokens-per-second", "data-value", "the header's tokens/s")
@@ -220,7 +225,8 @@ def test_the_job_page_goes_live_from_queued_to_succeeded_and_draws_what_the_api_
     assert console_errors(driver) == []
 
     open_page(driver, stack, "jobs")
-    state = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-job="{job_id}"]').get_attribute("data-state"),
+    row = f'tr[data-job="{job_id}"]'
+    state = wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state"),
                  "the job in the list")  # read in one go: a live redraw may replace the row between two calls
     assert state == "succeeded"
     screenshot(driver, screenshots, "jobs")
@@ -243,7 +249,8 @@ def test_cancelling_from_the_page_cancels_the_job(driver: WebDriver, stack: Loca
     open_page(driver, stack, f"jobs/{job_id}")
     wait(driver, lambda d: d.find_element(By.ID, "action-cancel"), "the cancel button")
     click(driver, "action-cancel")
-    dialog = wait(driver, lambda d: d.find_element(By.ID, "confirm") if d.find_element(By.ID, "confirm").is_displayed() else None, "the confirmation")
+    dialog = wait(driver, lambda d: d.find_element(By.ID, "confirm") if d.find_element(By.ID, "confirm").is_displayed()
+                  else None, "the confirmation")
     assert job_id in dialog.text or "tiny-example" in dialog.text
     dialog.send_keys(Keys.ESCAPE)  # Escape keeps the job
     wait(driver, lambda d: not d.find_element(By.ID, "confirm").is_displayed(), "the dialog to close")
@@ -252,7 +259,8 @@ def test_cancelling_from_the_page_cancels_the_job(driver: WebDriver, stack: Loca
     click(driver, "action-cancel")
     wait(driver, lambda d: d.find_element(By.ID, "confirm").is_displayed(), "the confirmation")
     driver.switch_to.active_element.send_keys(Keys.ENTER)  # focus is on Confirm
-    wait(driver, lambda d: api.get(f"/v1/training-jobs/{job_id}").json()["state"] == "cancelled", "the API to say cancelled", 60)
+    wait(driver, lambda d: api.get(f"/v1/training-jobs/{job_id}").json()["state"] == "cancelled",
+         "the API to say cancelled", 60)
     wait(driver, lambda d: d.find_element(By.ID, "job-state").text == "cancelled", "the page to show cancelled", 60)
     # what it left empty says how it ended, never "yet" (the parts redraw after the header)
     placeholders = "svg text.empty, #attempts-empty, #checkpoints-empty, #goodput-empty, #heatmap-empty"
@@ -266,7 +274,8 @@ def test_cancelling_from_the_page_cancels_the_job(driver: WebDriver, stack: Loca
 def lab_answer(api: httpx.Client, driver: WebDriver, experiment: str, after: str | None = None) -> tuple[dict, dict]:
     """The request the page last sent for ``experiment`` (a newer one than ``after``) and the API's answer to it."""
     out = f"lab-{experiment}-out"
-    wait(driver, lambda d: (s := d.find_element(By.ID, out).get_attribute("data-seq")) and s != after, f"the {experiment} answer")
+    wait(driver, lambda d: (s := d.find_element(By.ID, out).get_attribute("data-seq")) and s != after,
+         f"the {experiment} answer")
     request = json.loads(driver.find_element(By.ID, out).get_attribute("data-request"))
     response = api.post(f"/v1/lab/{experiment}", json=request)
     assert response.status_code == 200, response.text
@@ -303,9 +312,11 @@ def test_the_labs_three_experiments_react_and_show_the_planners_numbers(
     request, answer = lab_answer(api, driver, "scaling", after=seq)
     assert request["interconnectGBps"] == 1
     for point in answer["points"]:
-        cell = driver.find_element(By.CSS_SELECTOR, f'#scaling-points tr[data-devices="{point["devices"]}"] td[data-value]')
+        cell = driver.find_element(By.CSS_SELECTOR,
+                                   f'#scaling-points tr[data-devices="{point["devices"]}"] td[data-value]')
         assert float(cell.get_attribute("data-value")) == pytest.approx(point["stepSeconds"])
-    assert any(answer_step > before[d] for d, answer_step in ((p["devices"], p["stepSeconds"]) for p in answer["points"]) if d in before)
+    answered = ((p["devices"], p["stepSeconds"]) for p in answer["points"])
+    assert any(answer_step > before[d] for d, answer_step in answered if d in before)
     if answer["stopsHelpingAt"] is not None:
         assert shown(driver, "#scaling-stops [data-value]") == answer["stopsHelpingAt"]
 
@@ -415,16 +426,20 @@ T0 = 1_796_174_854_000  # 2026-12-02T01:27:34Z, in ms
     ("millions of tokens/s, close together", {"steps": [1, 2, 3, 4], "values": [1.2e6, 1.21e6, 1.24e6, 1.25e6]}),
     ("a flat series", {"steps": [1, 2, 3], "values": [0.5, 0.5, 0.5]}),
     ("a flat percentage", {"steps": [1, 2], "values": [0.5, 0.5001], "format": "(v) => format.pct(v, 0)"}),
-    ("forty seconds of goodput samples", {"steps": [T0 + i * 2000 for i in range(21)], "values": [0.1 + i / 100 for i in range(21)],
-                                          "format": "(v) => format.pct(v, 0)", "formatX": CLOCK, "xSteps": "charts.TIME_STEPS_MS"}),
+    ("forty seconds of goodput samples", {"steps": [T0 + i * 2000 for i in range(21)],
+                                          "values": [0.1 + i / 100 for i in range(21)],
+                                          "format": "(v) => format.pct(v, 0)", "formatX": CLOCK,
+                                          "xSteps": "charts.TIME_STEPS_MS"}),
     ("three hours of goodput samples", {"steps": [T0 + i * 300_000 for i in range(37)], "values": [0.3] * 37,
-                                        "format": "(v) => format.pct(v, 0)", "formatX": CLOCK, "xSteps": "charts.TIME_STEPS_MS"}),
+                                        "format": "(v) => format.pct(v, 0)", "formatX": CLOCK,
+                                        "xSteps": "charts.TIME_STEPS_MS"}),
     ("bytes over parameters, both logarithmic", {"steps": [10 ** (6 + i / 10) for i in range(61)],
                                                  "values": [16 * 10 ** (6 + i / 10) for i in range(61)],
                                                  "logX": True, "logY": True, "format": "format.bytes"}),
     ("a log axis inside one decade", {"steps": [150, 400, 900], "values": [1, 2, 3], "logX": True}),
 ])
-def test_a_charts_axis_ticks_are_distinct_labels_inside_the_plot(driver: WebDriver, ui: str, case: str, chart: dict) -> None:
+def test_a_charts_axis_ticks_are_distinct_labels_inside_the_plot(driver: WebDriver, ui: str, case: str,
+                                                                  chart: dict) -> None:
     code = {k: chart.pop(k) for k in ("format", "formatX", "xSteps") if k in chart}
     options = ", ".join(f"{k}: {v}" for k, v in code.items())
     got = in_page(driver, ui, f"""
@@ -448,7 +463,8 @@ def test_a_charts_axis_ticks_are_distinct_labels_inside_the_plot(driver: WebDriv
 
 def test_every_label_of_the_table_is_in_words_and_so_is_a_name_it_lacks(driver: WebDriver, ui: str) -> None:
     got = in_page(driver, ui, """
-      return { table: Object.entries(format.LABELS), lacking: ["someNewKind", "optimizerStates2", "plain"].map(format.label) };
+      return { table: Object.entries(format.LABELS),
+               lacking: ["someNewKind", "optimizerStates2", "plain"].map(format.label) };
     """)
     table = dict(got["table"])
     # the names the pages showed raw
@@ -459,7 +475,8 @@ def test_every_label_of_the_table_is_in_words_and_so_is_a_name_it_lacks(driver: 
     assert got["lacking"] == ["Some new kind", "Optimizer states 2", "plain"]
 
 
-VIEW = {"jobId": "job-1", "state": "running", "attempts": [], "progress": {"globalStep": 0}, "updatedAt": "2026-12-02T01:27:44Z"}
+VIEW = {"jobId": "job-1", "state": "running", "attempts": [], "progress": {"globalStep": 0},
+        "updatedAt": "2026-12-02T01:27:44Z"}
 ATTEMPT = {"attempt": 1, "startedAt": "2026-12-02T01:27:34Z", "endedAt": "2026-12-02T01:27:44Z"}
 
 
@@ -468,8 +485,10 @@ ATTEMPT = {"attempt": 1, "startedAt": "2026-12-02T01:27:34Z", "endedAt": "2026-1
     ({**VIEW, "state": "queued"}, False, "no data yet"),
     ({**VIEW, "state": "paused", "attempts": [ATTEMPT]}, False, "no data yet"),
     ({**VIEW, "state": "cancelled"}, False, "no metrics were recorded: the job was cancelled before it started"),
-    ({**VIEW, "state": "failed", "attempts": [ATTEMPT]}, False, "no metrics were recorded: the job failed before its first step"),
-    ({**VIEW, "state": "succeeded", "attempts": [ATTEMPT], "progress": {"globalStep": 40}}, True, "MFU was not reported by this run"),
+    ({**VIEW, "state": "failed", "attempts": [ATTEMPT]}, False,
+     "no metrics were recorded: the job failed before its first step"),
+    ({**VIEW, "state": "succeeded", "attempts": [ATTEMPT], "progress": {"globalStep": 40}}, True,
+     "MFU was not reported by this run"),
     ({**VIEW, "state": "succeeded", "attempts": [ATTEMPT], "progress": {"globalStep": 40}}, False,
      "no metrics were recorded: the job succeeded at step 40"),
 ])
