@@ -56,7 +56,8 @@ def _ty_literals() -> list[tuple[str, str]]:
 
 def _declared(sample: str) -> bool:
     """A key of a declared family or channel, or the leading segments of one (three at least, or two and a
-    colon): a prefix the code completes (``f"ty:agent:{node}"`` + ``:epochs``, ``"ty:lease:"`` stripped off a scanned key)."""
+    colon): a prefix the code completes (``f"ty:agent:{node}"`` + ``:epochs``, ``"ty:lease:"`` stripped off a
+    scanned key)."""
     if keyspace.family_of(sample) or sample in {c.name for c in keyspace.CHANNELS}:
         return True
     segments = sample.removesuffix(":").split(":")
