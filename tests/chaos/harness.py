@@ -35,7 +35,7 @@ from trainyard_contract.storage import ArtifactLayout, path_to_uri, uri_to_path
 from trainyard_runtime.store import Keys, StateStore, connect_redis
 
 TENANT = "dev"
-SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry")
+SERVICES = ("api", "telemetry", "scheduler", "checkpoint-coordinator", "registry")
 
 #: Settings of every component of the chaos stack (TRAINYARD_* for all of them; each takes its own).
 CHAOS_ENV = {
