@@ -106,7 +106,7 @@ def resolve_start(layout: ArtifactLayout, tenant: str, relative: str) -> Locatio
             raise HfDirError(f"{relative!r} is not a directory under your tenant's prefix: name one, e.g. "
                              "models/<name> (trainyard models import) or an export's "
                              "jobs/<job>/exports/<checkpoint>/hf")
-        found: ObjectPath = layout.tenant_dir(tenant)
+        found: Location = layout.tenant_dir(tenant)
         for part in parts:
             found = found / part
         return found

@@ -562,7 +562,7 @@ def _mtime(info: dict[str, Any]) -> float | None:
 def glob(location: Location, pattern: str) -> list[Location]:
     """The files under ``location`` that match ``pattern`` (``*/manifest.json``), sorted."""
     if not isinstance(location, ObjectPath):
-        return sorted(location.glob(pattern))
+        return list[Location](sorted(location.glob(pattern)))
     fs, key = _object(location)
     return sorted((ObjectPath(location.scheme, p.strip("/")) for p in fs.glob(f"{key}/{pattern}")),
                   key=str)

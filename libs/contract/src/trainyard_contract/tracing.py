@@ -91,7 +91,7 @@ def shutdown_tracing() -> None:
     global _provider
     provider, _provider = _provider, None
     if provider is not None and hasattr(provider, "shutdown"):  # the API's no-op provider has neither
-        provider.force_flush(timeout_millis=5000)
+        provider.force_flush(timeout_millis=5000)  # type: ignore[attr-defined]  # the SDK's provider: it has shutdown
         provider.shutdown()
 
 

@@ -173,7 +173,10 @@ def memory_lab(
                          f"from below to above, got {low:g} to {high:g}")
     counts = _log_space(low, high, _CURVE_DECADES_PER_POINT)
     curve = [MemoryPoint(parameters=p, **{s.value: used(s, p) for s in Sharding}) for p in counts]
-    limits = {s.value: _largest_fitting(lambda p, s=s: used(s, p) <= usable, counts) for s in Sharding}
+    def fits_with(s: Sharding) -> Callable[[float], bool]:
+        return lambda p: used(s, p) <= usable
+
+    limits = {s.value: _largest_fitting(fits_with(s), counts) for s in Sharding}
     return MemoryLab(
         sharding=sharding, devices=devices, headroom=headroom,
         per_device=_per_device(memory, device, headroom),

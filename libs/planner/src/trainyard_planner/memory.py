@@ -162,7 +162,7 @@ def activations_bytes_per_device(model: Transformer, layout: Layout) -> float:
     if p == 1:
         return model.n_layers * per_layer + working + sbh / t + output
     inflight = inflight_microbatches(layout.schedule, p, layout.microbatches)
-    layers = stage_layers * inflight
+    layers: float = stage_layers * inflight
     v = layout.interleaving
     if v > 1:
         layers *= 1 + (p - 1) / (p * v)
