@@ -11,11 +11,12 @@ before anything else, so a taken port is a clear error at once.
 SIGTERM/SIGINT: stop accepting, finish in-flight requests, then close the runtime.
 
 With ``api_workers`` > 1 this process also starts that many minus one HTTP workers (``python -m
-trainyard_api`` with ``api_worker_index`` and the listening socket's descriptor): they accept on the same
-socket and run exactly what this process runs, each with its own outbox (``ty:outbox:api-w<i>``, relayed
-by that worker; a worker restarted under the same index relays what its predecessor left) — the index
-names the outbox, which is why the workers are started here and not by uvicorn's ``--workers`` (whose
-workers have no stable identity to relay a dead predecessor's outbox by). What a request reads and writes
+trainyard_api`` with ``api_worker_index``): equal processes, each binding its own socket on the one port
+(SO_REUSEPORT; the kernel spreads new connections over them, and no descriptor is handed down) and running
+exactly what this process runs, each with its own outbox (``ty:outbox:api-w<i>``, relayed by that worker; a
+worker restarted under the same index relays what its predecessor left). The index names the outbox, which
+is why this process starts the others rather than uvicorn's ``--workers`` (whose workers have no stable
+identity to relay a dead predecessor's outbox by); it is their only difference. What a request reads and writes
 is in Redis, so any worker answers any request alike, idempotency keys included (the job id derives from
 the key; the record is created under WATCH). A worker that exits is started again.
 """
@@ -49,18 +50,21 @@ from trainyard_api.triggers import TriggerFiring, TriggerStore
 log = logging.getLogger(__name__)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
     """A bound, listening TCP socket; ConfigError saying what to do when the port is taken.
 
     SO_REUSEADDR only for a named port (a restarted API takes its port back at once). Port 0 goes without it:
     with it the kernel may hand out an ephemeral port that a client connection also holds, and listen()
-    then fails with EADDRINUSE after the bind succeeded."""
+    then fails with EADDRINUSE after the bind succeeded. ``shared``: SO_REUSEPORT, so that the API's HTTP
+    workers, each binding its own socket, share the port (the kernel spreads new connections over them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP, and
     # with Nagle on, a response written as headers then body waited for the client's delayed ACK: ~40 ms a request
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     if port != 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)  # here, so a taken port is this clear error and not uvicorn's
@@ -114,10 +118,8 @@ class ApiServer:
         return f"http://{self.settings.api_host}:{self.port or self.settings.api_port}"
 
     async def start(self) -> None:
-        if self.settings.api_listen_fd is not None:  # an HTTP worker: the primary's listening socket
-            sock = socket.socket(fileno=self.settings.api_listen_fd)
-        else:
-            sock = bind_socket(self.settings.api_host, self.settings.api_port)
+        # every HTTP worker binds its own socket on the one port (SO_REUSEPORT): no descriptor is handed down
+        sock = bind_socket(self.settings.api_host, self.settings.api_port, shared=self.settings.api_workers > 1)
         self._sock = sock
         self.port = sock.getsockname()[1]
         if self.settings.api_port == 0:  # Location headers must carry the real port
@@ -164,13 +166,11 @@ class ApiServer:
                 log.warning("API HTTP worker %d exited with %s; starting it again", index, proc.returncode)
             env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
             env.update(settings_env(self.settings))  # this process's settings, however they were given
-            env.update({"TRAINYARD_API_WORKER_INDEX": str(index), "TRAINYARD_API_LISTEN_FD": str(self._sock.fileno()),
-                        "TRAINYARD_API_PORT": str(self.port)})
+            env.update({"TRAINYARD_API_WORKER_INDEX": str(index), "TRAINYARD_API_PORT": str(self.port)})
             for primary_only in ("TRAINYARD_API_BOOTSTRAP_ADMIN_TOKEN_FILE", "TRAINYARD_METRICS_PORT"):
                 env.pop(primary_only, None)
             self._workers[index] = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                [sys.executable, "-m", "trainyard_api"], env=env, pass_fds=(self._sock.fileno(),),
-                stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "trainyard_api"], env=env, stdin=subprocess.DEVNULL)
 
     async def _stop_workers(self, timeout_s: float = 15.0) -> None:
         for proc in self._workers.values():

@@ -38,12 +38,10 @@ class ApiSettings(ServiceSettings):
     api_access_log: bool = Field(default=False, description="log every HTTP request (uvicorn access log)")
     api_workers: int = Field(
         default=1, ge=1, le=64,
-        description="HTTP worker processes on the one port: this process plus api_workers - 1 it starts and keeps "
-                    "running; every one runs the same (its own outbox, the triggers' shared consumer group, its "
-                    "live-updates feed)")
+        description="HTTP worker processes on the one port (SO_REUSEPORT): this process plus api_workers - 1 it "
+                    "starts and keeps running; every one runs the same (its own outbox, the triggers' shared "
+                    "consumer group, its live-updates feed)")
     api_worker_index: int = Field(default=0, ge=0, description="set by the API for its HTTP workers (1, 2, …)")
-    api_listen_fd: int | None = Field(
-        default=None, ge=0, description="set by the API for its HTTP workers: the listening socket they share")
     api_max_code_bytes: int = Field(
         default=codetree.MAX_ARCHIVE_BYTES, gt=0,
         description="largest code archive PUT /v1/code/{archive} takes, and code.repo may archive to (bytes)")
