@@ -76,7 +76,8 @@ def test_every_trainyard_workload_is_scraped_by_prometheus() -> None:
     config = next(d for _, d in MANIFESTS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "trainyard-config")
     port = config["data"]["TRAINYARD_METRICS_PORT"]
     workloads = {d["metadata"]["name"]: d for _, d in MANIFESTS if d["kind"] in ("Deployment", "DaemonSet")}
-    assert {"api", "scheduler", "checkpoint-coordinator", "registry", "node-agent", "prometheus"} <= set(workloads)
+    assert {"api", "telemetry", "scheduler", "checkpoint-coordinator", "registry", "node-agent",
+            "prometheus"} <= set(workloads)
     for name, workload in workloads.items():
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         if name == "prometheus":
