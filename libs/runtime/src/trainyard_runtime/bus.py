@@ -25,6 +25,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -420,7 +421,7 @@ class Bus:
         for group_id, route in self._groups.items():
             dispatcher = _Dispatcher(self, group_id, route)
             self._dispatchers.append(dispatcher)
-            subscriber = self.broker.subscriber(
+            subscriber = self.broker.subscriber(  # type: ignore[call-overload]  # the optional timeout as **kwargs
                 *[self.physical(t) for t in route.handlers],
                 group_id=group_id,
                 auto_offset_reset=route.offset_reset,
@@ -439,7 +440,7 @@ class Bus:
             subscriber(_entry_point(dispatcher))
             if self.idle is not None:
                 dispatcher.idle = IdleFetching(frozenset(self.physical(t) for t in route.handlers),
-                                               consumer=lambda s=subscriber: getattr(s, "consumer", None),
+                                               consumer=functools.partial(getattr, subscriber, "consumer", None),
                                                policy=self.idle, retry_paused=dispatcher.retry_paused)
                 self._idle.append(dispatcher.idle)
                 if self.doorbell is not None:
@@ -530,10 +531,11 @@ class _Dispatcher:
     async def __call__(self, message: KafkaMessage) -> None:
         if self.idle is not None:
             self.idle.saw_record()
+        record: Any = message.raw_message  # one ConsumerRecord: the subscriber is not a batch one
         try:
-            delivery = await self._decode(message.raw_message)
+            delivery = await self._decode(record)
         except Exception as exc:  # noqa: BLE001 - the dead letter could not be published: again, after a back-off
-            await self._retry_later(message, message.raw_message, self.logical(message.raw_message.topic), exc)
+            await self._retry_later(message, record, self.logical(record.topic), exc)
         if delivery is None:
             return
         handler = self.route.handlers.get(delivery.topic, {}).get(type(delivery.event))
@@ -614,7 +616,7 @@ class _Dispatcher:
     def _pause(self, message: KafkaMessage, record: Any, delay: float) -> None:
         """Stop fetching the record's partition for ``delay`` seconds (only it: the group's other partitions
         and topics are read meanwhile)."""
-        consumer = message.consumer
+        consumer: Any = message.consumer  # aiokafka's consumer (faststream's protocol names no pause/resume)
         tp = TopicPartition(record.topic, record.partition)
         consumer.pause(tp)
         self.retry_paused.add(tp)

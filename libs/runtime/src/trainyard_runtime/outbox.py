@@ -93,7 +93,7 @@ class Outbox:
 
     async def _read_replicated(self, batch: int) -> list[tuple[str, dict[str, str]]]:
         acks = epoch_acks(self.redis)
-        entries = await self.redis.xrange(self.key, count=batch)
+        entries: list[tuple[str, dict[str, str]]] = await self.redis.xrange(self.key, count=batch)  # type: ignore[assignment]  # decoded
         if acks.replicas == 0 or not entries:  # an idle relay writes nothing (no barrier every poll)
             return entries
         # read again, a barrier write and WAIT on one connection (one server): the barrier follows what was read

@@ -341,7 +341,7 @@ class StateStore:
 
     async def list_job_ids(self, tenant: str | None = None, *, limit: int = 100, offset: int = 0) -> list[str]:
         key = Keys.tenant_jobs(tenant) if tenant else Keys.jobs
-        return list(await self.redis.zrevrange(key, offset, offset + limit - 1))
+        return list(await self.redis.zrevrange(key, offset, offset + limit - 1))  # type: ignore[arg-type]  # decoded: str
 
     async def get_jobs(self, job_ids: Sequence[str]) -> list[JobRecord]:
         if not job_ids:
@@ -448,7 +448,7 @@ class StateStore:
 
     async def token_records(self) -> dict[str, TenantToken]:
         """Every token record (revoked and expired ones too) by the sha256 it is stored under."""
-        raw = await self.redis.hgetall(Keys.tokens)
+        raw: dict[str, str] = await self.redis.hgetall(Keys.tokens)  # type: ignore[assignment]  # decoded: str
         return {digest: TenantToken.model_validate_json(value) for digest, value in raw.items()}
 
     async def tenant_for_token(self, token: str) -> TenantToken | None:
