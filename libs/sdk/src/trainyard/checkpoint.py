@@ -200,9 +200,8 @@ def prepare_directory(directory: Location, *, rank: int, barrier: Callable[[], N
 def write_shard(state_dict: dict[str, Any], directory: Location, *, rank: int, group: Any = None) -> SavedShard:
     """Steps 2–3: ``dcp.save`` this rank's shard (rank 0 also ``.metadata``), durable, with digests
     reported under the final name."""
-    remote = isinstance(directory, ObjectPath)
     writer: HashingFsspecWriter | DigestingFileSystemWriter = (
-        HashingFsspecWriter(directory) if remote
+        HashingFsspecWriter(directory) if isinstance(directory, ObjectPath)
         else DigestingFileSystemWriter(temporary_dir(directory), single_file_per_rank=True, sync_files=True,
                                        thread_count=1, overwrite=False))
     try:
@@ -271,7 +270,7 @@ class HashingFsspecWriter(DigestingWriter, FsspecWriter):
         super().__init__(str(directory), single_file_per_rank=True, sync_files=False, thread_count=1,
                          overwrite=False, **object_storage_options())
         self.directory = directory
-        self.fs = self.hashing = _HashingFileSystem(self.fs)
+        self.fs = self.hashing = _HashingFileSystem(self.fs)  # type: ignore[assignment, arg-type]  # torch types fs as its local FileSystem
 
     def own_shard(self, rank: int) -> str:
         names = sorted(n for n in self.hashing.digests if n.startswith(f"__{rank}_") and n.endswith(SHARD_SUFFIX))

@@ -38,7 +38,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Sequence, Sized
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -468,7 +468,7 @@ class TokenDataset:
             while len(self._open) > self.OPEN_CACHED:  # the cache may delete the others: let their disk go
                 self._open.pop(next(iter(self._open)))
             return tokens
-        path = self.directory / info.file
+        path = cast(Path, self.directory) / info.file  # no cache: a local dataset (__init__ refuses others)
         if not path.is_file():
             raise DataError(f"dataset shard {info.file} is missing: {path}")
         if (size := path.stat().st_size) != info.size_bytes or size != info.num_tokens * dtype.itemsize:

@@ -84,6 +84,12 @@ class ShardCacheMetrics:
     # by the registry itself, held weakly: an id() can be reused once a registry is gone (tests make many)
     _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ShardCacheMetrics] = weakref.WeakKeyDictionary()
     _lock = threading.Lock()
+    # prometheus-client's metrics, or stand-ins that record nothing
+    requests: Any
+    fetch_seconds: Any
+    errors: Any
+    evictions: Any
+    bytes: Any
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         if registry is None:
