@@ -137,7 +137,7 @@ def prepare_and_publish(stack: LocalStack, timeout_s: float = 60.0) -> str:
     manifest_uri = path_to_uri(manifest_path)
     if stack.s.artifact_store:
         store = ArtifactLayout(stack.s.artifact_store).dataset_dir(name, version)
-        manifest_uri = str(upload_dataset(manifest_path.parent, store))
+        manifest_uri = str(upload_dataset(manifest_path.parent, store))  # type: ignore[arg-type]  # an object store
     asyncio.run(_publish_dataset(stack, manifest_uri, manifest_sha, manifest))
     return f"{name}@{version}"
 
@@ -220,7 +220,7 @@ def _print_outcome(client: ApiClient, job_id: str) -> None:
 
     ready = [c for c in client.checkpoints(job_id) if c.state == "READY"]
     final = max(ready, key=lambda c: c.global_step)
-    manifest = uri_to_path(final.manifest_uri)
+    manifest = uri_to_path(final.manifest_uri)  # type: ignore[arg-type]  # a READY checkpoint has one
     console = stderr()
     console.print(f"job {job_id} succeeded", style="green")
     console.print(f"READY checkpoint at step {final.global_step}: {manifest}")

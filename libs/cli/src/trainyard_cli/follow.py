@@ -120,7 +120,7 @@ def follow_job(
                     console.print(f"no job {job_id} (for this token's tenant)", style="red", markup=False)
                     return EXIT_FAILED
                 fields = progress_fields(job)
-                bar.update(task, **fields)
+                bar.update(task, **fields)  # type: ignore[arg-type]  # progress_fields gives update's keywords
                 line = status_line(job)
                 if line != last_line:
                     bar.console.print(line, highlight=False, markup=False)

@@ -9,6 +9,7 @@ measured per device type against what the planner predicted.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -510,7 +511,7 @@ def bubble_command(
     """
     rows = [{
         "schedule": s.value,
-        "bubbleRatio": _build("bubble", lambda s=s: bubble_ratio(s, pp, microbatches, virtual_stages)),
+        "bubbleRatio": _build("bubble", functools.partial(bubble_ratio, s, pp, microbatches, virtual_stages)),
         "bubbleFraction": bubble_fraction(s, pp, microbatches, virtual_stages),
         "inflightMicrobatches": inflight_microbatches(s, pp, microbatches),
     } for s in Schedule]
@@ -521,7 +522,7 @@ def bubble_command(
         for column in ("schedule", "bubble / compute", "share of step idle", "micro-batches held (first stage)"):
             table.add_column(column, justify="left" if column == "schedule" else "right")
         for r in rows:
-            table.add_row(r["schedule"], f"{r['bubbleRatio']:.3f}", f"{r['bubbleFraction']:.1%}",
+            table.add_row(str(r["schedule"]), f"{r['bubbleRatio']:.3f}", f"{r['bubbleFraction']:.1%}",
                           str(r["inflightMicrobatches"]))
         return table
 

@@ -107,9 +107,9 @@ def checkpoints_table(items: Sequence[CheckpointView], title: str = "checkpoints
     """``manifests=False`` (inside a job's view) leaves the long manifest URIs to ``jobs checkpoints``."""
     table = Fitted(title, [c for c in CHECKPOINT_COLUMNS if manifests or c.header != "MANIFEST"])
     for c in items:
-        row = [c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
-               (c.tensors_hash or "-")[:19], (c.content_hash or "-")[:19], c.manifest_uri or "-",
-               fmt_time(c.ready_at)]
+        row: list[str | Text] = [
+            c.checkpoint_id, state_text(c.state), str(c.global_step), str(c.attempt), fmt_tokens(c.consumed_tokens),
+            (c.tensors_hash or "-")[:19], (c.content_hash or "-")[:19], c.manifest_uri or "-", fmt_time(c.ready_at)]
         if not manifests:
             row.pop(7)
         table.add_row(*row)

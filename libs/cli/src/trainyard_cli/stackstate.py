@@ -61,7 +61,7 @@ class StackState:
         redis = connect_redis(self.redis_url)
         try:
             store = StateStore(redis)
-            ids = await redis.zrange(Keys.jobs, 0, -1)
+            ids: list[str] = await redis.zrange(Keys.jobs, 0, -1)  # type: ignore[assignment]  # decoded: str
             jobs = await store.get_jobs(list(ids)) if ids else []
             return [j.job_id for j in jobs if j.current is not None and j.current.state in ("starting", "running")
                     and j.state not in ("succeeded", "failed", "cancelled")]

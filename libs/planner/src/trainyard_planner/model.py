@@ -24,16 +24,23 @@ _ASPECT = 128  # width / depth of GPT-3 6.7B..175B
 
 
 class ModelConfigLike(Protocol):
-    """What :meth:`Transformer.from_model_config` reads (``trainyard_contract.catalog.ModelConfig``)."""
+    """What :meth:`Transformer.from_model_config` reads (``trainyard_contract.catalog.ModelConfig``), read-only:
+    the catalog's models are frozen."""
 
-    vocab_size: int
-    n_layers: int
-    n_heads: int
-    d_model: int
-    max_seq_len: int
-    architecture: str
-    n_kv_heads: int | None
-
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def n_kv_heads(self) -> int | None: ...
     @property
     def ffn_width(self) -> int: ...
 
