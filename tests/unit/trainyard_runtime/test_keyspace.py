@@ -143,7 +143,9 @@ def test_each_declared_reader_reads_the_family(family: keyspace.Family) -> None:
     ``trainyard_telemetry``'s stores, so telemetry's code counts as the API's for telemetry's families."""
     names = _references(family)
     for reader in family.readers:
-        code = _code_of(reader) + (_code_of("telemetry") if reader == "api" and "telemetry" in family.writers else "")
+        code = _code_of(reader)
+        if "telemetry" in family.writers and "trainyard_telemetry" in code:  # through telemetry's readers
+            code += _code_of("telemetry")
         named = re.search(r"\bKeys\.(" + "|".join(map(re.escape, names)) + r")\b", code) if names else None
         assert named or any(f".{m}(" in code for m in _STORE_READS.get(family.name, ())), \
             f"{reader} is declared a reader of {family.name} but its code never reads it"
@@ -187,3 +189,21 @@ def test_glob_matching_follows_redis() -> None:
     assert not keyspace.glob_matches("ty:outbox:api", "ty:outbox:api2")
     assert keyspace.glob_matches("ty:mh:{*}:*", "ty:mh:{job-1}:0:att")
     assert keyspace.glob_matches(r"a\*b", "a*b") and not keyspace.glob_matches(r"a\*b", "axb")
+
+
+@pytest.mark.parametrize("service", [s for s in SERVICES if s != "telemetry"] + ["telemetry"])
+def test_every_family_a_service_names_is_declared_for_it(service: str) -> None:
+    """The other direction: a service whose code names a family's keys (itself, or through telemetry's
+    readers) is one of its writers or readers, or its ACL refuses it at run time (NOPERM)."""
+    code = _code_of(service)
+    if service != "telemetry":  # the telemetry modules it imports read for it
+        for module in sorted(set(re.findall(r"from trainyard_telemetry\.(\w+) import", code))):
+            code += (ROOT / "services/telemetry/src/trainyard_telemetry" / f"{module}.py").read_text()
+    undeclared = []
+    for family in FAMILIES:
+        if family.per_service or service in family.writers or service in family.readers:
+            continue
+        names = _references(family) - {"agent", "metrics_history"}
+        if names and re.search(r"\bKeys\.(" + "|".join(map(re.escape, sorted(names))) + r")\(", code):
+            undeclared.append(family.name)
+    assert not undeclared, f"{service} names the keys of {undeclared} without being declared their reader or writer"

@@ -138,7 +138,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("agent-unconfirmed", "ty:agent:<node>:unconfirmed", (_N,), (), "hash: announcements not yet applied"),
     # checkpoint coordinator -----------------------------------------------------------------------------------
     _f("checkpoints", "ty:ckpt:<job>", (_C,), (_A, _S, _N, _R, _T), "hash checkpoint id → CheckpointRecord"),
-    _f("shards", "ty:ckpt:<job>:shards:<attempt>:<step>", (_C,), (_N,), "hash rank → ShardReport"),
+    _f("shards", "ty:ckpt:<job>:shards:<attempt>:<step>", (_C,), (_N, _S), "hash rank → ShardReport"),
     _f("shard-timing", "ty:ckpt:<job>:shards:<attempt>:<step>:timing", (_C,), (), "hash rank → save timing"),
     _f("checkpoint-jobs", "ty:ckpt:jobs", (_C,), (_R,), "zset: jobs the coordinator's GC looks at"),
     _f("pending-checkpoints", "ty:ckpt-pending", (_C,), (), "zset: PENDING checkpoints to time out"),
@@ -156,7 +156,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("registry-live", "ty:registry:live", (_R,), (), "zset: jobs with artifacts not yet retired"),
     # telemetry: the StepMetrics read models ---------------------------------------------------------------
     _f("progress", "ty:job:<job>:progress", (_T,), (_A,), "JSON Progress of the job"),
-    _f("attempt-steps", "ty:job:<job>:steps:<attempt>", (_T,), (_A,), "hash: rank 0's step timing"),
+    _f("attempt-steps", "ty:job:<job>:steps:<attempt>", (_T,), (_A, _C), "hash: rank 0's step timing"),
     _f("attempt-step-points", "ty:job:<job>:steps:<attempt>:cum", (_T,), (_A,), "zset step → work seconds"),
     _f("rank-timing", "ty:job:<job>:ranks:<attempt>", (_T,), (_A,), "hash rank → latest timing breakdown"),
     _f("stragglers", "ty:job:<job>:stragglers", (_T,), (_A,), "list: StragglerDetected, newest first"),
