@@ -90,7 +90,8 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
         raise CheckpointError(f"initFrom.huggingFace: the directory has no weights for {', '.join(missing[:5])}"
                               f"{' …' if len(missing) > 5 else ''}")
     mine: dict[str, Any] = {}
-    for name, local in expected.items():
+    for name, entry in expected.items():
+        local: Any = entry  # a model state dict's entries are tensors (torch types any state value)
         tensor = full[name]
         if tuple(tensor.shape) != tuple(local.shape):
             raise CheckpointError(f"initFrom.huggingFace: {name} has shape {tuple(tensor.shape)} in the directory, "

@@ -227,7 +227,8 @@ def apply_ddp(
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks this rank holds (a pipeline stage replaces the others by parameterless placeholders)."""
-    return [b for b in model.blocks if any(True for _ in b.parameters())]
+    blocks: Any = model.blocks  # an nn.ModuleList (torch types a Module's attributes as Tensor | Module)
+    return [b for b in blocks if any(True for _ in b.parameters())]
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool) -> nn.Module:
@@ -280,7 +281,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tp_block_plan(model.config.architecture)
+    config: Any = model.config  # the catalog's ModelConfig (torch types a Module's attributes as Tensor | Module)
+    plan = tp_block_plan(config.architecture)
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, plan)
     return model
@@ -295,9 +297,10 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    for index, block in enumerate(model.blocks):
+    blocks: Any = model.blocks  # an nn.ModuleList
+    for index, block in enumerate(blocks):
         if any(True for _ in block.parameters()):
-            model.blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return model
 
 
@@ -332,7 +335,7 @@ def clip_grad_norm(
     excluded = {id(p) for p in exclude_from_norm}
     squares: torch.Tensor | None = None
     for layout in _by_layout([p for p in params if id(p) not in excluded]):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in layout], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in layout if p.grad is not None], 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares = norm.float() ** 2 if squares is None else squares + norm.float() ** 2
@@ -415,15 +418,17 @@ class ParallelModel:
         first and last stage (Megatron-style)."""
         if self.dp_group is not None:
             all_reduce_gradients(self.model.parameters(), self.dp_group, self.plan.dp)
-        if self.tied_group is not None and getattr(self.model, "wte", None) is not None:
-            grad = self.model.wte.weight.grad
+        wte: Any = getattr(self.model, "wte", None)  # GPT's tied embedding; None on a middle stage
+        if self.tied_group is not None and wte is not None:
+            grad = wte.weight.grad
             if grad is not None:
                 dist.all_reduce(grad, group=self.tied_group)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        exclude = []
+        exclude: list[torch.Tensor] = []
         if self.tied_group is not None and self.is_last_stage and not self.is_first_stage:
-            exclude = [self.model.wte.weight]  # counted on the first stage
+            wte: Any = getattr(self.model, "wte")  # noqa: B009 - GPT's tied embedding, on a last stage
+            exclude = [wte.weight]  # counted on the first stage
         return clip_grad_norm(self.model.parameters(), max_norm, group=self.pp_group, exclude_from_norm=exclude)
 
     def global_mean_loss(self, local_mean: torch.Tensor | None) -> "PendingLoss":
@@ -433,7 +438,8 @@ class ParallelModel:
         there when the update is done, so reporting the global loss holds no step up."""
         _, _, tp_rank = self.plan.coordinates(self.rank)
         contributes = local_mean is not None and self.is_last_stage and tp_rank == 0
-        value = local_mean.detach().float() / self.plan.dp if contributes else torch.zeros((), device=self.device)
+        value = (local_mean.detach().float() / self.plan.dp if contributes and local_mean is not None
+                 else torch.zeros((), device=self.device))
         value = value.to(self.device).reshape(())
         if dist.is_initialized() and dist.get_world_size() > 1:
             return PendingLoss(value, dist.all_reduce(value, async_op=True))

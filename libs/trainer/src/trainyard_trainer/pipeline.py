@@ -72,13 +72,13 @@ class StageModule(nn.Module, ABC):
 
     @staticmethod
     @abstractmethod
-    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+    def drop_unused(model: Any, *, first: bool, last: bool) -> None:
         """Remove the modules this stage never runs, so they hold no memory and no optimizer state."""
 
 
 class GPTStage(StageModule):
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
+        m: Any = self.model  # a GPT whose unused parts may be None (torch types them Tensor | Module)
         if self.first:
             positions = torch.arange(x.shape[1], device=x.device)
             x = m.drop(m.wte(x) + m.wpe(positions))
@@ -89,7 +89,7 @@ class GPTStage(StageModule):
         return x
 
     @staticmethod
-    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+    def drop_unused(model: Any, *, first: bool, last: bool) -> None:
         if not first:
             model.wpe = None
         if not (first or last):
@@ -100,7 +100,7 @@ class GPTStage(StageModule):
 
 class LlamaStage(StageModule):
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
+        m: Any = self.model  # a Llama whose unused parts may be None
         if self.first:
             x = m.drop(m.embed_tokens(x))
         # Hidden states arrive in the embedding's dtype, so these are the tables Llama.forward builds.
@@ -112,7 +112,7 @@ class LlamaStage(StageModule):
         return x
 
     @staticmethod
-    def drop_unused(model: nn.Module, *, first: bool, last: bool) -> None:
+    def drop_unused(model: Any, *, first: bool, last: bool) -> None:
         if not first:
             model.embed_tokens = None
         if not last:
@@ -130,11 +130,12 @@ def ties_embedding(model: nn.Module) -> bool:
 
 def keep_stage(model: nn.Module, stage: int, stages: int) -> StageModule:
     """Drop from ``model`` (in place) what stage ``stage`` of ``stages`` does not run."""
-    layers = split_layers(len(model.blocks), stages)[stage]
+    blocks: Any = model.blocks  # an nn.ModuleList (torch types a Module's attributes as Tensor | Module)
+    layers = split_layers(len(blocks), stages)[stage]
     first, last = stage == 0, stage == stages - 1
-    for index in range(len(model.blocks)):
+    for index in range(len(blocks)):
         if index not in layers:
-            model.blocks[index] = nn.Identity()
+            blocks[index] = nn.Identity()
     stage_class = _STAGES[type(model)]
     stage_class.drop_unused(model, first=first, last=last)
     return stage_class(model, layers, first=first, last=last)
@@ -178,7 +179,7 @@ class PipelineRunner:
 
         self.stage_index, self.stages = stage, stages
         self.first, self.last = stage == 0, stage == stages - 1
-        inner = module.module if hasattr(module, "module") else module
+        inner: Any = module.module if hasattr(module, "module") else module  # the StageModule, DDP's or not
         self.stage_module: StageModule = inner
         self._seeds: list[int] = []
         inner.pre_forward = self._seed_next
@@ -201,7 +202,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         with autocast:
             if self.first:
-                self.schedule.step(inputs, **({"target": targets, "losses": losses} if self.last else {}))
+                self.schedule.step(inputs, **({"target": targets, "losses": losses} if self.last else {}))  # type: ignore[arg-type]  # step's own keywords
             elif self.last:
                 self.schedule.step(target=targets, losses=losses)
             else:
