@@ -54,7 +54,7 @@ from trainyard.data import (
 )
 
 
-def _parser(default_root: Path) -> argparse.ArgumentParser:
+def _parser(default_root: Location) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainyard-data",
         description=__doc__,
@@ -143,7 +143,7 @@ def run_prepare(args: argparse.Namespace) -> tuple[Location, str, DatasetManifes
         return existing_dataset(destination)  # idempotent, as on a directory: verified, not rebuilt
     with tempfile.TemporaryDirectory(prefix="trainyard-data-") as scratch:
         local, _, manifest = prepare_dataset(Path(scratch), args.name, args.version, **build)
-        target = upload_dataset(local.parent, destination)
+        target = upload_dataset(local.parent, destination)  # type: ignore[arg-type]  # an object-store root here
     return target, sha256_of(target), manifest
 
 

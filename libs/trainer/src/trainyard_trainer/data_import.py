@@ -504,7 +504,7 @@ def _open(f: InputFile) -> IO[bytes]:
     return open(f.url, "rb")
 
 
-def _decompressed(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
+def _decompressed(f: InputFile, raw: io.RawIOBase) -> io.BufferedIOBase:
     if f.compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if f.compression == "zstd":
@@ -516,7 +516,7 @@ def _decompressed(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
-def _zstd_chunks(zstandard: Any, raw: IO[bytes], label: str) -> Iterator[bytes]:
+def _zstd_chunks(zstandard: Any, raw: io.RawIOBase, label: str) -> Iterator[bytes]:
     """Decompressed bytes of every zstd frame in ``raw``; a truncated last frame is an error
     (zstandard's stream reader ends silently there)."""
     dctx = zstandard.ZstdDecompressor()
@@ -929,9 +929,10 @@ def import_dataset(
         return _existing(final, files, tok)
     manifest, sha256 = committed
     seconds = time.monotonic() - started
+    info: Any = manifest.import_info  # an import's manifest always has one (the build wrote it)
     log.info("dataset %s@%s: %d documents, %d tokens (%s) in %d shards, %d bad records skipped, "
-             "%.0f tokens/s with %d workers", name, version, manifest.import_info.documents, manifest.num_tokens,
-             manifest.dtype, len(manifest.shards), manifest.import_info.skipped_records,
+             "%.0f tokens/s with %d workers", name, version, info.documents, manifest.num_tokens,
+             manifest.dtype, len(manifest.shards), info.skipped_records,
              manifest.num_tokens / max(seconds, 1e-9), workers)
     return ImportResult(manifest_path, sha256, manifest, created=True, seconds=seconds)
 

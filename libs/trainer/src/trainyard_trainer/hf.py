@@ -439,7 +439,7 @@ def checkpoint_model_state(manifest_uri_or_dir: str | Path) -> tuple[CheckpointM
     except (ValidationError, ValueError) as exc:
         raise CheckpointCorruptError(f"checkpoint manifest {path} is malformed: {exc}") from exc
     directory = verified_checkpoint_dir(manifest, path_to_uri(path))
-    return manifest, load_model_entries(directory)
+    return manifest, load_model_entries(directory)  # type: ignore[arg-type]  # a local manifest's directory
 
 
 def load_model_entries(directory: Path) -> dict[str, torch.Tensor]:
