@@ -355,7 +355,7 @@ class CodeCache:
             self._hold(hex_digest)
         purged = []
         for name in choose_purges(self.quarantined(), in_use=keep):
-            hex_digest = parse_quarantined(name).hex  # type: ignore[union-attr]  (it parsed when listed)
+            hex_digest = parse_quarantined(name).hex  # type: ignore[union-attr]  # it parsed when listed
             with self._unheld(hex_digest) as free:
                 if not free:
                     continue

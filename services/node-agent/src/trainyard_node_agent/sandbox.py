@@ -553,7 +553,7 @@ def _forward_to(pid: int) -> None:
         os.setpgid(0, 0)  # out of the rank's process group: see _fork_into_namespace
 
 
-def _supervise_inside(rank: int, status_w: int, held: set[signal.Signals]) -> int:
+def _supervise_inside(rank: int, status_w: int, held: set[int | signal.Signals]) -> int:
     """Pid 1: forward signals, reap every orphan, and once the rank ends, hand its wait status outside."""
     try:
         _forward_to(rank)
@@ -568,7 +568,8 @@ def _supervise_inside(rank: int, status_w: int, held: set[signal.Signals]) -> in
         return 255 << 8
 
 
-def _supervise_outside(init: int, status_r: int, plan: SandboxPlan, held: set[signal.Signals], host_proc: int) -> int:
+def _supervise_outside(init: int, status_r: int, plan: SandboxPlan, held: set[int | signal.Signals],
+                       host_proc: int) -> int:
     """The caller, outside the namespace: note the rank's pid for the agent, forward signals, wait, and
     return the rank's wait status (pid 1's own when the rank's never came)."""
     try:

@@ -20,6 +20,7 @@ from trainyard_contract.events import ExportFailed, ExportRequested, export_id
 from trainyard_contract.exitcodes import CHECKPOINT, CONFIG
 from trainyard_contract.records import ArtifactRecord, ExportRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
+from trainyard_contract.storage import Location
 
 MAX_PROBLEMS = 64  # ExportFailed.problems holds at most this many
 MAX_LINE = 500  # characters of one stderr line kept in a reason or problem
@@ -113,11 +114,11 @@ def requested_record(event: ExportRequested, *, now: datetime) -> ExportRecord:
 class Tokenizer:
     """The dataset's tokenizer, as its manifest names it (``path`` None: the manifest names none)."""
 
-    path: Path | None
+    path: Location | None
     eos_token: str | None
 
 
-def dataset_tokenizer(manifest: Any, directory: Path) -> Tokenizer:
+def dataset_tokenizer(manifest: Any, directory: Location) -> Tokenizer:
     """The tokenizer file and end-of-document token a dataset's ``manifest.json`` names."""
     if not isinstance(manifest, Mapping):
         return Tokenizer(None, None)
@@ -125,7 +126,7 @@ def dataset_tokenizer(manifest: Any, directory: Path) -> Tokenizer:
     name = tok.get("file") if isinstance(tok, Mapping) else None
     plain = isinstance(name, str) and name and "/" not in name and name not in (".", "..")
     separator = manifest.get("separator")
-    return Tokenizer(directory / name if plain else None, separator if isinstance(separator, str) else None)
+    return Tokenizer(directory / name if plain and name else None, separator if isinstance(separator, str) else None)
 
 
 def model_config_arg(spec: TrainingSpec) -> str:

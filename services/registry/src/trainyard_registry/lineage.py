@@ -232,7 +232,8 @@ def dataset_record(
     """The record of a verified version, owned by the event's tenant (None: the platform's). What the
     verified ``manifest`` says (tokens, tokenizer, vocabulary, dtype) wins over what the event claims."""
     manifest = manifest if isinstance(manifest, Mapping) else {}
-    tokenizer = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), Mapping) else {}
+    declared = manifest.get("tokenizer")
+    tokenizer: Mapping[str, Any] = declared if isinstance(declared, Mapping) else {}
     num_tokens, vocab = manifest.get("numTokens"), tokenizer.get("vocabSize")
     return DatasetRecord(
         name=event.name,
@@ -305,7 +306,8 @@ def dataset_from_manifest(
     """A dataset record read from the dataset's manifest on disk (no DatasetVersionPublished seen)."""
     tenant, name, version = DatasetRef.parse(ref)
     num_tokens = manifest.get("numTokens", manifest.get("num_tokens"))
-    tokenizer = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), Mapping) else {}
+    declared = manifest.get("tokenizer")
+    tokenizer: Mapping[str, Any] = declared if isinstance(declared, Mapping) else {}
     vocab = tokenizer.get("vocabSize")
     return DatasetRecord(
         name=name,

@@ -69,6 +69,7 @@ from trainyard_contract.records import (
     checkpoint_id,
     expects_final_checkpoint,
 )
+from trainyard_runtime.bus import Handler
 from trainyard_runtime.outbox import Outbox
 from trainyard_runtime.service import ServiceRuntime
 from trainyard_contract.storage import (
@@ -154,7 +155,7 @@ class Registry:
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe to datasets, checkpoints and jobs (one consumer group, one consumer)."""
-        routes = (
+        routes: tuple[tuple[str, dict[type[Event], Handler]], ...] = (
             (DATASETS, {DatasetVersionPublished: self.on_dataset_published}),
             (CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready,
                            CheckpointRefused: self.on_checkpoint_refused}),
@@ -283,7 +284,8 @@ class Registry:
 
     async def retire_sweep(self) -> None:
         """Mark retired the artifacts whose checkpoint record is DELETED (retention) or FAILED."""
-        for job_id in await self.redis.zrange(Keys.registry_live, 0, -1):
+        job_ids: list[str] = await self.redis.zrange(Keys.registry_live, 0, -1)  # type: ignore[assignment]  # decoded
+        for job_id in job_ids:
             # Asked before the records are read: a deletion the GC made before it is done is in them.
             gc_done = await self._gc_done(job_id)
             artifacts = await self.store.list_artifacts(job_id)

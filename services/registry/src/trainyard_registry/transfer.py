@@ -137,7 +137,8 @@ def _stage(manifest_at: Any, into: Path, read_manifest: Callable[[], bytes],
         raise CheckpointCorruptError(f"checkpoint manifest {manifest_at} is malformed: {exc}") from exc
     into.mkdir(parents=True, exist_ok=True)
     local: dict[str, str] = {}
-    for entry in [*manifest.shards, *manifest.extra_files]:
+    entries: list[Any] = [*manifest.shards, *manifest.extra_files]  # ShardEntry and ExtraFile: uri, size, sha256
+    for entry in entries:
         source = source_of(entry.uri)
         if source is None or source.parent != manifest_at.parent or source.name in local.values() \
                 or source.name in ("", ".", "..", MANIFEST_FILE):
