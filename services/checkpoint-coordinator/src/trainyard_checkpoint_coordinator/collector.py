@@ -67,7 +67,8 @@ class GarbageCollector:
 
     async def collect(self) -> None:
         """One pass over every job with checkpoints."""
-        for job_id in await self.redis.zrange(JOBS_INDEX, 0, -1):
+        job_ids: list[str] = await self.redis.zrange(JOBS_INDEX, 0, -1)  # type: ignore[assignment]  # decoded: str
+        for job_id in job_ids:
             try:
                 await self.collect_job(job_id)
             except OSError as exc:  # one job's unreadable directory does not stop the others
@@ -195,6 +196,6 @@ def _remove_tree(path: Location, root: Location, artifact_root: Location | None 
         remove_tree(path)
         return
     try:
-        remove_tree_under(artifact_root, path)
+        remove_tree_under(artifact_root, path)  # type: ignore[arg-type]  # handles: both are local Paths here
     except UnsafePathError as exc:
         log.error("security: not removing %s: %s", path, exc)

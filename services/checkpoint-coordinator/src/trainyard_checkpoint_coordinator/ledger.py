@@ -62,7 +62,7 @@ class CheckpointLedger:
             self.redis.get(Keys.epoch(key.job_id)),
             self.redis.hget(Keys.shards(key.job_id, key.attempt, key.global_step), str(report.rank)),
         )
-        existing = ShardReport.loads(raw_existing) if raw_existing else None
+        existing = ShardReport.loads(raw_existing) if raw_existing else None  # type: ignore[arg-type]  # decoded: str
         return classify_shard(report, current_epoch=int(raw_epoch or 0), existing=existing), existing
 
     async def record_shard(self, key: CheckpointKey, report: ShardReport, event: ShardWritten) -> bool:
@@ -80,7 +80,8 @@ class CheckpointLedger:
         return bool(stored)
 
     async def reports(self, key: CheckpointKey) -> dict[int, ShardReport]:
-        raw = await self.redis.hgetall(Keys.shards(key.job_id, key.attempt, key.global_step))
+        raw: dict[str, str] = await self.redis.hgetall(  # type: ignore[assignment]  # decoded: str
+            Keys.shards(key.job_id, key.attempt, key.global_step))
         return {int(rank): ShardReport.loads(text) for rank, text in raw.items()}
 
     async def shard_count(self, key: CheckpointKey) -> int:

@@ -43,7 +43,8 @@ class ProtectionWatch:
         self.clock = clock
 
     async def check_all(self) -> None:
-        for job_id, value in (await self.redis.hgetall(LIVE_STEPS)).items():
+        live: dict[str, str] = await self.redis.hgetall(LIVE_STEPS)  # type: ignore[assignment]  # decoded: str
+        for job_id, value in live.items():
             attempt, step = (int(x) for x in value.split(":", 1))
             await self.check(job_id, attempt, step)
 
@@ -59,7 +60,7 @@ class ProtectionWatch:
         every = record.checkpoint_every_steps or job.spec.checkpoint_policy.every_steps or 0
         ready = [c.global_step for c in await self.store.list_checkpoints(job_id) if c.state == "READY"]
         start = record.start_checkpoint.global_step if record.start_checkpoint else 0
-        raw = await self.redis.get(protection_key(job_id))
+        raw: str | None = await self.redis.get(protection_key(job_id))  # type: ignore[assignment]  # decoded: str
         previous = Protection.loads(raw) if raw else None
         now = assess_protection(job_id=job_id, attempt=attempt, step=step, protected_step=max([start, *ready]),
                                 every_steps=every, threshold=self.settings.stall_intervals, now=self.clock(),
