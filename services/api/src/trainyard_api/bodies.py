@@ -41,7 +41,7 @@ CatalogRef = Annotated[str, Field(pattern=REF_PATTERN, max_length=128, examples=
 class BoundedModelConfig(ModelConfig):
     """An inline model."""
 
-    d_ff: Annotated[int | None, Field(le=16 * 65_536)] = ModelConfig.model_fields["d_ff"]
+    d_ff: Annotated[int | None, Field(le=16 * 65_536)] = ModelConfig.model_fields["d_ff"]  # type: ignore[assignment]  # the parent's field, narrowed
 
 
 class SubmittedTraining(Training):
@@ -106,32 +106,32 @@ class SpecTemplate(SubmittedSpec):
 class PlanLayout(Layout):
     """A parallel layout; dp x tp x pp is the number of devices."""
 
-    dp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["dp"]
-    tp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["tp"]
-    pp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["pp"]
-    micro_batch: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["micro_batch"]
-    microbatches: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["microbatches"]
-    virtual_stages: Annotated[int, Field(le=512)] = Layout.model_fields["virtual_stages"]
+    dp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["dp"]  # type: ignore[assignment]  # the parent's field, narrowed
+    tp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["tp"]  # type: ignore[assignment]  # the parent's field, narrowed
+    pp: Annotated[int, Field(le=MAX_DEVICES)] = Layout.model_fields["pp"]  # type: ignore[assignment]  # the parent's field, narrowed
+    micro_batch: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["micro_batch"]  # type: ignore[assignment]  # the parent's field, narrowed
+    microbatches: Annotated[int, Field(le=MAX_BATCH)] = Layout.model_fields["microbatches"]  # type: ignore[assignment]  # the parent's field, narrowed
+    virtual_stages: Annotated[int, Field(le=512)] = Layout.model_fields["virtual_stages"]  # type: ignore[assignment]  # the parent's field, narrowed
 
 
 class PlanDevice(DeviceSpec):
     """An accelerator given inline: peak, memory and link bandwidths (one direction)."""
 
-    name: Annotated[str, Field(min_length=1, max_length=64)] = DeviceSpec.model_fields["name"]
-    peak_flops: Annotated[float, Field(ge=1e6, le=MAX_FLOPS)] = DeviceSpec.model_fields["peak_flops"]
-    memory_bytes: Annotated[float, Field(ge=1e6, le=MAX_BYTES)] = DeviceSpec.model_fields["memory_bytes"]
-    nvlink_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["nvlink_bandwidth"]
-    network_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["network_bandwidth"]
-    nvlink_domain: Annotated[int, Field(le=MAX_DEVICES)] = DeviceSpec.model_fields["nvlink_domain"]
+    name: Annotated[str, Field(min_length=1, max_length=64)] = DeviceSpec.model_fields["name"]  # type: ignore[assignment]  # the parent's field, narrowed
+    peak_flops: Annotated[float, Field(ge=1e6, le=MAX_FLOPS)] = DeviceSpec.model_fields["peak_flops"]  # type: ignore[assignment]  # the parent's field, narrowed
+    memory_bytes: Annotated[float, Field(ge=1e6, le=MAX_BYTES)] = DeviceSpec.model_fields["memory_bytes"]  # type: ignore[assignment]  # the parent's field, narrowed
+    nvlink_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["nvlink_bandwidth"]  # type: ignore[assignment]  # the parent's field, narrowed
+    network_bandwidth: Annotated[float, Field(ge=1, le=MAX_BYTES)] = DeviceSpec.model_fields["network_bandwidth"]  # type: ignore[assignment]  # the parent's field, narrowed
+    nvlink_domain: Annotated[int, Field(le=MAX_DEVICES)] = DeviceSpec.model_fields["nvlink_domain"]  # type: ignore[assignment]  # the parent's field, narrowed
 
 
 class PlanBytesPerParameter(BytesPerParameter):
     """Bytes of training state per parameter, by kind (at most 64 each)."""
 
-    weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["weights"]
-    gradients: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["gradients"]
-    master_weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["master_weights"]
-    optimizer_states: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["optimizer_states"]
+    weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["weights"]  # type: ignore[assignment]  # the parent's field, narrowed
+    gradients: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["gradients"]  # type: ignore[assignment]  # the parent's field, narrowed
+    master_weights: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["master_weights"]  # type: ignore[assignment]  # the parent's field, narrowed
+    optimizer_states: Annotated[float, Field(le=64)] = BytesPerParameter.model_fields["optimizer_states"]  # type: ignore[assignment]  # the parent's field, narrowed
 
 
 # ----------------------------------------------------------------------------- tenant administration
