@@ -17,6 +17,7 @@ import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+import builtins
 from typing import NamedTuple
 
 from opentelemetry import trace
@@ -371,11 +372,12 @@ class JobService:
         progress = {j: Progress.model_validate_json(r) for j, r in zip(ids, raws[len(ids):]) if r}
         return jobs, progress
 
-    async def checkpoints(self, token: TenantToken, job_id: str) -> list[CheckpointRecord]:
+    # builtins.list: JobService.list is a method
+    async def checkpoints(self, token: TenantToken, job_id: str) -> builtins.list[CheckpointRecord]:
         await self.get(token, job_id)
         return await self.store.list_checkpoints(job_id)
 
-    async def artifacts(self, token: TenantToken, job_id: str) -> list[ArtifactRecord]:
+    async def artifacts(self, token: TenantToken, job_id: str) -> builtins.list[ArtifactRecord]:
         await self.get(token, job_id)
         return [a for a in await self.store.list_artifacts(job_id) if a.tenant == token.tenant]
 

@@ -5,7 +5,7 @@ events), the cluster's capacity and queue. The logic is in :mod:`~trainyard_tele
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
@@ -240,14 +240,15 @@ async def cluster(ctx: Ctx, tenant: Tenant) -> ClusterView:
     return await ClusterService(ctx.store).view(tenant.tenant)
 
 
-def _plain(value):
+def _plain(value: Any) -> Any:
     """Dataclasses of the history → plain dicts with the answer's camelCase names."""
     from dataclasses import is_dataclass
 
     if is_dataclass(value):
-        d = {"steps": value.steps, "values": value.values, "totalPoints": value.total_points}
-        if value.minimum is not None:
-            d["min"], d["max"] = value.minimum, value.maximum
+        series: Any = value  # a history series (is_dataclass narrows to no particular class)
+        d = {"steps": series.steps, "values": series.values, "totalPoints": series.total_points}
+        if series.minimum is not None:
+            d["min"], d["max"] = series.minimum, series.maximum
         return d
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
