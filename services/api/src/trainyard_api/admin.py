@@ -60,9 +60,9 @@ class AdminService:
 
     async def nodes(self) -> list[NodeView]:
         nodes = sorted(await self.store.list_nodes(), key=lambda n: n.node_id)
-        quarantine = await self.redis.hgetall(Keys.node_quarantine)
-        reputation = await self.redis.hgetall(Keys.node_reputation)
-        drains = await self.redis.hgetall(Keys.node_drain)
+        quarantine: dict[str, str] = await self.redis.hgetall(Keys.node_quarantine)  # type: ignore[assignment]  # decoded
+        reputation: dict[str, str] = await self.redis.hgetall(Keys.node_reputation)  # type: ignore[assignment]  # decoded
+        drains: dict[str, str] = await self.redis.hgetall(Keys.node_drain)  # type: ignore[assignment]  # decoded
         return [node_view(n, _json(quarantine.get(n.node_id), f"quarantine of {n.node_id}"),
                           _json(reputation.get(n.node_id), f"reputation of {n.node_id}"),
                           _json(drains.get(n.node_id), f"drain of {n.node_id}")) for n in nodes]

@@ -99,6 +99,7 @@ class AuditLog:
         key = Keys.tenant_audit(tenant) if tenant else Keys.audit
         if before is not None and all(int(part) == 0 for part in before.split("-")):
             return AuditPage(entries=[])  # nothing is older than the first possible id
-        rows = await self.redis.xrevrange(key, max=f"({before}" if before else "+", min="-", count=limit + 1)
+        rows: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(  # type: ignore[assignment]  # decoded
+            key, max=f"({before}" if before else "+", min="-", count=limit + 1)
         entries = [entry_view(entry_id, fields) for entry_id, fields in rows[:limit]]
         return AuditPage(entries=entries, next_before=entries[-1].id if len(rows) > limit else None)

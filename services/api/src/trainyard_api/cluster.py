@@ -208,9 +208,10 @@ class ClusterService:
         nodes = await self.store.list_nodes()
         ids = await self.store.list_job_ids(limit=self.scan_jobs)
         jobs = [j for j in await self.store.get_jobs(ids) if j.state not in TERMINAL_STATES]
-        quarantined = set(await self.redis.hkeys(Keys.node_quarantine))
-        draining = set(await self.redis.hkeys(Keys.node_drain))
-        reputation = {k: _score(v) for k, v in (await self.redis.hgetall(Keys.node_reputation)).items()}
+        quarantined: set[str] = set(await self.redis.hkeys(Keys.node_quarantine))  # type: ignore[arg-type]  # decoded
+        draining: set[str] = set(await self.redis.hkeys(Keys.node_drain))  # type: ignore[arg-type]  # decoded
+        scores: dict[str, str] = await self.redis.hgetall(Keys.node_reputation)  # type: ignore[assignment]  # decoded
+        reputation = {k: _score(v) for k, v in scores.items()}
         return nodes, jobs, quarantined, draining, reputation
 
     async def view(self, viewer_tenant: str | None) -> ClusterView:

@@ -315,7 +315,7 @@ class JobService:
     async def children(self, job_id: str) -> list[str]:
         """Ids of the jobs that start from ``job_id`` (initFrom.jobId), newest first."""
         try:
-            return list(await self.redis.zrevrange(Keys.job_children(job_id), 0, -1))
+            return list(await self.redis.zrevrange(Keys.job_children(job_id), 0, -1))  # type: ignore[arg-type]  # decoded
         except RedisError as exc:
             raise StateStoreError(f"cannot read the children of job {job_id}: {exc!r}") from exc
 
@@ -412,7 +412,8 @@ class JobService:
         """The control record and its event in one MULTI (the outbox confirms replication, as for every write
         it stages; Redis errors reach the route's handlers as before); the job's expired records pruned."""
         now = self.clock()
-        stored = await self.redis.hgetall(Keys.control_requests(event.job_id))
+        stored: dict[str, str] = await self.redis.hgetall(  # type: ignore[assignment]  # decoded: str
+            Keys.control_requests(event.job_id))
         expired = expired_requests(stored, now=now)
         if not room_for_request(stored, expired):
             raise ConflictError(f"job {event.job_id} has {MAX_CONTROL_REQUESTS} control requests of the last "

@@ -96,8 +96,9 @@ class TenantService:
         return TenantRecord.model_validate_json(raw) if raw else None
 
     async def _settings(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for tenant, raw in (await self.redis.hgetall(Keys.tenant_config)).items():
+        out: dict[str, dict[str, Any]] = {}
+        configs: dict[str, str] = await self.redis.hgetall(Keys.tenant_config)  # type: ignore[assignment]  # decoded
+        for tenant, raw in configs.items():
             if is_deleted_tenant(raw):
                 continue
             with contextlib.suppress(ValueError):
@@ -116,7 +117,7 @@ class TenantService:
 
     async def list(self) -> TenantList:
         now = utcnow()
-        raw_records = await self.redis.hgetall(Keys.tenants)
+        raw_records: dict[str, str] = await self.redis.hgetall(Keys.tenants)  # type: ignore[assignment]  # decoded
         records = {t: TenantRecord.model_validate_json(raw) for t, raw in raw_records.items()}
         tokens, settings = await self.store.token_records(), await self._settings()
         names = sorted(set(records) | {t.tenant for t in tokens.values() if token_state(t, now) == "active"})
@@ -169,7 +170,7 @@ class TenantService:
         if tenant == actor.tenant:
             raise ConflictError(f"tenant {tenant!r} holds your own token; delete it with a platform-admin token "
                                 "of another tenant")
-        ids = await self.redis.zrange(Keys.tenant_jobs(tenant), 0, -1)
+        ids: list[str] = await self.redis.zrange(Keys.tenant_jobs(tenant), 0, -1)  # type: ignore[assignment]  # decoded
         live = [j.job_id for j in await self.store.get_jobs(list(ids)) if j.state not in TERMINAL_STATES] if ids else []
         if live:
             raise ConflictError(f"tenant {tenant!r} has {len(live)} unfinished job(s) ({', '.join(live[:5])}): "

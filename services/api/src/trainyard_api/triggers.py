@@ -171,7 +171,7 @@ class TriggerStore:
 
     async def jobs(self, trigger_id: str) -> dict[str, str]:
         """Dataset ref → the job the trigger submitted for it."""
-        return dict(await self.redis.hgetall(Keys.trigger_jobs(trigger_id)))
+        return dict(await self.redis.hgetall(Keys.trigger_jobs(trigger_id)))  # type: ignore[arg-type]  # decoded: str
 
     async def job_for(self, trigger_id: str, dataset: str) -> str | None:
         job_id = await self.redis.hget(Keys.trigger_jobs(trigger_id), dataset)
