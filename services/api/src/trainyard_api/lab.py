@@ -76,7 +76,7 @@ class _LabModelRequest(_In):
     model: LabModel = _MODEL
     sequence_length: int | None = _SEQUENCE
     device: DeviceField = _DEVICE
-    precision: Literal["mixed", "fp32"] | PlanBytesPerParameter = _PRECISION
+    precision: Literal["mixed", "fp32"] | PlanBytesPerParameter = _PRECISION  # type: ignore[assignment]  # a Field
     headroom: float = Field(default=DEFAULT_HEADROOM, ge=0, lt=1,
                             description="share of the device's memory kept free (workspace, buffers, fragmentation)")
 

@@ -131,7 +131,7 @@ class RankLogs:
 
     def source(self, job: JobRecord, attempt: AttemptRecord, rank: int) -> LogSource:
         if self.layout.remote:
-            return ShippedLog(self.layout.rank_log_segments(job.tenant, job.job_id, attempt.attempt, rank))
+            return ShippedLog(self.layout.rank_log_segments(job.tenant, job.job_id, attempt.attempt, rank))  # type: ignore[arg-type]  # remote: an ObjectPath
         return LogFile(self.layout.rank_log(job.tenant, job.job_id, attempt.attempt, rank))
 
     async def tail(self, job: JobRecord, attempt: AttemptRecord, rank: int, lines: int) -> bytes:

@@ -466,7 +466,7 @@ def _recommend_layout(request: PlanRequest, model: Transformer, device: DeviceSp
 def _estimate_layout(request: PlanRequest, model: Transformer, device: DeviceSpec, topology: Topology,
                      common: dict[str, Any]) -> tuple[StepEstimate, int]:
     """The step of the request's layout (plain data parallelism over ``devices`` when none), and its devices."""
-    layout = request.layout or Layout(dp=request.devices or 1)
+    layout: Layout = request.layout or Layout(dp=request.devices or 1)  # type: ignore[assignment]  # not "recommend": the caller
     devices = _check_layout(layout, request)
     return _in("layout", lambda: estimate_step(model, layout, device, topology, **common)), devices
 

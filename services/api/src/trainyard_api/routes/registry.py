@@ -35,7 +35,7 @@ class _IdConvertor(Convertor[str]):
     ``…/{id}/files/{name}`` are then never also a plain ``GET …/{id}``."""
 
     def __init__(self, regex: str) -> None:
-        self.regex = regex
+        self.regex = regex  # type: ignore[misc]  # starlette declares it on the class; each instance has its own
 
     def convert(self, value: str) -> str:
         return value
