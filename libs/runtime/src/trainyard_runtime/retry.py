@@ -11,6 +11,7 @@ outbox relay, broker or Redis away        0.2 s      2            10 s     for e
 idle-fetch doorbell listener              0.5 s      2            10 s     for ever
 a service's periodic loop (every ``t``)   2 ``t``    2            30 s     for ever
 node agent: spool relay, exit record      0.2 s      2            5 s      its give-up rule
+node agent at start: Redis, the broker    0.5 s      2            5 s      until stopped
 Redis client, a dead connection           0.1 s      2            0.5 s    4
 Redis client through Sentinel             0.2 s      2            1 s      13
 scheduler: a job's next attempt           0.5 s      2            60 s     ``max_total_failures``

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from redis.exceptions import RedisError
 
 from trainyard_runtime.bus import KafkaAuth, ensure_topics
+from trainyard_runtime.retry import Backoff, RetryPolicy
 from trainyard_contract.errors import TrainyardError
 from trainyard_runtime.service import ServiceRuntime, serve_until_signalled, service_main
 
@@ -100,7 +101,7 @@ def dump_tasks() -> None:
 
 async def wait_for_dependencies(runtime: ServiceRuntime, settings: NodeAgentSettings, stop: asyncio.Event) -> bool:
     """Wait until Redis and the broker answer (ranks adopted meanwhile keep running); False if stopped."""
-    delay = 0.5
+    backoff = Backoff(RetryPolicy(initial_interval_s=0.5, maximum_interval_s=5.0))
     while not stop.is_set():
         try:
             await asyncio.wait_for(runtime.redis.ping(), 5.0)
@@ -109,12 +110,12 @@ async def wait_for_dependencies(runtime: ServiceRuntime, settings: NodeAgentSett
                                 timeout_s=10.0, auth=KafkaAuth.from_settings(settings))
             return True
         except (RedisError, OSError, asyncio.TimeoutError, TrainyardError) as exc:
+            delay = backoff.failed()
             log.warning("waiting for Redis and the broker: %r; retry in %.1fs", exc, delay)
         try:
             await asyncio.wait_for(stop.wait(), delay)
         except asyncio.TimeoutError:
             pass
-        delay = min(delay * 2, 5.0)
     return False
 
 
