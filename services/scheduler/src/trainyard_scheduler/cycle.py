@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -120,9 +121,9 @@ class SchedulingCycle:
             await asyncio.sleep(min(self.settings.tick_s, 0.5))
             return
         if self._changes_cursor is None:
-            last = await self.redis.xrevrange(Keys.changes, count=1)
+            last: list[tuple[str, dict[str, str]]] = await self.redis.xrevrange(Keys.changes, count=1)  # type: ignore[assignment]  # decoded: str
             self._changes_cursor = last[0][0] if last else "0-0"
-        got = await self.redis.xread({Keys.changes: self._changes_cursor}, count=1000, block=1000)
+        got: Any = await self.redis.xread({Keys.changes: self._changes_cursor}, count=1000, block=1000)
         if got:
             self._changes_cursor = got[0][1][-1][0]
             self._wake_at(None)

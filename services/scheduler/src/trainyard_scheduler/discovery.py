@@ -41,8 +41,8 @@ class JobDiscovery:
             ids = await self.redis.zrangebyscore(Keys.jobs, since, "+inf")
         else:
             ids = await self.redis.zrange(Keys.jobs, 0, -1)
-        active = await self.redis.smembers(SchedulerKeys.active)
-        incoming = await self.redis.smembers(Keys.incoming_jobs)
+        active: set[str] = await self.redis.smembers(SchedulerKeys.active)  # type: ignore[assignment]  # decoded: str
+        incoming: set[str] = await self.redis.smembers(Keys.incoming_jobs)  # type: ignore[assignment]  # decoded: str
         missing = [i for i in ids if i not in active and i not in incoming]
         for start in range(0, len(missing), _MGET_CHUNK):
             jobs = await self.store.get_jobs(missing[start:start + _MGET_CHUNK])
@@ -62,7 +62,7 @@ class JobDiscovery:
     async def active_jobs(self) -> list[JobRecord]:
         """Non-terminal jobs of the active set (terminal or vanished ids are pruned from it); a record is parsed
         again only when its JSON changed since the last call."""
-        ids = sorted(await self.redis.smembers(SchedulerKeys.active))
+        ids: list[str] = sorted(await self.redis.smembers(SchedulerKeys.active))  # type: ignore[arg-type]  # decoded: str
         jobs: list[JobRecord] = []
         parsed: dict[str, tuple[str, JobRecord]] = {}
         for start in range(0, len(ids), _MGET_CHUNK):

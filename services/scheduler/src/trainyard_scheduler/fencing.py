@@ -104,7 +104,7 @@ class Leadership:
                 self.epoch = None
 
     async def current(self) -> tuple[int, str] | None:
-        raw = await self.redis.get(LeaderKeys.leader)
+        raw: str | None = await self.redis.get(LeaderKeys.leader)  # type: ignore[assignment]  # decoded: str
         if not raw:
             return None
         epoch, who = raw.split(" ", 1)

@@ -55,7 +55,7 @@ class Intake:
             return
         arrivals = {i: jobs[i] for i in new}
         refs = sorted({j.spec.dataset for j in arrivals.values()})
-        found = dict(zip(refs, await self.redis.hmget(Keys.datasets, refs), strict=True))
+        found: dict[str, str | None] = dict(zip(refs, await self.redis.hmget(Keys.datasets, refs), strict=True))  # type: ignore[arg-type]  # decoded: str
         refused = intake_refusals(arrivals, found)
         for job_id, reason in refused.items():
             await self._refuse(arrivals[job_id], reason, epoch)

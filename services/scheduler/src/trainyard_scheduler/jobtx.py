@@ -97,7 +97,7 @@ class JobTransactions:
                 if fence:
                     await self.check_epoch(pipe, fence)
                 job = JobRecord.model_validate_json(raw)
-                facts = checkpoint_facts(job, await pipe.hvals(ckpt_key)) if need_checkpoints else Facts()
+                facts = checkpoint_facts(job, await pipe.hvals(ckpt_key)) if need_checkpoints else Facts()  # type: ignore[arg-type]  # decoded
                 outcome = decide(job, facts)
                 if not outcome.changed:
                     if outcome.note:
@@ -113,7 +113,7 @@ class JobTransactions:
 
     async def check_epoch(self, pipe: Pipeline, epoch: int) -> None:
         """Inside a WATCH on the leader-epoch key: StaleLeaderError unless ``epoch`` is still current."""
-        current = await pipe.get(SchedulerKeys.leader_epoch)
+        current: str | None = await pipe.get(SchedulerKeys.leader_epoch)  # type: ignore[assignment]  # decoded: str
         if int(current or 0) != epoch:
             raise StaleLeaderError(f"STALE_LEADER epoch {epoch}, current {current}")
 

@@ -251,7 +251,7 @@ class NodeHealth:
                 capacity[node.node_id] = kinds
         # drained nodes are out of service too: what a quarantine may take is what is left
         quarantined, drained = await self.redis.hkeys(Keys.node_quarantine), await self.redis.hkeys(Keys.node_drain)
-        out = (set(quarantined) | set(drained)) - {node_id}
+        out: set[str] = (set(quarantined) | set(drained)) - {node_id}  # type: ignore[assignment]  # decoded: str
         why = health.quarantine_floor(node_id, capacity=capacity, out=out, max_share=self.settings.quarantine_max_share)
         if why is None:
             return None
@@ -260,7 +260,7 @@ class NodeHealth:
 
     async def reinstate_recovered(self, now: datetime) -> None:
         """Quarantines of the reputation whose score decayed under ``reinstate_score`` end (leader only)."""
-        entries = await self.redis.hgetall(Keys.node_quarantine)
+        entries: dict[str, str] = await self.redis.hgetall(Keys.node_quarantine)  # type: ignore[assignment]  # decoded: str
         for node_id, raw in entries.items():
             entry = json.loads(raw)
             score_raw = await self.redis.hget(Keys.node_reputation, node_id)
@@ -290,12 +290,13 @@ class NodeHealth:
         live = health.live_nodes(await self.store.list_nodes(), now, self.settings.node_timeout_s)
         if include_quarantined:
             return live
-        return health.placeable_nodes(live, quarantined=set(await self.redis.hkeys(Keys.node_quarantine)),
-                                      drained=set(await self.redis.hkeys(Keys.node_drain)))
+        quarantined: list[str] = await self.redis.hkeys(Keys.node_quarantine)  # type: ignore[assignment]  # decoded: str
+        drained: list[str] = await self.redis.hkeys(Keys.node_drain)  # type: ignore[assignment]  # decoded: str
+        return health.placeable_nodes(live, quarantined=set(quarantined), drained=set(drained))
 
     async def node_penalties(self, nodes: list[NodeRecord]) -> dict[str, float]:
         """Each node's decayed failure score: higher = used last among equal choices."""
-        raw = await self.redis.hgetall(Keys.node_reputation)
+        raw: dict[str, str] = await self.redis.hgetall(Keys.node_reputation)  # type: ignore[assignment]  # decoded: str
         return health.penalties({n: json.loads(v) for n, v in raw.items()}, self.clock(), self.reputation)
 
     # ------------------------------------------------------------------ stragglers

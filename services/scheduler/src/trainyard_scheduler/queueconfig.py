@@ -34,13 +34,13 @@ class QueueConfigSource:
         kept), then each tenant's own settings from ``ty:sched:tenant-config`` over it — the document's
         tenants seed that hash for tenants without an entry (see policy.py)."""
         base, source = await self._document()
-        stored = await self.redis.hgetall(SchedulerKeys.tenant_config)
+        stored: dict[str, str] = await self.redis.hgetall(SchedulerKeys.tenant_config)  # type: ignore[assignment]  # decoded: str
         seeds = tenant_seeds(base, stored)
         for tenant, doc in seeds.items():
             await self.redis.hsetnx(SchedulerKeys.tenant_config, tenant, doc)
         if seeds:
             log.info("seeded the settings of tenant(s) %s from %s", ", ".join(sorted(seeds)), source)
-            stored = await self.redis.hgetall(SchedulerKeys.tenant_config)
+            stored = await self.redis.hgetall(SchedulerKeys.tenant_config)  # type: ignore[assignment]  # decoded: str
         config, problems = with_tenant_settings(base, stored)
         for problem in problems:
             log.error("ignoring unreadable stored settings of %s", problem)

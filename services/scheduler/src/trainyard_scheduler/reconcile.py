@@ -70,7 +70,7 @@ class Reconciler:
         # Liveness, not placeability: a quarantined node's running attempts run on.
         available = frozenset(n.node_id for n in await self.nodes.available_nodes(now, include_quarantined=True))
         last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
-        draining = frozenset(await self.redis.hkeys(Keys.node_drain))
+        draining: frozenset[str] = frozenset(await self.redis.hkeys(Keys.node_drain))  # type: ignore[arg-type]  # decoded: str
         since = self.leader.since
 
         def judge(nodes: list[str]) -> Silence:
