@@ -38,9 +38,9 @@ class JobDiscovery:
         ended (or were taken in) are dropped."""
         if self._scanned_all:
             since = (now - timedelta(seconds=DISCOVERY_WINDOW_S)).timestamp()
-            ids = await self.redis.zrangebyscore(Keys.jobs, since, "+inf")
+            ids: list[str] = await self.redis.zrangebyscore(Keys.jobs, since, "+inf")  # type: ignore[assignment]  # decoded: str
         else:
-            ids = await self.redis.zrange(Keys.jobs, 0, -1)
+            ids = await self.redis.zrange(Keys.jobs, 0, -1)  # type: ignore[assignment]  # decoded: str
         active: set[str] = await self.redis.smembers(SchedulerKeys.active)  # type: ignore[assignment]  # decoded: str
         incoming: set[str] = await self.redis.smembers(Keys.incoming_jobs)  # type: ignore[assignment]  # decoded: str
         missing = [i for i in ids if i not in active and i not in incoming]
@@ -72,7 +72,7 @@ class JobDiscovery:
                     continue
                 hit = self._parsed.get(job_id)
                 record = hit[1] if hit and hit[0] == raw else JobRecord.model_validate_json(raw)
-                parsed[job_id] = (raw, record)
+                parsed[job_id] = (raw, record)  # type: ignore[assignment]  # decoded: str
                 jobs.append(record)
         self._parsed = parsed
         live = [j for j in jobs if j.state not in TERMINAL_STATES]  # transitions never mutate their input

@@ -83,7 +83,7 @@ class Leadership:
         then this instance does not lead (None), and the next call takes over again with a new epoch.
         """
         keys = [LeaderKeys.leader, LeaderKeys.epoch]
-        args = [self.instance, self.ttl_ms, self.epoch or 0]
+        args: list[str | int] = [self.instance, self.ttl_ms, self.epoch or 0]
         async with self._lock:
             durable = epoch_acks(self.redis).replicas > 0
             result = int(await self._lead(keys=keys, args=[*args, 0 if durable else 1]))

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from trainyard_contract.errors import ConfigError
 from trainyard_contract.events import NodeQuarantined
@@ -183,7 +184,7 @@ class NodeScore:
 
     @classmethod
     def from_dict(cls, raw: dict[str, object]) -> NodeScore:
-        tenants = raw.get("tenants") or {}
+        tenants: Any = raw.get("tenants") or {}  # JSON: tenant -> share
         return cls(float(raw["score"]), datetime.fromisoformat(str(raw["at"])),  # type: ignore[arg-type]  # JSON numbers
                    {str(k): float(v) for k, v in tenants.items()})
 
@@ -281,12 +282,12 @@ def out_of_service(live: Iterable[NodeRecord], placeable: Collection[str], *, qu
         for d in node.devices:
             if d.healthy:
                 kinds[d.type] = kinds.get(d.type, 0) + 1
-        q, d = quarantine.get(node.node_id), drains.get(node.node_id)
+        q, drain = quarantine.get(node.node_id), drains.get(node.node_id)
         if q is not None:
             until = datetime.fromisoformat(q["until"]) if q.get("until") else None
             out.append(OutOfService(node.node_id, kinds, "quarantined", q.get("reason", ""), q.get("by"), until))
-        elif d is not None:
-            out.append(OutOfService(node.node_id, kinds, "drained", d.get("reason", ""), d.get("by")))
+        elif drain is not None:
+            out.append(OutOfService(node.node_id, kinds, "drained", drain.get("reason", ""), drain.get("by")))
     return out
 
 

@@ -53,7 +53,8 @@ class QueueConfigSource:
     async def _document(self) -> tuple[QueueConfig, str | None]:
         """The queue-config document (Redis key, else the file, else the defaults); the last good one when the
         current one cannot be read or parsed."""
-        text, source = await self.redis.get(SchedulerKeys.queue_config), f"redis {SchedulerKeys.queue_config}"
+        text: str | None = await self.redis.get(SchedulerKeys.queue_config)  # type: ignore[assignment]  # decoded: str
+        source = f"redis {SchedulerKeys.queue_config}"
         if text is None and self.path is not None:
             path = Path(self.path)
             try:

@@ -162,7 +162,7 @@ class SnapshotCache:
             pipe.xrange(Keys.changes, min=f"({self._cursor}", count=_MAX_ENTRIES)
             pipe.xrange(Keys.changes, count=1)
             entries, first = await pipe.execute()
-        trimmed = self._cursor != "0-0" and (not first or _id_after(first[0][0], self._cursor))
+        trimmed = self._cursor != "0-0" and (not first or _id_after(first[0][0], self._cursor))  # type: ignore[arg-type]  # refresh: set
         if trimmed or len(entries) >= _MAX_ENTRIES:
             log.info("snapshot: %s; reloading every job", "change log trimmed past the cursor" if trimmed
                      else f"over {_MAX_ENTRIES} changes since the last pass")
@@ -192,9 +192,9 @@ class SnapshotCache:
                         or not is_live(record.current)):
                     self._ended.add(before.allocation_id)
                 if record.state in TERMINAL_STATES:
-                    self._forget(job_id, (raw, record))
+                    self._forget(job_id, (raw, record))  # type: ignore[arg-type]  # decoded: str
                     continue
-                self._jobs[job_id] = (raw, record)
+                self._jobs[job_id] = (raw, record)  # type: ignore[assignment]  # decoded: str
 
     def _forget(self, job_id: str, had: tuple[str, JobRecord] | None) -> None:
         self._jobs.pop(job_id, None)
