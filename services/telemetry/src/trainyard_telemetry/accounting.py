@@ -129,14 +129,14 @@ class GoodputAccountant:
     async def history(self, tenant: str) -> list[Sample]:
         """The tenant's recorded cumulative samples, oldest first."""
         try:
-            return parse_samples(await self.redis.hgetall(Keys.goodput_history(tenant)))
+            return parse_samples(await self.redis.hgetall(Keys.goodput_history(tenant)))  # type: ignore[arg-type]  # decoded
         except RedisError as exc:
             raise StateStoreError(f"cannot read the goodput history of {tenant}: {exc!r}") from exc
 
     async def history_tenants(self) -> list[str]:
         """The tenants that have a goodput history, sorted."""
         try:
-            return sorted(await self.redis.smembers(Keys.goodput_history_tenants))
+            return sorted(await self.redis.smembers(Keys.goodput_history_tenants))  # type: ignore[arg-type]  # decoded: str
         except RedisError as exc:
             raise StateStoreError(f"cannot list the goodput histories: {exc!r}") from exc
 

@@ -96,7 +96,7 @@ class CalibrationStore:
 
     async def device_types(self) -> list[str]:
         """The device types that have samples."""
-        return sorted(await self.redis.smembers(Keys.calibration_devices))
+        return sorted(await self.redis.smembers(Keys.calibration_devices))  # type: ignore[arg-type]  # decoded: str
 
     async def measurements(self, device_types: Sequence[str] | None = None) -> dict[str, list[Measurement]]:
         """Every stored measurement per device type, newest first within each kind."""

@@ -39,6 +39,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from redis.asyncio import Redis
@@ -425,11 +426,11 @@ class MetricHistory:
         for n in values:
             keys += [series_key(m.job_id, m.rank, n), *(level_key(m.job_id, m.rank, n, k)
                                                         for k in range(1, len(LEVELS) + 1))]
-        args: list[object] = [m.step, m.attempt + 1, m.rank, len(values), *names, *(pack(v) for v in values.values())]
+        args: list[Any] = [m.step, m.attempt + 1, m.rank, len(values), *names, *(pack(v) for v in values.values())]
         return bool(await self._write(keys=keys, args=args))
 
     async def custom_series(self, job_id: str) -> list[str]:
-        return sorted(await self.redis.smembers(custom_series_key(job_id)))
+        return sorted(await self.redis.smembers(custom_series_key(job_id)))  # type: ignore[arg-type]  # decoded: str
 
     async def ranks(self, job_id: str) -> list[int]:
         return sorted(int(r) for r in await self.redis.smembers(ranks_key(job_id)))
