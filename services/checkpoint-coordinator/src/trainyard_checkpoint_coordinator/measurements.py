@@ -140,7 +140,8 @@ class Measurements:
     # ------------------------------------------------------------------ advice
     async def advise_all(self) -> None:
         """Refresh the advice of every job with checkpoints that has not ended."""
-        for job_id in await self.redis.zrange(JOBS_INDEX, 0, -1):
+        job_ids: list[str] = await self.redis.zrange(JOBS_INDEX, 0, -1)  # type: ignore[assignment]  # decoded: str
+        for job_id in job_ids:
             await self.advise(job_id, only_running=True)
 
     async def advise(self, job_id: str, *, only_running: bool = False) -> CheckpointAdvice | None:
@@ -155,7 +156,8 @@ class Measurements:
     async def _compute(self, job: JobRecord) -> CheckpointAdvice:
         records = await self.store.list_checkpoints(job.job_id)
         measured = [c for c in records if c.ready_at is not None]  # READY, or READY once (DELETED)
-        timing = await self.redis.hgetall(Keys.checkpoint_timing(job.job_id))
+        timing: dict[str, str] = await self.redis.hgetall(  # type: ignore[assignment]  # decoded: str
+            Keys.checkpoint_timing(job.job_id))
         stalls = _stalls(timing)
         if len(stalls) > _MAX_STALL_FIELDS:
             await self._trim(job.job_id, stalls)
