@@ -39,10 +39,10 @@ class FakeRuntime:
 
 async def test_each_step_reaches_every_read_model_in_order_and_stragglers_the_step_timing() -> None:
     calls: list[tuple[str, Any]] = []
-    ingest = Ingest(Recorder(calls, "timing"), Recorder(calls, "history"),  # type: ignore[arg-type]
-                    Recorder(calls, "progress"), Recorder(calls, "series"))  # type: ignore[arg-type]
+    ingest = Ingest(Recorder(calls, "timing"), Recorder(calls, "history"),  # type: ignore[arg-type]  # test doubles
+                    Recorder(calls, "progress"), Recorder(calls, "series"))  # type: ignore[arg-type]  # as above
     runtime = FakeRuntime()
-    ingest.install(runtime)  # type: ignore[arg-type]
+    ingest.install(runtime)  # type: ignore[arg-type]  # a stand-in runtime
     assert set(runtime.bus.subscribed) == {ev.METRICS, ev.WORKERS}
     assert list(runtime.bus.subscribed[ev.METRICS]) == [ev.StepMetrics]
     assert list(runtime.bus.subscribed[ev.WORKERS]) == [ev.StragglerDetected]
