@@ -130,7 +130,7 @@ class Measurements:
         if facts is None:
             return
         count = await self._on_failure(
-            keys=[f"ty:failures:seen:{event.job_id}:{event.attempt}", Keys.failure_stats(facts.device_type)],
+            keys=[Keys.failures_seen(event.job_id, event.attempt), Keys.failure_stats(facts.device_type)],
             args=[SEEN_TTL_S],
         )
         if int(count) > 0:
