@@ -71,7 +71,7 @@ class ManyHostsStack(LocalStack):
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=str(self.s.root.parent), start_new_session=True,
             )
-        self._record(name, proc.pid)  # nsenter execs the agent: this pid is the agent's
+        self.procs.record(name, proc.pid)  # nsenter execs the agent: this pid is the agent's
 
 
 @contextlib.contextmanager
