@@ -9,9 +9,9 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr
 
 from trainyard_contract import codetree
-from trainyard_contract.settings import ServiceSettings
+from trainyard_telemetry.settings import ReadModelSettings
 
-from trainyard_api.planning import DEFAULT_CPU_PEAK_FLOPS, DEFAULT_WRITE_BANDWIDTH, Assumptions
+from trainyard_api.planning import Assumptions
 
 
 def _host_memory_bytes() -> float:
@@ -21,7 +21,7 @@ def _host_memory_bytes() -> float:
         return 16e9
 
 
-class ApiSettings(ServiceSettings):
+class ApiSettings(ReadModelSettings):
     """``TRAINYARD_*`` variables of the API process (parsed once in ``main()``)."""
 
     api_host: str = Field(default="127.0.0.1", description="interface the HTTP server binds")
@@ -71,27 +71,11 @@ class ApiSettings(ServiceSettings):
     api_audit_max_entries: int = Field(
         default=100_000, gt=0, description="entries the audit log keeps (all tenants, and per tenant), newest kept")
 
-    cpu_peak_flops: float = Field(
-        default=DEFAULT_CPU_PEAK_FLOPS, gt=0,
-        description="FLOP/s the planner assumes for one CPU rank (device type cpu); deliberately conservative: "
-                    "calibration corrects it from measured steps")
     cpu_memory_bytes: float = Field(default_factory=_host_memory_bytes, gt=0,
                                     description="memory of a cpu device for planning (default: this host's)")
-    calibration_write_bandwidth: float = Field(
-        default=DEFAULT_WRITE_BANDWIDTH, gt=0,
-        description="bytes/s checkpoint predictions assume for the artifact store; calibration corrects it from "
-                    "measured checkpoint stalls")
-    calibration_max_samples: int = Field(default=200, gt=0,
-                                         description="samples kept per device type and kind (the newest)")
-    calibration_min_samples: int = Field(default=3, gt=0,
-                                         description="samples a kind needs before its factor is fitted")
-    goodput_history_bucket_s: int = Field(
-        default=300, gt=0, description="width of a goodput history bucket: each refresh overwrites its tenant's "
-                                       "sample of the current bucket (GET /v1/goodput/history)")
-    goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
-                                               description="how long goodput history samples are kept")
-    # the ingest's settings (calibration_refresh_s, goodput_refresh_s, …) are the telemetry service's
-    # (trainyard_telemetry.settings): the API keeps what its queries read
+    # cpu_peak_flops, calibration_write_bandwidth, calibration_max/min_samples and goodput_history_* are
+    # ReadModelSettings' (shared with the telemetry service that writes what these queries read); the ingest's
+    # own settings (calibration_refresh_s, goodput_refresh_s, …) are TelemetrySettings'
 
     @property
     def assumptions(self) -> Assumptions:

@@ -26,21 +26,33 @@ class CalibrationSettings(Protocol):
     def assumptions(self) -> Assumptions: ...
 
 
-class TelemetrySettings(ServiceSettings):
-    """How the read models are kept: calibration sampling and refit, goodput refresh and history."""
+class ReadModelSettings(ServiceSettings):
+    """What the writer (this service) and the readers (the API's queries) of the read models must agree on:
+    one definition, so the same ``TRAINYARD_*`` variable means the same thing in both."""
 
     cpu_peak_flops: float = Field(
         default=DEFAULT_CPU_PEAK_FLOPS, gt=0,
-        description="FLOP/s the planner assumes for one CPU rank (device type cpu); the calibration's predictions "
-                    "use it, as the API's plans do (set both alike)")
+        description="FLOP/s the planner assumes for one CPU rank (device type cpu); deliberately conservative: "
+                    "calibration corrects it from measured steps")
     calibration_write_bandwidth: float = Field(
         default=DEFAULT_WRITE_BANDWIDTH, gt=0,
-        description="bytes/s checkpoint predictions assume for the artifact store (set as for the API)")
-    calibration_refresh_s: float = Field(default=30.0, gt=0, description="how often the calibration is refitted")
+        description="bytes/s checkpoint predictions assume for the artifact store; calibration corrects it from "
+                    "measured checkpoint stalls")
     calibration_max_samples: int = Field(default=200, gt=0,
                                          description="newest samples kept per device type and kind")
     calibration_min_samples: int = Field(default=3, gt=0,
                                          description="samples a kind needs before its factor is fitted")
+    goodput_history_bucket_s: int = Field(
+        default=300, gt=0, description="width of a goodput history bucket: each refresh overwrites its tenant's "
+                                       "sample of the current bucket (GET /v1/goodput/history)")
+    goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
+                                               description="how long goodput history samples are kept")
+
+
+class TelemetrySettings(ReadModelSettings):
+    """How the read models are kept: calibration sampling and refit, goodput refresh and history."""
+
+    calibration_refresh_s: float = Field(default=30.0, gt=0, description="how often the calibration is refitted")
     calibration_warmup_steps: int = Field(default=2, ge=0,
                                           description="first steps of an attempt not sampled (warm-up)")
     calibration_sample_every: int = Field(default=5, gt=0, description="sample every n-th step time of an attempt")
@@ -48,11 +60,6 @@ class TelemetrySettings(ServiceSettings):
                                        description="newest jobs whose failed attempts each refit samples")
     goodput_refresh_s: float = Field(default=30.0, gt=0,
                                      description="how often the trainyard_goodput_device_seconds gauges are refreshed")
-    goodput_history_bucket_s: int = Field(
-        default=300, gt=0, description="width of a goodput history bucket: each refresh overwrites its tenant's "
-                                       "sample of the current bucket (the API's GET /v1/goodput/history)")
-    goodput_history_retention_s: float = Field(default=30 * 86400.0, gt=0,
-                                               description="how long goodput history samples are kept")
     job_metrics_linger_s: float = Field(
         default=900.0, ge=0, description="how long a finished job's Prometheus series (trainyard_job_step_seconds, "
                                          "trainyard_job_goodput_ratio, …) are still served before they are removed")
