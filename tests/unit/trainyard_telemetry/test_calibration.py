@@ -23,16 +23,7 @@ from trainyard_telemetry.calibration import (
     saves_after,
     step_measurements,
 )
-from trainyard_api.planning import (
-    DEFAULT_DEVICE_MTBF_HOURS,
-    Assumptions,
-    PlanRequest,
-    device_type_of,
-    plan,
-    trainer_bytes_per_parameter,
-    trainer_layout,
-    transformer_for,
-)
+from trainyard_api.planning import PlanRequest, plan, transformer_for
 from trainyard_api.schemas import EXAMPLE_SPEC
 from trainyard_contract.catalog import MODEL_CATALOG
 from trainyard_contract.errors import SpecError
@@ -48,6 +39,13 @@ from trainyard_planner import (
     Topology,
     cpu_device,
     estimate_step,
+)
+from trainyard_planner.platform import (
+    DEFAULT_DEVICE_MTBF_HOURS,
+    Assumptions,
+    device_type_of,
+    trainer_bytes_per_parameter,
+    trainer_layout,
 )
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

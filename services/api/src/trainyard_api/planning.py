@@ -83,7 +83,7 @@ from trainyard_planner import (
     training_time,
     transformer_for,
 )
-from trainyard_planner.platform import DEFAULT_CPU_PEAK_FLOPS as DEFAULT_CPU_PEAK_FLOPS  # re-exported: settings.py
+# the platform's assumptions are the planner's (shared with the telemetry service's calibration)
 from trainyard_planner.platform import (
     DEFAULT_DEVICE_MTBF_HOURS,
     DEFAULT_MFU,
@@ -92,7 +92,6 @@ from trainyard_planner.platform import (
     trainer_bytes_per_parameter,
     trainer_layout,
 )
-from trainyard_planner.platform import DEFAULT_WRITE_BANDWIDTH as DEFAULT_WRITE_BANDWIDTH  # re-exported: settings.py
 
 from trainyard_api.bodies import (
     MAX_BATCH,
@@ -108,7 +107,6 @@ from trainyard_api.validation import FieldProblem, InvalidSpecError, field_error
 
 T = TypeVar("T")
 
-# the platform's assumptions are the planner's (shared with the telemetry service's calibration)
 PRECISIONS: Mapping[str, BytesPerParameter] = {"mixed": MIXED_PRECISION_ADAM, "fp32": FP32_ADAM}
 _GB = 1e9
 _MAX_SECONDS = 1e12  # ~31,700 years

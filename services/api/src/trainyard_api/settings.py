@@ -9,9 +9,9 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr
 
 from trainyard_contract import codetree
+from trainyard_planner.platform import Assumptions
 from trainyard_telemetry.settings import ReadModelSettings
 
-from trainyard_api.planning import Assumptions
 
 
 def _host_memory_bytes() -> float:
