@@ -164,7 +164,7 @@ def test_agents_racing_on_one_hash_end_with_one_intact_entry(tmp_path: Path, lay
     def run(cache: CodeCache) -> None:
         barrier.wait()
         try:
-            results.append(cache.prepare(TENANT, hex_digest))
+            results.append(cache.prepare(hex_digest, TENANT))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(exc)
 
@@ -182,8 +182,8 @@ def test_agents_racing_on_one_hash_end_with_one_intact_entry(tmp_path: Path, lay
 def test_the_loser_of_the_rename_drops_its_copy(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
     hex_digest = archive.removeprefix("sha256:")
     winner, loser = cache_of(tmp_path, layout), cache_of(tmp_path, layout)
-    winner.materialise(TENANT, hex_digest)
-    loser.materialise(TENANT, hex_digest)  # extracts, fails to rename onto the winner's entry, cleans up
+    winner.materialise(hex_digest, TENANT)
+    loser.materialise(hex_digest, TENANT)  # extracts, fails to rename onto the winner's entry, cleans up
     assert entries_in(tmp_path / "cache") == [hex_digest]
     assert loser.problems(hex_digest) == []
 
@@ -224,7 +224,7 @@ async def test_agents_sharing_a_cache_never_evict_a_tree_another_agents_ranks_ru
 def test_an_agent_that_ends_drops_its_holds(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
     hex_digest = archive.removeprefix("sha256:")
     ended, tidy = cache_of(tmp_path, layout), cache_of(tmp_path, layout, max_bytes=0)
-    ended.prepare(TENANT, hex_digest)
+    ended.prepare(hex_digest, TENANT)
     assert tidy.collect([]).evicted == []
     ended.close()  # what the kernel does when the agent process dies
     assert tidy.collect([]).evicted == [hex_digest]
@@ -331,7 +331,7 @@ def test_quarantine_names_parse() -> None:
 
 def test_entries_report_size_and_last_use(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
     cache = cache_of(tmp_path, layout)
-    tree = cache.prepare(TENANT, archive.removeprefix("sha256:"))
+    tree = cache.prepare(archive.removeprefix("sha256:"), TENANT)
     os.utime(cache.entry_dir(tree.hex) / "last-used", (1000, 1000))
     [found] = cache.entries()
     size = sum(p.stat().st_size for p in tree.root.rglob("*") if p.is_file() and not p.is_symlink())
@@ -340,7 +340,7 @@ def test_entries_report_size_and_last_use(tmp_path: Path, layout: ArtifactLayout
 
 def test_remove_tree_removes_a_sealed_tree(tmp_path: Path, layout: ArtifactLayout, archive: str) -> None:
     cache = cache_of(tmp_path, layout)
-    tree = cache.prepare(TENANT, archive.removeprefix("sha256:"))
+    tree = cache.prepare(archive.removeprefix("sha256:"), TENANT)
     remove_tree(cache.entry_dir(tree.hex))
     assert not cache.entry_dir(tree.hex).exists()
 
@@ -395,7 +395,7 @@ def test_a_cache_the_node_cannot_write_is_the_nodes_trouble_not_the_jobs(tmp_pat
     cache = cache_of(tmp_path, layout)
     monkeypatch.setattr("trainyard_contract.codetree.os.chmod", full)  # the first write after a file's data
     with pytest.raises(OSError, match="No space left") as caught:
-        cache.prepare(TENANT, archive.removeprefix("sha256:"))
+        cache.prepare(archive.removeprefix("sha256:"), TENANT)
     assert not isinstance(caught.value, CodeTreeError)
     assert entries_in(tmp_path / "cache") == []  # the staging directory is gone
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from trainyard_contract.events import JobState, SecurityViolation
+from trainyard_contract.events import EnvironmentPreparing, JobState, SecurityViolation
 from trainyard_contract.records import JobRecord
 from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.blame import Silence
@@ -40,6 +40,7 @@ EXPECTED: list[tuple[tuple[str, ...], Happening, set[str], set[str]]] = [
     (ACTIVE, H.SECURITY_VIOLATION, {"failed"}, REV),
     (("queued",), H.WAIT_NOTED, {SAME}, set()),
     (LIVE, H.RANK_STARTED, {"running"}, set()),
+    (LIVE, H.ENVIRONMENT_NOTED, {SAME}, set()),
     (JOB_STATES, H.EXIT_RECORDED, {SAME}, set()),
     (LIVE, H.RANK_STOPPED, {SAME, "queued", "paused", "succeeded"}, REV),
     (LIVE, H.PORT_SQUATTED, REQUEUE, REV),
@@ -133,6 +134,7 @@ SCENARIOS: dict[Happening, Callable[[JobState], tr.Outcome]] = {
                                                           violation(new_job()), at(3)),
     H.WAIT_NOTED: lambda s: tr.note_waiting(forced(new_job(), s), "waiting for devices", "capacity"),
     H.RANK_STARTED: lambda s: tr.worker_started(forced(j := admitted(new_job()), s), started(j, 0), at(1)),
+    H.ENVIRONMENT_NOTED: lambda s: tr.environment_noted(forced(j := admitted(new_job()), s), building(j), at(1)),
     H.EXIT_RECORDED: lambda s: exit_of(ended(running(admitted(new_job()))), s, 1, "error"),
     H.RANK_STOPPED: lambda s: exit_of(running(admitted(new_job())), s, 7, "preempted"),
     H.PORT_SQUATTED: lambda s: exit_of(admitted(new_job()), s, 127, "port-in-use", rank=0),
@@ -176,6 +178,13 @@ SCENARIOS: dict[Happening, Callable[[JobState], tr.Outcome]] = {
                                  deadlines=tr.Deadlines(start_timeout_s=60.0, republish_after_s=10.0,
                                                         republish_max=2)),
 }
+
+
+def building(job: JobRecord) -> EnvironmentPreparing:
+    a = job.current
+    assert a is not None
+    return EnvironmentPreparing(job_id=job.job_id, attempt=a.attempt, allocation_id=a.allocation_id, epoch=a.epoch,
+                                node_id="n1", environment="sha256:" + "e" * 64, state="building", packages=3)
 
 
 def test_every_happening_has_a_scenario() -> None:

@@ -10,6 +10,7 @@ from trainyard_contract.events import (
     AllocationRevoked,
     CheckpointRef,
     CheckpointRequested,
+    EnvironmentPreparing,
     DeviceInfo,
     GangAllocated,
     JobStateChanged,
@@ -473,6 +474,38 @@ def test_reconcile_times_out_a_gang_that_only_partly_started() -> None:
     outcome = tr.check_attempt(job, now=at(61), **kw)
     assert outcome.job.current.failure_reason.startswith("start-timeout: 1 of 2 ranks started")
     assert tr.check_attempt(running(admitted(new_job())), now=at(61), **kw).changed is False
+
+
+def environment(job: JobRecord, state: str, *, node: str = "n1", epoch: int | None = None) -> EnvironmentPreparing:
+    a = job.current
+    assert a is not None
+    return EnvironmentPreparing(job_id=job.job_id, attempt=a.attempt, allocation_id=a.allocation_id,
+                                epoch=a.epoch if epoch is None else epoch, node_id=node,
+                                environment="sha256:" + "e" * 64, state=state, packages=2,  # type: ignore[arg-type]  # a literal, as tests name it
+                                detail="Prepared 2 packages" if state == "building" else None)
+
+
+def test_a_node_building_the_environment_shows_on_the_attempt_and_holds_off_the_start_timeout() -> None:
+    job = admitted(new_job())
+    kw = {"available_nodes": frozenset({"n1"}), "final_ready": False, "deadlines": DEADLINES, "policy": POLICY}
+    for second in (20, 50, 80, 110):  # a long build, reporting as it goes
+        job = tr.environment_noted(job, environment(job, "building"), at(second)).job
+        assert tr.check_attempt(job, now=at(second + 59), **kw).changed is False
+    noted = job.current.environment["n1"]
+    assert (noted.state, noted.packages, noted.detail) == ("building", 2, "Prepared 2 packages")
+    job = tr.environment_noted(job, environment(job, "ready"), at(120)).job
+    assert job.current.environment["n1"].state == "ready" and job.state == "queued"
+    assert tr.check_attempt(job, now=at(170), **kw).changed is False
+    timeout = tr.check_attempt(job, now=at(181), **kw)  # ready, and no rank started a start time-out later
+    assert timeout.job.current.failure_reason.startswith("start-timeout: 0 of 2 ranks started")
+
+
+def test_environment_progress_of_a_stale_attempt_or_after_its_end_changes_nothing() -> None:
+    job = admitted(new_job())
+    assert tr.environment_noted(job, environment(job, "building", epoch=0), at(1)).changed is False
+    ready = tr.environment_noted(job, environment(job, "ready"), at(2)).job
+    late = tr.environment_noted(ready, environment(ready, "building"), at(3))  # redelivered from before
+    assert late.changed is False and late.job.current.environment["n1"].state == "ready"
 
 
 # ----------------------------------------------------------------------------- preemption

@@ -162,6 +162,10 @@ FLOWS: dict[type[ev.Event], Flow] = {
         "A rank's process started.",
         (Producer("node-agent", "outbox"),),
         (Consumer("scheduler", "marks the attempt running", "scheduler"),)),
+    ev.EnvironmentPreparing: Flow(
+        "A node builds a job's environment (code.environment) or found it cached, before its ranks start.",
+        (Producer("node-agent", "outbox"),),
+        (Consumer("scheduler", "shows it on the attempt; restarts the attempt's start time-out", "scheduler"),)),
     ev.WorkerExited: Flow(
         "A rank's process ended, with the classified reason.",
         (Producer("node-agent", "outbox"),),

@@ -262,6 +262,30 @@ class WorkerStarted(Event):
     rank: int
     pid: int
     log_uri: str
+    start: Literal["warm", "cold"] | None = Field(
+        default=None, description="warm: forked from an interpreter that had imported torch and the trainer; "
+                                  "cold: a new interpreter (user code, or no warm interpreter free)")
+    start_detail: str | None = Field(default=None, description="why it started warm or cold")
+
+
+class EnvironmentPreparing(Event):
+    """A node prepares a job's environment (``code.environment``) before its ranks there start: building it
+    (sent again as it progresses), ready (built now, or found in the node's cache), or failed (the ranks then
+    exit ``config`` with the same detail). Every one restarts the attempt's start time-out."""
+
+    topic: ClassVar[str] = WORKERS
+    event_type: Literal["EnvironmentPreparing"] = "EnvironmentPreparing"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    node_id: str
+    environment: str = Field(description="sha256:<hex> of the lock")
+    state: Literal["building", "ready", "failed"]
+    cached: bool = Field(default=False, description="ready from the node's cache, not built for this attempt")
+    packages: int = Field(default=0, description="distributions the lock adds to the base")
+    elapsed_seconds: float = 0.0
+    detail: str | None = Field(default=None, description="the installer's latest line, or why it failed")
 
 
 class WorkerExited(Event):
@@ -666,7 +690,8 @@ TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
     NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated, NodeDrained, NodeUndrained),
     ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
-    WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation),
+    WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation,
+              EnvironmentPreparing),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
     METRICS: (StepMetrics,),
     DATASETS: (DatasetVersionPublished, DatasetRejected),

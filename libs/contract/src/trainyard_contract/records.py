@@ -45,6 +45,18 @@ class Record(BaseModel):
 AttemptState = Literal["starting", "running", "succeeded", "failed", "revoked"]
 
 
+class NodeEnvironment(Record):
+    """Where a node is with the attempt's environment (from its latest EnvironmentPreparing)."""
+
+    environment: str
+    state: Literal["building", "ready", "failed"]
+    cached: bool = False
+    packages: int = 0
+    elapsed_seconds: float = 0.0
+    detail: str | None = None
+    at: datetime = Field(default_factory=utcnow)
+
+
 class AttemptRecord(Record):
     attempt: int
     allocation_id: str
@@ -76,6 +88,9 @@ class AttemptRecord(Record):
     )
     assignments: list[NodeAssignment] = Field(default=[], description="node → ranks, as in GangAllocated")
     checkpoint_every_steps: int | None = Field(default=None, description="as in GangAllocated")
+    environment: dict[str, NodeEnvironment] = Field(
+        default={}, exclude_if=lambda v: not v,
+        description="node → its preparation of the job's environment (code.environment), while and after it ran")
     republished: int = Field(default=0, description="times GangAllocated was published again (ranks not started)")
     republished_at: datetime | None = None
     nan_step: int | None = Field(default=None, description="global step of a NaN failure, when known")

@@ -186,6 +186,25 @@ ARCHIVE_PATTERN = r"^sha256:[0-9a-f]{64}$"
 COMMIT_PATTERN = r"^[0-9a-f]{40}([0-9a-f]{24})?$"
 
 
+class Environment(_Wire):
+    """The Python packages the code needs beyond the node's base (its torch and the trainyard SDK), pinned by
+    content: a lock file inside the code tree (``requirements.txt`` with hashes, ``pylock.toml`` or ``uv.lock``),
+    named by its path there and the sha256 of its bytes (filled in by the API at submission). The node builds it
+    once per sha256 into its environment cache (see docs/sdk.md, "Your environment")."""
+
+    lock: str = Field(min_length=1, max_length=1024,
+                      description="path of the lock file inside the code tree: requirements.txt (with hashes), "
+                                  "pylock.toml or uv.lock")
+    sha256: str | None = Field(default=None, pattern=ARCHIVE_PATTERN, exclude_if=_unset,
+                               description="sha256:<hex> of the lock file's bytes (the API fills it in at submission)")
+
+    @model_validator(mode="after")
+    def _inside_tree(self) -> Environment:
+        if self.lock.startswith("/") or ".." in self.lock.split("/") or "\\" in self.lock:
+            raise ValueError("code.environment.lock must be a relative path inside the code tree")
+        return self
+
+
 class Code(_Wire):
     """The user's training code, pinned by content: every attempt runs exactly this tree.
 
@@ -217,6 +236,9 @@ class Code(_Wire):
         description="extra environment of every rank (TRAINYARD_*, RANK, WORLD_SIZE, MASTER_* are the platform's)")
     image: str | None = Field(default=None, min_length=1, max_length=512, exclude_if=_unset,
                               description="container image the ranks run in (Kubernetes); recorded and shown")
+    environment: Environment | None = Field(
+        default=None, exclude_if=_unset,
+        description="the packages the code needs beyond the node's base, pinned by a lock file in the tree")
 
     @model_validator(mode="after")
     def _one_source(self) -> Code:

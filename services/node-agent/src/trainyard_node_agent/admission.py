@@ -116,6 +116,7 @@ def rank_env(
     node_state_dir: Path | None = None,
     shard_cache_dir: Path | None = None,
     shard_cache_bounds: tuple[float | None, float] | None = None,
+    environment: tuple[Path, str] | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
@@ -131,7 +132,9 @@ def rank_env(
 
     ``interpreter_dir`` (user code): put first on PATH, so the entrypoint's ``python`` (or
     ``torchrun``) is the node's training environment — torch and the SDK — not whatever the host
-    calls python."""
+    calls python. ``environment`` (``code.environment``): its directory in the environment cache and its
+    ``sha256:…``: first on the import path (it adds to the base; the lock cannot name torch or the SDK) and its
+    scripts after the interpreter's on PATH."""
     env = {k: v for k, v in base_env.items() if not k.startswith("TRAINYARD_") and k != "TRACEPARENT"}
     env.update(extra or {})
     env.update(code_env or {})
@@ -150,6 +153,11 @@ def rank_env(
         if budget is not None:
             env["TRAINYARD_SHARD_CACHE_MAX_GB"] = str(budget)
         env["TRAINYARD_SHARD_CACHE_MIN_FREE_GB"] = str(floor)
+    if environment is not None:
+        env_dir, env_id = environment
+        env["PYTHONPATH"] = os.pathsep.join([str(env_dir), *filter(None, [env.get("PYTHONPATH")])])
+        env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH') or os.defpath}"
+        env["TRAINYARD_ENVIRONMENT"] = env_id
     if interpreter_dir is not None:
         env["PATH"] = f"{interpreter_dir}{os.pathsep}{env.get('PATH') or os.defpath}"
     if traceparent:

@@ -72,6 +72,8 @@ from trainyard_node_agent.attempt_files import (
 from trainyard_node_agent.attempts import Attempts
 from trainyard_node_agent.clock import SYSTEM_CLOCK, Clock
 from trainyard_node_agent.codecache import CodeCache
+from trainyard_node_agent.envcache import EnvCache, base_environment, installer
+from trainyard_node_agent.envprep import EnvironmentPreparer
 from trainyard_node_agent.confinement import Confinement, scrubbed
 from trainyard_node_agent.control import RankControl
 from trainyard_node_agent.heartbeat import CordonFollower, Heartbeat
@@ -146,8 +148,10 @@ class NodeAgent:
         context = SupervisorContext(settings, clock, self.spool_relay, runtime.outbox, self.announcements,
                                     closing=closing, logs=shipper)
         self.code_cache = CodeCache(settings.code_cache_path, self.layout, max_bytes=settings.code_cache_max_bytes)
+        self.env_cache = EnvCache(settings.env_cache_path, max_bytes=settings.env_cache_max_bytes,
+                                  installer=installer(settings), base=base_environment())
         self.attempts = Attempts(self.table, context, sandbox=self.sandbox, spool_relay=self.spool_relay,
-                                 code_cache=self.code_cache)
+                                 code_cache=self.code_cache, env_cache=self.env_cache)
         self.warm_ranks = settings.warm_ranks if settings.warm_ranks is not None else \
             auto_size(settings.device_count, mem_available_bytes())
         self.pool = self._warm_pool()
@@ -157,6 +161,9 @@ class NodeAgent:
                                    lifecycle=self.lifecycle, clock=clock)
         self.launcher = AllocationLauncher(runtime.redis, settings, self.keys, node_layout=self.node_layout,
                                            backend=self.backend, sandbox=self.sandbox, code_cache=self.code_cache,
+                                           environments=EnvironmentPreparer(
+                                               self.env_cache, lambda e: runtime.outbox.put(e),
+                                               node_id=settings.node_id),
                                            table=self.table, attempts=self.attempts, starter=self.starter,
                                            lifecycle=self.lifecycle, background=self.background, clock=clock)
         self.recovery = Recovery(runtime.redis, self.table, self.attempts, announcements=self.announcements,
@@ -245,6 +252,7 @@ class NodeAgent:
         if self.cordon is not None:
             await self.cordon.aclose()
         self.code_cache.close()
+        self.env_cache.close()
         self.table.save_local(force=True)
         self.rank_network.remove()  # its ranks are stopped (an agent that leaves them running keeps the rules)
         log.info("node agent %s stopped", self.settings.node_id)

@@ -1,7 +1,8 @@
 """An attempt's life on this node, as one unit of processes: its scope opens while its ranks are launched,
 each rank is watched by its supervisor until its exit is reported, and once no rank of it is launching or on
 the table any more its containment is closed (what it left killed, its cgroup and private /dev/shm removed;
-:mod:`confinement`). Ranks of user code pin their code tree; the cache is collected once they end.
+:mod:`confinement`). Ranks of user code pin their code tree and environment; the caches are collected once they
+end.
 
 The launch race: a rank that ends at once must not close its attempt under the ranks still to start, so an
 attempt being launched stays open (:meth:`Attempts.launching`) even while none of its ranks is on the table.
@@ -19,6 +20,7 @@ from trainyard_contract.codetree import archive_hex
 from trainyard_node_agent import ranks as rp
 from trainyard_node_agent.codecache import CodeCache
 from trainyard_node_agent.confinement import Confinement
+from trainyard_node_agent.envcache import EnvCache
 from trainyard_node_agent.rank_table import RankTable
 from trainyard_node_agent.spool_relay import SpoolRelay
 from trainyard_node_agent.supervisor import RankSupervisor, SupervisorContext
@@ -30,9 +32,9 @@ class Attempts:
     """Watches the ranks of the table until their exits are reported, and closes each attempt's containment."""
 
     def __init__(self, table: RankTable, context: SupervisorContext, *, sandbox: Confinement,
-                 spool_relay: SpoolRelay, code_cache: CodeCache) -> None:
+                 spool_relay: SpoolRelay, code_cache: CodeCache, env_cache: EnvCache | None = None) -> None:
         self.table, self.context, self.sandbox = table, context, sandbox
-        self.spool_relay, self.code_cache = spool_relay, code_cache
+        self.spool_relay, self.code_cache, self.env_cache = spool_relay, code_cache, env_cache
         # attempts whose ranks here are being launched: their scope stays open even while none of them is on the
         # table yet (a rank that ended at once must not close it under the ranks still to start)
         self._launching: set[tuple[str, int]] = set()
@@ -88,11 +90,15 @@ class Attempts:
                 log.error("closing attempt %d of %s: %r", attempt, job_id, exc)
 
     async def collect_code(self) -> None:
-        """Delete quarantined code trees no live rank runs; evict least recently used trees past the cache
-        limit (never one a live rank runs). After a code tree was materialised, and after a rank of user code
-        ended."""
-        in_use = {archive_hex(r.code_archive) for r in self.table.records() if r.code_archive and r.running}
-        try:
-            await self.code_cache.acollect(in_use)
-        except OSError as exc:
-            log.warning("collecting the code cache %s: %r", self.code_cache.root, exc)
+        """Delete quarantined code trees and environments no live rank uses; evict least recently used ones past
+        each cache's limit (never one a live rank uses). After a tree or environment was built, and after a rank
+        of user code ended."""
+        records = [r for r in self.table.records() if r.running]
+        for cache, in_use in ((self.code_cache, {archive_hex(r.code_archive) for r in records if r.code_archive}),
+                              (self.env_cache, {archive_hex(r.environment) for r in records if r.environment})):
+            if cache is None:
+                continue
+            try:
+                await cache.acollect(in_use)
+            except OSError as exc:
+                log.warning("collecting the %s cache %s: %r", cache.what, cache.root, exc)

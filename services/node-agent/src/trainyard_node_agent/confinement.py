@@ -52,7 +52,8 @@ class Confinement:
         self.first_uid, self.uid_count = settings.sandbox_first_uid, settings.sandbox_uid_count
         self.layout = layout
         self.node_layout = node_layout or layout  # the attempts' own files (the artifact root when local)
-        local = [self.node_layout.root, settings.code_cache_path, settings.agent_state_path.parent,
+        local = [self.node_layout.root, settings.code_cache_path, settings.env_cache_path,
+                 settings.agent_state_path.parent,
                  settings.shard_cache_path, *([] if layout.remote else [layout.root]),
                  *(p.expanduser() for p in settings.sandbox_hide)]
         platform = tuple(dict.fromkeys(p.resolve() for p in local))
@@ -143,7 +144,7 @@ class Confinement:
 
     def confine(self, command: Sequence[str], event: GangAllocated, *, rank: int, events_file: Path,
                 exit_file: Path, scratch: Path, code_dir: Path | None = None, cwd: Path | None = None,
-                datasets: Sequence[Path] = ()) -> Confined:
+                datasets: Sequence[Path] = (), env_dir: Path | None = None) -> Confined:
         """Prepare the rank's files for its user and wrap ``command`` (as it is on a trusted node)."""
         if not self.enforced:
             return Confined(list(command), None, None)
@@ -154,7 +155,7 @@ class Confinement:
             attempt_dir=self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt),
             checkpoints=self.layout.checkpoints_dir(event.tenant, event.job_id), scratch=scratch,
             datasets=tuple(datasets) or (dataset_dir(self.layout, event.spec.dataset),), code_dir=code_dir,
-            cwd=cwd, start_checkpoint=start, start_weights=weights,
+            env_dir=env_dir, cwd=cwd, start_checkpoint=start, start_weights=weights,
             calibration=self.node_layout.root.joinpath(*sb.CALIBRATION),
             runtime=self.runtime,
         )

@@ -6,8 +6,13 @@ and records what it decided (a refusal in the node's recent-refusals list; the a
 those launched here, so each is launched at most once; the new highest epoch).
 
 The launch: the allocation file, the rendezvous port (the node hosting rank 0 checks it is free), the job's
-code tree (pinned in the code cache while its ranks start), then each rank (:class:`RankStarter`) inside the
+code tree (pinned in the code cache while its ranks start) and environment (``code.environment``: pinned in the
+environment cache, built first if this node has not got it), then each rank (:class:`RankStarter`) inside the
 attempt's open scope (:meth:`Attempts.launching`). A rank that cannot start reports its exit.
+
+A job with an environment is launched off the allocation consumer (a build may take minutes: other jobs'
+allocations to this node go on meanwhile); after its environment is ready the allocation is judged again (it
+may have been revoked, or its leases released, while it was built).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 from typing import Any
 
 from trainyard_contract.codetree import CodeTreeError
+from trainyard_contract.errors import ConfigError
 from trainyard_contract.events import GangAllocated, NodeAssignment
 from trainyard_contract.exitcodes import CONFIG, PORT_IN_USE
 from trainyard_contract.spec import Code
@@ -35,6 +41,7 @@ from trainyard_node_agent.attempts import Attempts
 from trainyard_node_agent.clock import Clock
 from trainyard_node_agent.codecache import CodeCache, CodeTree
 from trainyard_node_agent.confinement import Confinement
+from trainyard_node_agent.envprep import EnvironmentPreparer, Prepared
 from trainyard_node_agent.leases import lease_holders
 from trainyard_node_agent.lifecycle import Background, Lifecycle
 from trainyard_node_agent.rank_network import port_in_use
@@ -50,10 +57,11 @@ class AllocationLauncher:
     """The GangAllocated handler: admit (fenced), then launch this node's ranks of the allocation."""
 
     def __init__(self, redis: Any, settings: NodeAgentSettings, keys: Any, *, node_layout: ArtifactLayout,
-                 backend: str, sandbox: Confinement, code_cache: CodeCache, table: RankTable, attempts: Attempts,
-                 starter: RankStarter, lifecycle: Lifecycle, background: Background, clock: Clock) -> None:
+                 backend: str, sandbox: Confinement, code_cache: CodeCache, environments: EnvironmentPreparer,
+                 table: RankTable, attempts: Attempts, starter: RankStarter, lifecycle: Lifecycle,
+                 background: Background, clock: Clock) -> None:
         self.redis, self.settings, self.keys, self.node_layout = redis, settings, keys, node_layout
-        self.backend, self.sandbox, self.code_cache = backend, sandbox, code_cache
+        self.backend, self.sandbox, self.code_cache, self.environments = backend, sandbox, code_cache, environments
         self.table, self.attempts, self.starter = table, attempts, starter
         self.lifecycle, self.background, self.clock = lifecycle, background, clock
 
@@ -79,7 +87,16 @@ class AllocationLauncher:
             return
         if raw_epoch is None or event.epoch > int(raw_epoch):
             await self.redis.hset(self.keys.epochs, event.job_id, event.epoch)
-        await self.launch(event, decision)
+        if event.spec.code is not None and event.spec.code.environment is not None:
+            self.background.spawn(self._launch_logged(event, decision))
+        else:
+            await self.launch(event, decision)
+
+    async def _launch_logged(self, event: GangAllocated, decision: Launch) -> None:
+        try:
+            await self.launch(event, decision)
+        except Exception:
+            log.exception("launching allocation %s of job %s failed", event.allocation_id, event.job_id)
 
     async def _refuse(self, event: GangAllocated, reason: str) -> None:
         log.warning("refusing allocation %s of job %s (epoch %d): %s", event.allocation_id, event.job_id,
@@ -107,18 +124,28 @@ class AllocationLauncher:
         tree = await self._prepare_code(event, share, code, traceparent) if code is not None else None
         if code is not None and tree is None:
             return
+        env = None
+        if code is not None and code.environment is not None and tree is not None:
+            env = await self._prepare_environment(event, share, code, tree, traceparent)
+            if env is None:
+                self.code_cache.release(tree.hex)
+                return
         async with self.attempts.launching(event.job_id, event.attempt):  # closed after when no rank of it started
             try:
                 for slot in share.ranks:
-                    await self.starter.start(event, share, slot, allocation_file, traceparent, tree)
+                    await self.starter.start(event, share, slot, allocation_file, traceparent, tree, env)
             finally:
                 if tree is not None:
                     self.code_cache.release(tree.hex)
+                if env is not None:
+                    self.environments.release(env)
         await asyncio.to_thread(self.sandbox.detach_shm, event.job_id, event.attempt,
                                 [s.rank.exit_file for s in self.table.of_allocation(event.allocation_id)])
-        if tree is not None and tree.materialised:
+        if tree is not None and tree.materialised or env is not None and env.entry.materialised:
             self.background.spawn(self.attempts.collect_code())
         running = "" if code is None else f", code {code.archive} {code.entrypoint}"
+        if env is not None:
+            running += f", environment {env.environment}"
         if code is not None and code.image:
             running += f", image {code.image}"
         log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s%s)",
@@ -144,6 +171,33 @@ class AllocationLauncher:
             return tree
         await self._refuse_all(event, share, traceparent, exit_code, reason, detail)
         return None
+
+    async def _prepare_environment(self, event: GangAllocated, share: NodeAssignment, code: Code, tree: CodeTree,
+                                   traceparent: str | None) -> Prepared | None:
+        """The job's environment (pinned), still for an allocation that is ours; None when it cannot be had or
+        the allocation went while it was built (every rank here is reported, as for the code tree)."""
+        assert code.environment is not None
+        try:
+            env = await self.environments.prepare(event, code.environment, tree)
+        except ConfigError as exc:
+            log.error("not running job %s attempt %d: its environment cannot be built: %s", event.job_id,
+                      event.attempt, exc)
+            await self._refuse_all(event, share, traceparent, CONFIG, "config", f"code.environment: {exc}")
+            return None
+        except OSError as exc:  # this node's trouble (the index unreachable, disk full, …): retried
+            log.error("cannot build the environment of job %s attempt %d here: %r", event.job_id, event.attempt, exc)
+            await self._refuse_all(event, share, traceparent, 127, "error",
+                                   f"cannot build the job's environment on this node: {exc}")
+            return None
+        raw_epoch = await self.redis.hget(self.keys.epochs, event.job_id)
+        holders = await lease_holders(self.redis, self.settings.node_id, [s.device_index for s in share.ranks])
+        again = judge(event, self.settings.node_id, highest_epoch=int(raw_epoch) if raw_epoch else None,
+                      lease_holders=holders)
+        if isinstance(again, Refuse):  # revoked or released while it was built: nothing to start any more
+            self.environments.release(env)
+            await self._refuse(event, f"after preparing its environment: {again.reason}")
+            return None
+        return env
 
     async def _refuse_all(self, event: GangAllocated, share: NodeAssignment, traceparent: str | None,
                           exit_code: int, reason: str, detail: str) -> None:

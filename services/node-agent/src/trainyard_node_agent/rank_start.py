@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainyard_contract.events import (
     GangAllocated,
@@ -36,6 +36,7 @@ from trainyard_node_agent.attempts import Attempts
 from trainyard_node_agent.clock import Clock
 from trainyard_node_agent.codecache import CodeTree, RankPaths, rank_paths
 from trainyard_node_agent.confinement import Confined, Confinement
+from trainyard_node_agent.envprep import Prepared
 from trainyard_node_agent.lifecycle import Lifecycle
 from trainyard_node_agent.rank_table import RankTable
 from trainyard_node_agent.settings import NodeAgentSettings
@@ -44,6 +45,8 @@ from trainyard_node_agent.supervisor import RankSupervisor
 from trainyard_node_agent.warmpool import WarmPool
 
 log = logging.getLogger(__name__)
+
+StartedHow = tuple[Literal["warm", "cold"], str]  # WorkerStarted.start and .start_detail
 
 
 class RankStarter:
@@ -60,7 +63,7 @@ class RankStarter:
         self._usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
-               code: Code | None) -> rp.RankProcess:
+               code: Code | None, environment: str | None = None) -> rp.RankProcess:
         """The rank's record: who it is and where its files lie on this node."""
         events_file = self.node_layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
         return rp.RankProcess(
@@ -70,22 +73,26 @@ class RankStarter:
             spool=SpoolReader(events_file), traceparent=traceparent,
             exit_file=exit_file_for(self.node_layout, event.tenant, event.job_id, event.attempt, slot.rank),
             device_index=slot.device_index, code_archive=code.archive if code is not None else None,
+            environment=environment,
             start_manifest_uri=event.start_checkpoint.manifest_uri if event.start_checkpoint else None,
         )
 
     async def start(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment,
-                    allocation_file: Path, traceparent: str | None, tree: CodeTree | None) -> None:
+                    allocation_file: Path, traceparent: str | None, tree: CodeTree | None,
+                    prepared: Prepared | None = None) -> None:
         """Start one rank: 1. its record and, for user code, its paths 2. its environment 3. its process, in its
         sandbox 4. its supervisor takes over (:meth:`_started`). What keeps it from starting is its exit."""
         code = event.spec.code if tree is not None else None
-        supervisor = self.attempts.supervisor(self.record(event, slot, traceparent, code=code))
+        supervisor = self.attempts.supervisor(self.record(event, slot, traceparent, code=code,
+                                                          environment=prepared.environment if prepared else None))
         rank = supervisor.rank
         rank.spool.path.parent.mkdir(parents=True, exist_ok=True)
         paths = None
         if code is not None and tree is not None:
             paths = rank_paths(self.layout, tenant=event.tenant, job_id=event.job_id, attempt=event.attempt,
                                rank=slot.rank, dataset=event.spec.dataset, code_dir=tree.root,
-                               working_dir=code.working_dir, node_layout=self.node_layout)
+                               working_dir=code.working_dir, node_layout=self.node_layout,
+                               env_dir=prepared.entry.root if prepared is not None else None)
             if not paths.cwd.is_dir():
                 await supervisor.report_exit(CONFIG, "config",
                                              f"code.workingDir {code.working_dir!r} is not a directory of the "
@@ -103,13 +110,15 @@ class RankStarter:
             if code is not None and paths is not None:
                 # User code starts cold: warm interpreters hold the built-in trainer already imported.
                 rank.process = await rp.spawn(confined.command, env, rank.log_path, rank.exit_file, cwd=paths.cwd)
+                how: StartedHow = ("cold", "user code starts in a new interpreter (warm ones hold the built-in trainer)"
+                       + (f", in environment {rank.environment}" if rank.environment else ""))
             else:
-                rank.process = await self._start_process(confined, env, rank.log_path, rank.exit_file)
+                rank.process, how = await self._start_process(confined, env, rank.log_path, rank.exit_file)
         except OSError as exc:
             log.error("cannot start rank %d of %s: %r", slot.rank, event.allocation_id, exc)
             await supervisor.report_exit(127, "error", f"cannot start the rank launcher: {exc}")
             return
-        await self._started(supervisor)
+        await self._started(supervisor, how)
 
     def _cpu_threads(self, ranks_here: int) -> int | None:
         """Each rank's share of this node's cores, on a CPU node (None elsewhere: torch's default)."""
@@ -134,6 +143,8 @@ class RankStarter:
             code_dir=paths.code_dir if paths is not None else None,
             scratch_dir=paths.scratch if paths is not None else None,
             interpreter_dir=Path(sys.executable).parent if code is not None else None,
+            environment=(paths.env_dir, rank.environment) if paths is not None and paths.env_dir is not None
+            and rank.environment else None,
         )
 
     def _shard_cache_dir(self, event: GangAllocated, slot: RankAssignment) -> Path:
@@ -152,25 +163,27 @@ class RankStarter:
             command, event, rank=slot.rank, events_file=rank.spool.path, exit_file=rank.exit_file,
             scratch=paths.scratch if paths is not None else attempt_dir / "scratch" / f"rank-{slot.rank}",
             code_dir=paths.code_dir if paths is not None else None, cwd=paths.cwd if paths is not None else None,
-            datasets=paths.datasets if paths is not None else ())
+            datasets=paths.datasets if paths is not None else (), env_dir=paths.env_dir if paths is not None else None)
 
     async def _start_process(self, confined: Confined, env: Mapping[str, str], log_path: Path,
-                             exit_file: Path) -> Any:
+                             exit_file: Path) -> tuple[Any, StartedHow]:
         """The built-in trainer: in a warm interpreter when one is ready (which enters the rank's sandbox on a
-        sandboxed node), else the confined command cold under the launcher."""
+        sandboxed node), else the confined command cold under the launcher; the process, and how it started."""
         warm = self.pool.take() if self.pool is not None else None
+        why = "no warm interpreter was ready" if self.pool is not None else "this node keeps no warm interpreters"
         if warm is not None:
             rp.clear_exit_files(exit_file)
             try:
                 await WarmPool.launch(warm, env=env, log_path=log_path, exit_file=exit_file, sandbox=confined.plan)
-                return warm
+                return warm, ("warm", "forked from an interpreter that had imported torch and the trainer")
             except (OSError, ConnectionError) as exc:
                 log.warning("a warm interpreter failed to take the rank (%r); starting it cold", exc)
                 with contextlib.suppress(ProcessLookupError):
                     warm.kill()
-        return await rp.spawn(confined.command, env, log_path, exit_file)
+                why = f"the warm interpreter failed to take it ({exc})"
+        return await rp.spawn(confined.command, env, log_path, exit_file), ("cold", why)
 
-    async def _started(self, supervisor: RankSupervisor) -> None:
+    async def _started(self, supervisor: RankSupervisor, how: StartedHow | None = None) -> None:
         """A rank's process runs: note who it is, put it in the rank table, announce WorkerStarted, watch it."""
         rank = supervisor.rank
         assert rank.process is not None
@@ -185,7 +198,8 @@ class RankStarter:
         await self.table.persist(rank, force_local=True)
         started = WorkerStarted(job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id,
                                 epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, pid=rank.pid,
-                                log_uri=path_to_uri(rank.log_path))
+                                log_uri=path_to_uri(rank.log_path), start=how[0] if how else None,
+                                start_detail=how[1] if how else None)
         await self.runtime.outbox.put(started, traceparent=rank.traceparent)
         await self.announcements.track(started, "started", rank, rank.traceparent)
         self.attempts.watch(supervisor)

@@ -67,6 +67,7 @@ class RankProcess:
     saved_step: int | None = None  # the step of the last ShardWritten relayed
     checkpoint_deadline: float | None = None  # monotonic; the watchdog leaves a saving rank alone until then
     code_archive: str | None = None  # sha256:<hex> of the user code it runs (None: the built-in trainer)
+    environment: str | None = None  # sha256:<hex> of the lock of the environment it runs in (code.environment)
     start_manifest_uri: str | None = None  # the allocation's start checkpoint (a rank may refuse it)
     log_shipped: int = 0  # bytes of its log shipped to an object-store root (log_shipper)
     log_shipped_at: float | None = None  # monotonic time of the last shipment
@@ -104,6 +105,7 @@ class RankProcess:
             "progressed": self.progressed, "lastStep": self.last_step, "savedStep": self.saved_step,
             "logShipped": self.log_shipped,
             **({"codeArchive": self.code_archive} if self.code_archive else {}),
+            **({"environment": self.environment} if self.environment else {}),
             **({"startManifestUri": self.start_manifest_uri} if self.start_manifest_uri else {}),
         }
 
@@ -119,7 +121,8 @@ class RankProcess:
             liveness=Liveness(0.0, reported=bool(entry.get("progressed", False))),
             last_step=entry.get("lastStep") if isinstance(entry.get("lastStep"), int) else None,
             saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
-            code_archive=entry.get("codeArchive"), start_manifest_uri=entry.get("startManifestUri"),
+            code_archive=entry.get("codeArchive"), environment=entry.get("environment"),
+            start_manifest_uri=entry.get("startManifestUri"),
             log_shipped=int(entry.get("logShipped", 0)),
         )
 

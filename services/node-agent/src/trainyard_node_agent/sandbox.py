@@ -15,7 +15,8 @@ that shows them only their own paths.
 * ``trusted-single-tenant``: ranks run as the agent's user and see the whole artifact root; for a
   node that runs one tenant's trusted code only. Said loudly at start-up and in the heartbeat.
 
-What a rank sees (:func:`plan_rank`, pure): its code tree and datasets read-only, the start
+What a rank sees (:func:`plan_rank`, pure): its code tree, its environment (``code.environment``) and datasets
+read-only, the start
 checkpoint read-only when it belongs to another job (``initFrom``), the Hugging Face directory it
 starts from read-only (``initFrom.huggingFace``: resolved by the agent, and only when it resolves
 inside the job's tenant prefix; a symlink in it pointing elsewhere dangles), the peak-FLOP/s calibration
@@ -213,6 +214,7 @@ class RankView:
     scratch: Path  # writable, HOME
     datasets: tuple[Path, ...] = ()  # read-only
     code_dir: Path | None = None  # read-only
+    env_dir: Path | None = None  # the job's environment (code.environment) from the environment cache, read-only
     cwd: Path | None = None  # default: scratch
     start_checkpoint: Path | None = None  # read-only when outside the job's prefix (initFrom)
     start_weights: Path | None = None  # a Hugging Face directory (initFrom.huggingFace, resolved), read-only
@@ -229,6 +231,8 @@ def plan_rank(view: RankView, *, uid: int, gid: int, hidden: Sequence[Path], pri
     binds: list[Bind] = []
     if view.code_dir is not None:
         binds.append(Bind(str(view.code_dir)))
+    if view.env_dir is not None:
+        binds.append(Bind(str(view.env_dir)))
     # a dataset or start checkpoint that does not exist fails the rank when it reads it, as it would unconfined
     maybe = [*view.datasets]
     if view.start_checkpoint is not None and not _under(view.start_checkpoint, view.checkpoints):

@@ -126,6 +126,32 @@ class NodeAgentSettings(ServiceSettings):
         description="the code cache is kept under this size: least recently used trees no running rank "
                     "uses are removed first",
     )
+    env_cache_dir: Path | None = Field(
+        default=None,
+        description="where jobs' environments (code.environment) are built, one read-only entry per lock hash, "
+                    "shared by attempts, jobs and agents (default: <agent state dir>/env-cache)",
+    )
+    env_cache_max_bytes: int = Field(
+        default=20 * 2**30, ge=0,
+        description="the environment cache is kept under this size: least recently used environments no "
+                    "running rank uses are removed first",
+    )
+    env_index_url: str | None = Field(
+        default=None,
+        description="the package index jobs' environments are installed from (uv --index-url; default: uv's "
+                    "own, i.e. UV_INDEX_URL in the agent's environment, else PyPI). A lock cannot choose it",
+    )
+    env_find_links: Annotated[list[str], NoDecode] = Field(
+        default=[],
+        description="directories or URLs of wheels jobs' environments may also come from (uv --find-links), "
+                    "comma-separated",
+    )
+    env_no_index: bool = Field(
+        default=False, description="install jobs' environments from env_find_links only (uv --no-index)")
+    env_build_timeout_s: float = Field(
+        default=1800.0, gt=0,
+        description="how long building one environment may take before its ranks here fail (error, retried)",
+    )
     node_sandbox: Literal["enforce", "trusted-single-tenant"] = Field(
         default="enforce",
         description="enforce: every rank runs as its job's own unprivileged user in a mount namespace that shows "
@@ -243,7 +269,11 @@ class NodeAgentSettings(ServiceSettings):
     def code_cache_path(self) -> Path:
         return self.code_cache_dir or self.agent_state_path.parent / "code-cache"
 
-    @field_validator("rank_pass_env", mode="before")
+    @property
+    def env_cache_path(self) -> Path:
+        return self.env_cache_dir or self.agent_state_path.parent / "env-cache"
+
+    @field_validator("rank_pass_env", "env_find_links", mode="before")
     @classmethod
     def _names(cls, value: object) -> object:
         if isinstance(value, str):

@@ -6,7 +6,8 @@
            cancel/pause/resume, acted on only when the API recorded it (``Keys.control_requests``) as the event
            says. Anyone on the broker can publish either, so a refused event is dead-lettered ``security: …``,
            logged, counted (``trainyard_scheduler_unauthorised_events_total``) and alerted on (deploy/prometheus).
-* WORKERS  WorkerStarted / WorkerExited / SecurityViolation → attempt and job transitions; a failure blames its node.
+* WORKERS  WorkerStarted / WorkerExited / SecurityViolation → attempt and job transitions; a failure blames its node;
+  EnvironmentPreparing → noted on the attempt (it restarts the start time-out).
 * CHECKPOINTS CheckpointReady → success once the attempt completed and maxSteps is READY; ends a pause, drain or
            preemption once it is the ranks' own stop checkpoint and every rank has exited
            (transitions.stop_checkpoint). CheckpointFailed → the attempt's failure rules.
@@ -31,6 +32,7 @@ from trainyard_contract.events import (
     SecurityViolation,
     WorkerExited,
     WorkerStarted,
+    EnvironmentPreparing,
 )
 from trainyard_contract.records import JobRecord
 from trainyard_runtime.controlrecords import Refusal, UnauthorisedEventError, control_refusal, parse_control_request
@@ -121,6 +123,10 @@ class JobHandlers:
     async def on_worker_started(self, event: WorkerStarted) -> None:
         await self.writer.mutate(event.job_id, lambda job, _: tr.worker_started(job, event, self.clock()),
                                  label="worker started")
+
+    async def on_environment_preparing(self, event: EnvironmentPreparing) -> None:
+        await self.writer.mutate(event.job_id, lambda job, _: tr.environment_noted(job, event, self.clock()),
+                                 label="environment progress")
 
     async def on_worker_exited(self, event: WorkerExited) -> None:
         def decide(job: JobRecord, facts: Facts) -> tr.Outcome:

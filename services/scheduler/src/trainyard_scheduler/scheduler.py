@@ -53,6 +53,7 @@ from trainyard_contract.events import (
     StepMetrics,
     WorkerExited,
     WorkerStarted,
+    EnvironmentPreparing,
     utcnow,
 )
 from trainyard_runtime.service import ServiceRuntime
@@ -143,6 +144,7 @@ class Scheduler:
         bus.subscribe(JOBS, {JobSubmitted: jobs.on_job_submitted, JobControlRequested: jobs.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: jobs.on_worker_started, WorkerExited: jobs.on_worker_exited,
+                                EnvironmentPreparing: jobs.on_environment_preparing,
                                 SecurityViolation: jobs.on_security_violation},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(CHECKPOINTS, {CheckpointReady: jobs.on_checkpoint_ready,

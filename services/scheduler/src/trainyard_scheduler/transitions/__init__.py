@@ -71,6 +71,7 @@ from trainyard_scheduler.transitions.workers import (
     checkpoint_ready,
     worker_exited,
     worker_started,
+    environment_noted,
 )
 
 __all__ = [
@@ -79,5 +80,5 @@ __all__ = [
     "checkpoint_settling", "dataset_refusal", "fail_unstartable", "failures", "failures_since_progress",
     "gang_allocated", "is_final_step", "is_live", "is_pending", "is_stopping", "made_progress", "note_waiting",
     "rank0_host", "rank_nodes", "request_control", "request_drain", "request_preemption", "retry_not_before",
-    "security_violation", "stop_checkpoint", "unchanged", "worker_exited", "worker_started",
+    "security_violation", "stop_checkpoint", "unchanged", "worker_exited", "worker_started", "environment_noted",
 ]

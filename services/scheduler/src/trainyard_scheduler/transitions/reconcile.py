@@ -98,12 +98,18 @@ def _on_silent_nodes(job: JobRecord, current: AttemptRecord, available_nodes: fr
     return None
 
 
+def start_clock(current: AttemptRecord) -> datetime:
+    """When the attempt's start time-out starts counting: its placement, or a node's latest word on the job's
+    environment (a build that keeps reporting progress is not a node that cannot start ranks)."""
+    return max([current.started_at, *(e.at for e in current.environment.values())])
+
+
 def _on_start_timeout(job: JobRecord, current: AttemptRecord, deadlines: Deadlines, policy: RetryPolicy,
                       now: datetime, latest_ready_step: int | None, watched_s: float | None) -> Outcome | None:
     """A live attempt whose ranks have not all started within the start time-out: failed, blaming the nodes
     without a started rank, or interrupted when the time-out began before this scheduler was watching;
     None before the time-out."""
-    age = (now - current.started_at).total_seconds()
+    age = (now - start_clock(current)).total_seconds()
     if len(current.started_ranks) >= current.world_size or age <= deadlines.start_timeout_s:
         return None
     started = len(current.started_ranks)

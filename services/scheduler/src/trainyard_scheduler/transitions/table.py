@@ -49,6 +49,7 @@ class Happening(StrEnum):
     SECURITY_VIOLATION = "security-violation"  # a rank claimed what a rank may not
     WAIT_NOTED = "wait-noted"  # why a queued job waits
     RANK_STARTED = "rank-started"
+    ENVIRONMENT_NOTED = "environment-noted"  # a node's progress with the job's environment, before its ranks start
     EXIT_RECORDED = "exit-recorded"  # a rank of an attempt that already ended, or of a job that did
     RANK_STOPPED = "rank-stopped"  # exit 7 (checkpointed on request), or any exit while its gang stops
     PORT_SQUATTED = "port-squatted"  # port-in-use: an interruption
@@ -112,6 +113,7 @@ TABLE: dict[tuple[JobState, Happening], Row] = {
     **_rows(["queued"], H.WAIT_NOTED, [SAME]),
     # ranks
     **_rows(LIVE, H.RANK_STARTED, ["running"]),
+    **_rows(LIVE, H.ENVIRONMENT_NOTED, [SAME]),
     **_rows(JOB_STATES, H.EXIT_RECORDED, [SAME]),
     **_rows(LIVE, H.RANK_STOPPED, [SAME, "queued", "paused", "succeeded"], REVOKES),
     **_rows(LIVE, H.PORT_SQUATTED, REQUEUE, REVOKES),

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from trainyard_contract.events import TERMINAL_STATES, Event, WorkerExited, WorkerStarted
+from trainyard_contract.events import TERMINAL_STATES, EnvironmentPreparing, Event, WorkerExited, WorkerStarted
 from trainyard_contract.exitreasons import ExitReason
-from trainyard_contract.records import JobRecord, expects_final_checkpoint
+from trainyard_contract.records import JobRecord, NodeEnvironment, expects_final_checkpoint
 
 from trainyard_scheduler.transitions.retry import classify_failure, fail_attempt, nan_repeats
 from trainyard_scheduler.transitions.state import (
@@ -51,6 +51,29 @@ def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outco
         return Outcome(new, events)
 
     return enter(job, Happening.RANK_STARTED, start)
+
+
+def environment_noted(job: JobRecord, event: EnvironmentPreparing, now: datetime) -> Outcome:
+    """A node's progress with the job's environment: recorded on the attempt (``jobs get`` shows it); the
+    attempt's start time-out counts from the latest one (:func:`~trainyard_scheduler.transitions.reconcile`),
+    so a long build that keeps reporting is not taken for a node that cannot start its ranks."""
+    current = job.current
+    if not is_current(current, event.allocation_id, event.epoch) or not is_live(current):
+        return unchanged(job, "environment of a stale or ended attempt")
+    assert current is not None
+    noted = NodeEnvironment(environment=event.environment, state=event.state, cached=event.cached,
+                            packages=event.packages, elapsed_seconds=event.elapsed_seconds, detail=event.detail,
+                            at=now)
+    earlier = current.environment.get(event.node_id)
+    if earlier is not None and earlier.state in ("ready", "failed") and event.state == "building":
+        return unchanged(job, "environment progress after its end (redelivered)")
+
+    def note() -> Outcome:
+        new = private_copy(job, now)
+        new.attempts[-1].environment = {**new.attempts[-1].environment, event.node_id: noted}
+        return Outcome(new, [])
+
+    return enter(job, Happening.ENVIRONMENT_NOTED, note)
 
 
 def worker_exited(
