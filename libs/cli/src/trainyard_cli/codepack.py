@@ -5,6 +5,10 @@
   the checkout is dirty; outside git a walk that honours every .gitignore on the way (``pathspec``).
   ``codetree.ALWAYS_EXCLUDED`` is never packed either way.
 * :func:`pack` makes the deterministic archive, and says what is big when it is over the limit.
+* :func:`find_lock` picks the environment lock of the tree (``code.environment``): the one the spec or
+  ``--environment`` names, else the first of ``lockfile.LOCK_NAMES`` at the top of the tree (a
+  ``requirements.txt`` only when it pins by hash); it is parsed here, so a lock the platform would refuse is
+  said before anything is uploaded.
 * :func:`with_code` is the spec with ``code`` naming the archive (pure).
 """
 
@@ -20,7 +24,7 @@ from typing import Any
 
 import pathspec
 
-from trainyard_contract import codetree
+from trainyard_contract import codetree, lockfile
 from trainyard_contract.errors import ConfigError
 
 _EXCLUDED = frozenset(codetree.ALWAYS_EXCLUDED)
@@ -169,8 +173,65 @@ def command(entrypoint: str) -> list[str]:
     return words
 
 
+@dataclass(frozen=True)
+class Lock:
+    """The environment lock found in a tree."""
+
+    path: str  # POSIX, relative to the tree
+    sha256: str  # sha256:<hex> of its bytes
+    packages: int  # distributions it pins for this machine's Python
+
+
+@dataclass(frozen=True)
+class LockChoice:
+    """The lock to use (or None), and what to tell the user about the choice."""
+
+    lock: Lock | None
+    note: str | None = None
+
+
+def find_lock(selection: Selection, named: str | None) -> LockChoice:
+    """The tree's environment lock: ``named`` (the spec's ``code.environment.lock`` or ``--environment``; ``none``:
+    no environment), else the first of :data:`lockfile.LOCK_NAMES` in the tree. ConfigError when the named one is
+    not among the packed files or the lock would be refused."""
+    if named == "none":
+        return LockChoice(None)
+    files = set(selection.files)
+    if named is not None:
+        if named not in files:
+            raise ConfigError(f"the environment lock {named!r} is not among the packed files of {selection.root} "
+                              "(a path relative to the tree; is it .gitignored?)")
+        return LockChoice(_read_lock(selection.root, named))
+    for name in lockfile.LOCK_NAMES:
+        if name not in files:
+            continue
+        text = (selection.root / name).read_text(errors="replace")
+        if name == "requirements.txt" and not lockfile.has_hashes(text):
+            return LockChoice(None, f"{name} has no hashes, so it is not used as the job's environment: lock it "
+                                    "(uv pip compile --generate-hashes requirements.in -o requirements.txt) or pass "
+                                    "--environment none to silence this")
+        return LockChoice(_read_lock(selection.root, name))
+    return LockChoice(None)
+
+
+def _read_lock(root: Path, name: str) -> Lock:
+    path = root / name
+    if path.is_symlink() or not path.is_file():
+        raise ConfigError(f"the environment lock {name} must be a regular file in the tree, not a link")
+    data = path.read_bytes()
+    if len(data) > lockfile.MAX_LOCK_BYTES:
+        raise ConfigError(f"the environment lock {name} is over {lockfile.MAX_LOCK_BYTES} bytes")
+    try:
+        pins = lockfile.parse_lock(data.decode(), name)
+    except UnicodeDecodeError:
+        raise ConfigError(f"the environment lock {name} is not UTF-8 text") from None
+    except lockfile.LockError as exc:
+        raise ConfigError(f"the environment lock would be refused: {exc.message}") from None
+    return Lock(name, codetree.archive_id(data), len(pins))
+
+
 def with_code(spec: Mapping[str, Any], *, archive: str, selection: Selection,
-              entrypoint: str | None) -> dict[str, Any]:
+              entrypoint: str | None, lock: Lock | None = None) -> dict[str, Any]:
     """``spec`` whose ``code`` names ``archive`` (and the checkout's commit and dirty state).
 
     The entrypoint is ``--entrypoint`` (split like a shell) or the spec's ``code.entrypoint``;
@@ -189,4 +250,7 @@ def with_code(spec: Mapping[str, Any], *, archive: str, selection: Selection,
         code["commit"] = selection.commit
     if selection.dirty is not None:
         code["dirty"] = selection.dirty
+    code.pop("environment", None)
+    if lock is not None:
+        code["environment"] = {"lock": lock.path, "sha256": lock.sha256}
     return {**spec, "code": code}

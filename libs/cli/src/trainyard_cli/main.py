@@ -126,6 +126,8 @@ With --code DIR your own training code runs instead of the built-in trainer, pin
 
 Which files: in a git checkout, what `git ls-files --cached --others --exclude-standard` lists (tracked and untracked files, .gitignore respected), and code.commit / code.dirty record HEAD and whether the checkout had uncommitted changes; outside git, every .gitignore in the tree is honoured. .git, .venv, __pycache__ and .trainyard are never packed. An archive over 100 MiB is refused before uploading, with the largest files listed: .gitignore them.
 
+Your own packages: a lock at the top of DIR — pylock.toml, uv.lock, requirements.lock, or requirements.txt with hashes (or the one --environment names) — becomes the job's code.environment, pinned by its sha256: each node installs those packages once over its own torch and SDK and every rank imports them (docs/sdk.md, "Your environment"). --environment none runs without one.
+
 Without --code a spec may name code.repo + code.revision (a git URL, or a path on the API's machine): the API resolves the revision to a commit and archives it itself.
 """  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
@@ -144,6 +146,10 @@ def submit(
         "--entrypoint", metavar="COMMAND", show_default=False,
         help='what each rank runs in the code tree, split like a shell: "python train.py --lr 3e-4" '
              "(default: the spec's code.entrypoint)")] = None,
+    environment: Annotated[str | None, typer.Option(
+        "--environment", metavar="LOCK", show_default=False,
+        help="the lock file in DIR the job's packages are installed from (default: pylock.toml, uv.lock, "
+             "requirements.lock or a hashed requirements.txt at the top of DIR; none: no environment)")] = None,
 ) -> None:
     from rich.text import Text
 
@@ -154,9 +160,12 @@ def submit(
     if entrypoint is not None and code is None and not (spec.get("code") or {}).get("repo"):
         error("--entrypoint needs --code DIR (or code.repo in the spec)")
         raise typer.Exit(2)
+    if environment is not None and code is None:
+        error("--environment needs --code DIR (with code.repo, name the lock in the spec's code.environment.lock)")
+        raise typer.Exit(2)
     with _api(ctx) as client:
         if code is not None:
-            spec = _with_uploaded_code(client, spec, code, entrypoint)
+            spec = _with_uploaded_code(client, spec, code, entrypoint, environment)
         elif entrypoint is not None:
             spec = {**spec, "code": {**spec["code"], "entrypoint": codepack.command(entrypoint)}}
         submitted = client.submit(spec, idempotency_key=idempotency_key)
@@ -169,7 +178,7 @@ def submit(
 
 
 def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path,
-                        entrypoint: str | None) -> dict[str, Any]:
+                        entrypoint: str | None, environment: str | None = None) -> dict[str, Any]:
     """Pack ``directory``, upload it unless the API has it, and name it in the spec's code."""
     from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TransferSpeedColumn
 
@@ -183,7 +192,18 @@ def _with_uploaded_code(client: ApiClient, spec: dict[str, Any], directory: Path
         selection = codepack.select(directory)
         data = codepack.pack(selection)
     archive = codetree.archive_id(data)
-    spec = codepack.with_code(spec, archive=archive, selection=selection, entrypoint=entrypoint)
+    named = environment or ((spec.get("code") or {}).get("environment") or {}).get("lock")
+    try:
+        choice = codepack.find_lock(selection, named)
+    except ConfigError as exc:
+        error(exc.message)
+        raise typer.Exit(2) from None
+    if choice.note:
+        warning(choice.note)
+    if choice.lock is not None:
+        err.print(f"environment {choice.lock.path} {choice.lock.sha256[:19]}… ({choice.lock.packages} packages, "
+                  "installed on each node over its torch and SDK)")
+    spec = codepack.with_code(spec, archive=archive, selection=selection, entrypoint=entrypoint, lock=choice.lock)
     dirty = " (dirty)" if selection.dirty else ""
     state = "" if selection.commit is None else f", commit {selection.commit[:12]}{dirty}"
     if client.code_archive(archive) is not None:

@@ -209,6 +209,7 @@ def job_detail(job: Job) -> RenderableType:
     for s in job.stragglers[:3]:
         rows.append(("straggler", f"attempt {s.get('attempt')} rank {s.get('rank')} on {s.get('nodeId')}: "
                                   f"{s.get('slowdown', 0):.2f}x the median compute time"))
+    rows.extend(environment_rows(job))
     if job.reason:
         rows.append(("reason", job.reason))
     for key, value in rows:
@@ -243,6 +244,25 @@ def code_rows(code: Any) -> list[tuple[str, str]]:
         rows.append(("working dir", str(code["workingDir"])))
     if code.get("image"):
         rows.append(("image", str(code["image"])))
+    env = code.get("environment")
+    if isinstance(env, Mapping):
+        rows.append(("environment", f"{env.get('lock')} {env.get('sha256') or ''}".strip()))
+    return rows
+
+
+def environment_rows(job: Job) -> list[tuple[str, str]]:
+    """Each node's preparation of the latest attempt's environment: ``preparing environment`` while it builds."""
+    if not job.attempts:
+        return []
+    rows = []
+    for node, e in sorted(job.attempts[-1].environment.items()):
+        if e.state == "building":
+            what = f"preparing environment: building {e.packages} package(s), {e.elapsed_seconds:.0f}s"
+        elif e.state == "ready":
+            what = "environment ready" + (" (cached)" if e.cached else f" (built in {e.elapsed_seconds:.1f}s)")
+        else:
+            what = "environment failed"
+        rows.append((f"env on {node}", what + (f" — {e.detail}" if e.detail else "")))
     return rows
 
 

@@ -561,6 +561,9 @@ class ArtifactLineage(_Wire):
     code_commit: str | None = None
     parent_hugging_face: str | None = Field(
         default=None, description="the Hugging Face directory (file:// URI) the job's weights started from")
+    environment: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="sha256:<hex> of the environment lock (code.environment) the job ran with")
 
 
 class ArtifactRegistered(Event):

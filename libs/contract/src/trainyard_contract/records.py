@@ -249,6 +249,10 @@ class Lineage(Record):
     parent_hugging_face: str | None = Field(
         default=None, exclude_if=lambda v: v is None,
         description="file:// URI of the Hugging Face directory the job's weights started from")
+    # came with code.environment (issue #32): absent unless the job ran in its own environment
+    environment: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="sha256:<hex> of the environment lock (code.environment) the job ran with")
 
 
 class ArtifactRecord(Record):

@@ -61,6 +61,18 @@ class ControlResponse(ApiModel):
     accepted: bool = True
 
 
+class NodeEnvironmentView(ApiModel):
+    """A node's preparation of the job's environment (``code.environment``) for this attempt."""
+
+    environment: str = Field(description="sha256:<hex> of the lock")
+    state: Literal["building", "ready", "failed"]
+    cached: bool = Field(default=False, description="found built in the node's cache (nothing built)")
+    packages: int = 0
+    elapsed_seconds: float = 0.0
+    detail: str | None = Field(default=None, description="the installer's latest line, or why it failed")
+    at: datetime
+
+
 class AttemptView(ApiModel):
     attempt: int
     allocation_id: str
@@ -79,6 +91,9 @@ class AttemptView(ApiModel):
     placement_detail: PlacementDetail | None = Field(
         default=None, description="how local the gang's placement is: domains, racks, tiers and the links "
                                   "crossing them (the placement score explained)")
+    environment: dict[str, NodeEnvironmentView] = Field(
+        default={}, description="node → its preparation of the job's environment (preparing environment: building "
+                                "with the installer's progress, ready, cached or failed)")
 
 
 class ProgressView(ApiModel):

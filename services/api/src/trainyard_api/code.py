@@ -2,7 +2,8 @@
 
 Pure parts: :func:`upload_problem` (does an upload name its own bytes, within the limit),
 :func:`code_problems` (is the spec's archive one this tenant uploaded), :func:`pinned` (the spec with
-the resolved commit and archive filled in), :func:`is_remote`. The I/O: :class:`CodeStore` (the
+the resolved commit and archive filled in), :func:`environment_pinned` (``code.environment`` with the sha256 of
+the lock the archive holds, or why the lock is refused), :func:`is_remote`. The I/O: :class:`CodeStore` (the
 tenant's archives under the artifact root, ``ArtifactLayout.code_archive``) and :class:`GitSource`
 (git subprocesses with a timeout and no prompts). Both are synchronous; the routes and the job service
 call them through ``asyncio.to_thread`` so hashing, extraction and git never block the event loop.
@@ -20,9 +21,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from trainyard_contract import codetree
+from trainyard_contract import codetree, lockfile
 from trainyard_contract.errors import NotFoundError, SpecError
 from trainyard_contract.events import utcnow
 from trainyard_contract.spec import TrainingSpec
@@ -88,6 +89,52 @@ def pinned(spec: TrainingSpec, *, commit: str, archive: str) -> TrainingSpec:
     """``spec`` naming exactly the tree that runs: ``code.commit`` and ``code.archive`` filled in."""
     assert spec.code is not None
     return spec.model_copy(update={"code": spec.code.model_copy(update={"commit": commit, "archive": archive})})
+
+
+def lock_in_archive(data: bytes, path: str) -> bytes | str:
+    """The bytes of the regular file ``path`` in the code archive ``data``, or why it cannot be the lock (missing,
+    a link or anything but a regular file, too big). The archive was checked when it was stored."""
+    import gzip
+    import io
+    import tarfile
+
+    want = PurePosixPath(path)
+    with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz, tarfile.open(fileobj=gz, mode="r|") as tar:
+        for member in tar:
+            if PurePosixPath(member.name) != want:
+                continue
+            if not member.isreg():
+                kind = "a link" if member.issym() or member.islnk() else "not a regular file"
+                return f"{path} is {kind} in the code tree: a lock must be a regular file"
+            if member.size > lockfile.MAX_LOCK_BYTES:
+                return f"{path} is {member.size} bytes; a lock may be at most {lockfile.MAX_LOCK_BYTES}"
+            handle = tar.extractfile(member)
+            return handle.read() if handle is not None else f"{path} cannot be read from the archive"
+    return (f"{path} is not a file of the code tree {codetree.archive_id(data)[:19]}… (a path relative to the "
+            "tree's top, e.g. requirements.txt)")
+
+
+def environment_pinned(spec: TrainingSpec, lock: bytes | str) -> tuple[TrainingSpec, list[FieldProblem]]:
+    """``spec`` with ``code.environment.sha256`` filled in from the lock's bytes, or the problems: the lock missing
+    or refused (:mod:`trainyard_contract.lockfile`: no options, URLs or unpinned lines; never torch or the SDK), or a
+    sha256 in the spec that is not the lock's."""
+    assert spec.code is not None and spec.code.environment is not None
+    env = spec.code.environment
+    if isinstance(lock, str):
+        return spec, [FieldProblem("code.environment.lock", lock)]
+    try:
+        lockfile.parse_lock(lock.decode(), env.lock)
+    except UnicodeDecodeError:
+        return spec, [FieldProblem("code.environment.lock", f"{env.lock} is not UTF-8 text")]
+    except lockfile.LockError as exc:
+        return spec, [FieldProblem("code.environment.lock", exc.message)]
+    digest = codetree.archive_id(lock)
+    if env.sha256 is not None and env.sha256 != digest:
+        return spec, [FieldProblem("code.environment.sha256", f"{env.lock} in the code tree is {digest}, not "
+                                                              f"{env.sha256}: leave code.environment.sha256 out, "
+                                                              "the API fills it in")]
+    code = spec.code.model_copy(update={"environment": env.model_copy(update={"sha256": digest})})
+    return spec.model_copy(update={"code": code}), []
 
 
 def resolution_problems(spec: TrainingSpec, *, commit: str, archive: str) -> list[FieldProblem]:
@@ -299,7 +346,9 @@ class CodeService:
         if code.repo is None:
             assert code.archive is not None  # Code's validator: archive or repo
             known = await asyncio.to_thread(self.store.info, tenant, code.archive) is not None
-            return spec, code_problems(spec, archive_known=known)
+            if problems := code_problems(spec, archive_known=known):
+                return spec, problems
+            return await self.pin_environment(spec, tenant)
         assert code.revision is not None
         try:
             resolved = await asyncio.to_thread(self.git.resolve, code.repo, code.revision)
@@ -311,4 +360,14 @@ class CodeService:
             await asyncio.to_thread(self.store.put, tenant, resolved.archive, resolved.data, now=self.clock())
         except SpecError as exc:  # over the limit, or a tree codetree will not unpack
             return spec, [FieldProblem("code.repo", f"{code.repo} at {resolved.commit}: {exc.detail}")]
-        return pinned(spec, commit=resolved.commit, archive=resolved.archive), []
+        return await self.pin_environment(pinned(spec, commit=resolved.commit, archive=resolved.archive), tenant)
+
+    async def pin_environment(self, spec: TrainingSpec, tenant: str) -> tuple[TrainingSpec, list[FieldProblem]]:
+        """``code.environment`` pinned to the sha256 of the lock in the (stored) archive, or why it cannot be."""
+        assert spec.code is not None and spec.code.archive is not None
+        if spec.code.environment is None:
+            return spec, []
+        where = self.store.layout.code_archive(tenant, codetree.archive_hex(spec.code.archive))
+        data = await asyncio.to_thread(read_bytes, where)
+        lock = await asyncio.to_thread(lock_in_archive, data, spec.code.environment.lock)
+        return environment_pinned(spec, lock)

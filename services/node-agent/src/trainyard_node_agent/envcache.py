@@ -15,12 +15,12 @@ refused, never run half-built.
 The build (:class:`Installer`) trusts nothing of the lock beyond names, versions and hashes
 (:mod:`trainyard_contract.lockfile` rewrites every format into ``name==version --hash=…`` lines): wheels only
 (``--no-build``: no package's build code runs on the node), every file checked against the lock's hashes
-(``--require-hashes``), from the operator's index (``TRAINYARD_ENV_INDEX_URL`` / ``_FIND_LINKS`` /
-``_NO_INDEX``), downloaded for the build and not kept (no download cache to grow, or to tamper with: the
-environment cache is what stays, bounded by its limit). A failure the resolver blames on the lock (no such package or version, conflicting pins, a hash
-mismatch, no wheel for this platform) is the job's (:class:`EnvironmentBuildError`, a ``config`` failure with the
-installer's words, not retried, no node blamed); one it blames on the network or the disk is this node's
-(OSError: ``error``, retried).
+(``--require-hashes``), from the operator's index (``TRAINYARD_ENV_INDEX_URL`` / ``_FIND_LINKS`` / ``_NO_INDEX``),
+downloaded for the build and not kept (no download cache to grow, or to tamper with: the environment cache is what
+stays, bounded by its limit). A failure the resolver blames on the lock (no such package or version, conflicting
+pins, a hash mismatch, no wheel for this platform) is the job's (:class:`EnvironmentBuildError`, a ``config``
+failure with the installer's words, not retried, no node blamed); one it blames on the network or the disk is this
+node's (OSError: ``error``, retried).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ def build_lineage(job: JobRecord, producer_attempt: int, dataset: DatasetRecord 
         code_archive=code.archive if code else None,
         code_commit=code.commit if code else None,
         parent_hugging_face=job.hugging_face_start.uri if job.hugging_face_start else None,
+        environment=code.environment.sha256 if code and code.environment else None,
     )
 
 
