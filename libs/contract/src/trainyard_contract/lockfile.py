@@ -154,8 +154,8 @@ def _from_pylock(text: str, path: str, environment: Mapping[str, str] | None) ->
                                 "only packages from the operator's index")
         name, version = _pinned(f"{package.get('name')}=={package.get('version')}", where)
         files = _files(package)
-        hashes = [_sha256(str((f.get("hashes") or {}).get("sha256", "")), f"{where} ({name})")
-                  for f in files if isinstance(f, dict)]
+        hashes = [_sha256(str(h), f"{where} ({name})") for f in files
+                  if isinstance(f, dict) and (h := (f.get("hashes") or {}).get("sha256"))]
         if not hashes:
             raise LockError(f"{where} ({name}): no sha256 hash of any of its files; lock it again with hashes")
         pins.append(Pin(name, version, tuple(hashes)))

@@ -315,7 +315,9 @@ class EnvPlan:
 
 
 @dataclass(frozen=True)
-class _Build:
+class BuildRequest:
+    """What :meth:`EnvCache.build` is handed: the plan, and where the installer's lines go."""
+
     plan: EnvPlan
     progress: Progress
 
@@ -362,7 +364,7 @@ class EnvCache(SealedCache):
 
     async def acquire(self, plan: EnvPlan, progress: Progress) -> Sealed:
         """The verified environment of ``plan``, built if needed, pinned until :meth:`release`."""
-        entry = await self.acquire_entry(plan.hex, _Build(plan, progress))
+        entry = await self.acquire_entry(plan.hex, BuildRequest(plan, progress))
         if not entry.materialised:
             REUSED.inc()
         return entry
@@ -370,7 +372,7 @@ class EnvCache(SealedCache):
     def build(self, staging_tree: Path, hex_digest: str, source: Any) -> dict[str, Any]:
         """Install the plan's pins into ``staging_tree`` (see :class:`Installer`), then check nothing they need is
         missing."""
-        assert isinstance(source, _Build)
+        assert isinstance(source, BuildRequest)
         plan = source.plan
         staging_tree.mkdir(parents=True)
         requirements = staging_tree.parent / REQUIREMENTS_FILE
