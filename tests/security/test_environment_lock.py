@@ -126,7 +126,8 @@ def test_a_pylock_file_url_is_never_followed(tmp_path: Path) -> None:
 
 def test_no_build_code_of_a_package_runs_on_the_node(tmp_path: Path) -> None:
     marker = tmp_path / "setup-py-ran-as-root"
-    setup = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pwned')\nfrom setuptools import setup\nsetup()\n"
+    setup = (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('pwned')\n"
+             "from setuptools import setup\nsetup()\n")
     index = tmp_path / "index"
     index.mkdir()
     sdist = index / "evil-1.0.tar.gz"

@@ -85,8 +85,9 @@ def uv_lock(project: str, wheels: Sequence[Wheel], *, direct: Sequence[str] | No
     def deps(names: Iterable[str]) -> str:
         return "[" + ", ".join(f'{{ name = "{n}" }}' for n in names) + "]"
 
+    roots = direct if direct is not None else [w.name for w in wheels]
     out = [f'version = 1\nrequires-python = ">=3.11"\n\n[[package]]\nname = "{project}"\nversion = "0.1.0"\n'
-           f'source = {{ virtual = "." }}\ndependencies = {deps(direct if direct is not None else [w.name for w in wheels])}\n']
+           f'source = {{ virtual = "." }}\ndependencies = {deps(roots)}\n']
     for w in wheels:
         out.append(f'\n[[package]]\nname = "{w.name}"\nversion = "{w.version}"\n'
                    f'source = {{ registry = "https://pypi.org/simple" }}\n'
