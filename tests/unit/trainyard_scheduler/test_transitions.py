@@ -500,6 +500,16 @@ def test_a_node_building_the_environment_shows_on_the_attempt_and_holds_off_the_
     assert timeout.job.current.failure_reason.startswith("start-timeout: 0 of 2 ranks started")
 
 
+def test_how_ranks_started_is_counted_on_the_attempt() -> None:
+    job = admitted(new_job())
+    cold = started(job, 0).model_copy(update={"start": "cold", "start_detail": "user code starts in a new interpreter"})
+    job = tr.worker_started(job, cold, at(1)).job
+    job = tr.worker_started(job, started(job, 1).model_copy(update={"start": "warm"}), at(1)).job
+    job = tr.worker_started(job, cold, at(2)).job  # a duplicate counts once
+    assert job.current.starts == {"cold": 1, "warm": 1}
+    assert job.current.start_detail == "user code starts in a new interpreter"
+
+
 def test_environment_progress_of_a_stale_attempt_or_after_its_end_changes_nothing() -> None:
     job = admitted(new_job())
     assert tr.environment_noted(job, environment(job, "building", epoch=0), at(1)).changed is False

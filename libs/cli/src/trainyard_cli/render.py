@@ -255,7 +255,11 @@ def environment_rows(job: Job) -> list[tuple[str, str]]:
     if not job.attempts:
         return []
     rows = []
-    for node, e in sorted(job.attempts[-1].environment.items()):
+    latest = job.attempts[-1]
+    if latest.starts:
+        how = ", ".join(f"{n} {mode}" for mode, n in sorted(latest.starts.items()))
+        rows.append(("ranks started", how + (f" ({latest.start_detail})" if latest.start_detail else "")))
+    for node, e in sorted(latest.environment.items()):
         if e.state == "building":
             what = f"preparing environment: building {e.packages} package(s), {e.elapsed_seconds:.0f}s"
         elif e.state == "ready":

@@ -88,6 +88,10 @@ class AttemptRecord(Record):
     )
     assignments: list[NodeAssignment] = Field(default=[], description="node → ranks, as in GangAllocated")
     checkpoint_every_steps: int | None = Field(default=None, description="as in GangAllocated")
+    starts: dict[str, int] = Field(default={}, exclude_if=lambda v: not v,
+                                   description="how its ranks started: warm | cold → how many (WorkerStarted.start)")
+    start_detail: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                     description="why the latest rank to start cold did")
     environment: dict[str, NodeEnvironment] = Field(
         default={}, exclude_if=lambda v: not v,
         description="node → its preparation of the job's environment (code.environment), while and after it ran")

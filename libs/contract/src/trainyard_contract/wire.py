@@ -91,6 +91,9 @@ class AttemptView(ApiModel):
     placement_detail: PlacementDetail | None = Field(
         default=None, description="how local the gang's placement is: domains, racks, tiers and the links "
                                   "crossing them (the placement score explained)")
+    starts: dict[str, int] = Field(default={}, description="how its ranks started: warm (forked from an interpreter "
+                                                           "that had imported torch) | cold → how many")
+    start_detail: str | None = Field(default=None, description="why the latest rank to start cold did")
     environment: dict[str, NodeEnvironmentView] = Field(
         default={}, description="node → its preparation of the job's environment (preparing environment: building "
                                 "with the installer's progress, ready, cached or failed)")

@@ -96,6 +96,7 @@ def attempt_view(a: AttemptRecord) -> AttemptView:
         nodes=list(a.nodes), world_size=a.world_size, start_checkpoint=a.start_checkpoint,
         started_at=a.started_at, ended_at=a.ended_at, failure_reason=a.failure_reason,
         interruption=a.interruption, placement_score=a.placement_score, placement_detail=a.placement_detail,
+        starts=dict(a.starts), start_detail=a.start_detail,
         environment={node: NodeEnvironmentView.model_validate(e.model_dump()) for node, e in a.environment.items()},
     )
 

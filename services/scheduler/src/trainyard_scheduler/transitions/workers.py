@@ -44,6 +44,10 @@ def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outco
         attempt = new.attempts[-1]
         if event.rank not in attempt.started_ranks:
             attempt.started_ranks = sorted([*attempt.started_ranks, event.rank])
+            if event.start is not None:
+                attempt.starts = {**attempt.starts, event.start: attempt.starts.get(event.start, 0) + 1}
+                if event.start == "cold" and event.start_detail:
+                    attempt.start_detail = event.start_detail
         attempt.state = "running"
         events: list[Event] = []
         if new.state == "queued":
