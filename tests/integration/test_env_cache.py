@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.wheels import Wheel, probe_wheel, pylock, requirements_lock, uv_lock
+from tests.support.wheels import Wheel, make_wheel, probe_wheel, pylock, requirements_lock, uv_lock
 from trainyard_contract.lockfile import LockError
 from trainyard_contract.spec import Environment
 from trainyard_node_agent.envcache import (
@@ -40,7 +40,8 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Wheel]:
     where = tmp_path_factory.mktemp("index")
     return {"probe1": probe_wheel(where, "1.0.0"), "probe2": probe_wheel(where, "2.0.0"),
             "dep": probe_wheel(where, "1.0.0", name="tydep", requires=["typrobe>=1"]),
-            "needs2": probe_wheel(where, "1.0.0", name="tyneeds", requires=["typrobe>=2"])}
+            "needs2": probe_wheel(where, "1.0.0", name="tyneeds", requires=["typrobe>=2"]),
+            "typing": make_wheel(where, "typing", "3.7.4.3", {"typing.py": "BACKPORT = True\n"})}
 
 
 def cache_at(root: Path, index: dict[str, Wheel], *, max_bytes: int = 10**9) -> EnvCache:
@@ -108,8 +109,9 @@ def test_an_environment_built_over_another_base_is_built_again(tmp_path: Path, i
     acquire(first, tree, env)
     upgraded = cache_at(tmp_path / "cache", index)
     upgraded.base = replace(upgraded.base, protected={**upgraded.base.protected, "torch": "9.9.9"})
+    tampered = TAMPERED._value.get()
     _, fresh, _ = acquire(upgraded, tree, env)
-    assert fresh
+    assert fresh and TAMPERED._value.get() == tampered  # out of date is not tampered: no alarm
 
 
 @pytest.mark.parametrize(("lock", "says"), [
@@ -121,6 +123,8 @@ def test_an_environment_built_over_another_base_is_built_again(tmp_path: Path, i
     ("tyneeds==1.0.0 --hash=sha256:{needs2}\ntyprobe==1.0.0 --hash=sha256:{probe1}\n",
      "is not complete: tyneeds 1.0.0 needs typrobe>=2 (1.0.0 found)"),
     ("pydantic==1.10.13 --hash=sha256:" + "1" * 64 + "\n", "would replace the node's own pydantic==1.10.13"),
+    ("torch==2.0.0 --hash=sha256:" + "1" * 64 + "\n", "would replace the node's own torch==2.0.0"),
+    ("typing==3.7.4.3 --hash=sha256:{typing}\n", "installs typing, which would shadow the standard library's"),
 ])
 def test_a_bad_lock_is_the_jobs_fault_in_the_installers_words(tmp_path: Path, index: dict[str, Wheel],
                                                               lock: str, says: str) -> None:

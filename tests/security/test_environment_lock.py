@@ -77,10 +77,10 @@ def test_the_api_refuses_a_lock_that_would_choose_where_packages_come_from(line:
     assert "not allowed" in problems[0].message or "not an exact pin" in problems[0].message
 
 
-def test_the_api_refuses_torch_or_the_sdk_in_a_lock() -> None:
+def test_the_api_refuses_the_platforms_own_packages_in_a_lock() -> None:
     _, problems = environment_pinned(spec_with_lock("requirements.txt"),
-                                     f"torch==2.0.0 --hash=sha256:{'a' * 64}\n".encode())
-    assert problems[0].field == "code.environment.lock" and "torch is the node's own" in problems[0].message
+                                     f"trainyard-sdk==0.0.1 --hash=sha256:{'a' * 64}\n".encode())
+    assert problems[0].field == "code.environment.lock" and "trainyard-sdk is the node's own" in problems[0].message
 
 
 def test_the_api_reads_the_lock_from_the_archive_headers_without_following_or_filling_memory() -> None:

@@ -43,7 +43,6 @@ typing_extensions==4.16.0 --hash sha256:{C}
     ("x==1.0", "has no --hash=sha256"),
     ("x==1.0 --hash=md5:abc", "is not a sha256 hash"),
     (f"x==1.0 --hash=sha256:{A} --no-binary :all:", "'--no-binary' is not allowed after a requirement"),
-    (f"torch==2.0.0 --hash=sha256:{A}", "torch is the node's own"),
     (f"trainyard_sdk==9 --hash=sha256:{A}", "trainyard-sdk is the node's own"),
 ])
 def test_what_a_lock_may_not_say_is_refused_with_its_line(line: str, says: str) -> None:
@@ -132,6 +131,42 @@ wheels = [{{ url = "https://files.pythonhosted.org/pytest.whl", hash = "sha256:{
 def test_uv_lock_installs_what_the_project_needs_here_not_its_dev_or_other_platform_packages() -> None:
     pins = parse_lock(UV_LOCK, "uv.lock", environment=LINUX_311)
     assert [(p.name, p.version) for p in pins] == [("einops", "0.8.1"), ("tydep", "2.0"), ("typrobe", "1.0")]
+
+
+def test_uv_lock_keeps_torch_for_the_node_to_judge_but_not_what_torch_needs_and_follows_extras() -> None:
+    text = UV_LOCK.replace('{ name = "tydep" },', '{ name = "tydep" }, { name = "torch" }, '
+                                                  '{ name = "httpx", extra = ["http2"] },')
+    text += f"""
+[[package]]
+name = "torch"
+version = "2.13.0"
+source = {{ registry = "https://pypi.org/simple" }}
+dependencies = [{{ name = "nvidia-cublas-cu12" }}]
+wheels = [{{ url = "https://files.pythonhosted.org/torch.whl", hash = "sha256:{A}", size = 1 }}]
+
+[[package]]
+name = "nvidia-cublas-cu12"
+version = "12.0"
+source = {{ registry = "https://pypi.org/simple" }}
+wheels = [{{ url = "https://files.pythonhosted.org/cublas.whl", hash = "sha256:{B}", size = 1 }}]
+
+[[package]]
+name = "httpx"
+version = "0.28.1"
+source = {{ registry = "https://pypi.org/simple" }}
+wheels = [{{ url = "https://files.pythonhosted.org/httpx.whl", hash = "sha256:{A}", size = 1 }}]
+
+[package.optional-dependencies]
+http2 = [{{ name = "h2" }}]
+
+[[package]]
+name = "h2"
+version = "4.3.0"
+source = {{ registry = "https://pypi.org/simple" }}
+wheels = [{{ url = "https://files.pythonhosted.org/h2.whl", hash = "sha256:{C}", size = 1 }}]
+"""
+    names = [p.name for p in parse_lock(text, "uv.lock", environment=LINUX_311)]
+    assert names == ["einops", "h2", "httpx", "torch", "tydep", "typrobe"]  # no nvidia-*: torch's needs are the node's
 
 
 def test_uv_lock_with_a_path_or_git_dependency_is_refused() -> None:

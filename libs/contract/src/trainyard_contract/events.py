@@ -271,7 +271,8 @@ class WorkerStarted(Event):
 class EnvironmentPreparing(Event):
     """A node prepares a job's environment (``code.environment``) before its ranks there start: building it
     (sent again as it progresses), ready (built now, or found in the node's cache), or failed (the ranks then
-    exit ``config`` with the same detail). Every one restarts the attempt's start time-out."""
+    exit with the same detail: ``config`` for the lock's fault, ``error`` for the node's). Every one restarts the
+    attempt's start time-out."""
 
     topic: ClassVar[str] = WORKERS
     event_type: Literal["EnvironmentPreparing"] = "EnvironmentPreparing"
@@ -283,7 +284,7 @@ class EnvironmentPreparing(Event):
     environment: str = Field(description="sha256:<hex> of the lock")
     state: Literal["building", "ready", "failed"]
     cached: bool = Field(default=False, description="ready from the node's cache, not built for this attempt")
-    packages: int = Field(default=0, description="distributions the lock adds to the base")
+    packages: int = Field(default=0, description="distributions the lock pins for this node's Python")
     elapsed_seconds: float = 0.0
     detail: str | None = Field(default=None, description="the installer's latest line, or why it failed")
 

@@ -13,9 +13,10 @@ of its files — which is all the node ever hands the installer (:func:`requirem
 
 Whatever could make the installer read, fetch or run something the operator did not choose is refused with
 the line it is on: options inside the file (``--index-url``, ``-r other.txt``, ``-e``, ``--find-links``…),
-URLs, paths, VCS references, a pin without ``==`` or without a sha256 hash, and the base's own packages
-(:data:`BASE_PACKAGES`: torch and the trainyard SDK stay the node's; the lock adds to them). Which
-*versions* exist, and whether two pins conflict, is the resolver's to say on the node.
+URLs, paths, VCS references, a pin without ``==`` or without a sha256 hash, and the platform's own packages
+(:data:`PLATFORM_PACKAGES`, the trainyard SDK: the node's). Whether a pin would replace the node's torch or
+what it needs is the node's to say (it knows its versions); which *versions* exist, and whether two pins
+conflict, the resolver's.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ LockFormat = Literal["requirements", "pylock", "uv"]
 
 #: The largest lock the API and the node read (a full lock of a large project is a few hundred KiB).
 MAX_LOCK_BYTES = 4 * 1024 * 1024
-#: Distributions a lock may not name: the node's base provides them, the platform's ranks depend on them.
-BASE_PACKAGES = frozenset({"torch", "trainyard-sdk", "trainyard-contract"})
+#: Distributions a lock may never name: the platform's own, which every rank runs on.
+PLATFORM_PACKAGES = frozenset({"trainyard-sdk", "trainyard-contract"})
+#: The base's roots: a uv.lock's project depends on torch to run anywhere, but what torch needs is the node's
+#: (not followed); a pin of torch itself is kept for the node to compare with its own (same version: not
+#: installed again; another: refused).
+BASE_ROOTS = frozenset({"torch", *PLATFORM_PACKAGES})
 #: Lock files ``trainyard submit --code DIR`` picks up from the top of the tree, in this order
 #: (``requirements.txt`` only when it carries hashes: without them it is a wish list, not a lock).
 LOCK_NAMES = ("pylock.toml", "uv.lock", "requirements.lock", "requirements.txt")
@@ -92,9 +97,9 @@ def parse_lock(text: str, path: str, *, environment: Mapping[str, str] | None = 
 
 
 def base_problems(pins: Iterable[Pin], path: str) -> list[str]:
-    """Pins of the base's own packages (refused: the lock adds to the base, never replaces it)."""
+    """Pins of the platform's own packages (refused: the lock adds to the base, never replaces it)."""
     return [f"{path} pins {p.name}=={p.version}: {p.name} is the node's own (the base every rank runs on); "
-            f"remove it from the lock (the job gets the node's {p.name})" for p in pins if p.name in BASE_PACKAGES]
+            f"remove it from the lock (the job gets the node's {p.name})" for p in pins if p.name in PLATFORM_PACKAGES]
 
 
 def requirements_text(pins: Iterable[Pin]) -> str:
@@ -175,13 +180,20 @@ def _from_uv_lock(text: str, path: str, environment: Mapping[str, str] | None) -
         by_name.setdefault(canonicalize_name(str(package["name"])), []).append(package)
     pins: dict[str, Pin] = {}
     todo = list(_edges(roots[0], path, environment))
+    seen: set[tuple[str, str | None, tuple[str, ...]]] = set()
     while todo:
-        name, version = todo.pop()
+        name, version, extras = todo.pop()
+        if (name, version, extras) in seen:
+            continue
+        seen.add((name, version, extras))
         candidates = [p for p in by_name.get(name, []) if version is None or str(p.get("version")) == version]
         if len(candidates) != 1:
             raise LockError(f"{path}: the dependency {name}{'==' + version if version else ''} is "
                             f"{'missing from' if not candidates else 'ambiguous in'} the lock; run `uv lock` again")
         package = candidates[0]
+        for extra in extras:  # what an extra adds (httpx[http2] → h2)
+            optional = (package.get("optional-dependencies") or {}).get(extra) or []
+            todo.extend(_edges({"name": name, "dependencies": optional}, path, environment))
         if name in pins:
             continue
         kind = _source_kind(package)
@@ -194,7 +206,8 @@ def _from_uv_lock(text: str, path: str, environment: Mapping[str, str] | None) -
         if not hashes:
             raise LockError(f"{path}: {name} has no sha256 hash of any of its files")
         pins[name] = Pin(*_pinned(f"{name}=={package.get('version')}", f"{path} ({name})"), tuple(hashes))
-        todo.extend(_edges(package, path, environment))
+        if name not in BASE_ROOTS:  # what torch needs is the node's: not followed
+            todo.extend(_edges(package, path, environment))
     return list(pins.values())
 
 
@@ -205,14 +218,16 @@ def _files(package: Mapping[str, Any]) -> list[Any]:
 
 
 def _edges(package: Mapping[str, Any], path: str,
-           environment: Mapping[str, str] | None) -> Iterable[tuple[str, str | None]]:
+           environment: Mapping[str, str] | None) -> Iterable[tuple[str, str | None, tuple[str, ...]]]:
+    """(name, version or None, extras) of each dependency of a uv.lock package that applies here."""
     for dep in package.get("dependencies") or []:
         if not isinstance(dep, dict) or "name" not in dep:
             continue
         if (marker := dep.get("marker")) and not _applies(str(marker), f"{path} ({package.get('name')})", environment):
             continue
         version = dep.get("version")
-        yield canonicalize_name(str(dep["name"])), str(version) if version is not None else None
+        extras = tuple(sorted(str(e) for e in dep.get("extra") or []))
+        yield canonicalize_name(str(dep["name"])), str(version) if version is not None else None, extras
 
 
 def _source_kind(package: Mapping[str, Any]) -> str | None:

@@ -138,8 +138,8 @@ def base_environment(python: str | None = None) -> BaseEnvironment:
 def layer(pins: Sequence[Pin], base: BaseEnvironment, lock: str) -> list[Pin]:
     """What to install over ``base`` for ``pins``: the base's protected distributions stay (a pin of one at its
     version is dropped, at another version refused: :class:`EnvironmentBuildError`), everything else is."""
-    refused = [f"{p.name}=={p.version} (the node has {p.name} {base.protected[p.name]}, which torch or the trainyard "
-               "SDK needs)" for p in pins if p.name in base.protected and not _same(p.version, base.protected[p.name])]
+    refused = [f"{p.name}=={p.version} (the node has {p.name} {base.protected[p.name]})" for p in pins
+               if p.name in base.protected and not _same(p.version, base.protected[p.name])]
     if refused:
         raise EnvironmentBuildError(
             f"{lock} would replace the node's own {', '.join(refused)}: an environment adds to the base (torch, the "
@@ -181,8 +181,9 @@ def _needed(req: Requirement, markers: Mapping[str, str]) -> bool:
 
 
 def _same(a: str, b: str) -> bool:
+    """The same release: ``2.13.0`` is the node's ``2.13.0+cpu`` (a local build of it)."""
     try:
-        return Version(a) == Version(b)
+        return Version(a).public == Version(b).public
     except InvalidVersion:
         return a == b
 
@@ -391,6 +392,11 @@ class EnvCache(SealedCache):
             with contextlib.suppress(FileNotFoundError):
                 (staging_tree / leftover).unlink()
         installed = installed_in(staging_tree)
+        if shadowed := sorted(top_level_names(staging_tree) & set(sys.stdlib_module_names)):
+            FAILED.labels("job").inc()
+            raise EnvironmentBuildError(
+                f"{plan.lock} installs {', '.join(shadowed)}, which would shadow the standard library's module of the "
+                "same name (the environment comes first on the import path): remove that backport from the lock")
         if unmet := unmet_requirements(installed, self.base):
             FAILED.labels("job").inc()
             raise EnvironmentBuildError(
@@ -401,10 +407,20 @@ class EnvCache(SealedCache):
         return {"environment": plan.environment, "lock": plan.lock, "base": self.base.fingerprint(),
                 "packages": {n: v for n, (v, _) in sorted(installed.items())}}
 
-    def entry_problems(self, hex_digest: str, meta: dict[str, Any]) -> list[str]:
+    def stale(self, hex_digest: str, meta: dict[str, Any]) -> list[str]:
         if meta.get("base") != self.base.fingerprint():
             return ["built over another base (the node's Python, torch or SDK changed since)"]
         return []
+
+
+def top_level_names(target: Path) -> set[str]:
+    """The importable top-level names an install target provides (packages, modules, extension modules)."""
+    names = set()
+    for entry in target.iterdir():
+        if entry.name.endswith((".dist-info", ".data")) or entry.name in ("bin", "__pycache__"):
+            continue
+        names.add(entry.name.split(".", 1)[0] if entry.is_file() else entry.name)
+    return names
 
 
 def installed_in(target: Path) -> dict[str, tuple[str, list[str]]]:

@@ -57,10 +57,11 @@ class EnvironmentPreparer:
             await self._say(event, environment.sha256 or environment.lock, "failed", started, detail=str(exc))
             raise
         reporter = _Reporter()
+        ticker = None
         if not self.cache.cached(plan.hex):
             await self._say(event, plan.environment, "building", started, packages=plan.packages,
                             detail=f"installing {len(plan.pins)} package(s) over the node's base")
-        ticker = asyncio.create_task(self._tick(event, plan, started, reporter))
+            ticker = asyncio.create_task(self._tick(event, plan, started, reporter))
         loop = asyncio.get_running_loop()
 
         def progress(line: str) -> None:  # from the build's thread
@@ -69,11 +70,13 @@ class EnvironmentPreparer:
         try:
             entry = await self.cache.acquire(plan, progress)
         except (ConfigError, OSError) as exc:
-            ticker.cancel()
+            if ticker is not None:
+                ticker.cancel()
             await self._say(event, plan.environment, "failed", started, packages=plan.packages, detail=str(exc))
             raise
         finally:
-            ticker.cancel()
+            if ticker is not None:
+                ticker.cancel()
         await self._say(event, plan.environment, "ready", started, packages=plan.packages,
                         cached=not entry.materialised,
                         detail=None if not entry.materialised else reporter.line)

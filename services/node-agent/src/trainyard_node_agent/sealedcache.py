@@ -10,8 +10,9 @@ An entry is ``<cache dir>/<hex>/``: ``tree/`` (files 0444 or 0555, directories 0
   digest is written, the tree made read-only, then the whole entry renamed into place. Two agents or attempts
   racing on one hash both build; the first rename wins, the loser drops its copy and uses the winner's (rename
   of a directory onto a non-empty one fails atomically).
-* Before every launch the tree is verified against its digest (and :meth:`SealedCache.entry_problems`); a
-  tampered entry is counted, moved aside (atomic rename to ``.quarantine/<hex>-<n>``) and built again. It is
+* Before every launch the tree is verified against its digest; a
+  tampered entry is counted, moved aside (atomic rename to ``.quarantine/<hex>-<n>``) and built again (an intact
+  one the subclass finds out of date, :meth:`SealedCache.stale`, too, without the alarm). It is
   not deleted there and then: ranks of an earlier attempt may still run from it. Collection deletes a
   quarantined tree once no live rank uses that hash (:func:`choose_purges`, pure).
 * Eviction (:func:`choose_evictions`, pure): past ``max_bytes`` the least recently used entries that no live
@@ -137,7 +138,7 @@ class Sealed:
 
 class SealedCache:
     """A cache of sealed trees under ``root``; see the module docstring. Subclasses say how a tree is built
-    (:meth:`build`) and what more an intact entry must satisfy (:meth:`entry_problems`). ``close()`` drops its
+    (:meth:`build`) and when an intact entry is out of date (:meth:`stale`). ``close()`` drops its
     holds. ``what`` names the entries in logs (``code tree``, ``environment``)."""
 
     what = "tree"
@@ -164,8 +165,9 @@ class SealedCache:
         fault, OSError for this node's."""
         raise NotImplementedError
 
-    def entry_problems(self, hex_digest: str, meta: dict[str, Any]) -> list[str]:
-        """More reasons an entry whose tree matches its digest must not be used (empty: usable)."""
+    def stale(self, hex_digest: str, meta: dict[str, Any]) -> list[str]:
+        """Why an intact entry (its tree matches its digest) is out of date and must be built again (empty: it is
+        current), e.g. built over another base. Not tampering: it is moved aside and rebuilt without alarm."""
         return []
 
     # ------------------------------------------------------------------ acquiring
@@ -192,14 +194,19 @@ class SealedCache:
         entry = self.entry_dir(hex_digest)
         if entry.is_dir():
             problems = self.problems(hex_digest)
-            if not problems:
+            stale = [] if problems else self.stale(hex_digest, self.meta(hex_digest))
+            if not problems and not stale:
                 self._touch(hex_digest)
                 return Sealed(hex_digest, self.tree_dir(hex_digest), materialised=False)
-            self.counters.tampered.inc()
             moved = self.quarantine(hex_digest)
-            log.error("cached %s sha256:%s does not match its digest (%s): moved aside to %s (ranks still running "
-                      "from it keep it until they end) and building it again", self.what, hex_digest,
-                      "; ".join(problems[:5]), moved or "(moved by another agent)")
+            if problems:
+                self.counters.tampered.inc()
+                log.error("cached %s sha256:%s does not match its digest (%s): moved aside to %s (ranks still running "
+                          "from it keep it until they end) and building it again", self.what, hex_digest,
+                          "; ".join(problems[:5]), moved or "(moved by another agent)")
+            else:
+                log.info("cached %s sha256:%s is out of date (%s): moved aside to %s and building it again",
+                         self.what, hex_digest, "; ".join(stale), moved or "(moved by another agent)")
         self.materialise(hex_digest, source)
         problems = self.problems(hex_digest)
         if problems:  # only a concurrent writer could do this: never run it
@@ -209,16 +216,15 @@ class SealedCache:
         return Sealed(hex_digest, self.tree_dir(hex_digest), materialised=True)
 
     def problems(self, hex_digest: str) -> list[str]:
-        """Differences between the cached tree and its stored digest, and :meth:`entry_problems` (empty: intact)."""
+        """Differences between the cached tree and its stored digest (empty: intact)."""
         try:
             expected = TreeDigest.loads((self.entry_dir(hex_digest) / DIGEST).read_text())
-            meta = json.loads((self.entry_dir(hex_digest) / META).read_text())
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            return [f"{DIGEST} or {META}: unreadable ({exc})"]
+            return [f"{DIGEST}: unreadable ({exc})"]
         tree = self.tree_dir(hex_digest)
         if not tree.is_dir():
             return [f"{TREE}/: missing"]
-        return verify_tree(tree, expected) or self.entry_problems(hex_digest, meta)
+        return verify_tree(tree, expected)
 
     def materialise(self, hex_digest: str, source: Any) -> None:
         """Build, digest, seal and rename one entry into place (losing a race is fine)."""
