@@ -12,14 +12,16 @@ from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
 
 
-def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[LocalStack]:
-    """Up (two nodes of four CPU devices), tinycorpus@v1 published; down afterwards, whatever happened."""
+def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str, *,
+                  extra_env: dict[str, str] | None = None) -> Iterator[LocalStack]:
+    """Up (two nodes of four CPU devices), tinycorpus@v1 published; down afterwards, whatever happened.
+    ``extra_env``: settings every service gets (the node agents' package index, say)."""
     settings = StackSettings(
         state_dir=tmp_path_factory.mktemp(name) / ".trainyard",
         kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
         nodes=2, devices_per_node=4, ready_timeout_s=180,
     )
-    stack = LocalStack(settings)
+    stack = LocalStack(settings, extra_env=extra_env)
     try:
         stack.up()
         prepare_and_publish(stack)
