@@ -80,6 +80,7 @@ function header(view, ctx, refresh) {
         h("div", { class: "bar", id: "job-progress", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": max, "aria-valuenow": pr.globalStep || 0, "aria-label": "training progress" }, h("span", { style: `width:${(done * 100).toFixed(1)}%` })),
         h("div", { id: "job-step" }, `step ${int(pr.globalStep || 0)} of ${int(max)}`, eta != null ? ` · about ${seconds(eta)} left` : ""),
         view.queuedReason ? h("p", { class: "notice", id: "job-queued-reason" }, `Waiting: ${view.queuedReason}`) : null,
+        environmentNotice(view),
         view.reason ? h("p", { class: "muted", id: "job-reason" }, view.reason) : null),
       h("dl", { class: "kv" },
         h("dt", {}, "loss"), h("dd", {}, num(pr.lastLoss, 4)),
@@ -92,6 +93,17 @@ function header(view, ctx, refresh) {
           onclick: async () => { try { await control(ctx, view.jobId, action, label); await refresh(); } catch (e) { notify(e.message); } },
         }, action[0].toUpperCase() + action.slice(1))),
         h("a", { href: `#/lab?${labQuery(view)}`, id: "open-lab" }, "Open in the Lab"))));
+}
+
+// Each node's preparation of the job's environment (code.environment), while the latest attempt starts.
+function environmentNotice(view) {
+  const attempt = view.attempts.at(-1);
+  const nodes = Object.entries(attempt?.environment || {});
+  if (!nodes.length || !["queued", "running"].includes(view.state) || Object.keys(attempt.starts || {}).length) return null;
+  const building = nodes.filter(([, e]) => e.state === "building");
+  if (!building.length) return null;
+  return h("p", { class: "notice", id: "job-environment" }, "Preparing environment: ",
+    ...building.map(([node, e]) => h("span", {}, `${node} building ${e.packages} package(s), ${Math.round(e.elapsedSeconds)}s${e.detail ? ` — ${e.detail}` : ""}. `)));
 }
 
 function lineage(view, artifacts) {
