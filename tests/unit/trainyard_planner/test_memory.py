@@ -144,8 +144,9 @@ def test_sequence_parallel_and_selective_recompute_cut_activations_5x() -> None:
 @pytest.mark.parametrize("pp", [2, 4, 8, 16, 32])
 def test_first_pipeline_stage_holds_all_layers_worth_whatever_p(pp: int) -> None:
     """Korthikanti §4.2.3: under 1F1B the first stage keeps p micro-batches of L/p layers, i.e.
-    sbhL/t (34 + 5as/h) regardless of p (plus small embedding-dropout masks)."""
-    layout = Layout(tp=T, pp=pp, sequence_parallel=True, microbatches=64)
+    sbhL/t (34 + 5as/h) regardless of p (plus small embedding-dropout masks). The paper's attention keeps its
+    score matrix (no fused kernel)."""
+    layout = Layout(tp=T, pp=pp, sequence_parallel=True, microbatches=64, fused_attention=False)
     s, h, a, L = GPT3.seq_len, GPT3.d_model, GPT3.n_heads, GPT3.n_layers
     closed_form = s * h * L / T * (34 + 5 * a * s / h)
     assert activations_bytes_per_device(GPT3, layout) == pytest.approx(closed_form, rel=0.005)
@@ -154,10 +155,32 @@ def test_first_pipeline_stage_holds_all_layers_worth_whatever_p(pp: int) -> None
 def test_interleaved_schedule_penalty() -> None:
     """Korthikanti §4.2.3: the interleaved schedule's first stage holds L (1 + (p-1)/(pm)) layers'
     worth, m being the interleaving stages: 1 + 7/16 for p = 8, m = 2."""
-    plain = Layout(tp=T, pp=8, sequence_parallel=True, microbatches=64)
+    plain = Layout(tp=T, pp=8, sequence_parallel=True, microbatches=64, fused_attention=False)
     interleaved = plain.model_copy(update={"schedule": Schedule.INTERLEAVED, "virtual_stages": 2})
     ratio = activations_bytes_per_device(GPT3, interleaved) / activations_bytes_per_device(GPT3, plain)
     assert ratio == pytest.approx(1 + 7 / 16, rel=0.005)
+
+
+def test_a_fused_attention_kernel_keeps_no_scores_and_llama_keeps_no_dropout_masks() -> None:
+    """A fused (flash) kernel keeps no score matrix, like selective recomputation (Korthikanti §5); a model
+    without dropout (Llama) keeps no masks: 8 of the 10 replicated sbh bytes, and 2 of the 5 as²b."""
+    fused = activations_bytes_per_device(GPT3, Layout(tp=T, sequence_parallel=True))
+    selective = activations_bytes_per_device(GPT3, Layout(tp=T, sequence_parallel=True, recompute="selective",
+                                                          fused_attention=False))
+    assert fused == pytest.approx(selective)
+    no_dropout = GPT3.model_copy(update={"dropout": False})
+    s, h, a = GPT3.seq_len, GPT3.d_model, GPT3.n_heads
+    kept = activation_bytes_per_layer(no_dropout)
+    assert kept == pytest.approx(activation_bytes_per_layer(GPT3) - 2 * s * h - 3 * a * s * s)
+
+
+def test_uneven_stages_put_one_layer_fewer_on_the_first_and_last() -> None:
+    """Llama 3 (§3.3.2): 126 layers on 16 stages, one fewer on the first and the last, which hold the embedding
+    and the output layer; a count that no such rule evens out goes to the middle stages, then the first."""
+    assert Layout(pp=16).stage_layers(126) == (7, *(8,) * 14, 7)
+    assert Layout(pp=4).stage_layers(128) == (32,) * 4
+    assert Layout(pp=4).stage_layers(11) == (3, 3, 3, 2)  # the last, with the output layer, has fewest
+    assert Layout(pp=2, layers_per_stage=(5, 7)).stage_layers(12) == (5, 7)
 
 
 def test_gpipe_holds_every_micro_batch() -> None:

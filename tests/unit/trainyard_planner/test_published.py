@@ -10,12 +10,16 @@ import pytest
 
 from trainyard_planner import (
     FlopsCount,
+    Layout,
     Recompute,
+    Schedule,
+    Topology,
     Transformer,
     device_spec,
     hardware_flops_per_token,
     hardware_training_flops,
     mfu,
+    estimate_step,
     model_flops_per_token,
     training_flops,
     training_time,
@@ -57,6 +61,43 @@ def test_narayanan_table_1_parameter_counts_and_share_of_peak(
     model = gpt(layers, hidden, heads)
     assert round(model.exact_parameters / 1e9, 1) == billions
     assert abs(100 * tflops * 1e12 / A100_PEAK - percent) <= 1
+
+
+# NVIDIA/Megatron-LM examples/sc21/run_table_1.sh, the authors' own layouts for Table 1: tensor, pipeline,
+# micro-batch, global batch, layers per virtual pipeline stage (None: 1F1B); every row fully recomputes
+# (--recompute-method uniform) and keeps the softmax's score matrix (2021: no fused attention).
+RUN_TABLE_1 = {
+    1.7: (1, 1, 16, 512, None), 3.6: (2, 1, 16, 512, None), 7.5: (4, 1, 16, 512, None), 18.4: (8, 1, 8, 1024, None),
+    39.1: (8, 2, 4, 1536, None), 76.1: (8, 4, 2, 1792, 5), 145.6: (8, 8, 2, 2304, 5), 310.1: (8, 16, 1, 2160, 3),
+    529.6: (8, 35, 1, 2520, 1), 1008.0: (8, 64, 1, 3072, None),
+}
+
+
+def table_1_layout(billions: float, layers: int, gpus: int) -> Layout:
+    tp, pp, micro, global_batch, per_chunk = RUN_TABLE_1[billions]
+    dp = gpus // (tp * pp)
+    chunks = layers // pp // per_chunk if per_chunk else 1
+    return Layout(dp=dp, tp=tp, pp=pp, micro_batch=micro, microbatches=global_batch // (micro * dp),
+                  recompute=Recompute.FULL, fused_attention=False, virtual_stages=chunks,
+                  schedule=Schedule.INTERLEAVED if chunks > 1 else Schedule.ONE_F_ONE_B)
+
+
+@pytest.mark.parametrize(("billions", "heads", "hidden", "layers", "gpus", "tflops", "percent"), NARAYANAN_TABLE_1)
+def test_narayanan_table_1_throughput_with_the_authors_layouts(
+    billions: float, heads: int, hidden: int, layers: int, gpus: int, tflops: float, percent: int,
+) -> None:
+    """Narayanan et al. 2021 Table 1, every row run as run_table_1.sh runs it on A100-80GB (Selene: 8 HDR NICs
+    per node): the planner's achieved TFLOP/s per GPU, counted as the paper counts them (hardware FLOPs, full
+    recomputation included), is the published figure to ±10 %, with the same default kernel and link settings
+    for every row. What separates the rows is what does not scale with the matmuls (the materialised softmax
+    of 24 heads on one GPU at micro-batch 16 against 20 heads per GPU at micro-batch 1), the pipeline bubble
+    (12 % at 1T) and the tensor-parallel all-reduces; the pipeline sends 1/t of each activation per GPU
+    (Megatron-LM's scatter/gather)."""
+    model = gpt(layers, hidden, heads)
+    device = device_spec("a100-80gb")
+    estimate = estimate_step(model, table_1_layout(billions, layers, gpus), device, Topology.for_device(device))
+    assert estimate.hardware_flops_per_second / 1e12 == pytest.approx(tflops, rel=0.10)
+    assert estimate.fits
 
 
 def test_narayanan_rates_count_full_recomputation() -> None:

@@ -15,15 +15,19 @@ Per step, per device (``Psi`` parameters on the device, ``m`` micro-batches, ``L
   backward, and a gradient reduce-scatter; with ``m = 1`` that is ``3 Psi`` against DDP's ``2 Psi``,
   the 1.5x of the ZeRO paper (§7.2.2);
 - tensor parallel (Megatron-LM): 2 all-reduces of the ``b s h`` activations per layer forward and 2
-  backward (2 more with full recomputation); sequence parallelism turns each into a reduce-scatter
-  + all-gather of the same volume. The volume is a layer's output, whatever the heads: grouped-query
-  attention narrows K and V inside each rank, not what the ranks exchange;
-- pipeline parallel: each micro-batch's activation forward and its gradient backward, ``b s h``
-  16-bit values, across each stage boundary (divided by ``t`` with sequence parallelism), ``v``
-  times with ``v`` interleaved chunks.
+  backward (2 more with full recomputation), on the fullest stage's layers; sequence parallelism turns
+  each into a reduce-scatter + all-gather of the same volume. The volume is a layer's output, whatever
+  the heads: grouped-query attention narrows K and V inside each rank, not what the ranks exchange;
+- context parallel (Llama 3's all-gather variant): per layer the forward all-gathers the K and V of the
+  whole sequence (this rank's kv heads) and the backward reduce-scatters their gradients;
+- pipeline parallel: each micro-batch's activation forward and its gradient backward across each stage
+  boundary, ``v`` times with ``v`` interleaved chunks, ``b s h / t`` 16-bit values per rank: each tensor
+  rank sends its ``1/t`` and the next stage all-gathers it over NVLink (Megatron-LM's scatter/gather, on by
+  default; sequence parallelism splits the activation the same way).
 
-Tensor and pipeline traffic sits on the critical path; data-parallel traffic can overlap the
-backward pass by a configurable share (default none, which is the conservative choice).
+Bandwidths are a link's; a collective sustains ``collective_efficiency`` of it (NCCL's bus bandwidth on an
+A100 NVSwitch is about 0.8 of the link). Tensor, context and pipeline traffic sits on the critical path; what
+data-parallel traffic the backward pass hides is :func:`trainyard_planner.step.dp_exposed`'s to say.
 """
 
 from __future__ import annotations
@@ -140,6 +144,9 @@ class CommEstimate(Model):
     tp_bytes: float
     tp_seconds: float
     tp_tier: Tier | None
+    cp_bytes: float = 0.0
+    cp_seconds: float = 0.0
+    cp_tier: Tier | None = None
     pp_bytes: float
     pp_seconds: float
     pp_tier: Tier | None
@@ -158,26 +165,31 @@ def estimate_comm(
     weight_bytes: float = 2,
     activation_bytes: float = 2,
     bandwidth_factor: float = 1.0,
+    collective_efficiency: float = 0.8,
 ) -> CommEstimate:
     """Per-step communication of one device under ``layout`` (see the module docstring).
 
-    ``bandwidth_factor`` scales every link's bandwidth (a calibration, or the Lab's slider).
+    ``bandwidth_factor`` scales every link's bandwidth (a calibration, or the Lab's slider); a collective
+    sustains ``collective_efficiency`` of a link.
     """
-    if bandwidth_factor != 1.0:
+    factor = bandwidth_factor * collective_efficiency
+    if factor != 1.0:
         topology = topology.model_copy(update={
-            name: LinkTier(bandwidth=link.bandwidth * bandwidth_factor, latency=link.latency)
+            name: LinkTier(bandwidth=link.bandwidth * factor, latency=link.latency)
             for name, link in (("nvlink", topology.nvlink), ("intra_rack", topology.intra_rack),
                                ("cross_rack", topology.cross_rack))
         })
-    activation = activation_bytes * layout.micro_batch * model.seq_len * model.d_model
+    activation = activation_bytes * layout.micro_batch * model.seq_len // layout.cp * model.d_model
     dp_bytes, dp_seconds, dp_tier = _data_parallel(model, layout, topology, gradient_bytes, weight_bytes)
     tp_bytes, tp_seconds, tp_tier = _tensor_parallel(model, layout, topology, activation)
+    cp_bytes, cp_seconds, cp_tier = _context_parallel(model, layout, topology, activation_bytes)
     pp_bytes, pp_seconds, pp_tier = _pipeline_parallel(layout, topology, activation)
     return CommEstimate(
         dp_bytes=dp_bytes, dp_seconds=dp_seconds, dp_tier=dp_tier,
         tp_bytes=tp_bytes, tp_seconds=tp_seconds, tp_tier=tp_tier,
+        cp_bytes=cp_bytes, cp_seconds=cp_seconds, cp_tier=cp_tier,
         pp_bytes=pp_bytes, pp_seconds=pp_seconds, pp_tier=pp_tier,
-        total_seconds=dp_seconds + tp_seconds + pp_seconds,
+        total_seconds=dp_seconds + tp_seconds + cp_seconds + pp_seconds,
     )
 
 
@@ -186,9 +198,9 @@ def _data_parallel(model: Transformer, layout: Layout, topology: Topology, gradi
     dp, m = layout.dp, layout.microbatches
     if dp == 1:
         return _NONE
-    tier = topology.tier_for(layout.tp * (dp - 1) + 1)
+    tier = topology.tier_for(layout.tp * layout.cp * (dp - 1) + 1)
     link = topology.link(tier)
-    params = model.stage_parameters(layout.pp) / layout.tp
+    params = model.stage_parameters(layout.pp, layout.stage_layers(model.n_layers)) / layout.tp
     grads, weights = gradient_bytes * params, weight_bytes * params
     if layout.zero_stage <= ZeroStage.OPTIMIZER:
         return allreduce_bytes(grads, dp), allreduce_seconds(grads, dp, link), tier
@@ -208,17 +220,29 @@ def _tensor_parallel(model: Transformer, layout: Layout, topology: Topology,
         return _NONE
     tier = topology.tier_for(tp)
     per_layer = 6 if layout.recompute is Recompute.FULL else 4
-    count = per_layer * math.ceil(model.n_layers / layout.pp) * layout.microbatches
+    count = per_layer * max(layout.stage_layers(model.n_layers)) * layout.microbatches
     return (count * allreduce_bytes(activation, tp),
             count * allreduce_seconds(activation, tp, topology.link(tier)), tier)
+
+
+def _context_parallel(model: Transformer, layout: Layout, topology: Topology,
+                      activation_bytes: float) -> tuple[float, float, Tier | None]:
+    cp = layout.cp
+    if cp == 1:
+        return _NONE
+    tier = topology.tier_for(layout.tp * (cp - 1) + 1)
+    kv = 2 * activation_bytes * layout.micro_batch * model.seq_len * model.kv_width / layout.tp  # K and V
+    passes = 3 if layout.recompute is Recompute.FULL else 2  # forward all-gather, backward reduce-scatter
+    count = passes * max(layout.stage_layers(model.n_layers)) * layout.microbatches
+    return (count * all_gather_bytes(kv, cp), count * all_gather_seconds(kv, cp, topology.link(tier)), tier)
 
 
 def _pipeline_parallel(layout: Layout, topology: Topology, activation: float) -> tuple[float, float, Tier | None]:
     if layout.pp == 1:
         return _NONE
     # The slowest boundary between adjacent stages sets the pace of the whole pipeline.
-    tier = topology.tier_for(layout.tp * layout.dp * (layout.pp - 1) + 1)
-    message = activation / (layout.tp if layout.sequence_parallel else 1)
+    tier = topology.tier_for(layout.tp * layout.cp * layout.dp * (layout.pp - 1) + 1)
+    message = activation / layout.tp  # scatter/gather: each tensor rank sends its share
     sends = 2 * layout.microbatches * layout.interleaving
     return sends * message, sends * send_seconds(message, topology.link(tier)), tier
 

@@ -123,21 +123,30 @@ class DeviceSpec(Model):
     nvlink_bandwidth: float = Field(gt=0, description="bytes/s per device inside the NVLink domain")
     network_bandwidth: float = Field(gt=0, description="bytes/s per device across nodes (its NIC)")
     nvlink_domain: int = Field(default=8, gt=0, description="devices per NVLink/NVSwitch domain")
+    memory_bandwidth: float = Field(default=2.0e12, gt=0, description="bytes/s of device memory (HBM)")
+    matmul_efficiency: float = Field(default=0.75, gt=0, le=1, description="the share of peak large bf16 matmuls "
+                                                                           "sustain on it (see kernels.py)")
 
 
 # Datasheet numbers: dense bf16 peak; NVLink 3 / 4 is 600 / 900 GB/s both directions together, so
-# 300 / 450 GB/s each way; one HDR (200 Gb/s) or NDR (400 Gb/s) InfiniBand NIC per GPU.
+# 300 / 450 GB/s each way; one HDR (200 Gb/s) or NDR (400 Gb/s) InfiniBand NIC per GPU; HBM bandwidth.
+# The matmul share is what large bf16 GEMMs sustain: about 250 of the A100's 312 TFLOP/s, about 690 of the
+# H100 SXM's 989 at its 700 W limit (cuBLAS; the datasheet peak assumes clocks a sustained GEMM does not keep).
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
         DeviceSpec(name="a100-40gb", peak_flops=312e12, memory_bytes=40 * GB,
-                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB),
+                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB, memory_bandwidth=1555 * GB,
+                   matmul_efficiency=0.80),
         DeviceSpec(name="a100-80gb", peak_flops=312e12, memory_bytes=80 * GB,
-                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB),
+                   nvlink_bandwidth=300 * GB, network_bandwidth=25 * GB, memory_bandwidth=2039 * GB,
+                   matmul_efficiency=0.80),
         DeviceSpec(name="h100-80gb", peak_flops=989e12, memory_bytes=80 * GB,
-                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB),
+                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB, memory_bandwidth=3350 * GB,
+                   matmul_efficiency=0.70),
         DeviceSpec(name="h200-141gb", peak_flops=989e12, memory_bytes=141 * GB,
-                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB),
+                   nvlink_bandwidth=450 * GB, network_bandwidth=50 * GB, memory_bandwidth=4800 * GB,
+                   matmul_efficiency=0.70),
     )
 }
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200": "h200-141gb"}
@@ -167,7 +176,7 @@ def cpu_device(
     return DeviceSpec(
         name=name, peak_flops=measured_peak_flops, memory_bytes=memory_bytes,
         nvlink_bandwidth=memory_bandwidth, network_bandwidth=memory_bandwidth,
-        nvlink_domain=devices_per_node,
+        nvlink_domain=devices_per_node, memory_bandwidth=memory_bandwidth, matmul_efficiency=1.0,
     )
 
 

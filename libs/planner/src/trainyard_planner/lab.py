@@ -43,7 +43,7 @@ from trainyard_planner.memory import (
     estimate_memory, model_states_per_device,
 )
 from trainyard_planner.model import Transformer
-from trainyard_planner.step import DEFAULT_EFFICIENCY, StepEstimate, estimate_step
+from trainyard_planner.step import StepEstimate, estimate_step
 
 MIN_PARAMETERS = 1e6
 MAX_PARAMETERS = 1e15
@@ -248,6 +248,7 @@ class ScalingPoint(Model):
     fits: bool
     memory_bytes_per_device: float = Field(description="memory used per device")
     bottleneck: Bottleneck
+    matmul_efficiency: float = Field(default=0.0, description="the share of peak its matmuls sustain")
 
 
 class ScalingLab(Model):
@@ -287,8 +288,8 @@ def scaling_lab(
     tensor: int = 1,
     sharding: Sharding | str = Sharding.DDP,
     recompute: Recompute | str = Recompute.NONE,
-    efficiency: float = DEFAULT_EFFICIENCY,
-    dp_overlap: float = 0.0,
+    efficiency: float | None = None,
+    dp_overlap: float | None = None,
     bytes_per_parameter: BytesPerParameter = MIXED_PRECISION_ADAM,
     headroom: float = DEFAULT_HEADROOM,
     marginal_threshold: float = DEFAULT_MARGINAL_THRESHOLD,
@@ -298,9 +299,10 @@ def scaling_lab(
     """``global_batch`` sequences per step over each node count (strong scaling while every rank
     still gets a micro-batch), tensor parallel ``tensor`` inside a node and data parallel across.
 
-    With a step time measured on ``measured_nodes`` (a job opened in the Lab), the compute
-    efficiency is first fitted so that the planner's step there equals the measurement: the
-    communication is the model's, compute takes the rest."""
+    ``efficiency``: the matmuls' share of peak (default: by their shape, :mod:`.kernels`). With a step time
+    measured on ``measured_nodes`` (a job opened in the Lab), that share is first fitted so that the planner's
+    step there equals the measurement: the communication and the memory-bound kernels are the model's, the
+    matmuls take the rest."""
     sharding, recompute = Sharding(sharding), Recompute(recompute)
     counts = sorted(set(nodes))
     if not counts or counts[0] < 1:
@@ -318,10 +320,11 @@ def scaling_lab(
 
     fitted = None
     if measured_step_seconds is not None and measured_nodes is not None:
-        step = estimate_step(model, layout_for(measured_nodes), device, topology, efficiency=efficiency,
-                             dp_overlap=dp_overlap, bytes_per_parameter=bytes_per_parameter, headroom=headroom)
-        efficiency, fitted = fit_efficiency(step.compute_seconds * (1 + step.bubble_ratio),
-                                            step.exposed_comm_seconds, measured_step_seconds, efficiency)
+        efficiency, fitted = fit_to_measurement(
+            lambda e: estimate_step(model, layout_for(measured_nodes), device, topology, efficiency=e,
+                                    dp_overlap=dp_overlap, bytes_per_parameter=bytes_per_parameter,
+                                    headroom=headroom),
+            measured_step_seconds, efficiency)
         fitted = f"{fitted} (measured {measured_step_seconds:g} s per step on {measured_nodes} nodes)"
     points: list[ScalingPoint] = []
     for n in counts:
@@ -335,7 +338,7 @@ def scaling_lab(
         rule=f"adding devices stops helping once the tokens/s they add per device falls below "
              f"{marginal_threshold:g} x the first point's tokens/s per device",
         interconnect_bandwidth=topology.intra_rack.bandwidth, intra_node_bandwidth=topology.nvlink.bandwidth,
-        compute_efficiency=efficiency, fitted=fitted,
+        compute_efficiency=efficiency if efficiency is not None else points[0].matmul_efficiency, fitted=fitted,
     )
 
 
@@ -367,7 +370,28 @@ def scaling_point(nodes: int, devices: int, step: StepEstimate, earlier: Sequenc
         tokens_per_second=step.tokens_per_second, tokens_per_second_per_device=per_device, mfu=step.mfu,
         efficiency=per_device / base, marginal_efficiency=marginal, fits=step.fits,
         memory_bytes_per_device=step.memory.used_bytes_per_device, bottleneck=step.bottleneck,
+        matmul_efficiency=step.stage.matmul_efficiency if step.stage else 0.0,
     )
+
+
+def fit_to_measurement(estimate: Callable[[float | None], StepEstimate], measured_seconds: float,
+                       efficiency: float | None, rounds: int = 6) -> tuple[float, str]:
+    """The matmul share of peak at which ``estimate`` gives the measured step: the matmuls scale with it, the
+    memory-bound kernels and the communication do not (what the backward hides of the data-parallel traffic
+    moves with it a little, so the fit is repeated until it settles)."""
+    said = ""
+    for _ in range(rounds):
+        step = estimate(efficiency)
+        assert step.stage is not None
+        share = step.stage.matmul_seconds / step.stage.seconds if step.stage.seconds else 1.0
+        busy = step.compute_seconds * (1 + step.bubble_ratio)
+        fitted, said = fit_efficiency(busy * share, step.exposed_comm_seconds + busy * (1 - share),
+                                      measured_seconds, step.stage.matmul_efficiency)
+        if efficiency is not None and abs(fitted - efficiency) <= 1e-9 * efficiency:
+            break
+        efficiency = fitted
+    assert efficiency is not None
+    return efficiency, said
 
 
 def fit_efficiency(compute_seconds: float, comm_seconds: float, measured_seconds: float,

@@ -1,9 +1,13 @@
 """A parallel layout: how one training step is split over devices.
 
-``world = dp x tp x pp`` and ``global batch = micro_batch x dp x microbatches`` (the seed's
+``world = dp x tp x cp x pp`` and ``global batch = micro_batch x dp x microbatches`` (the seed's
 ``micro_batch_per_gpu x data_parallel_size x gradient_accumulation_steps``). Ranks are ordered
-tensor-fastest, then data, then pipeline (Megatron-LM's order), which decides what link each
+tensor-fastest, then context, then data, then pipeline (Megatron-LM's order), which decides what link each
 group's collectives cross.
+
+Context parallelism (``cp``) splits each sequence over ``cp`` ranks (Llama 3's 131K run: CP 16); pipeline
+stages may hold uneven numbers of layers (:meth:`Layout.stage_layers`: 126 layers on 16 stages put one fewer on
+the first and the last, where the embedding and the output layer sit, as Llama 3 does).
 """
 
 from __future__ import annotations
@@ -56,10 +60,34 @@ class Layout(Model):
     recompute: Recompute = Recompute.NONE
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = Field(default=1, gt=0, description="model chunks per device (interleaved schedule)")
+    cp: int = Field(default=1, gt=0, description="context-parallel degree: ranks sharing each sequence")
+    fused_attention: bool = Field(default=True, description="a fused (flash) attention kernel: no score matrix in "
+                                                            "memory; False for the materialised softmax of 2021")
+    layers_per_stage: tuple[int, ...] | None = Field(
+        default=None, description="transformer layers of each pipeline stage; default: Layout.stage_layers")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
+
+    def stage_layers(self, n_layers: int) -> tuple[int, ...]:
+        """Layers per pipeline stage: as given, else even when ``pp`` divides them, else one fewer on the first
+        and last stages when that makes the rest even (they hold the embedding and the output layer), else the
+        remainder spread over the middle stages."""
+        if self.layers_per_stage is not None:
+            return self.layers_per_stage
+        p = self.pp
+        if n_layers % p == 0:
+            return (n_layers // p,) * p
+        if p > 2 and (n_layers + 2) % p == 0:
+            inner = (n_layers + 2) // p
+            return (inner - 1, *(inner,) * (p - 2), inner - 1)
+        base, extra = divmod(n_layers, p)
+        middle = list(range(1, p - 1)) + [0, p - 1]
+        counts = [base] * p
+        for i in middle[:extra]:
+            counts[i] += 1
+        return tuple(counts)
 
     @property
     def global_batch(self) -> int:
@@ -72,9 +100,16 @@ class Layout(Model):
         return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
 
     def describe(self) -> str:
-        """A short human label, e.g. ``dp 8 tp 1 pp 1 zero 3 micro 2 recompute none``."""
-        return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {int(self.zero_stage)} "
-                f"micro {self.micro_batch} recompute {self.recompute.value}")
+        """A short human label: ``dp 8 tp 8 sp pp 16 1f1b×2 zero 1 micro 1×32 recompute full``."""
+        parts = [f"dp {self.dp}", f"tp {self.tp}" + (" sp" if self.sequence_parallel and self.tp > 1 else "")]
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
+        pp = f"pp {self.pp}"
+        if self.pp > 1:
+            pp += f" {self.schedule.value}" + (f"×{self.virtual_stages}" if self.interleaving > 1 else "")
+        parts += [pp, f"zero {int(self.zero_stage)}", f"micro {self.micro_batch}×{self.microbatches}",
+                  f"recompute {self.recompute.value}"]
+        return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------- a spec's layout

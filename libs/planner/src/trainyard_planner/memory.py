@@ -39,13 +39,12 @@ buffers and fragmentation: a layout needs ``used / (1 - headroom)`` bytes of dev
 
 from __future__ import annotations
 
-import math
 
 from pydantic import Field
 
 from trainyard_planner._private import Model, gb
 from trainyard_planner.bubble import inflight_microbatches
-from trainyard_planner.layout import Layout, Recompute, ZeroStage
+from trainyard_planner.layout import Layout, Recompute, Schedule, ZeroStage
 from trainyard_planner.model import Transformer
 
 DEFAULT_HEADROOM = 0.15
@@ -112,7 +111,7 @@ def model_states_per_device(
     """(weights, gradients, optimizer) bytes on the fullest device: the ZeRO stage divides by ``dp``
     what it shards, ``tp`` and the fullest pipeline stage split the parameters."""
     bpp, dp, stage = bytes_per_parameter, layout.dp, layout.zero_stage
-    params = model.stage_parameters(layout.pp) / layout.tp
+    params = model.stage_parameters(layout.pp, layout.stage_layers(model.n_layers)) / layout.tp
     weights = bpp.weights * params / (dp if stage >= ZeroStage.PARAMETERS else 1)
     gradients = bpp.gradients * params / (dp if stage >= ZeroStage.GRADIENTS else 1)
     optimizer = bpp.optimizer_total * params / (dp if stage >= ZeroStage.OPTIMIZER else 1)
@@ -126,18 +125,24 @@ def activation_bytes_per_layer(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: Recompute | str = Recompute.NONE,
+    cp: int = 1,
+    fused_attention: bool = False,
 ) -> float:
-    """Activations one transformer layer keeps for its backward pass (Korthikanti Table 2)."""
+    """Activations one transformer layer keeps for its backward pass (Korthikanti Table 2); ``cp`` ranks share
+    the sequence; a fused attention kernel keeps no score matrix (as selective recomputation)."""
     recompute = Recompute(recompute)
-    s, b, h, a, f = model.seq_len, micro_batch, model.d_model, model.n_heads, model.ffn_width
+    s, b, h, a, f = model.seq_len // cp, micro_batch, model.d_model, model.n_heads, model.ffn_width
     sbh = s * b * h
     if recompute is Recompute.FULL:
         return 2 * sbh / (tp if sequence_parallel else 1)
     mlp = (8 if model.gated_mlp else 4) * s * b * f
-    replicated = 10 * sbh  # layer-norm inputs, QKV and MLP inputs, two dropout masks
+    # layer-norm inputs, QKV and MLP inputs, and two 1-byte dropout masks (none without dropout: Llama)
+    replicated = (10 if model.dropout else 8) * sbh
     kv = 4 * sbh * model.kv_width // model.attention_width  # K and V: narrower than Q under GQA
     split = 4 * sbh + kv + mlp  # Q, K, V, projection input, MLP intermediates
-    attention = 0 if recompute is Recompute.SELECTIVE else 5 * a * s * s * b  # softmax, mask, dropout
+    # softmax output, its dropout mask and output (the softmax output alone without dropout)
+    kept_scores = 0 if recompute is Recompute.SELECTIVE or fused_attention else (5 if model.dropout else 2)
+    attention = kept_scores * a * s * model.seq_len * b
     if sequence_parallel:
         return (replicated + split + attention) / tp
     return replicated + (split + attention) / tp
@@ -147,28 +152,32 @@ def activations_bytes_per_device(model: Transformer, layout: Layout) -> float:
     """Peak activations on the busiest pipeline stage (the first, or the last with its output layer)."""
     t, p = layout.tp, layout.pp
     per_layer = activation_bytes_per_layer(
-        model, micro_batch=layout.micro_batch, tp=t,
-        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+        model, micro_batch=layout.micro_batch, tp=t, sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute, cp=layout.cp, fused_attention=layout.fused_attention,
     )
     # Full recomputation rebuilds one layer's activations at a time during the backward pass.
     working = 0.0
     if layout.recompute is Recompute.FULL:
         working = activation_bytes_per_layer(
             model, micro_batch=layout.micro_batch, tp=t, sequence_parallel=layout.sequence_parallel,
+            cp=layout.cp, fused_attention=layout.fused_attention,
         )
-    sbh = model.seq_len * layout.micro_batch * model.d_model
+    sbh = model.seq_len // layout.cp * layout.micro_batch * model.d_model
     output = 4 * sbh / t * (1 + model.vocab_size / model.d_model)
-    stage_layers = math.ceil(model.n_layers / p)
+    embedding_masks = sbh / t if model.dropout else 0.0
     if p == 1:
-        return model.n_layers * per_layer + working + sbh / t + output
+        return model.n_layers * per_layer + working + embedding_masks + output
+    counts = layout.stage_layers(model.n_layers)
     inflight = inflight_microbatches(layout.schedule, p, layout.microbatches)
-    layers: float = stage_layers * inflight
     v = layout.interleaving
-    if v > 1:
-        layers *= 1 + (p - 1) / (p * v)
-    first = layers * per_layer + working + sbh * inflight / t  # + embedding dropout masks
-    last = stage_layers * per_layer + working + output
-    return max(first, last)
+    scale = 1 + (p - 1) / (p * v) if v > 1 else 1.0
+    # stage i holds the activations of p - i micro-batches under 1F1B (at most m; all m under GPipe)
+    gpipe = layout.schedule is Schedule.GPIPE
+    held = [counts[i] * (inflight if gpipe else min(layout.microbatches, p - i)) * scale for i in range(p)]
+    first = held[0] * per_layer + working + embedding_masks * inflight
+    middle = max(held) * per_layer + working
+    last = held[-1] * per_layer + working + output
+    return max(first, middle, last)
 
 
 def estimate_memory(
@@ -182,7 +191,7 @@ def estimate_memory(
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     bpp = bytes_per_parameter
-    params = model.stage_parameters(layout.pp) / layout.tp
+    params = model.stage_parameters(layout.pp, layout.stage_layers(model.n_layers)) / layout.tp
     weights, gradients, optimizer = model_states_per_device(model, layout, bpp)
     states = weights + gradients + optimizer
     activations = activations_bytes_per_device(model, layout)
@@ -195,8 +204,8 @@ def estimate_memory(
         model_states_bytes_per_device=states,
         model_states_bytes_total=model_states_bytes(model.parameters, bpp),
         activation_bytes_per_layer=activation_bytes_per_layer(
-            model, micro_batch=layout.micro_batch, tp=layout.tp,
-            sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+            model, micro_batch=layout.micro_batch, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+            recompute=layout.recompute, cp=layout.cp, fused_attention=layout.fused_attention,
         ),
         activations_bytes_per_device=activations,
         used_bytes_per_device=used,

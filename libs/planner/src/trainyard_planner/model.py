@@ -78,6 +78,8 @@ class Transformer(Model):
         default=None, gt=0,
         description="a parameter count given by the user; used for model states instead of the shape's",
     )
+    dropout: bool = Field(default=True, description="dropout after attention and the MLP (its masks are kept "
+                                                    "for the backward); Llama has none")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> Transformer:
@@ -142,7 +144,7 @@ class Transformer(Model):
         """The count used for model states: the declared one when given, else the exact one."""
         return self.declared_parameters or self.exact_parameters
 
-    def stage_parameters(self, pipeline: int) -> float:
+    def stage_parameters(self, pipeline: int, layers: tuple[int, ...] | None = None) -> float:
         """Parameters held by the fullest of ``pipeline`` stages (before tensor parallelism).
 
         Layers are split as evenly as possible; the first stage also holds the input embedding and
@@ -152,9 +154,11 @@ class Transformer(Model):
         """
         if pipeline == 1:
             return float(self.parameters)
-        layers = math.ceil(self.n_layers / pipeline) * self.parameters_per_layer
+        counts = layers or (math.ceil(self.n_layers / pipeline),) * pipeline
+        per = self.parameters_per_layer
         head = self.output_parameters + (self.vocab_size * self.d_model if self.tied_embeddings else 0)
-        fullest = max(layers + self.input_embedding_parameters, layers + head)
+        fullest = max(counts[0] * per + self.input_embedding_parameters, counts[-1] * per + head,
+                      max(counts) * per)
         return fullest * self.parameters / self.exact_parameters
 
     @classmethod
@@ -170,7 +174,7 @@ class Transformer(Model):
             d_ff=config.ffn_width, vocab_size=config.vocab_size,
             seq_len=seq_len or config.max_seq_len,
             tied_embeddings=not llama, learned_positions=not llama, biases=not llama, gated_mlp=llama,
-            n_kv_heads=config.n_kv_heads if llama else None,
+            n_kv_heads=config.n_kv_heads if llama else None, dropout=not llama,
         )
 
     @classmethod

@@ -21,7 +21,7 @@ from trainyard_planner.compute import DeviceSpec
 from trainyard_planner.layout import Layout, Recompute, Schedule, ZeroStage
 from trainyard_planner.memory import DEFAULT_HEADROOM, MIXED_PRECISION_ADAM, BytesPerParameter, estimate_memory
 from trainyard_planner.model import Transformer
-from trainyard_planner.step import DEFAULT_EFFICIENCY, StepEstimate, estimate_step
+from trainyard_planner.step import StepEstimate, estimate_step
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -120,8 +120,8 @@ def recommend(
     micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES,
     zero_stages: Iterable[ZeroStage | int] = tuple(ZeroStage),
     recomputes: Iterable[Recompute | str] = tuple(Recompute),
-    efficiency: float = DEFAULT_EFFICIENCY,
-    dp_overlap: float = 0.0,
+    efficiency: float | None = None,
+    dp_overlap: float | None = None,
     bandwidth_factor: float = 1.0,
     bytes_per_parameter: BytesPerParameter = MIXED_PRECISION_ADAM,
     headroom: float = DEFAULT_HEADROOM,
