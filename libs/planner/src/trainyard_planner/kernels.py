@@ -11,9 +11,9 @@ forward on one rank is
     matmuls / (peak x e(shape))  +  attention core / (peak x e x attention share)  +  bytes moved / HBM bandwidth
 
 ``e(shape)`` is the device's sustained matmul share (:attr:`DeviceSpec.matmul_efficiency`: A100 0.80, H100
-0.70, what large bf16 GEMMs sustain) scaled by ``d / (d + d_half)`` for the smallest GEMM dimension ``d`` (tiles
-go idle on thin matmuls). The backward pass costs twice the forward (matmuls and bytes alike); full
-recomputation runs the forward again, selective the attention core. The last stage adds the output layer
+0.60, what large bf16 GEMMs sustain through a run) scaled by ``d / (d + d_half)`` for the smallest GEMM
+dimension ``d`` (tiles go idle on thin matmuls). The backward pass costs twice the forward (matmuls and bytes
+alike); full recomputation runs the forward again, selective the attention core. The last stage adds the output layer
 (logits and the fp32 cross-entropy), not recomputed.
 
 Bytes moved per layer forward (:class:`KernelModel`): ``replicated_bytes`` per token per hidden unit (norms,
@@ -46,8 +46,9 @@ class KernelModel(Model):
                                                                "(scale, mask, softmax, dropout), forward")
     batched_attention: float = Field(default=0.6, gt=0, le=1, description="share of the matmul rate the "
                                                                           "unfused score and value matmuls reach")
-    fused_attention: float = Field(default=0.6, gt=0, le=1, description="share of the matmul rate a fused "
-                                                                        "(flash) attention kernel reaches")
+    fused_attention: float = Field(default=0.45, gt=0, le=1, description="share of the matmul rate a fused "
+                                                                         "(flash) attention kernel reaches "
+                                                                         "(FlashAttention-2 on an H100)")
     collective_efficiency: float = Field(default=0.8, gt=0, le=1, description="share of a link's bandwidth "
                                                                               "a collective sustains")
 

@@ -135,7 +135,8 @@ def activation_bytes_per_layer(
     sbh = s * b * h
     if recompute is Recompute.FULL:
         return 2 * sbh / (tp if sequence_parallel else 1)
-    mlp = (8 if model.gated_mlp else 4) * s * b * f
+    # GeLU: its input and output; a fused SwiGLU: its two inputs (gate and up) and the down projection's input
+    mlp = (6 if model.gated_mlp else 4) * s * b * f
     # layer-norm inputs, QKV and MLP inputs, and two 1-byte dropout masks (none without dropout: Llama)
     replicated = (10 if model.dropout else 8) * sbh
     kv = 4 * sbh * model.kv_width // model.attention_width  # K and V: narrower than Q under GQA
