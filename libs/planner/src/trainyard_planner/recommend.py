@@ -1,14 +1,17 @@
 """Enumerate parallel layouts for a model on a set of devices, rank the feasible ones, and say in
 words why each of the others fails.
 
-Candidates: every ``tp x pp x dp = devices`` with ``tp`` and ``pp`` dividing the device count,
-every ZeRO stage (stages above 0 only when ``dp > 1``, where they shard something), every
-micro-batch size offered and every recomputation mode. A candidate that cannot be built is
-rejected with its reason: ``tp`` must divide the attention heads, the key/value heads (fewer under
-grouped-query attention: each rank computes whole kv heads, those its query heads share) and the
-FFN width, as the trainer's tensor parallelism needs. Sequence parallelism is on whenever
-``tp > 1`` (same communication volume, less memory). Feasible layouts are ranked by estimated step
-time, then by memory.
+Candidates: every ``tp x cp x pp x dp = devices`` with ``tp``, ``cp`` and ``pp`` dividing the device count,
+every ZeRO stage (stages above 0 only when ``dp > 1``, where they shard something), every micro-batch size
+offered, every recomputation mode, sequence parallelism on and off (with ``tp > 1``), and the 1F1B and
+interleaved schedules (2, 4 or 8 chunks per device, where the stages' layers split into them and the
+micro-batches are a multiple of the stages, as Megatron-LM's interleaved schedule needs). Context parallelism
+is offered from 32K-token sequences (it only pays where the sequence is long). Pipeline stages may be uneven
+(:meth:`Layout.stage_layers`: 126 layers on 16 stages put one fewer at each end). A candidate that cannot be
+built is rejected with its reason: ``tp`` must divide the attention heads, the key/value heads (fewer under
+grouped-query attention: each rank computes whole kv heads, those its query heads share) and the FFN width, as
+the trainer's tensor parallelism needs; ``cp`` must divide the sequence. Feasible layouts are ranked by
+estimated step time, then by memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from trainyard_planner.step import StepEstimate, estimate_step
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 
 
+DEFAULT_CHUNKS = (1, 2, 4, 8)
+LONG_SEQUENCE = 32_768  # from here on, context parallelism is among the candidates
+
+
 class Candidate(Model):
     """One point of the search space, before it is known to be valid."""
 
@@ -35,9 +42,15 @@ class Candidate(Model):
     zero_stage: ZeroStage
     micro_batch: int
     recompute: Recompute
+    cp: int = 1
+    sequence_parallel: bool = True
+    virtual_stages: int = 1  # 1: 1F1B; more: the interleaved schedule
 
     def describe(self) -> str:
-        return (f"dp {self.dp} tp {self.tp} pp {self.pp} zero {int(self.zero_stage)} "
+        sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
+        cp = f" cp {self.cp}" if self.cp > 1 else ""
+        schedule = f" interleaved×{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"dp {self.dp} tp {self.tp}{sp}{cp} pp {self.pp}{schedule} zero {int(self.zero_stage)} "
                 f"micro {self.micro_batch} recompute {self.recompute.value}")
 
 
@@ -63,20 +76,27 @@ def candidates(
     micro_batches: Iterable[int] = DEFAULT_MICRO_BATCHES,
     zero_stages: Iterable[ZeroStage | int] = tuple(ZeroStage),
     recomputes: Iterable[Recompute | str] = tuple(Recompute),
+    context: Iterable[int] = (1,),
+    chunks: Iterable[int] = DEFAULT_CHUNKS,
+    sequence_parallel: Iterable[bool] = (True, False),
 ) -> Iterator[Candidate]:
-    """Every ``(dp, tp, pp, zero, micro, recompute)`` with ``dp x tp x pp = devices``."""
+    """Every ``(dp, tp, cp, pp, zero, micro, recompute, sp, chunks)`` with ``dp x tp x cp x pp = devices``."""
     stages = [ZeroStage(z) for z in zero_stages]
     modes = [Recompute(r) for r in recomputes]
-    micros = list(micro_batches)
+    micros, contexts, chunk_counts, sps = list(micro_batches), list(context), list(chunks), list(sequence_parallel)
     for tp in divisors(devices):
-        for pp in divisors(devices // tp):
-            dp = devices // (tp * pp)
-            for zero in stages:
-                if zero > ZeroStage.NONE and dp == 1:
-                    continue
-                for micro in micros:
-                    for mode in modes:
-                        yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=zero, micro_batch=micro, recompute=mode)
+        for cp in (c for c in contexts if (devices // tp) % c == 0):
+            for pp in divisors(devices // (tp * cp)):
+                dp = devices // (tp * cp * pp)
+                for zero in stages:
+                    if zero > ZeroStage.NONE and dp == 1:
+                        continue
+                    for v in (c for c in chunk_counts if c == 1 or pp > 1):
+                        for sp in sps if tp > 1 else [False]:
+                            for micro in micros:
+                                for mode in modes:
+                                    yield Candidate(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch=micro,
+                                                    recompute=mode, sequence_parallel=sp, virtual_stages=v)
 
 
 def shape_reasons(candidate: Candidate, model: Transformer, topology: Topology, global_batch: int) -> list[str]:
@@ -93,20 +113,26 @@ def shape_reasons(candidate: Candidate, model: Transformer, topology: Topology, 
         reasons.append(f"tensor {c.tp} does not divide the FFN width {model.ffn_width}")
     if c.pp > model.n_layers:
         reasons.append(f"pipeline {c.pp} exceeds {model.n_layers} layers")
-    elif model.n_layers % c.pp:
-        reasons.append(f"{model.n_layers} layers not divisible by pipeline {c.pp}")
+    elif c.virtual_stages > 1 and model.n_layers < c.pp * c.virtual_stages - 2:
+        reasons.append(f"{model.n_layers} layers cannot fill {c.virtual_stages} chunks on each of {c.pp} stages")
+    if model.seq_len % c.cp:
+        reasons.append(f"context {c.cp} does not divide the sequence of {model.seq_len} tokens")
     if global_batch % (c.micro_batch * c.dp):
         reasons.append(f"global batch {global_batch} not divisible by micro {c.micro_batch} × dp {c.dp}")
+    elif c.virtual_stages > 1 and (global_batch // (c.micro_batch * c.dp)) % c.pp:
+        reasons.append(f"the interleaved schedule needs micro-batches ({global_batch // (c.micro_batch * c.dp)}) "
+                       f"to be a multiple of the {c.pp} stages")
     return reasons
 
 
 def to_layout(candidate: Candidate, global_batch: int) -> Layout:
-    """The layout of a candidate whose shape is valid (1F1B, sequence parallel with TP)."""
+    """The layout of a candidate whose shape is valid."""
     c = candidate
     return Layout(
-        dp=c.dp, tp=c.tp, pp=c.pp, zero_stage=c.zero_stage, micro_batch=c.micro_batch,
-        microbatches=global_batch // (c.micro_batch * c.dp), sequence_parallel=c.tp > 1,
-        recompute=c.recompute, schedule=Schedule.ONE_F_ONE_B,
+        dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, zero_stage=c.zero_stage, micro_batch=c.micro_batch,
+        microbatches=global_batch // (c.micro_batch * c.dp), sequence_parallel=c.sequence_parallel and c.tp > 1,
+        recompute=c.recompute, virtual_stages=c.virtual_stages,
+        schedule=Schedule.INTERLEAVED if c.virtual_stages > 1 else Schedule.ONE_F_ONE_B,
     )
 
 
@@ -120,6 +146,8 @@ def recommend(
     micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES,
     zero_stages: Iterable[ZeroStage | int] = tuple(ZeroStage),
     recomputes: Iterable[Recompute | str] = tuple(Recompute),
+    context: Iterable[int] | None = None,
+    chunks: Iterable[int] = DEFAULT_CHUNKS,
     efficiency: float | None = None,
     dp_overlap: float | None = None,
     bandwidth_factor: float = 1.0,
@@ -133,8 +161,10 @@ def recommend(
     topology = topology or Topology.for_device(device)
     accepted: list[StepEstimate] = []
     rejected: list[RejectedLayout] = []
+    if context is None:
+        context = (1, 2, 4, 8, 16) if model.seq_len >= LONG_SEQUENCE else (1,)
     for candidate in candidates(devices, micro_batches=micro_batches, zero_stages=zero_stages,
-                                recomputes=recomputes):
+                                recomputes=recomputes, context=context, chunks=chunks):
         reasons = shape_reasons(candidate, model, topology, global_batch)
         if reasons:
             rejected.append(RejectedLayout(candidate=candidate, reasons=reasons))
