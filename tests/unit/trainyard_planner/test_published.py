@@ -204,3 +204,15 @@ def test_llama3_table_4_mfu(gpus: int, seq_len: int, tflops: float, mfu_percent:
     assert abs(100 * achieved - mfu_percent) <= 1
     if seq_len == 131072:
         assert per_token - 6 * model.parameters > 6 * model.parameters
+
+
+def test_the_planners_mfu_fed_back_into_compute_gives_its_step_time() -> None:
+    """One MFU definition: the MFU a step estimate reports, given to the time-to-train arithmetic for that
+    step's tokens (model FLOPs, the default count), gives back the estimate's step time."""
+    model, device = llama3_405b(8192), device_spec("h100-80gb")
+    layout = llama3_layout(8192, 1, 32)
+    estimate = estimate_step(model, layout, device, Topology.for_device(device))
+    tokens = estimate.tokens_per_step
+    time = training_time(model_flops_per_token(model) * tokens, devices=layout.world_size,
+                         peak_flops_per_device=device.peak_flops, mfu=estimate.mfu)
+    assert time.seconds == pytest.approx(estimate.step_seconds, rel=1e-9)

@@ -387,16 +387,19 @@ def compute_command(
     mfu: Annotated[float, typer.Option("--mfu", min=0.001, max=1.0, help="model FLOPs utilisation; 1 when "
                                        "--peak-tflops is already the sustained rate")] = 0.4,
     flops_counted: Annotated[FlopsCount, typer.Option(
-        "--flops", help="what --peak-tflops x --mfu counts: model FLOPs (6·N·D, what MFU divides) or hardware "
-                        "FLOPs (recomputation included, as Megatron-LM's achieved TFLOP/s)")] = FlopsCount.MODEL,
+        "--flops", help="what --peak-tflops x --mfu counts: model FLOPs (6N + 12·L·H·Q·T per token, PaLM's: what "
+                        "every MFU in trainyard divides) or hardware FLOPs (recomputation included, as "
+                        "Megatron-LM's achieved TFLOP/s)")] = FlopsCount.MODEL,
     recompute: Annotated[Recompute, typer.Option(
         "--recompute", help="activation recomputation the hardware FLOPs include (full: 8·N·D)")] = Recompute.NONE,
     as_json: JsonOpt = False,
 ) -> None:
-    """Training FLOPs (model 6·N·D and hardware), FLOPs per token, and days to train.
+    """Training FLOPs (6·N·D, model FLOPs with attention, hardware), and days to train.
 
-    The seed's: 6 x 70e9 x 1e12 = 4.2e23 FLOPs, about 63 days on 256
-    devices sustaining 300 TFLOP/s:
+    MFU divides model FLOPs: 6N + 12·L·H·Q·T per token (PaLM's; the same
+    count every MFU in trainyard uses). The seed's 6 x 70e9 x 1e12 =
+    4.2e23 FLOPs are 4.4e23 with attention at 2,048 tokens, about 66 days
+    on 256 devices sustaining 300 TFLOP/s:
 
         trainyard plan compute --params 70e9 --tokens 1e12 --devices 256
         --peak-tflops 300 --mfu 1
@@ -410,14 +413,15 @@ def compute_command(
     shape, label = resolve_model(model, params, seq_len, vocab)
     peak = peak_tflops * 1e12 if peak_tflops else device_option(device).peak_flops
     flops = training_flops(shape.parameters, tokens)
+    model_flops = model_flops_per_token(shape) * tokens
     hardware = hardware_training_flops(shape, tokens, recompute)
-    counted = hardware if flops_counted is FlopsCount.HARDWARE else flops
+    counted = hardware if flops_counted is FlopsCount.HARDWARE else model_flops
     time = _build("compute", lambda: training_time(counted, devices=devices, peak_flops_per_device=peak, mfu=mfu,
                                                    counts=flops_counted))
 
     def data() -> dict[str, Any]:
         return {"model": _model_wire(shape, label), "tokens": tokens, "trainingFlops": flops,
-                "modelFlops": model_flops_per_token(shape) * tokens, "hardwareFlops": hardware,
+                "modelFlops": model_flops, "hardwareFlops": hardware,
                 "modelFlopsPerToken": model_flops_per_token(shape),
                 "hardwareFlopsPerToken": hardware_flops_per_token(shape, recompute),
                 "attentionFlopsPerToken": attention_flops_per_token(shape), "recompute": recompute.value,
@@ -426,8 +430,8 @@ def compute_command(
     def view() -> RenderableType:
         rate = "MFU" if flops_counted is FlopsCount.MODEL else "hardware utilisation"
         return Group(_model_line(shape, label), _table("compute", [
-            ("model FLOPs (6·N·D)", f"{flops:.3g}"),
-            ("model FLOPs per token, with attention", f"{model_flops_per_token(shape):.3g}"),
+            ("6·N·D (without attention)", f"{flops:.3g}"),
+            ("model FLOPs (6N + 12·L·H·Q·T per token: what MFU divides)", f"{model_flops:.3g}"),
             (f"hardware FLOPs (recompute {recompute.value})", f"{hardware:.3g}"),
             (f"devices x peak x {rate}", f"{devices} x {peak / 1e12:.4g} TFLOP/s x {mfu:.0%}"),
             (f"time to train ({flops_counted.value} FLOPs)", f"{time.days:.1f} days ({time.seconds:.3g} s)"),
@@ -556,7 +560,8 @@ def checkpoint_command(
     """Checkpoint size, write stall, storage, Young and Daly intervals, work wasted.
 
     The seed's: 1 TB at 10 GB/s stalls 100 s; a job on 1024 devices fails
-    every ~49 h (50,000 h per device), so checkpoint about every 50 min:
+    every ~49 h (50,000 h per device), so checkpoint about every 98 min
+    (Young: √(2 x 100 s x 49 h); Daly's refinement 97.7 min):
 
         trainyard plan checkpoint --size-gb 1000 --write-bandwidth 10
         --devices 1024

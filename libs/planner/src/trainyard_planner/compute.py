@@ -70,7 +70,8 @@ def hardware_training_flops(model: Transformer, tokens: float, recompute: Recomp
 class FlopsCount(StrEnum):
     """What a throughput (a peak x MFU, an achieved TFLOP/s) counts.
 
-    ``model``: the model's own FLOPs, ``6 N`` per token (what MFU divides, PaLM's definition);
+    ``model``: the model's own FLOPs, ``6N + 12 L H Q T`` per token (PaLM's: what every MFU in trainyard
+    divides, attention included);
     ``hardware``: what the devices run, recomputation included (Megatron-LM's achieved TFLOP/s,
     hardware FLOPs utilisation)."""
 
@@ -79,7 +80,8 @@ class FlopsCount(StrEnum):
 
 
 class TrainingTime(Model):
-    flops: float = Field(description="the FLOPs divided by the rate: model (6ND) or hardware, as `counts` says")
+    flops: float = Field(description="the FLOPs divided by the rate: model (6N + 12LHQT per token) or hardware, as "
+                                     "`counts` says")
     devices: int
     peak_flops_per_device: float
     mfu: float

@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import IntEnum, StrEnum
 from typing import Protocol
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainyard_planner._private import Model
 
@@ -65,6 +65,26 @@ class Layout(Model):
                                                             "memory; False for the materialised softmax of 2021")
     layers_per_stage: tuple[int, ...] | None = Field(
         default=None, description="transformer layers of each pipeline stage; default: Layout.stage_layers")
+
+    @model_validator(mode="after")
+    def _interleaving_fits(self) -> Layout:
+        if self.schedule is Schedule.INTERLEAVED and self.virtual_stages > 1 and self.microbatches % self.pp:
+            raise ValueError(f"the interleaved schedule needs micro-batches ({self.microbatches}) to be a multiple "
+                             f"of the pipeline stages ({self.pp}), as Megatron-LM's does")
+        if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
+            raise ValueError(f"layersPerStage names {len(self.layers_per_stage)} stages; the pipeline has {self.pp}")
+        return self
+
+    def check_layers(self, n_layers: int) -> None:
+        """ValueError when ``n_layers`` cannot be laid out: more stages than layers, or too few layers for the
+        interleaved chunks (each stage's chunks hold a layer each at least; the end stages may give one chunk
+        to the embedding or the output layer)."""
+        if self.pp > n_layers:
+            raise ValueError(f"pipeline {self.pp} exceeds {n_layers} layers")
+        if self.layers_per_stage is not None and sum(self.layers_per_stage) != n_layers:
+            raise ValueError(f"layersPerStage holds {sum(self.layers_per_stage)} layers; the model has {n_layers}")
+        if self.interleaving > 1 and min(self.stage_layers(n_layers)) < self.interleaving - 1:
+            raise ValueError(f"{n_layers} layers cannot fill {self.interleaving} chunks on each of {self.pp} stages")
 
     @property
     def world_size(self) -> int:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from pydantic import ValidationError
+
 from trainyard_planner._private import Model, divisors
 from trainyard_planner.comm import Topology
 from trainyard_planner.compute import DeviceSpec
@@ -113,8 +115,6 @@ def shape_reasons(candidate: Candidate, model: Transformer, topology: Topology, 
         reasons.append(f"tensor {c.tp} does not divide the FFN width {model.ffn_width}")
     if c.pp > model.n_layers:
         reasons.append(f"pipeline {c.pp} exceeds {model.n_layers} layers")
-    elif c.virtual_stages > 1 and model.n_layers < c.pp * c.virtual_stages - 2:
-        reasons.append(f"{model.n_layers} layers cannot fill {c.virtual_stages} chunks on each of {c.pp} stages")
     if model.seq_len % c.cp:
         reasons.append(f"context {c.cp} does not divide the sequence of {model.seq_len} tokens")
     if global_batch % (c.micro_batch * c.dp):
@@ -169,8 +169,17 @@ def recommend(
         if reasons:
             rejected.append(RejectedLayout(candidate=candidate, reasons=reasons))
             continue
+        try:
+            layout = to_layout(candidate, global_batch)
+            layout.check_layers(model.n_layers)
+        except ValidationError as exc:
+            rejected.append(RejectedLayout(candidate=candidate, reasons=[str(e["msg"]) for e in exc.errors()]))
+            continue
+        except ValueError as exc:  # the interleaved chunks cannot be filled
+            rejected.append(RejectedLayout(candidate=candidate, reasons=[str(exc)]))
+            continue
         estimate = estimate_step(
-            model, to_layout(candidate, global_batch), device, topology,
+            model, layout, device, topology,
             efficiency=efficiency, dp_overlap=dp_overlap, bandwidth_factor=bandwidth_factor,
             bytes_per_parameter=bytes_per_parameter, headroom=headroom,
         )

@@ -96,6 +96,7 @@ def estimate_step(
     """Estimate one optimizer step of ``model`` under ``layout`` on ``device`` x world size."""
     if efficiency is not None and not 0 < efficiency <= 1 or dp_overlap is not None and not 0 <= dp_overlap <= 1:
         raise ValueError("efficiency must be in (0, 1] and dp_overlap in [0, 1]")
+    layout.check_layers(model.n_layers)
     world = layout.world_size
     memory = estimate_memory(model, layout, bytes_per_parameter=bytes_per_parameter, headroom=headroom)
     tokens = layout.global_batch * model.seq_len
