@@ -26,7 +26,6 @@ from rich.text import Text
 from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_contract.errors import ConfigError
 from trainyard_planner import (
-    DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,
     FP32_ADAM,
     MIXED_PRECISION_ADAM,
@@ -94,7 +93,8 @@ ModelOpt = Annotated[str | None, typer.Option(
     help="catalog reference (gpt-1b@v1), a YAML/JSON file holding a model or a training spec, or inline JSON")]
 ParamsOpt = Annotated[float | None, typer.Option(
     "--params", show_default=False, rich_help_panel="Model",
-    help="a parameter count instead of --model (70e9); a plausible GPT shape is derived for activations")]
+    help="a parameter count instead of --model (70e9); a GPT shape is guessed for activations (vocabulary "
+         "--vocab, width/depth near GPT-3's 128): give --model with the shape for a published model")]
 SeqLenOpt = Annotated[int | None, typer.Option(
     "--seq-len", min=1, show_default=False, rich_help_panel="Model",
     help="training sequence length (default: the model's maxSeqLen, the spec's, or 2048 with --params)")]
@@ -143,10 +143,13 @@ CrossRackOpt = Annotated[float | None, typer.Option("--cross-rack-bandwidth", mi
 
 HeadroomOpt = Annotated[float, typer.Option("--headroom", min=0.0, max=0.99,
                                             help="memory kept free for workspace and fragmentation")]
-EfficiencyOpt = Annotated[float, typer.Option("--efficiency", min=0.001, max=1.0,
-                                              help="share of peak the matmuls reach while computing")]
-OverlapOpt = Annotated[float, typer.Option("--dp-overlap", min=0.0, max=1.0,
-                                           help="share of data-parallel communication hidden by the backward")]
+EfficiencyOpt = Annotated[float | None, typer.Option(
+    "--efficiency", min=0.001, max=1.0, show_default=False,
+    help="share of peak the matmuls reach (default: by their shape and the device: A100 0.80, H100 0.60 for "
+         "large ones)")]
+OverlapOpt = Annotated[float | None, typer.Option(
+    "--dp-overlap", min=0.0, max=1.0, show_default=False,
+    help="share of data-parallel communication hidden by the backward (default: as DDP and FSDP hide it)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the planner's JSON (camelCase) instead of a table")]
 
 
@@ -293,9 +296,14 @@ def _model_wire(model: Transformer, label: str) -> dict[str, Any]:
 
 
 def _model_line(model: Transformer, label: str) -> Text:
-    shape = "shape derived from the count: " if label == "parameter count" else f"{label}: "
-    return Text(f"{fmt_count(model.parameters)} parameters ({shape}{model.n_layers} layers x {model.d_model} wide, "
-                f"{model.n_heads} heads, sequence {model.seq_len})", style="dim")
+    guessed = label == "parameter count"
+    shape = "shape guessed from the count: " if guessed else f"{label}: "
+    line = (f"{fmt_count(model.parameters)} parameters ({shape}{model.n_layers} layers x {model.d_model} wide, "
+            f"{model.n_heads} heads, vocabulary {model.vocab_size}, sequence {model.seq_len})")
+    if guessed:  # a published model's own shape differs (Megatron's 1T is 128 layers x 25600, 160 heads)
+        line += ("\nfor a published model give its shape: --model '{\"nLayers\": 128, \"dModel\": 25600, "
+                 "\"nHeads\": 160, \"vocabSize\": 51200, \"maxSeqLen\": 2048}' (or a YAML file)")
+    return Text(line, style="dim")
 
 
 def memory_rows(memory: MemoryBreakdown) -> list[tuple[str, str]]:
@@ -315,9 +323,14 @@ def memory_rows(memory: MemoryBreakdown) -> list[tuple[str, str]]:
 
 
 def short_layout(layout: Layout | Candidate) -> str:
-    """``32×8×1 z1 mb4 selective``: dp×tp×pp, ZeRO stage, micro-batch, recomputation."""
-    return (f"{layout.dp}×{layout.tp}×{layout.pp} z{int(layout.zero_stage)} mb{layout.micro_batch} "
-            f"{layout.recompute.value}")
+    """``64×8sp×16i8 z2 mb1×32 none``: dp×tp×pp (``sp`` sequence parallel, ``c16`` context parallel, ``i8`` the
+    interleaved schedule with 8 chunks), ZeRO stage, micro-batch × micro-batches, recomputation."""
+    chunks = layout.interleaving if isinstance(layout, Layout) else layout.virtual_stages
+    count = f"×{layout.microbatches}" if isinstance(layout, Layout) else ""
+    tp = f"{layout.tp}{'sp' if layout.sequence_parallel and layout.tp > 1 else ''}"
+    cp = f"c{layout.cp}×" if layout.cp > 1 else ""
+    pp = f"{layout.pp}{f'i{chunks}' if chunks > 1 else ''}"
+    return f"{layout.dp}×{cp}{tp}×{pp} z{int(layout.zero_stage)} mb{layout.micro_batch}{count} {layout.recompute.value}"
 
 
 def _verdict(memory: MemoryBreakdown, device: DeviceSpec) -> Text:
@@ -450,7 +463,7 @@ def comm_command(
     device: DeviceOpt = "h100-80gb", peak_tflops: PeakOpt = None, memory_gb: MemoryOpt = None,
     devices_per_node: PerNodeOpt = None, nodes_per_rack: PerRackOpt = 4, nvlink_bandwidth: NvlinkOpt = None,
     network_bandwidth: NetworkOpt = None, cross_rack_bandwidth: CrossRackOpt = None,
-    efficiency: EfficiencyOpt = DEFAULT_EFFICIENCY, dp_overlap: OverlapOpt = 0.0,
+    efficiency: EfficiencyOpt = None, dp_overlap: OverlapOpt = None,
     headroom: HeadroomOpt = DEFAULT_HEADROOM, as_json: JsonOpt = False,
 ) -> None:
     """Communication per step against compute, and where the bottleneck sits.
@@ -607,7 +620,7 @@ def recommend_command(
     devices_per_node: PerNodeOpt = None, nodes_per_rack: PerRackOpt = 4, nvlink_bandwidth: NvlinkOpt = None,
     network_bandwidth: NetworkOpt = None, cross_rack_bandwidth: CrossRackOpt = None,
     micro_batches: Annotated[str, typer.Option("--micro-batches", help="micro-batch sizes to try")] = "1,2,4,8",
-    efficiency: EfficiencyOpt = DEFAULT_EFFICIENCY, dp_overlap: OverlapOpt = 0.0,
+    efficiency: EfficiencyOpt = None, dp_overlap: OverlapOpt = None,
     headroom: HeadroomOpt = DEFAULT_HEADROOM,
     top: Annotated[int, typer.Option("--top", min=1, help="feasible layouts to show")] = 10,
     rejected: Annotated[int, typer.Option("--rejected", min=0, help="rejected layouts to show, simplest first")] = 5,
@@ -640,7 +653,8 @@ def recommend_command(
 
     def view() -> RenderableType:
         title = (f"{len(found.accepted)} feasible layouts on {devices} x {target.name}, global batch "
-                 f"{global_batch}, fastest first\n(layout: dp×tp×pp, ZeRO stage, micro-batch, recomputation)")
+                 f"{global_batch}, fastest first\n(layout: dp×tp×pp — sp sequence parallel, c context parallel, "
+                 "i interleaved chunks — ZeRO stage, micro-batch × micro-batches, recomputation)")
         parts: list[RenderableType] = [_model_line(shape, label), _accepted_table(title, found.accepted[:top])]
         if rejected and found.rejected:
             parts.append(_rejected_table(found.rejected, rejected))

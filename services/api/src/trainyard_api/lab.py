@@ -21,7 +21,6 @@ from starlette.concurrency import run_in_threadpool
 from trainyard_contract.catalog import MODEL_CATALOG, ModelConfig
 from trainyard_contract.errors import SpecError
 from trainyard_planner import (
-    DEFAULT_EFFICIENCY,
     DEFAULT_HEADROOM,
     BytesPerParameter,
     CheckpointLab,
@@ -126,8 +125,10 @@ class LabScalingRequest(_LabModelRequest):
     tensor: int = Field(default=1, gt=0, le=64, description="tensor-parallel degree inside a node")
     sharding: Sharding = Sharding.DDP
     recompute: Recompute = Recompute.NONE
-    efficiency: float = Field(default=DEFAULT_EFFICIENCY, ge=1e-4, le=1, description="share of peak while computing")
-    dp_overlap: float = Field(default=0.0, ge=0, le=1, description="share of DP communication hidden by backward")
+    efficiency: float | None = Field(default=None, ge=1e-4, le=1, description="the matmuls' share of peak (default: "
+                                                                             "by their shape and the device)")
+    dp_overlap: float | None = Field(default=None, ge=0, le=1, description="share of DP communication hidden by "
+                                                                           "backward (default: as DDP and FSDP do)")
     marginal_threshold: float = Field(default=DEFAULT_MARGINAL_THRESHOLD, ge=0.01, le=0.99,
                                       description="stopsHelpingAt: where added devices add less than this share of "
                                                   "a device's worth")

@@ -79,7 +79,6 @@ from trainyard_planner import (
     model_flops_per_token,
     plan_checkpoint,
     recommend,
-    training_flops,
     training_time,
     transformer_for,
 )
@@ -197,16 +196,20 @@ class PlanRequest(_In):
     precision: Literal["mixed", "fp32"] | PlanBytesPerParameter = Field(
         default="mixed", description='"mixed" (bf16 + fp32 Adam, 16 B), "fp32" (16 B), or bytes per kind')
     headroom: float = Field(default=DEFAULT_HEADROOM, ge=0, lt=1)
-    efficiency: float = Field(default=DEFAULT_EFFICIENCY, ge=1e-4, le=1,
-                              description="share of peak while computing")
-    dp_overlap: float = Field(default=0.0, ge=0, le=1, description="share of DP communication hidden by backward")
+    efficiency: float | None = Field(default=None, ge=1e-4, le=1,
+                                     description="the matmuls' share of peak (default: by their shape and the "
+                                                 "device, the planner's kernel model)")
+    dp_overlap: float | None = Field(default=None, ge=0, le=1,
+                                     description="share of DP communication hidden by backward (default: as DDP "
+                                                 "and FSDP hide it)")
     tokens: float | None = Field(default=None, ge=1, le=1e18, description="training tokens, for time to train")
     mfu: float | None = Field(default=None, ge=1e-4, le=1,
                               description="share of the peak sustained, counting the FLOPs `flops` names; default: "
                                           "the estimated layout's (its MFU, or its hardware utilisation)")
     flops: FlopsCount = Field(
         default=FlopsCount.MODEL,
-        description='what peak x mfu counts for time to train: "model" FLOPs (6ND, what MFU divides) or '
+        description='what peak x mfu counts for time to train: "model" FLOPs (6N + 12LHQT per token, what MFU '
+                    'divides) or '
                     '"hardware" FLOPs (the layout\'s recomputation included: full is ~8ND; Megatron-LM\'s '
                     "published TFLOP/s count these)")
     checkpoint: PlanCheckpoint | None = None
@@ -234,7 +237,7 @@ class ComputeSummary(_Out):
                                                         "recomputation runs again")
     recompute: Recompute = Field(description="the recomputation the hardware FLOPs include (the layout's)")
     tokens_per_step: int | None
-    training_flops: float | None = Field(description="model FLOPs, 6 N D, with `tokens`")
+    training_flops: float | None = Field(description="model FLOPs (6N + 12 L H Q T per token) x D, with `tokens`")
     hardware_flops: float | None = Field(default=None, description="hardware FLOPs per token x D, with `tokens`")
     flops_counted: FlopsCount = Field(default=FlopsCount.MODEL,
                                       description="which of the two trainingTime divides (the request's `flops`)")
@@ -479,7 +482,7 @@ def _plan_compute(request: PlanRequest, model: Transformer, device: DeviceSpec, 
     time_to_train = None
     total_flops = hardware_flops = None
     if request.tokens is not None:
-        total_flops = training_flops(model.parameters, request.tokens)
+        total_flops = per_token * request.tokens
         hardware_flops = hardware_per_token * request.tokens
         hardware = request.flops is FlopsCount.HARDWARE
         estimated = chosen.mfu * (hardware_per_token / per_token if hardware else 1.0) if chosen else DEFAULT_MFU
@@ -519,17 +522,18 @@ def calibrate_plan(
     # step time, and time to train at the MFU it implies
     if chosen is not None:
         factor = measured.step_time_factor
+        used = request.efficiency or (chosen.stage.matmul_efficiency if chosen.stage else DEFAULT_EFFICIENCY)
         fields.update(
             raw_step_seconds=chosen.step_seconds, calibrated_step_seconds=chosen.step_seconds * factor,
             calibrated_tokens_per_second=chosen.tokens_per_second / factor, calibrated_mfu=chosen.mfu / factor,
-            effective_efficiency=request.efficiency / factor,
+            effective_efficiency=used / factor,
         )
         notes.append(_factor_note("step time", factor, measured.step_time_samples, measured.device_type))
-        if request.efficiency / factor > 1:
-            notes.append(f"the measured steps imply {request.efficiency / factor:.2f} x the peak assumed for "
+        if used / factor > 1:
+            notes.append(f"the measured steps imply {used / factor:.2f} x the peak assumed for "
                          f"{device.name}: that figure is too low (for cpu: TRAINYARD_CPU_PEAK_FLOPS)")
         if request.tokens is not None and request.mfu is None:
-            flops = training_flops(model.parameters, request.tokens)
+            flops = model_flops_per_token(model) * request.tokens
             raw = _in("mfu", lambda: training_time(
                 flops, devices=devices, peak_flops_per_device=device.peak_flops, mfu=min(1.0, chosen.mfu)))
             fields["training_time"] = raw.model_copy(update={
