@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s.raw_bandwidth / 1e6:.0f} MB/s")
     checkpoint_rows = checkpoint_comparisons(saves)
     print_comparisons("(a) step time: the trainer's train_step in two gloo ranks; predicted by estimate_step "
-                      "(efficiency 0.5) on cpu_device(probe peak)", step_rows)
+                      "(the kernel model: matmul share by shape) on cpu_device(probe peak)", step_rows)
     print_comparisons("(b) checkpoint write time: the trainer's save_checkpoint (DCP, fsync, rename, sha256), one "
                       "rank; predicted as checkpoint_bytes(N, FP32_ADAM) / raw write bandwidth", checkpoint_rows)
     print(f"\n{time.perf_counter() - started:.0f} s in all; figures, not a pass/fail test.")

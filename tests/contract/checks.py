@@ -46,6 +46,13 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         ("code.commit", r"leave code\.commit out"),
         ("code.workingDir", r"must be a relative path inside the code tree"),
         ("code.env", r"must not set"),
+        # the lock is read from the stored archive: a file of the tree, a lock the platform installs
+        ("code.environment.lock", r"must be a relative path inside the code tree|is not a file of the code tree|"
+                                  r"is a link in the code tree|not a regular file|a lock may be at most|"
+                                  r"not allowed|not an exact pin|has no --hash|not a sha256 hash|is the node's own|"
+                                  r"not valid TOML|not UTF-8|source is not allowed|no sha256 hash|"
+                                  r"cannot find the project|is not a package name|is not a version|marker"),
+        ("code.environment.sha256", r"leave code\.environment\.sha256 out"),
     ],
     # the body must be the archive the path names, and one the platform unpacks
     "PUT /v1/code/{archive}": [
@@ -65,7 +72,8 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         (r"model(\.nKvHeads)?", r"applies only to architecture 'llama'"),
         ("sequenceLength", r"exceeds maxSeqLen"),
         ("device", r"unknown device"),
-        ("layout", r"must equal devices"),
+        ("layout", r"must equal devices|interleaved schedule needs micro-batches|layersPerStage (names|holds)|"
+                   r"cannot fill \d+ chunks|exceeds \d+ layers"),
         ("globalBatch", r"required to recommend|differs from the layout's"),
         ("checkpoint", r"out of the range of the planner's arithmetic"),  # e.g. exp(restart / MTBF)
     ],

@@ -69,3 +69,17 @@ def test_efficiency_and_overlap_are_validated() -> None:
         estimate_step(MODEL, Layout(), H100, network(50e9), efficiency=0)
     with pytest.raises(ValueError):
         estimate_step(MODEL, Layout(), H100, network(50e9), dp_overlap=1.5)
+
+
+def test_a_layout_that_cannot_run_the_model_is_refused_with_the_reason() -> None:
+    """Megatron-LM's interleaved schedule needs micro-batches in multiples of the stages and at least a layer
+    per chunk; layersPerStage must name every stage and every layer."""
+    interleaved = Layout(pp=4, microbatches=6, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"micro-batches \(6\) to be a multiple of the pipeline stages \(4\)"):
+        estimate_step(MODEL, interleaved, H100, network(50e9))
+    with pytest.raises(ValueError, match="cannot fill 8 chunks on each of 4 stages"):
+        Layout(pp=4, microbatches=8, schedule="interleaved", virtual_stages=8).check_layers(8)
+    with pytest.raises(ValueError, match="layersPerStage names 2 stages; the pipeline has 4"):
+        Layout(pp=4, layers_per_stage=(4, 4)).check_layers(8)
+    with pytest.raises(ValueError, match="layersPerStage holds 7 layers; the model has 8"):
+        Layout(pp=2, layers_per_stage=(3, 4)).check_layers(8)

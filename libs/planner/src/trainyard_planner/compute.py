@@ -125,9 +125,9 @@ class DeviceSpec(Model):
     nvlink_bandwidth: float = Field(gt=0, description="bytes/s per device inside the NVLink domain")
     network_bandwidth: float = Field(gt=0, description="bytes/s per device across nodes (its NIC)")
     nvlink_domain: int = Field(default=8, gt=0, description="devices per NVLink/NVSwitch domain")
-    memory_bandwidth: float = Field(default=2.0e12, gt=0, description="bytes/s of device memory (HBM)")
-    matmul_efficiency: float = Field(default=0.75, gt=0, le=1, description="the share of peak large bf16 matmuls "
-                                                                           "sustain on it (see kernels.py)")
+    memory_bandwidth: float = Field(default=2.0e12, ge=1e6, description="bytes/s of device memory (HBM)")
+    matmul_efficiency: float = Field(default=0.75, ge=0.01, le=1, description="the share of peak large bf16 "
+                                                                              "matmuls sustain on it (kernels.py)")
 
 
 # Datasheet numbers: dense bf16 peak; NVLink 3 / 4 is 600 / 900 GB/s both directions together, so

@@ -73,8 +73,8 @@ class StageTime(Model):
 def matmul_efficiency(model: Transformer, layout: Layout, device: DeviceSpec, kernels: KernelModel = KERNELS) -> float:
     """The share of peak a layer's matmuls sustain: the device's, lower when a GEMM is thin."""
     rows = layout.micro_batch * model.seq_len // layout.cp
-    thinnest = min(rows, model.d_model, (model.attention_width + 2 * model.kv_width) // layout.tp,
-                   model.ffn_width // layout.tp)
+    thinnest = max(1, min(rows, model.d_model, (model.attention_width + 2 * model.kv_width) // layout.tp,
+                          model.ffn_width // layout.tp))
     return device.matmul_efficiency * thinnest / (thinnest + kernels.matmul_half_dim)
 
 

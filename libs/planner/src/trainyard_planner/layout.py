@@ -13,9 +13,9 @@ the first and the last, where the embedding and the output layer sit, as Llama 3
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from trainyard_planner._private import Model
 
@@ -63,22 +63,20 @@ class Layout(Model):
     cp: int = Field(default=1, gt=0, description="context-parallel degree: ranks sharing each sequence")
     fused_attention: bool = Field(default=True, description="a fused (flash) attention kernel: no score matrix in "
                                                             "memory; False for the materialised softmax of 2021")
-    layers_per_stage: tuple[int, ...] | None = Field(
-        default=None, description="transformer layers of each pipeline stage; default: Layout.stage_layers")
+    layers_per_stage: tuple[Annotated[int, Field(ge=0)], ...] | None = Field(
+        default=None, min_length=1, description="transformer layers of each pipeline stage (one per stage); "
+                                                "default: even, or one fewer on the end stages")
 
-    @model_validator(mode="after")
-    def _interleaving_fits(self) -> Layout:
-        if self.schedule is Schedule.INTERLEAVED and self.virtual_stages > 1 and self.microbatches % self.pp:
+    def check_layers(self, n_layers: int) -> None:
+        """ValueError when the layout cannot run ``n_layers``: the interleaved schedule with micro-batches that are
+        not a multiple of the stages (Megatron-LM's rule), ``layersPerStage`` of another length or sum, more stages
+        than layers, or too few layers for the interleaved chunks (each stage's chunks hold a layer each at least;
+        the end stages may give one chunk to the embedding or the output layer)."""
+        if self.interleaving > 1 and self.microbatches % self.pp:
             raise ValueError(f"the interleaved schedule needs micro-batches ({self.microbatches}) to be a multiple "
                              f"of the pipeline stages ({self.pp}), as Megatron-LM's does")
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             raise ValueError(f"layersPerStage names {len(self.layers_per_stage)} stages; the pipeline has {self.pp}")
-        return self
-
-    def check_layers(self, n_layers: int) -> None:
-        """ValueError when ``n_layers`` cannot be laid out: more stages than layers, or too few layers for the
-        interleaved chunks (each stage's chunks hold a layer each at least; the end stages may give one chunk
-        to the embedding or the output layer)."""
         if self.pp > n_layers:
             raise ValueError(f"pipeline {self.pp} exceeds {n_layers} layers")
         if self.layers_per_stage is not None and sum(self.layers_per_stage) != n_layers:

@@ -19,7 +19,6 @@ from trainyard_planner.compute import (
 )
 from trainyard_planner.layout import Layout, LayoutAssumption, spec_layout
 from trainyard_planner.memory import FP32_ADAM, BytesPerParameter
-from trainyard_planner.step import DEFAULT_EFFICIENCY
 
 __all__ = [
     "DEFAULT_CPU_PEAK_FLOPS",
@@ -58,7 +57,7 @@ class Assumptions:
     cpu_peak_flops: float = DEFAULT_CPU_PEAK_FLOPS
     cpu_memory_bytes: float = 16 * _GB
     write_bandwidth: float = DEFAULT_WRITE_BANDWIDTH
-    efficiency: float = DEFAULT_EFFICIENCY
+    efficiency: float | None = None  # the matmuls' share of peak: None, the planner's kernel model (kernels.py)
 
     def device(self, name: str | DeviceSpec, *, devices: int = 1) -> DeviceSpec:
         """The DeviceSpec of a device type; ``cpu`` from the assumed peak, with ``devices`` ranks on

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from pydantic import ValidationError
-
 from trainyard_planner._private import Model, divisors
 from trainyard_planner.comm import Topology
 from trainyard_planner.compute import DeviceSpec
@@ -172,9 +170,6 @@ def recommend(
         try:
             layout = to_layout(candidate, global_batch)
             layout.check_layers(model.n_layers)
-        except ValidationError as exc:
-            rejected.append(RejectedLayout(candidate=candidate, reasons=[str(e["msg"]) for e in exc.errors()]))
-            continue
         except ValueError as exc:  # the interleaved chunks cannot be filled
             rejected.append(RejectedLayout(candidate=candidate, reasons=[str(exc)]))
             continue

@@ -261,7 +261,8 @@ class DeviceReport(_Wire):
 class AssumptionsView(_Wire):
     cpu_peak_flops: float
     write_bandwidth: float = Field(description="bytes/s checkpoint predictions assume")
-    efficiency: float
+    efficiency: float | None = Field(description="the matmuls' share of peak predictions assume; null: each "
+                                                 "device's own, by matmul shape (the planner's kernel model)")
     device_mtbf_hours: float
 
 
@@ -300,13 +301,25 @@ def report(
                               tenant=tenant, limit=limit) for kind in KINDS]
         devices.append(DeviceReport(
             device_type=device_type, factors=fitted, kinds=kinds,
-            effective_efficiency=assumptions.efficiency / current.step_time_factor if fitted else None,
+            effective_efficiency=assumed / current.step_time_factor
+            if fitted and (assumed := assumed_share(assumptions, device_type)) else None,
             effective_write_bandwidth=current.effective_bandwidth(assumptions.write_bandwidth) if fitted else None,
         ))
     view = AssumptionsView(cpu_peak_flops=assumptions.cpu_peak_flops, write_bandwidth=assumptions.write_bandwidth,
                            efficiency=assumptions.efficiency, device_mtbf_hours=DEFAULT_DEVICE_MTBF_HOURS)
     return CalibrationReport(fitted_at=stored.fitted_at if stored else None, min_samples=min_samples,
                              max_samples=max_samples, assumptions=view, devices=devices)
+
+
+def assumed_share(assumptions: Assumptions, device_type: str) -> float | None:
+    """The matmuls' share of peak predictions assume for a device type: the configured one, else the device's
+    (the planner's kernel model); None for a type the planner does not know."""
+    if assumptions.efficiency is not None:
+        return assumptions.efficiency
+    try:
+        return assumptions.device(device_type).matmul_efficiency
+    except KeyError:
+        return None
 
 
 def _kind_report(kind: SampleKind, group: list[Measurement], current: DeviceCalibration, fitted: bool, *,
