@@ -2,7 +2,8 @@
 lock read from the verified code tree, layered over the base), the environment from the cache or built into it,
 and an :class:`~trainyard_contract.events.EnvironmentPreparing` for the job as it goes — ``building`` with the
 installer's latest line (at most every ``progress_s``, and at least every ``keepalive_s`` while nothing new is
-printed: each one restarts the attempt's start time-out), then ``ready`` (``cached`` when nothing was built) or
+printed: each one restarts the attempt's start time-out; every node of a large gang sends them, and each is a write
+of the job's record, so they stay seconds apart), then ``ready`` (``cached`` when nothing was built) or
 ``failed`` with the reason.
 """
 
@@ -42,8 +43,8 @@ class Prepared:
 class EnvironmentPreparer:
     """Plans, builds or finds, and reports one job's environment on this node."""
 
-    def __init__(self, cache: EnvCache, publish: Publish, *, node_id: str, progress_s: float = 1.0,
-                 keepalive_s: float = 10.0) -> None:
+    def __init__(self, cache: EnvCache, publish: Publish, *, node_id: str, progress_s: float = 5.0,
+                 keepalive_s: float = 30.0) -> None:
         self.cache, self.publish, self.node_id = cache, publish, node_id
         self.progress_s, self.keepalive_s = progress_s, keepalive_s
 
