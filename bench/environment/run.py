@@ -37,10 +37,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.support.wheels import probe_wheel, requirements_lock  # noqa: E402 - after the sys.path set-up
-from trainyard_cli import infra  # noqa: E402
-from trainyard_cli.devstack import prepare_and_publish  # noqa: E402
-from trainyard_cli.stack import LocalStack, StackSettings  # noqa: E402
+from tests.support.stack import local_stack  # noqa: E402 - after the sys.path set-up
+from tests.support.wheels import probe_wheel, requirements_lock  # noqa: E402
+from trainyard_cli.stack import LocalStack  # noqa: E402
 from trainyard_contract import codetree  # noqa: E402
 
 SCRIPT = '''import torch
@@ -80,18 +79,14 @@ def spec(name: str, archive: str, lock: str | None) -> dict[str, Any]:
 
 @contextmanager
 def private_stack(index: Path) -> Iterator[LocalStack]:
+    """1 node agent x 2 CPU devices installing environments from ``index`` only, no warm interpreters."""
     root = Path(tempfile.mkdtemp(prefix="trainyard-bench-env-"))
-    settings = StackSettings(state_dir=root / ".trainyard", kafka_port=infra.free_port(),
-                             redis_port=infra.free_port(), api_port=infra.free_port(), nodes=1,
-                             devices_per_node=2, ready_timeout_s=180)
-    stack = LocalStack(settings, extra_env={"TRAINYARD_ENV_FIND_LINKS": str(index), "TRAINYARD_ENV_NO_INDEX": "true",
-                                            "TRAINYARD_WARM_RANKS": "0"})
     try:
-        stack.up()
-        prepare_and_publish(stack)
-        yield stack
+        with local_stack(root / ".trainyard", nodes=1, devices_per_node=2, extra_env={
+                "TRAINYARD_ENV_FIND_LINKS": str(index), "TRAINYARD_ENV_NO_INDEX": "true",
+                "TRAINYARD_WARM_RANKS": "0"}) as stack:
+            yield stack
     finally:
-        stack.down()
         shutil.rmtree(root, ignore_errors=True)
 
 

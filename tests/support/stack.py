@@ -4,6 +4,8 @@ dataset published: what e2e and security modules share as their module-scoped ``
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -12,14 +14,14 @@ from trainyard_cli.devstack import prepare_and_publish
 from trainyard_cli.stack import LocalStack, StackSettings
 
 
-def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str, *,
-                  extra_env: dict[str, str] | None = None) -> Iterator[LocalStack]:
-    """Up (two nodes of four CPU devices), tinycorpus@v1 published; down afterwards, whatever happened.
-    ``extra_env``: settings every service gets (the node agents' package index, say)."""
+@contextmanager
+def local_stack(state_dir: Path, *, nodes: int = 2, devices_per_node: int = 4,
+                extra_env: dict[str, str] | None = None) -> Iterator[LocalStack]:
+    """A whole local stack on free ports under ``state_dir``, tinycorpus@v1 published; down afterwards, whatever
+    happened. ``extra_env``: settings every service gets (the node agents' package index, say)."""
     settings = StackSettings(
-        state_dir=tmp_path_factory.mktemp(name) / ".trainyard",
-        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=2, devices_per_node=4, ready_timeout_s=180,
+        state_dir=state_dir, kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
+        nodes=nodes, devices_per_node=devices_per_node, ready_timeout_s=180,
     )
     stack = LocalStack(settings, extra_env=extra_env)
     try:
@@ -28,3 +30,10 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str, *,
         yield stack
     finally:
         stack.down()
+
+
+def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str, *,
+                  extra_env: dict[str, str] | None = None) -> Iterator[LocalStack]:
+    """Up (two nodes of four CPU devices), tinycorpus@v1 published: a module-scoped fixture's body."""
+    with local_stack(tmp_path_factory.mktemp(name) / ".trainyard", extra_env=extra_env) as stack:
+        yield stack

@@ -105,9 +105,13 @@ def stage_time(model: Transformer, layout: Layout, device: DeviceSpec, *, effici
     """One micro-batch through the slowest stage (the fullest one, or the last with the output layer)."""
     e = efficiency if efficiency is not None else matmul_efficiency(model, layout, device, kernels)
     mm, core, mem = layer_forward(model, layout, device, e, kernels)
-    again = {Recompute.FULL: (mm + core, mem), Recompute.SELECTIVE: (core, 0.0), Recompute.NONE: (0.0, 0.0)}
-    extra_compute, extra_memory = again[layout.recompute] if not (
-        layout.recompute is Recompute.SELECTIVE and layout.fused_attention) else (0.0, 0.0)
+    # recomputation runs the forward again (full) or the attention core (selective: nothing to redo when a fused
+    # kernel kept no scores in the first place)
+    extra_compute, extra_memory = 0.0, 0.0
+    if layout.recompute is Recompute.FULL:
+        extra_compute, extra_memory = mm + core, mem
+    elif layout.recompute is Recompute.SELECTIVE and not layout.fused_attention:
+        extra_compute = core
     per_layer_compute = 3 * (mm + core) + extra_compute  # forward, backward (twice), recomputation
     per_layer_memory = 3 * mem + extra_memory
     counts = layout.stage_layers(model.n_layers)
@@ -122,8 +126,3 @@ def stage_time(model: Transformer, layout: Layout, device: DeviceSpec, *, effici
     return StageTime(layers=slowest_layers, matmul_seconds=slowest_layers * per_layer_compute,
                      memory_seconds=slowest_layers * per_layer_memory, output_seconds=with_output,
                      matmul_efficiency=e)
-
-
-def stage_seconds_per_layer(stage: StageTime) -> float:
-    """What one layer of the stage costs a micro-batch (the overlap window of a gradient reduction)."""
-    return (stage.matmul_seconds + stage.memory_seconds) / max(1, stage.layers)

@@ -48,7 +48,14 @@ from packaging.version import InvalidVersion, Version
 from prometheus_client import Counter
 from trainyard_contract.codetree import archive_hex
 from trainyard_contract.errors import ConfigError
-from trainyard_contract.lockfile import MAX_LOCK_BYTES, LockError, Pin, parse_lock, requirements_text
+from trainyard_contract.lockfile import (
+    BASE_ROOTS,
+    MAX_LOCK_BYTES,
+    LockError,
+    Pin,
+    parse_lock,
+    requirements_text,
+)
 from trainyard_contract.spec import Environment
 from trainyard_contract.storage import UnsafePathError, open_file_under
 
@@ -68,8 +75,6 @@ PURGED = Counter("trainyard_node_agent_env_cache_quarantine_purged_total",
 FAILED = Counter("trainyard_node_agent_env_cache_build_failed_total",
                  "environment builds that failed, by whose fault", ["fault"])
 
-#: What the SDK and a rank need from the base: these and everything they require stay the base's.
-BASE_ROOTS = ("torch", "trainyard-sdk", "trainyard-contract")
 REQUIREMENTS_FILE = "requirements.txt"  # what was installed, beside the tree (the lock rewritten)
 
 Progress = Callable[[str], None]
@@ -130,7 +135,7 @@ def base_environment(python: str | None = None) -> BaseEnvironment:
             installed[key] = dist.version
             requires[key] = list(dist.requires or [])
     markers = {k: str(v) for k, v in default_environment().items()}
-    protected = closure(BASE_ROOTS, requires, markers)
+    protected = closure(BASE_ROOTS, requires, markers)  # torch, the SDK, and all they require here
     return BaseEnvironment(python=python or sys.executable, installed=installed,
                            protected={n: installed[n] for n in sorted(protected)}, markers=markers)
 

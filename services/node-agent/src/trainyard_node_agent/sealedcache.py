@@ -28,6 +28,7 @@ The blocking work runs in a thread (:meth:`SealedCache.acquire_entry` is async).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 import contextlib
 import errno
 import fcntl
@@ -136,7 +137,7 @@ class Sealed:
 # ----------------------------------------------------------------------------- the cache
 
 
-class SealedCache:
+class SealedCache(ABC):
     """A cache of sealed trees under ``root``; see the module docstring. Subclasses say how a tree is built
     (:meth:`build`) and when an intact entry is out of date (:meth:`stale`). ``close()`` drops its
     holds. ``what`` names the entries in logs (``code tree``, ``environment``)."""
@@ -159,11 +160,11 @@ class SealedCache:
         return self.entry_dir(hex_digest) / TREE
 
     # ------------------------------------------------------------------ what subclasses say
+    @abstractmethod
     def build(self, staging_tree: Path, hex_digest: str, source: Any) -> dict[str, Any]:
         """Blocking: build the tree of ``hex_digest`` from ``source`` into ``staging_tree`` (not there yet);
         what to record in ``entry.json`` besides its size. Raise the job's error (a ConfigError) for the job's
         fault, OSError for this node's."""
-        raise NotImplementedError
 
     def stale(self, hex_digest: str, meta: dict[str, Any]) -> list[str]:
         """Why an intact entry (its tree matches its digest) is out of date and must be built again (empty: it is
