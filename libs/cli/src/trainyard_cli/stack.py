@@ -60,7 +60,8 @@ class StackSettings(BaseSettings):
                     "two), data under <state dir>/redis-ha; services get a redis+sentinel:// URL (docs/production.md)")
     redis_replica_port: int = Field(default=6391, gt=0, lt=65536)
     redis_sentinel_port: int = Field(default=26390, gt=0, lt=65534)
-    nodes: int = Field(default=2, ge=1, le=64)
+    nodes: int = Field(default=2, ge=0, le=64, description="node agents to run (0: the control plane alone, e.g. for "
+                                                                 "simulated nodes: bench/cluster_scale)")
     devices_per_node: int = Field(default=4, ge=1, le=64)
     topic_partitions: int = Field(default=3, gt=0)
     topic_namespace: str = ""

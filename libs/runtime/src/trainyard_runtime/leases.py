@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -210,6 +211,11 @@ class LeaseManager:
             return 0
         keys = [Keys.lease(node_id, int(i)) for i in indices]
         return int(await self._renew(keys=keys, args=[self.ttl_ms]))
+
+    async def stage_renew(self, pipe: Any, node_id: str, indices: Sequence[int]) -> None:
+        """:meth:`renew` staged in the caller's pipeline (its result is the pipeline's)."""
+        if self.ttl_ms and indices:
+            await self._renew(keys=[Keys.lease(node_id, int(i)) for i in indices], args=[self.ttl_ms], client=pipe)
 
     async def restore(self, allocation_id: str, epoch: int, devices: Sequence[Device], *,
                       fence: LeaderFence | None = None) -> tuple[int, int]:

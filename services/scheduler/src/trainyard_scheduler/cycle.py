@@ -30,7 +30,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.admission import Admission
 from trainyard_scheduler.intake import Intake
 from trainyard_scheduler.leader import LeaderRole
-from trainyard_scheduler.metrics import ClusterGauges, cluster_view
+from trainyard_scheduler.metrics import PASS_DECISIONS, PASS_SECONDS, ClusterGauges, cluster_view
 from trainyard_scheduler.planner import Admit, Decision, Preempt, Wait
 from trainyard_scheduler.queueconfig import QueueConfigSource
 from trainyard_scheduler.queueview import QueueView
@@ -66,6 +66,7 @@ class SchedulingCycle:
         self.gauges = ClusterGauges()  # the leader's queue and node numbers (Prometheus)
         self._next_config: datetime | None = None
         self._changes_cursor: str | None = None  # the watcher's place in Keys.changes
+        self._noted_at: dict[str, float] = {}  # job id -> when this leader last wrote why it waits (loop time)
 
     async def tick(self) -> None:
         """One scheduling pass; only the leader schedules, and every write it makes is fenced."""
@@ -87,11 +88,13 @@ class SchedulingCycle:
             log.warning("a fenced write was refused (%s); the pass ends, leadership is taken again", exc)
             self.stand_by()
         took = loop.time() - started
+        PASS_SECONDS.labels("total").observe(took)
         if took > 0.01:  # a long pass (a deep queue): rest before the next one, whatever wakes it meanwhile
             await asyncio.sleep(took * self.settings.pass_rest_ratio)
 
     def stand_by(self) -> None:
         self.leader.stand_by()
+        self._noted_at.clear()
         self.gauges.clear()
 
     async def schedule(self, epoch: int) -> None:
@@ -99,6 +102,8 @@ class SchedulingCycle:
         3. take in new jobs  4. drains and preemptions in progress  5. plan (pure)  6. apply."""
         now = self.clock()
         await self.reconciler.maybe_reconcile(now, epoch)
+        timer = asyncio.get_running_loop().time
+        t0 = timer()
         view = await self.cache.refresh()
         jobs = dict(view.jobs)
         await self.intake.take_in(view.new_jobs, jobs, epoch)
@@ -107,9 +112,16 @@ class SchedulingCycle:
         timeout = self.settings.node_timeout_s
         live = health.live_nodes(view.nodes, now, timeout)
         nodes = health.placeable_nodes(live, quarantined=view.quarantine.keys(), drained=view.drains.keys())
+        t1 = timer()
         decisions = self.view.plan(jobs, nodes, view, now, self.queue.config)
+        t2 = timer()
         out = health.out_of_service(live, {n.node_id for n in nodes}, quarantine=view.quarantine, drains=view.drains)
         await self.apply(decisions, jobs, epoch, nodes=nodes, out=out)
+        PASS_SECONDS.labels("snapshot").observe(t1 - t0)
+        PASS_SECONDS.labels("plan").observe(t2 - t1)
+        PASS_SECONDS.labels("apply").observe(timer() - t2)
+        for decision in decisions:
+            PASS_DECISIONS.labels(type(decision).__name__.lower()).inc()
         self.gauges.publish(cluster_view(
             [j for j in jobs.values() if tr.is_pending(j)], view.nodes, now=now, node_timeout_s=timeout,
             live=[n.node_id for n in live], placeable=[n.node_id for n in nodes]))
@@ -130,36 +142,59 @@ class SchedulingCycle:
 
     async def apply(self, decisions: list[Decision], jobs: dict[str, JobRecord], epoch: int, *,
                     nodes: Sequence[NodeRecord] = (), out: Sequence[health.OutOfService] = ()) -> None:
-        """Admit, preempt, or note why a job waits (at most ``max_wait_notes`` new notes a pass)."""
-        notes = 0
-        have: dict[str, int] | None = None  # healthy devices per type on placeable nodes, counted when needed
+        """Admit, preempt, or note why a job waits (:meth:`_note_waits`: at most ``max_wait_notes`` a pass, in one
+        round trip)."""
+        waits: list[Wait] = []
         for decision in decisions:
             try:
                 if isinstance(decision, Admit):
                     await self.admission.admit(decision.job_id, decision.placement, epoch)
                 elif isinstance(decision, Preempt):
                     await self.stops.preempt(decision, epoch)
-                elif isinstance(decision, Wait) and decision.reason is not None \
-                        and notes < self.settings.max_wait_notes:
-                    if have is None:
-                        have = healthy_devices(nodes)
-                    notes += await self._note_wait(decision, jobs[decision.job_id], epoch, have, out)
+                elif isinstance(decision, Wait) and decision.reason is not None:
+                    waits.append(decision)
             except LeaseConflictError as exc:
                 log.info("placement of %s raced another allocation, retrying next tick: %s", decision.job_id, exc)
                 self.cache.leases_changed()
                 self._wake_at(None)
+        if waits:
+            await self._note_waits(waits, jobs, epoch, healthy_devices(nodes), out)
 
-    async def _note_wait(self, decision: Wait, job: JobRecord, epoch: int, have: dict[str, int],
-                         out: Sequence[health.OutOfService]) -> int:
-        """Record why ``job`` waits, unless the record says so already; 1 when a note was written."""
-        reason, kind = decision.reason, decision.kind
-        assert reason is not None
-        if out:  # name quarantined or drained nodes when they are why it waits
-            gpu_type = job.spec.resources.gpu_type
-            reason, kind = health.explain_wait(reason, kind, gpu_type=gpu_type,
-                                               available_devices=have.get(gpu_type, 0), out=list(out))
-        if (job.queued_reason, job.queued_reason_kind) == (reason, kind):
-            return 0
-        await self.writer.mutate(job.job_id, lambda j, _: tr.note_waiting(j, reason, kind), label="waiting",
-                                 fence=epoch)
-        return 1
+    async def _note_waits(self, waits: list[Wait], jobs: dict[str, JobRecord], epoch: int, have: dict[str, int],
+                          out: Sequence[health.OutOfService]) -> int:
+        """Record why jobs wait, where the record does not say so already: a new kind of wait at once, a new
+        wording of the same kind (its counts: "12 free") at most every ``wait_note_refresh_s`` — a deep queue's
+        notes would otherwise rewrite every queued record on every pass. One round trip for all of them
+        (:meth:`~trainyard_scheduler.jobtx.JobTransactions.write_if_unchanged`); the number written."""
+        now = asyncio.get_running_loop().time()
+        writes: list[tuple[str, str, str]] = []
+        records: dict[str, JobRecord] = {}
+        for decision in waits:
+            job = jobs[decision.job_id]
+            reason, kind = decision.reason, decision.kind
+            assert reason is not None
+            if out:  # name quarantined or drained nodes when they are why it waits
+                gpu_type = job.spec.resources.gpu_type
+                reason, kind = health.explain_wait(reason, kind, gpu_type=gpu_type,
+                                                   available_devices=have.get(gpu_type, 0), out=list(out))
+            if (job.queued_reason, job.queued_reason_kind) == (reason, kind):
+                continue
+            fresh = now - self._noted_at.get(job.job_id, -1e9) < self.settings.wait_note_refresh_s
+            if job.queued_reason_kind == kind and job.queued_reason is not None and fresh:
+                continue
+            outcome = tr.note_waiting(job, reason, kind)
+            raw = self.cache.raw(job.job_id)
+            if not outcome.changed or raw is None:
+                continue
+            records[job.job_id] = outcome.job
+            writes.append((job.job_id, raw, outcome.job.dumps()))
+            if len(writes) >= self.settings.max_wait_notes:
+                break
+        written = await self.writer.jobs.write_if_unchanged(writes, fence=epoch)
+        if len(self._noted_at) > 2 * len(jobs) + 1000:  # forget the jobs no longer here
+            self._noted_at = {k: v for k, v in self._noted_at.items() if k in jobs}
+        for job_id, _, raw in writes:
+            if job_id in written:
+                self._noted_at[job_id] = now
+                self.cache.wrote(job_id, raw, records[job_id])
+        return len(written)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -132,6 +133,10 @@ class FencedLeases:
     async def renew_node(self, node_id: str, indices: Sequence[int]) -> int:
         """Extend the TTL of every lease on the node's devices (called per NodeHeartbeat)."""
         return await self._leases.renew(node_id, indices)
+
+    async def stage_renew_node(self, pipe: Any, node_id: str, indices: Sequence[int]) -> None:
+        """:meth:`renew_node` staged in the caller's pipeline (many nodes' heartbeats in one round trip)."""
+        await self._leases.stage_renew(pipe, node_id, indices)
 
     async def restore(self, leader_epoch: int, allocation_id: str, epoch: int,
                       devices: Sequence[Device]) -> tuple[int, int]:

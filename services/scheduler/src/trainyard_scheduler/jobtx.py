@@ -13,6 +13,7 @@ What follows a written change (leases released, the next pass woken, nodes blame
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from trainyard_contract.errors import ConflictError, StaleLeaderError
 from trainyard_contract.events import TERMINAL_STATES
 from trainyard_runtime.outbox import Outbox
 from trainyard_contract.records import CheckpointRecord, JobRecord
-from trainyard_runtime.store import Keys, stage_change
+from trainyard_runtime.store import CHANGES_MAXLEN, Keys, stage_change
 from trainyard_contract.tracing import current_traceparent, job_context
 
 from trainyard_scheduler import transitions as tr
@@ -74,11 +75,47 @@ def job_span(job: JobRecord, name: str) -> Iterator[None]:
         yield
 
 
+# Many records at once, each only if it is still the one read (its sha1), all under the leader epoch: why queued
+# jobs wait (advisory notes; a record that changed meanwhile is noted again by a later pass). Returns the positions
+# written (1-based among the records), or {-1}: a stale leader, nothing written.
+_NOTE_MANY = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return {-1} end
+local written = {}
+for i = 3, #KEYS do
+  local base = 2 * (i - 3) + 3
+  local current = redis.call('GET', KEYS[i])
+  if current and redis.sha1hex(current) == ARGV[base] then
+    redis.call('SET', KEYS[i], ARGV[base + 1])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'kind', 'job', 'id', string.sub(KEYS[i], 8))
+    written[#written + 1] = i - 2
+  end
+end
+return written
+"""
+
+
 class JobTransactions:
-    """Optimistic read → decide → write of one job record at a time."""
+    """Optimistic read → decide → write of one job record at a time (and :meth:`write_if_unchanged`, many)."""
 
     def __init__(self, redis: Redis, outbox: Outbox) -> None:
         self.redis, self.outbox = redis, outbox
+        self._note_many = redis.register_script(_NOTE_MANY)
+
+    async def write_if_unchanged(self, writes: list[tuple[str, str, str]], *, fence: int) -> set[str]:
+        """``(job id, the record as read, the record to write)`` in one round trip: each written only if the
+        stored record is still the one read, none once leader ``fence`` is stale (StaleLeaderError). For changes
+        without events or follow-ups (why a job waits). Returns the ids written."""
+        if not writes:
+            return set()
+        assert all(Keys.job(j).startswith("ty:job:") for j, _, _ in writes)  # the script cuts the id at 8
+        keys = [SchedulerKeys.leader_epoch, Keys.changes, *(Keys.job(j) for j, _, _ in writes)]
+        args: list[str | int] = [fence, CHANGES_MAXLEN]
+        for _, old, new in writes:
+            args += [hashlib.sha1(old.encode()).hexdigest(), new]  # noqa: S324 - a comparison, not a secret
+        written = [int(i) for i in await self._note_many(keys=keys, args=args)]
+        if written == [-1]:
+            raise StaleLeaderError(f"STALE_LEADER epoch {fence}")
+        return {writes[i - 1][0] for i in written}
 
     async def apply(self, job_id: str, decide: Decide, *, need_checkpoints: bool = False, label: str = "update",
                     fence: int | None = None) -> tuple[JobRecord, tr.Outcome] | None:

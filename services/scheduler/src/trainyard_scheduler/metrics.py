@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from trainyard_contract.records import JobRecord, NodeRecord
 
@@ -29,6 +29,20 @@ NODES = Gauge(
     "trainyard_scheduler_nodes",
     "nodes in the inventory by state: placeable; out_of_service (live but quarantined or drained); unhealthy "
     "(reported unhealthy); silent (no heartbeat within node_timeout_s: lost)", ["state"])
+# Fine buckets around the design's bound (a pass ≤ 100 ms at 4,096 nodes and 10,000 queued jobs, design.md "Scale")
+PASS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.3,
+                0.5, 0.75, 1.0, 2.0, 5.0)
+PASS_SECONDS = Histogram(
+    "trainyard_scheduler_pass_seconds",
+    "the leader's scheduling passes, by phase: snapshot (brought up to date), plan (the pure decisions), apply "
+    "(admissions, preemptions, wait notes written), total", ["phase"], buckets=PASS_BUCKETS)
+PASS_DECISIONS = Counter("trainyard_scheduler_decisions_total",
+                         "decisions of the leader's passes: admit, preempt, wait (one per pending job a pass)",
+                         ["kind"])
+SNAPSHOT_RELOAD_SECONDS = Histogram(
+    "trainyard_scheduler_snapshot_reload_seconds",
+    "full reloads of the leader's snapshot (a new leadership, the reconcile's check): every job, node and lease",
+    buckets=PASS_BUCKETS)
 STRAGGLERS = Counter("trainyard_scheduler_stragglers_total", "StragglerDetected events the scheduler raised")
 UNAUTHORISED_EVENTS = Counter(
     "trainyard_scheduler_unauthorised_events_total",

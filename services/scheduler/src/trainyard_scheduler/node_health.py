@@ -61,6 +61,56 @@ def _placement_changed(previous: NodeRecord | None, record: NodeRecord) -> bool:
     return previous is None or any(getattr(previous, f) != getattr(record, f) for f in fields)
 
 
+def heartbeat_record(event: NodeHeartbeat, known: NodeRecord, seen: datetime, *,
+                     quarantine: str | None | bool = False, drain: str | None | bool = False) -> NodeRecord:
+    """The NodeRecord of ``event``; its quarantine and drain mirrors from their Redis entries when given
+    (None: no entry), else as ``known`` says."""
+    quarantined = known.quarantined if quarantine is False else json.loads(quarantine)["reason"] \
+        if isinstance(quarantine, str) else None
+    drained = known.drained if drain is False else json.loads(drain)["reason"] if isinstance(drain, str) else None
+    return NodeRecord(
+        node_id=event.node_id, host=event.host, rack=event.rack, nvlink_domain=event.nvlink_domain,
+        network_tier=event.network_tier, devices=event.devices, healthy=event.healthy, last_seen=seen,
+        quarantined=quarantined, drained=drained, boot_id=event.boot_id, sandbox=event.sandbox,
+        warm_interpreters=event.warm_interpreters)
+
+
+class RoutineHeartbeats:
+    """Writes routine heartbeats together: their quarantine and drain read in one pipeline, the records written
+    and the devices' leases renewed in another (``known``: each node's record as this instance last wrote it)."""
+
+    def __init__(self, redis: Redis, leases: FencedLeases, cache: SnapshotCache, known: dict[str, NodeRecord], *,
+                 clock: Clock) -> None:
+        self.redis, self.leases, self.cache, self.known, self.clock = redis, leases, cache, known, clock
+
+    async def flush(self, pending: dict[str, NodeHeartbeat]) -> None:
+        if not pending:
+            return
+        ids = list(pending)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(Keys.node_quarantine, ids)
+            pipe.hmget(Keys.node_drain, ids)
+            quarantines, drains = await pipe.execute()
+        now = self.clock()
+        records: dict[str, NodeRecord] = {}
+        for node_id, quarantine, drain in zip(ids, quarantines, drains, strict=True):
+            event, known = pending[node_id], self.known.get(node_id)
+            seen = min(event.occurred_at, now)
+            if known is None or known.last_seen > seen:
+                continue
+            records[node_id] = heartbeat_record(event, known, seen, quarantine=quarantine, drain=drain)
+        if not records:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(Keys.nodes, mapping={k: r.dumps() for k, r in records.items()})
+            for node_id, record in records.items():
+                await self.leases.stage_renew_node(pipe, node_id, [d.index for d in record.devices])
+            await pipe.execute()
+        for record in records.values():
+            self.known[record.node_id] = record
+            self.cache.note_node(record)
+
+
 class NodeHealth:
     """Handlers and queries for nodes; every write is a fact any scheduler instance may apply."""
 
@@ -70,6 +120,9 @@ class NodeHealth:
         self.redis, self.store, self.outbox, self.cache = redis, store, outbox, cache
         self.settings, self.clock, self.recent_s = settings, clock, recent_s
         self._leases, self._wake_at = leases, wake_at
+        self._known: dict[str, NodeRecord] = {}  # node id -> its record as this instance last wrote it
+        self._pending: dict[str, NodeHeartbeat] = {}  # routine heartbeats not yet written (flush_heartbeats)
+        self.routine = RoutineHeartbeats(redis, leases, cache, self._known, clock=clock)
         self.reputation = health.ReputationPolicy(half_life_s=settings.reputation_half_life_s,
                                                   quarantine_at=settings.quarantine_score,
                                                   reinstate_below=settings.reinstate_score,
@@ -80,6 +133,29 @@ class NodeHealth:
 
     # ------------------------------------------------------------------ inventory
     async def on_heartbeat(self, event: NodeHeartbeat) -> None:
+        """A routine heartbeat (the node as this instance last stored it, but for its time and running
+        allocations) is kept for :meth:`flush_heartbeats`, which writes every node's latest in two round trips;
+        anything else — a node not seen yet by this instance, a drain, a new incarnation, a change placement
+        reads — is applied at once (:meth:`apply_heartbeat`). A heartbeat is the node's state, not a fact: one
+        lost in a crash before its flush is replaced by the next one, seconds later."""
+        known = self._known.get(event.node_id)
+        if known is None or event.draining or event.boot_id != known.boot_id or \
+                _placement_changed(known, heartbeat_record(event, known, known.last_seen)):
+            await self.apply_heartbeat(event)
+            return
+        waiting = self._pending.get(event.node_id)
+        if waiting is None or waiting.occurred_at <= event.occurred_at:
+            self._pending[event.node_id] = event
+
+    async def flush_heartbeats(self) -> None:
+        """Write the routine heartbeats kept since the last flush (:meth:`RoutineHeartbeats.flush`)."""
+        pending, self._pending = self._pending, {}
+        await self.routine.flush(pending)
+
+    async def apply_heartbeat(self, event: NodeHeartbeat) -> None:
+        """A heartbeat applied at once: the record (with its quarantine and drain), a drain started or ended,
+        the snapshot told when placement must re-read the node, the devices' leases renewed."""
+        self._pending.pop(event.node_id, None)
         seen = min(event.occurred_at, self.clock())
         raw = await self.redis.hget(Keys.nodes, event.node_id)
         previous = NodeRecord.model_validate_json(raw) if raw else None
@@ -97,6 +173,7 @@ class NodeHealth:
         await self.store.put_node(record)
         if _placement_changed(previous, record):
             await self._node_changed(event.node_id)
+        self._known[event.node_id] = record
         self.cache.note_node(record)
         await self._leases.renew_node(event.node_id, [d.index for d in event.devices])
 

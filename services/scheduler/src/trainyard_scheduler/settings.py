@@ -126,6 +126,14 @@ class SchedulerSettings(ServiceSettings):
     )
     max_wait_notes: int = Field(default=500, gt=0,
                                 description="queued-reason updates written per scheduling pass at most")
+    heartbeat_flush_s: float = Field(
+        default=0.25, gt=0,
+        description="routine heartbeats (nothing placement reads changed) are written together this often: every "
+                    "node's latest in two round trips (node_health.flush_heartbeats)")
+    wait_note_refresh_s: float = Field(
+        default=30.0, ge=0,
+        description="a queued job's reason is rewritten at most this often while the kind of wait is the same "
+                    "(its wording carries live counts); a new kind of wait is written at the next pass")
     admit_pause_s: float = Field(
         default=0.0, ge=0,
         description="fault injection for tests only: pause between taking a gang's leases and recording it "

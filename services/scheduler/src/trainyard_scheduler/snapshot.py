@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -40,6 +41,7 @@ from trainyard_contract.records import JobRecord, NodeRecord
 from trainyard_runtime.store import Keys
 
 from trainyard_scheduler.keys import SchedulerKeys
+from trainyard_scheduler.metrics import SNAPSHOT_RELOAD_SECONDS
 from trainyard_scheduler.transitions import is_live
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,16 @@ class SnapshotCache:
     def leases_changed(self) -> None:
         self._held = None
 
+    def raw(self, job_id: str) -> str | None:
+        """The job's record as last read (its JSON), None if it is not cached."""
+        had = self._jobs.get(job_id)
+        return had[0] if had is not None else None
+
+    def wrote(self, job_id: str, raw: str, record: JobRecord) -> None:
+        """This instance wrote ``record`` (as ``raw``): the change log's entry for it then costs no parse."""
+        if job_id in self._jobs:
+            self._jobs[job_id] = (raw, record)
+
     def note_node(self, record: NodeRecord) -> None:
         """A heartbeat this instance stored: its ``lastSeen`` without a reload."""
         if self._nodes_at is not None:
@@ -113,6 +125,7 @@ class SnapshotCache:
     # ------------------------------------------------------------------ refresh
     async def refresh(self) -> Snapshot:
         """The current snapshot: what changed since the last call, re-read (see the module docstring)."""
+        started, whole = time.perf_counter(), self._cursor is None
         if self._cursor is None:
             await self._reload_jobs()
         else:
@@ -121,6 +134,11 @@ class SnapshotCache:
             await self._read_nodes()
         if self._held is None:
             await self.rescan_leases()
+        if whole:
+            took = time.perf_counter() - started
+            SNAPSHOT_RELOAD_SECONDS.observe(took)
+            log.info("snapshot rebuilt in %.0f ms: %d jobs, %d nodes, %d allocations holding leases", took * 1000,
+                     len(self._jobs), len(self._nodes), len(self._held or {}))
         return Snapshot(jobs={k: v[1] for k, v in self._jobs.items()},
                         nodes=[v[1] for v in self._nodes.values()], quarantine=self._quarantine,
                         drains=self._drains, reputation=self._reputation, held=self._effective_held(),
