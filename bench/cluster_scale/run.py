@@ -55,12 +55,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from redis.asyncio import Redis
 
 from trainyard_cli import infra, observe
-from trainyard_cli.devstack import prepare_and_publish
-from trainyard_cli.stack import LocalStack, StackSettings
+from trainyard_cli.stack import LocalStack
 from trainyard_contract.events import METRICS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+from tests.support.stack import local_stack  # noqa: E402 - the stack the e2e tests and benchmarks share
 _spec = importlib.util.spec_from_file_location("control_plane_bench", REPO / "bench" / "control_plane" / "run.py")
 assert _spec is not None and _spec.loader is not None
 cp = importlib.util.module_from_spec(_spec)
@@ -176,18 +177,13 @@ def rss_mib(pid: int) -> float | None:
 @contextmanager
 def scale_stack() -> Iterator[LocalStack]:
     """The control plane alone (no node agent), with Prometheus (so every service has a metrics port)."""
-    settings = StackSettings(
-        state_dir=Path(tempfile.mkdtemp(prefix="trainyard-bench-scale-")) / ".trainyard",
-        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=0, ready_timeout_s=180, drain_timeout_s=0, prometheus=True, prometheus_port=infra.free_port())
-    stack = LocalStack(settings)
+    root = Path(tempfile.mkdtemp(prefix="trainyard-bench-scale-"))
     try:
-        stack.up()
-        prepare_and_publish(stack)
-        yield stack
+        with local_stack(root / ".trainyard", nodes=0, drain_timeout_s=0, prometheus=True,
+                         prometheus_port=infra.free_port()) as stack:
+            yield stack
     finally:
-        stack.down()
-        shutil.rmtree(settings.root.parent, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,14 +17,15 @@ from trainyard_cli.stack import LocalStack, StackSettings
 
 @contextmanager
 def local_stack(state_dir: Path, *, nodes: int = 2, devices_per_node: int = 4,
-                extra_env: dict[str, str] | None = None) -> Iterator[LocalStack]:
+                extra_env: dict[str, str] | None = None, **settings: Any) -> Iterator[LocalStack]:
     """A whole local stack on free ports under ``state_dir``, tinycorpus@v1 published; down afterwards, whatever
-    happened. ``extra_env``: settings every service gets (the node agents' package index, say)."""
-    settings = StackSettings(
+    happened. ``extra_env``: settings every service gets (the node agents' package index, say); ``settings``:
+    more of the stack's own (``prometheus=True``, say)."""
+    chosen = StackSettings(
         state_dir=state_dir, kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=nodes, devices_per_node=devices_per_node, ready_timeout_s=180,
+        nodes=nodes, devices_per_node=devices_per_node, ready_timeout_s=180, **settings,
     )
-    stack = LocalStack(settings, extra_env=extra_env)
+    stack = LocalStack(chosen, extra_env=extra_env)
     try:
         stack.up()
         prepare_and_publish(stack)
