@@ -407,7 +407,7 @@ async def wait_settled(sim: Sim, timeout_s: float, quiet_s: float = 8.0) -> floa
 
 async def steady(stack: LocalStack, sim: Sim, token: str, job_ids: list[str], seconds: float) -> dict[str, Any]:
     """(3): the passes, the StepMetrics stream and the dashboard's reads, over ``seconds`` of the full cluster."""
-    topic, group = f"{stack.s.topic_namespace}{METRICS}", "trainyard.telemetry"
+    topic, group = f"{stack.s.topic_namespace}{METRICS}", "trainyard.telemetry-metrics"
     before, lag0, steps0, t0 = await scrape(stack, "scheduler"), \
         await consumer_lag(stack.kafka_bootstrap, topic, group), sim.last.get("steps", 0), time.monotonic()
     reads = await queries(stack.s.api_url, token, job_ids, seconds)

@@ -309,10 +309,13 @@ async def test_progress_follows_rank0_step_metrics_and_survives_a_malformed_mess
 
     # the malformed message is dead-lettered by the consumer that keeps progress: the telemetry service's group
     # (other tests' consumers on this broker may dead-letter their own copies of malformed metrics)
-    letter = await find_record(env, ev.DEADLETTER, lambda r: event_of(r, ev.DeadLetter, source_topic=ev.METRICS)
-                               and ev.decode_event(ev.DEADLETTER, r.value).consumer_group.endswith(".telemetry"))
+    def telemetrys(r: object) -> bool:
+        return event_of(r, ev.DeadLetter, source_topic=ev.METRICS) and \
+            ev.decode_event(ev.DEADLETTER, r.value).consumer_group.endswith(".telemetry-metrics")  # type: ignore[attr-defined]
+
+    letter = await find_record(env, ev.DEADLETTER, telemetrys)
     dead = ev.decode_event(ev.DEADLETTER, letter.value)
-    assert isinstance(dead, ev.DeadLetter) and dead.consumer_group.endswith(".telemetry") and dead.error
+    assert isinstance(dead, ev.DeadLetter) and dead.consumer_group.endswith(".telemetry-metrics") and dead.error
 
 
 async def test_cancel_and_pause_publish_control_requests_and_a_finished_job_is_409(

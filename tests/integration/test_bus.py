@@ -318,3 +318,45 @@ async def test_an_idle_consumer_stops_fetching_and_every_record_still_arrives(en
         for client in clients:
             await client.aclose()
     assert sorted(seen) == list(range(1, 13))
+
+
+async def test_a_batch_subscription_gets_every_event_in_order_and_fails_only_what_cannot_be_applied(env: dict) -> None:
+    """subscribe_batch: every event of the class arrives once a batch handler returns (in each key's order), a
+    record that is no event is dead-lettered, a retryable failure hands the batch back whole (nothing skipped),
+    and one that is not retryable dead-letters only the event that fails when handled alone."""
+    bus = await make_bus(env)
+    batches: list[list[int]] = []
+    handled: list[int] = []
+    tries = Counter[int]()
+    letters: list[ev.DeadLetter] = []
+
+    async def on_batch(events: list[ev.NodeHeartbeat]) -> None:
+        batches.append([e.seq for e in events])
+        for e in events:
+            tries[e.seq] += 1
+        if any(e.seq == 7 for e in events) and tries[7] < 3:
+            raise StateStoreError("redis blinked")  # retryable: the batch again, later
+        if any(e.seq == 13 for e in events):
+            raise TrainyardError("13 can never be applied")
+        handled.extend(e.seq for e in events)
+
+    async def on_letter(e: ev.DeadLetter) -> None:
+        letters.append(e)
+
+    bus.subscribe_batch(ev.NODES, ev.NodeHeartbeat, on_batch, group=f"{env['group_prefix']}.batch",
+                        retry=RetryPolicy(initial_interval_s=0.05, maximum_interval_s=0.2))
+    bus.subscribe(ev.DEADLETTER, {ev.DeadLetter: on_letter}, group=f"{env['group_prefix']}.dlq-reader")
+    async with bus:
+        for seq in range(1, 21):
+            await bus.publish(heartbeat(node=f"n{seq % 3}", seq=seq))
+        await bus.publish_raw(ev.NODES, b"\x00not an event", key="n1")
+        await wait_until(lambda: set(range(1, 21)) - {13} <= set(handled) and len(letters) >= 2)
+        await asyncio.sleep(0.5)  # a duplicate dead letter would arrive meanwhile
+    assert 13 not in handled and tries[7] >= 3
+    for node in range(3):  # each key's events in their order, within and across batches
+        order = [s for s in handled if s % 3 == node]
+        assert order == sorted(order)
+    errors = sorted(dl.error for dl in letters)  # once each, though the batch with the bad record came back
+    assert len(errors) == 2
+    assert errors[0].startswith("handler error: TrainyardError") and errors[1].startswith("invalid event")
+    assert any(len(b) > 1 for b in batches)  # delivered as batches, not one by one

@@ -109,6 +109,9 @@ PLAINTEXT = KafkaAuth()
 _tracer = trace.get_tracer("trainyard.bus")
 
 Handler = Callable[[Any], Awaitable[None]]  # called with an instance of the event class it is routed for
+# called with the events of one fetched batch, in the order of each partition; must be idempotent (a batch is
+# handled again whole after a retryable failure, and event by event after any other)
+BatchHandler = Callable[[list[Any]], Awaitable[None]]
 SEEN_TTL_S = 7 * 24 * 3600
 
 
@@ -285,6 +288,7 @@ class Bus:
         self._started = False
         self.stopping = False  # set while closing: retryable failures are not retried in-process then
         self._groups: dict[str, _GroupRoute] = {}
+        self._batches: dict[str, _BatchRoute] = {}
         self._dispatchers: list[_Dispatcher] = []
         self.dead_lettered = 0
         # idle consumers pause fetching until a doorbell rings or their poll comes (trainyard_runtime.idlefetch)
@@ -417,7 +421,50 @@ class Bus:
         route.background = background if len(route.handlers) == 1 else route.background and background
         return group_id
 
+    def subscribe_batch(
+        self,
+        topic: str,
+        event_class: type[ev.Event],
+        handler: BatchHandler,
+        *,
+        group: str,
+        max_records: int = 500,
+        retry: RetryPolicy = REDELIVERY_RETRY,
+        stuck_after: int = STUCK_AFTER,
+        offset_reset: Literal["earliest", "latest"] = "earliest",
+        background: bool = False,
+    ) -> str:
+        """Route the ``event_class`` events of ``topic`` to ``handler`` a fetched batch at a time (up to
+        ``max_records``): for the high-rate topics (StepMetrics from every rank), where one handler call, one span
+        and one round trip per event would be the cost. The group is the subscription's own. Delivery is at least
+        once, as for :meth:`subscribe`: offsets are committed after the handler returns; a retryable failure
+        hands the whole batch back after its back-off; any other failure handles the batch event by event and
+        dead-letters only the events that fail — so the handler must be idempotent. Records that are no event
+        are dead-lettered; events of other classes are skipped. No de-duplication."""
+        if self._started:
+            raise RuntimeError("subscribe before Bus.start()")
+        if group in self._groups or group in self._batches:
+            raise ValueError(f"group {group} is already subscribed")
+        self._batches[group] = _BatchRoute(topic, event_class, handler, max_records=max_records,
+                                           retry=Redelivery(retry, stuck_after), offset_reset=offset_reset,
+                                           background=background)
+        return group
+
     def _register_subscribers(self) -> None:
+        for group_id, batch in self._batches.items():
+            batcher = _BatchDispatcher(self, group_id, batch)
+            self._dispatchers.append(batcher)
+            subscriber = self.broker.subscriber(  # type: ignore[call-overload]  # the optional timeout as **kwargs
+                self.physical(batch.topic), group_id=group_id, batch=True, max_records=batch.max_records,
+                auto_offset_reset=batch.offset_reset, ack_policy=AckPolicy.NACK_ON_ERROR,
+                max_poll_interval_ms=600_000, session_timeout_ms=self.session_timeout_ms,
+                heartbeat_interval_ms=max(self.session_timeout_ms // 3, 500),
+                fetch_max_wait_ms=self.background_fetch_max_wait_ms if batch.background else self.fetch_max_wait_ms,
+                parser=_parse_batch_leniently, decoder=_body_bytes,
+                **({"consumer_timeout_ms": 1000} if self.idle is not None else {}),
+            )
+            subscriber(_entry_point(batcher))
+            self._idle_fetching(batcher, frozenset({self.physical(batch.topic)}), subscriber)
         for group_id, route in self._groups.items():
             dispatcher = _Dispatcher(self, group_id, route)
             self._dispatchers.append(dispatcher)
@@ -438,13 +485,15 @@ class Bus:
                 **({"consumer_timeout_ms": 1000} if self.idle is not None else {}),
             )
             subscriber(_entry_point(dispatcher))
-            if self.idle is not None:
-                dispatcher.idle = IdleFetching(frozenset(self.physical(t) for t in route.handlers),
-                                               consumer=functools.partial(getattr, subscriber, "consumer", None),
-                                               policy=self.idle, retry_paused=dispatcher.retry_paused)
-                self._idle.append(dispatcher.idle)
-                if self.doorbell is not None:
-                    self.doorbell.add(dispatcher.idle)
+            self._idle_fetching(dispatcher, frozenset(self.physical(t) for t in route.handlers), subscriber)
+
+    def _idle_fetching(self, dispatcher: _Dispatcher, topics: frozenset[str], subscriber: Any) -> None:
+        if self.idle is not None:
+            dispatcher.idle = IdleFetching(topics, consumer=functools.partial(getattr, subscriber, "consumer", None),
+                                           policy=self.idle, retry_paused=dispatcher.retry_paused)
+            self._idle.append(dispatcher.idle)
+            if self.doorbell is not None:
+                self.doorbell.add(dispatcher.idle)
 
 
 async def _parse_leniently(record: Any, original: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -456,6 +505,19 @@ async def _parse_leniently(record: Any, original: Callable[[Any], Awaitable[Any]
         clean = tuple((k, v.decode("utf-8", "replace").encode() if isinstance(v, bytes) else b"") for k, v in headers)
         record = dataclasses.replace(record, headers=clean)
     return await original(record)
+
+
+async def _parse_batch_leniently(records: Any, original: Callable[[Any], Awaitable[Any]]) -> Any:
+    """:func:`_parse_leniently` for a batch (a tuple of records)."""
+    clean = []
+    for record in records:
+        headers = record.headers or ()
+        if any(not isinstance(v, bytes) or not _is_utf8(v) for _, v in headers):
+            fixed = tuple((k, v.decode("utf-8", "replace").encode() if isinstance(v, bytes) else b"")
+                          for k, v in headers)
+            record = dataclasses.replace(record, headers=fixed)
+        clean.append(record)
+    return await original(tuple(clean))
 
 
 def _is_utf8(value: bytes) -> bool:
@@ -486,6 +548,17 @@ class _GroupRoute:
     handlers: dict[str, dict[type[ev.Event], Handler]] = field(default_factory=dict)
     dedupers: dict[str, Deduper] = field(default_factory=dict)
     retry: dict[str, Redelivery] = field(default_factory=dict)  # per topic: each subscription's own
+    offset_reset: Literal["earliest", "latest"] = "earliest"
+    background: bool = False
+
+
+@dataclass
+class _BatchRoute:
+    topic: str
+    event_class: type[ev.Event]
+    handler: BatchHandler
+    max_records: int = 500
+    retry: Redelivery = field(default_factory=Redelivery)
     offset_reset: Literal["earliest", "latest"] = "earliest"
     background: bool = False
 
@@ -645,6 +718,86 @@ class _Dispatcher:
         self.bus.dead_lettered += 1
         _DEAD_LETTERS.labels(self.bus.service_name, self.group, topic).inc()
         self._failures.pop((topic, record.partition, record.offset), None)
+
+
+class _BatchDispatcher(_Dispatcher):
+    """A fetched batch: decode each record (dead-letter what is no event), hand the route's events to its
+    handler in one call; on failure, the batch again after a back-off (retryable) or event by event."""
+
+    def __init__(self, bus: Bus, group: str, batch: _BatchRoute) -> None:
+        route = _GroupRoute(handlers={batch.topic: {}}, retry={batch.topic: batch.retry},
+                            offset_reset=batch.offset_reset, background=batch.background)
+        super().__init__(bus, group, route)
+        self.batch = batch
+        self._lettered: set[tuple[str, int, int]] = set()  # records dead-lettered already (a batch handed back)
+
+    async def __call__(self, message: KafkaMessage) -> None:
+        if self.idle is not None:
+            self.idle.saw_record()
+        records: tuple[Any, ...] = message.raw_message if isinstance(message.raw_message, tuple) else \
+            (message.raw_message,)
+        deliveries: list[_Delivery] = []
+        try:
+            for record in records:
+                where = (record.topic, record.partition, record.offset)
+                if where in self._lettered:
+                    continue
+                d = await self._decode(record)
+                if d is None:
+                    if len(self._lettered) > 10_000:
+                        self._lettered.clear()
+                    self._lettered.add(where)
+                elif type(d.event) is self.batch.event_class:
+                    deliveries.append(d)
+        except Exception as exc:  # noqa: BLE001 - a dead letter could not be published: the batch again, later
+            await self._retry_batch(message, records, exc)
+        if not deliveries:
+            return
+        with _tracer.start_as_current_span(
+                f"{self.batch.topic} process batch", kind=trace.SpanKind.CONSUMER,
+                attributes={"messaging.system": "kafka", "messaging.destination.name": self.batch.topic,
+                            "messaging.consumer.group.name": self.group, "messaging.batch.message_count":
+                            len(deliveries)}) as span:
+            try:
+                await self.batch.handler([d.event for d in deliveries])
+            except Exception as exc:  # noqa: BLE001 - classified below, never lost
+                span.record_exception(exc)
+                if is_retryable(exc):
+                    await self._retry_batch(message, records, exc)
+                await self._one_by_one(message, records, deliveries)
+        self._failures.pop((self.batch.topic, records[0].partition, records[0].offset), None)
+
+    async def _one_by_one(self, message: KafkaMessage, records: tuple[Any, ...], deliveries: list[_Delivery]) -> None:
+        """After a failure that is not retryable: each event alone; the ones that fail so are dead-lettered."""
+        for d in deliveries:
+            try:
+                await self.batch.handler([d.event])
+            except Exception as exc:  # noqa: BLE001 - classified: retried whole, or dead-lettered
+                if is_retryable(exc):
+                    await self._retry_batch(message, records, exc)
+                log.error("%s: handler failed for %s@%s/%s; dead-lettering", self.group, d.topic, d.partition,
+                          d.offset, exc_info=exc)
+                await self._dead_letter(d.record, d.topic, f"handler error: {type(exc).__name__}: {_short(exc)}")
+
+    async def _retry_batch(self, message: KafkaMessage, records: tuple[Any, ...], exc: Exception) -> NoReturn:
+        """The batch again after its back-off: every partition in it paused meanwhile (faststream seeks each back
+        to its earliest record of the batch)."""
+        for tp in {TopicPartition(r.topic, r.partition) for r in records[1:]}:
+            if tp != TopicPartition(records[0].topic, records[0].partition):
+                self._pause_for(message, tp, self.batch.retry.retry.delay(1))
+        await self._retry_later(message, records[0], self.batch.topic, exc)
+
+    def _pause_for(self, message: KafkaMessage, tp: TopicPartition, delay: float) -> None:
+        consumer: Any = message.consumer
+        consumer.pause(tp)
+        self.retry_paused.add(tp)
+
+        def resume() -> None:
+            self.retry_paused.discard(tp)
+            with contextlib.suppress(Exception):
+                consumer.resume(tp)
+
+        asyncio.get_running_loop().call_later(delay, resume)
 
 
 def _short(exc: BaseException, limit: int = 2000) -> str:

@@ -117,7 +117,12 @@ class LiveHub:
                       background=True)
         bus.subscribe(WORKERS, {WorkerStarted: on, WorkerExited: on, AttemptEnded: on}, group=group,
                       offset_reset="latest", background=True)
-        bus.subscribe(METRICS, {StepMetrics: on}, group=group, offset_reset="latest", background=True)
+        async def on_steps(batch: list[StepMetrics]) -> None:
+            for event in batch:
+                self.on_event(event)
+
+        bus.subscribe_batch(METRICS, StepMetrics, on_steps, group=f"{group}-metrics", offset_reset="latest",
+                            background=True)
         return group
 
     def on_event(self, event: Event) -> None:

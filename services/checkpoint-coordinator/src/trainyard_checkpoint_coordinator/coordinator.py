@@ -154,8 +154,8 @@ class Coordinator:
         # a backlog of thousands after an outage) never queue in front of the shard reports, and their
         # retries never hold checkpoints up. They are idempotent on their own (max, once per attempt).
         measuring = f"{group}{MEASUREMENTS_GROUP_SUFFIX}"
-        runtime.bus.subscribe(METRICS, {StepMetrics: self.measurements.on_step_metrics}, group=measuring,
-                              background=True)
+        runtime.bus.subscribe_batch(METRICS, StepMetrics, self.measurements.on_step_metrics_batch,
+                                    group=f"{measuring}-steps", background=True)
         runtime.bus.subscribe(WORKERS, {WorkerExited: self.measurements.on_worker_exited}, group=measuring,
                               background=True)
         runtime.add_loop("pending-sweep", self.sweep, every_s=self.settings.sweep_interval_s)

@@ -105,6 +105,11 @@ class Measurements:
         return self._facts[job_id]
 
     # ------------------------------------------------------------------ events
+    async def on_step_metrics_batch(self, batch: list[StepMetrics]) -> None:
+        """A fetched batch, in order (rank 0's events are the ones that write)."""
+        for event in batch:
+            await self.on_step_metrics(event)
+
     async def on_step_metrics(self, event: StepMetrics) -> None:
         """Record this step's stall and step time, and the device-seconds it took.
 

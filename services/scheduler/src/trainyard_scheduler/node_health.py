@@ -377,6 +377,10 @@ class NodeHealth:
         return health.penalties({n: json.loads(v) for n, v in raw.items()}, self.clock(), self.reputation)
 
     # ------------------------------------------------------------------ stragglers
+    async def on_step_metrics_batch(self, batch: list[StepMetrics]) -> None:
+        for event in batch:
+            await self.on_step_metrics(event)
+
     async def on_step_metrics(self, event: StepMetrics) -> None:
         for found in self.stragglers.observe(event.job_id, event.attempt, event.rank, event.step,
                                              event.compute_seconds):

@@ -152,7 +152,8 @@ class Scheduler:
                       group=group, deduper_factory=dedupe)
         if self.settings.straggler_detection:
             # Its own group: the per-step firehose never delays job events, and costs one dict update each.
-            bus.subscribe(METRICS, {StepMetrics: nodes.on_step_metrics}, group=f"{group}-metrics", background=True)
+            bus.subscribe_batch(METRICS, StepMetrics, nodes.on_step_metrics_batch, group=f"{group}-metrics",
+                                background=True)
         self.runtime.add_loop("heartbeats", self.nodes.flush_heartbeats, self.settings.heartbeat_flush_s)
         self.runtime.add_loop("tick", self.cycle.tick, self.settings.tick_s, wake=self._wake)
         # a job submitted through the API (or changed by either instance) wakes the pass without a broker hop

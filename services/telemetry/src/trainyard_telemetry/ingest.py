@@ -1,6 +1,7 @@
 """The ingest: every StepMetrics into each read model, StragglerDetected into the job's straggler list.
 
-    trainyard.metrics (group ``telemetry``) ──> Ingest.on_step_metrics
+    trainyard.metrics (group ``telemetry-metrics``, a batch at a time) ──> Ingest.on_step_metrics_batch
+                                                                         ──> Ingest.on_step_metrics, each
         1. step timing     every rank's breakdown; rank 0's step ledger and recent work time (steptiming.py)
         2. metric history  every rank's series, down-sampled levels (metrics_history.py)
         3. progress        rank 0's Progress, with the planner's calibration samples in its transaction
@@ -15,12 +16,18 @@ that split, and the checkpoint coordinator reads the step-timing read model inst
 
 from __future__ import annotations
 
+import asyncio
+
 from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
 from trainyard_runtime.service import ServiceRuntime
 from trainyard_telemetry.jobmetrics import JobSeries
 from trainyard_telemetry.metrics_history import MetricHistory
 from trainyard_telemetry.progress import ProgressProjector
 from trainyard_telemetry.steptiming import StepTimingStore
+
+
+METRICS_GROUP = "telemetry-metrics"  # the consumer group of the StepMetrics batches (after the group prefix)
+_CONCURRENT_RANKS = 32  # ranks of one batch written side by side
 
 
 class Ingest:
@@ -35,8 +42,29 @@ class Ingest:
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe (before ``runtime.start()``) in the service's own consumer group."""
-        runtime.bus.subscribe(METRICS, {StepMetrics: self.on_step_metrics}, background=True)
+        # a batch at a time, in a group of its own: one StepMetrics per rank and step is the platform's busiest
+        # stream (design.md §3.10)
+        runtime.bus.subscribe_batch(METRICS, StepMetrics, self.on_step_metrics_batch,
+                                    group=f"{runtime.bus.group_prefix}.{METRICS_GROUP}", background=True)
         runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler}, background=True)
+
+    async def on_step_metrics_batch(self, batch: list[StepMetrics]) -> None:
+        """A fetched batch: each rank's events in their order, the ranks side by side (their writes overlap
+        instead of waiting on each other's round trips)."""
+        ranks: dict[tuple[str, int, int], list[StepMetrics]] = {}
+        for m in batch:
+            ranks.setdefault((m.job_id, m.attempt, m.rank), []).append(m)
+        gate = asyncio.Semaphore(_CONCURRENT_RANKS)
+
+        async def one_rank(events: list[StepMetrics]) -> None:
+            async with gate:
+                for m in events:
+                    await self.on_step_metrics(m)
+
+        results = await asyncio.gather(*(one_rank(e) for e in ranks.values()), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
 
     async def on_step_metrics(self, m: StepMetrics) -> None:
         """1. step timing 2. metric history 3. progress (and calibration samples) 4. job series."""
