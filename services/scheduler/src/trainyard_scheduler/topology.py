@@ -303,6 +303,7 @@ class ClusterSnapshot:
         # the placement algorithm's memos of this snapshot's refusals (placement.impossible, placement._short)
         self.impossible_cache: dict[tuple[object, ...], Unschedulable | None] = {}
         self.shortfall_cache: dict[tuple[object, ...], Unschedulable] = {}
+        self.smallest_memory: dict[str, int] = {}  # device type -> its smallest memory on any node (memory_floor)
 
     def _index_topology(self, views: Sequence[NodeView]) -> None:
         """Number the tiers, racks and domains of ``views`` and link each level to the next."""
@@ -514,5 +515,8 @@ def memory_floor(snapshot: ClusterSnapshot, request: GangRequest) -> int:
     need = request.min_memory_bytes
     if not need:
         return 0
-    smallest = min((m[request.gpu_type] for m in snapshot.memory if request.gpu_type in m), default=0)
+    smallest = snapshot.smallest_memory.get(request.gpu_type)
+    if smallest is None:  # once per type and snapshot, not per gang: O(nodes) each (a pass asks per queued job)
+        smallest = snapshot.smallest_memory[request.gpu_type] = min(
+            (m[request.gpu_type] for m in snapshot.memory if request.gpu_type in m), default=0)
     return 0 if smallest >= need else need
