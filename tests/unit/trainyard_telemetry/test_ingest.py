@@ -11,12 +11,42 @@ from trainyard_contract import events as ev
 from trainyard_telemetry.ingest import Ingest
 
 
+class FakePipe:
+    def __init__(self, calls: list[tuple[str, Any]], fail: bool) -> None:
+        self.calls, self.fail = calls, fail
+
+    async def __aenter__(self) -> FakePipe:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+    async def execute(self) -> list[Any]:
+        if self.fail:
+            raise ConnectionError("redis blinked")
+        self.calls.append(("execute", None))
+        return []
+
+
+class FakeRedis:
+    def __init__(self, calls: list[tuple[str, Any]], fail: bool = False) -> None:
+        self.calls, self.fail = calls, fail
+
+    def pipeline(self, transaction: bool = True) -> FakePipe:
+        assert transaction is False
+        return FakePipe(self.calls, self.fail)
+
+
 class Recorder:
-    def __init__(self, calls: list[tuple[str, Any]], name: str) -> None:
+    def __init__(self, calls: list[tuple[str, Any]], name: str, *, fail: bool = False) -> None:
         self.calls, self.name = calls, name
+        self.redis = FakeRedis(calls, fail)
 
     async def on_step_metrics(self, m: ev.StepMetrics) -> None:
         self.calls.append((self.name, m.step))
+
+    async def stage(self, pipe: FakePipe, m: ev.StepMetrics) -> None:
+        self.calls.append((f"{self.name}:staged", (m.rank, m.step)))
 
     async def on_straggler(self, e: ev.StragglerDetected) -> None:
         self.calls.append((f"{self.name}:straggler", e.rank))
@@ -60,30 +90,28 @@ async def test_each_step_reaches_every_read_model_in_order_and_stragglers_the_st
     await on_batch([ev.StepMetrics(job_id="job-1", attempt=1, rank=0, step=7, loss=1.0, consumed_tokens=0)])
     await runtime.bus.subscribed[ev.WORKERS][ev.StragglerDetected](ev.StragglerDetected(
         job_id="job-1", attempt=1, rank=3, node_id="n", slowdown=2.0, window_steps=5, from_step=1, to_step=5))
-    assert calls == [("timing", 7), ("history", 7), ("progress", 7), ("series", 7), ("timing:straggler", 3)]
+    assert calls == [("timing:staged", (0, 7)), ("history:staged", (0, 7)), ("execute", None), ("progress", 7),
+                     ("series", 7), ("timing:straggler", 3)]
 
 
-async def test_a_batch_keeps_each_ranks_steps_in_order_and_fails_whole_if_any_rank_fails() -> None:
-    seen: dict[int, list[int]] = {}
-
-    class ByRank(Recorder):
-        async def on_step_metrics(self, m: ev.StepMetrics) -> None:
-            seen.setdefault(m.rank, []).append(m.step)
-            if m.rank == 1 and m.step == 2 and self.name == "failing":
-                raise RuntimeError("redis blinked")
-
+async def test_a_batch_is_written_in_one_round_trip_in_order_and_fails_whole() -> None:
     batch = [ev.StepMetrics(job_id="job-1", attempt=1, rank=rank, step=step, loss=1.0, consumed_tokens=0)
              for step in (1, 2, 3) for rank in (0, 1)]
     calls: list[tuple[str, Any]] = []
-    ingest = Ingest(ByRank(calls, "timing"), Recorder(calls, "history"),  # type: ignore[arg-type]  # test doubles
+    ingest = Ingest(Recorder(calls, "timing"), Recorder(calls, "history"),  # type: ignore[arg-type]  # test doubles
                     Recorder(calls, "progress"), Recorder(calls, "series"))  # type: ignore[arg-type]  # as above
     await ingest.on_step_metrics_batch(batch)
-    assert seen == {0: [1, 2, 3], 1: [1, 2, 3]}  # each rank's steps in their order
-    assert sorted(step for name, step in calls if name == "series") == [1, 1, 2, 2, 3, 3]  # every event, every model
+    staged = [v for name, v in calls if name == "timing:staged"]
+    assert staged == [(m.rank, m.step) for m in batch]  # every event, in the batch's order
+    assert [v for name, v in calls if name == "history:staged"] == staged
+    assert calls.count(("execute", None)) == 1  # one round trip for the batch
+    executed = calls.index(("execute", None))
+    assert [v for name, v in calls[executed:] if name == "progress"] == [1, 2, 3]  # rank 0's, after the writes
+    assert sorted(v for name, v in calls if name == "series") == [1, 1, 2, 2, 3, 3]
 
-    seen.clear()
-    failing = Ingest(ByRank([], "failing"), Recorder([], "history"),  # type: ignore[arg-type]  # test doubles
-                     Recorder([], "progress"), Recorder([], "series"))  # type: ignore[arg-type]  # as above
-    with pytest.raises(RuntimeError):  # the batch fails: the bus hands it back (the models are idempotent)
+    calls.clear()
+    failing = Ingest(Recorder(calls, "timing", fail=True), Recorder(calls, "history"),  # type: ignore[arg-type]
+                     Recorder(calls, "progress"), Recorder(calls, "series"))  # type: ignore[arg-type]  # doubles
+    with pytest.raises(ConnectionError):  # the batch fails whole: the bus hands it back (the writes are idempotent)
         await failing.on_step_metrics_batch(batch)
-    assert seen == {0: [1, 2, 3], 1: [1, 2]}  # rank 1 stopped at its failure, no later step of it first
+    assert not [name for name, _ in calls if name in ("progress", "series")]

@@ -16,8 +16,6 @@ that split, and the checkpoint coordinator reads the step-timing read model inst
 
 from __future__ import annotations
 
-import asyncio
-
 from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
 from trainyard_runtime.service import ServiceRuntime
 from trainyard_telemetry.jobmetrics import JobSeries
@@ -27,7 +25,6 @@ from trainyard_telemetry.steptiming import StepTimingStore
 
 
 METRICS_GROUP = "telemetry-metrics"  # the consumer group of the StepMetrics batches (after the group prefix)
-_CONCURRENT_RANKS = 32  # ranks of one batch written side by side
 
 
 class Ingest:
@@ -49,22 +46,19 @@ class Ingest:
         runtime.bus.subscribe(WORKERS, {StragglerDetected: self.timing.on_straggler}, background=True)
 
     async def on_step_metrics_batch(self, batch: list[StepMetrics]) -> None:
-        """A fetched batch: each rank's events in their order, the ranks side by side (their writes overlap
-        instead of waiting on each other's round trips)."""
-        ranks: dict[tuple[str, int, int], list[StepMetrics]] = {}
+        """A fetched batch: 1. step timing and 2. metric history of every event in one pipelined round trip
+        (each rank's steps in their order; the scripts are idempotent per step) 3. progress, rank 0's events one
+        by one (an optimistic transaction each) 4. job series."""
+        async with self.timing.redis.pipeline(transaction=False) as pipe:
+            for m in batch:
+                await self.timing.stage(pipe, m)
+                await self.history.stage(pipe, m)
+            await pipe.execute()
         for m in batch:
-            ranks.setdefault((m.job_id, m.attempt, m.rank), []).append(m)
-        gate = asyncio.Semaphore(_CONCURRENT_RANKS)
-
-        async def one_rank(events: list[StepMetrics]) -> None:
-            async with gate:
-                for m in events:
-                    await self.on_step_metrics(m)
-
-        results = await asyncio.gather(*(one_rank(e) for e in ranks.values()), return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
+            if m.rank == 0:
+                await self.projector.on_step_metrics(m)
+        for m in batch:
+            self.series.on_step(m)
 
     async def on_step_metrics(self, m: StepMetrics) -> None:
         """1. step timing 2. metric history 3. progress (and calibration samples) 4. job series."""

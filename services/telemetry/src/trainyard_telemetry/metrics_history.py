@@ -35,6 +35,7 @@ removes it for whoever purges a job.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import struct
 from collections.abc import Sequence
@@ -82,6 +83,18 @@ ENTRY = np.dtype([("lo", "<f4"), ("hi", "<f4"), ("mean", "<f4"), ("count", "<u2"
 
 def level_key(job_id: str, rank: int, series: str, level: int) -> str:
     return f"{series_key(job_id, rank, series)}:l{level}"
+
+
+@functools.lru_cache(maxsize=65_536)
+def _rank_keys(job_id: str, rank: int) -> tuple[str, str, str]:
+    """A rank's first three keys of the write (every StepMetrics of every rank builds them: kept)."""
+    return attempt_key(job_id, rank), custom_series_key(job_id), ranks_key(job_id)
+
+
+@functools.lru_cache(maxsize=262_144)
+def _series_keys(job_id: str, rank: int, series: str) -> tuple[str, ...]:
+    """A series' key and its level keys, as the write's KEYS list them."""
+    return series_key(job_id, rank, series), *(level_key(job_id, rank, series, k) for k in range(1, len(LEVELS) + 1))
 
 
 def custom_series_key(job_id: str) -> str:
@@ -420,14 +433,24 @@ class MetricHistory:
         """Bus handler (trainyard.metrics); False when a newer attempt already wrote the step."""
         if m.step < 0 or m.step > MAX_STEP:
             return False
+        keys, args = self._write_args(m)
+        return bool(await self._write(keys=keys, args=args))
+
+    async def stage(self, pipe: Any, m: StepMetrics) -> None:
+        """:meth:`on_step_metrics`'s write, staged in the caller's pipeline (a batch in one round trip)."""
+        if 0 <= m.step <= MAX_STEP:
+            keys, args = self._write_args(m)
+            await self._write(keys=keys, args=args, client=pipe)
+
+    @staticmethod
+    def _write_args(m: StepMetrics) -> tuple[list[str], list[Any]]:
         values = step_values(m)
         names = [("+" if n not in BUILTIN else "") + n for n in values]
-        keys = [attempt_key(m.job_id, m.rank), custom_series_key(m.job_id), ranks_key(m.job_id)]
+        keys = list(_rank_keys(m.job_id, m.rank))
         for n in values:
-            keys += [series_key(m.job_id, m.rank, n), *(level_key(m.job_id, m.rank, n, k)
-                                                        for k in range(1, len(LEVELS) + 1))]
+            keys += _series_keys(m.job_id, m.rank, n)
         args: list[Any] = [m.step, m.attempt + 1, m.rank, len(values), *names, *(pack(v) for v in values.values())]
-        return bool(await self._write(keys=keys, args=args))
+        return keys, args
 
     async def custom_series(self, job_id: str) -> list[str]:
         return sorted(await self.redis.smembers(custom_series_key(job_id)))  # type: ignore[arg-type]  # decoded: str

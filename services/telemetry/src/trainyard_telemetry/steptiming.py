@@ -107,15 +107,21 @@ class StepTimingStore:
 
     async def on_step_metrics(self, m: StepMetrics) -> None:
         """Bus handler (trainyard.metrics): every rank's breakdown; rank 0's step into the ledger."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            await self.stage(pipe, m)
+            await pipe.execute()
+
+    async def stage(self, pipe: Any, m: StepMetrics) -> None:
+        """:meth:`on_step_metrics`'s writes, staged in the caller's pipeline (a batch in one round trip)."""
         await self._rank(keys=[Keys.rank_timing(m.job_id, m.attempt)],
-                         args=[str(m.rank), m.step, json.dumps(rank_breakdown(m))])
+                         args=[str(m.rank), m.step, json.dumps(rank_breakdown(m))], client=pipe)
         if m.rank != 0:
             return
         t = step_time(m)
         await self._rank0(
             keys=[Keys.attempt_steps(m.job_id, m.attempt), Keys.attempt_step_points(m.job_id, m.attempt)],
             args=[m.step, repr(m.occurred_at.timestamp()), repr(t.work_seconds), repr(t.stall_seconds),
-                  repr(t.seconds), self.max_points, repr(WORK_EWMA_ALPHA)],
+                  repr(t.seconds), self.max_points, repr(WORK_EWMA_ALPHA)], client=pipe,
         )
 
     async def on_straggler(self, event: StragglerDetected) -> None:
