@@ -415,7 +415,7 @@ async def steady(stack: LocalStack, sim: Sim, token: str, job_ids: list[str], se
         await consumer_lag(stack.kafka_bootstrap, topic, group), sim.last.get("steps", 0), time.monotonic()
     produced = (steps1 - steps0) / (t1 - t0)
     passes = {phase: histogram_delta(before, after, "trainyard_scheduler_pass_seconds", {"phase": phase})
-              for phase in ("snapshot", "plan", "apply", "total")}
+              for phase in ("reconcile", "snapshot", "plan", "apply", "total")}
     decisions = counter_delta(before, after, "trainyard_scheduler_decisions_total")
     pending = sum(after.get("trainyard_scheduler_pending_jobs", {}).values())
     return {"seconds": t1 - t0, "pending": int(pending), "passes": passes,
@@ -590,6 +590,7 @@ def report_lines(results: list[dict[str, Any]]) -> list[str]:
     row("  of which plan p99 (pure, ms)", "", lambda r: fmt(r["steady"]["passes"]["plan"]["p99_ms"]))
     row("  of which snapshot p99 (ms)", "", lambda r: fmt(r["steady"]["passes"]["snapshot"]["p99_ms"]))
     row("  of which apply p99 (ms)", "", lambda r: fmt(r["steady"]["passes"]["apply"]["p99_ms"]))
+    row("  reconcile, when due, p99 (ms)", "", lambda r: fmt(r["steady"]["passes"]["reconcile"]["p99_ms"]))
     row("decisions/s", "", lambda r: fmt(r["steady"]["decisions_per_s"], 0))
     row("jobs pending in the pass", "", lambda r: f"{r['steady']['pending']:,}")
     row("202 → GangAllocated p99 idle (ms)", "≤ 10",

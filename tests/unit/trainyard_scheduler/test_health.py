@@ -144,3 +144,22 @@ def test_a_quarantine_is_recorded_the_same_way_whoever_decided_it() -> None:
     by_hand = NodeQuarantined(node_id="n1", reason="bad DIMM", occurred_at=at)
     assert h.quarantine_entry(by_hand) == {"reason": "bad DIMM", "by": "admin", "score": None, "until": None,
                                                 "at": at.isoformat()}
+
+
+def test_a_batch_of_heartbeats_folds_to_each_nodes_latest_but_keeps_a_change_of_state() -> None:
+    from datetime import timedelta
+
+    from trainyard_contract.events import DeviceInfo, NodeHeartbeat, utcnow
+    from trainyard_scheduler.node_health import fold_heartbeats
+
+    t0 = utcnow()
+
+    def beat(node: str, s: float, *, draining: bool = False, boot: str = "b1") -> NodeHeartbeat:
+        return NodeHeartbeat(node_id=node, host="h", devices=[DeviceInfo(index=0, type="cpu", memory_bytes=1)],
+                             occurred_at=t0 + timedelta(seconds=s), draining=draining, boot_id=boot)
+
+    a1, a2, b1, a3 = beat("a", 1), beat("a", 2), beat("b", 1), beat("a", 3, draining=True)
+    late = beat("b", 0.5)  # delivered after a newer one of its node
+    folded = fold_heartbeats([a1, b1, a2, late, a3])
+    assert folded == [a2, a3, b1]  # a's last routine one before its drain, then the drain; b's newest
+    assert fold_heartbeats([]) == []

@@ -101,8 +101,10 @@ class SchedulingCycle:
         """One pass as leader ``epoch``: 1. repair when due  2. snapshot (only what changed is re-read)
         3. take in new jobs  4. drains and preemptions in progress  5. plan (pure)  6. apply."""
         now = self.clock()
-        await self.reconciler.maybe_reconcile(now, epoch)
         timer = asyncio.get_running_loop().time
+        started = timer()
+        if await self.reconciler.maybe_reconcile(now, epoch):
+            PASS_SECONDS.labels("reconcile").observe(timer() - started)
         t0 = timer()
         view = await self.cache.refresh()
         jobs = dict(view.jobs)

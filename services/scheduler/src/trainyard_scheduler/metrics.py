@@ -34,8 +34,9 @@ PASS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 
                 0.5, 0.75, 1.0, 2.0, 5.0)
 PASS_SECONDS = Histogram(
     "trainyard_scheduler_pass_seconds",
-    "the leader's scheduling passes, by phase: snapshot (brought up to date), plan (the pure decisions), apply "
-    "(admissions, preemptions, wait notes written), total", ["phase"], buckets=PASS_BUCKETS)
+    "the leader's scheduling passes, by phase: reconcile (when due: the repair from durable state), snapshot "
+    "(brought up to date), plan (the pure decisions), apply (admissions, preemptions, wait notes written), total",
+    ["phase"], buckets=PASS_BUCKETS)
 PASS_DECISIONS = Counter("trainyard_scheduler_decisions_total",
                          "decisions of the leader's passes: admit, preempt, wait (one per pending job a pass)",
                          ["kind"])

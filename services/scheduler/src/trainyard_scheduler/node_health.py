@@ -75,6 +75,20 @@ def heartbeat_record(event: NodeHeartbeat, known: NodeRecord, seen: datetime, *,
         warm_interpreters=event.warm_interpreters)
 
 
+def fold_heartbeats(batch: list[NodeHeartbeat]) -> list[NodeHeartbeat]:
+    """Of a batch, each node's latest heartbeat (the earlier ones say less), after any of its heartbeats that
+    changed its state in the batch (draining, a new incarnation): those are not folded away."""
+    out: list[NodeHeartbeat] = []
+    latest: dict[str, NodeHeartbeat] = {}
+    for event in batch:
+        had = latest.get(event.node_id)
+        if had is not None and (had.draining != event.draining or had.boot_id != event.boot_id):
+            out.append(had)
+        if had is None or had.occurred_at <= event.occurred_at:
+            latest[event.node_id] = event
+    return out + list(latest.values())
+
+
 class RoutineHeartbeats:
     """Writes routine heartbeats together: their quarantine and drain read in one pipeline, the records written
     and the devices' leases renewed in another (``known``: each node's record as this instance last wrote it)."""
@@ -132,6 +146,11 @@ class NodeHealth:
             consecutive=settings.straggler_windows))
 
     # ------------------------------------------------------------------ inventory
+    async def on_heartbeats(self, batch: list[NodeHeartbeat]) -> None:
+        """A fetched batch, folded (:func:`fold_heartbeats`), each as :meth:`on_heartbeat`."""
+        for event in fold_heartbeats(batch):
+            await self.on_heartbeat(event)
+
     async def on_heartbeat(self, event: NodeHeartbeat) -> None:
         """A routine heartbeat (the node as this instance last stored it, but for its time and running
         allocations) is kept for :meth:`flush_heartbeats`, which writes every node's latest in two round trips;

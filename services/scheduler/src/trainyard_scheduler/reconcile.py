@@ -38,35 +38,48 @@ class Reconciler:
     def __init__(self, *, redis: Redis, store: StateStore, queue: QueueConfigSource, discovery: JobDiscovery,
                  nodes: NodeHealth, leases: FencedLeases, writer: JobWriter, cache: SnapshotCache, leader: LeaderRole,
                  silence: SilencePolicy, deadlines: tr.Deadlines, clock: Callable[[], datetime],
-                 interval_s: float) -> None:
+                 interval_s: float, verify_every: int = 1) -> None:
         self.redis, self.store, self.queue, self.discovery = redis, store, queue, discovery
         self.nodes, self.leases, self.writer, self.cache, self.leader = nodes, leases, writer, cache, leader
         self.silence, self.deadlines, self.clock = silence, deadlines, clock
         self.interval = timedelta(seconds=interval_s)
         self._next: datetime | None = None
+        self.verify_every = max(1, verify_every)
+        self._reconciles = 0
 
     def due_now(self) -> None:
-        """Repair at the next pass (a new leadership: its predecessor's orphans first)."""
+        """Repair at the next pass (a new leadership: its predecessor's orphans first, the snapshot verified)."""
         self._next = None
+        self._reconciles = 0
 
-    async def maybe_reconcile(self, now: datetime, epoch: int) -> None:
+    async def maybe_reconcile(self, now: datetime, epoch: int) -> bool:
+        """Reconcile when due; whether it did."""
         if self._next is None or now >= self._next:
             await self.reconcile(now, epoch)
             self._next = now + self.interval
+            return True
+        return False
 
     async def reconcile(self, now: datetime, epoch: int) -> None:
-        """Repair from durable state: config, job discovery, live attempts, orphan and expired leases."""
+        """Repair from durable state: config, job discovery, live attempts, orphan and expired leases; the
+        snapshot verified against Redis every ``verify_every`` reconciles (and at the first of a term)."""
         await self.queue.load()
         await self.discovery.discover(now)
         await self.nodes.reinstate_recovered(now)
-        await self._check_attempts(now, epoch)
+        jobs = await self.discovery.active_jobs()
+        await self._check_attempts(now, epoch, jobs)
         held = await read_held_allocations(self.redis)
-        await self._release_orphans(held, epoch)
-        await self._restore_leases(held, epoch)
-        await self.cache.verify()  # the snapshot, reloaded whole: what the change log missed is counted
+        await self._release_orphans(held, epoch, {j.job_id: j for j in jobs})
+        await self._restore_leases(held, epoch, jobs)
+        if self._reconciles % self.verify_every == 0:
+            await self.cache.verify()  # the snapshot, reloaded whole: what the change log missed is counted
+        self._reconciles += 1
 
-    async def _check_attempts(self, now: datetime, epoch: int) -> None:
-        """Every live (or completed, not yet settled) attempt against the nodes' liveness and its deadlines."""
+    async def _check_attempts(self, now: datetime, epoch: int, jobs: list[JobRecord]) -> None:
+        """Every live (or completed, not yet settled) attempt against the nodes' liveness and its deadlines:
+        decided first on the record as read (pure, no round trip), and only a live attempt that this says must
+        change — or a completed one, whose outcome needs its checkpoints — in a transaction, decided again there
+        (thousands of healthy running jobs cost no write and no WATCH)."""
         # Liveness, not placeability: a quarantined node's running attempts run on.
         available = frozenset(n.node_id for n in await self.nodes.available_nodes(now, include_quarantined=True))
         last_seen = {n.node_id: n.last_seen for n in await self.store.list_nodes()}
@@ -78,31 +91,39 @@ class Reconciler:
                                  watching_since=since, now=self.clock(), policy=self.silence)
 
         watched = (now - since).total_seconds() if since else 0.0
-        for job in await self.discovery.active_jobs():
+
+        def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
+            return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
+                                    deadlines=self.deadlines, policy=self.writer.policy, now=self.clock(),
+                                    latest_ready_step=facts.latest_ready_step, judge=judge, watched_s=watched)
+
+        for job in jobs:
             current = job.current
             if current is None or not (tr.is_live(current) or current.state == "succeeded"):
                 continue
-
-            def decide(j: JobRecord, facts: Facts) -> tr.Outcome:
-                return tr.check_attempt(j, available_nodes=available, final_ready=facts.final_ready,
-                                        deadlines=self.deadlines, policy=self.writer.policy, now=self.clock(),
-                                        latest_ready_step=facts.latest_ready_step, judge=judge,
-                                        watched_s=watched)
-
+            # a live attempt's checks (silence, start time-out, republication) do not read the checkpoints: what
+            # they decide on the record as read is what they would decide under the WATCH, but for its details
+            if tr.is_live(current) and not decide(job, Facts()).changed:
+                continue
             await self.writer.mutate(job.job_id, decide, need_checkpoints=True, label="reconcile", fence=epoch)
 
-    async def _release_orphans(self, held: dict[str, HeldAllocation], epoch: int) -> None:
-        """Leases of allocations that are no job's live attempt."""
+    async def _release_orphans(self, held: dict[str, HeldAllocation], epoch: int, jobs: dict[str, JobRecord]) -> None:
+        """Leases of allocations that are no job's live attempt (the job read again only when the active
+        jobs do not show the allocation live)."""
         for allocation in held.values():
+            job = jobs.get(allocation.job_id)
+            current = job.current if job else None
+            if current is not None and current.allocation_id == allocation.allocation_id and tr.is_live(current):
+                continue
             job = await self.store.get_job(allocation.job_id)
             current = job.current if job else None
             if current is None or current.allocation_id != allocation.allocation_id or not tr.is_live(current):
                 await self.writer.release(allocation.allocation_id, allocation.epoch, allocation.devices, fence=epoch)
                 log.warning("released orphan allocation %s of job %s", allocation.allocation_id, allocation.job_id)
 
-    async def _restore_leases(self, held: dict[str, HeldAllocation], epoch: int) -> None:
+    async def _restore_leases(self, held: dict[str, HeldAllocation], epoch: int, jobs: list[JobRecord]) -> None:
         """Expired lease keys of live attempts, granted again under the attempt's own epoch."""
-        for job in await self.discovery.active_jobs():
+        for job in jobs:
             current = job.current
             if not tr.is_live(current) or current is None:
                 continue

@@ -117,7 +117,8 @@ class Scheduler:
             deadlines=tr.Deadlines(settings.start_timeout_s, settings.final_checkpoint_timeout_s,
                                    republish_after_s=settings.republish_after_s,
                                    republish_max=settings.republish_max),
-            clock=clock, interval_s=settings.reconcile_interval_s)
+            clock=clock, interval_s=settings.reconcile_interval_s,
+            verify_every=max(1, round(settings.snapshot_verify_s / settings.reconcile_interval_s)))
         self.admission = Admission(redis=self.redis, store=self.store, leases=self.leases, jobs=self.jobs,
                                    writer=self.writer, cache=self.cache, settings=settings, clock=clock)
         self.stops = Stops(store=self.store, writer=self.writer, queue=self.queue_config,
@@ -135,12 +136,15 @@ class Scheduler:
         # One consumer group for the job, worker and checkpoint topics (the bus reads them with one consumer).
         group = f"{self.settings.group_prefix}.scheduler"
         nodes, jobs = self.nodes, self.handlers
-        # The nodes' topic in a group of its own, fetched at the background pace: heartbeats come every few
-        # seconds from every node, so a group reading them is never idle (trainyard_runtime.idlefetch) and on
-        # the embedded broker fetched 50 times a second; a heartbeat a few hundred ms later changes nothing.
-        bus.subscribe(NODES, {NodeHeartbeat: nodes.on_heartbeat, NodeQuarantined: nodes.on_quarantined,
-                              NodeReinstated: nodes.on_reinstated, NodeDrained: nodes.on_drained,
-                              NodeUndrained: nodes.on_undrained}, group=f"{group}-nodes", background=True)
+        # The nodes' heartbeats in a group of their own, a fetched batch at a time and at the background pace:
+        # they come every few seconds from every node (thousands a second at 4,096 nodes), so a group reading them
+        # is never idle (trainyard_runtime.idlefetch); a heartbeat a few hundred ms later changes nothing, one
+        # handled late by an overloaded instance would make its node look silent. The admins' node events (rare)
+        # in another group.
+        bus.subscribe_batch(NODES, NodeHeartbeat, nodes.on_heartbeats, group=f"{group}-nodes", background=True)
+        bus.subscribe(NODES, {NodeQuarantined: nodes.on_quarantined, NodeReinstated: nodes.on_reinstated,
+                              NodeDrained: nodes.on_drained, NodeUndrained: nodes.on_undrained},
+                      group=f"{group}-node-admin", background=True)
         bus.subscribe(JOBS, {JobSubmitted: jobs.on_job_submitted, JobControlRequested: jobs.on_control},
                       group=group, deduper_factory=dedupe)
         bus.subscribe(WORKERS, {WorkerStarted: jobs.on_worker_started, WorkerExited: jobs.on_worker_exited,

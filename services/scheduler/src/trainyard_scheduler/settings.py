@@ -126,6 +126,10 @@ class SchedulerSettings(ServiceSettings):
     )
     max_wait_notes: int = Field(default=500, gt=0,
                                 description="queued-reason updates written per scheduling pass at most")
+    snapshot_verify_s: float = Field(
+        default=60.0, gt=0,
+        description="the leader's snapshot is checked against Redis (every job record read) about this often, at a "
+                    "reconcile; the change log keeps it current meanwhile (design.md §3.9)")
     heartbeat_flush_s: float = Field(
         default=0.25, gt=0,
         description="routine heartbeats (nothing placement reads changed) are written together this often: every "
