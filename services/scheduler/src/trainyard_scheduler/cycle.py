@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,7 +31,7 @@ from trainyard_scheduler import transitions as tr
 from trainyard_scheduler.admission import Admission
 from trainyard_scheduler.intake import Intake
 from trainyard_scheduler.leader import LeaderRole
-from trainyard_scheduler.metrics import PASS_DECISIONS, PASS_SECONDS, ClusterGauges, cluster_view
+from trainyard_scheduler.metrics import PASS_DECISIONS, PASS_SECONDS, TAKEOVER_SECONDS, ClusterGauges, cluster_view
 from trainyard_scheduler.planner import Admit, Decision, Preempt, Wait
 from trainyard_scheduler.queueconfig import QueueConfigSource
 from trainyard_scheduler.queueview import QueueView
@@ -67,6 +68,7 @@ class SchedulingCycle:
         self._next_config: datetime | None = None
         self._changes_cursor: str | None = None  # the watcher's place in Keys.changes
         self._noted_at: dict[str, float] = {}  # job id -> when this leader last wrote why it waits (loop time)
+        self._term_started: float | None = None  # when this instance took the lead (monotonic), to its first pass's end
 
     async def tick(self) -> None:
         """One scheduling pass; only the leader schedules, and every write it makes is fenced."""
@@ -89,8 +91,18 @@ class SchedulingCycle:
             self.stand_by()
         took = loop.time() - started
         PASS_SECONDS.labels("total").observe(took)
+        if self._term_started is not None and self.leader.epoch is not None:
+            since = time.monotonic() - self._term_started
+            TAKEOVER_SECONDS.observe(since)
+            log.info("first pass as leader (epoch %d) done %.0f ms after taking the lead", self.leader.epoch,
+                     since * 1000)
+            self._term_started = None
         if took > 0.01:  # a long pass (a deep queue): rest before the next one, whatever wakes it meanwhile
             await asyncio.sleep(took * self.settings.pass_rest_ratio)
+
+    def new_term(self) -> None:
+        """This instance just took the lead: its first pass is timed from now (TAKEOVER_SECONDS)."""
+        self._term_started = time.monotonic()
 
     def stand_by(self) -> None:
         self.leader.stand_by()

@@ -40,6 +40,10 @@ PASS_SECONDS = Histogram(
 PASS_DECISIONS = Counter("trainyard_scheduler_decisions_total",
                          "decisions of the leader's passes: admit, preempt, wait (one per pending job a pass)",
                          ["kind"])
+TAKEOVER_SECONDS = Histogram(
+    "trainyard_scheduler_takeover_seconds",
+    "a new leader's first pass: from taking the lead to the pass's end (its predecessor's orphans repaired, the "
+    "snapshot rebuilt from Redis, the queue planned and applied)", buckets=PASS_BUCKETS)
 SNAPSHOT_RELOAD_SECONDS = Histogram(
     "trainyard_scheduler_snapshot_reload_seconds",
     "full reloads of the leader's snapshot (a new leadership, the reconcile's check): every job, node and lease",

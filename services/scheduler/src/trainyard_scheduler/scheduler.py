@@ -174,6 +174,7 @@ class Scheduler:
         """This instance just took the lead: repair first (its predecessor's orphans), from a snapshot rebuilt."""
         self.reconciler.due_now()
         self.cache.reset()
+        self.cycle.new_term()
 
     def wake_at(self, when: datetime | None) -> None:
         """Run the next scheduling pass at ``when`` (None: now) instead of waiting for ``tick_s``:
