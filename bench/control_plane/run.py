@@ -294,22 +294,28 @@ class Sustained:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+async def post_job(api: httpx.AsyncClient, spec: dict[str, Any], due: float, out: Sustained) -> None:
+    """One POST of an open loop: its latency from ``due`` (its scheduled moment) when accepted, else counted as
+    the error it got."""
+    try:
+        response = await api.post("/v1/training-jobs", json=spec)
+    except httpx.HTTPError as exc:
+        out.errors[type(exc).__name__] = out.errors.get(type(exc).__name__, 0) + 1
+        return
+    if response.status_code == 202:
+        out.post.append(time.monotonic() - due)
+        out.accepted.append(response.json()["jobId"])
+    else:
+        out.errors[str(response.status_code)] = out.errors.get(str(response.status_code), 0) + 1
+
+
 async def sustained(api: httpx.AsyncClient, rate: float, seconds: float, devices: int) -> Sustained:
     """(2): an open loop of POSTs, each at its scheduled moment; latency from that moment."""
     out = Sustained()
     spec = queued_spec("bench-sustained", devices) if devices > 1 else placeable_spec("bench-sustained")
 
     async def one(due: float) -> None:
-        try:
-            response = await api.post("/v1/training-jobs", json=spec)
-        except httpx.HTTPError as exc:
-            out.errors[type(exc).__name__] = out.errors.get(type(exc).__name__, 0) + 1
-            return
-        if response.status_code == 202:
-            out.post.append(time.monotonic() - due)
-            out.accepted.append(response.json()["jobId"])
-        else:
-            out.errors[str(response.status_code)] = out.errors.get(str(response.status_code), 0) + 1
+        await post_job(api, spec, due, out)
 
     start = time.monotonic()
     tasks = []
