@@ -211,3 +211,18 @@ async def test_the_api_docs_pages_load_everything_from_the_api_itself(page: str,
             assert kinds["css"].headers["content-type"].startswith("text/css")
             assert b"isOAS31" in kinds["js"].content  # Swagger UI 5: 4.x cannot render an OpenAPI 3.1 document
             assert '"validatorUrl": null' in html.text  # no badge fetched from validator.swagger.io
+
+
+async def test_a_full_connection_pool_is_called_overload_not_a_redis_outage() -> None:
+    import json
+
+    from redis import exceptions as redis_errors
+
+    from trainyard_api.http_errors import on_redis
+
+    busy = await on_redis(None, redis_errors.MaxConnectionsError("Too many connections"))  # type: ignore[arg-type]
+    down = await on_redis(None, redis_errors.ConnectionError("Connection refused"))  # type: ignore[arg-type]
+    assert busy.status_code == down.status_code == 503
+    assert busy.headers["retry-after"] == "1"
+    assert "overloaded" in json.loads(busy.body)["detail"] and "unavailable" not in json.loads(busy.body)["detail"]
+    assert "unavailable" in json.loads(down.body)["detail"]

@@ -58,7 +58,8 @@ Submit, watch and control LLM training jobs on trainyard.
   path, e.g. `{"detail": [{"field": "training.globalBatchSize", "message": "…"}]}`; query and
   path parameters keep their source (`query.limit`). Bodies are JSON with the types this document
   gives (`0` is not `false`, `"5"` is not `5`).
-* `503` (with `Retry-After`) means the state store is unavailable, nothing else.
+* `503` (with `Retry-After`) means the state store is unavailable, or this API process is overloaded (every
+  connection to the state store busy), nothing else: retry.
 * `OPTIONS` on a path answers `204` with `Allow` listing its methods; a method the path does not
   have answers `405` with the same `Allow`.
 """  # noqa: E501 - the OpenAPI description, as served

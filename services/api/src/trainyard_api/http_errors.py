@@ -65,7 +65,8 @@ def invalid(description: str = "invalid parameters, each named by field (`query.
 NOT_JSON = error(415, "the body is not sent as `application/json`")
 UNAUTHORIZED = error(401, "missing, malformed, unknown, revoked or expired bearer token",
                      headers={"WWW-Authenticate": "`Bearer`"})
-UNAVAILABLE = error(503, "the state store (Redis) is unavailable; retry", headers={"Retry-After": "seconds"})
+UNAVAILABLE = error(503, "the state store (Redis) is unavailable, or the API is overloaded; retry",
+                    headers={"Retry-After": "seconds"})
 FORBIDDEN = error(403, "the token's role lacks the right (the message names the role needed)")
 AUTH_ERRORS: Responses = {**UNAUTHORIZED, **FORBIDDEN, **UNAVAILABLE}
 JOB_ERRORS: Responses = {**AUTH_ERRORS, **error(404, "no such job for this tenant"), **invalid()}
@@ -131,6 +132,10 @@ async def on_trainyard(_: Request, exc: TrainyardError) -> JSONResponse:
 
 
 async def on_redis(_: Request, exc: RedisError) -> JSONResponse:
+    if isinstance(exc, redis_errors.MaxConnectionsError):  # Redis is up: this process has more requests in flight
+        log.warning("overloaded: %r", exc)                 # than connections to it
+        return JSONResponse({"detail": "the API is overloaded (every connection to the state store is busy); "
+                                       "retry shortly"}, status_code=503, headers={"Retry-After": "1"})
     if isinstance(exc, REDIS_OUTAGES):
         log.warning("redis unavailable: %r", exc)
         return JSONResponse({"detail": "the state store (Redis) is unavailable; retry shortly"},
