@@ -267,23 +267,7 @@ async def idle_placement(stack: LocalStack, token: str, samples: int) -> dict[st
     try:
         async with httpx.AsyncClient(base_url=stack.s.api_url, timeout=30,
                                      headers={"authorization": f"Bearer {token}"}) as api:
-            sent_to, after_202, missed = [], [], 0
-            for i in range(samples + 1):
-                sent = time.monotonic()
-                response = await api.post("/v1/training-jobs", json=one_device_spec(f"idle-{i}"))
-                accepted = time.monotonic()
-                response.raise_for_status()
-                job_id = response.json()["jobId"]
-                arrived = await watch.wait(watch.allocated, job_id, timeout_s=30.0)
-                (await api.post(f"/v1/training-jobs/{job_id}/cancel")).raise_for_status()
-                await cp.wait_terminal(api, job_id)
-                if i == 0:
-                    continue
-                if arrived is None:
-                    missed += 1
-                else:
-                    sent_to.append(arrived - sent)
-                    after_202.append(arrived - accepted)
+            sent_to, after_202, missed = await cp.placement(api, watch, samples, spec=one_device_spec)
     finally:
         await watch.stop()
     baseline = cp.summary_ms(rtt)

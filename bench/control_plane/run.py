@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,16 +260,18 @@ async def wait_terminal(api: httpx.AsyncClient, job_id: str, timeout_s: float = 
         await asyncio.sleep(0.05)
 
 
-async def placement(api: httpx.AsyncClient, watch: EventWatch, submissions: int
-                    ) -> tuple[list[float], list[float], int]:
-    """(1): for each of ``submissions`` sequential jobs, POST sent → GangAllocated and 202 → GangAllocated
-    (negative when the allocation was announced before the 202 reached the client); jobs never placed."""
+async def placement(api: httpx.AsyncClient, watch: EventWatch, submissions: int,
+                    spec: Callable[[str], dict[str, Any]] | None = None) -> tuple[list[float], list[float], int]:
+    """(1): for each of ``submissions`` sequential jobs (``spec(name)``, by default a 1-device CPU job), POST sent →
+    GangAllocated and 202 → GangAllocated (negative when the allocation was announced before the 202 reached the
+    client); jobs never placed."""
+    spec = spec or placeable_spec
     times: list[float] = []
     after_202: list[float] = []
     missed = 0
     for i in range(submissions + 1):  # the first is a warm-up
         sent = time.monotonic()
-        response = await api.post("/v1/training-jobs", json=placeable_spec(f"bench-place-{i}"))
+        response = await api.post("/v1/training-jobs", json=spec(f"bench-place-{i}"))
         accepted = time.monotonic()
         response.raise_for_status()
         job_id = response.json()["jobId"]
