@@ -114,8 +114,9 @@ async def test_a_cordoned_kubernetes_node_is_drained_until_uncordoned(env: dict[
         node_api.unschedulable = True
         entry = await poll(drain, f"the cordon to drain {NODE}; logs:\n{services.log('agent')}", timeout_s=60)
         assert entry["by"] == "kubernetes" and KUBE_NODE in entry["reason"]
-        (drained,) = await tap.wait(NodeDrained, node_id=NODE, timeout_s=60)
-        assert drained.by == "kubernetes"
+        # at least once: one not yet in the drain record is repeated only after kube.RESEND_S
+        drained = await tap.wait(NodeDrained, node_id=NODE, timeout_s=60)
+        assert drained and {d.by for d in drained} == {"kubernetes"}
         spec = make_spec(2)
         job = JobRecord(job_id="cordoned", tenant="t1", spec=spec, spec_hash=spec.spec_hash())
         await verified(store, spec.dataset)
@@ -137,8 +138,8 @@ async def test_a_cordoned_kubernetes_node_is_drained_until_uncordoned(env: dict[
             return await drain() is None
 
         await poll(undrained, f"the uncordon to end the drain; logs:\n{services.log('agent')}", timeout_s=60)
-        (ended,) = await tap.wait(NodeUndrained, node_id=NODE, timeout_s=60)
-        assert ended.by == "kubernetes"
+        ended = await tap.wait(NodeUndrained, node_id=NODE, timeout_s=60)
+        assert ended and {e.by for e in ended} == {"kubernetes"}
         (placed,) = await tap.wait(GangAllocated, job_id="cordoned", timeout_s=60)
         assert [n.node_id for n in placed.nodes] == [NODE]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard_node_agent.kube import KUBERNETES, cordon_action, is_cordoned
+from trainyard_node_agent.kube import KUBERNETES, RESEND_S, cordon_action, due, is_cordoned
 
 
 @pytest.mark.parametrize(("node", "cordoned"), [
@@ -30,3 +30,15 @@ def test_a_node_is_cordoned_when_unschedulable_or_tainted_so(node: dict, cordone
 ])
 def test_the_cordon_drives_the_drain(cordoned: bool, drain: dict | None, action: str | None) -> None:
     assert cordon_action(cordoned, drain) == action
+
+
+@pytest.mark.parametrize(("action", "sent", "now", "publish"), [
+    (None, None, 0.0, False),  # the record agrees with the Node
+    ("drain", None, 0.0, True),  # first time
+    ("drain", ("drain", 100.0), 100.3, False),  # published a poll ago, the scheduler has not recorded it yet
+    ("drain", ("drain", 100.0), 100.0 + RESEND_S, True),  # still not recorded after a while: lost, again
+    ("undrain", ("drain", 100.0), 100.3, True),  # the Node changed its mind: the other action at once
+])
+def test_a_published_action_is_not_repeated_every_poll(action: str | None, sent: tuple | None, now: float,
+                                                        publish: bool) -> None:
+    assert due(action, sent, now) is publish  # type: ignore[arg-type]

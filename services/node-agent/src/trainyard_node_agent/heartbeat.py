@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from trainyard_contract.events import (
@@ -59,11 +60,19 @@ class CordonFollower:
 
     def __init__(self, runtime: ServiceRuntime, node_id: str, watch: kube.KubeNodeWatch) -> None:
         self.runtime, self.node_id, self.kube = runtime, node_id, watch
+        self._sent: tuple[kube.Action, float] | None = None
 
     async def follow(self) -> None:
         cordoned = await self.kube.cordoned()
         raw: Any = await self.runtime.redis.hget(Keys.node_drain, self.node_id)
         action = kube.cordon_action(cordoned, json.loads(raw) if raw else None)
+        now = time.monotonic()
+        if not kube.due(action, self._sent, now):
+            if action is None:
+                self._sent = None  # the record agrees with the Node: nothing is pending
+            return
+        assert action is not None
+        self._sent = (action, now)
         if action == "drain":
             log.warning("Kubernetes node %s is cordoned: draining it", self.kube.node_name)
             await self.runtime.bus.publish(NodeDrained(

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 KUBERNETES = "kubernetes"
 UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
 Action = Literal["drain", "undrain"]
+#: An action published and not yet in the scheduler's drain record is not published again for this
+#: long: the scheduler may be busy, and a poll every fraction of a second would repeat it on the bus.
+RESEND_S = 10.0
 
 
 def is_cordoned(node: Mapping[str, Any]) -> bool:
@@ -47,6 +50,15 @@ def cordon_action(cordoned: bool, drain: Mapping[str, Any] | None) -> Action | N
     if drain is not None and drain.get("by") == KUBERNETES:
         return "undrain"
     return None
+
+
+def due(action: Action | None, sent: tuple[Action, float] | None, now: float,
+        resend_s: float = RESEND_S) -> bool:
+    """Whether to publish ``action`` now, given the last one published (and when) that the drain record
+    does not show yet: the same action is repeated only after ``resend_s`` (a lost event converges)."""
+    if action is None:
+        return False
+    return sent is None or sent[0] != action or now - sent[1] >= resend_s
 
 
 class KubeNodeWatch:
