@@ -193,11 +193,12 @@ class Sim:
     last: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, stack: LocalStack, nodes: int, step_hz: float) -> Sim:
+    def start(cls, stack: LocalStack, nodes: int, step_hz: float, checkpoint_every: int) -> Sim:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        agent = stack.service_env("node-agent")
         cmd = [sys.executable, str(HERE / "simnodes.py"), "--bootstrap", stack.kafka_bootstrap,
-               "--redis-url", stack.service_env("node-agent")["TRAINYARD_REDIS_URL"],
-               "--nodes", str(nodes), "--step-hz", str(step_hz)]
+               "--redis-url", agent["TRAINYARD_REDIS_URL"], "--artifacts", agent["TRAINYARD_ARTIFACT_ROOT"],
+               "--checkpoint-every", str(checkpoint_every), "--nodes", str(nodes), "--step-hz", str(step_hz)]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
         assert process.stdout is not None
         line = process.stdout.readline()
@@ -383,9 +384,12 @@ async def steady(stack: LocalStack, sim: Sim, token: str, job_ids: list[str], se
     topic, group = f"{stack.s.topic_namespace}{METRICS}", "trainyard.telemetry-metrics"
     before, lag0, steps0, t0 = await scrape(stack, "scheduler"), \
         await consumer_lag(stack.kafka_bootstrap, topic, group), sim.last.get("steps", 0), time.monotonic()
+    ckpt0, shards0 = await scrape(stack, "checkpoint-coordinator"), sim.last.get("shards", 0)
     reads = await queries(stack.s.api_url, token, job_ids, seconds)
     after, lag1, steps1, t1 = await scrape(stack, "scheduler"), \
         await consumer_lag(stack.kafka_bootstrap, topic, group), sim.last.get("steps", 0), time.monotonic()
+    ckpt1, shards1 = await scrape(stack, "checkpoint-coordinator"), sim.last.get("shards", 0)
+    settled = counter_delta(ckpt0, ckpt1, "trainyard_checkpoints_total")
     produced = (steps1 - steps0) / (t1 - t0)
     passes = {phase: histogram_delta(before, after, "trainyard_scheduler_pass_seconds", {"phase": phase})
               for phase in ("reconcile", "snapshot", "plan", "apply", "total")}
@@ -395,7 +399,9 @@ async def steady(stack: LocalStack, sim: Sim, token: str, job_ids: list[str], se
             "passes_per_s": passes["total"]["count"] / (t1 - t0),
             "decisions_per_s": sum(decisions.values()) / (t1 - t0), "decisions": decisions,
             "steps_produced_per_s": produced, "steps_ingested_per_s": produced - (lag1 - lag0) / (t1 - t0),
-            "telemetry_lag": {"start": lag0, "end": lag1}, "reads_ms": reads}
+            "telemetry_lag": {"start": lag0, "end": lag1}, "reads_ms": reads,
+            "shards_per_s": (shards1 - shards0) / (t1 - t0),
+            "checkpoints": settled}
 
 
 def memory(stack: LocalStack, sim: Sim) -> dict[str, float | None]:
@@ -435,17 +441,17 @@ async def leader_change(stack: LocalStack, tokens: dict[str, str], job_ids: list
             if now and now.split()[-1] != before.split()[-1]:
                 elected = time.monotonic()
             await asyncio.sleep(0.02)
-        placed = None
-        while elected is not None and time.monotonic() - stopped < 60 and placed is None:
-            await asyncio.sleep(0.05)
-            after = [t for t in watch.allocated.values() if t >= elected]
-            placed = min(after) - stopped if after else None
-        await watch.stop()
-        rebuild: dict[str, Any] = {"count": 0, "mean_ms": None}
+        rebuild: dict[str, Any] = {"count": 0, "mean_ms": None}  # the new leader's first pass comes first
         while elected is not None and time.monotonic() - stopped < 60 and not rebuild["count"]:
             rebuild = histogram_delta(standby0, await scrape(stack, "scheduler-standby"),
                                       "trainyard_scheduler_takeover_seconds", {})
             await asyncio.sleep(0.2)
+        placed = None  # (None when nothing the queue holds fits the freed devices within the minute)
+        while elected is not None and time.monotonic() - stopped < 60 and placed is None:
+            after = [t for t in watch.allocated.values() if t >= elected]
+            placed = min(after) - stopped if after else None
+            await asyncio.sleep(0.05)
+        await watch.stop()
         return {"stop_to_new_leader_s": None if elected is None else elected - stopped,
                 "stop_to_next_allocation_s": placed, "standby_rebuild_ms": rebuild["mean_ms"],
                 "cancelled": running[1] if running else None}
@@ -518,7 +524,7 @@ def profile_summary(path: Path, top: int = 12) -> list[str]:
 
 async def one_size(stack: LocalStack, token: str, nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     empty = await redis_used(stack.redis_url)
-    sim = Sim.start(stack, nodes, args.step_hz)
+    sim = Sim.start(stack, nodes, args.step_hz, args.checkpoint_every)
     try:
         await wait_inventory(stack.redis_url, nodes)
         with_nodes = await redis_used(stack.redis_url)
@@ -588,6 +594,10 @@ def report_lines(results: list[dict[str, Any]]) -> list[str]:
     row("StepMetrics produced/s", "", lambda r: fmt(r["steady"]["steps_produced_per_s"], 0))
     row("StepMetrics ingested/s", "≥ 30,000", lambda r: fmt(r["steady"]["steps_ingested_per_s"], 0))
     row("telemetry lag start → end", "flat", lambda r: "{start:,} → {end:,}".format(**r["steady"]["telemetry_lag"]))
+    row("shards reported/s (simulated ranks)", "", lambda r: fmt(r["steady"].get("shards_per_s"), 0))
+    row("checkpoints READY / FAILED in the steady phase", "",
+        lambda r: "{:,.0f} / {:,.0f}".format(r["steady"].get("checkpoints", {}).get("ready", 0),
+                                            r["steady"].get("checkpoints", {}).get("failed", 0)))
     row("job metrics query p99 (ms)", "", lambda r: fmt(r["steady"]["reads_ms"]["metrics"]["p99"]))
     row("cluster view query p99 (ms)", "", lambda r: fmt(r["steady"]["reads_ms"]["cluster"]["p99"]))
     for name in ("api", "scheduler", "telemetry", "checkpoint-coordinator", "registry", "redis", "broker",
@@ -663,6 +673,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs-per-node", type=float, default=10_000 / 4096, help="queued jobs per node")
     p.add_argument("--rate", type=float, default=200.0, help="submissions a second in the open loop")
     p.add_argument("--step-hz", type=float, default=1.0, help="steps a second each running rank reports")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between a simulated rank's shards")
     p.add_argument("--samples", type=int, default=50, help="idle placements measured")
     p.add_argument("--steady-s", type=float, default=60.0, help="seconds of the steady phase")
     p.add_argument("--settle", type=float, default=600.0, help="at most this long for the cluster to fill")

@@ -1,7 +1,7 @@
 """Simulated nodes on the real bus: one process stands in for many node agents.
 
     python bench/cluster_scale/simnodes.py --bootstrap HOST:PORT --redis-url URL --nodes 4096 [--first 0]
-           [--count N] [--heartbeat-s 2] [--step-hz 1] [--namespace NS]
+           [--count N] [--heartbeat-s 2] [--step-hz 1] [--namespace NS] [--artifacts DIR --checkpoint-every 100]
 
 What each simulated node does is what a node agent does on the wire, through the same topics and the same
 event classes (the contract), so the live scheduler, API, telemetry, coordinator and registry cannot tell:
@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import random
 import signal
 import sys
@@ -46,13 +48,17 @@ from trainyard_contract.events import (  # noqa: E402 - after the sys.path set-u
     ALLOCATIONS,
     METRICS,
     NODES,
+    CHECKPOINTS,
     WORKERS,
     DeviceInfo,
+    FileDigest,
     NodeHeartbeat,
+    ShardWritten,
     StepMetrics,
     WorkerExited,
     WorkerStarted,
 )
+from trainyard_contract.storage import ArtifactLayout, location_uri  # noqa: E402
 from trainyard_runtime.idlefetch import Doorbell  # noqa: E402
 from trainyard_scheduler.simulation import ClusterShape  # noqa: E402
 
@@ -75,7 +81,9 @@ class SimRank:
     rank: int
     behaviour: str  # run | fail | hang
     started: float
+    world_size: int = 1
     step: int = 0
+    saved_step: int | None = None
 
 
 @dataclass
@@ -85,11 +93,12 @@ class Counters:
     steps: int = 0
     exited: int = 0
     allocations: int = 0
+    shards: int = 0
     lag_s: float = 0.0  # how far the heartbeat loop ran behind its schedule at its worst, last interval
 
     def line(self) -> str:
         return json.dumps({"heartbeats": self.heartbeats, "started": self.started, "steps": self.steps,
-                           "exited": self.exited, "allocations": self.allocations, "lagS": round(self.lag_s, 3)})
+                           "exited": self.exited, "allocations": self.allocations, "shards": self.shards, "lagS": round(self.lag_s, 3)})
 
 
 def behaviour_of(name: str) -> str:
@@ -108,6 +117,8 @@ class SimCluster:
     heartbeat_s: float = 2.0
     step_hz: float = 1.0
     fail_after_s: float = 5.0
+    artifacts: str | None = None  # the artifact root: ranks write shards there (None: no checkpoints)
+    checkpoint_every: int = 100
     counters: Counters = field(default_factory=Counters)
     ranks: dict[str, list[SimRank]] = field(default_factory=dict)  # allocation id -> our ranks of it
 
@@ -208,6 +219,8 @@ class SimCluster:
                         await self._allocated(event)
                     elif kind == "AllocationRevoked":
                         await self._revoked(event)
+                    elif kind == "CheckpointRequested":
+                        await self._checkpoint_requested(event)
             await self.doorbell.ring(self.topic(WORKERS))
 
     async def _allocated(self, event: dict[str, Any]) -> None:
@@ -217,12 +230,13 @@ class SimCluster:
         self.counters.allocations += 1
         behaviour = behaviour_of(event["spec"].get("name", ""))
         now = time.monotonic()
+        world = sum(len(share["ranks"]) for share in event["nodes"])
         ranks = []
         for share in mine:
             self._running.setdefault(share["nodeId"], set()).add(event["allocationId"])
             for slot in share["ranks"]:
                 r = SimRank(event["jobId"], event["tenant"], event["attempt"], event["allocationId"],
-                            event["epoch"], share["nodeId"], slot["rank"], behaviour, now)
+                            event["epoch"], share["nodeId"], slot["rank"], behaviour, now, world)
                 ranks.append(r)
                 started = WorkerStarted(job_id=r.job_id, attempt=r.attempt, allocation_id=r.allocation_id,
                                         epoch=r.epoch, node_id=r.node_id, rank=r.rank, pid=100000 + r.rank,
@@ -234,6 +248,44 @@ class SimCluster:
 
     async def _revoked(self, event: dict[str, Any]) -> None:
         await self._exit(event["allocationId"], 143, "revoked", "the allocation was revoked")
+
+    async def _checkpoint_requested(self, event: dict[str, Any]) -> None:
+        """As a rank does: save the next step (all our ranks of the allocation agree on it), report the
+        shard, exit 7 ``preempted`` with it; without ``--artifacts`` stop without saving."""
+        ranks = self.ranks.get(event["allocationId"])
+        if not ranks or event["epoch"] < ranks[0].epoch or ranks[0].behaviour == "hang":
+            return
+        step = max(r.step for r in ranks) + 1
+        for r in ranks:
+            r.step = step
+            if self.artifacts is not None:
+                await self._shard(r)
+        await self._exit(event["allocationId"], 7, "preempted", "checkpointed on request and stopped")
+
+    async def _shard(self, r: SimRank) -> None:
+        """A 64-byte shard of ``r.step`` in the job's checkpoint directory (rank 0 adds the ``.metadata``),
+        reported as the SDK reports it."""
+        assert self.artifacts is not None
+        directory = ArtifactLayout(self.artifacts).checkpoint_dir(r.tenant, r.job_id, r.attempt, r.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        shard = directory / f"__{r.rank}_0.distcp"
+        data = f"{r.job_id} {r.attempt} {r.step} {r.rank}".encode().ljust(64, b".")
+        extra = []
+        if r.rank == 0:
+            meta = directory / ".metadata"
+            body = f"simulated world of {r.world_size}".encode()
+            meta.write_bytes(body)
+            extra = [FileDigest(uri=location_uri(meta), size_bytes=len(body), sha256=hashlib.sha256(body).hexdigest())]
+        tmp = directory / f".{shard.name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, shard)
+        out = ShardWritten(job_id=r.job_id, tenant=r.tenant, attempt=r.attempt, epoch=r.epoch, global_step=r.step,
+                           rank=r.rank, world_size=r.world_size, uri=location_uri(shard), size_bytes=len(data),
+                           sha256=hashlib.sha256(data).hexdigest(), extra_files=extra,
+                           consumed_tokens=r.step * 8192 * r.world_size, write_seconds=0.0, stall_seconds=0.0)
+        await self._send(CHECKPOINTS, r.job_id, out.model_dump(mode="json", by_alias=True))
+        r.saved_step = r.step
+        self.counters.shards += 1
 
     async def _exit(self, allocation_id: str, code: int, reason: str, detail: str, *,
                     only_rank0: bool = False) -> None:
@@ -274,6 +326,8 @@ class SimCluster:
                             "consumedTokens": r.step * 8192}
                     await self._send(METRICS, r.job_id, body)
                     self.counters.steps += 1
+                    if self.artifacts is not None and r.step % self.checkpoint_every == 0:
+                        await self._shard(r)
                 await asyncio.sleep(max(0.0, t0 + (s + 1) * period / slices - time.monotonic()))
 
     async def _failures(self) -> None:
@@ -306,13 +360,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between a node's heartbeats")
     p.add_argument("--step-hz", type=float, default=1.0, help="steps a second each running rank reports (0: none)")
     p.add_argument("--fail-after-s", type=float, default=5.0, help="when a -fail- job's rank 0 fails")
+    p.add_argument("--artifacts", help="the stack's artifact root: ranks write tiny shards there (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between a rank's checkpoints")
     return p.parse_args(argv)
 
 
 async def amain(args: argparse.Namespace) -> None:
     cluster = SimCluster(args.bootstrap, args.redis_url, ClusterShape(nodes=args.nodes), first=args.first,
                          count=args.count, namespace=args.namespace, heartbeat_s=args.heartbeat_s,
-                         step_hz=args.step_hz, fail_after_s=args.fail_after_s)
+                         step_hz=args.step_hz, fail_after_s=args.fail_after_s, artifacts=args.artifacts,
+                         checkpoint_every=args.checkpoint_every)
     ready = asyncio.Event()
     loop = asyncio.get_running_loop()
     main = asyncio.ensure_future(asyncio.gather(cluster.run(ready), report(cluster, ready)))

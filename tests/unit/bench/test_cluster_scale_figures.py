@@ -68,3 +68,40 @@ def test_a_simulated_jobs_ranks_do_what_its_name_says() -> None:
     assert simnodes.behaviour_of("nightly-fail-7") == "fail"
     assert simnodes.behaviour_of("hang") == "hang"
     assert simnodes.behaviour_of("unfailing") == "run"  # a word, not a part of one
+
+
+def test_a_simulated_gangs_shards_are_a_checkpoint_the_coordinator_accepts(tmp_path: Path) -> None:
+    """The shards simnodes writes pass the coordinator's own decisions: each report is the job's own (in its
+    checkpoint directory), the reports of the world assemble, and the draft manifest verifies on disk."""
+    from datetime import UTC, datetime
+
+    from trainyard_checkpoint_coordinator.assembly import Complete, ShardReport, assess, checkpoint_key, \
+        shard_refusal
+    from trainyard_contract.events import ShardWritten
+    from trainyard_contract.manifest import local_sha256, local_stat_size, verify_manifest
+    from trainyard_contract.storage import ArtifactLayout, location_uri
+
+    cluster = simnodes.SimCluster("127.0.0.1:1", "redis://127.0.0.1:1", simnodes.ClusterShape(nodes=1),
+                                  artifacts=str(tmp_path))
+    sent: list[dict] = []
+
+    async def send(logical: str, key: str, body: dict) -> None:
+        sent.append(body)
+
+    cluster._send = send  # type: ignore[method-assign]
+    ranks = [simnodes.SimRank("job-1", "team-a", 2, "alloc-1", 5, "node-0000", r, "run", 0.0, 4, step=40)
+             for r in range(4)]
+
+    import asyncio
+    for r in ranks:
+        asyncio.run(cluster._shard(r))
+    events = [ShardWritten.model_validate(b) for b in sent]
+    key = checkpoint_key(events[0])
+    directory = location_uri(ArtifactLayout(tmp_path).checkpoint_dir("team-a", "job-1", 2, 40))
+    assert all(shard_refusal(ShardReport.from_event(e), key, job_tenant="team-a", checkpoint_dir_uri=directory)
+               is None for e in events)
+    outcome = assess(key, {e.rank: ShardReport.from_event(e) for e in events}, world_size=4, current_epoch=5,
+                     created_at=datetime.now(UTC))
+    assert isinstance(outcome, Complete), outcome
+    assert verify_manifest(outcome.manifest, stat_size=local_stat_size, file_sha256=local_sha256) == []
+    assert [r.saved_step for r in ranks] == [40] * 4 and cluster.counters.shards == 4
