@@ -98,7 +98,8 @@ class Counters:
 
     def line(self) -> str:
         return json.dumps({"heartbeats": self.heartbeats, "started": self.started, "steps": self.steps,
-                           "exited": self.exited, "allocations": self.allocations, "shards": self.shards, "lagS": round(self.lag_s, 3)})
+                           "exited": self.exited, "allocations": self.allocations, "shards": self.shards,
+                           "lagS": round(self.lag_s, 3)})
 
 
 def behaviour_of(name: str) -> str:
