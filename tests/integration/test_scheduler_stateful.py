@@ -54,6 +54,7 @@ from trainyard_contract.events import (
     decode_event,
     utcnow,
 )
+from trainyard_runtime.bus import Deduper
 from trainyard_runtime.outbox import Outbox
 from trainyard_contract.records import CheckpointRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
@@ -148,6 +149,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                       clock=lambda: self.now)
             for name in ("sched-a", "sched-b")
         ]
+        for s in self.schedulers:  # what Scheduler.install gives the worker batches: the handled ids
+            s.handlers.seen = Deduper(self.redis, "scheduler", "stateful.scheduler")
         for node in NODES:
             await self._heartbeat(node)
 
@@ -160,10 +163,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         """What the bus does: hand the event to the handler of one scheduler instance."""
         self.history.append(event)
         s = self.schedulers[self.rng.randrange(2) if to is None else to]
+        if isinstance(event, WorkerStarted | WorkerExited):  # the workers group reads a batch at a time
+            await s.handlers.on_worker_batch([event])
+            return
         handler = {JobSubmitted: s.handlers.on_job_submitted, NodeHeartbeat: s.nodes.on_heartbeat,
-                   WorkerStarted: s.handlers.on_worker_started, WorkerExited: s.handlers.on_worker_exited,
                    CheckpointReady: s.handlers.on_checkpoint_ready}[type(event)]
         await handler(event)  # type: ignore[operator]  # a handler
+
+    async def _deliver_batch(self, events: list[Event]) -> None:
+        """A fetched batch of worker news, to one scheduler instance."""
+        self.history.extend(events)
+        await self.schedulers[self.rng.randrange(2)].handlers.on_worker_batch(events)
 
     async def _heartbeat(self, node: str) -> None:
         devices = [DeviceInfo(index=i, type="cpu", memory_bytes=16 << 30) for i in range(DEVICES)]
@@ -204,10 +214,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                     continue
                 self.agents.epochs[(share.node_id, event.job_id)] = max(
                     event.epoch, self.agents.epochs.get((share.node_id, event.job_id), 0))
-                for r in share.ranks:
-                    await self._deliver(WorkerStarted(job_id=event.job_id, attempt=event.attempt,
-                                                      allocation_id=event.allocation_id, epoch=event.epoch,
-                                                      node_id=share.node_id, rank=r.rank, pid=1, log_uri="file:///l"))
+                await self._deliver_batch([WorkerStarted(job_id=event.job_id, attempt=event.attempt,
+                                                         allocation_id=event.allocation_id, epoch=event.epoch,
+                                                         node_id=share.node_id, rank=r.rank, pid=1,
+                                                         log_uri="file:///l") for r in share.ranks])
             self.agents.launched.add(event.allocation_id)
         elif isinstance(event, AllocationRevoked):
             job = await self._job(event.job_id)

@@ -9,7 +9,12 @@ item 3), against the real scheduler and node agents, broker and Redis (the modul
   jobs carry on (running with its devices, queued), while a cancel made through the API's own path still works;
 * a genuine, recorded control event replayed with another action (or naming another job): refused; once the
   genuine event was handled, a replay changes nothing either, and a refused copy consumed before its genuine
-  event does not make the genuine one a duplicate.
+  event does not make the genuine one a duplicate;
+* worker news read a batch at a time (one gang's WorkerStarted are one write): a burst of forged rank news for
+  the victim's running job — exits and starts of a stale epoch, of another allocation, of ranks outside its
+  world, and bytes that are no event at all, published together so they share batches — changes nothing: the
+  job runs on in the same attempt with the same ranks, no failure is counted, only the bytes are dead-lettered
+  (once each), and the victim's own news after the burst (its cancel's exits) are still applied.
 
 What the platform promises is asserted (states, records, events), never how long anything takes.
 """
@@ -219,3 +224,51 @@ async def test_a_replayed_control_event_with_another_action_is_refused(stack: St
     for job_id in (job.job_id, other.job_id):
         await s.wait_job(job_id, lambda j: j.state == "cancelled", "cancelled")
 
+
+
+# ----------------------------------------------------------------------------- (d) forged worker news in a batch
+
+
+async def test_a_burst_of_forged_worker_news_read_as_one_batch_changes_nothing(stack: Stack) -> None:
+    s = stack
+    victim = await running_victim(s, "victim-batched")
+    current = victim.current
+    assert current is not None
+    base = dict(job_id=victim.job_id, attempt=current.attempt, node_id="node-a", pid=4242, log_uri="file:///x")
+    forged: list[ev.Event] = []
+    for rank in range(8):
+        forged += [
+            ev.WorkerExited(**{k: v for k, v in base.items() if k not in ("pid", "log_uri")},
+                            allocation_id=current.allocation_id, epoch=current.epoch - 1, rank=0, exit_code=1,
+                            reason="error", detail="a stale epoch's exit"),
+            ev.WorkerExited(**{k: v for k, v in base.items() if k not in ("pid", "log_uri")},
+                            allocation_id="alloc-forged", epoch=current.epoch + 5, rank=0, exit_code=1,
+                            reason="error", detail="another allocation's exit"),
+            ev.WorkerStarted(**base, allocation_id=current.allocation_id, epoch=current.epoch - 1, rank=rank),
+            ev.WorkerStarted(**base, allocation_id="alloc-forged", epoch=current.epoch + 5, rank=rank),
+        ]
+    garbage = [b"{not json", json.dumps({"eventType": "WorkerExited", "jobId": victim.job_id}).encode()]
+    for i, event in enumerate(forged):
+        await s.publisher.publish(event)
+        if i % 8 == 0:  # four records that are no event, amid the forged ones
+            await s.publisher.publish_raw(ev.WORKERS, garbage[(i // 8) % 2], key=victim.job_id)
+
+    # the victim's own cancel, after the burst on the same partition: its exits are applied once the burst is read
+    jobs, outbox = api(s)
+    await jobs.control(VICTIM_TOKEN, victim.job_id, "cancel")
+    await outbox.relay_once(s.publisher)
+    ended = await s.wait_job(victim.job_id, lambda j: j.state == "cancelled", "cancelled")
+    assert len(ended.attempts) == 1 and ended.attempts[0].allocation_id == current.allocation_id
+    assert ended.attempts[0].started_ranks == current.started_ranks  # no forged rank recorded as started
+    assert ended.attempts[0].state != "failed" and ended.attempts[0].failure_reason == "cancelled"  # not "error"
+    assert ended.reason == "cancel requested by victim-user"
+
+    async def lettered() -> list[ev.DeadLetter] | None:
+        letters = [d for d in s.tap.events(ev.DeadLetter, source_topic=ev.WORKERS)
+                   if d.consumer_group.endswith(".scheduler-workers")
+                   and base64.b64decode(d.raw_b64) in garbage]
+        return letters if len(letters) >= 4 else None
+
+    letters = await poll(lettered, "the scheduler's dead letters of the four records that are no event")
+    assert len({(d.partition, d.offset) for d in letters}) == len(letters) == 4  # each once
+    assert await poll(lambda: no_lease_of(s, victim.job_id), "the cancelled job's devices released")

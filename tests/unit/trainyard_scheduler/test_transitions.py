@@ -510,6 +510,30 @@ def test_how_ranks_started_is_counted_on_the_attempt() -> None:
     assert job.current.start_detail == "user code starts in a new interpreter"
 
 
+def test_a_gangs_ranks_started_together_are_one_write_equal_to_one_at_a_time() -> None:
+    job = admitted(new_job())
+    forged = started(job, 1).model_copy(update={"epoch": 0, "rank": 0})  # a stale epoch: changes nothing
+    batch = [forged, started(job, 1).model_copy(update={"start": "warm"}), started(job, 0), started(job, 1)]
+    together = tr.workers_started(job, batch, at(1))
+    one_by_one = job
+    for event in batch:
+        one_by_one = tr.worker_started(one_by_one, event, at(1)).job
+    assert together.changed and together.job == one_by_one
+    assert together.job.current.started_ranks == [0, 1] and together.job.current.starts == {"warm": 1}
+    assert states(together) == ["running"]  # queued → running once
+    assert tr.workers_started(together.job, batch, at(2)).changed is False  # the batch redelivered
+    assert tr.workers_started(job, [forged], at(1)).changed is False
+
+
+def test_a_worker_batch_is_written_in_each_jobs_order_with_a_run_of_starts_as_one_write() -> None:
+    a, b = admitted(new_job()), admitted(new_job()).model_copy(update={"job_id": "j2"})
+    a0, a1, b0, b1 = started(a, 0), started(a, 1), started(b, 0), started(b, 1)
+    a_exit, a_again = exited(a, 0, 1, "error"), started(a, 1)
+    runs = tr.worker_runs([a0, b0, a1, b1, a_exit, a_again])
+    assert runs == [[a0, a1], [a_exit], [a_again], [b0, b1]]
+    assert tr.worker_runs([]) == []
+
+
 def test_environment_progress_of_a_stale_attempt_or_after_its_end_changes_nothing() -> None:
     job = admitted(new_job())
     assert tr.environment_noted(job, environment(job, "building", epoch=0), at(1)).changed is False

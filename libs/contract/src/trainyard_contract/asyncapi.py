@@ -127,22 +127,22 @@ FLOWS: dict[type[ev.Event], Flow] = {
         "A node the scheduler stops placing on.",
         (Producer("scheduler", "direct, reputation (`by: reputation`)"),
          Producer("admin", "published directly")),
-        (Consumer("scheduler", "stops placing there", "scheduler-nodes"),)),
+        (Consumer("scheduler", "stops placing there", "scheduler-node-admin"),)),
     ev.NodeReinstated: Flow(
         "A quarantined node is placeable again.",
         (Producer("scheduler", "direct, its score decayed"), Producer("api", _ADMIN_ROUTE.format("reinstate"))),
-        (Consumer("scheduler", "places there again", "scheduler-nodes"),)),
+        (Consumer("scheduler", "places there again", "scheduler-node-admin"),)),
     ev.NodeDrained: Flow(
         "A node taken out of service on purpose (maintenance).",
         (Producer("api", _ADMIN_ROUTE.format("drain")),
          Producer("node-agent", "while its Kubernetes Node is cordoned (`by` = kubernetes)")),
         (Consumer("scheduler", "nothing new there; its attempts checkpoint and stop, interrupted by maintenance",
-                  "scheduler-nodes"),)),
+                  "scheduler-node-admin"),)),
     ev.NodeUndrained: Flow(
         "A drained node takes new work again.",
         (Producer("api", _ADMIN_ROUTE.format("undrain")),
          Producer("node-agent", "once its Kubernetes Node is uncordoned (only a drain `by` kubernetes)")),
-        (Consumer("scheduler", "places there again", "scheduler-nodes"),)),
+        (Consumer("scheduler", "places there again", "scheduler-node-admin"),)),
     # allocations
     ev.GangAllocated: Flow(
         "An attempt was placed: every node and rank of the gang, its epoch and start checkpoint.",
@@ -161,15 +161,17 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.WorkerStarted: Flow(
         "A rank's process started.",
         (Producer("node-agent", "outbox"),),
-        (Consumer("scheduler", "marks the attempt running", "scheduler"),)),
+        (Consumer("scheduler", "marks the attempt running; a batch's ranks of one gang in one write",
+                  "scheduler-workers"),)),
     ev.EnvironmentPreparing: Flow(
         "A node builds a job's environment (code.environment) or found it cached, before its ranks start.",
         (Producer("node-agent", "outbox"),),
-        (Consumer("scheduler", "shows it on the attempt; restarts the attempt's start time-out", "scheduler"),)),
+        (Consumer("scheduler", "shows it on the attempt; restarts the attempt's start time-out",
+                  "scheduler-workers"),)),
     ev.WorkerExited: Flow(
         "A rank's process ended, with the classified reason.",
         (Producer("node-agent", "outbox"),),
-        (Consumer("scheduler", "ends or retries the attempt", "scheduler"),
+        (Consumer("scheduler", "ends or retries the attempt", "scheduler-workers"),
          Consumer("checkpoint-coordinator", "failure statistics for the checkpoint interval advice",
                   "checkpoint-coordinator-measurements"))),
     ev.AttemptEnded: Flow(
@@ -182,7 +184,7 @@ FLOWS: dict[type[ev.Event], Flow] = {
     ev.SecurityViolation: Flow(
         "A rank claimed what a rank may not; the job fails, not retried.",
         (Producer("node-agent", "outbox, when a rank's spool line is a forgery"),),
-        (Consumer("scheduler", "fails the job, not retried", "scheduler"),)),
+        (Consumer("scheduler", "fails the job, not retried", "scheduler-workers"),)),
     # checkpoints
     ev.ShardWritten: Flow(
         "A rank wrote its checkpoint shard durably.",
@@ -484,7 +486,8 @@ def _channel(topic: str, classes: tuple[type[ev.Event], ...], partitions: int) -
 
 
 def _operations(topic_events: dict[str, tuple[type[ev.Event], ...]]) -> dict[str, Any]:
-    """A send operation per (publisher, topic), a receive operation per (consumer, topic)."""
+    """A send operation per (publisher, topic), a receive operation per (consumer, topic, consumer group): a
+    party reading a topic in a second group has a second operation, its id ending in that group's name."""
     ops: dict[str, dict[str, Any]] = {}
     groups: dict[str, str | None] = {}
     for topic, classes in topic_events.items():
@@ -497,10 +500,11 @@ def _operations(topic_events: dict[str, tuple[type[ev.Event], ...]]) -> dict[str
                 op["messages"].append(ref)
             for c in flow.consumers:
                 op_id = f"{c.party}.receive.{cid}"
+                if groups.setdefault(op_id, c.group) != c.group:  # a second group of the party's on the topic
+                    op_id = f"{op_id}.{(c.group or '').removeprefix(c.party + '-')}"
+                    groups.setdefault(op_id, c.group)
                 op = ops.setdefault(op_id, _operation("receive", c.party, cid, topic))
                 op["messages"].append(ref)
-                if groups.setdefault(op_id, c.group) != c.group:
-                    raise ValueError(f"{c.party} reads {topic} in two groups ({groups[op_id]}, {c.group})")
                 if c.group:
                     op["bindings"] = {"kafka": {"groupId": _group_schema(c.group), "bindingVersion": KAFKA_BINDING}}
     return dict(sorted(ops.items()))

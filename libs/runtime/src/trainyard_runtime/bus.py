@@ -246,6 +246,24 @@ class Deduper:
     async def mark(self, event_id: str) -> None:
         await self._redis.set(self._key(event_id), 1, ex=self._ttl_s)
 
+    async def unseen(self, event_ids: list[str]) -> list[bool]:
+        """For each id, whether it is not handled yet: one round trip for a batch."""
+        if not event_ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for event_id in event_ids:
+            pipe.exists(self._key(event_id))
+        return [not found for found in await pipe.execute()]
+
+    async def mark_all(self, event_ids: list[str]) -> None:
+        """:meth:`mark` each id, in one round trip."""
+        if not event_ids:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for event_id in event_ids:
+            pipe.set(self._key(event_id), 1, ex=self._ttl_s)
+        await pipe.execute()
+
 
 class Bus:
     """Owns the broker connection. ``start()`` after subscribing; ``aclose()`` is idempotent."""
@@ -424,7 +442,7 @@ class Bus:
     def subscribe_batch(
         self,
         topic: str,
-        event_class: type[ev.Event],
+        event_class: type[ev.Event] | tuple[type[ev.Event], ...],
         handler: BatchHandler,
         *,
         group: str,
@@ -440,12 +458,15 @@ class Bus:
         once, as for :meth:`subscribe`: offsets are committed after the handler returns; a retryable failure
         hands the whole batch back after its back-off; any other failure handles the batch event by event and
         dead-letters only the events that fail — so the handler must be idempotent. Records that are no event
-        are dead-lettered; events of other classes are skipped. No de-duplication."""
+        are dead-lettered; events of other classes than ``event_class`` (one, or a tuple: the handler gets
+        them mixed, in each partition's order) are skipped. No de-duplication here: a handler that needs it
+        asks its :class:`Deduper` for a batch's ids at once (:meth:`Deduper.unseen`)."""
         if self._started:
             raise RuntimeError("subscribe before Bus.start()")
         if group in self._groups or group in self._batches:
             raise ValueError(f"group {group} is already subscribed")
-        self._batches[group] = _BatchRoute(topic, event_class, handler, max_records=max_records,
+        classes = event_class if isinstance(event_class, tuple) else (event_class,)
+        self._batches[group] = _BatchRoute(topic, classes, handler, max_records=max_records,
                                            retry=Redelivery(retry, stuck_after), offset_reset=offset_reset,
                                            background=background)
         return group
@@ -555,7 +576,7 @@ class _GroupRoute:
 @dataclass
 class _BatchRoute:
     topic: str
-    event_class: type[ev.Event]
+    event_classes: tuple[type[ev.Event], ...]
     handler: BatchHandler
     max_records: int = 500
     retry: Redelivery = field(default_factory=Redelivery)
@@ -747,7 +768,7 @@ class _BatchDispatcher(_Dispatcher):
                     if len(self._lettered) > 10_000:
                         self._lettered.clear()
                     self._lettered.add(where)
-                elif type(d.event) is self.batch.event_class:
+                elif type(d.event) in self.batch.event_classes:
                     deliveries.append(d)
         except Exception as exc:  # noqa: BLE001 - a dead letter could not be published: the batch again, later
             await self._retry_batch(message, records, exc)

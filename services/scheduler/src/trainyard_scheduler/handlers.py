@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from trainyard_contract.events import (
     CheckpointFailed,
     CheckpointReady,
+    Event,
     JobControlRequested,
     JobSubmitted,
     SecurityViolation,
@@ -35,6 +36,7 @@ from trainyard_contract.events import (
     EnvironmentPreparing,
 )
 from trainyard_contract.records import JobRecord
+from trainyard_runtime.bus import Deduper
 from trainyard_runtime.controlrecords import Refusal, UnauthorisedEventError, control_refusal, parse_control_request
 from trainyard_runtime.store import Keys, StateStore
 
@@ -79,6 +81,7 @@ class JobHandlers:
         self.redis, self.store, self.writer, self.queue, self.clock = redis, store, writer, queue, clock
         self.pause_grace_s = pause_grace_s
         self._wake_at = wake_at
+        self.seen: Deduper | None = None  # the worker batches' handled ids (Scheduler.install sets it)
 
     # ------------------------------------------------------------------ jobs
     async def on_job_submitted(self, event: JobSubmitted) -> None:
@@ -120,6 +123,32 @@ class JobHandlers:
             log.warning("%s for unknown job %s ignored", recorded.action, event.job_id)
 
     # ------------------------------------------------------------------ workers
+    async def on_worker_batch(self, events: list[Event]) -> None:
+        """WORKERS a fetched batch at a time: the ids handled already are skipped (one round trip); each job's
+        events are applied in the order they came, a run of one job's WorkerStarted as one write
+        (:func:`~trainyard_scheduler.transitions.worker_runs`); a write's ids are marked handled after it. A
+        failure part-way is safe: what was written is marked, the rest is handed back or handled alone."""
+        if self.seen is None:
+            raise RuntimeError("JobHandlers.seen is set by Scheduler.install")
+        fresh = [e for e, new in zip(events, await self.seen.unseen([str(e.event_id) for e in events]),
+                                     strict=True) if new]
+        for run in tr.worker_runs(fresh):
+            await self._worker_run(run)
+            await self.seen.mark_all([str(e.event_id) for e in run])
+
+    async def _worker_run(self, run: list[Event]) -> None:
+        first = run[0]
+        if isinstance(first, WorkerStarted):
+            started = [e for e in run if isinstance(e, WorkerStarted)]
+            await self.writer.mutate(first.job_id, lambda job, _: tr.workers_started(job, started, self.clock()),
+                                     label=f"{len(started)} worker(s) started")
+        elif isinstance(first, WorkerExited):
+            await self.on_worker_exited(first)
+        elif isinstance(first, EnvironmentPreparing):
+            await self.on_environment_preparing(first)
+        elif isinstance(first, SecurityViolation):
+            await self.on_security_violation(first)
+
     async def on_worker_started(self, event: WorkerStarted) -> None:
         await self.writer.mutate(event.job_id, lambda job, _: tr.worker_started(job, event, self.clock()),
                                  label="worker started")

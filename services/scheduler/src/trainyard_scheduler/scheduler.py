@@ -147,10 +147,11 @@ class Scheduler:
                       group=f"{group}-node-admin", background=True)
         bus.subscribe(JOBS, {JobSubmitted: jobs.on_job_submitted, JobControlRequested: jobs.on_control},
                       group=group, deduper_factory=dedupe)
-        bus.subscribe(WORKERS, {WorkerStarted: jobs.on_worker_started, WorkerExited: jobs.on_worker_exited,
-                                EnvironmentPreparing: jobs.on_environment_preparing,
-                                SecurityViolation: jobs.on_security_violation},
-                      group=group, deduper_factory=dedupe)
+        # The ranks' news a fetched batch at a time in a group of its own (a gang's WorkerStarted are one write
+        # of the job, not one per rank); handled ids are remembered under the main group's name, as before.
+        jobs.seen = dedupe(group)
+        bus.subscribe_batch(WORKERS, (WorkerStarted, WorkerExited, EnvironmentPreparing, SecurityViolation),
+                            jobs.on_worker_batch, group=f"{group}-workers")
         bus.subscribe(CHECKPOINTS, {CheckpointReady: jobs.on_checkpoint_ready,
                                     CheckpointFailed: jobs.on_checkpoint_failed},
                       group=group, deduper_factory=dedupe)

@@ -70,7 +70,9 @@ from trainyard_scheduler.transitions.workers import (
     checkpoint_failed,
     checkpoint_ready,
     worker_exited,
+    worker_runs,
     worker_started,
+    workers_started,
     environment_noted,
 )
 
@@ -80,5 +82,6 @@ __all__ = [
     "checkpoint_settling", "dataset_refusal", "fail_unstartable", "failures", "failures_since_progress",
     "gang_allocated", "is_final_step", "is_live", "is_pending", "is_stopping", "made_progress", "note_waiting",
     "rank0_host", "rank_nodes", "request_control", "request_drain", "request_preemption", "retry_not_before",
-    "security_violation", "stop_checkpoint", "unchanged", "worker_exited", "worker_started", "environment_noted",
+    "security_violation", "stop_checkpoint", "unchanged", "worker_exited", "worker_runs", "worker_started",
+    "workers_started", "environment_noted",
 ]

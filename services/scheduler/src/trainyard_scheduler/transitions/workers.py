@@ -57,6 +57,36 @@ def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outco
     return enter(job, Happening.RANK_STARTED, start)
 
 
+def workers_started(job: JobRecord, events: list[WorkerStarted], now: datetime) -> Outcome:
+    """:func:`worker_started` for each of ``events`` in turn, as one outcome: a gang's ranks starting together
+    are one write of the record, not one each (a 512-rank gang rewrote a growing record 512 times)."""
+    outcome = unchanged(job, "no rank")
+    events_out: list[Event] = []
+    changed = False
+    for event in events:
+        outcome = worker_started(outcome.job, event, now)
+        if outcome.changed:
+            changed = True
+            events_out.extend(outcome.events)
+    if not changed:
+        return outcome
+    return Outcome(outcome.job, events_out)
+
+
+def worker_runs(events: list[Event]) -> list[list[Event]]:
+    """A batch of WORKERS events as the writes to make, in order per job: each job's events in the order
+    they came (a partition's order is a job's order: the key is the job), with a run of consecutive
+    WorkerStarted of one job as one write; every other event is a write of its own."""
+    by_job: dict[str, list[list[Event]]] = {}
+    for event in events:
+        runs = by_job.setdefault(str(getattr(event, "job_id", "")), [])
+        if isinstance(event, WorkerStarted) and runs and isinstance(runs[-1][-1], WorkerStarted):
+            runs[-1].append(event)
+        else:
+            runs.append([event])
+    return [run for runs in by_job.values() for run in runs]
+
+
 def environment_noted(job: JobRecord, event: EnvironmentPreparing, now: datetime) -> Outcome:
     """A node's progress with the job's environment: recorded on the attempt (``jobs get`` shows it); the
     attempt's start time-out counts from the latest one (:func:`~trainyard_scheduler.transitions.reconcile`),
