@@ -8,6 +8,8 @@ against Redis. Every write is fenced by the leader epoch it runs under.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -33,7 +35,10 @@ log = logging.getLogger(__name__)
 
 
 class Reconciler:
-    """Runs the repair every ``interval_s`` (and at once after :meth:`due_now`)."""
+    """Runs the repair every ``interval_s`` (and at once after :meth:`due_now`): a term's first repair inside the
+    first pass (the predecessor's leases restored and orphans released before anything is placed), every later
+    one beside the passes (:meth:`SchedulingCycle.repair`), so a pass never waits for it; the one step that
+    must not overlap a pass, the snapshot's reload, takes :attr:`snapshot_lock`, which a pass holds."""
 
     def __init__(self, *, redis: Redis, store: StateStore, queue: QueueConfigSource, discovery: JobDiscovery,
                  nodes: NodeHealth, leases: FencedLeases, writer: JobWriter, cache: SnapshotCache, leader: LeaderRole,
@@ -46,21 +51,28 @@ class Reconciler:
         self._next: datetime | None = None
         self.verify_every = max(1, verify_every)
         self._reconciles = 0
+        self._term = 0  # counts due_now(): a repair begun in an earlier term does not schedule the next one
+        self.snapshot_lock = asyncio.Lock()
 
     def due_now(self) -> None:
         """Repair at the next pass (a new leadership: its predecessor's orphans first, the snapshot verified)."""
         self._next = None
         self._reconciles = 0
+        self._term += 1
 
-    async def maybe_reconcile(self, now: datetime, epoch: int) -> bool:
-        """Reconcile when due; whether it did."""
-        if self._next is None or now >= self._next:
-            await self.reconcile(now, epoch)
+    async def maybe_reconcile(self, now: datetime, epoch: int, *, in_pass: bool = True) -> bool:
+        """Reconcile when due; whether it did. ``in_pass``: called by a pass (holding :attr:`snapshot_lock`),
+        which makes only a term's first repair; otherwise by the repair loop, which makes every later one."""
+        due = self._next
+        if in_pass != (due is None) or (due is not None and now < due):
+            return False
+        term = self._term
+        await self.reconcile(now, epoch, in_pass=in_pass)
+        if term == self._term:
             self._next = now + self.interval
-            return True
-        return False
+        return True
 
-    async def reconcile(self, now: datetime, epoch: int) -> None:
+    async def reconcile(self, now: datetime, epoch: int, *, in_pass: bool = True) -> None:
         """Repair from durable state: config, job discovery, live attempts, orphan and expired leases; the
         snapshot verified against Redis every ``verify_every`` reconciles (and at the first of a term)."""
         await self.queue.load()
@@ -68,12 +80,21 @@ class Reconciler:
         await self.nodes.reinstate_recovered(now)
         jobs = await self.discovery.active_jobs()
         await self._check_attempts(now, epoch, jobs)
+        if in_pass:
+            await self._repair_leases(epoch, jobs)
+        else:  # never beside a pass: a pass's admission grants leases before it writes the attempt
+            async with self.snapshot_lock:
+                await self._repair_leases(epoch, jobs)
+        self._reconciles += 1
+
+    async def _repair_leases(self, epoch: int, jobs: list[JobRecord]) -> None:
+        """Orphans released, expired leases of live attempts restored, and the snapshot reloaded whole every
+        ``verify_every`` reconciles (what the change log missed is counted). Called where no pass runs."""
         held = await read_held_allocations(self.redis)
         await self._release_orphans(held, epoch, {j.job_id: j for j in jobs})
         await self._restore_leases(held, epoch, jobs)
         if self._reconciles % self.verify_every == 0:
-            await self.cache.verify()  # the snapshot, reloaded whole: what the change log missed is counted
-        self._reconciles += 1
+            await self.cache.verify()
 
     async def _check_attempts(self, now: datetime, epoch: int, jobs: list[JobRecord]) -> None:
         """Every live (or completed, not yet settled) attempt against the nodes' liveness and its deadlines:
@@ -129,6 +150,10 @@ class Reconciler:
                 continue
             have = len(held[current.allocation_id].devices) if current.allocation_id in held else 0
             if have < len(current.devices):
+                job = await self.store.get_job(job.job_id) or job  # as it is now: the repair may have ended it
+                if job.current is None or job.current.allocation_id != current.allocation_id \
+                        or not tr.is_live(job.current):
+                    continue
                 restored, conflicts = await self.leases.restore(epoch, current.allocation_id, current.epoch,
                                                                 attempt_devices(job))
                 log.warning("job %s: restored %d expired lease(s) of allocation %s%s", job.job_id, restored,

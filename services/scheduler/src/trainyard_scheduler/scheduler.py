@@ -161,6 +161,9 @@ class Scheduler:
                                 background=True)
         self.runtime.add_loop("heartbeats", self.nodes.flush_heartbeats, self.settings.heartbeat_flush_s)
         self.runtime.add_loop("tick", self.cycle.tick, self.settings.tick_s, wake=self._wake)
+        # the periodic repair beside the passes (a term's first is its first pass's own)
+        self.runtime.add_loop("reconcile", self.cycle.repair,
+                              max(0.05, min(self.settings.tick_s, self.settings.reconcile_interval_s / 5)))
         # a job submitted through the API (or changed by either instance) wakes the pass without a broker hop
         self.runtime.add_loop("changes", self.cycle.watch_changes, 0.0)
         # Renewed on its own cadence too, so that a long pass (or an await inside it) never lets it lapse.
@@ -198,7 +201,9 @@ class Scheduler:
         return self.queue_config.config
 
     async def tick(self) -> None:
+        """One pass, then the repair when due: what the "tick" and "reconcile" loops do, one after the other."""
         await self.cycle.tick()
+        await self.cycle.repair()
 
     async def load_queue_config(self) -> None:
         await self.queue_config.load()
