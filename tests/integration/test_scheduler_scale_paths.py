@@ -1,7 +1,8 @@
 """The scheduler's paths made for cluster scale (bench/cluster_scale), on a real Redis: routine heartbeats are
 written together (their leases renewed, their time advanced, a drain or a new node still applied at once), and
 why queued jobs wait is written for many records in one round trip — only where the record is still the one
-read, and never by a stale leader."""
+read, and never by a stale leader; the periodic repair beside the passes never takes a grant a pass is still
+writing the attempt of for an orphan."""
 
 from __future__ import annotations
 
@@ -105,3 +106,60 @@ async def test_wait_notes_are_written_in_one_round_trip_where_the_record_is_unch
     with pytest.raises(StaleLeaderError):
         await jobs.write_if_unchanged([("q3", noted["q3"].dumps(), queued("q3").dumps())], fence=7)
     assert (await store.get_job("q3")).queued_reason == "waiting q3"
+
+
+async def test_the_repair_beside_the_passes_never_releases_a_grant_whose_attempt_a_pass_is_writing(
+        redis: Redis) -> None:
+    """The periodic repair runs beside the passes; a pass's admission grants the leases before it writes the
+    attempt. The repair's lease step waits for the pass (the lock it holds), so the grant is not taken for an
+    orphan and released under the gang that is about to start."""
+    import asyncio
+    from dataclasses import dataclass
+
+    from trainyard_contract.devices import Device
+    from trainyard_scheduler import Scheduler
+    from trainyard_scheduler import transitions as tr
+    from trainyard_scheduler.gang import GangRequest, Placement
+    from trainyard_scheduler.placement import place
+    from trainyard_scheduler.topology import ClusterSnapshot, NodeView
+
+    @dataclass
+    class Runtime:  # what the Scheduler uses of a ServiceRuntime
+        redis: Redis
+        store: StateStore
+        outbox: Outbox
+        instance: str
+
+    store = StateStore(redis)
+    s = Scheduler(Runtime(redis, store, Outbox(redis, "scheduler"), "sched-a"),
+                  SchedulerSettings(lease_ttl_s=60, reconcile_interval_s=5), clock=utcnow)
+    await s.tick()  # the leader, its term's first repair made in the pass
+    epoch = s.leader.epoch
+    assert epoch is not None
+    spec = TrainingSpec.model_validate(spec_with(**{"resources.gpuType": "cpu", "resources.gpuCount": 1,
+                                                    "parallelism.data": 1}))
+    job = JobRecord(job_id="j-mid", tenant="t1", spec=spec, spec_hash=spec.spec_hash())
+    assert await store.create_job(job)
+    devices = (DeviceInfo(index=0, type="cpu", memory_bytes=1 << 30),)
+    placed = place(ClusterSnapshot((NodeView("n1", "127.0.0.1", devices),)), GangRequest("cpu", 1))
+    assert isinstance(placed, Placement)
+
+    async with s.reconciler.snapshot_lock:  # a pass, mid-admission
+        lease_epoch = await s.leases.acquire(epoch, "j-mid", "j-mid-a1", [Device("n1", 0)])
+        s.reconciler._next = utcnow() - timedelta(seconds=1)  # noqa: SLF001 - the repair is due now
+        repair = asyncio.create_task(s.cycle.repair())
+        for _ in range(500):  # until the repair waits for the pass (or, were it not to wait, has finished)
+            if s.reconciler.snapshot_lock._waiters or repair.done():  # noqa: SLF001 - asyncio.Lock's waiters
+                break
+            await asyncio.sleep(0.01)
+        assert "j-mid-a1" in {a.allocation_id for a in (await s.held_allocations()).values()}
+        admitted = tr.admit(job, placement=placed, allocation_id="j-mid-a1", epoch=lease_epoch, master_port=29500,
+                            start_checkpoint=None, now=utcnow())
+        await redis.set(Keys.job("j-mid"), admitted.job.model_dump_json(by_alias=True))  # the attempt written
+    await repair
+    assert "j-mid-a1" in {a.allocation_id for a in (await s.held_allocations()).values()}  # not an orphan
+    # a grant whose attempt was never written is one, and the next repair releases it
+    await s.leases.acquire(epoch, "j-lost", "j-lost-a1", [Device("n1", 1)])
+    s.reconciler._next = utcnow() - timedelta(seconds=1)  # noqa: SLF001
+    await s.cycle.repair()
+    assert {a.allocation_id for a in (await s.held_allocations()).values()} == {"j-mid-a1"}
