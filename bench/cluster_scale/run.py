@@ -673,7 +673,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs-per-node", type=float, default=10_000 / 4096, help="queued jobs per node")
     p.add_argument("--rate", type=float, default=200.0, help="submissions a second in the open loop")
     p.add_argument("--step-hz", type=float, default=1.0, help="steps a second each running rank reports")
-    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between a simulated rank's shards")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between a simulated rank's shards (100 s at --step-hz 1)")
     p.add_argument("--samples", type=int, default=50, help="idle placements measured")
     p.add_argument("--steady-s", type=float, default=60.0, help="seconds of the steady phase")
     p.add_argument("--settle", type=float, default=600.0, help="at most this long for the cluster to fill")
@@ -690,6 +691,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C: the private stack and the simulated nodes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     results = []
     for nodes in [int(n) for n in args.nodes.split(",")]:
         print(f"— {nodes:,} simulated nodes × 8 devices, {int(round(args.jobs_per_node * nodes)):,} jobs …",
