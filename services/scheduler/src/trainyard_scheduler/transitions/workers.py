@@ -32,45 +32,41 @@ from trainyard_scheduler.transitions.table import Happening, enter
 
 def worker_started(job: JobRecord, event: WorkerStarted, now: datetime) -> Outcome:
     """A rank of the current attempt started: the attempt runs; the job goes queued → running."""
+    return workers_started(job, [event], now)
+
+
+def workers_started(job: JobRecord, events: list[WorkerStarted], now: datetime) -> Outcome:
+    """Ranks of the current attempt started (one, or a gang's of one batch): one copy of the record, one write —
+    a 512-rank gang rewrote (and deep-copied) a growing record 512 times. A rank of a stale or ended attempt is
+    ignored, a rank already started counts once."""
     current = job.current
-    if not is_current(current, event.allocation_id, event.epoch) or not is_live(current):
+    fresh = [e for e in events if is_current(current, e.allocation_id, e.epoch)] if is_live(current) else []
+    if not fresh:
         return unchanged(job, "worker of a stale or ended attempt")
     assert current is not None
-    if event.rank in current.started_ranks and current.state == "running":
+    if current.state == "running" and all(e.rank in current.started_ranks for e in fresh):
         return unchanged(job, "duplicate WorkerStarted")
 
     def start() -> Outcome:
         new = private_copy(job, now)
         attempt = new.attempts[-1]
-        if event.rank not in attempt.started_ranks:
-            attempt.started_ranks = sorted([*attempt.started_ranks, event.rank])
+        started, starts = set(attempt.started_ranks), dict(attempt.starts)
+        for event in fresh:
+            if event.rank in started:
+                continue
+            started.add(event.rank)
             if event.start is not None:
-                attempt.starts = {**attempt.starts, event.start: attempt.starts.get(event.start, 0) + 1}
+                starts[event.start] = starts.get(event.start, 0) + 1
                 if event.start == "cold" and event.start_detail:
                     attempt.start_detail = event.start_detail
+        attempt.started_ranks, attempt.starts = sorted(started), starts
         attempt.state = "running"
-        events: list[Event] = []
+        events_out: list[Event] = []
         if new.state == "queued":
-            set_state(new, "running", events, now, reason=None)
-        return Outcome(new, events)
+            set_state(new, "running", events_out, now, reason=None)
+        return Outcome(new, events_out)
 
     return enter(job, Happening.RANK_STARTED, start)
-
-
-def workers_started(job: JobRecord, events: list[WorkerStarted], now: datetime) -> Outcome:
-    """:func:`worker_started` for each of ``events`` in turn, as one outcome: a gang's ranks starting together
-    are one write of the record, not one each (a 512-rank gang rewrote a growing record 512 times)."""
-    outcome = unchanged(job, "no rank")
-    events_out: list[Event] = []
-    changed = False
-    for event in events:
-        outcome = worker_started(outcome.job, event, now)
-        if outcome.changed:
-            changed = True
-            events_out.extend(outcome.events)
-    if not changed:
-        return outcome
-    return Outcome(outcome.job, events_out)
 
 
 def worker_runs(events: list[Event]) -> list[list[Event]]:
