@@ -526,7 +526,7 @@ async def one_size(stack: LocalStack, token: str, nodes: int, args: argparse.Nam
     empty = await redis_used(stack.redis_url)
     sim = Sim.start(stack, nodes, args.step_hz, args.checkpoint_every)
     try:
-        await wait_inventory(stack.redis_url, nodes)
+        await wait_inventory(stack.redis_url, nodes, timeout_s=max(120.0, nodes * 0.1))
         with_nodes = await redis_used(stack.redis_url)
         idle = await idle_placement(stack, token, args.samples)
         tokens = await tenants(stack.s.api_url, stack.admin_token_file.read_text().strip(), nodes * 8)
@@ -697,13 +697,19 @@ def main(argv: list[str] | None = None) -> int:
     for nodes in [int(n) for n in args.nodes.split(",")]:
         print(f"— {nodes:,} simulated nodes × 8 devices, {int(round(args.jobs_per_node * nodes)):,} jobs …",
               flush=True)
-        with scale_stack() as stack:
-            token = stack.tokens.when_the_api_answers(stack.s.api_url)
-            result = asyncio.run(one_size(stack, token, nodes, args))
+        try:
+            with scale_stack() as stack:
+                token = stack.tokens.when_the_api_answers(stack.s.api_url)
+                result = asyncio.run(one_size(stack, token, nodes, args))
+        except RuntimeError as exc:  # this size could not be measured here: say why, keep the others
+            print(f"{nodes:,} nodes: not measured: {exc}", file=sys.stderr, flush=True)
+            continue
         results.append(result)
         print("\n".join(report_lines(results)), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        if args.json:  # after every size: a later size that fails loses nothing
+            args.json.write_text(json.dumps(results, indent=1, default=str))
+    if not results:
+        return 1
     args.plot.write_text(svg_plot(results))
     if args.profile:
         for path in sorted(args.profile.glob("*.txt")):
