@@ -680,6 +680,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=600.0, help="at most this long for the cluster to fill")
     p.add_argument("--quick", action="store_true", help="256 nodes, 10 samples, 15 s steady (the smoke test)")
     p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: print the table and plot the curves of earlier runs' --json files")
     p.add_argument("--profile", type=Path, help="also sample the API, scheduler and telemetry with py-spy while "
                                                 "loaded; collapsed stacks and a summary here")
     p.add_argument("--plot", type=Path, default=Path("bench-cluster-scale.svg"), help="the SVG plot")
@@ -693,7 +695,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C: the private stack and the simulated nodes are stopped
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    results = []
+    results: list[dict[str, Any]] = []
+    if args.merge:  # the table and the plot of earlier runs' --json files (sizes measured apart), nothing run
+        for path in args.merge:
+            results += json.loads(path.read_text())
+        results.sort(key=lambda r: r["nodes"])
+        print("\n".join(report_lines(results)), flush=True)
+        args.plot.write_text(svg_plot(results))
+        print(f"plot: {args.plot}")
+        return 0
     for nodes in [int(n) for n in args.nodes.split(",")]:
         print(f"— {nodes:,} simulated nodes × 8 devices, {int(round(args.jobs_per_node * nodes)):,} jobs …",
               flush=True)
