@@ -691,10 +691,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C: the private stack and the simulated nodes stop."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    # SIGTERM (a timeout, a CI cancel) unwinds like Ctrl-C: the private stack and the simulated nodes are stopped
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupted)
     results: list[dict[str, Any]] = []
     if args.merge:  # the table and the plot of earlier runs' --json files (sizes measured apart), nothing run
         for path in args.merge:

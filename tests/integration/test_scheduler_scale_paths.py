@@ -24,6 +24,7 @@ from trainyard_scheduler.keys import SchedulerKeys
 from trainyard_scheduler.node_health import NodeHealth
 from trainyard_scheduler.snapshot import SnapshotCache
 from tests.support.api import spec_with
+from tests.support.scheduler import SchedulerRuntime
 
 pytestmark = pytest.mark.integration
 TTL_MS = 60_000
@@ -114,8 +115,6 @@ async def test_the_repair_beside_the_passes_never_releases_a_grant_whose_attempt
     attempt. The repair's lease step waits for the pass (the lock it holds), so the grant is not taken for an
     orphan and released under the gang that is about to start."""
     import asyncio
-    from dataclasses import dataclass
-
     from trainyard_contract.devices import Device
     from trainyard_scheduler import Scheduler
     from trainyard_scheduler import transitions as tr
@@ -123,15 +122,8 @@ async def test_the_repair_beside_the_passes_never_releases_a_grant_whose_attempt
     from trainyard_scheduler.placement import place
     from trainyard_scheduler.topology import ClusterSnapshot, NodeView
 
-    @dataclass
-    class Runtime:  # what the Scheduler uses of a ServiceRuntime
-        redis: Redis
-        store: StateStore
-        outbox: Outbox
-        instance: str
-
     store = StateStore(redis)
-    s = Scheduler(Runtime(redis, store, Outbox(redis, "scheduler"), "sched-a"),
+    s = Scheduler(SchedulerRuntime(redis, store, Outbox(redis, "scheduler"), "sched-a"),
                   SchedulerSettings(lease_ttl_s=60, reconcile_interval_s=5), clock=utcnow)
     await s.tick()  # the leader, its term's first repair made in the pass
     epoch = s.leader.epoch

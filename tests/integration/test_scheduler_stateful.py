@@ -56,6 +56,7 @@ from trainyard_contract.events import (
 )
 from trainyard_runtime.bus import Deduper
 from trainyard_runtime.outbox import Outbox
+from tests.support.scheduler import SchedulerRuntime
 from trainyard_contract.records import CheckpointRecord, JobRecord
 from trainyard_contract.spec import TrainingSpec
 from trainyard_runtime.store import Keys, StateStore, connect_redis
@@ -99,16 +100,6 @@ def make_spec(devices: int, tensor: int, priority: int) -> TrainingSpec:
 
 
 @dataclass
-class FakeRuntime:
-    """What the Scheduler uses of a ServiceRuntime (no broker: the test delivers events itself)."""
-
-    redis: Any
-    store: StateStore
-    outbox: Outbox
-    instance: str
-
-
-@dataclass
 class Agents:
     """The node agents' view: highest epoch seen per (node, job), launched allocations."""
 
@@ -145,7 +136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         settings = SchedulerSettings(redis_url=self.redis_url, node_timeout_s=15, lease_ttl_s=0, leader_ttl_s=3600,
                                      retry_backoff_s=0, start_timeout_s=120, reconcile_interval_s=5)
         self.schedulers = [
-            Scheduler(FakeRuntime(self.redis, self.store, Outbox(self.redis, "scheduler"), name), settings,
+            Scheduler(SchedulerRuntime(self.redis, self.store, Outbox(self.redis, "scheduler"), name), settings,
                       clock=lambda: self.now)
             for name in ("sched-a", "sched-b")
         ]
