@@ -248,3 +248,48 @@ def check_bitwise_identical(reference: Mapping[str, Any], resumed: Mapping[str, 
         if k in reference and k in resumed:
             problems += compare_states(reference[k], resumed[k], k)
     return problems
+
+
+# ----------------------------------------------------------------------------- 9. one quorum per step (faultTolerance)
+
+_COMMIT = r"committed step (\d+) in quorum (\S+) with (\d+) of (\d+) replicas"
+_HEALED = r"healed from a peer at step (\d+)"
+
+
+@dataclass(frozen=True)
+class ReplicaLog:
+    """What one replica process of a fault-tolerant attempt said: the steps it committed (with the quorum of
+    each) and the steps it healed to from a peer, in order."""
+
+    name: str
+    commits: tuple[tuple[int, str], ...]
+    heals: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> ReplicaLog:
+        import re
+
+        commits = tuple((int(m.group(1)), m.group(2)) for m in re.finditer(_COMMIT, text))
+        return cls(name, commits, tuple(int(m.group(1)) for m in re.finditer(_HEALED, text)))
+
+
+def check_one_quorum_per_step(replicas: Sequence[ReplicaLog]) -> list[str]:
+    """No step is applied by two quorums: every replica that committed a step did so in the same quorum (the
+    others reach that step by healing from one of them); no replica applies a step twice or goes back; a step
+    a replica skipped it healed past."""
+    problems: list[str] = []
+    quorums: dict[int, dict[str, list[str]]] = {}
+    for replica in replicas:
+        steps = [step for step, _ in replica.commits]
+        for before, after in zip(steps, steps[1:], strict=False):
+            if after <= before:
+                problems.append(f"{replica.name} applied step {after} after step {before}")
+            elif after > before + 1 and not any(before < healed < after for healed in replica.heals):
+                problems.append(f"{replica.name} went from step {before} to {after} without healing")
+        for step, quorum in replica.commits:
+            quorums.setdefault(step, {}).setdefault(quorum, []).append(replica.name)
+    for step, by_quorum in sorted(quorums.items()):
+        if len(by_quorum) > 1:
+            problems.append(f"step {step} was applied by {len(by_quorum)} quorums: "
+                            + "; ".join(f"quorum {q} ({', '.join(names)})" for q, names in sorted(by_quorum.items())))
+    return problems

@@ -13,6 +13,8 @@ import torch
 from tests.chaos.invariants import (
     AttemptSteps,
     LeaseOp,
+    ReplicaLog,
+    check_one_quorum_per_step,
     check_bitwise_identical,
     check_fencing,
     check_leases_released,
@@ -188,3 +190,31 @@ def test_bitwise_identity_catches_one_flipped_bit() -> None:
     assert check_bitwise_identical(ref, {"model": same["model"]}) == ["optimizer: missing from the resumed checkpoint"]
     neg_zero = {"model": {"w": torch.tensor([0.0])}, "optimizer": {}}
     assert check_bitwise_identical(neg_zero, {"model": {"w": torch.tensor([-0.0])}, "optimizer": {}})
+
+
+# ----------------------------------------------------------------------------- one quorum per step
+
+
+def _log(*lines: str) -> str:
+    return "\n".join(f"2026-01-01 00:00:00,000 rank0 INFO trainyard: {line}" for line in lines)
+
+
+def test_one_quorum_per_step_holds_when_a_survivor_heals_past_a_step_it_did_not_commit() -> None:
+    a = ReplicaLog.parse("rank-0.log", _log(
+        "committed step 1 in quorum 1 with 3 of 3 replicas", "committed step 2 in quorum 1 with 3 of 3 replicas",
+        "healed from a peer at step 3", "committed step 4 in quorum 3 with 2 of 3 replicas"))
+    b = ReplicaLog.parse("rank-1.log", _log(
+        "committed step 1 in quorum 1 with 3 of 3 replicas", "committed step 2 in quorum 1 with 3 of 3 replicas",
+        "committed step 3 in quorum 2 with 3 of 3 replicas", "committed step 4 in quorum 3 with 2 of 3 replicas"))
+    assert a.commits == ((1, "1"), (2, "1"), (4, "3")) and a.heals == (3,)
+    assert check_one_quorum_per_step([a, b]) == []
+
+
+def test_one_quorum_per_step_catches_a_split_and_a_replayed_step() -> None:
+    split = [ReplicaLog("rank-0.log", ((1, "1"), (2, "1")), ()), ReplicaLog("rank-1.log", ((1, "1"), (2, "2")), ())]
+    assert check_one_quorum_per_step(split) == ["step 2 was applied by 2 quorums: quorum 1 (rank-0.log); "
+                                                "quorum 2 (rank-1.log)"]
+    replayed = [ReplicaLog("rank-0.log", ((1, "1"), (2, "1"), (2, "2")), ())]
+    assert "rank-0.log applied step 2 after step 2" in check_one_quorum_per_step(replayed)[0]
+    jumped = [ReplicaLog("rank-0.log", ((1, "1"), (5, "1")), ())]
+    assert check_one_quorum_per_step(jumped) == ["rank-0.log went from step 1 to 5 without healing"]

@@ -160,7 +160,7 @@ def test_the_per_service_families_are_written_by_the_runtime_every_service_runs(
 def test_the_node_agent_writes_only_its_own_keys() -> None:
     writes = keyspace.writes_of(NODE_AGENT)
     assert writes == ["ty:agent:*:epochs", "ty:agent:*:launched", "ty:agent:*:ranks", "ty:agent:*:refused",
-                      "ty:agent:*:unconfirmed", "ty:outbox:node-agent:*", "ty:health:node-agent:*",
+                      "ty:agent:*:unconfirmed", "ty:agent:*:gangs", "ty:outbox:node-agent:*", "ty:health:node-agent:*",
                       "ty:stuck:node-agent:*", "ty:seen:node-agent:*:*", "ty:replication:barrier",
                       "ty:replication:ack:*"]
     assert keyspace.wider_writes(NODE_AGENT) == []

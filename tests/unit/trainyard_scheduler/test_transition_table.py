@@ -14,6 +14,7 @@ from trainyard_scheduler.blame import Silence
 from trainyard_scheduler.transitions import table
 from trainyard_scheduler.transitions.table import JOB_STATES, SAME, TABLE, Happening, Row
 
+from tests.unit.trainyard_scheduler import test_replicas as replicas
 from tests.unit.trainyard_scheduler.test_transitions import (
     DEADLINES,
     POLICY,
@@ -45,6 +46,7 @@ EXPECTED: list[tuple[tuple[str, ...], Happening, set[str], set[str]]] = [
     (LIVE, H.RANK_STOPPED, {SAME, "queued", "paused", "succeeded"}, REV),
     (LIVE, H.PORT_SQUATTED, REQUEUE, REV),
     (LIVE, H.RANK_FAILED, RETRY, REV),
+    (LIVE, H.REPLICA_FAILED, {SAME}, {"ReplicaReplaced"}),
     (LIVE, H.RANK_DONE, {SAME}, set()),
     (LIVE, H.ATTEMPT_COMPLETED, {SAME, "succeeded"}, set()),
     (ACTIVE, H.FINAL_READY, {"succeeded"}, set()),
@@ -139,6 +141,7 @@ SCENARIOS: dict[Happening, Callable[[JobState], tr.Outcome]] = {
     H.RANK_STOPPED: lambda s: exit_of(running(admitted(new_job())), s, 7, "preempted"),
     H.PORT_SQUATTED: lambda s: exit_of(admitted(new_job()), s, 127, "port-in-use", rank=0),
     H.RANK_FAILED: lambda s: exit_of(running(admitted(new_job())), s, 1, "error"),
+    H.REPLICA_FAILED: lambda s: exit_of(replicas.running_job(), s, 137, "killed"),
     H.RANK_DONE: lambda s: exit_of(running(admitted(new_job())), s, 0, "ok"),
     H.ATTEMPT_COMPLETED: lambda s: exit_of(tr.worker_exited(
         (j := running(admitted(new_job()))), exited(j, 0), final_ready=False, policy=POLICY, now=at(5)).job,

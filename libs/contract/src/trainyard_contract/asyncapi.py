@@ -153,6 +153,11 @@ FLOWS: dict[type[ev.Event], Flow] = {
         (Producer("scheduler", "outbox (preemption, pause, drain)"),
          Producer("node-agent", "a stopping node agent, to its own ranks")),
         (Consumer("node-agent", "hands it to its ranks (request file and SIGUSR1)", "node-agent.{nodeId}"),)),
+    ev.ReplicaReplaced: Flow(
+        "A failed replica of a fault-tolerant attempt is started again while the others train on.",
+        (Producer("scheduler", "outbox, with the newcomer's grant (ty:replica) in the same MULTI"),),
+        (Consumer("node-agent", "starts the rank again as the named generation, if granted and leased to it",
+                  "node-agent.{nodeId}"),)),
     ev.AllocationRevoked: Flow(
         "An attempt's allocation is withdrawn.",
         (Producer("scheduler", "outbox"),),

@@ -217,6 +217,28 @@ class GangAllocated(Event):
         description="checkpoint interval for this attempt when the spec says checkpointPolicy.auto "
                     "(the coordinator's Young/Daly advice); overrides everySteps/everyMinutes",
     )
+    lighthouse_port: int | None = Field(
+        default=None, gt=0, lt=65536,
+        description="faultTolerance: the port of the job's torchft Lighthouse, which the node of rank 0 runs at "
+                    "master_addr for the attempt (drawn like master_port)",
+    )
+
+
+class ReplicaReplaced(Event):
+    """The scheduler replaces one failed replica of a running fault-tolerant attempt (``faultTolerance``): the node
+    that holds its devices starts the rank again, as ``generation``, into the same allocation; it heals from a
+    healthy peer and joins the next quorum. The attempt, its epoch and the other replicas go on."""
+
+    topic: ClassVar[str] = ALLOCATIONS
+    event_type: Literal["ReplicaReplaced"] = "ReplicaReplaced"
+    job_id: str
+    attempt: int
+    allocation_id: str
+    epoch: int
+    node_id: str
+    rank: int = Field(ge=0)
+    generation: int = Field(ge=1, description="the newcomer's generation (the failed one's + 1)")
+    reason: str = Field(description="why the replica failed, as its WorkerExited said")
 
 
 class CheckpointRequested(Event):
@@ -266,6 +288,9 @@ class WorkerStarted(Event):
         default=None, description="warm: forked from an interpreter that had imported torch and the trainer; "
                                   "cold: a new interpreter (user code, or no warm interpreter free)")
     start_detail: str | None = Field(default=None, description="why it started warm or cold")
+    generation: int = Field(
+        default=0, ge=0, description="the rank's replica generation: 0 as launched with the gang, n after its n-th "
+                                     "replacement (faultTolerance); an event of an older generation is stale")
 
 
 class EnvironmentPreparing(Event):
@@ -311,6 +336,9 @@ class WorkerExited(Event):
         default=None, description="the last global step this rank reported a checkpoint shard of in this attempt "
                                   "(relayed before this exit); None: it reported none",
     )
+    generation: int = Field(
+        default=0, ge=0, description="the rank's replica generation: 0 as launched with the gang, n after its n-th "
+                                     "replacement (faultTolerance); an event of an older generation is stale")
 
 
 class AttemptEnded(Event):
@@ -693,7 +721,7 @@ def _union(*classes: type[Event]) -> Any:
 TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     JOBS: (JobSubmitted, JobControlRequested, JobStateChanged),
     NODES: (NodeHeartbeat, NodeQuarantined, NodeReinstated, NodeDrained, NodeUndrained),
-    ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested),
+    ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested, ReplicaReplaced),
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation,
               EnvironmentPreparing),
     CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),

@@ -57,6 +57,19 @@ class NodeEnvironment(Record):
     at: datetime = Field(default_factory=utcnow)
 
 
+class ReplicaReplacement(Record):
+    """One failed replica of a fault-tolerant attempt, replaced while the others trained on."""
+
+    rank: int
+    node_id: str
+    generation: int = Field(description="the newcomer's generation")
+    reason: str
+    detail: str | None = None
+    global_step: int | None = Field(default=None, description="the last step the failed replica completed")
+    at: datetime
+    started_at: datetime | None = Field(default=None, description="when the newcomer's rank started")
+
+
 class AttemptRecord(Record):
     attempt: int
     allocation_id: str
@@ -74,6 +87,8 @@ class AttemptRecord(Record):
     placement_score: float | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    lighthouse_port: int | None = Field(default=None, exclude_if=lambda v: v is None,
+                                        description="faultTolerance: the job's Lighthouse, at master_addr")
     placement_detail: PlacementDetail | None = None
     preempted_by: str | None = Field(default=None, description="job this attempt is being preempted for")
     preempt_requested_at: datetime | None = None
@@ -105,6 +120,12 @@ class AttemptRecord(Record):
     ready_step_at_end: int | None = Field(
         default=None, description="latest READY step when the attempt ended (progress = newer than its start)"
     )
+    generations: dict[str, int] = Field(
+        default={}, exclude_if=lambda v: not v,
+        description="faultTolerance: rank -> its replica generation, for ranks replaced during the attempt")
+    replacements: list[ReplicaReplacement] = Field(
+        default=[], exclude_if=lambda v: not v,
+        description="faultTolerance: each failed replica replaced while the others trained on")
     interruption: str | None = Field(
         default=None,
         description="why the platform stopped it without a failure: 'maintenance: …' (a node drain) or "

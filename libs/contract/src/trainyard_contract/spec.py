@@ -261,6 +261,36 @@ RESERVED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
                           "TRACEPARENT", "CUDA_VISIBLE_DEVICES"})
 
 
+class FaultTolerance(_Wire):
+    """Replicas that drop out and rejoin while the others keep stepping (torchft: a quorum per step, a
+    returning replica healed live from a healthy peer). The data-parallel dimension is ``replicas`` replica
+    groups of one rank each; while at least ``minReplicas`` of them step, a failed one is replaced without
+    ending the attempt. Below it, the attempt ends the usual way and the next resumes from the latest READY
+    checkpoint (see docs/failures.md, "A replica fails, training goes on")."""
+
+    replicas: int = Field(ge=2, le=1024, description="replica groups (= parallelism.data)")
+    min_replicas: int = Field(ge=1, le=1024, description="fewest replicas that may take a step; below it the "
+                                                         "attempt ends and restarts from the latest READY checkpoint")
+    batch: Literal["reduced", "accumulate"] = Field(
+        default="reduced",
+        description="a step with fewer replicas: reduced (the missing replicas' rows are skipped, the step's "
+                    "batch is smaller) or accumulate (the replicas that step read the missing rows too, in more "
+                    "micro-batches: the global batch is kept). The run record lists the steps with fewer replicas",
+    )
+    quorum_timeout_seconds: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="how long a step waits for the quorum (and a replica's collectives for its peers) "
+                    "before the replica that waits gives up",
+    )
+
+    @model_validator(mode="after")
+    def _fewer_than_all(self) -> FaultTolerance:
+        if self.min_replicas > self.replicas:
+            raise ValueError(f"faultTolerance.minReplicas ({self.min_replicas}) must not exceed "
+                             f"faultTolerance.replicas ({self.replicas})")
+        return self
+
+
 class TrainingSpec(_Wire):
     """What a researcher submits. Immutable: a new configuration is a new job."""
 
@@ -293,6 +323,10 @@ class TrainingSpec(_Wire):
         default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
         description="export the final checkpoint when the job succeeds (format hf: a transformers directory)",
     )
+    fault_tolerance: FaultTolerance | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="replicas that fail are replaced while the others keep training (no restart)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSpec:
@@ -314,6 +348,16 @@ class TrainingSpec(_Wire):
                 f"training.globalBatchSize ({t.global_batch_size}) must be a multiple of "
                 f"microBatchSize ({t.micro_batch_size}) x parallelism.data ({self.parallelism.data}) = {per_step}"
             )
+        ft = self.fault_tolerance
+        if ft is not None:
+            p = self.parallelism
+            if p.data != ft.replicas or p.tensor != 1 or p.pipeline != 1:
+                raise ValueError(
+                    f"faultTolerance.replicas ({ft.replicas}) must equal parallelism.data, with tensor and pipeline "
+                    "1: each replica is one rank (replica groups of several ranks are not supported yet)")
+            if t.sharding not in (None, "ddp"):
+                raise ValueError("faultTolerance replicates the model on every replica: training.sharding must be "
+                                 "ddp (or unset)")
         return self
 
     @property

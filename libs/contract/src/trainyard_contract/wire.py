@@ -73,6 +73,19 @@ class NodeEnvironmentView(ApiModel):
     at: datetime
 
 
+class ReplicaReplacementView(ApiModel):
+    """A failed replica of a fault-tolerant attempt, replaced while the others trained on."""
+
+    rank: int
+    node_id: str
+    generation: int = Field(description="the newcomer's generation")
+    reason: str
+    detail: str | None = None
+    global_step: int | None = Field(default=None, description="the last step the failed replica completed")
+    at: datetime = Field(description="when it was replaced")
+    started_at: datetime | None = Field(default=None, description="when the newcomer's rank started")
+
+
 class AttemptView(ApiModel):
     attempt: int
     allocation_id: str
@@ -97,6 +110,10 @@ class AttemptView(ApiModel):
     environment: dict[str, NodeEnvironmentView] = Field(
         default={}, description="node → its preparation of the job's environment (preparing environment: building "
                                 "with the installer's progress, ready, cached or failed)")
+    generations: dict[str, int] = Field(
+        default={}, description="faultTolerance: rank → its replica generation, for ranks replaced in this attempt")
+    replacements: list[ReplicaReplacementView] = Field(
+        default=[], description="faultTolerance: each failed replica replaced while the others trained on")
 
 
 class ProgressView(ApiModel):

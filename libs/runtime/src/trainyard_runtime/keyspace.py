@@ -127,6 +127,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("node-quarantine", "ty:sched:node-quarantine", (_S,), (_A,), "hash node id → why it is not placed on"),
     _f("node-drain", "ty:sched:node-drain", (_S,), (_A, _N), "hash node id → drained nodes"),
     _f("lease", "ty:lease:<node>:<device>", (_S,), (_N,), "a device's holder (Lua, leader-fenced)"),
+    _f("replica", "ty:replica:<allocation>:<rank>", (_S,), (_N,), "faultTolerance: a replaced rank's generation"),
     _f("allocation", "ty:alloc:<allocation>", (_S,), (), "an allocation's devices and state (Lua)"),
     _f("epoch", "ty:epoch:<job>", (_S,), (_C,), "a job's fencing epoch, never decreasing (Lua)"),
     _f("lease-audit", "ty:lease-audit", (_S,), (), "stream: every grant and release"),
@@ -136,6 +137,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("agent-ranks", "ty:agent:<node>:ranks", (_N,), (), "hash: the node's running ranks"),
     _f("agent-refused", "ty:agent:<node>:refused", (_N,), (), "list: the node's recent refusals"),
     _f("agent-unconfirmed", "ty:agent:<node>:unconfirmed", (_N,), (), "hash: announcements not yet applied"),
+    _f("agent-gangs", "ty:agent:<node>:gangs", (_N,), (), "hash: fault-tolerant allocations launched on the node"),
     # checkpoint coordinator -----------------------------------------------------------------------------------
     _f("checkpoints", "ty:ckpt:<job>", (_C,), (_A, _S, _N, _R, _T), "hash checkpoint id → CheckpointRecord"),
     _f("shards", "ty:ckpt:<job>:shards:<attempt>:<step>", (_C,), (_N, _S), "hash rank → ShardReport"),

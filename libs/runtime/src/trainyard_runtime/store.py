@@ -245,6 +245,12 @@ class Keys:
         return f"ty:lease:{node_id}:{device_index}"
 
     @staticmethod
+    def replica(allocation_id: str, rank: int) -> str:
+        """faultTolerance: the generation a replaced rank of the allocation may start as (the scheduler writes it
+        with the job record; the node agent starts a newcomer only for the generation it names)."""
+        return f"ty:replica:{allocation_id}:{rank}"
+
+    @staticmethod
     def outbox(service: str) -> str:
         return f"ty:outbox:{service}"
 

@@ -39,11 +39,17 @@ class StepBoundary:
 
     def __init__(self, settings: RankSettings, *, spec_hash: str, max_steps: int, layout: ArtifactLayout,
                  spool: SpoolWriter, schedule: CheckpointSchedule, checkpointer: Checkpointer,
-                 agreement: BoundaryAgreement, request: CheckpointRequest, timing: Timing) -> None:
+                 agreement: BoundaryAgreement, request: CheckpointRequest, timing: Timing, writers: int | None = None,
+                 writes: bool = True) -> None:
+        """``writers``: the ranks that write each checkpoint (default the world; a fault-tolerant job's: replica
+        0 alone, a world of one); ``writes``: whether this rank is one of them (the other replicas skip the save
+        and take the same decisions, stops included)."""
         self.settings, self.spec_hash, self.max_steps, self.layout = settings, spec_hash, max_steps, layout
         self.spool, self.schedule, self.checkpointer = spool, schedule, checkpointer
         self.agreement, self.request, self.timing = agreement, request, timing
-        self.parallelism: dict[str, int] = {"dp": settings.world_size, "tp": 1, "pp": 1}
+        self.writers = settings.world_size if writers is None else writers
+        self.writes = writes
+        self.parallelism: dict[str, int] = {"dp": self.writers, "tp": 1, "pp": 1}
         self.last_saved: int | None = None
         self.stopped: StoppedOnRequest | None = None
         self._hook = (register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -59,7 +65,7 @@ class StepBoundary:
         if decided.stop:
             log.warning("checkpoint requested%s: %s step %d, then stopping", " (signal)" if self.request.signalled
                         else "", "saving" if decided.save else "already saved", step)
-        if decided.save:
+        if decided.save and self.writes:
             stall += self._save(step, full, progress, on_durable)
             self.schedule.saved(time.monotonic())
             self.last_saved = step
@@ -70,7 +76,7 @@ class StepBoundary:
         self.timing.add(checkpoint=stall)
         if decided.stop:
             self.stopped = StoppedOnRequest(step, saved=decided.save)
-        return decided.save
+        return decided.save and self.writes
 
     def wait(self) -> float:
         """Until the pending save (if any) is durable and reported (a collective); seconds waited."""
@@ -115,7 +121,7 @@ class StepBoundary:
             span.set_attribute("trainyard.shard_bytes", saved.shard.size_bytes)
             self.spool.write(ShardWritten(
                 job_id=s.job_id, tenant=s.tenant, attempt=s.attempt, epoch=s.epoch, global_step=step, rank=s.rank,
-                world_size=s.world_size, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
+                world_size=self.writers, uri=saved.shard.uri, size_bytes=saved.shard.size_bytes,
                 sha256=saved.shard.sha256, extra_files=saved.extra_files, consumed_tokens=tokens,
                 consumed_samples=samples, spec_hash=self.spec_hash, parallelism=dict(self.parallelism),
                 write_seconds=max(saved.seconds, 0.0), stall_seconds=max(stall, 0.0), tensor_digests=tensors,

@@ -16,8 +16,16 @@ from trainyard_contract.storage import atomic_write_bytes
 from trainyard.preemption import StoppedOnRequest
 
 
+class NothingToHeal(Exception):  # noqa: N818 - not an error: the way a replaced replica leaves with nothing to do
+    """A replaced replica (faultTolerance) found no peer in its first quorum: the others finished or ended, and
+    training alone from a checkpoint would apply steps again. It leaves with exit 0; the attempt goes on or ends
+    as the other replicas' exits say."""
+
+
 def exit_code_for(exc: BaseException) -> int:
     """The rank exit code for an exception (see trainyard_contract.exitcodes)."""
+    if isinstance(exc, NothingToHeal):
+        return exitcodes.OK
     if isinstance(exc, StoppedOnRequest):
         return exitcodes.PREEMPTED
     if isinstance(exc, NonFiniteError):

@@ -75,12 +75,14 @@ from trainyard.metrics import PeakFlops
 from trainyard.policy import BoundaryAgreement, checkpoint_policy
 from trainyard.preemption import CheckpointRequest, StoppedOnRequest
 from trainyard.reporting import StepReporter
+from trainyard.replicas import Replicas, is_replacement, open_replicas, replacement_view
 from trainyard.restore import restore as restore_state
 from trainyard.runrecord import CheckpointPolicyRecord, RestoreRecord
 from trainyard.runtime import (
     Runtime,
     configure_determinism,
     init_distributed,
+    init_replica_world,
     rank_cpu_threads,
     select_runtime,
     shutdown_distributed,
@@ -127,13 +129,14 @@ class Run:
         self.policy: CheckpointPolicyRecord = checkpoint_policy(self)
         self.schedule = CheckpointSchedule(max_steps=training.max_steps, every_steps=self.policy.every_steps,
                                            every_minutes=self.policy.every_minutes, last_save_at=time.monotonic())
-        self.checkpointer = Checkpointer(rank=settings.rank, mode=settings.checkpoint_mode, barrier=ctx.barrier,
+        self.checkpointer = Checkpointer(rank=ctx.rank, mode=settings.checkpoint_mode, barrier=ctx.barrier,
                                          agree=ctx.agree, group=ctx.background, device=runtime.device)
         self.agreement = BoundaryAgreement(ctx)
         self.boundary = StepBoundary(settings, spec_hash=allocation.spec_hash, max_steps=training.max_steps,
                                      layout=self.layout, spool=spool, schedule=self.schedule,
                                      checkpointer=self.checkpointer, agreement=self.agreement, request=request,
-                                     timing=self.timing)
+                                     timing=self.timing, writers=ctx.world_size,
+                                     writes=allocation.spec.fault_tolerance is None or settings.rank == 0)
         self.restored: RestoreRecord | None = None
 
     # ------------------------------------------------------------------ opening
@@ -251,14 +254,22 @@ class Run:
 
         Verified first (manifest, every file's size and sha256, split over the ranks); a
         checkpoint that fails is refused (CheckpointRefused) and the previous READY one tried.
-        None verifying raises NoVerifiedCheckpointError (exit 4). Every rank calls it."""
+        None verifying raises NoVerifiedCheckpointError (exit 4). Every rank calls it (a replaced replica of a
+        fault-tolerant job: the newest READY one, then it heals from a peer, :mod:`trainyard.replicas`)."""
         full = self.full_state(state)
-        self.restored = restore_state(self, full, self.ctx, self.layout, self.spool, node_layout=self.node_layout)
+        job = replacement_view(self) if is_replacement(self.spec) else self
+        self.restored = restore_state(job, full, self.ctx, self.layout, self.spool, node_layout=self.node_layout)
         step = full["progress"].global_step  # type: ignore[attr-defined]  # the run's Progress entry
         self.boundary.last_saved = step if self.restored.manifest_uri is not None else None
         self.reporter.restored(step)
         self.schedule.saved(time.monotonic())
         return step
+
+    def replicas(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: Mapping[str, Stateful] | None = None) -> Replicas:
+        """This replica of a fault-tolerant job (:mod:`trainyard.replicas`); ``extra``: more state a replica
+        that rejoins loads from a healthy peer, besides the model, optimizer and progress."""
+        return open_replicas(self, model, optimizer, extra, closers=self._closers)
 
     def checkpoint(self, step: int, state: Mapping[str, Stateful],
                    on_durable: Callable[[SavedShard, int], None] | None = None) -> bool:
@@ -384,7 +395,7 @@ class Run:
         code = self.finish(exc)
         if self.exit_on_error:
             shutdown_tracing()
-            if code != exitcodes.OK:
+            if code != exitcodes.OK or exc is not None:  # an exception that is no failure (NothingToHeal): exit 0
                 raise SystemExit(code) from None  # the error is logged (and in the exit note), not a traceback twice
         return False
 
@@ -415,9 +426,13 @@ def join_job(settings: RankSettings, request: CheckpointRequest) -> Joined:
     training = allocation.spec.training
     configure_determinism(runtime, seed=training.seed, rank=settings.rank, deterministic=training.deterministic,
                           cpu_threads=rank_cpu_threads(settings, usable_cores()))
-    init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
+    replica = allocation.spec.fault_tolerance is not None
+    if replica:  # a replica is its own world of one; torchft's Manager joins the replicas (run.replicas())
+        init_replica_world(runtime)
+    else:
+        init_distributed(settings, runtime)  # local mode too: a world of one, so user collectives work
     try:
-        ctx = open_context(settings.rank, settings.world_size)
+        ctx = open_context(0, 1) if replica else open_context(settings.rank, settings.world_size)
         spool = SpoolWriter(settings.events_file)
     except BaseException:
         shutdown_distributed()

@@ -141,6 +141,13 @@ def init_distributed(settings: RankSettings, runtime: Runtime) -> None:
     )
 
 
+def init_replica_world(runtime: Runtime) -> None:
+    """A fault-tolerant job's replica is a world of one of its own (an in-process store: nothing to dial); the
+    replicas are joined per step by torchft (:mod:`trainyard.replicas`), so one that fails stops no other."""
+    dist.init_process_group(backend=runtime.backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=runtime.device if runtime.device.type == "cuda" else None)
+
+
 def new_cpu_group() -> dist.ProcessGroup:
     """A gloo group over the whole world, for CPU-side agreement and background checkpoint I/O.
 

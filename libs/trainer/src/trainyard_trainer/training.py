@@ -419,6 +419,10 @@ def train(job: Job, run: Run) -> Progress:
     the exit note; a stop on request raises :class:`StoppedOnRequest` once its save is durable.
     """
     settings, spec, runtime, plan = job.settings, job.spec, job.runtime, job.plan
+    if spec.fault_tolerance is not None:  # replicas joined per step by torchft: a loop of their own
+        from trainyard_trainer.replica_training import train_replica
+
+        return train_replica(job, run)
     training, progress = spec.training, run.progress
     batch = job.batch or batch_layout(global_batch=training.global_batch_size, micro_batch=training.micro_batch_size,
                                       dp=plan.dp, spec_dp=spec.parallelism.data,

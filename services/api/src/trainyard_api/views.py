@@ -15,6 +15,7 @@ from trainyard_telemetry.goodput_history import GoodputInterval
 from trainyard_api.schemas import (
     AttemptView,
     NodeEnvironmentView,
+    ReplicaReplacementView,
     CheckpointAdviceView,
     CheckpointView,
     GoodputIntervalView,
@@ -98,6 +99,8 @@ def attempt_view(a: AttemptRecord) -> AttemptView:
         interruption=a.interruption, placement_score=a.placement_score, placement_detail=a.placement_detail,
         starts=dict(a.starts), start_detail=a.start_detail,
         environment={node: NodeEnvironmentView.model_validate(e.model_dump()) for node, e in a.environment.items()},
+        generations=dict(a.generations),
+        replacements=[ReplicaReplacementView.model_validate(r.model_dump()) for r in a.replacements],
     )
 
 

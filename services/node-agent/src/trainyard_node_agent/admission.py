@@ -117,6 +117,7 @@ def rank_env(
     shard_cache_dir: Path | None = None,
     shard_cache_bounds: tuple[float | None, float] | None = None,
     environment: tuple[Path, str] | None = None,
+    generation: int = 0,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own minus its TRAINYARD_* settings, then
     ``extra`` (operator knobs such as TRAINYARD_SHARDING), then the job's ``code.env`` (user code),
@@ -140,6 +141,9 @@ def rank_env(
     env.update(code_env or {})
     env.update(_contract_env(event, share, slot, backend=backend, artifact_root=artifact_root,
                              allocation_file=allocation_file, events_file=events_file))
+    if event.lighthouse_port is not None:  # faultTolerance: the job's Lighthouse, and which generation this is
+        env["TRAINYARD_LIGHTHOUSE"] = lighthouse_url(event.master_addr, event.lighthouse_port)
+        env["TRAINYARD_REPLICA_GENERATION"] = str(generation)
     env.update(_present({
         "TRAINYARD_CHECKPOINT_REQUEST_FILE": checkpoint_request_file,
         "TRAINYARD_EXIT_NOTE_FILE": exit_note_file,
@@ -166,6 +170,11 @@ def rank_env(
         env["TRAINYARD_CPU_THREADS"] = str(cpu_threads)  # the rank's torch.set_num_threads: what its record says
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
     return env
+
+
+def lighthouse_url(host: str, port: int) -> str:
+    """The address torchft's Manager dials for the job's Lighthouse."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _contract_env(event: GangAllocated, share: NodeAssignment, slot: RankAssignment, *, backend: str,

@@ -56,6 +56,7 @@ from trainyard_contract.events import (
     AllocationRevoked,
     CheckpointRequested,
     GangAllocated,
+    ReplicaReplaced,
 )
 from trainyard_contract.storage import ArtifactLayout
 from trainyard_runtime.service import ServiceRuntime
@@ -85,6 +86,7 @@ from trainyard_node_agent.rank_network import RankNetwork
 from trainyard_node_agent.rank_start import RankStarter
 from trainyard_node_agent.rank_table import RankTable
 from trainyard_node_agent.recovery import Recovery
+from trainyard_node_agent.replicas import Lighthouses, ReplicaRestarts
 from trainyard_node_agent.settings import NodeAgentSettings
 from trainyard_node_agent.spool_relay import SpoolRelay
 from trainyard_node_agent.supervision import Trigger
@@ -106,6 +108,7 @@ class AgentKeys:
         self.ranks = f"{base}:ranks"  # "<allocation>/<rank>" -> RankProcess.persisted()
         self.refused = f"{base}:refused"  # recent refusals, newest first (JSON)
         self.unconfirmed = f"{base}:unconfirmed"  # event id -> Announcement not yet seen applied (JSON)
+        self.gangs = f"{base}:gangs"  # allocation id -> the fault-tolerant GangAllocated launched here (JSON)
 
 
 class NodeAgent:
@@ -166,6 +169,11 @@ class NodeAgent:
                                                node_id=settings.node_id),
                                            table=self.table, attempts=self.attempts, starter=self.starter,
                                            lifecycle=self.lifecycle, background=self.background, clock=clock)
+        self.lighthouses = Lighthouses(runtime.redis, settings.node_id, log_dir=settings.agent_state_path.parent,
+                                       clock=clock)
+        self.replicas = ReplicaRestarts(runtime.redis, settings.node_id, self.keys, launcher=self.launcher,
+                                        lighthouses=self.lighthouses, table=self.table, clock=clock)
+        self.launcher.replicas = self.replicas
         self.recovery = Recovery(runtime.redis, self.table, self.attempts, announcements=self.announcements,
                                  sandbox=self.sandbox, boot_id=self.boot_id)
         self.heartbeat = Heartbeat(runtime, settings, self.table, lifecycle=self.lifecycle, boot_id=self.boot_id,
@@ -194,7 +202,8 @@ class NodeAgent:
         self.runtime.bus.subscribe(
             ALLOCATIONS,
             {GangAllocated: self.launcher.on_gang_allocated, AllocationRevoked: self.control.on_allocation_revoked,
-             CheckpointRequested: self.control.on_checkpoint_requested},
+             CheckpointRequested: self.control.on_checkpoint_requested,
+             ReplicaReplaced: self.replicas.on_replica_replaced},
             group=self.group, deduper_factory=self.runtime.deduper,
         )
         s = self.settings
@@ -204,6 +213,7 @@ class NodeAgent:
         self.runtime.add_loop("lease-check", self.control.check_leases, s.lease_check_s)
         self.runtime.add_loop("local-state", self.table.flush_local, 1.0)
         self.runtime.add_loop("confirmations", self.announcements.confirm, s.confirm_interval_s)
+        self.runtime.add_loop("lighthouses", self.lighthouses.check, 1.0)
         if self.pool is not None:
             self.runtime.add_loop("warm-pool", self.starter.refill_pool, 0.5)
         if self.cordon is not None:
@@ -225,6 +235,7 @@ class NodeAgent:
         if self.pool is not None:
             self.pool.fill()  # the first; the warm-pool loop starts the rest, one at a time
         await self.recovery.resume()
+        await self.replicas.resume()  # the Lighthouses of fault-tolerant attempts whose rank 0 runs here
         self.background.spawn(self.attempts.collect_code())  # what an earlier incarnation quarantined, unused
 
     async def aclose(self) -> None:
@@ -245,6 +256,7 @@ class NodeAgent:
             log.warning("could not send the final heartbeat: %r", exc)
         await self.control.drain()
         await self._stop_ranks()
+        await self.lighthouses.aclose()
         self.background.cancel()
         await self._flush_outbox(timeout_s=5.0)
         if self.pool is not None:

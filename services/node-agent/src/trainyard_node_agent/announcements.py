@@ -51,7 +51,7 @@ class Announcements:
         await self.remember(Announcement(
             event_id=str(event.event_id), kind=kind, topic=event.topic, key=event.key(),  # type: ignore[arg-type]  # topic: every rank event has one
             payload=event.to_bytes().decode(), traceparent=traceparent, job_id=rank.job_id, attempt=rank.attempt,
-            allocation_id=rank.allocation_id, rank=rank.rank,
+            allocation_id=rank.allocation_id, rank=rank.rank, generation=rank.generation,
         ))
 
     async def remember(self, a: Announcement) -> None:

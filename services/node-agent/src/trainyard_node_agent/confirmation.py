@@ -47,6 +47,7 @@ class Announcement:
     first_at: float = 0.0  # when it was first published (monotonic)
     last_at: float = 0.0  # when it was last published
     republished: int = 0
+    generation: int = 0  # faultTolerance: the rank's generation when it said it
 
 
 def verdict(a: Announcement, job: JobRecord | None, *, shard_recorded: bool = False,
@@ -67,7 +68,12 @@ def explain(a: Announcement, job: JobRecord | None, *, shard_recorded: bool = Fa
         return "pending", "the scheduler's record of the attempt has not landed yet"
     if record.allocation_id != a.allocation_id:
         return "moot", f"attempt {a.attempt} is allocation {record.allocation_id}, not {a.allocation_id}"
+    if a.generation < record.generations.get(str(a.rank), 0):
+        return "moot", f"rank {a.rank}'s generation {a.generation} was replaced"
     applied = a.rank in record.started_ranks if a.kind == "started" else str(a.rank) in record.exited_ranks
+    if a.kind == "started" and a.generation and any(
+            r.rank == a.rank and r.generation == a.generation and r.started_at is None for r in record.replacements):
+        applied = False  # its rank started before, as an earlier generation
     if applied:
         return "confirmed", "applied"
     if record.state in LIVE:

@@ -47,6 +47,7 @@ from trainyard_node_agent.lifecycle import Background, Lifecycle
 from trainyard_node_agent.rank_network import port_in_use
 from trainyard_node_agent.rank_start import RankStarter
 from trainyard_node_agent.rank_table import RankTable
+from trainyard_node_agent.replicas import ReplicaRestarts
 from trainyard_node_agent.settings import NodeAgentSettings
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class AllocationLauncher:
         self.backend, self.sandbox, self.code_cache, self.environments = backend, sandbox, code_cache, environments
         self.table, self.attempts, self.starter = table, attempts, starter
         self.lifecycle, self.background, self.clock = lifecycle, background, clock
+        self.replicas: ReplicaRestarts | None = None  # set by the agent: fault-tolerant attempts' part
 
     async def on_gang_allocated(self, event: GangAllocated) -> None:
         node = self.settings.node_id
@@ -108,18 +110,26 @@ class AllocationLauncher:
             pipe.ltrim(self.keys.refused, 0, REFUSALS_KEPT - 1)
             await pipe.execute()
 
-    async def launch(self, event: GangAllocated, decision: Launch) -> None:
+    async def launch(self, event: GangAllocated, decision: Launch, *, generation: int = 0,
+                     only_rank: int | None = None) -> None:
         """Start this node's ranks of the allocation: the built-in trainer (``rank_command``), or the job's
-        own code (``spec.code``: its verified tree from the code cache, its entrypoint, cold)."""
+        own code (``spec.code``: its verified tree from the code cache, its entrypoint, cold).
+
+        ``only_rank`` / ``generation``: a fault-tolerant attempt's replaced replica, started again alone into the
+        running allocation (:mod:`~trainyard_node_agent.replicas`: fenced there)."""
         share = decision.share
         traceparent = current_traceparent()
         attempt_dir = self.node_layout.attempt_dir(event.tenant, event.job_id, event.attempt)
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
-        atomic_write_bytes(allocation_file, event.to_bytes())
-        if hosts_rendezvous(share) and (why := await asyncio.to_thread(port_in_use, event.master_port)):
-            await self._refuse_all(event, share, traceparent, 127, PORT_IN_USE,
-                                   port_taken(event, self.settings.node_id, why))
-            return
+        if only_rank is None:
+            atomic_write_bytes(allocation_file, event.to_bytes())
+            if hosts_rendezvous(share) and (why := await asyncio.to_thread(port_in_use, event.master_port)):
+                await self._refuse_all(event, share, traceparent, 127, PORT_IN_USE,
+                                       port_taken(event, self.settings.node_id, why))
+                return
+            if self.replicas is not None:
+                await self.replicas.remember(event)
+                await self.replicas.lighthouses.ensure(event, share)
         code = event.spec.code
         tree = await self._prepare_code(event, share, code, traceparent) if code is not None else None
         if code is not None and tree is None:
@@ -133,7 +143,9 @@ class AllocationLauncher:
         async with self.attempts.launching(event.job_id, event.attempt):  # closed after when no rank of it started
             try:
                 for slot in share.ranks:
-                    await self.starter.start(event, share, slot, allocation_file, traceparent, tree, env)
+                    if only_rank is None or slot.rank == only_rank:
+                        await self.starter.start(event, share, slot, allocation_file, traceparent, tree, env,
+                                                 generation=generation)
             finally:
                 if tree is not None:
                     self.code_cache.release(tree.hex)
@@ -148,8 +160,11 @@ class AllocationLauncher:
             running += f", environment {env.environment}"
         if code is not None and code.image:
             running += f", image {code.image}"
+        if generation:
+            running += f", replica generation {generation}"
         log.info("launched ranks %s of job %s attempt %d (allocation %s, epoch %d, backend %s%s)",
-                 [s.rank for s in share.ranks], event.job_id, event.attempt, event.allocation_id,
+                 [s.rank for s in share.ranks if only_rank is None or s.rank == only_rank], event.job_id,
+                 event.attempt, event.allocation_id,
                  event.epoch, self.backend, running)
 
     async def _prepare_code(self, event: GangAllocated, share: NodeAssignment, code: Code,

@@ -63,28 +63,34 @@ class RankStarter:
         self._usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def record(self, event: GangAllocated, slot: RankAssignment, traceparent: str | None, *,
-               code: Code | None, environment: str | None = None) -> rp.RankProcess:
-        """The rank's record: who it is and where its files lie on this node."""
-        events_file = self.node_layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank)
+               code: Code | None, environment: str | None = None, generation: int = 0) -> rp.RankProcess:
+        """The rank's record: who it is and where its files lie on this node (a replaced replica's newcomer, of
+        ``generation`` n, has files of its own: ``….g<n>…``)."""
+        def own(path: Path) -> Path:
+            return path.with_name(f"{path.stem}.g{generation}{path.suffix}") if generation else path
+
+        events_file = own(self.node_layout.rank_events(event.tenant, event.job_id, event.attempt, slot.rank))
         return rp.RankProcess(
             job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
             allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
-            pid=0, log_path=self.node_layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank),
+            pid=0, log_path=own(self.node_layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank)),
             spool=SpoolReader(events_file), traceparent=traceparent,
-            exit_file=exit_file_for(self.node_layout, event.tenant, event.job_id, event.attempt, slot.rank),
+            exit_file=own(exit_file_for(self.node_layout, event.tenant, event.job_id, event.attempt, slot.rank)),
             device_index=slot.device_index, code_archive=code.archive if code is not None else None,
             environment=environment,
             start_manifest_uri=event.start_checkpoint.manifest_uri if event.start_checkpoint else None,
+            generation=generation,
         )
 
     async def start(self, event: GangAllocated, share: NodeAssignment, slot: RankAssignment,
                     allocation_file: Path, traceparent: str | None, tree: CodeTree | None,
-                    prepared: Prepared | None = None) -> None:
+                    prepared: Prepared | None = None, *, generation: int = 0) -> None:
         """Start one rank: 1. its record and, for user code, its paths 2. its environment 3. its process, in its
         sandbox 4. its supervisor takes over (:meth:`_started`). What keeps it from starting is its exit."""
         code = event.spec.code if tree is not None else None
         supervisor = self.attempts.supervisor(self.record(event, slot, traceparent, code=code,
-                                                          environment=prepared.environment if prepared else None))
+                                                          environment=prepared.environment if prepared else None,
+                                                          generation=generation))
         rank = supervisor.rank
         rank.spool.path.parent.mkdir(parents=True, exist_ok=True)
         paths = None
@@ -145,6 +151,7 @@ class RankStarter:
             interpreter_dir=Path(sys.executable).parent if code is not None else None,
             environment=(paths.env_dir, rank.environment) if paths is not None and paths.env_dir is not None
             and rank.environment else None,
+            generation=rank.generation,
         )
 
     def _shard_cache_dir(self, event: GangAllocated, slot: RankAssignment) -> Path:
@@ -199,7 +206,7 @@ class RankStarter:
         started = WorkerStarted(job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id,
                                 epoch=rank.epoch, node_id=self.settings.node_id, rank=rank.rank, pid=rank.pid,
                                 log_uri=path_to_uri(rank.log_path), start=how[0] if how else None,
-                                start_detail=how[1] if how else None)
+                                start_detail=how[1] if how else None, generation=rank.generation)
         await self.runtime.outbox.put(started, traceparent=rank.traceparent)
         await self.announcements.track(started, "started", rank, rank.traceparent)
         self.attempts.watch(supervisor)

@@ -71,11 +71,13 @@ class RankProcess:
     start_manifest_uri: str | None = None  # the allocation's start checkpoint (a rank may refuse it)
     log_shipped: int = 0  # bytes of its log shipped to an object-store root (log_shipper)
     log_shipped_at: float | None = None  # monotonic time of the last shipment
+    generation: int = 0  # faultTolerance: 0 as launched with the gang, n after the rank's n-th replacement
     watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
-        return f"{self.allocation_id}/{self.rank}"
+        base = f"{self.allocation_id}/{self.rank}"
+        return f"{base}@{self.generation}" if self.generation else base
 
     @property
     def progressed(self) -> bool:
@@ -107,6 +109,7 @@ class RankProcess:
             **({"codeArchive": self.code_archive} if self.code_archive else {}),
             **({"environment": self.environment} if self.environment else {}),
             **({"startManifestUri": self.start_manifest_uri} if self.start_manifest_uri else {}),
+            **({"generation": self.generation} if self.generation else {}),
         }
 
     @classmethod
@@ -123,7 +126,7 @@ class RankProcess:
             saved_step=entry.get("savedStep") if isinstance(entry.get("savedStep"), int) else None,
             code_archive=entry.get("codeArchive"), environment=entry.get("environment"),
             start_manifest_uri=entry.get("startManifestUri"),
-            log_shipped=int(entry.get("logShipped", 0)),
+            log_shipped=int(entry.get("logShipped", 0)), generation=int(entry.get("generation", 0)),
         )
 
     @property

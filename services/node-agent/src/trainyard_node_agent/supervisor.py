@@ -186,6 +186,7 @@ class RankSupervisor:
             job_id=rank.job_id, attempt=rank.attempt, allocation_id=rank.allocation_id, epoch=rank.epoch,
             node_id=context.settings.node_id, rank=rank.rank, exit_code=code, reason=reason,
             detail=_with(detail, note_refused), global_step=step, saved_step=rank.saved_step,
+            generation=rank.generation,
         )
         if not await backoff.retry(  # Redis away: the exit must still be reported
                 lambda: context.outbox.put(event, traceparent=rank.traceparent),

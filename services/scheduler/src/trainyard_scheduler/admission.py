@@ -84,7 +84,7 @@ class Admission:
             every = await self.advised_interval(job)
             # 3. reserve: the leases (the grant refuses a stale leader) and the rendezvous port
             granted, port = await asyncio.gather(self.leases.acquire(epoch, job_id, allocation_id, devices),
-                                                 self._next_port(), return_exceptions=True)
+                                                 self._next_ports(job), return_exceptions=True)
             if isinstance(granted, BaseException):
                 raise granted
             lease_epoch = granted
@@ -94,8 +94,8 @@ class Admission:
                     raise port
                 with job_span(job, "scheduler.place"):
                     outcome = tr.admit(job, placement=placement, allocation_id=allocation_id, epoch=lease_epoch,
-                                       master_port=port, start_checkpoint=start, now=self.clock(),
-                                       checkpoint_every_steps=every)
+                                       master_port=port[0], start_checkpoint=start, now=self.clock(),
+                                       checkpoint_every_steps=every, lighthouse_port=port[1])
                     written = outcome.changed and await self.jobs.try_execute(pipe, job_id, outcome)
             except BaseException:
                 await self.writer.release(allocation_id, lease_epoch, devices)
@@ -171,9 +171,14 @@ class Admission:
         return CheckpointRef(manifest_uri=chosen.manifest_uri or "", global_step=chosen.global_step,
                              attempt=chosen.attempt, content_hash=chosen.content_hash)
 
-    async def _next_port(self) -> int:
+    async def _next_ports(self, job: JobRecord) -> tuple[int, int | None]:
         """A random rendezvous port, none that a live attempt holds (:mod:`ports`; the snapshot brought up to date
-        first, so attempts placed earlier in this pass count)."""
+        first, so attempts placed earlier in this pass count); for a fault-tolerant job a second one, its
+        Lighthouse's."""
         view = await self.cache.refresh()
-        return choose_port(SYSTEM_RANDOM, self.settings.rendezvous_port_min, self.settings.rendezvous_port_max,
-                           live_ports(view.jobs.values()))
+        low, high = self.settings.rendezvous_port_min, self.settings.rendezvous_port_max
+        taken = live_ports(view.jobs.values())
+        port = choose_port(SYSTEM_RANDOM, low, high, taken)
+        if job.spec.fault_tolerance is None:
+            return port, None
+        return port, choose_port(SYSTEM_RANDOM, low, high, taken | {port})

@@ -24,7 +24,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from trainyard_contract.errors import ConflictError, StaleLeaderError
-from trainyard_contract.events import TERMINAL_STATES
+from trainyard_contract.events import TERMINAL_STATES, ReplicaReplaced
 from trainyard_runtime.outbox import Outbox
 from trainyard_contract.records import CheckpointRecord, JobRecord
 from trainyard_runtime.store import CHANGES_MAXLEN, Keys, stage_change
@@ -36,6 +36,7 @@ from trainyard_scheduler.keys import SchedulerKeys
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("trainyard.scheduler")
 _MAX_RACES = 100
+REPLICA_GRANT_TTL_S = 7 * 24 * 3600  # outlives any attempt that still runs the replica; then nothing to keep
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ class JobTransactions:
         parent = current_traceparent() or outcome.job.traceparent
         for event in outcome.events:
             self.outbox.stage(pipe, event, traceparent=parent)
+            if isinstance(event, ReplicaReplaced):  # the newcomer's grant, with the record that decided it
+                pipe.set(Keys.replica(event.allocation_id, event.rank), event.generation, ex=REPLICA_GRANT_TTL_S)
         if outcome.job.state in TERMINAL_STATES:
             pipe.srem(SchedulerKeys.active, job_id)
         else:

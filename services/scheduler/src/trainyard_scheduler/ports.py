@@ -40,6 +40,6 @@ def choose_port(rng: random.Random, low: int, high: int, taken: Collection[int] 
 
 
 def live_ports(jobs: Iterable[JobRecord]) -> set[int]:
-    """The master ports of the live (starting or running) attempts of ``jobs``."""
-    return {j.current.master_port for j in jobs
-            if j.current is not None and is_live(j.current) and j.current.master_port is not None}
+    """The master ports (and Lighthouse ports) of the live (starting or running) attempts of ``jobs``."""
+    live = [j.current for j in jobs if j.current is not None and is_live(j.current)]
+    return {p for a in live for p in (a.master_port, a.lighthouse_port) if p is not None}

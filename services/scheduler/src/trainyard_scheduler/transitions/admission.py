@@ -32,19 +32,23 @@ def admit(
     start_checkpoint: CheckpointRef | None,
     now: datetime,
     checkpoint_every_steps: int | None = None,
+    lighthouse_port: int | None = None,
 ) -> Outcome:
     """A new attempt on ``placement``: the record gains an AttemptRecord; GangAllocated goes out.
 
     ``checkpoint_every_steps``: the coordinator's advised interval, for a spec with ``checkpointPolicy.auto``.
+    ``lighthouse_port``: a fault-tolerant job's Lighthouse, run by the node of rank 0 at ``master_addr``.
     """
     if not is_pending(job):
         return unchanged(job, "no longer pending")
     return enter(job, Happening.PLACED, lambda: _place(job, placement, allocation_id, epoch, master_port,
-                                                       start_checkpoint, now, checkpoint_every_steps))
+                                                       start_checkpoint, now, checkpoint_every_steps,
+                                                       lighthouse_port))
 
 
 def _place(job: JobRecord, placement: Placement, allocation_id: str, epoch: int, master_port: int,
-           start_checkpoint: CheckpointRef | None, now: datetime, checkpoint_every_steps: int | None) -> Outcome:
+           start_checkpoint: CheckpointRef | None, now: datetime, checkpoint_every_steps: int | None,
+           lighthouse_port: int | None) -> Outcome:
     number = len(job.attempts) + 1
     attempt = AttemptRecord(
         attempt=number,
@@ -58,6 +62,7 @@ def _place(job: JobRecord, placement: Placement, allocation_id: str, epoch: int,
         placement_score=placement.score,
         master_addr=placement.master_addr,
         master_port=master_port,
+        lighthouse_port=lighthouse_port if job.spec.fault_tolerance is not None else None,
     )
     attempt.placement_detail = placement.detail
     attempt.assignments = placement.assignments()
@@ -90,6 +95,7 @@ def gang_allocated(job: JobRecord, attempt: AttemptRecord, now: datetime) -> Gan
         placement_score=attempt.placement_score,
         placement_detail=attempt.placement_detail,
         checkpoint_every_steps=attempt.checkpoint_every_steps,
+        lighthouse_port=attempt.lighthouse_port,
     )
 
 

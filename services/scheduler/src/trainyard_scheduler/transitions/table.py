@@ -30,6 +30,7 @@ from trainyard_contract.events import (
     GangAllocated,
     JobState,
     JobStateChanged,
+    ReplicaReplaced,
 )
 from trainyard_contract.records import JobRecord
 
@@ -54,6 +55,7 @@ class Happening(StrEnum):
     RANK_STOPPED = "rank-stopped"  # exit 7 (checkpointed on request), or any exit while its gang stops
     PORT_SQUATTED = "port-squatted"  # port-in-use: an interruption
     RANK_FAILED = "rank-failed"  # any other non-zero exit
+    REPLICA_FAILED = "replica-failed"  # … of a fault-tolerant attempt's replica, replaced while the others go on
     RANK_DONE = "rank-done"  # exit 0, some ranks still run
     ATTEMPT_COMPLETED = "attempt-completed"  # every rank exited 0
     FINAL_READY = "final-ready"  # the checkpoint at maxSteps is READY after a completed attempt
@@ -96,6 +98,7 @@ ACTIVE: tuple[JobState, ...] = ("queued", "running", "paused")  # not terminal
 REVOKES = frozenset({AllocationRevoked})
 ASKS = frozenset({CheckpointRequested})
 GANG = frozenset({GangAllocated})
+REPLACES = frozenset({ReplicaReplaced})  # a fault-tolerant attempt's failed replica, started again
 RETRY: frozenset[JobState | Same] = frozenset({"queued", "paused", "failed"})  # the retry policy's choice
 REQUEUE: frozenset[JobState | Same] = frozenset({"queued", "paused"})  # an interruption (paused: a pause asked)
 
@@ -118,6 +121,7 @@ TABLE: dict[tuple[JobState, Happening], Row] = {
     **_rows(LIVE, H.RANK_STOPPED, [SAME, "queued", "paused", "succeeded"], REVOKES),
     **_rows(LIVE, H.PORT_SQUATTED, REQUEUE, REVOKES),
     **_rows(LIVE, H.RANK_FAILED, RETRY, REVOKES),
+    **_rows(LIVE, H.REPLICA_FAILED, [SAME], REPLACES),
     **_rows(LIVE, H.RANK_DONE, [SAME]),
     **_rows(LIVE, H.ATTEMPT_COMPLETED, [SAME, "succeeded"]),
     # the final checkpoint of a completed attempt

@@ -15,6 +15,13 @@ from trainyard_contract.events import TERMINAL_STATES, EnvironmentPreparing, Eve
 from trainyard_contract.exitreasons import ExitReason
 from trainyard_contract.records import JobRecord, NodeEnvironment, expects_final_checkpoint
 
+from trainyard_scheduler.transitions.replicas import (
+    is_stale_generation,
+    newcomers_started,
+    replace_replica,
+    replica_refusal,
+    waiting_newcomers,
+)
 from trainyard_scheduler.transitions.retry import classify_failure, fail_attempt, nan_repeats
 from trainyard_scheduler.transitions.state import (
     Outcome,
@@ -41,10 +48,13 @@ def workers_started(job: JobRecord, events: list[WorkerStarted], now: datetime) 
     ignored, a rank already started counts once."""
     current = job.current
     fresh = [e for e in events if is_current(current, e.allocation_id, e.epoch)] if is_live(current) else []
+    if current is not None:
+        fresh = [e for e in fresh if not is_stale_generation(current, e)]
     if not fresh:
-        return unchanged(job, "worker of a stale or ended attempt")
+        return unchanged(job, "worker of a stale or ended attempt (or generation)")
     assert current is not None
-    if current.state == "running" and all(e.rank in current.started_ranks for e in fresh):
+    if current.state == "running" and all(e.rank in current.started_ranks for e in fresh) \
+            and not waiting_newcomers(current, fresh):
         return unchanged(job, "duplicate WorkerStarted")
 
     def start() -> Outcome:
@@ -60,6 +70,7 @@ def workers_started(job: JobRecord, events: list[WorkerStarted], now: datetime) 
                 if event.start == "cold" and event.start_detail:
                     attempt.start_detail = event.start_detail
         attempt.started_ranks, attempt.starts = sorted(started), starts
+        newcomers_started(attempt, fresh, now)  # a replaced replica's newcomer: stepping again
         attempt.state = "running"
         events_out: list[Event] = []
         if new.state == "queued":
@@ -121,6 +132,8 @@ def worker_exited(
     if not is_current(current, event.allocation_id, event.epoch):
         return unchanged(job, "exit of a stale attempt")
     assert current is not None
+    if is_stale_generation(current, event):
+        return unchanged(job, f"exit of rank {event.rank}'s generation {event.generation}, replaced already")
     if current.exited_ranks.get(str(event.rank)) == event.exit_code:
         return unchanged(job, "duplicate WorkerExited")
     new = private_copy(job, now)
@@ -137,6 +150,8 @@ def worker_exited(
             new, f"rendezvous port: {event.detail or f'port in use on {event.node_id}'}",
             "its ranks had not started", latest_ready_step, now),
         Happening.RANK_FAILED: lambda: _rank_failed(new, event, policy, now, latest_ready_step),
+        Happening.REPLICA_FAILED: lambda: replace_replica(new, event, classify_failure(event.reason, event.exit_code),
+                                                          _failure_detail(event), now),
         Happening.RANK_DONE: lambda: Outcome(new),
         Happening.ATTEMPT_COMPLETED: lambda: _attempt_completed(new, final_ready, latest_ready_step, now),
     }
@@ -156,6 +171,9 @@ def exit_happening(job: JobRecord, new: JobRecord, event: WorkerExited) -> Happe
     if said is ExitReason.PORT_IN_USE:
         return Happening.PORT_SQUATTED
     if event.exit_code != 0:
+        reason = classify_failure(event.reason, event.exit_code)
+        if new.spec.fault_tolerance is not None and replica_refusal(new, attempt, event, reason) is None:
+            return Happening.REPLICA_FAILED
         return Happening.RANK_FAILED
     every = len(attempt.exited_ranks) >= attempt.world_size
     if every and all(code == 0 for code in attempt.exited_ranks.values()):
@@ -166,12 +184,13 @@ def exit_happening(job: JobRecord, new: JobRecord, event: WorkerExited) -> Happe
 def _rank_failed(new: JobRecord, event: WorkerExited, policy: RetryPolicy, now: datetime,
                  latest_ready_step: int | None) -> Outcome:
     """A rank failed: the attempt fails (a NaN is retried only the first time at its step); its node is blamed
-    as much as the reason says."""
+    as much as the reason says. (A fault-tolerant attempt's replica that may be replaced is ``REPLICA_FAILED``
+    instead: :mod:`~trainyard_scheduler.transitions.replicas`; here the detail says why it was not.)"""
     attempt = new.attempts[-1]
     reason = classify_failure(event.reason, event.exit_code)
-    detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
-    if event.detail:
-        detail += f": {event.detail}"
+    detail = _failure_detail(event)
+    if new.spec.fault_tolerance is not None:
+        detail += f" (not replaced while training on: {replica_refusal(new, attempt, event, reason)})"
     retryable = ExitReason.parse(reason).retryable
     if reason == ExitReason.NAN:
         retryable = not nan_repeats(new, event.global_step)
@@ -181,6 +200,11 @@ def _rank_failed(new: JobRecord, event: WorkerExited, policy: RetryPolicy, now: 
                                          else "as in an earlier attempt: it would only repeat)"))
     return fail_attempt(new, reason, detail, policy, now, latest_ready_step=latest_ready_step,
                         retryable=retryable, blame=[(event.node_id, reason)])
+
+
+def _failure_detail(event: WorkerExited) -> str:
+    detail = f"rank {event.rank} on {event.node_id} exited with code {event.exit_code}"
+    return f"{detail}: {event.detail}" if event.detail else detail
 
 
 def _attempt_completed(new: JobRecord, final_ready: bool, latest_ready_step: int | None, now: datetime) -> Outcome:
