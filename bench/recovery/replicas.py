@@ -1,7 +1,8 @@
 """A replica killed -9: training goes on (``faultTolerance``) against restart-from-checkpoint, in the same run
 (a benchmark: it prints figures, never fails).
 
-    python bench/recovery/replicas.py [--kills 3] [--steps 2400] [--every 100] [--settle 8] [--json out.json]
+    python bench/recovery/replicas.py [--kills 3] [--steps 2400] [--every 100] [--step-pause 0.05] [--settle 8]
+                                      [--json out.json]
 
 One local stack (broker, Redis, the services, 2 node agents; free ports, a temporary directory). Two jobs of
 ``examples/fault-tolerant`` (2 replicas, one CPU rank each, gloo) run one after the other, the same spec but:
@@ -63,9 +64,11 @@ def commits(log: Path) -> list[tuple[float, int, int]]:
     return out
 
 
-def submit(stack: LocalStack, tmp: Path, name: str, *, min_replicas: int, steps: int, every: int) -> str:
+def submit(stack: LocalStack, tmp: Path, name: str, *, min_replicas: int, steps: int, every: int,
+           pause: float) -> str:
     spec = yaml.safe_load((EXAMPLE / "spec.yaml").read_text())
     spec["name"] = name
+    spec["code"]["env"] = {"EXAMPLE_STEP_PAUSE_SECONDS": str(pause)}
     spec["faultTolerance"]["minReplicas"] = min_replicas
     spec["training"]["maxSteps"] = steps
     spec["checkpointPolicy"]["everySteps"] = every
@@ -100,27 +103,26 @@ def logs_of(stack: LocalStack, job: dict[str, Any]) -> dict[int, list[Path]]:
 
 def run_job(stack: LocalStack, client: httpx.Client, tmp: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     job_id = submit(stack, tmp, f"bench-{mode}", min_replicas=1 if mode == "replicas" else 2, steps=args.steps,
-                    every=args.every)
-    kills: list[float] = []
+                    every=args.every, pause=args.step_pause)
+    kills: list[float] = []  # wall-clock times (the logs' clock)
     deadline = time.monotonic() + args.timeout
-    last_pid = None
+    last_pid, settled_since = None, None
     while len(kills) < args.kills and time.monotonic() < deadline:
         job = client.get(f"/v1/training-jobs/{job_id}").raise_for_status().json()
         if job["state"] in ("succeeded", "failed", "cancelled"):
             break
         found = rank_pid(stack, job_id, 1)
-        step = (job.get("progress") or {}).get("globalStep", 0)
         ready = [c["globalStep"] for c in job["checkpoints"] if c["state"] == "READY"]
-        if job["state"] == "running" and found and found[1] != last_pid and ready and step >= args.every \
-                and (not kills or time.monotonic() - kills[-1] > args.settle):
-            time.sleep(args.settle if not kills else 0)
-            found = rank_pid(stack, job_id, 1)
-            if found is None:
-                continue
+        # settled: the job steps with both replicas again (replicas) or runs again (restart), for --settle seconds
+        healthy = job["state"] == "running" and found is not None and found[1] != last_pid and bool(ready) \
+            and (mode == "restart" or not kills or both_since(stack, job, kills[-1]) is not None)
+        settled_since = (settled_since or time.monotonic()) if healthy else None
+        if healthy and found is not None and time.monotonic() - (settled_since or 0) >= args.settle:
             os.kill(found[1], signal.SIGKILL)
             kills.append(time.time())
-            last_pid = found[1]
-            print(f"  {mode}: kill {len(kills)} of replica 1 (pid {found[1]}, attempt {found[0]}) at step ~{step}",
+            last_pid, settled_since = found[1], None
+            step = (job.get("progress") or {}).get("globalStep", 0)
+            print(f"  {mode}: kill {len(kills)} of replica 1 (pid {found[1]}, attempt {found[0]}) near step {step}",
                   flush=True)
         time.sleep(0.2)
     while True:
@@ -130,6 +132,12 @@ def run_job(stack: LocalStack, client: httpx.Client, tmp: Path, mode: str, args:
         time.sleep(0.5)
     return {"mode": mode, "job": job_id, "state": job["state"], "attempts": len(job["attempts"]),
             "kills": kills, "measures": measure(stack, job, kills)}
+
+
+def both_since(stack: LocalStack, job: dict[str, Any], since: float) -> float | None:
+    """When replica 0 first committed a step with both replicas after ``since`` (None: not yet)."""
+    logs = [log for logs in logs_of(stack, job).values() for log in logs if log.name.startswith("rank-0")]
+    return min((at for log in logs for at, _, n in commits(log) if at > since and n == 2), default=None)
 
 
 def measure(stack: LocalStack, job: dict[str, Any], kills: list[float]) -> list[dict[str, float | None]]:
@@ -175,6 +183,9 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3, help="kills of replica 1 per job")
     parser.add_argument("--steps", type=int, default=2400, help="maxSteps of each job")
     parser.add_argument("--every", type=int, default=100, help="checkpoint interval (steps)")
+    parser.add_argument("--step-pause", type=float, default=0.05,
+                        help="seconds each step waits (the example's EXAMPLE_STEP_PAUSE_SECONDS): a step time closer "
+                             "to a real model's than the tiny model's ~15 ms")
     parser.add_argument("--settle", type=float, default=8.0, help="seconds between a recovery and the next kill")
     parser.add_argument("--timeout", type=float, default=900.0, help="per job")
     parser.add_argument("--json", type=Path, help="write the measurements here")
@@ -186,7 +197,8 @@ def main() -> None:
             with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"},
                               timeout=30) as client:
                 results = [run_job(stack, client, Path(tmp), mode, args) for mode in ("replicas", "restart")]
-    print(f"\n{args.kills} kill(s) of one of 2 replicas per job, checkpoint every {args.every} steps (medians):")
+    print(f"\n{args.kills} kill(s) of one of 2 replicas per job, checkpoint every {args.every} steps, steps of "
+          f"~{args.step_pause * 1000:.0f} ms + compute (medians):")
     print(f"  {'mode':<10}{'attempts':>9}{'lost steps':>12}{'stalled s':>11}{'degraded s':>12}"
           f"{'degraded steps':>16}{'back to 2 s':>13}")
     for r in results:

@@ -134,3 +134,21 @@ def test_the_parts_always_add_up_to_allocated_exactly(history: tuple) -> None:
     assert all(v >= 0 for v in ledger.parts.values())
     assert sum(ledger.parts.values()) == ledger.allocated
     assert ledger.allocated % max(a.world_size, 1) == 0
+
+
+def test_a_replaced_replica_counts_its_time_down_as_waste_not_as_productive() -> None:
+    """faultTolerance: replica 1 failed at 20 s and its newcomer started at 26 s while replica 0 trained on; the
+    attempt succeeded. The 6 device-seconds of replica 1 are replicaDown, taken from productive."""
+    from trainyard_contract.records import ReplicaReplacement
+
+    a = attempt(1, 0, 50, "succeeded")
+    plain = seconds(attempt_ledger(a, timing(1, first_at=11, steps=range(1, 41)), [], now=at(1000)))
+    a.replacements = [ReplicaReplacement(rank=1, node_id="n1", generation=1, reason="killed", at=at(20),
+                                         started_at=at(26))]
+    s = seconds(attempt_ledger(a, timing(1, first_at=11, steps=range(1, 41)), [], now=at(1000)))
+    assert s["replicaDown"] == pytest.approx(6.0) and s["productive"] == pytest.approx(plain["productive"] - 6.0)
+    assert sum(s[k] for k in KINDS) == pytest.approx(s["allocated"])
+    # a newcomer that never started: down from its failure to the attempt's end
+    a.replacements = [a.replacements[0].model_copy(update={"started_at": None})]
+    assert seconds(attempt_ledger(a, timing(1, first_at=11, steps=range(1, 41)), [], now=at(1000)))[
+        "replicaDown"] == pytest.approx(30.0)

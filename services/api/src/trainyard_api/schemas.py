@@ -126,7 +126,8 @@ class GoodputView(_Out):
     allocated_device_seconds: float = Field(description="Σ attempts (end or now − start) × world size")
     productive_device_seconds: float = Field(
         description="step time of steps a READY checkpoint saved, or every step of the attempt that succeeded")
-    wasted_device_seconds: float = Field(description="lostWork + launchRestore + checkpointStall + hang + idle")
+    wasted_device_seconds: float = Field(
+        description="lostWork + launchRestore + checkpointStall + hang + replicaDown + idle")
     in_flight_device_seconds: float = Field(
         description="step time of a running attempt after its last READY checkpoint (neither saved nor lost yet)")
     goodput: float | None = Field(description="productive ÷ allocated; null before anything was allocated")
@@ -134,7 +135,8 @@ class GoodputView(_Out):
         description="wasted device-seconds by cause: lostWork (steps after the last READY checkpoint of an attempt "
                     "that ended without success), launchRestore (attempt start → its first step), checkpointStall "
                     "(training waiting for saves), hang (last step → end of an attempt ended by hang detection), "
-                    "idle (the rest; the parts add up to allocated exactly)",
+                    "replicaDown (faultTolerance: a failed replica's device from its failure until its newcomer "
+                    "started, while the others trained on), idle (the rest; the parts add up to allocated exactly)",
         examples=[{"lostWork": 40.0, "launchRestore": 12.5, "checkpointStall": 3.1, "hang": 0.0, "idle": 2.4}])
 
 

@@ -82,7 +82,7 @@ class Lighthouses:
                 # a replica it heard of is waited for this long when the quorum changes; one that stopped
                 # heartbeating (killed) is left out after the heartbeat time-out
                 "--join-timeout-ms", str(int(ft.quorum_timeout_seconds * 1000 / 3)),
-                "--heartbeat-timeout-ms", str(int(min(5000, ft.quorum_timeout_seconds * 1000 / 6))),
+                "--heartbeat-timeout-ms", str(int(min(2000, ft.quorum_timeout_seconds * 1000 / 6))),
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out)
         entry.starts += 1
         log.info("lighthouse of job %s attempt %d on port %d (pid %d, start %d)", gang.job_id, gang.attempt,

@@ -15,6 +15,10 @@ For each attempt, its wall time (start → end, or → now while it runs) times 
 7. ``idle``            the rest (boundaries, reporting gaps, teardown), so the parts add up to
                        ``allocated`` exactly.
 
+``replicaDown`` (``faultTolerance``): the device-time of a failed replica's rank from its failure until its
+newcomer started (one device per replica), while the others trained on; taken from what the attempt's steps
+counted (productive, then in flight, then idle), since those steps ran without that replica.
+
 Device-time is counted in integer device-microseconds so the sum is exact; views convert to seconds.
 Step timing comes from rank 0's StepMetrics (:class:`StepTiming`, kept by ``steptiming.py``).
 """
@@ -28,8 +32,9 @@ from datetime import datetime
 
 from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
 
-KINDS: tuple[str, ...] = ("productive", "lostWork", "launchRestore", "checkpointStall", "hang", "inFlight", "idle")
-WASTE_KINDS: tuple[str, ...] = ("lostWork", "launchRestore", "checkpointStall", "hang", "idle")
+KINDS: tuple[str, ...] = ("productive", "lostWork", "launchRestore", "checkpointStall", "hang", "replicaDown",
+                          "inFlight", "idle")
+WASTE_KINDS: tuple[str, ...] = ("lostWork", "launchRestore", "checkpointStall", "hang", "replicaDown", "idle")
 _US = 1_000_000
 
 
@@ -159,7 +164,23 @@ def attempt_ledger(
             parts["hang"] = budget.take(_us((end - timing.last_step_at).total_seconds()))
     parts["idle"] = budget.left
     w = max(attempt.world_size, 0)
-    return Ledger(wall * w, {k: v * w for k, v in parts.items()})
+    ledger = Ledger(wall * w, {k: v * w for k, v in parts.items()})
+    down = _replicas_down_us(attempt, end)
+    for kind in ("productive", "inFlight", "idle"):  # those steps ran without the replica: its share is down time
+        moved = min(down, ledger.parts[kind])
+        ledger.parts[kind] -= moved
+        ledger.parts["replicaDown"] += moved
+        down -= moved
+    return ledger
+
+
+def _replicas_down_us(attempt: AttemptRecord, end: datetime) -> int:
+    """Device-µs of the attempt's failed replicas, each from its failure to its newcomer's start (or the end)."""
+    total = 0
+    for r in attempt.replacements:
+        back = min(r.started_at or end, end)
+        total += max(_us((back - r.at).total_seconds()), 0)
+    return total
 
 
 def saved_steps_by_attempt(checkpoints: Iterable[CheckpointRecord]) -> dict[int, list[int]]:

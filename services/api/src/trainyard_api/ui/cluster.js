@@ -64,7 +64,7 @@ export async function render(main, _, ctx) {
   liveJobs({ signal: ctx.signal, poll: load, onJob: () => { pending ??= setTimeout(() => { pending = null; load().catch(() => {}); }, 1000); } });
 }
 
-const COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", idle: "#c9ced6" };
+const COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", replicaDown: "#6fa8c7", idle: "#c9ced6" };
 
 function ledgerRow(name, g) {
   const parts = [{ label: label("productive"), value: g.productiveDeviceSeconds, color: "#5fae7a" }, { label: label("inFlight"), value: g.inFlightDeviceSeconds, color: "#9ecae1" },

@@ -38,7 +38,8 @@ export function seconds(s) {
 export const LABELS = {
   // goodput: where device-time went
   productive: "Productive", inFlight: "In flight", lostWork: "Lost work", launchRestore: "Launch and restore",
-  checkpointStall: "Checkpoint stalls", hang: "Hangs", idle: "Idle",
+  checkpointStall: "Checkpoint stalls", hang: "Hangs", replicaDown: "Replicas down (replaced while the others trained)",
+  idle: "Idle",
   // the Lab: bytes per parameter and memory per device
   weights: "Weights", gradients: "Gradients", masterWeights: "Master weights (fp32)", optimizerStates: "Optimizer states (Adam's moments)",
   optimizer: "Optimizer, all (master weights and moments)", total: "Total",

@@ -8,7 +8,7 @@ import { actionsFor, control, etaSeconds } from "./jobs.js";
 
 const CURVES = ["loss", "lr", "tokensPerSecond", "mfu"];
 const TIMING = ["computeSeconds", "collectiveSeconds", "dataWaitSeconds", "checkpointSeconds"];
-const WASTE_COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", idle: "#c9ced6" };
+const WASTE_COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", replicaDown: "#6fa8c7", idle: "#c9ced6" };
 const MAX_POINTS = 2000;
 const HEAT_BUCKETS = 60;
 
