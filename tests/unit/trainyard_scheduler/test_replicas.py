@@ -169,3 +169,11 @@ def test_the_spec_names_what_fault_tolerance_needs() -> None:
         TrainingSpec.model_validate(wire)
     # a spec without it keeps its hash (the field is left out of the wire form)
     assert "faultTolerance" not in spec().model_copy(update={"fault_tolerance": None}).wire()
+
+
+def test_the_attempt_completes_when_the_others_finish_before_a_newcomer_starts() -> None:
+    job = running_job(replicas=3, min_replicas=1)
+    job = fail(job, exited(job, 2)).job  # replaced; its newcomer never starts
+    for rank in (0, 1):
+        job = fail(job, exited(job, rank, code=0, reason="ok", step=50), seconds=20).job
+    assert job.current is not None and job.current.state == "succeeded"

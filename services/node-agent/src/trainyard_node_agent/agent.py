@@ -172,7 +172,8 @@ class NodeAgent:
         self.lighthouses = Lighthouses(runtime.redis, settings.node_id, log_dir=settings.agent_state_path.parent,
                                        clock=clock)
         self.replicas = ReplicaRestarts(runtime.redis, settings.node_id, self.keys, launcher=self.launcher,
-                                        lighthouses=self.lighthouses, table=self.table, clock=clock)
+                                        lighthouses=self.lighthouses, table=self.table, clock=clock,
+                                        replicated=self.control.replicated)
         self.launcher.replicas = self.replicas
         self.recovery = Recovery(runtime.redis, self.table, self.attempts, announcements=self.announcements,
                                  sandbox=self.sandbox, boot_id=self.boot_id)

@@ -46,6 +46,8 @@ class RankControl:
                  node_layout: ArtifactLayout, lifecycle: Lifecycle, background: Background, clock: Clock) -> None:
         self.runtime, self.settings, self.table = runtime, settings, table
         self.node_layout, self.lifecycle, self.background, self.clock = node_layout, lifecycle, background, clock
+        # fault-tolerant allocations launched here (kept by ReplicaRestarts): a hang stops only the late replicas
+        self.replicated: set[str] = set()
 
     # ------------------------------------------------------------------ handlers
     async def on_allocation_revoked(self, event: AllocationRevoked) -> None:
@@ -126,7 +128,9 @@ class RankControl:
                     for r in (s.rank for s in supervisors)]
         for hung in find_hangs(progress, timeout_s=self.settings.hang_timeout_s,
                                first_step_timeout_s=self.settings.first_step_timeout_s):
-            targets = [s for s in supervisors if s.rank.allocation_id == hung.allocation_id]
+            replicated = hung.allocation_id in self.replicated  # a fault-tolerant attempt: only the late replicas
+            targets = [s for s in supervisors if s.rank.allocation_id == hung.allocation_id
+                       and (not replicated or s.rank.rank in hung.ranks)]
             log.error("allocation %s is hung (%s): killing its %d rank(s) here", hung.allocation_id, hung.detail,
                       len(targets))
             for supervisor in targets:

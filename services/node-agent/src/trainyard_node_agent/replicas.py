@@ -123,14 +123,18 @@ class ReplicaRestarts:
     """ReplicaReplaced → the rank started again as its new generation, fenced (see the module docstring)."""
 
     def __init__(self, redis: Any, node_id: str, keys: Any, *, launcher: Any, lighthouses: Lighthouses,
-                 table: Any, clock: Clock) -> None:
+                 table: Any, clock: Clock, replicated: set[str] | None = None) -> None:
+        """``replicated``: the fault-tolerant allocation ids launched here, kept up to date for the hang watchdog
+        (which then stops only a late replica)."""
         self.redis, self.node_id, self.keys = redis, node_id, keys
         self.launcher, self.lighthouses, self.table, self.clock = launcher, lighthouses, table, clock
+        self.replicated = replicated if replicated is not None else set()
 
     async def remember(self, gang: GangAllocated) -> None:
         """Keep a fault-tolerant allocation launched here (its replicas may be started again)."""
         if gang.spec.fault_tolerance is None:
             return
+        self.replicated.add(gang.allocation_id)
         await self.redis.hset(self.keys.gangs, gang.allocation_id, gang.to_bytes())
         if await self.redis.hlen(self.keys.gangs) > GANGS_KEPT:
             await self.prune()
@@ -149,6 +153,7 @@ class ReplicaRestarts:
         """After a restart of the agent: the Lighthouses its remembered allocations still need."""
         for raw in (await self.redis.hgetall(self.keys.gangs)).values():
             gang = GangAllocated.model_validate_json(raw)
+            self.replicated.add(gang.allocation_id)
             share = local_share(gang, self.node_id)
             if share is None or not Lighthouses.needed(gang, share):
                 continue

@@ -76,6 +76,7 @@ class RankProgress:
 class Hung:
     allocation_id: str
     detail: str
+    ranks: tuple[int, ...] = ()  # the late ranks (a fault-tolerant attempt stops only these: its replicas)
 
 
 def find_hangs(ranks: Iterable[RankProgress], *, timeout_s: float, first_step_timeout_s: float) -> list[Hung]:
@@ -87,7 +88,8 @@ def find_hangs(ranks: Iterable[RankProgress], *, timeout_s: float, first_step_ti
     for allocation_id, members in sorted(by_allocation.items()):
         late = sorted((r for r in members if _late(r, timeout_s, first_step_timeout_s)), key=lambda r: r.rank)
         if late:
-            hung.append(Hung(allocation_id, describe(late, timeout_s, first_step_timeout_s)))
+            hung.append(Hung(allocation_id, describe(late, timeout_s, first_step_timeout_s),
+                             tuple(r.rank for r in late)))
     return hung
 
 

@@ -175,7 +175,9 @@ def exit_happening(job: JobRecord, new: JobRecord, event: WorkerExited) -> Happe
         if new.spec.fault_tolerance is not None and replica_refusal(new, attempt, event, reason) is None:
             return Happening.REPLICA_FAILED
         return Happening.RANK_FAILED
-    every = len(attempt.exited_ranks) >= attempt.world_size
+    # a replaced replica whose newcomer never started (it would have nothing to heal from) does not hold it up
+    waiting = {r.rank for r in attempt.replacements if r.started_at is None} - {int(r) for r in attempt.exited_ranks}
+    every = len(attempt.exited_ranks) + len(waiting) >= attempt.world_size
     if every and all(code == 0 for code in attempt.exited_ranks.values()):
         return Happening.ATTEMPT_COMPLETED
     return Happening.RANK_DONE
