@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.support.cli import trainyard  # noqa: E402 - after the sys.path set-up
-from tests.support.stack import local_stack  # noqa: E402
+from tests.support.stack import local_stack, rank_entries  # noqa: E402
 from trainyard_cli.stack import LocalStack  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "fault-tolerant"
@@ -82,18 +82,8 @@ def submit(stack: LocalStack, tmp: Path, name: str, *, min_replicas: int, steps:
 
 def rank_pid(stack: LocalStack, job_id: str, rank: int) -> tuple[int, int] | None:
     """(attempt, pid) of the job's running rank, from the node agents' rank tables."""
-    import redis
-
-    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    try:
-        for node in range(stack.s.nodes):
-            for raw in client.hgetall(f"ty:agent:node-{node}:ranks").values():
-                entry = json.loads(raw)
-                if entry["jobId"] == job_id and int(entry["rank"]) == rank:
-                    return int(entry["attempt"]), int(entry["pid"])
-    finally:
-        client.close()
-    return None
+    return next(((int(e["attempt"]), int(e["pid"])) for _, e in rank_entries(stack, job_id) if int(e["rank"]) == rank),
+                None)
 
 
 def logs_of(stack: LocalStack, job: dict[str, Any]) -> dict[int, list[Path]]:

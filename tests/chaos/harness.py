@@ -216,13 +216,12 @@ class ChaosRig:
         """Rank → the payloads its spool holds (the rank's own durable record of what it did)."""
         events_dir = self.layout.attempt_dir(TENANT, job_id, attempt) / "events"
         out: dict[int, list[dict[str, Any]]] = {}
-        for path in sorted(events_dir.glob("rank-*.jsonl")):
-            rank = int(path.stem.split("-")[1])
-            lines = []
+        for path in sorted(events_dir.glob("rank-*.jsonl")):  # rank-<r>.jsonl, rank-<r>.g<n>.jsonl (faultTolerance)
+            rank = int(path.stem.split("-")[1].split(".")[0])
+            lines = out.setdefault(rank, [])
             for raw in path.read_text().splitlines():
                 with contextlib.suppress(ValueError, KeyError):
                     lines.append(json.loads(raw)["payload"])
-            out[rank] = lines
         return out
 
     def attempt_steps(self, job_id: str, attempt: int) -> list[int]:

@@ -95,6 +95,7 @@ def test_replica_kills_keep_one_quorum_per_step(tmp_path: Path, capsys: pytest.C
     spec["resources"]["gpuCount"] = spec["parallelism"]["data"] = spec["faultTolerance"]["replicas"] = 3
     spec["training"].update(globalBatchSize=24, maxSteps=2000)
     spec["checkpointPolicy"]["everySteps"] = 100
+    spec["code"]["env"] = {"EXAMPLE_STEP_PAUSE_SECONDS": "0.03"}  # steps long enough for newcomers to rejoin
     spec_file = tmp_path / "ft.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     kills = 4 + EXTRA_FAULTS // 5

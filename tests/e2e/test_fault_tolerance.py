@@ -34,7 +34,7 @@ from tests.e2e.test_user_code import (
     wait_for,
 )
 from tests.support.cli import trainyard
-from tests.support.stack import running_stack
+from tests.support.stack import api_client, running_stack
 from trainyard_cli.stack import LocalStack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,9 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 @pytest.fixture(scope="module")
 def client(stack: LocalStack) -> Iterator[httpx.Client]:
-    token = stack.token_file.read_text().strip()
-    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
-        yield c
+    yield from api_client(stack)
 
 
 def attempt_dir(stack: LocalStack, j: dict[str, Any], attempt: int = 1) -> Path:

@@ -28,7 +28,7 @@ import yaml
 
 from tests.chaos.invariants import check_bitwise_identical
 from tests.support.cli import trainyard
-from tests.support.stack import running_stack
+from tests.support.stack import api_client, rank_entries, running_stack
 from trainyard_cli.stack import LocalStack
 from trainyard_contract.storage import uri_to_path
 
@@ -45,9 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 @pytest.fixture(scope="module")
 def client(stack: LocalStack) -> Iterator[httpx.Client]:
-    token = stack.token_file.read_text().strip()
-    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
-        yield c
+    yield from api_client(stack)
 
 
 def submit(stack: LocalStack, tmp: Path, example: str, **changes: Any) -> str:
@@ -114,19 +112,7 @@ def rank_log(stack: LocalStack, j: dict[str, Any], attempt: int, rank: int) -> s
 
 def rank_pids(stack: LocalStack, job_id: str, attempt: int) -> dict[int, int]:
     """Rank → pid of the attempt's running ranks, from the node agents' tables in Redis."""
-    import redis
-
-    found: dict[int, int] = {}
-    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    try:
-        for node in range(stack.s.nodes):
-            for raw in client.hgetall(f"ty:agent:node-{node}:ranks").values():
-                entry = json.loads(raw)
-                if entry["jobId"] == job_id and int(entry["attempt"]) == attempt:
-                    found[int(entry["rank"])] = int(entry["pid"])
-    finally:
-        client.close()
-    return found
+    return {int(e["rank"]): int(e["pid"]) for _, e in rank_entries(stack, job_id) if int(e["attempt"]) == attempt}
 
 
 def model_artifact(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any] | None:

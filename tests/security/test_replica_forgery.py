@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from tests.e2e.test_user_code import finished, rank_pids, submit, wait_for
-from tests.support.stack import running_stack
+from tests.support.stack import api_client, rank_entries, running_stack
 from trainyard_cli.stack import LocalStack
 from trainyard_contract import events as ev
 
@@ -42,9 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 @pytest.fixture(scope="module")
 def client(stack: LocalStack) -> Iterator[httpx.Client]:
-    token = stack.token_file.read_text().strip()
-    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
-        yield c
+    yield from api_client(stack)
 
 
 def publish(stack: LocalStack, *events: ev.Event) -> None:
@@ -83,16 +81,9 @@ def replaced(j: dict[str, Any], rank: int, generation: int, *, node: str, epoch:
 
 def node_of(stack: LocalStack, job_id: str, rank: int) -> str:
     """The node whose agent runs the rank (its rank table in Redis)."""
-    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    try:
-        for node in range(stack.s.nodes):
-            for raw in client.hgetall(f"ty:agent:node-{node}:ranks").values():
-                entry = json.loads(raw)
-                if entry["jobId"] == job_id and int(entry["rank"]) == rank:
-                    return f"node-{node}"
-    finally:
-        client.close()
-    raise AssertionError(f"rank {rank} of {job_id} runs nowhere")
+    nodes = [node for node, e in rank_entries(stack, job_id) if int(e["rank"]) == rank]
+    assert nodes, f"rank {rank} of {job_id} runs nowhere"
+    return nodes[0]
 
 
 def test_forged_replacements_start_nothing(stack: LocalStack, client: httpx.Client, tmp_path: Path) -> None:

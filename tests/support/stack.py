@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from trainyard_cli import infra
@@ -39,3 +40,29 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory, name: str, *,
     """Up (two nodes of four CPU devices), tinycorpus@v1 published: a module-scoped fixture's body."""
     with local_stack(tmp_path_factory.mktemp(name) / ".trainyard", extra_env=extra_env) as stack:
         yield stack
+
+
+def api_client(stack: LocalStack) -> Iterator[httpx.Client]:
+    """An HTTP client of the stack's API with the tenant's token: a module-scoped ``client`` fixture's body."""
+    token = stack.token_file.read_text().strip()
+    with httpx.Client(base_url=stack.s.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
+        yield c
+
+
+def rank_entries(stack: LocalStack, job_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """(node, entry) of every rank of ``job_id`` in the node agents' rank tables in Redis (running or adopted)."""
+    import json
+
+    import redis
+
+    found = []
+    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    try:
+        for node in range(stack.s.nodes):
+            for raw in client.hgetall(f"ty:agent:node-{node}:ranks").values():
+                entry = json.loads(raw)
+                if entry["jobId"] == job_id:
+                    found.append((f"node-{node}", entry))
+    finally:
+        client.close()
+    return found

@@ -690,12 +690,13 @@ class ArtifactLayout:
     def attempt_dir(self, tenant: str, job_id: str, attempt: int) -> Path:
         return self.job_dir(tenant, job_id) / "attempts" / str(attempt)
 
-    def rank_log(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
-        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}.log"
+    def rank_log(self, tenant: str, job_id: str, attempt: int, rank: int, generation: int = 0) -> Path:
+        """A rank's log (``generation`` n: the n-th replacement of a fault-tolerant job's replica, its own file)."""
+        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}{_generation(generation)}.log"
 
-    def rank_log_segments(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
+    def rank_log_segments(self, tenant: str, job_id: str, attempt: int, rank: int, generation: int = 0) -> Path:
         """Where a node agent ships a rank's log under an object-store root (:mod:`trainyard_contract.logsegments`)."""
-        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}"
+        return self.attempt_dir(tenant, job_id, attempt) / "logs" / f"rank-{rank}{_generation(generation)}"
 
     def rank_events(self, tenant: str, job_id: str, attempt: int, rank: int) -> Path:
         return self.attempt_dir(tenant, job_id, attempt) / "events" / f"rank-{rank}.jsonl"
@@ -735,3 +736,7 @@ class ArtifactLayout:
     def code_archive_meta(self, tenant: str, hex_digest: str) -> Path:
         """What the API recorded of that archive (JSON), written after the archive itself."""
         return self.code_dir(tenant) / f"{hex_digest}.json"
+
+
+def _generation(generation: int) -> str:
+    return f".g{generation}" if generation else ""

@@ -130,9 +130,11 @@ class RankLogs:
         self.poll_s = poll_s
 
     def source(self, job: JobRecord, attempt: AttemptRecord, rank: int) -> LogSource:
+        """The rank's log; of a replaced replica (faultTolerance), its latest generation's."""
+        generation = attempt.generations.get(str(rank), 0)
         if self.layout.remote:
-            return ShippedLog(self.layout.rank_log_segments(job.tenant, job.job_id, attempt.attempt, rank))  # type: ignore[arg-type]  # remote: an ObjectPath
-        return LogFile(self.layout.rank_log(job.tenant, job.job_id, attempt.attempt, rank))
+            return ShippedLog(self.layout.rank_log_segments(job.tenant, job.job_id, attempt.attempt, rank, generation))  # type: ignore[arg-type]  # remote: an ObjectPath
+        return LogFile(self.layout.rank_log(job.tenant, job.job_id, attempt.attempt, rank, generation))
 
     async def tail(self, job: JobRecord, attempt: AttemptRecord, rank: int, lines: int) -> bytes:
         data, _ = await asyncio.to_thread(self.source(job, attempt, rank).tail, lines)

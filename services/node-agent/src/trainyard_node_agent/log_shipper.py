@@ -49,7 +49,7 @@ class LogShipper:
         size = rp.file_size(rank.log_path)
         while due(size=size, shipped=rank.log_shipped, last_at=rank.log_shipped_at, now=self.clock.monotonic(),
                   interval_s=self.interval_s, segment_max=self.segment_max, final=final):
-            prefix = self.layout.rank_log_segments(rank.tenant, rank.job_id, rank.attempt, rank.rank)
+            prefix = self.layout.rank_log_segments(rank.tenant, rank.job_id, rank.attempt, rank.rank, rank.generation)
             try:
                 sent = await asyncio.to_thread(_ship_one, rank.log_path, rank.log_shipped, self.segment_max, prefix)
             except OSError as exc:

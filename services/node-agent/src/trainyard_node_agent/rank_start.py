@@ -73,7 +73,7 @@ class RankStarter:
         return rp.RankProcess(
             job_id=event.job_id, tenant=event.tenant, attempt=event.attempt,
             allocation_id=event.allocation_id, epoch=event.epoch, rank=slot.rank, local_rank=slot.local_rank,
-            pid=0, log_path=own(self.node_layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank)),
+            pid=0, log_path=self.node_layout.rank_log(event.tenant, event.job_id, event.attempt, slot.rank, generation),
             spool=SpoolReader(events_file), traceparent=traceparent,
             exit_file=own(exit_file_for(self.node_layout, event.tenant, event.job_id, event.attempt, slot.rank)),
             device_index=slot.device_index, code_archive=code.archive if code is not None else None,
