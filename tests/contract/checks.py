@@ -32,6 +32,10 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         ("resources.gpuType", r"GB per device and this job needs"),
         ("training.globalBatchSize", r"must be a multiple of microBatchSize"),
         ("training.sequenceLength", r"exceeds maxSeqLen"),
+        # faultTolerance: replicas of one rank each, no more than there are, the model whole on each
+        ("faultTolerance.minReplicas", r"must not exceed faultTolerance\.replicas"),
+        (r"faultTolerance(\.replicas)?|training\.sharding|parallelism",
+         r"must equal parallelism\.data|training\.sharding must be\s+ddp"),
         (r"checkpointPolicy\.\w+", r"set exactly one of everySteps or everyMinutes|with auto, set at most one"),
         ("initFrom.jobId", r"^unknown job |has no READY checkpoint|names exactly one of jobId"),  # a tenant's job
         ("initFrom.globalStep", r"has no READY checkpoint at step|goes with jobId, not huggingFace"),
