@@ -5,7 +5,7 @@ the job's torchft Lighthouse run by the node of rank 0, real rank processes join
   job's attempt count stays 1, the other replicas' step counters never stop for longer than the quorum timeout,
   no step is applied by two quorums, the platform starts the rank again (generation 1), it heals from a healthy
   peer and ends with weights bitwise equal to its peers'; the final model is close to an uninterrupted run's;
-  no checkpoint is lost or made READY twice;
+  no checkpoint is lost or made READY twice (the 2-replica case also runs the spec uninterrupted to compare);
 * the built-in trainer (no code of the user's) the same way;
 * below ``minReplicas`` the attempt ends and the next one resumes from the latest READY checkpoint.
 """
@@ -40,7 +40,7 @@ from trainyard_cli.stack import LocalStack
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 QUORUM_TIMEOUT_S = 30  # the example's faultTolerance.quorumTimeoutSeconds
-STEPS = 600
+STEPS = 400
 #: a step of ~50 ms: the others still train when the newcomer has started (a new python, torch, the sandbox)
 PAUSE = {"EXAMPLE_STEP_PAUSE_SECONDS": "0.04"}
 #: The faulted run's final model against the uninterrupted run's: its loss on the same held-out batches (the
@@ -107,13 +107,15 @@ def test_a_killed_replica_is_replaced_while_the_others_train_on(
     shape = {"resources__gpuCount": replicas, "parallelism__data": replicas, "faultTolerance__replicas": replicas,
              "faultTolerance__batch": batch, "training__globalBatchSize": 8 * replicas, "training__maxSteps": STEPS,
              "checkpointPolicy__everySteps": 100, "code__env": PAUSE}
-    reference = submit(stack, tmp_path, "fault-tolerant", name=f"ft-reference-{replicas}", **shape)
+    # the model of the first case is compared with an uninterrupted run of the same spec (the second's is not:
+    # one comparison states the tolerance, and a reference run costs a whole job's time)
+    reference = submit(stack, tmp_path, "fault-tolerant", name=f"ft-reference-{replicas}", **shape) \
+        if replicas == 2 else None
     faulted = submit(stack, tmp_path, "fault-tolerant", name=f"ft-faulted-{replicas}", **shape)
     victim = replicas - 1
     kill_replica(stack, client, faulted, victim, after_step=40)
 
-    ref, got = finished(client, reference), finished(client, faulted)
-    assert ref["state"] == "succeeded" and len(ref["attempts"]) == 1, json.dumps(ref)[:2000]
+    got = finished(client, faulted)
     assert got["state"] == "succeeded", json.dumps(got)[:4000]
     # the attempt went on: one attempt, the victim replaced once (generation 1), on the node that held it
     (attempt,) = got["attempts"]
@@ -141,10 +143,13 @@ def test_a_killed_replica_is_replaced_while_the_others_train_on(
     steps = [c["globalStep"] for c in got["checkpoints"] if c["state"] == "READY"]
     assert len(steps) == len(set(steps)) and max(steps) == STEPS, got["checkpoints"]
     assert all(c["state"] in ("READY", "DELETED") for c in got["checkpoints"]), got["checkpoints"]
-    # the model is close to an uninterrupted run's, and the checkpoint at maxSteps holds replica 0's weights
-    reference_loss, faulted_loss = held_out_loss(stack, ref), held_out_loss(stack, got)
-    assert abs(faulted_loss - reference_loss) / reference_loss < TOLERANCE, (faulted_loss, reference_loss)
+    # the checkpoint at maxSteps holds the model; it is close to an uninterrupted run's
     assert "model" in final_state(got, tmp_path)
+    if reference is not None:
+        ref = finished(client, reference)
+        assert ref["state"] == "succeeded" and len(ref["attempts"]) == 1, json.dumps(ref)[:2000]
+        reference_loss, faulted_loss = held_out_loss(stack, ref), held_out_loss(stack, got)
+        assert abs(faulted_loss - reference_loss) / reference_loss < TOLERANCE, (faulted_loss, reference_loss)
 
 
 def test_below_min_replicas_the_attempt_restarts_from_the_latest_ready_checkpoint(
@@ -185,3 +190,7 @@ def test_the_built_in_trainer_replaces_a_killed_replica_too(
     assert "healed from a peer at step" in newcomer, newcomer[-3000:]
     steps = [c["globalStep"] for c in j["checkpoints"] if c["state"] == "READY"]
     assert len(steps) == len(set(steps)) and max(steps) == 300
+    # replica 0's run record says which steps ran with fewer replicas
+    record = json.loads((attempt_dir(stack, j) / "run-record.json").read_text())
+    assert record["status"] == "succeeded" and record["replicas"]["replicas"] == 2, record.get("replicas")
+    assert record["replicas"]["degradedTotal"] >= 1 and len(record["replicas"]["degradedSteps"]) >= 1

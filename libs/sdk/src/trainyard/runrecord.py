@@ -141,6 +141,19 @@ class ThroughputRecord(_Wire):
     mean_step_seconds: float | None = None
 
 
+class ReplicasRecord(_Wire):
+    """A fault-tolerant job's replica (``faultTolerance``): its steps, those run with fewer replicas, its heal."""
+
+    replicas: int
+    min_replicas: int
+    batch: str = Field(description="reduced | accumulate: what a step with fewer replicas trains on")
+    committed: int = Field(default=0, description="steps this replica committed in this attempt")
+    degraded_total: int = Field(default=0, description="of them, steps committed with fewer replicas than replicas")
+    degraded_steps: list[int] = Field(default=[], description="those steps (the first 1000)")
+    not_committed: int = Field(default=0, description="steps a quorum abandoned (a replica failed during them)")
+    healed_at: int | None = Field(default=None, description="the step this replica joined at, healed from a peer")
+
+
 class RunRecord(_Wire):
     record_version: int = 1
     job_id: str
@@ -168,6 +181,8 @@ class RunRecord(_Wire):
     throughput: ThroughputRecord
     loss_curve: list[tuple[int, float]] = Field(default=[], description="(global step, global-batch mean loss)")
     checkpoints: list[CheckpointRecord] = []
+    replicas: ReplicasRecord | None = Field(default=None, exclude_if=lambda v: v is None,
+                                            description="faultTolerance: this replica's steps and heal")
 
     def write(self, path: Path) -> None:
         """Atomically replace ``path`` with this record (updated_at set now)."""

@@ -6,8 +6,8 @@ Each replica is a world of one: the whole model, no tensor or pipeline split (th
 ``faultTolerance``). Per step: the quorum (``optimizer.zero_grad``), this replica's micro-batches of the step
 (``faultTolerance.batch``), forward and backward through torchft's DDP (gradients averaged over the quorum), the
 gradient clipped, the update applied only if the quorum committed, then the LR schedule, the boundary (replica 0
-saves) and StepMetrics with the replicas that stepped. (No run record is written for such a job yet: its
-StepMetrics, checkpoints and the replicas' logs say what ran.)
+saves) and StepMetrics with the replicas that stepped. Replica 0's run record has a ``replicas`` section: the
+steps it committed, those with fewer replicas, the abandoned ones and, for a newcomer, the step it healed at.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import math
 
 import torch
 from trainyard import Run
+from trainyard.metrics import flops_per_token
+from trainyard.runrecord import RUN_RECORD_FILE, ReplicasRecord, local_environment
 from trainyard.state import Progress, checkpoint_state
 from trainyard_contract.errors import DataError, NonFiniteError
 
 from trainyard_trainer.model import build_model
 from trainyard_trainer.schedule import build_lr_scheduler
-from trainyard_trainer.training import Job, RecordKeeper, build_optimizer
+from trainyard_trainer.training import Job, RecordKeeper, build_optimizer, initial_record
 
 log = logging.getLogger("trainyard_trainer")
 
@@ -44,8 +46,16 @@ def train_replica(job: Job, run: Run) -> Progress:
                              progress=progress, rng=run.rng)
     run.parallelism = {"dp": 1, "tp": 1, "pp": 1}  # replica 0's checkpoints: the whole model, a world of one
     run.restore(state)
-    keeper = RecordKeeper(job, None, run.attempt_dir, None, 0.0, progress, loader.sampler)
+    assert run.restored is not None and job.batch is not None
+    fpt = flops_per_token(job.model_config, training.sequence_length)
+    record = None if settings.rank != 0 else initial_record(
+        job, job.batch, run.ctx.gather(local_environment()), run.restored, fpt, None, model.num_parameters(),
+        start_step=progress.global_step, start_position=loader.sampler.position, progress=progress)
+    keeper = RecordKeeper(job, record, run.attempt_dir / RUN_RECORD_FILE, None, fpt, progress, loader.sampler)
     replicas = run.replicas(model, optimizer, extra={"lr_scheduler": lr_scheduler})
+    if record is not None:
+        record.replicas = ReplicasRecord(replicas=ft.replicas, min_replicas=ft.min_replicas, batch=ft.batch)
+    keeper.flush()
     log.info("replica %d of %d: model %s, %d parameters; batch %s", settings.rank, ft.replicas,
              spec.model_config_ref if isinstance(spec.model_config_ref, str) else "inline",
              model.num_parameters(), ft.batch)
@@ -74,10 +84,17 @@ def train_replica(job: Job, run: Run) -> Progress:
             m = replicas.metrics()
             keeper.step(run.report(step, loss=loss_value, lr=float(lr), grad_norm=grad_norm, replicas=m["replicas"],
                                    replicas_missing=m["replicas_missing"], degraded_steps=m["degraded_steps"]))
+            if record is not None and record.replicas is not None:
+                c = replicas.counts
+                record.replicas = record.replicas.model_copy(update={
+                    "committed": c.committed, "degraded_total": c.degraded_total, "degraded_steps": list(c.degraded),
+                    "not_committed": c.not_committed, "healed_at": c.healed_at})
             if run.stopped is not None:
                 raise run.stopped
         run.wait()
-    except BaseException:
+    except BaseException as exc:
         run.checkpointer.close()
+        keeper.failed(exc, failed_step=run.end.global_step, signalled=run.request.signalled)
         raise
+    keeper.flush(status="succeeded", exit_code=0)
     return progress

@@ -455,7 +455,7 @@ def train(job: Job, run: Run) -> Progress:
     record_path = run.attempt_dir / RUN_RECORD_FILE
 
     def keeper_for(restored: RestoreRecord) -> RecordKeeper:
-        record = None if settings.rank != 0 else _initial_record(
+        record = None if settings.rank != 0 else initial_record(
             job, batch, environments, restored, fpt, peak, trainee.num_parameters,
             start_step=progress.global_step, start_position=loader.sampler.position, progress=progress)
         return RecordKeeper(job, record, record_path, peak, fpt, progress, loader.sampler)
@@ -525,7 +525,7 @@ def train_steps(job: Job, run: Run, trainee: Trainee, loader: DataLoader, state:
         raise
 
 
-def _initial_record(job: Job, batch: BatchLayout, environments: list[dict[str, Any]], restored: RestoreRecord,
+def initial_record(job: Job, batch: BatchLayout, environments: list[dict[str, Any]], restored: RestoreRecord,
                     fpt: float, peak: PeakFlops | None, num_parameters: int, *, start_step: int,
                     start_position: int, progress: Progress) -> RunRecord:
     settings, spec, runtime, plan = job.settings, job.spec, job.runtime, job.plan
