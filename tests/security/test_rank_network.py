@@ -8,7 +8,8 @@ broker and the real redis-server:
   node ends ``ok``; after the agent closes, its rules are gone;
 - an agent under enforce that cannot install its rules refuses to start, naming nftables and the setting;
 - a squatted rendezvous port: another process listens on the GangAllocated's master port, and the agent starts
-  no rank, reporting a retryable ``error`` that names the port; the next attempt, on another port, runs.
+  no rank, reporting a retryable ``error`` that names the port; the next attempt, on another port, runs;
+- a squatted Lighthouse port (``faultTolerance``): the same — the ranks would dial the squatter for their quorums.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def table(rig: Rig) -> Iterator[str]:
 
 
 async def publish_gang(rig: Rig, job_id: str, tenant: str, device: int, spec: TrainingSpec, *, attempt: int = 1,
-                       master_port: int | None = None) -> GangAllocated:
+                       master_port: int | None = None, lighthouse_port: int | None = None) -> GangAllocated:
     """Lease one device and publish a one-rank GangAllocated (playing the scheduler)."""
     allocation_id = f"{job_id}-a{attempt}"
     epoch = await LeaseManager(rig.redis).acquire(job_id, allocation_id, [Device(NODE, device)])
@@ -133,7 +134,7 @@ async def publish_gang(rig: Rig, job_id: str, tenant: str, device: int, spec: Tr
         nodes=[NodeAssignment(node_id=NODE, host="127.0.0.1",
                               ranks=[RankAssignment(rank=0, local_rank=0, device_index=device)])],
         master_addr="127.0.0.1", master_port=master_port or infra.free_port(), spec=spec,
-        spec_hash=spec.spec_hash(),
+        spec_hash=spec.spec_hash(), lighthouse_port=lighthouse_port,
     )
     await rig.publisher.publish(event)
     return event
@@ -264,3 +265,37 @@ async def test_a_squatted_rendezvous_port_starts_no_rank_and_interrupts_the_atte
     await release(layout, "squatted")
     exits = await rig.tap.wait(WorkerExited, 2, job_id="squatted", timeout_s=60)
     assert [(e.attempt, e.reason) for e in exits][-1] == (2, "ok"), exits
+
+
+async def test_a_squatted_lighthouse_port_starts_no_rank_and_interrupts_the_attempt(
+        rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault-tolerant job's ranks dial the Lighthouse at master_addr:lighthouse_port for every step's quorum: a
+    process already listening there would hand them its quorums. The agent of rank 0 checks the port first."""
+    layout = ArtifactLayout(rig.env["artifact_root"])
+    dataset = layout.dataset_dir("tinycorpus", "v1")
+    dataset.mkdir(parents=True)
+    (dataset / "manifest.json").write_text('{"the": "manifest"}')
+    start_agent(rig, tmp_path, monkeypatch)
+    await heartbeat_after(rig.tap)
+    code = store_archive(layout, VICTIM_TENANT, tmp_path / "victim", {"main.py": VICTIM})
+    plain = code_spec(code, {"SECRET": "s"})
+    wire = plain.wire()
+    wire["resources"]["gpuCount"] = wire["parallelism"]["data"] = 2
+    wire["training"]["globalBatchSize"] = 2 * wire["training"]["microBatchSize"]
+    spec = TrainingSpec.model_validate({**wire, "faultTolerance": {"replicas": 2, "minReplicas": 1}})
+    port = infra.free_port()
+    squatter = subprocess.Popen(  # noqa: S603 - another process listening on the port, as a survivor would
+        [sys.executable, "-c", "import socket, sys, time\n"
+         f"s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); print('ready', flush=True)\n"
+         "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "ready"
+        first = await publish_gang(rig, "lh-squatted", VICTIM_TENANT, 0, spec, lighthouse_port=port)
+        (exited,) = await rig.tap.wait(WorkerExited, job_id="lh-squatted", timeout_s=60)
+    finally:
+        squatter.kill()
+        squatter.wait(10)
+    assert exited.reason == "port-in-use" and exited.exit_code != 0, exited
+    assert f"lighthouse port {port} is already in use on {NODE}" in (exited.detail or ""), exited
+    assert rig.tap.events(WorkerStarted, job_id="lh-squatted") == [], "no rank started"
+    await LeaseManager(rig.redis).release(first.allocation_id, first.epoch, [Device(NODE, 0)])

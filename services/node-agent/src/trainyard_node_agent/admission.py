@@ -55,15 +55,29 @@ def hosts_rendezvous(share: NodeAssignment) -> bool:
     return any(slot.rank == 0 for slot in share.ranks)
 
 
-def port_taken(event: GangAllocated, node_id: str, why: str) -> str:
-    """The ``WorkerExited.detail`` of every rank here when the master port is already held on this node.
+def hosted_ports(event: GangAllocated, share: NodeAssignment) -> list[tuple[str, int]]:
+    """The ports this node's part of the gang listens on, by what listens: rank 0's rendezvous port and, for a
+    fault-tolerant job, its Lighthouse's (run by the agent of rank 0's node)."""
+    if not hosts_rendezvous(share):
+        return []
+    ports = [("rendezvous", event.master_port)]
+    if event.lighthouse_port is not None and event.spec.fault_tolerance is not None:
+        ports.append(("lighthouse", event.lighthouse_port))
+    return ports
+
+
+def port_taken(event: GangAllocated, node_id: str, why: str, *, what: str = "rendezvous",
+               port: int | None = None) -> str:
+    """The ``WorkerExited.detail`` of every rank here when a port the gang listens on (``what``: rendezvous or
+    lighthouse; default the master port) is already held on this node.
 
     The reason that goes with it is ``port-in-use`` (``trainyard_contract.exitcodes.PORT_IN_USE``): the scheduler ends
     the attempt as an interruption — no failure budget spent, no node blamed — and its next attempt draws another
     port at random (trainyard_scheduler.ports), so whoever squats a port delays a job, never fails it."""
-    return (f"rendezvous port {event.master_port} is already in use on {node_id} ({why}): another process holds "
-            f"it; rank 0 would fail to listen, or its peers would reach that process. Not started; the next "
-            f"attempt gets another port")
+    listener = "rank 0" if what == "rendezvous" else "the job's Lighthouse"
+    return (f"{what} port {port or event.master_port} is already in use on {node_id} ({why}): another process "
+            f"holds it; {listener} would fail to listen, or the ranks would reach that process. Not started; the "
+            f"next attempt gets another port")
 
 
 def pick_backend(setting: str, device_type: str, *, has_nvidia_smi: bool) -> str:

@@ -33,7 +33,7 @@ from trainyard_contract.tracing import current_traceparent
 from trainyard_node_agent.admission import (
     Launch,
     Refuse,
-    hosts_rendezvous,
+    hosted_ports,
     judge,
     port_taken,
 )
@@ -123,10 +123,11 @@ class AllocationLauncher:
         allocation_file = attempt_dir / f"allocation.{self.settings.node_id}.json"
         if only_rank is None:
             atomic_write_bytes(allocation_file, event.to_bytes())
-            if hosts_rendezvous(share) and (why := await asyncio.to_thread(port_in_use, event.master_port)):
-                await self._refuse_all(event, share, traceparent, 127, PORT_IN_USE,
-                                       port_taken(event, self.settings.node_id, why))
-                return
+            for what, port in hosted_ports(event, share):  # a squatter fails nothing: an interruption, other ports
+                if why := await asyncio.to_thread(port_in_use, port):
+                    await self._refuse_all(event, share, traceparent, 127, PORT_IN_USE,
+                                           port_taken(event, self.settings.node_id, why, what=what, port=port))
+                    return
             if self.replicas is not None:
                 await self.replicas.remember(event)
                 await self.replicas.lighthouses.ensure(event, share)
