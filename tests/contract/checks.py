@@ -39,6 +39,11 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
         (r"checkpointPolicy\.\w+", r"set exactly one of everySteps or everyMinutes|with auto, set at most one"),
         ("initFrom.jobId", r"^unknown job |has no READY checkpoint|names exactly one of jobId"),  # a tenant's job
         ("initFrom.globalStep", r"has no READY checkpoint at step|goes with jobId, not huggingFace"),
+        # evaluation: one READY checkpoint (initFrom.jobId and globalStep), nothing trained
+        ("initFrom.jobId", r"^evaluation evaluates a checkpoint"),
+        ("initFrom.globalStep", r"^evaluation evaluates one checkpoint"),
+        ("export", r"^an evaluation trains nothing"),
+        ("faultTolerance", r"^an evaluation has no training steps"),
         # a directory under the tenant's prefix of the artifact store, of the spec's model's shape
         ("initFrom.huggingFace", r"^cannot start from |is not the shape of |must stay inside your tenant's prefix"),
         # code: one of archive / repo + revision; what git and the tenant's uploads say
@@ -68,6 +73,11 @@ RULES_BEYOND_THE_SCHEMA: dict[str, list[tuple[str, str]]] = {
     "POST /v1/admin/tenants/{tenant}/tokens": [
         ("expiresAt", r"is in the past|needs a UTC offset"),
         ("ttlSeconds", r"give expiresAt or ttlSeconds, not both"),
+    ],
+    # a tenant's MLflow URI: http(s), a host, no credentials, no metadata service (trainyard_contract.tracking)
+    "PUT /v1/admin/tenants/{tenant}/tracking": [
+        ("mlflowUri", r"at most \d+ characters|no whitespace|not a URL|scheme must be|name a host|no credentials|"
+                      r"no query or fragment|port 0|metadata|link-local|not a unicast"),
     ],
     "POST /v1/plan": [
         ("model", r"^unknown model "),
@@ -102,6 +112,14 @@ RULES_BEYOND_THE_SCHEMA["POST /v1/lab/scaling"] = [*_LAB_MODEL, ("tensor", r"^te
 RULES_BEYOND_THE_SCHEMA["POST /v1/triggers"] = [
     (rf"template\.(?:{field})", message) for field, message in RULES_BEYOND_THE_SCHEMA["POST /v1/training-jobs"]
     if field != "dataset"]
+# what `on` asks of the other fields (docs/triggers.md): a glob, or one watched job or experiment and an evaluation
+RULES_BEYOND_THE_SCHEMA["POST /v1/triggers"] += [
+    ("job|experiment|everySteps", r"goes with on: checkpointReady$"),
+    ("dataset", r"names the datasets it watches|watches a job or an experiment, not datasets"),
+    ("job", r"watches exactly one of job or experiment"),
+    ("template.evaluation", r"template is an evaluation"),
+    ("template.initFrom", r"template names no initFrom"),
+]
 
 
 def unexplained_problems(operation: str, detail: object) -> list[dict[str, str]]:

@@ -209,6 +209,12 @@ FLOWS: dict[type[ev.Event], Flow] = {
         (Producer("node-agent", _RELAYED + "; rank 0"),),
         (Consumer("checkpoint-coordinator", "marks it FAILED", "checkpoint-coordinator"),
          Consumer("registry", "retires the artifact", "registry"))),
+    ev.EvaluationReported: Flow(
+        "An evaluation job's numbers for the checkpoint it evaluated (its spec's initFrom); bounded: 1 to 32 "
+        "finite metrics with plain names.",
+        (Producer("node-agent", _RELAYED + "; rank 0 (`run.report_evaluation`)"),),
+        (Consumer("registry", "attaches them to the checkpoint the evaluation job's spec names (ty:evals:<job>), "
+                              "never to one the event names", "registry"),)),
     # metrics
     ev.StepMetrics: Flow(
         "One rank's numbers for one training step.",
@@ -246,7 +252,8 @@ FLOWS: dict[type[ev.Event], Flow] = {
         "job's model or an export of a checkpoint (kind `export`: a Hugging Face model directory, hash the "
         "sha256 of its trainyard-export.json listing), with its uri, hash and full lineage.",
         (Producer("registry", "outbox, with the record (an export's: with its ExportRecord ready)"),),
-        (Consumer("api", "a new dataset version starts the jobs of the triggers that match it", "api-triggers"),
+        (Consumer("api", "a new dataset version starts the jobs of the triggers that match it; a READY checkpoint "
+                         "the evaluations of the checkpointReady triggers that watch its job", "api-triggers"),
          Consumer("downstream", "evaluates, serves or bills artifacts without reading internal topics; an "
                                 "export loads with transformers' from_pretrained")),
         public=True, key="{jobId} | {artifactId}",

@@ -12,9 +12,10 @@
     ├── LeaseConflictError              a device already held by another live allocation
     ├── InfrastructureError             broker / Redis / filesystem trouble   (retryable)
     │   ├── BusError
-    │   └── StateStoreError
-    │       ├── EpochNotReplicatedError  an epoch increment no replica acknowledged in time: not used
-    │       └── WriteNotReplicatedError  a write to acknowledge that no replica confirmed (or a failover lost)
+    │   ├── StateStoreError
+    │   │   ├── EpochNotReplicatedError  an epoch increment no replica acknowledged in time: not used
+    │   │   └── WriteNotReplicatedError  a write to acknowledge that no replica confirmed (or a failover lost)
+    │   └── TrackingError               (telemetry) an MLflow server refused or did not answer
     ├── CheckpointError                 a checkpoint that cannot be written or restored
     │   └── CheckpointCorruptError      size or sha256 mismatch, missing shard or manifest
     ├── DataError                       a dataset shard that is missing or fails its sha256

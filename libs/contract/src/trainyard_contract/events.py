@@ -487,6 +487,32 @@ class CheckpointRefused(Event):
     problems: list[str] = []
 
 
+EVALUATION_MAX_METRICS = 32
+"""How many numbers one EvaluationReported may carry."""
+EVALUATION_METRIC_NAME = r"^[A-Za-z][A-Za-z0-9_.\-/]{0,63}$"
+"""A metric's name: a letter, then up to 63 letters, digits, ``_ . - /`` (what MLflow and TensorBoard take)."""
+
+EvaluationMetricName = Annotated[str, Field(pattern=EVALUATION_METRIC_NAME)]
+EvaluationMetricValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class EvaluationReported(Event):
+    """An evaluation job's rank 0 reports what it measured of the checkpoint it evaluated (``run.report_evaluation``).
+    A claim of a rank: the registry attaches it to the checkpoint the job's spec names (``initFrom``), never to one
+    the event names, and only for a job whose spec says ``evaluation``. Bounded: at most
+    :data:`EVALUATION_MAX_METRICS` finite numbers under names of :data:`EVALUATION_METRIC_NAME`."""
+
+    topic: ClassVar[str] = CHECKPOINTS
+    event_type: Literal["EvaluationReported"] = "EvaluationReported"
+    job_id: str
+    tenant: str
+    attempt: int
+    rank: int = Field(ge=0)
+    metrics: dict[EvaluationMetricName, EvaluationMetricValue] = Field(
+        min_length=1, max_length=EVALUATION_MAX_METRICS,
+        description="the evaluation's numbers: the built-in evaluator's loss and perplexity, or the user's")
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -724,7 +750,7 @@ TOPIC_EVENTS: dict[str, tuple[type[Event], ...]] = {
     ALLOCATIONS: (GangAllocated, AllocationRevoked, CheckpointRequested, ReplicaReplaced),
     WORKERS: (WorkerStarted, WorkerExited, AttemptEnded, StragglerDetected, SecurityViolation,
               EnvironmentPreparing),
-    CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused),
+    CHECKPOINTS: (ShardWritten, CheckpointReady, CheckpointFailed, CheckpointRefused, EvaluationReported),
     METRICS: (StepMetrics,),
     DATASETS: (DatasetVersionPublished, DatasetRejected),
     REGISTRY: (ArtifactRegistered, ArtifactRetired, ExportFailed),

@@ -134,12 +134,24 @@ class AttemptRecord(Record):
 
 
 class TriggerOrigin(Record):
-    """A job's lineage when a trigger submitted it: which trigger, for which new dataset version."""
+    """A job's lineage when a trigger submitted it: which trigger, for which new dataset version (or, for a
+    ``checkpointReady`` trigger, which READY checkpoint it evaluates)."""
 
     trigger_id: str
     trigger_name: str
-    dataset: str = Field(description="the qualified ref of the version that started it")
-    event_id: str = Field(description="the ArtifactRegistered event that announced that version")
+    dataset: str | None = Field(default=None, description="the qualified ref of the version that started it")
+    event_id: str = Field(description="the ArtifactRegistered event that announced that version or checkpoint")
+    checkpoint: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                   description="a checkpointReady trigger's: the checkpoint artifact it evaluates")
+
+
+class ExperimentOrigin(Record):
+    """A job's lineage when an experiment submitted it: which experiment, which trial, at which point."""
+
+    experiment_id: str
+    experiment_name: str
+    trial: int
+    params: dict[str, float | int | str | bool]
 
 
 class HuggingFaceStart(Record):
@@ -183,6 +195,9 @@ class JobRecord(Record):
     hugging_face_start: HuggingFaceStart | None = Field(
         default=None, exclude_if=lambda v: v is None,  # came with initFrom.huggingFace (issue #16)
         description="the Hugging Face directory it starts from (initFrom.huggingFace), as found at submission")
+    experiment: ExperimentOrigin | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came with experiments (issue #36)
+        description="the experiment that submitted the job as one of its trials, and the trial's point")
 
     @property
     def current(self) -> AttemptRecord | None:
@@ -195,8 +210,10 @@ def expects_final_checkpoint(job: JobRecord) -> bool:
     The built-in trainer always saves the last step. User code (``spec.code``) does when one of its
     ranks reported a shard of that step in the attempt that completed (the SDK saves the last step
     too); a script that saved none (one without the SDK) succeeds on its exit codes alone, and has
-    no final model."""
+    no final model. An evaluation (``spec.evaluation``) trains nothing and saves none."""
     current = job.current
+    if job.spec.evaluation is not None:
+        return False
     return job.spec.code is None or (current is not None and current.final_saved)
 
 
@@ -468,6 +485,7 @@ class TenantRecord(Record):
 
 
 TriggerSource = Literal["own", "platform", "shared"]
+TriggerOn = Literal["datasetVersion", "checkpointReady"]
 """Whose datasets a trigger watches: its tenant's own, the platform's (no tenant), or other tenants' that
 are shared with its tenant."""
 
@@ -476,12 +494,22 @@ class TriggerRecord(Record):
     """A tenant's trigger: each new verified version of a dataset whose name matches ``dataset`` (a glob)
     and whose owner is one of ``sources`` submits a job from ``template`` with that version.
 
-    ``template`` is a training spec without ``dataset`` (camelCase, as submitted), validated at creation."""
+    ``template`` is a training spec without ``dataset`` (camelCase, as submitted), validated at creation.
+
+    ``on: checkpointReady``: each READY checkpoint of the job ``job`` (or of a job of the experiment
+    ``experiment``) whose step is a multiple of ``every_steps`` submits ``template`` (an evaluation, without
+    ``initFrom``) with ``initFrom`` set to that checkpoint and ``dataset`` to the trained job's."""
 
     trigger_id: str
     tenant: str
     name: str
-    dataset: str = Field(description="a glob over dataset names (fnmatch, case-sensitive): wiki-*, tinycorpus")
+    on: TriggerOn = "datasetVersion"
+    dataset: str = Field(default="", description="a glob over dataset names (fnmatch, case-sensitive): wiki-*, "
+                                                 "tinycorpus; empty for a checkpointReady trigger")
+    job: str | None = Field(default=None, description="checkpointReady: the watched job")
+    experiment: str | None = Field(default=None, description="checkpointReady: the watched experiment's jobs")
+    every_steps: int | None = Field(default=None, ge=1, description="checkpointReady: only steps that are "
+                                                                      "multiples of it (unset: every READY)")
     sources: list[TriggerSource] = ["own"]
     template: dict[str, object]
     enabled: bool = True
@@ -493,7 +521,20 @@ class TriggerFailure(Record):
     """The last time a trigger could not submit its job (the template no longer validates, …)."""
 
     at: datetime
-    dataset: str
+    dataset: str = Field(description="the dataset version, or (checkpointReady) the checkpoint artifact")
     event_id: str
     message: str
     problems: list[dict[str, str]] = []
+
+
+class EvaluationResult(Record):
+    """One evaluation of a READY checkpoint, attached by the registry (``ty:evals:<job>``, field: the
+    evaluation job's id): the checkpoint is the one the evaluation job's spec names (``initFrom``, as the API
+    stored it), never what the rank claimed; ``metrics`` as the rank reported them, bounded."""
+
+    evaluation_job_id: str
+    checkpoint_id: str = Field(description="the checkpoint's artifact id in the registry")
+    global_step: int
+    metrics: dict[str, float]
+    finished_at: datetime
+

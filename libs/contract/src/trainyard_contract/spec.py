@@ -175,6 +175,15 @@ class InitFrom(_Wire):
         return self
 
 
+class Evaluation(_Wire):
+    """Do not train: load the checkpoint ``initFrom`` names (``jobId`` and ``globalStep``) and evaluate it. The
+    built-in trainer reports held-out loss and perplexity over ``batches`` batches (the same batches every time);
+    user code reports its own numbers with ``run.report_evaluation``. The results are attached to that checkpoint
+    in the registry (``GET /v1/training-jobs/{jobId}/evaluations`` of the trained job)."""
+
+    batches: int = Field(default=8, ge=1, le=1024, description="held-out batches the built-in evaluator averages")
+
+
 class Export(_Wire):
     """Convert the job's final checkpoint when it succeeds (``format: hf``: a Hugging Face model
     directory that ``transformers`` loads), recorded in the registry as an ``export`` artifact."""
@@ -291,6 +300,24 @@ class FaultTolerance(_Wire):
         return self
 
 
+#: An MLflow experiment or run name a job may choose (the platform puts the tenant in front of an experiment's).
+TRACKING_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._:/-]{0,127}$"
+
+
+class Tracking(_Wire):
+    """Which of its tenant's tracking targets a job's curves go to (docs/tracking.md). The targets themselves (the
+    MLflow server, TensorBoard files) are the tenant's, set by a platform-admin: a job cannot name a URI."""
+
+    mlflow: bool = Field(default=True, description="export to the tenant's MLflow server (if it has one)")
+    tensorboard: bool = Field(default=True, description="write TensorBoard event files (if the tenant has them on)")
+    run_name: str | None = Field(default=None, pattern=TRACKING_NAME_PATTERN, exclude_if=lambda v: v is None,
+                                 description="the MLflow run's name (default: the job's name, else its id)")
+    experiment_name: str | None = Field(
+        default=None, pattern=TRACKING_NAME_PATTERN, exclude_if=lambda v: v is None,
+        description="the MLflow experiment, under the tenant's prefix: `<tenant>/<experimentName>` (default: "
+                    "the job's trainyard experiment, else `<tenant>/jobs`)")
+
+
 class TrainingSpec(_Wire):
     """What a researcher submits. Immutable: a new configuration is a new job."""
 
@@ -326,6 +353,15 @@ class TrainingSpec(_Wire):
     fault_tolerance: FaultTolerance | None = Field(
         default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
         description="replicas that fail are replaced while the others keep training (no restart)",
+    )
+    evaluation: Evaluation | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="do not train: evaluate the checkpoint initFrom names (jobId and globalStep)",
+    )
+    tracking: Tracking | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # came later: earlier specs keep their hash
+        description="opt in or out of the tenant's tracking targets (MLflow, TensorBoard); unset: every target "
+                    "the tenant has",
     )
 
     @model_validator(mode="after")

@@ -212,6 +212,9 @@ class DatasetPublished(ApiModel):
 
 
 class TriggerJobView(ApiModel):
-    dataset: str = Field(description="the dataset version (qualified ref) the job trains on",
+    dataset: str = Field(description="the dataset version (qualified ref) the job trains on; for a "
+                                     "checkpointReady trigger, the checkpoint artifact it evaluates",
                          examples=["acme/wiki-en@2026-12-01"])
     job_id: str = Field(examples=["job-3f2a9c1b7e4d"])
+    checkpoint: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                   description="a checkpointReady trigger's: the checkpoint artifact the job evaluates")

@@ -117,6 +117,11 @@ FAMILIES: tuple[Family, ...] = (
     _f("tenant-triggers", "ty:tenant:<tenant>:triggers", (_A,), (), "hash trigger name → id"),
     _f("trigger-jobs", "ty:trigger:<trigger>:jobs", (_A,), (), "hash dataset ref → job the trigger submitted"),
     _f("trigger-failure", "ty:trigger:<trigger>:failure", (_A,), (), "JSON: the trigger's last failure"),
+    _f("experiments", "ty:experiments", (_A,), (), "hash experiment id → ExperimentRecord (the search's state)"),
+    _f("tenant-experiments", "ty:tenant:<tenant>:experiments", (_A,), (), "hash experiment name → id"),
+    _f("experiments-active", "ty:experiments:active", (_A,), (), "set: experiments whose search is not over"),
+    _f("experiment-driver", "ty:experiment-driver:<experiment>", (_A,), (),
+       "'<instance>' of the API process driving the experiment's search, with a TTL"),
     # scheduler ---------------------------------------------------------------------------------------------
     _f("queue-config", "ty:sched:queue-config", (), (_S,), "JSON QueueConfig, set by an operator"),
     _f("active-jobs", "ty:sched:active", (_S,), (), "set: jobs taken in, not yet terminal"),
@@ -156,6 +161,7 @@ FAMILIES: tuple[Family, ...] = (
     _f("artifacts", "ty:artifacts:<job>", (_R,), (_A,), "hash artifact id → ArtifactRecord"),
     _f("export", "ty:export:<export>", (_A, _R), (), "JSON ExportRecord: requested (api or registry), done"),
     _f("registry-live", "ty:registry:live", (_R,), (), "zset: jobs with artifacts not yet retired"),
+    _f("evaluations", "ty:evals:<job>", (_R,), (_A, _T), "hash evaluation job id → EvaluationResult"),
     # telemetry: the StepMetrics read models ---------------------------------------------------------------
     _f("progress", "ty:job:<job>:progress", (_T,), (_A,), "JSON Progress of the job"),
     _f("attempt-steps", "ty:job:<job>:steps:<attempt>", (_T,), (_A, _C), "hash: rank 0's step timing"),
@@ -170,6 +176,9 @@ FAMILIES: tuple[Family, ...] = (
     _f("calibration-devices", "ty:calib:devices", (_T,), (_A,), "set: device types with samples"),
     _f("calibration-failures-seen", "ty:calib:failures-seen", (_T,), (), "zset: failures sampled"),
     _f("calibration-samples", "ty:calib:samples:<device_type>:<kind>", (_T,), (_A,), "list: newest samples"),
+    _f("tracking-tenants", "ty:tracking:tenants", (_A,), (_T,), "hash tenant → TenantTracking (platform-admin)"),
+    _f("tracking-jobs", "ty:tracking:jobs", (_T,), (), "zset: jobs with metrics the tracking exporter looks at"),
+    _f("tracking-cursor", "ty:tracking:cursor:<job>", (_T,), (), "hash target → the exporter's cursor of the job"),
     # every service, each its own ------------------------------------------------------------------------------
     _f("outbox", "ty:outbox:<service>", CONTROL_PLANE, (), "stream: events staged with the writes that caused them"),
     _f("agent-outbox", "ty:outbox:node-agent:<node>", (_N,), (), "stream: one node agent's staged events"),

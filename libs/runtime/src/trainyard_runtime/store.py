@@ -126,6 +126,19 @@ class Keys:
         """Hash: dataset ref → id of the job the trigger submitted for that version (api)."""
         return f"ty:trigger:{trigger_id}:jobs"
 
+    experiments = "ty:experiments"  # hash experiment id → JSON ExperimentRecord (api)
+    experiments_active = "ty:experiments:active"  # set: experiments whose search is not over (api)
+
+    @staticmethod
+    def tenant_experiments(tenant: str) -> str:
+        """Hash: experiment name → id, one tenant's (names are unique per tenant) (api)."""
+        return f"ty:tenant:{tenant}:experiments"
+
+    @staticmethod
+    def experiment_driver(experiment_id: str) -> str:
+        """The API process driving the experiment's search, with a TTL (api)."""
+        return f"ty:experiment-driver:{experiment_id}"
+
     @staticmethod
     def trigger_failure(trigger_id: str) -> str:
         """JSON TriggerFailure: the last time the trigger could not submit (api)."""
@@ -225,6 +238,22 @@ class Keys:
     @staticmethod
     def artifacts(job_id: str) -> str:
         return f"ty:artifacts:{job_id}"
+
+    # hash tenant → JSON TenantTracking: the MLflow server and TensorBoard switch a platform-admin set (api)
+    tracking_tenants = "ty:tracking:tenants"
+    # zset job → last rank-0 StepMetrics batch (ms): the jobs the tracking exporter looks at (telemetry)
+    tracking_jobs = "ty:tracking:jobs"
+
+    @staticmethod
+    def tracking_cursor(job_id: str) -> str:
+        """Hash: target (mlflow, tensorboard) → JSON cursor of the job's export (telemetry's tracking exporter)."""
+        return f"ty:tracking:cursor:{job_id}"
+
+    @staticmethod
+    def evaluations(job_id: str) -> str:
+        """Hash: evaluation job id → JSON EvaluationResult, the evaluations of ``job_id``'s checkpoints
+        (registry; read by the api and telemetry)."""
+        return f"ty:evals:{job_id}"
 
     @staticmethod
     def export(export_id: str) -> str:
