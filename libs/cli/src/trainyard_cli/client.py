@@ -163,7 +163,11 @@ class Trigger(ApiModel):
     trigger_id: str
     tenant: str | None = None
     name: str
-    dataset: str
+    on: str = "datasetVersion"
+    dataset: str = ""
+    job: str | None = None
+    experiment: str | None = None
+    every_steps: int | None = None
     sources: list[str] = []
     template: dict[str, Any] = {}
     enabled: bool = True
@@ -334,6 +338,10 @@ class ApiClient:
     def checkpoints(self, job_id: str) -> list[CheckpointView]:
         page = _parse(self._request("GET", f"/v1/training-jobs/{job_id}/checkpoints"), CheckpointList)
         return page.checkpoints
+
+    def evaluations(self, job_id: str) -> list[dict[str, Any]]:
+        """GET /v1/training-jobs/{jobId}/evaluations: the evaluations of the job's checkpoints, by step."""
+        return list(self.get_json(f"/v1/training-jobs/{job_id}/evaluations")["evaluations"])
 
     def control(self, job_id: str, action: str) -> ControlResponse:
         """``action``: cancel, pause or resume."""

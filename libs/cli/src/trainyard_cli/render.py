@@ -334,8 +334,21 @@ def triggers_table(items: Sequence[Trigger]) -> Fitted:
     for t in items:
         model = t.template.get("modelConfig")
         failure = f"{t.last_failure.dataset}: {t.last_failure.message}" if t.last_failure else "-"
-        table.add_row(t.trigger_id, t.name, t.dataset, ",".join(t.sources),
+        watched = t.dataset if t.on != "checkpointReady" else f"checkpoints of {t.job or t.experiment}"
+        table.add_row(t.trigger_id, t.name, watched, ",".join(t.sources),
                       model if isinstance(model, str) else "inline", "yes" if t.enabled else "no", failure)
+    return table
+
+
+def evaluations_table(items: Sequence[dict[str, Any]], *, title: str) -> Fitted:
+    """``jobs evaluations``: one row per evaluation of one of the job's checkpoints, by step."""
+    table = Fitted(title, (Col("STEP", keep=100), Col("METRICS", "wrap", keep=90, min_width=20),
+                           Col("EVALUATION JOB", keep=80), Col("CHECKPOINT", "middle", keep=60, min_width=16),
+                           Col("FINISHED", keep=50)))
+    for e in items:
+        metrics = "  ".join(f"{k} {v:.6g}" for k, v in sorted(e.get("metrics", {}).items()))
+        table.add_row(str(e.get("globalStep")), metrics, e.get("evaluationJobId", "-"), e.get("checkpointId", "-"),
+                      str(e.get("finishedAt", "-"))[:19].replace("T", " "))
     return table
 
 
@@ -346,7 +359,9 @@ def trigger_detail(t: Trigger) -> RenderableType:
     resources = t.template.get("resources") or {}
     for key, value in (
         ("trigger", t.trigger_id), ("name", t.name), ("tenant", t.tenant or "-"),
-        ("dataset", f"{t.dataset}  (names matched; sources: {', '.join(t.sources)})"),
+        ("dataset", f"{t.dataset}  (names matched; sources: {', '.join(t.sources)})") if t.on != "checkpointReady"
+        else ("watches", f"READY checkpoints of {'job ' + t.job if t.job else 'experiment ' + str(t.experiment)}"
+                         + (f", every {t.every_steps} steps" if t.every_steps else "")),
         ("enabled", "yes" if t.enabled else "no"),
         ("model", model if isinstance(model, str) else "inline"),
         ("resources", f"{resources.get('gpuCount', '?')} x {resources.get('gpuType', '?')}"),

@@ -8,13 +8,19 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainyard_contract.errors import NonFiniteError
-from trainyard_contract.events import StepMetrics
+from trainyard_contract.events import (
+    EVALUATION_MAX_METRICS,
+    EVALUATION_METRIC_NAME,
+    EvaluationReported,
+    StepMetrics,
+)
 from trainyard_contract.spec import TrainingSpec
 from trainyard_contract.spool import SpoolWriter
 from trainyard_contract.tracing import current_traceparent
@@ -123,6 +129,17 @@ class StepReporter:
                      times.data_wait, times.compute, times.collective, times.checkpoint)
         return event
 
+    def report_evaluation(self, metrics: Mapping[str, float]) -> EvaluationReported | None:
+        """EvaluationReported from rank 0 (durable: it is the evaluation's result); None on the other ranks."""
+        numbers = evaluation_numbers(metrics)
+        s = self.settings
+        if s.rank != 0:
+            return None
+        event = EvaluationReported(job_id=s.job_id, tenant=s.tenant, attempt=s.attempt, rank=s.rank, metrics=numbers)
+        self.spool.write(event, traceparent=current_traceparent(), durable=True)
+        log.info("evaluation: %s", " ".join(f"{k} {v:.6g}" for k, v in numbers.items()))
+        return event
+
     def _write_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._metrics_file is None:
             path = self.attempt_dir / "metrics" / f"rank{self.settings.rank}.jsonl"
@@ -141,4 +158,35 @@ def finite_numbers(metrics: Mapping[str, float]) -> dict[str, float]:
             raise TypeError(f"run.report({name}=…): a metric must be a number, not {type(value).__name__}") from None
         if math.isfinite(number):
             out[str(name)[:128]] = number
+    return out
+
+
+class EvaluationReports:
+    """What a :class:`~trainyard.run.Run` reports of an evaluation job (``spec.evaluation``), beside its steps."""
+
+    reporter: StepReporter
+
+    def report_evaluation(self, metrics: Mapping[str, float]) -> EvaluationReported | None:
+        """Report what an evaluation job measured of the checkpoint it loaded (``initFrom``, restored by
+        ``run.restore``): ``{"accuracy": 0.71, "loss": 2.3}``. Rank 0's call is spooled as EvaluationReported and
+        the registry attaches it to that checkpoint (``trainyard jobs evaluations JOB`` of the trained job); the
+        other ranks' calls only check the numbers. 1 to 32 metrics, names of a letter then letters, digits,
+        ``_ . - /`` (64 at most), finite values: anything else is a ValueError here (and refused by the
+        platform). The first report of an evaluation job is the one kept."""
+        return self.reporter.report_evaluation(metrics)
+
+
+def evaluation_numbers(metrics: Mapping[str, float]) -> dict[str, float]:
+    """An evaluation's metrics as the event carries them, or ValueError saying what the platform would refuse:
+    1 to 32 names of a letter then letters, digits, ``_ . - /`` (64 at most), each a finite number."""
+    if not 1 <= len(metrics) <= EVALUATION_MAX_METRICS:
+        raise ValueError(f"run.report_evaluation takes 1 to {EVALUATION_MAX_METRICS} metrics, not {len(metrics)}")
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not re.match(EVALUATION_METRIC_NAME, name):
+            raise ValueError(f"run.report_evaluation: metric name {name!r} must match {EVALUATION_METRIC_NAME}")
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"run.report_evaluation: {name} is {number}, not a finite number")
+        out[name] = number
     return out

@@ -74,7 +74,7 @@ from trainyard.loader import DataLoader, open_loader
 from trainyard.metrics import PeakFlops
 from trainyard.policy import BoundaryAgreement, checkpoint_policy
 from trainyard.preemption import CheckpointRequest, StoppedOnRequest
-from trainyard.reporting import StepReporter
+from trainyard.reporting import EvaluationReports, StepReporter
 from trainyard.replicas import Replicas, is_replacement, open_replicas, replacement_view
 from trainyard.restore import restore as restore_state
 from trainyard.runrecord import CheckpointPolicyRecord, RestoreRecord
@@ -99,7 +99,7 @@ log = logging.getLogger("trainyard")
 _tracer = trace.get_tracer("trainyard")
 
 
-class Run:
+class Run(EvaluationReports):
     """One rank of a trainyard job; see the module docstring. Open it with :func:`init` (scripts)
     or :meth:`open` (the built-in trainer, which handles its own exit)."""
 

@@ -59,6 +59,7 @@ from trainyard_contract.errors import ConfigError, DataError, NonFiniteError
 from trainyard_contract.events import GangAllocated, StepMetrics
 from trainyard_contract.spec import TrainingSpec
 
+from trainyard_trainer.evaluation import evaluate, held_out_samples
 from trainyard_trainer.hfstart import maybe_init_from_hugging_face
 from trainyard_trainer.model import build_model
 from trainyard_trainer.parallel import (
@@ -462,11 +463,26 @@ def train(job: Job, run: Run) -> Progress:
 
     # 4. restore, and the run record saying from what and why
     keeper = restore_and_record(job, run, state, trainee, loader, environments, keeper_for)
+    if spec.evaluation is not None:  # an evaluation job: the start checkpoint's held-out loss, no steps
+        evaluate_start(job, run, trainee, loader)
+        keeper.flush(status="succeeded", exit_code=0)
+        return progress
 
     # 5. steps: train, then the boundary (agree, maybe save, maybe stop), then StepMetrics
     train_steps(job, run, trainee, loader, state, keeper)
     keeper.flush(status="succeeded", exit_code=0)
     return progress
+
+
+def evaluate_start(job: Job, run: Run, trainee: Trainee, loader: DataLoader) -> dict[str, float]:
+    """Evaluate the checkpoint the job started from (``spec.evaluation``) and report it (rank 0's report counts)."""
+    assert job.spec.evaluation is not None
+    _, dp_rank, _ = job.plan.coordinates(job.settings.rank)
+    micro = job.spec.training.micro_batch_size
+    batches = held_out_samples(len(loader.dataset), batches=job.spec.evaluation.batches, rows=micro * job.plan.dp)
+    metrics = evaluate(trainee.pm, loader.dataset, batches, dp_rank=dp_rank, micro_batch=micro, runtime=job.runtime)
+    run.report_evaluation(metrics)
+    return metrics
 
 
 def restore_and_record(job: Job, run: Run, state: dict[str, Any], trainee: Trainee, loader: DataLoader,

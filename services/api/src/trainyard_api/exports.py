@@ -19,7 +19,7 @@ from redis.exceptions import WatchError
 from trainyard_contract.errors import ConflictError, NotFoundError
 from trainyard_contract.events import ExportRequested, export_id, utcnow
 from trainyard_runtime.outbox import Outbox
-from trainyard_contract.records import ArtifactRecord, ExportRecord, TenantToken
+from trainyard_contract.records import ArtifactRecord, EvaluationResult, ExportRecord, TenantToken
 from trainyard_contract.storage import (
     EXPORT_LISTING,
     ArtifactLayout,
@@ -145,7 +145,14 @@ class ExportService:
         if artifact is None or artifact.tenant != token.tenant:
             raise NotFoundError(NOT_FOUND.format(id=artifact_id))
         return ArtifactView(artifact_id=artifact.artifact_id, type=artifact.type,
-                            state="retired" if artifact.retired_at else "ready", artifact=artifact)
+                            state="retired" if artifact.retired_at else "ready", artifact=artifact,
+                            evaluations=await self._evaluations(artifact) if artifact.type == "checkpoint" else None)
+
+    async def _evaluations(self, checkpoint: ArtifactRecord) -> list[EvaluationResult]:
+        """The evaluations attached to a checkpoint (the registry's ``ty:evals:<job>``), by when they finished."""
+        found = [EvaluationResult.model_validate_json(raw) for raw in
+                 await self.redis.hvals(Keys.evaluations(checkpoint.job_id))]
+        return sorted((e for e in found if e.checkpoint_id == checkpoint.artifact_id), key=lambda e: e.finished_at)
 
     async def _view(self, record: ExportRecord) -> ArtifactView:
         if record.state != "ready":

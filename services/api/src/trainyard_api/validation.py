@@ -319,6 +319,25 @@ def check_init_from(spec: TrainingSpec, *, parent_known: bool, ready_steps: Sequ
     return []
 
 
+def check_evaluation(spec: TrainingSpec) -> list[FieldProblem]:
+    """``evaluation`` evaluates one READY checkpoint (``initFrom.jobId`` and ``initFrom.globalStep``) and trains
+    nothing: no Hugging Face start, no export of a final model, no replicas to replace."""
+    if spec.evaluation is None:
+        return []
+    init, problems = spec.init_from, []
+    if init is None or init.job_id is None:
+        problems.append(FieldProblem("initFrom.jobId", "evaluation evaluates a checkpoint: initFrom names the job "
+                                                       "(jobId) and the step (globalStep) of a READY checkpoint"))
+    elif init.global_step is None:
+        problems.append(FieldProblem("initFrom.globalStep", "evaluation evaluates one checkpoint: name its step "
+                                                            "(initFrom.globalStep)"))
+    if spec.export is not None:
+        problems.append(FieldProblem("export", "an evaluation trains nothing, so it has no final model to export"))
+    if spec.fault_tolerance is not None:
+        problems.append(FieldProblem("faultTolerance", "an evaluation has no training steps to keep replicas for"))
+    return problems
+
+
 def tensor_parallel_problems(model: ModelConfig, tensor: int, label: str) -> list[FieldProblem]:
     """The trainer's rule for ``parallelism.tensor``: each rank computes whole query heads, whole
     key/value heads (llama's grouped-query attention has fewer) and an equal share of the FFN."""

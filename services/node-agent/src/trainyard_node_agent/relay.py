@@ -4,7 +4,7 @@ A rank runs code the platform did not write, and everything it appends to its ev
 claim, not a fact. The agent publishes a spool line only when :func:`check_line` accepts it:
 
 * the event type is one a rank produces (:data:`RANK_EVENTS`: ShardWritten, StepMetrics,
-  CheckpointRefused), on that type's own topic; anything else (a JobControlRequested, a
+  CheckpointRefused, EvaluationReported), on that type's own topic; anything else (a JobControlRequested, a
   GangAllocated, a NodeHeartbeat, a DatasetVersionPublished, …) is refused;
 * the identity is the rank's own: job, tenant, attempt, epoch and rank, where the event has them,
   are *stamped* by the agent from the allocation it launched the rank for; a line that names
@@ -35,13 +35,13 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
-from trainyard_contract.events import CheckpointRefused, Event, ShardWritten, StepMetrics
+from trainyard_contract.events import CheckpointRefused, EvaluationReported, Event, ShardWritten, StepMetrics
 from trainyard_contract.storage import ObjectPath, is_object_url
 
 __all__ = ["RANK_EVENTS", "Refusal", "Relay", "RankIdentity", "check_line", "inside"]
 
 RANK_EVENTS: dict[str, type[Event]] = {cls.model_fields["event_type"].default: cls
-                                       for cls in (ShardWritten, StepMetrics, CheckpointRefused)}
+                                       for cls in (ShardWritten, StepMetrics, CheckpointRefused, EvaluationReported)}
 _IDENTITY = ("job_id", "tenant", "attempt", "epoch", "rank")  # stamped where the event has the field
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _EVENT_IDS = uuid.UUID("6b0f2f4e-3c1a-4f7e-9a51-1f0c2d7e8a90")  # the namespace of relayed event ids

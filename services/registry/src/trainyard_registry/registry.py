@@ -7,6 +7,8 @@
 * CHECKPOINTS / CheckpointReady → ``ArtifactRecord`` type "checkpoint" (one for a checkpoint that was
   READY and is DELETED or refused since is recorded already retired, never dead-lettered);
 * CHECKPOINTS / CheckpointRefused → that checkpoint's artifact is marked retired;
+* CHECKPOINTS / EvaluationReported (an evaluation job's rank 0) → an ``EvaluationResult`` in ``ty:evals:<job>`` of
+  the checkpoint the evaluation job's spec names (:mod:`.evaluations`);
 * a periodic retire sweep marks retired the artifacts whose checkpoint retention has DELETED
   (jobs with live artifacts are indexed in ``Keys.registry_live``);
 * JOBS / JobStateChanged(succeeded) → ``ArtifactRecord`` type "model" (latest READY checkpoint); when the
@@ -54,6 +56,7 @@ from trainyard_contract.events import (
     CheckpointReady,
     CheckpointRefused,
     DatasetVersionPublished,
+    EvaluationReported,
     Event,
     ExportRequested,
     JobStateChanged,
@@ -85,6 +88,7 @@ from trainyard_contract.storage import (
 )
 from trainyard_runtime.store import Keys, StateStore
 
+from trainyard_registry.evaluations import EvaluationRecorder
 from trainyard_registry.exporter import Exporter
 from trainyard_registry.exports import auto_export, requested_record
 from trainyard_registry.lineage import (
@@ -152,13 +156,15 @@ class Registry:
         self._tries = _MissingTries(settings.missing_retry_limit)
         self.retire_interval_s = settings.retire_interval_s
         self.exporter = Exporter(redis, outbox, settings, clock=clock)
+        self.evaluations = EvaluationRecorder(redis, self._tries.missing, clock=clock)
 
     def install(self, runtime: ServiceRuntime) -> None:
         """Subscribe to datasets, checkpoints and jobs (one consumer group, one consumer)."""
         routes: tuple[tuple[str, dict[type[Event], Handler]], ...] = (
             (DATASETS, {DatasetVersionPublished: self.on_dataset_published}),
             (CHECKPOINTS, {CheckpointReady: self.on_checkpoint_ready,
-                           CheckpointRefused: self.on_checkpoint_refused}),
+                           CheckpointRefused: self.on_checkpoint_refused,
+                           EvaluationReported: self.evaluations.on_evaluation_reported}),
             (JOBS, {JobStateChanged: self.on_job_state_changed}),
         )
         for topic, handlers in routes:

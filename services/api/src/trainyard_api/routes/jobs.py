@@ -15,7 +15,15 @@ from trainyard_api.bodies import SubmittedSpec
 from trainyard_api.deps import Ctx, JobId, Tenant, may, strict_body
 from trainyard_api.http_errors import AUTH_ERRORS, JOB_ERRORS, NOT_JSON, error, invalid
 from trainyard_api.roles import Right
-from trainyard_api.schemas import EXAMPLE_SPEC, CheckpointList, ControlResponse, JobPage, JobView, SubmitResponse
+from trainyard_api.schemas import (
+    EXAMPLE_SPEC,
+    CheckpointList,
+    ControlResponse,
+    EvaluationList,
+    JobPage,
+    JobView,
+    SubmitResponse,
+)
 from trainyard_api.views import checkpoint_view
 
 MAX_OFFSET = 2**31 - 1
@@ -109,6 +117,15 @@ async def list_checkpoints(ctx: Ctx, tenant: Tenant, job_id: JobId) -> Checkpoin
     """Oldest first; a checkpoint is usable only when `state` is READY (every shard verified)."""
     records = await ctx.jobs.checkpoints(tenant, job_id)
     return CheckpointList(job_id=job_id, checkpoints=[checkpoint_view(c) for c in records])
+
+
+@router.get("/v1/training-jobs/{job_id}/evaluations", response_model=EvaluationList, tags=["jobs"],
+            summary="List the evaluations of a job's checkpoints", responses=JOB_ERRORS)
+async def list_evaluations(ctx: Ctx, tenant: Tenant, job_id: JobId) -> EvaluationList:
+    """Each evaluation job's results (a `checkpointReady` trigger's, or one submitted with `evaluation`), attached
+    by the registry to the checkpoint it evaluated: `globalStep`, `checkpointId` (the checkpoint's artifact),
+    `metrics`. Oldest step first."""
+    return EvaluationList(job_id=job_id, evaluations=await ctx.jobs.evaluations(tenant, job_id))
 
 
 def _add_control_route(action: Literal["cancel", "pause", "resume"], doc: str) -> None:
