@@ -30,8 +30,9 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES)) -e 'libs/cli[dev]' -r requirements-dev.txt
 	@touch $(STAMP)
 
-deps: venv ## install system packages the local stack needs (redis-server; prometheus for make observe)
+deps: venv ## install system packages the local stack needs (redis-server; prometheus for make observe; MLflow in .tools)
 	@scripts/ensure-system-deps.sh
+	@scripts/ensure-mlflow.sh
 
 up: deps ## start broker, redis, the five services and 2 node agents, publish the example dataset; print API URL + token
 	$(BIN)/trainyard dev up

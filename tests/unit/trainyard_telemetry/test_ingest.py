@@ -21,6 +21,9 @@ class FakePipe:
     async def __aexit__(self, *_: object) -> None:
         return None
 
+    def zadd(self, key: str, mapping: dict[str, float]) -> None:
+        self.calls.append(("marked", sorted(mapping)))  # the jobs the tracking exporter looks at
+
     async def execute(self) -> list[Any]:
         if self.fail:
             raise ConnectionError("redis blinked")
@@ -90,7 +93,8 @@ async def test_each_step_reaches_every_read_model_in_order_and_stragglers_the_st
     await on_batch([ev.StepMetrics(job_id="job-1", attempt=1, rank=0, step=7, loss=1.0, consumed_tokens=0)])
     await runtime.bus.subscribed[ev.WORKERS][ev.StragglerDetected](ev.StragglerDetected(
         job_id="job-1", attempt=1, rank=3, node_id="n", slowdown=2.0, window_steps=5, from_step=1, to_step=5))
-    assert calls == [("timing:staged", (0, 7)), ("history:staged", (0, 7)), ("execute", None), ("progress", 7),
+    assert calls == [("timing:staged", (0, 7)), ("history:staged", (0, 7)), ("marked", ["job-1"]), ("execute", None),
+                     ("progress", 7),
                      ("series", 7), ("timing:straggler", 3)]
 
 
@@ -105,6 +109,7 @@ async def test_a_batch_is_written_in_one_round_trip_in_order_and_fails_whole() -
     assert staged == [(m.rank, m.step) for m in batch]  # every event, in the batch's order
     assert [v for name, v in calls if name == "history:staged"] == staged
     assert calls.count(("execute", None)) == 1  # one round trip for the batch
+    assert [v for name, v in calls if name == "marked"] == [["job-1"]]  # in that round trip, once per job
     executed = calls.index(("execute", None))
     assert [v for name, v in calls[executed:] if name == "progress"] == [1, 2, 3]  # rank 0's, after the writes
     assert sorted(v for name, v in calls if name == "series") == [1, 1, 2, 2, 3, 3]

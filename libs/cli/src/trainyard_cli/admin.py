@@ -224,6 +224,36 @@ def tenants_set_quota(
     _emit(result, as_json, tenants_table([result]))
 
 
+def _tracking_line(tenant: str, body: Mapping[str, Any]) -> str:
+    uri = body.get("mlflowUri") or "off"
+    return f"{tenant}: MLflow {uri}, TensorBoard {'on' if body.get('tensorboard') else 'off'}"
+
+
+@tenants_app.command("tracking")
+def tenants_tracking(ctx: typer.Context, tenant: TenantArg, as_json: JsonFlag = False) -> None:
+    """A tenant's tracking targets: the MLflow server its jobs' curves go to, TensorBoard files (docs/tracking.md)."""
+    with _admin(ctx) as client:
+        body = client.call_json("GET", f"/v1/admin/tenants/{tenant}/tracking")
+    _emit(body, as_json, _tracking_line(tenant, body))
+
+
+@tenants_app.command("set-tracking")
+def tenants_set_tracking(
+    ctx: typer.Context, tenant: TenantArg,
+    mlflow_uri: Annotated[str, typer.Option("--mlflow-uri", help="the MLflow tracking server, http(s)://host[:port] "
+                                                                 "('none': no MLflow export)")] = "none",
+    tensorboard: Annotated[bool, typer.Option("--tensorboard/--no-tensorboard",
+                                              help="write TensorBoard event files into each job's directory")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Set a tenant's tracking targets (platform-admin: the URI is egress from the control plane)."""
+    uri = None if mlflow_uri.strip().lower() in ("", "none", "null") else mlflow_uri
+    with _admin(ctx) as client:
+        body = client.call_json("PUT", f"/v1/admin/tenants/{tenant}/tracking",
+                                body={"mlflowUri": uri, "tensorboard": tensorboard})
+    _emit(body, as_json, _tracking_line(tenant, body))
+
+
 @tenants_app.command("delete")
 def tenants_delete(ctx: typer.Context, tenant: TenantArg,
                    yes: Annotated[bool, typer.Option("--yes", help="do not ask")] = False) -> None:

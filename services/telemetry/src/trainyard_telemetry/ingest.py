@@ -3,7 +3,8 @@
     trainyard.metrics (group ``telemetry-metrics``, a batch at a time) ──> Ingest.on_step_metrics_batch
                                                                          ──> Ingest.on_step_metrics, each
         1. step timing     every rank's breakdown; rank 0's step ledger and recent work time (steptiming.py)
-        2. metric history  every rank's series, down-sampled levels (metrics_history.py)
+        2. metric history  every rank's series, down-sampled levels (metrics_history.py); rank 0's job is
+                           marked in ``Keys.tracking_jobs`` for the tracking exporter (tracking.py)
         3. progress        rank 0's Progress, with the planner's calibration samples in its transaction
         4. job series      the per-job Prometheus series (jobmetrics.py)
     trainyard.workers ──> StragglerDetected ──> Keys.stragglers(job)
@@ -16,8 +17,11 @@ that split, and the checkpoint coordinator reads the step-timing read model inst
 
 from __future__ import annotations
 
+import time
+
 from trainyard_contract.events import METRICS, WORKERS, StepMetrics, StragglerDetected
 from trainyard_runtime.service import ServiceRuntime
+from trainyard_runtime.store import Keys
 from trainyard_telemetry.jobmetrics import JobSeries
 from trainyard_telemetry.metrics_history import MetricHistory
 from trainyard_telemetry.progress import ProgressProjector
@@ -53,6 +57,8 @@ class Ingest:
             for m in batch:
                 await self.timing.stage(pipe, m)
                 await self.history.stage(pipe, m)
+            if jobs := {m.job_id for m in batch if m.rank == 0}:
+                pipe.zadd(Keys.tracking_jobs, dict.fromkeys(jobs, time.time() * 1000))
             await pipe.execute()
         for m in batch:
             if m.rank == 0:
@@ -64,5 +70,7 @@ class Ingest:
         """1. step timing 2. metric history 3. progress (and calibration samples) 4. job series."""
         await self.timing.on_step_metrics(m)
         await self.history.on_step_metrics(m)
+        if m.rank == 0:
+            await self.timing.redis.zadd(Keys.tracking_jobs, {m.job_id: time.time() * 1000})
         await self.projector.on_step_metrics(m)
         self.series.on_step(m)

@@ -489,6 +489,17 @@ class MetricHistory:
             out[n] = part
         return out
 
+    async def fence(self, job_id: str, first: int) -> np.ndarray:
+        """Rank 0's fence from step ``first`` to the end of its history: attempt + 1 per step, 0 where none."""
+        raw: bytes = await self.raw.getrange(attempt_key(job_id, 0), first * 2, -1)  # type: ignore[assignment]  # undecoded client
+        return np.frombuffer(raw[: len(raw) // 2 * 2], dtype="<u2")
+
+    async def points(self, job_id: str, names: Sequence[str], first: int,
+                     last: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Rank 0's stored (steps, values) of each series in steps ``first..last``, at full resolution."""
+        parts = await self._read(job_id, 0, names, ReadPlan.of(Window(first, last), 0))
+        return {n: (p.steps, p.values) for n, p in parts.items()}
+
     async def query(self, job_id: str, names: Sequence[str], *, from_step: int | None, to_step: int | None,
                     max_points: int, method: str, by_rank: bool) -> dict[str, object]:
         """The answer of ``GET /v1/training-jobs/{id}/metrics`` (the job's tenant checked by the caller)."""

@@ -3,7 +3,8 @@
     ServiceRuntime("telemetry")
       ├─ Ingest            trainyard.metrics (StepMetrics), trainyard.workers (StragglerDetected)
       ├─ loop calibration  Calibrator.refresh: failed attempts → samples, refit, Keys.calibration
-      └─ loop goodput      GoodputAccountant.refresh: tenant gauges, goodput history, per-job series
+      ├─ loop goodput      GoodputAccountant.refresh: tenant gauges, goodput history, per-job series
+      └─ loop tracking     TrackingExporter.refresh: metric history and evaluations → MLflow, TensorBoard files
 
 Replicas may run side by side: the consumers share the ``telemetry`` group (Kafka splits the partitions,
 and per-job order holds within one), the read models' writes are idempotent, and two refreshes of one
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
+from trainyard_contract.storage import ArtifactLayout
 from trainyard_runtime.service import ServiceRuntime, serve_until_signalled
 from trainyard_telemetry.accounting import GoodputAccountant
 from trainyard_telemetry.calibrator import Calibrator
@@ -24,6 +26,7 @@ from trainyard_telemetry.metrics_history import MetricHistory
 from trainyard_telemetry.progress import ProgressProjector
 from trainyard_telemetry.settings import TelemetrySettings
 from trainyard_telemetry.steptiming import StepTimingStore
+from trainyard_telemetry.tracking import TrackingExporter
 
 SERVICE_NAME = "telemetry"
 
@@ -47,6 +50,9 @@ class TelemetryService:
         self.ingest.install(self.runtime)
         self.runtime.add_loop("calibration", self._refit, every_s=settings.calibration_refresh_s)
         self.runtime.add_loop("goodput", self._account, every_s=settings.goodput_refresh_s)
+        self.tracking = TrackingExporter(redis, self.history, ArtifactLayout(settings.artifact_root_abs), settings,
+                                         timeout_s=settings.tracking_timeout_s)
+        self.runtime.add_loop("tracking", self._track, every_s=settings.tracking_refresh_s)
         self._stop = asyncio.Event()
         self._closed = False
 
@@ -55,6 +61,9 @@ class TelemetryService:
 
     async def _account(self) -> None:
         await self.accounting.refresh()
+
+    async def _track(self) -> None:
+        await self.tracking.refresh()
 
     async def start(self) -> None:
         await self.runtime.start()
@@ -67,11 +76,13 @@ class TelemetryService:
         await serve_until_signalled(self, SERVICE_NAME, self._stop)
 
     async def aclose(self) -> None:
-        """Idempotent: the runtime (the consumers finish in-flight events), then the history's own client."""
+        """Idempotent: the runtime (the consumers finish in-flight events and the loops stop), then the tracking
+        exporter's HTTP client and the history's own client."""
         if self._closed:
             return
         self._closed = True
         await self.runtime.aclose()
+        await self.tracking.aclose()
         await self.history.aclose()
 
     async def __aenter__(self) -> TelemetryService:

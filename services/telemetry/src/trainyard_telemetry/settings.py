@@ -67,6 +67,20 @@ class TelemetrySettings(ReadModelSettings):
         default=4096, gt=1, description="newest steps per attempt whose cumulative step time is kept (older steps "
                                         "are interpolated); bounds the goodput read model's memory per attempt")
 
+    tracking_refresh_s: float = Field(
+        default=30.0, gt=0, description="how often the tracking exporter sends new points to the tenants' MLflow "
+                                        "servers and TensorBoard files (docs/tracking.md)")
+    tracking_span_steps: int = Field(default=5000, gt=0, le=1_000_000,
+                                     description="steps the exporter reads and sends as one piece (one TensorBoard "
+                                                 "file; MLflow log-batches of at most 1000 points each)")
+    tracking_spans_per_pass: int = Field(default=20, gt=0,
+                                         description="pieces one job sends per pass (the rest waits for the next)")
+    tracking_concurrency: int = Field(default=8, gt=0, description="jobs exported at once")
+    tracking_timeout_s: float = Field(default=10.0, gt=0, description="timeout of one call to an MLflow server")
+    tracking_linger_s: float = Field(
+        default=3600.0, ge=0, description="how long after a job ended the exporter still looks for its late points "
+                                          "and evaluations")
+
     @property
     def assumptions(self) -> Assumptions:
         """What the planner assumes for this platform (the calibration's predictions)."""

@@ -1,5 +1,5 @@
 """The ``admin`` routes over tenants and their tokens: create, read, change and delete tenants (their
-quotas and priority); issue, list and revoke their tokens."""
+quotas and priority); issue, list and revoke their tokens; read and set their tracking targets."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 
 from trainyard_contract.records import TenantToken
+from trainyard_contract.tracking import TenantTracking
 
 from trainyard_api.auth import ForbiddenError
 from trainyard_api.bodies import TENANT_PATTERN, TenantCreateBody, TenantSettingsBody, TokenCreateBody
@@ -15,15 +16,18 @@ from trainyard_api.deps import Ctx, may, strict_body
 from trainyard_api.http_errors import ADMIN_ERRORS, NOT_JSON, error, invalid
 from trainyard_api.roles import Right, may_grant
 from trainyard_api.schemas import IssuedToken, TenantList, TenantView, TokenList, TokenView
+from trainyard_api.tracking import TenantTrackingBody, TenantTrackingService
 
 _TENANT_CREATE = may(Right.MANAGE_TENANTS, "tenant.create")
 _TENANT_UPDATE = may(Right.MANAGE_TENANTS, "tenant.update")
 _TOKEN_CREATE = may(Right.MANAGE_TOKENS, "token.create")
+_TRACKING_SET = may(Right.MANAGE_TENANTS, "tenant.tracking")
 TenantCreator = Annotated[TenantToken, _TENANT_CREATE]
 TenantUpdater = Annotated[TenantToken, _TENANT_UPDATE]
 TenantDeleter = Annotated[TenantToken, may(Right.MANAGE_TENANTS, "tenant.delete")]
 TenantManager = Annotated[TenantToken, may(Right.MANAGE_TENANTS)]
 TenantReader = Annotated[TenantToken, may(Right.READ_TENANT)]
+TrackingSetter = Annotated[TenantToken, _TRACKING_SET]
 TokenCreator = Annotated[TenantToken, _TOKEN_CREATE]
 TokenRevoker = Annotated[TenantToken, may(Right.MANAGE_TOKENS, "token.revoke")]
 TokenManager = Annotated[TenantToken, may(Right.MANAGE_TOKENS)]
@@ -117,3 +121,26 @@ async def revoke_token(ctx: Ctx, admin: TokenRevoker, tenant: TenantName, token_
     """Refused (401, "revoked") from the next request on, at every API process. Revoking a revoked
     token changes nothing."""
     return await ctx.tenants.revoke(admin, tenant, token_id)
+
+
+@router.get("/v1/admin/tenants/{tenant}/tracking", response_model=TenantTracking, tags=["admin"],
+            summary="Get a tenant's tracking targets", responses={**_ERRORS, **_NO_TENANT})
+async def get_tracking(ctx: Ctx, _: TenantReader, tenant: TenantName) -> TenantTracking:
+    """The MLflow server the tenant's jobs' curves go to and whether TensorBoard files are written
+    (docs/tracking.md). Platform-admin, or its own tenant-admin."""
+    await ctx.tenants.get(tenant)  # 404 for an unknown tenant
+    return await TenantTrackingService(ctx.store).get(tenant)
+
+
+@router.put("/v1/admin/tenants/{tenant}/tracking", response_model=TenantTracking, tags=["admin"],
+            summary="Set a tenant's tracking targets", dependencies=[strict_body(TenantTrackingBody, _TRACKING_SET)],
+            responses={**_ERRORS, **NOT_JSON, **_NO_TENANT})
+async def put_tracking(ctx: Ctx, admin: TrackingSetter, request: Request, tenant: TenantName,
+                       body: TenantTrackingBody) -> TenantTracking:
+    """Replace the tenant's tracking targets: `mlflowUri` (http(s), no credentials, not a link-local or
+    cloud-metadata address; null: no MLflow export) and `tensorboard`. The telemetry service applies them at
+    its next pass; a job opts out with `spec.tracking`. Platform-admin only: the URI is egress from the
+    control plane, which no tenant chooses."""
+    await ctx.tenants.get(tenant)  # 404 for an unknown tenant
+    request.state.audit_detail = body.model_dump_json(by_alias=True)
+    return await TenantTrackingService(ctx.store).put(admin, tenant, body)
