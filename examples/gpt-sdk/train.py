@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import trainyard
+
+#: seconds each step sleeps (default none): a sweep's test stands a slower model in with it
+PAUSE_S = float(os.environ.get("EXAMPLE_STEP_PAUSE_SECONDS", "0"))
 
 
 class Block(nn.Module):
@@ -109,6 +114,8 @@ def main() -> None:
                 if run.world_size > 1:
                     dist.all_reduce(mean_loss)  # gloo has no AVG
                     mean_loss /= run.world_size
+            if PAUSE_S:
+                time.sleep(PAUSE_S)
             step += 1
             run.report(step, loss=mean_loss.item(), lr=lr, grad_norm=grad_norm.item())
             run.checkpoint(step, state)  # every step on every rank: the policy and stop requests decide

@@ -1,12 +1,14 @@
 """The dashboard in a real browser against a real stack (broker, Redis, the services, two node agents, real
 torch ranks): sign-in, a job going live from queued to succeeded without a reload, its curves and heat map
-against the API, cancelling from the page, the Lab on the planner's numbers, the cluster pages; no console
-errors on any page; a screenshot of each page (see docs/dashboard.md)."""
+against the API, cancelling from the page, the Lab on the planner's numbers, an experiment's trials, space and
+links to its jobs, the cluster pages; no console errors on any page; a screenshot of each page (see
+docs/dashboard.md)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import threading
@@ -271,6 +273,67 @@ def test_cancelling_from_the_page_cancels_the_job(driver: WebDriver, stack: Loca
     assert console_errors(driver) == []
 
 
+def test_an_experiments_trials_are_listed_drawn_and_linked_to_their_jobs(
+        driver: WebDriver, stack: LocalStack, api: httpx.Client, screenshots: Path) -> None:
+    base = spec_with(**{"resources.gpuType": "cpu", "resources.gpuCount": 1, "parallelism.data": 1,
+                        "training.maxSteps": 12, "training.globalBatchSize": 8, "checkpointPolicy.everySteps": 6})
+    made = api.post("/v1/experiments", json={
+        "name": "ui-sweep", "base": base,
+        "space": {"training.learningRate": {"low": 1e-3, "high": 3e-2, "log": True},
+                  "training.lrSchedule.warmupSteps": {"type": "int", "low": 0, "high": 6}},
+        "search": {"algorithm": "random", "seed": 3}, "metric": {"name": "loss", "goal": "minimize"},
+        "budget": {"maxTrials": 3}, "maxConcurrentTrials": 3})
+    assert made.status_code == 201, made.text
+    experiment_id = made.json()["experimentId"]
+    sign_in(driver, stack, token_of(stack.token_file))
+    open_page(driver, stack, f"experiments/{experiment_id}")
+    # the page follows the search by itself, to its end
+    wait(driver, lambda d: d.find_element(By.ID, "experiment-state").text == "completed", "the experiment over", 600)
+    view = api.get(f"/v1/experiments/{experiment_id}").json()
+    assert view["state"] == "completed" and view["best"] is not None, view
+
+    def trial_rows(d: WebDriver) -> list[tuple[str | None, str | None]] | None:
+        rows = [(r.get_attribute("data-trial"), r.get_attribute("data-state"))
+                for r in d.find_elements(By.CSS_SELECTOR, "#trials tr[data-trial]")]
+        return rows if rows and all(s == "completed" for _, s in rows) else None
+    assert wait(driver, trial_rows, "every trial's row") == [(str(t["number"]), t["state"]) for t in view["trials"]]
+    # one point per trial with a value in each parameter's scatter, the best one marked; a line per trial across
+    # the parallel coordinates of both parameters and the metric
+    valued = sorted(str(t["number"]) for t in view["trials"] if t["value"] is not None)
+    assert len(valued) == 3
+    for figure in ('svg[data-scatter="training.learningRate"]', 'svg[data-scatter="training.lrSchedule.warmupSteps"]',
+                   'svg[data-parallel="space"]'):
+        marks = attrs(driver, f"{figure} [data-key]", "data-key", f"the marks of {figure}")
+        assert sorted(marks) == valued, figure
+        assert attrs(driver, f"{figure} [data-best]", "data-key", "the best") == [str(view["best"]["trial"])]
+    best = driver.find_element(By.ID, "experiment-best").text
+    assert view["best"]["jobId"] in best and view["best"]["checkpoint"] in best
+    assert not re.search(r"\b(null|undefined|NaN)\b", driver.find_element(By.ID, "main").text)
+    assert camel_case_labels(driver) == []
+    screenshot(driver, screenshots, "experiment")
+    assert console_errors(driver) == []
+
+    # the list: the experiment, its trials done and its best value
+    open_page(driver, stack, "experiments")
+    row = f'#experiments-body tr[data-experiment="{experiment_id}"]'
+    assert attrs(driver, row, "data-state", "the experiment in the list") == ["completed"]
+    assert driver.find_element(By.CSS_SELECTOR, f"{row} td:nth-child(3)").text.startswith("3 / 3")
+    screenshot(driver, screenshots, "experiments")
+
+    # a trial's job link opens its job page, which names the trial and links back
+    click_link = f'{row} a[href="#/experiments/{experiment_id}"]'
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, click_link).click() or True, "the experiment's link")
+    trial = view["trials"][1]
+    job_link = f'#trials tr[data-trial="1"] a[data-job-link="{trial["jobId"]}"]'
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, job_link).click() or True, "trial 1's job link")
+    line = wait(driver, lambda d: d.find_element(By.ID, "job-experiment").text, "the job's experiment")
+    assert line.startswith("Trial 1 of experiment ui-sweep")
+    assert api.get(f"/v1/training-jobs/{trial['jobId']}").json()["experiment"]["trial"] == 1
+    click(driver, "job-experiment-link")
+    wait(driver, lambda d: d.find_element(By.ID, "experiment-state").text == "completed", "back at the experiment")
+    assert console_errors(driver) == []
+
+
 def lab_answer(api: httpx.Client, driver: WebDriver, experiment: str, after: str | None = None) -> tuple[dict, dict]:
     """The request the page last sent for ``experiment`` (a newer one than ``after``) and the API's answer to it."""
     out = f"lab-{experiment}-out"
@@ -500,3 +563,156 @@ def test_an_empty_curve_says_no_data_yet_only_while_the_job_may_still_report(
         assert "yet" not in got
     if view["state"] in {"succeeded", "failed", "cancelled"} and not others_have_data:
         assert "02 Dec 2026" in got  # when it ended
+
+
+# ----------------------------------------------------------------------------- the experiment pages, on a fake API
+# The views are the API's own (``experiment_view`` over an ExperimentRecord); the page's fetch answers them.
+
+EXPERIMENT_ID = "exp-0123456789ab"
+TRIALS = [  # (state, learning rate, warm-up steps, value, rungs, reason)
+    ("completed", 0.003, 5, 2.10, [2.9, 2.4], None),
+    ("completed", 0.01, 10, 2.25, [3.0, 2.5], None),
+    ("stopped", 0.0004, 0, 3.60, [3.7], "early stopping: rung 1 at step 10, worse than the best 1/2"),
+    ("stopped", 0.02, 20, 2.90, [3.2, 2.9], "early stopping: rung 2 at step 20, worse than the best 1/2"),
+    ("failed", 0.0008, 15, None, [], "its job failed: rank 0 exited with code 1"),
+    ("running", 0.005, 2, 2.70, [2.8], None),
+    ("pending", 0.001, 8, None, [], None),
+]
+
+
+def experiment_json(state: str = "running", best: int | None = None) -> dict[str, Any]:
+    """An experiment as GET /v1/experiments/{id} answers: two parameters (a log-scale one), successive halving
+    with rungs at steps 10 and 20, every trial state."""
+    from trainyard_api.experiments import experiment_view
+    from trainyard_contract.experiments import ExperimentRecord, ExperimentSpec, RungDecision, Trial
+
+    spec = ExperimentSpec.model_validate({
+        "name": "lr-sweep", "base": spec_with(**{"training.maxSteps": 40}),
+        "space": {"training.learningRate": {"low": 3e-4, "high": 3e-2, "log": True},
+                  "training.lrSchedule.warmupSteps": {"type": "int", "low": 0, "high": 20}},
+        "metric": {"name": "loss", "goal": "minimize"},
+        "earlyStopping": {"kind": "successiveHalving", "minSteps": 10, "reductionFactor": 2},
+        "budget": {"maxTrials": 8}, "maxConcurrentTrials": 2})
+    trials = [Trial(number=n, params={"training.learningRate": lr, "training.lrSchedule.warmupSteps": w},
+                    job_id=None if s == "pending" else f"job-{n:012x}", state=s, rungs=r, value=v,
+                    last_step=40 if s == "completed" else 10 * len(r), device_hours=0.02 * (len(r) + 1), reason=why)
+              for n, (s, lr, w, v, r, why) in enumerate(TRIALS)]
+    record = ExperimentRecord(
+        experiment_id=EXPERIMENT_ID, tenant="dev", spec=spec, state=state, trials=trials, best_trial=best,
+        reason=None if state == "running" else "every trial is over",
+        rung_decisions=[RungDecision(rung=0, steps=10, promoted=[0, 1, 3], stopped=[2]),
+                        RungDecision(rung=1, steps=20, promoted=[0, 1], stopped=[3])])
+    view = experiment_view(record, ("ck-best", 40) if best is not None else None)
+    return view.model_dump(mode="json", by_alias=True)
+
+
+def on_fake_api(driver: WebDriver, ui: str, answers: dict[str, Any], body: str, role: str = "submitter") -> Any:
+    """Run ``body`` (async JS with ``exp``, the experiments module, ``main``, ``ctx`` and ``posted``, the paths
+    POSTed to) on a page whose ``fetch`` answers ``answers`` (path → JSON) and 404 otherwise."""
+    return in_page(driver, ui, f"""
+      const answers = args[0], posted = [];
+      window.fetch = async (path, init = {{}}) => {{
+        if ((init.method || "GET") === "POST") posted.push(path);
+        const found = Object.hasOwn(answers, path);
+        return new Response(JSON.stringify(found ? answers[path] : {{ detail: "not found" }}),
+                            {{ status: found ? 200 : 404, headers: {{ "Content-Type": "application/json" }} }});
+      }};
+      const exp = await import("{ui}/experiments.js");
+      const main = document.createElement("main");
+      document.body.replaceChildren(main);
+      const page = new AbortController();
+      const ctx = {{ signal: page.signal, me: {{ role: args[1] }}, confirm: async () => true }}, id = args[2];
+      try {{ {body} }} finally {{ page.abort(); }}
+    """, answers, role, EXPERIMENT_ID)
+
+
+SCATTER_JS = """
+  const figure = (p) => {
+    const svg = main.querySelector(`figure[data-param="${p}"] svg`);
+    return { points: [...svg.querySelectorAll("circle.point")].map((c) => ({ key: Number(c.dataset.key),
+               state: c.dataset.state, fill: c.getAttribute("fill"), cx: Number(c.getAttribute("cx")),
+               best: c.dataset.best === "true" })),
+             ticks: [...svg.querySelectorAll("text.tick-x")].map((t) => t.textContent) };
+  };
+"""
+
+
+def test_the_experiment_page_draws_every_trial_and_the_space_searched(driver: WebDriver, ui: str) -> None:
+    view = experiment_json(state="completed", best=0)
+    got = on_fake_api(driver, ui, {f"/v1/experiments/{EXPERIMENT_ID}": view}, SCATTER_JS + """
+      await exp.renderOne(main, { id }, ctx);
+      const rows = [...main.querySelectorAll("#trials tbody tr")].map((r) => ({ trial: Number(r.dataset.trial),
+        state: r.dataset.state, cells: [...r.cells].map((c) => c.textContent),
+        job: r.querySelector("a[data-job-link]")?.getAttribute("href") || null }));
+      const headers = [...main.querySelectorAll("#trials thead th")].map((t) => t.textContent);
+      const parallel = main.querySelector("svg[data-parallel]");
+      return { rows, headers, lr: figure("training.learningRate"), warmup: figure("training.lrSchedule.warmupSteps"),
+        lines: parallel ? [...parallel.querySelectorAll("polyline.line")].map((l) => Number(l.dataset.key)) : null,
+        state: main.querySelector("#experiment-state").textContent,
+        best: main.querySelector("#experiment-best").textContent,
+        stop: !!main.querySelector("#experiment-stop"), colors: exp.STATE_COLORS, text: main.textContent };
+    """)
+    trials = view["trials"]
+    # the table: a row per trial in order, each parameter, the metric at each rung, the job link, why it stopped
+    assert [(r["trial"], r["state"]) for r in got["rows"]] == [(t["number"], t["state"]) for t in trials]
+    assert got["headers"][:4] == ["#", "Learning rate", "Warmup steps", "State"]
+    assert "Loss at step 10" in got["headers"] and "Loss at step 20" in got["headers"]
+    for row, t in zip(got["rows"], trials):
+        assert row["job"] == (f"#/jobs/{t['jobId']}" if t["jobId"] else None)
+        assert (t["reason"] or "—") == row["cells"][-1]
+    assert got["rows"][2]["cells"][got["headers"].index("Loss at step 20")] == "—"  # stopped at the first rung
+    # a point per trial with a value, in every scatter, coloured by state; the best one marked
+    valued = {t["number"]: t for t in trials if t["value"] is not None}
+    for figure in (got["lr"], got["warmup"]):
+        assert sorted(p["key"] for p in figure["points"]) == sorted(valued)
+        for p in figure["points"]:
+            state = valued[p["key"]]["state"]
+            assert p["state"] == state
+            assert p["fill"] == got["colors"][state if state in ("completed", "stopped", "failed") else "running"]
+        assert [p["key"] for p in figure["points"] if p["best"]] == [0]
+        assert len(set(figure["ticks"])) == len(figure["ticks"]) >= 2
+    # the learning rate's axis is logarithmic: equal ratios, equal distances
+    at = {p["key"]: p["cx"] for p in got["lr"]["points"]}
+    lr = {n: t["params"]["training.learningRate"] for n, t in valued.items()}
+    ratio = (at[1] - at[0]) / (at[3] - at[0])
+    assert ratio == pytest.approx(math.log(lr[1] / lr[0]) / math.log(lr[3] / lr[0]), rel=1e-2)
+    # two parameters searched: parallel coordinates too, a line per trial with a value
+    assert sorted(got["lines"]) == sorted(valued)
+    assert got["state"] == "completed"
+    assert "trial 0" in got["best"] and trials[0]["jobId"] in got["best"] and "ck-best" in got["best"]
+    assert not got["stop"]  # nothing to stop once it is over
+    assert not re.search(r"\b(null|undefined|NaN)\b", got["text"]), got["text"]
+    assert camel_case_labels(driver) == []
+
+
+@pytest.mark.parametrize(("role", "offered"), [("submitter", True), ("viewer", False)])
+def test_stop_is_offered_while_the_experiment_runs_to_roles_that_may_and_posts_the_stop_route(
+        driver: WebDriver, ui: str, role: str, offered: bool) -> None:
+    view = experiment_json(state="running")
+    path = f"/v1/experiments/{EXPERIMENT_ID}"
+    got = on_fake_api(driver, ui, {path: view, f"{path}/stop": view}, """
+      await exp.renderOne(main, { id }, ctx);
+      const stop = main.querySelector("#experiment-stop");
+      if (stop) { stop.click(); await new Promise((r) => setTimeout(r, 200)); }
+      return { offered: !!stop, posted, best: main.querySelector("#experiment-best").textContent };
+    """, role)
+    assert got["offered"] is offered
+    assert got["posted"] == ([f"{path}/stop"] if offered else [])
+    assert got["best"].startswith("trial 0 (so far)")  # no best chosen yet: the best value so far
+
+
+def test_the_experiments_list_counts_the_trials_done_and_shows_the_best(driver: WebDriver, ui: str) -> None:
+    running, done = experiment_json(state="running"), experiment_json(state="completed", best=0)
+    done = {**done, "experimentId": "exp-00000000000b", "name": "lr-sweep-2"}
+    got = on_fake_api(driver, ui, {"/v1/experiments": {"experiments": [running, done]}}, """
+      await exp.render(main, {}, ctx);
+      return [...main.querySelectorAll("#experiments-body tr")].map((r) => ({ id: r.dataset.experiment,
+        state: r.dataset.state, link: r.querySelector("a").getAttribute("href"),
+        cells: [...r.cells].map((c) => c.textContent) }));
+    """)
+    assert [r["id"] for r in got] == [done["experimentId"], EXPERIMENT_ID]  # newest first
+    over = sum(t["state"] in ("completed", "stopped", "failed") for t in running["trials"])
+    for row in got:
+        assert row["link"] == f"#/experiments/{row['id']}"
+        assert row["cells"][2].startswith(f"{over} / 8")
+        assert row["cells"][3].startswith("2.1")

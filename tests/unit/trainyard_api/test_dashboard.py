@@ -47,7 +47,7 @@ def test_every_module_the_pages_import_is_served_as_javascript(client: TestClien
         assert response.headers["content-type"].split(";")[0] in {"text/javascript", "application/javascript"}
         assert response.headers["cache-control"] == "no-cache"
         todo |= imports_of(response.text) - seen
-    assert {"./api.js", "./jobs.js", "./job.js", "./cluster.js", "./lab.js", "./charts.js"} <= seen
+    assert {"./api.js", "./jobs.js", "./job.js", "./cluster.js", "./lab.js", "./charts.js", "./experiments.js"} <= seen
     assert client.get("/ui/style.css").status_code == 200
     assert client.get("/ui/missing.js").status_code == 404
 

@@ -44,6 +44,9 @@ class _Trainyard(LazyGroup):
         "admin": Lazy("trainyard_cli.admin:admin_app",
                       "Administration through the API: tenants (quotas, priority), tokens (roles, expiry, "
                       "revocation), the audit log, nodes. Uses .trainyard/admin-token when present."),
+        "experiments": Lazy("trainyard_cli.experiments:experiments_app",
+                            "Sweeps: a base spec, a search space over its fields, early stopping of the losers; "
+                            "each trial an ordinary job (docs/experiments.md)."),
         "plan": Lazy("trainyard_cli.plan:plan_app",
                      "Capacity planning before you train: memory per device, compute, communication, pipeline "
                      "bubble, checkpoint interval, and ranked layouts. Runs locally; --json for machines."),
@@ -335,6 +338,20 @@ def jobs_checkpoints(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = Fal
     stdout().print(checkpoints_table(items, title=f"checkpoints of {job_id}"))
 
 
+@jobs_app.command("evaluations")
+def jobs_evaluations(ctx: typer.Context, job_id: JobArg, as_json: JsonFlag = False) -> None:
+    """The evaluations of a job's READY checkpoints (a checkpointReady trigger's evaluation jobs, or ones
+    submitted with `evaluation`): step, checkpoint, evaluation job, metrics (docs/triggers.md)."""
+    from trainyard_cli.render import evaluations_table
+
+    with _api(ctx) as client:
+        items = client.evaluations(job_id)
+    if as_json:
+        _print_json(items)
+        return
+    stdout().print(evaluations_table(items, title=f"evaluations of {job_id}"))
+
+
 # ----------------------------------------------------------------------------- registry
 
 
@@ -454,6 +471,8 @@ TRIGGER_CREATE_HELP = """Create a trigger: each new verified version of a datase
 --template is a training spec (YAML or JSON, the same as for `trainyard submit`) without dataset: a dataset it names is left out, since each new version fills it in. The API checks it as it checks a submission; a problem is named template.<field>. The job is submitted once per version, however often the version is announced; `trainyard triggers show` lists the jobs it started and, when a version could not start one (say the template no longer validates), why.
 
 Whose datasets: --source own (your tenant's, the default), platform (the platform's, such as tinycorpus), shared (other tenants' shared with yours); repeat it for several.
+
+Evaluation on READY: --job JOB (or --experiment EXP) instead of --dataset makes a checkpointReady trigger: each READY checkpoint of that job (of that experiment's jobs) whose step is a multiple of --every-steps submits --template, an evaluation (a spec with `evaluation: {batches: 8}`, without dataset or initFrom: the trigger sets initFrom to the checkpoint and dataset to the trained job's). `trainyard jobs evaluations JOB` shows the results.
 """  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
 
@@ -465,10 +484,16 @@ def _trigger_name(glob: str) -> str:
 @triggers_app.command("create", help=TRIGGER_CREATE_HELP)
 def triggers_create(
     ctx: typer.Context,
-    dataset: Annotated[str, typer.Option("--dataset", metavar="GLOB",
-                                         help="dataset names to match, a glob: 'wiki-*', tinycorpus")],
     template: Annotated[Path, typer.Option("--template", metavar="SPEC",
                                            help="the job to submit: a training spec, YAML or JSON (- reads stdin)")],
+    dataset: Annotated[str | None, typer.Option("--dataset", metavar="GLOB",
+                                                help="dataset names to match, a glob: 'wiki-*', tinycorpus")] = None,
+    job: Annotated[str | None, typer.Option(
+        "--job", metavar="JOB", help="evaluate each READY checkpoint of this job (on: checkpointReady)")] = None,
+    experiment: Annotated[str | None, typer.Option(
+        "--experiment", metavar="EXP", help="evaluate each READY checkpoint of this experiment's jobs")] = None,
+    every_steps: Annotated[int | None, typer.Option(
+        "--every-steps", metavar="N", help="only checkpoints whose step is a multiple of N")] = None,
     name: Annotated[str | None, typer.Option(
         help="unique within your tenant (default: the glob's letters, wiki-* → wiki)")] = None,
     source: Annotated[list[str] | None, typer.Option(
@@ -482,16 +507,24 @@ def triggers_create(
     if "dataset" in spec:
         stderr().print(f"note: the template's dataset {spec['dataset']!r} is left out: each new version fills it in")
     spec = {k: v for k, v in spec.items() if k != "dataset"}
-    body = {"name": name or _trigger_name(dataset), "dataset": dataset, "sources": source or ["own"],
-            "template": spec, "enabled": not disabled}
+    watched = job or experiment
+    body: dict[str, Any] = {"name": name or _trigger_name(dataset or watched or ""), "template": spec,
+                            "enabled": not disabled}
+    if watched is None:
+        body |= {"dataset": dataset, "sources": source or ["own"]}
+    else:
+        body |= {"on": "checkpointReady", "job": job, "experiment": experiment, "everySteps": every_steps,
+                 **({"dataset": dataset} if dataset else {})}
     with _api(ctx, what="trigger") as client:
         created = client.create_trigger(body)
     if as_json:
         _print_json(created.model_dump(mode="json", by_alias=True))
         return
-    stdout().print(Text.assemble("created trigger ", (created.trigger_id, "bold"),
-                                 f" ({created.name}): new versions of {created.dataset} "
-                                 f"({', '.join(created.sources)}) submit its job"))
+    what = (f"new versions of {created.dataset} ({', '.join(created.sources)}) submit its job"
+            if created.on != "checkpointReady" else
+            f"READY checkpoints of {created.job or 'experiment ' + str(created.experiment)}"
+            + (f" every {created.every_steps} steps" if created.every_steps else "") + " submit its evaluation")
+    stdout().print(Text.assemble("created trigger ", (created.trigger_id, "bold"), f" ({created.name}): {what}"))
 
 
 @triggers_app.command("list")

@@ -22,6 +22,7 @@ from trainyard_api.routes import (
     code,
     dashboard,
     datasets,
+    experiments,
     goodput,
     jobs,
     lab,
@@ -69,6 +70,9 @@ TAGS = [
     {"name": "triggers", "description": "Data lands, training starts: a trigger submits a job from its template "
                                         "for each new verified version of a dataset whose name matches (see "
                                         "docs/triggers.md)."},
+    {"name": "experiments", "description": "Sweeps over a base spec: each trial an ordinary job, the losers stopped "
+                                           "early by successive halving, the best trial and its checkpoint named "
+                                           "(see docs/experiments.md)."},
     {"name": "registry", "description": "Artifacts (READY checkpoints, final models, exports) with their lineage; "
                                         "exporting a checkpoint as a Hugging Face model directory."},
     {"name": "datasets", "description": "Dataset versions published to the registry (`name@version`)."},
@@ -91,8 +95,8 @@ TAGS = [
 ]
 
 
-ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, tenants, audit, whoami, registry, datasets, operations,
-           dashboard, cluster)
+ROUTERS = (jobs, plan, lab, goodput, nodes, code, triggers, experiments, tenants, audit, whoami, registry, datasets,
+           operations, dashboard, cluster)
 
 def create_app(context: ApiContext) -> FastAPI:
     """The REST API over ``context``: its routers in the order their paths are matched (and documented).

@@ -20,7 +20,8 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from trainyard_contract.catalog import ModelConfig
-from trainyard_contract.records import TokenRole, TriggerSource
+from trainyard_contract.experiments import ExperimentSpec
+from trainyard_contract.records import TokenRole, TriggerOn, TriggerSource
 from trainyard_contract.spec import REF_PATTERN, Code, Training, TrainingSpec
 from trainyard_planner import BytesPerParameter, DeviceSpec, Layout
 
@@ -240,12 +241,36 @@ DATASET_GLOB_PATTERN = r"^[A-Za-z0-9._*?!\[\]-]{1,128}$"
 class TriggerCreateBody(_AdminBody):
     name: str = Field(pattern=TRIGGER_NAME_PATTERN, description="unique within the tenant",
                       examples=["wiki-nightly"])
-    dataset: str = Field(pattern=DATASET_GLOB_PATTERN,
-                         description="a glob over dataset names: each new verified version of a matching dataset "
-                                     "submits a job", examples=["wiki-*"])
+    on: TriggerOn = Field(default="datasetVersion", description="`datasetVersion` (each new verified version of a "
+                                                                 "matching dataset) or `checkpointReady` (each READY "
+                                                                 "checkpoint of `job` or of `experiment`'s jobs)")
+    dataset: str | None = Field(default=None, pattern=DATASET_GLOB_PATTERN,
+                                description="a glob over dataset names: each new verified version of a matching "
+                                            "dataset submits a job (`on: datasetVersion`)", examples=["wiki-*"])
+    job: str | None = Field(default=None, min_length=1, max_length=128,
+                            description="`on: checkpointReady`: the job whose READY checkpoints it evaluates")
+    experiment: str | None = Field(default=None, min_length=1, max_length=128,
+                                   description="`on: checkpointReady`: the experiment whose jobs' READY checkpoints "
+                                               "it evaluates")
+    every_steps: int | None = Field(default=None, ge=1, le=1_000_000_000,
+                                    description="`on: checkpointReady`: only checkpoints whose step is a multiple of "
+                                                "it (unset: every READY checkpoint)")
     sources: list[TriggerSource] = Field(
         default=["own"], min_length=1, max_length=3,
         description="whose datasets: `own` (the tenant's), `platform` (the platform's, no tenant), `shared` "
                     "(other tenants' shared with this one)")
-    template: SpecTemplate = Field(description="the job to submit: a training spec without `dataset`")
+    template: SpecTemplate = Field(description="the job to submit: a training spec without `dataset` (`on: "
+                                               "checkpointReady`: with `evaluation`, without `initFrom`)")
     enabled: bool = Field(default=True, description="false: the trigger is kept but starts nothing")
+
+
+class ExperimentBody(ExperimentSpec):
+    """``POST /v1/experiments``: an experiment whose base is checked as ``POST /v1/training-jobs`` checks a spec."""
+
+    base: SubmittedSpec = Field(  # type: ignore[assignment]  # the spec, checked as a submission (wire: a dict)
+        description="a complete training spec (the POST /v1/training-jobs body): every "
+                                            "trial is this spec with its point of the search space written in")
+
+    def experiment_spec(self) -> ExperimentSpec:
+        data = self.model_dump(mode="json", by_alias=True, exclude={"base"})
+        return ExperimentSpec.model_validate({**data, "base": self.base.wire()})

@@ -20,6 +20,7 @@ from trainyard_api.admin import AdminService
 from trainyard_api.audit import AuditLog
 from trainyard_api.code import CodeService, CodeStore, GitSource
 from trainyard_api.datasets import DatasetService
+from trainyard_api.experiments import ExperimentService, ExperimentStore
 from trainyard_api.exports import ExportService
 from trainyard_api.jobs import JobService
 from trainyard_api.settings import ApiSettings
@@ -45,6 +46,10 @@ class ApiContext:
     @cached_property
     def triggers(self) -> TriggerService:
         return TriggerService(TriggerStore(self.store.redis), self.jobs)
+
+    @cached_property
+    def experiments(self) -> ExperimentService:
+        return ExperimentService(ExperimentStore(self.store.redis), self.jobs)
 
     @cached_property
     def code(self) -> CodeService:

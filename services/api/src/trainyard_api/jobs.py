@@ -32,6 +32,8 @@ from trainyard_contract.hfdir import HfDir, inspect_dir, resolve_start
 from trainyard_contract.records import (
     ArtifactRecord,
     CheckpointRecord,
+    EvaluationResult,
+    ExperimentOrigin,
     HuggingFaceStart,
     JobRecord,
     Progress,
@@ -61,6 +63,7 @@ from trainyard_api.validation import (
     FieldProblem,
     InvalidSpecError,
     check_hugging_face_start,
+    check_evaluation,
     check_init_from,
     check_references,
     resolve_model_config,
@@ -109,13 +112,13 @@ def _past(action: str) -> str:
 def new_job_record(
     job_id: str, spec: TrainingSpec, token: TenantToken, *, traceparent: str | None,
     max_attempts: int, now: datetime, triggered_by: TriggerOrigin | None = None,
-    hugging_face_start: HuggingFaceStart | None = None,
+    hugging_face_start: HuggingFaceStart | None = None, experiment: ExperimentOrigin | None = None,
 ) -> JobRecord:
     return JobRecord(
         job_id=job_id, tenant=token.tenant, spec=spec, spec_hash=spec.spec_hash(), state="queued",
         priority=spec.priority, submitted_by=token.name, created_at=now, updated_at=now,
         max_attempts=max_attempts, traceparent=traceparent, triggered_by=triggered_by,
-        hugging_face_start=hugging_face_start,
+        hugging_face_start=hugging_face_start, experiment=experiment,
     )
 
 
@@ -183,6 +186,7 @@ class JobService:
     async def submit(
         self, spec: TrainingSpec, token: TenantToken, *, idempotency_key: str | None = None,
         traceparent: str | None = None, triggered_by: TriggerOrigin | None = None,
+        experiment: ExperimentOrigin | None = None,
     ) -> Submission:
         """Validate references and memory, store the job and stage JobSubmitted.
 
@@ -197,7 +201,7 @@ class JobService:
         job = new_job_record(
             new_job_id(token.tenant, idempotency_key), spec, token,
             traceparent=traceparent, max_attempts=self.max_attempts, now=self.clock(), triggered_by=triggered_by,
-            hugging_face_start=start,
+            hugging_face_start=start, experiment=experiment,
         )
         existing = await self._create(job)
         if existing is None:
@@ -250,6 +254,7 @@ class JobService:
             ready = [c.global_step for c in await self.store.list_checkpoints(init.job_id)
                      if c.state == "READY"] if known else []
             problems.extend(check_init_from(spec, parent_known=known, ready_steps=ready))
+        problems.extend(check_evaluation(spec))
         config = resolve_model_config(spec, self.catalog)
         memory = check_spec_memory(spec, config) if config is not None else None
         if memory is not None:
@@ -380,6 +385,13 @@ class JobService:
     async def artifacts(self, token: TenantToken, job_id: str) -> builtins.list[ArtifactRecord]:
         await self.get(token, job_id)
         return [a for a in await self.store.list_artifacts(job_id) if a.tenant == token.tenant]
+
+    async def evaluations(self, token: TenantToken, job_id: str) -> builtins.list[EvaluationResult]:
+        """The evaluations of the job's checkpoints (``ty:evals:<job>``, the registry's), by step."""
+        await self.get(token, job_id)
+        raw = await self.store.redis.hvals(Keys.evaluations(job_id))
+        return sorted((EvaluationResult.model_validate_json(r) for r in raw),
+                      key=lambda e: (e.global_step, e.finished_at, e.evaluation_job_id))
 
     # control ------------------------------------------------------------------
     async def control(

@@ -15,8 +15,11 @@ from trainyard_contract.events import DeviceInfo, JobState
 from trainyard_contract.records import (
     ArtifactRecord,
     DatasetRecord,
+    EvaluationResult,
     ExportRecord,
+    ExperimentOrigin,
     HuggingFaceStart,
+    TriggerOn,
     TriggerOrigin,
     TriggerSource,
 )
@@ -42,6 +45,7 @@ from trainyard_contract.wire import (  # the bodies the CLI reads too: defined t
 __all__ = [
     "ArtifactList",
     "ArtifactView",
+    "EvaluationList",
     "AttemptView",
     "NodeEnvironmentView",
     "ReplicaReplacementView",
@@ -232,6 +236,9 @@ class JobView(_Out):
     triggered_by: TriggerOrigin | None = Field(
         default=None, description="the trigger that submitted the job and the dataset version (and its "
                                   "ArtifactRegistered event) that set it off; null for a job submitted by hand")
+    experiment: ExperimentOrigin | None = Field(
+        default=None, description="the experiment that submitted the job as one of its trials, and the trial's "
+                                  "point in the search space; null for a job submitted by hand")
     hugging_face_start: HuggingFaceStart | None = Field(
         default=None, description="the Hugging Face directory it starts from (initFrom.huggingFace) as the API "
                                   "found it at submission: config.json's sha256 and the weight files")
@@ -246,6 +253,14 @@ class ArtifactList(_Out):
     artifacts: list[ArtifactRecord]
 
 
+class EvaluationList(_Out):
+    """The evaluations of a job's READY checkpoints (each by an evaluation job: docs/triggers.md), by step."""
+
+    job_id: str
+    evaluations: list[EvaluationResult] = Field(description="oldest step first; metrics as the evaluation reported "
+                                                            "them (the built-in evaluator: loss, perplexity)")
+
+
 class ArtifactView(_Out):
     """One artifact (any type), or an export in whatever state it is."""
 
@@ -257,6 +272,9 @@ class ArtifactView(_Out):
                                                                       "ready)")
     export: ExportRecord | None = Field(default=None, description="an export's progress: requestedBy, reason and "
                                                                   "problems when it failed")
+    evaluations: list[EvaluationResult] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="a checkpoint's: the evaluations attached to it (docs/triggers.md \"Evaluation on READY\")")
     files: list[ExportFile] | None = Field(
         default=None, description="a ready export's files (trainyard-export.json first), each downloadable at "
                                   "GET /v1/registry/artifacts/{exportId}/files/{name}")
@@ -518,7 +536,15 @@ class TriggerView(_Out):
     trigger_id: str = Field(examples=["trg-5c1d9e0a7b2f"])
     tenant: str
     name: str
-    dataset: str = Field(description="the glob over dataset names it matches", examples=["wiki-*"])
+    on: TriggerOn = Field(default="datasetVersion", description="datasetVersion: new dataset versions; "
+                                                                 "checkpointReady: READY checkpoints")
+    dataset: str = Field(description="the glob over dataset names it matches (empty: a checkpointReady trigger)",
+                         examples=["wiki-*"])
+    job: str | None = Field(default=None, description="checkpointReady: the job whose checkpoints it evaluates")
+    experiment: str | None = Field(default=None, description="checkpointReady: the experiment whose jobs' "
+                                                             "checkpoints it evaluates")
+    every_steps: int | None = Field(default=None, description="checkpointReady: only steps that are multiples of "
+                                                              "it (null: every READY checkpoint)")
     sources: list[TriggerSource] = Field(description="whose datasets it watches: own, platform, shared")
     template: dict[str, Any] = Field(description="the spec it submits, without dataset (defaults filled in)")
     enabled: bool

@@ -41,6 +41,7 @@ from trainyard_runtime.service import ServiceRuntime, serve_until_signalled
 from trainyard_telemetry.readmodels import MetricHistory
 
 from trainyard_api.app import ApiContext, create_app
+from trainyard_api.experiment_driver import ExperimentDriver
 from trainyard_api.live import LiveHub
 from trainyard_api.routes.dashboard import job_summaries
 from trainyard_api.settings import ApiSettings
@@ -103,6 +104,9 @@ class ApiServer:
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._sock: socket.socket | None = None
         self.history = MetricHistory(self.runtime.redis)
+        self.experiments = ExperimentDriver(self.runtime.redis, self.history.raw, lambda: self.context.jobs,
+                                            self.runtime.instance)
+        self.experiments.install(self.runtime)  # in every process: a lease per experiment picks its driver
         self.live = LiveHub(lambda ids: job_summaries(self.runtime.redis, ids))
         self.live.install(self.runtime.bus)
         self.app = create_app(self.context)

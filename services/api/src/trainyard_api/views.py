@@ -159,6 +159,7 @@ def job_view(
         stragglers=straggler_views(x.stragglers),
         conditions=job_conditions(job, x.protection),
         triggered_by=job.triggered_by,
+        experiment=job.experiment,
         hugging_face_start=job.hugging_face_start,
         children=list(x.children),
     )

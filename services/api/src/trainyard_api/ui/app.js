@@ -5,12 +5,15 @@ import { api, ApiError, session } from "./api.js";
 import { h } from "./format.js";
 import * as jobs from "./jobs.js";
 import * as job from "./job.js";
+import * as experiments from "./experiments.js";
 import * as cluster from "./cluster.js";
 import * as lab from "./lab.js";
 
 const ROUTES = [
   [/^#\/jobs$/, jobs.render, "jobs"],
   [/^#\/jobs\/([\w-]+)$/, job.render, "jobs"],
+  [/^#\/experiments$/, experiments.render, "experiments"],
+  [/^#\/experiments\/([\w-]+)$/, experiments.renderOne, "experiments"],
   [/^#\/cluster$/, cluster.render, "cluster"],
   [/^#\/goodput$/, cluster.renderGoodput, "goodput"],
   [/^#\/lab$/, lab.render, "lab"],

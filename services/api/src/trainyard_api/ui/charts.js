@@ -7,7 +7,7 @@ import { h, num } from "./format.js";
 const SVG = "http://www.w3.org/2000/svg";
 function s(tag, attrs = {}) {
   const el = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  for (const [k, v] of Object.entries(attrs)) if (v != null) el.setAttribute(k, v);
   return el;
 }
 
@@ -201,4 +201,88 @@ export function stackedBar(parts, total) {
   const sum = total || parts.reduce((a, p) => a + (p.value || 0), 0) || 1;
   return h("div", { class: "stack", role: "img", "aria-label": parts.map((p) => `${p.label} ${((100 * (p.value || 0)) / sum).toFixed(1)} %`).join(", ") },
     ...parts.filter((p) => p.value > 0).map((p) => h("span", { style: `width:${(100 * p.value) / sum}%;background:${p.color}`, title: `${p.label}: ${((100 * p.value) / sum).toFixed(1)} %` })));
+}
+
+/** The ticks of one axis over [lo, hi]: logarithmic with `log`, else linear (`integer` for whole numbers). */
+function ticksOf(lo, hi, { log = false, count = 5, integer = false, format = tickNumber } = {}) {
+  return log ? logTicks(lo, hi, { count, format }) : axisTicks(lo, hi, { count, integer, format });
+}
+
+/** Whether `v` can be placed on an axis of `opts` (one of its categories, else a finite number). */
+const placeable = (v, opts) => (opts.categories ? opts.categories.some((c) => String(c) === String(v)) : Number.isFinite(v) && !(opts.log && v <= 0));
+
+/** An axis's scale from values: numbers (`log`, `integer`) or categories (their order as given, evenly spaced). */
+export function axisScale(values, { log = false, integer = false, categories = null } = {}) {
+  if (categories) {
+    const index = new Map(categories.map((c, i) => [String(c), i]));
+    const n = Math.max(categories.length - 1, 1);
+    return { at: (v) => (index.has(String(v)) ? (categories.length === 1 ? 0.5 : index.get(String(v)) / n) : NaN), ticks: categories.map((c, i) => ({ value: c, label: String(c), at: categories.length === 1 ? 0.5 : i / n })) };
+  }
+  const f = log ? (v) => (v > 0 ? Math.log10(v) : NaN) : (v) => v;
+  const [u0, u1] = extent(values.map(f));
+  const lo = log ? 10 ** u0 : u0, hi = log ? 10 ** u1 : u1;
+  const at = (v) => (f(v) - u0) / (u1 - u0 || 1);
+  return { at, ticks: ticksOf(lo, hi, { log, integer }).ticks.map((t) => ({ ...t, at: at(t.value) })) };
+}
+
+/**
+ * A scatter plot: `points` `[{x, y, color, key, state, best, title}]` in an <svg>, one <circle class="point">
+ * per point with finite coordinates (`data-key`, `data-state`; `data-best` and a ring on the best). `x` is a
+ * scale option object for `axisScale` (`{log, integer, categories}`); `xTitle` / `yTitle` name the axes.
+ */
+export function scatterPlot({ name, label, points, x: xOpts = {}, xTitle, yTitle, empty = "no trial has a value yet" }) {
+  const W = 600, H = 240, L = 56, R = 14, T = 12, B = 40;
+  const shown = points.filter((p) => Number.isFinite(p.y) && placeable(p.x, xOpts));
+  const svg = s("svg", { class: "chart scatter", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${label}: ${shown.length} points`, "data-scatter": name, "data-points": shown.length });
+  const text = (attrs, content) => { const t = s("text", attrs); t.textContent = content; svg.append(t); };
+  if (!shown.length) { text({ x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, empty); return svg; }
+  const xs = axisScale(shown.map((p) => p.x), xOpts), ys = axisScale(shown.map((p) => p.y));
+  const pad = 8; // keep points off the axes
+  const px = (v) => L + pad + xs.at(v) * (W - L - R - 2 * pad), py = (v) => T + pad + (1 - ys.at(v)) * (H - T - B - 2 * pad);
+  for (const t of ys.ticks) {
+    svg.append(s("line", { class: "grid", x1: L, x2: W - R, y1: py(t.value), y2: py(t.value) }));
+    text({ x: L - 4, y: py(t.value) + 4, "text-anchor": "end", class: "tick-y" }, t.label);
+  }
+  for (const t of xs.ticks) text({ x: px(t.value), y: H - B + 14, "text-anchor": "middle", class: "tick-x" }, t.label);
+  svg.append(s("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }), s("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
+  if (xTitle) text({ x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", class: "axis-title" }, xTitle);
+  if (yTitle) { const t = s("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "axis-title", transform: `rotate(-90 12 ${(T + H - B) / 2})` }); t.textContent = yTitle; svg.append(t); }
+  for (const p of [...shown.filter((q) => !q.best), ...shown.filter((q) => q.best)]) { // the best on top
+    const cx = px(p.x).toFixed(1), cy = py(p.y).toFixed(1);
+    if (p.best) svg.append(s("circle", { class: "best-ring", cx, cy, r: 9 }));
+    const c = s("circle", { class: "point", cx, cy, r: 5, fill: p.color, "data-key": p.key, "data-state": p.state, "data-best": p.best ? "true" : null });
+    const tip = s("title"); tip.textContent = p.title || ""; c.append(tip);
+    svg.append(c);
+  }
+  return svg;
+}
+
+/**
+ * Parallel coordinates: one vertical axis per dimension (`axes` `[{key, title, log, integer, categories}]`),
+ * one <polyline class="line"> per row of `rows` `[{values: {key: v}, color, key, state, best, title}]` that has
+ * every dimension; the best drawn thicker and last.
+ */
+export function parallelCoordinates({ name, label, axes, rows, empty = "no trial has a value yet" }) {
+  const W = 900, H = 260, L = 60, R = 60, T = 26, B = 6;
+  const full = rows.filter((r) => axes.every((a) => placeable(r.values[a.key], a)));
+  const svg = s("svg", { class: "chart parallel", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${label}: ${full.length} trials`, "data-parallel": name, "data-lines": full.length });
+  const text = (attrs, content) => { const t = s("text", attrs); t.textContent = content; svg.append(t); };
+  if (!full.length) { text({ x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, empty); return svg; }
+  const gap = (W - L - R) / Math.max(axes.length - 1, 1);
+  const scales = axes.map((a) => axisScale(full.map((r) => r.values[a.key]), a));
+  const pad = 8, py = (u) => T + pad + (1 - u) * (H - T - B - 2 * pad);
+  for (const r of [...full.filter((q) => !q.best), ...full.filter((q) => q.best)]) { // lines under the axes' labels
+    const pts = axes.map((a, i) => `${(L + i * gap).toFixed(1)},${py(scales[i].at(r.values[a.key])).toFixed(1)}`).join(" ");
+    const line = s("polyline", { class: r.best ? "line best" : "line", points: pts, style: `stroke:${r.color}`, "data-key": r.key, "data-state": r.state, "data-best": r.best ? "true" : null });
+    const tip = s("title"); tip.textContent = r.title || ""; line.append(tip);
+    svg.append(line);
+  }
+  axes.forEach((a, i) => {
+    const x = L + i * gap;
+    svg.append(s("line", { class: "axis", x1: x, x2: x, y1: T, y2: H - B }));
+    text({ x, y: T - 10, "text-anchor": "middle", class: "axis-title" }, a.title);
+    const ticks = scales[i].ticks;
+    for (const t of ticks.length > 6 ? [ticks[0], ticks.at(-1)] : ticks) text({ x: x - 5, y: py(t.at) + 4, "text-anchor": "end", class: "tick-y halo" }, t.label);
+  });
+  return svg;
 }

@@ -49,6 +49,8 @@ export const LABELS = {
   // metric series
   loss: "Loss", lr: "Learning rate", tokensPerSecond: "Tokens/s", mfu: "MFU", stepSeconds: "Step",
   computeSeconds: "Compute", collectiveSeconds: "Collective", dataWaitSeconds: "Data wait", checkpointSeconds: "Checkpoint",
+  // experiments: search algorithms
+  grid: "Grid", random: "Random", tpe: "TPE (optuna)",
 };
 
 /** What a page calls the field `key`: the table's words, else the name split into words (`fooBar` → "Foo bar"). */

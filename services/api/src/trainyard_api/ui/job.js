@@ -5,6 +5,7 @@ import { api, liveJobs, stream } from "./api.js";
 import { bytes, h, int, label, notify, num, pct, rate, seconds, stateBadge, when } from "./format.js";
 import { heatMap, lineChart, stackedBar } from "./charts.js";
 import { actionsFor, control, etaSeconds } from "./jobs.js";
+import { pointText } from "./experiments.js";
 
 const CURVES = ["loss", "lr", "tokensPerSecond", "mfu"];
 const TIMING = ["computeSeconds", "collectiveSeconds", "dataWaitSeconds", "checkpointSeconds"];
@@ -75,6 +76,7 @@ function header(view, ctx, refresh) {
   const label = view.name || view.jobId;
   return h("div", { class: "card", id: "job-header" },
     h("h1", {}, label, " ", stateBadge(view.state, "job-state")),
+    experimentLine(view.experiment),
     h("div", { class: "grid" },
       h("div", {},
         h("div", { class: "bar", id: "job-progress", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": max, "aria-valuenow": pr.globalStep || 0, "aria-label": "training progress" }, h("span", { style: `width:${(done * 100).toFixed(1)}%` })),
@@ -93,6 +95,14 @@ function header(view, ctx, refresh) {
           onclick: async () => { try { await control(ctx, view.jobId, action, label); await refresh(); } catch (e) { notify(e.message); } },
         }, action[0].toUpperCase() + action.slice(1))),
         h("a", { href: `#/lab?${labQuery(view)}`, id: "open-lab" }, "Open in the Lab"))));
+}
+
+/** "Trial 3 of experiment lr-sweep (learning rate 0.003)", linking back, for a job an experiment submitted. */
+function experimentLine(origin) {
+  if (!origin) return null;
+  return h("p", { id: "job-experiment" }, `Trial ${origin.trial} of experiment `,
+    h("a", { href: `#/experiments/${origin.experimentId}`, id: "job-experiment-link" }, origin.experimentName),
+    h("span", { class: "muted" }, ` (${pointText(origin.params)})`));
 }
 
 // Each node's preparation of the job's environment (code.environment), while the latest attempt starts.
