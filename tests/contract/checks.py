@@ -121,6 +121,21 @@ RULES_BEYOND_THE_SCHEMA["POST /v1/triggers"] += [
     ("template.initFrom", r"template names no initFrom"),
 ]
 
+# an experiment (docs/experiments.md): its base is a spec, a trial's point is checked as a spec where the space sets it
+RULES_BEYOND_THE_SCHEMA["POST /v1/experiments"] = [
+    (rf"base\.(?:{field})", message) for field, message in RULES_BEYOND_THE_SCHEMA["POST /v1/training-jobs"]]
+RULES_BEYOND_THE_SCHEMA["POST /v1/experiments"] += [
+    ("base.dataset", r"^unknown dataset "),
+    (r"base\.initFrom(\.\w+)?", r"names exactly one of jobId|must stay inside your tenant's prefix|goes with jobId"),
+    # the point the sampler drew, written into the spec (any of the spec's own rules), and the space's keys, whose
+    # pattern the document states as propertyNames, which schemathesis does not draw from
+    (r"(?s)space\..+", r"(?s).+"),
+    ("space", r"may not vary|parameter (has|is|needs)|must be below high|log-scale range needs|whole-number bounds"),
+    ("search", r"^grid search walks listed values"),
+    ("budget", r"exceeds the grid's \d+ points"),
+    ("earlyStopping.minSteps", r"must come before base\.training\.maxSteps"),
+]
+
 
 def unexplained_problems(operation: str, detail: object) -> list[dict[str, str]]:
     """The problems of a 422 body that no rule of ``operation`` explains (all of them when it has none)."""

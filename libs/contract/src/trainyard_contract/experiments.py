@@ -107,7 +107,8 @@ class ExperimentSpec(_Wire):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     base: dict[str, Any] = Field(description="a complete training spec (POST /v1/training-jobs body)")
     space: dict[Annotated[str, Field(pattern=FIELD_PATH)], Parameter] = Field(
-        min_length=1, max_length=16, description="spec field (dotted camelCase path) → its range or values")
+        min_length=1, max_length=16, description="spec field (dotted camelCase path) → its range or values",
+        json_schema_extra={"additionalProperties": False})  # every key is a field path: patternProperties only
     search: Search = Search()
     metric: Metric = Metric()
     early_stopping: EarlyStopping | None = Field(default=None, description="successive halving on the metric")

@@ -70,7 +70,7 @@ def sample_point(spec: ExperimentSpec, number: int, finished: Sequence[tuple[Map
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    seed = spec.search.seed * 100_003 + number
+    seed = (spec.search.seed * 100_003 + number) % 2**32  # numpy seeds are 32 bits
     sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=4) if spec.search.algorithm == "tpe"
                else optuna.samplers.RandomSampler(seed=seed))
     study = optuna.create_study(direction=spec.metric.goal, sampler=sampler)

@@ -35,6 +35,8 @@ _TYPE_ERROR = re.compile(r"^(\w+_type|\w+_parsing|is_instance_of|union_tag_inval
 _ROOT = "spec"
 TEMPLATE_ROOT = "template"
 """The field of a trigger's body that holds a spec (its problems are named ``template.<field>``)."""
+EXPERIMENT_BASE = "base"
+"""The field of an experiment's body that holds a spec (its problems are named ``base.<field>``)."""
 
 
 @dataclass(frozen=True)
@@ -223,13 +225,14 @@ def field_errors(errors: Sequence[Mapping[str, Any]]) -> list[FieldProblem]:
         if error.get("type") == "json_invalid":
             problems.append(FieldProblem("body", _clean_message(error)))
             continue
-        # a spec inside the body (a trigger's ``template``): its fields are located as a spec's, under it
-        nested = loc[:1] if loc[:1] == [TEMPLATE_ROOT] else []
+        # a spec inside the body (a trigger's ``template``, an experiment's ``base``): its fields are located as
+        # a spec's, under it
+        nested = [str(loc[0])] if loc[:1] in ([TEMPLATE_ROOT], [EXPERIMENT_BASE]) else []
         field = _format_path(loc[len(nested):])
         if error.get("type") in ("value_error", "assertion_error"):
             field = _locate_in_message(field, _clean_message(error))
         if nested:
-            field = TEMPLATE_ROOT if field in ("", _ROOT) else f"{TEMPLATE_ROOT}.{field}"
+            field = nested[0] if field in ("", _ROOT) else f"{nested[0]}.{field}"
         problem = FieldProblem(field or _ROOT, _clean_message(error))
         if problem not in problems:
             problems.append(problem)
