@@ -716,3 +716,191 @@ def test_the_experiments_list_counts_the_trials_done_and_shows_the_best(driver: 
         assert row["link"] == f"#/experiments/{row['id']}"
         assert row["cells"][2].startswith(f"{over} / 8")
         assert row["cells"][3].startswith("2.1")
+
+
+# ----------------------------------------------------------------------------- evaluations beside the loss curve
+
+EVAL_JOBS = ("job-e7a1e7a1e7a1", "job-e7a2e7a2e7a2")  # the evaluation jobs of HISTORY_JOB's steps 100 and 250
+
+
+def test_a_jobs_evaluations_are_markers_on_its_loss_curve_and_rows_linking_their_jobs(
+        driver: WebDriver, stack: LocalStack, screenshots: Path) -> None:
+    import asyncio
+    from datetime import UTC, datetime
+
+    from redis.asyncio import Redis
+    from trainyard_contract.records import EvaluationResult, JobRecord
+    from trainyard_contract.spec import TrainingSpec
+    from trainyard_runtime.store import Keys, StateStore
+
+    from tests.support.api import HISTORY_JOB, TOKEN_A, seed_history
+
+    results = [EvaluationResult(evaluation_job_id=job, checkpoint_id=f"{HISTORY_JOB}/checkpoint/step-{step:09d}-a1",
+                                global_step=step, metrics={"loss": loss, "perplexity": math.exp(loss)},
+                                finished_at=datetime(2026, 12, 2, 1, minute, tzinfo=UTC))
+               for job, step, loss, minute in ((EVAL_JOBS[1], 250, 1.875, 40), (EVAL_JOBS[0], 100, 2.5, 30))]
+
+    async def seed() -> None:  # tenant-a's finished job with 300 steps of curves, its two evaluations and their jobs
+        redis = Redis.from_url(stack.redis_url)
+        try:
+            store = StateStore(redis)
+            await store.add_token(TOKEN_A, "tenant-a", "alice")
+            await seed_history(store)
+            for r in results:
+                spec = TrainingSpec.model_validate(spec_with(**{
+                    "evaluation": {"batches": 4}, "initFrom": {"jobId": HISTORY_JOB, "globalStep": r.global_step}}))
+                await store.create_job(JobRecord(job_id=r.evaluation_job_id, tenant="tenant-a", spec=spec,
+                                                 spec_hash=spec.spec_hash(), state="succeeded"))
+            await redis.hset(Keys.evaluations(HISTORY_JOB), mapping={r.evaluation_job_id: r.dumps() for r in results})
+        finally:
+            await redis.aclose()
+
+    asyncio.run(seed())
+    sign_in(driver, stack, TOKEN_A)
+    open_page(driver, stack, f"jobs/{HISTORY_JOB}")
+    by_step = sorted(results, key=lambda r: r.global_step)
+
+    # on the loss chart: a marker per evaluation, left to right by step, at the curve's x for that step and the
+    # evaluation's loss; its tooltip every metric and the evaluation job; a legend names the series
+    markers = wait(driver, lambda d: d.execute_script("""
+      const svg = document.querySelector('svg[data-series="loss"]');
+      const line = svg && svg.querySelector("polyline");
+      const marks = svg ? [...svg.querySelectorAll("a.marker")] : [];
+      if (!line || marks.length < 2) return null;
+      return { points: line.getAttribute("points").split(" ").map((p) => Number(p.split(",")[0])),
+               marks: marks.map((m) => ({ key: m.dataset.marker, step: Number(m.dataset.step),
+                 value: Number(m.dataset.value), href: m.getAttribute("href"),
+                 title: m.querySelector("title").textContent,
+                 x: Number(m.querySelector("path").getAttribute("d").slice(1).split(",")[0]) })) };
+    """), "the evaluation markers on the loss chart")
+    assert len(markers["marks"]) == len(results)
+    assert [m["key"] for m in sorted(markers["marks"], key=lambda m: m["x"])] == [r.evaluation_job_id for r in by_step]
+    steps = api_metrics(stack, TOKEN_A, HISTORY_JOB)["series"]["loss"]["steps"]
+    for mark, r in zip(sorted(markers["marks"], key=lambda m: m["x"]), by_step):
+        assert mark["step"] == r.global_step and mark["value"] == r.metrics["loss"]
+        assert mark["x"] == markers["points"][steps.index(r.global_step)]  # on the curve's own x for that step
+        assert mark["href"] == f"#/jobs/{r.evaluation_job_id}"
+        assert r.evaluation_job_id in mark["title"] and f"step {r.global_step}" in mark["title"]
+        assert f"Loss {r.metrics['loss']:g}" in mark["title"] and "perplexity" in mark["title"]
+    assert "evaluation (held-out)" in driver.find_element(By.ID, "loss-legend").text
+
+    # the table: a row per evaluation by step, its checkpoint, each metric, a link to its job
+    def table_rows(d: WebDriver) -> list[tuple[str | None, list[str], str | None]] | None:
+        return [(r.get_attribute("data-evaluation"), [c.text for c in r.find_elements(By.TAG_NAME, "td")],
+                 r.find_element(By.CSS_SELECTOR, "a[data-job-link]").get_attribute("href"))
+                for r in d.find_elements(By.CSS_SELECTOR, "#evaluations-table tbody tr")] or None
+    rows = wait(driver, table_rows, "the evaluations table")
+    headers = [t.text for t in driver.find_elements(By.CSS_SELECTOR, "#evaluations-table thead th")]
+    assert [h.lower() for h in headers] == ["step", "checkpoint", "loss", "perplexity", "evaluation job", "finished"]
+    for (key, cells, href), r in zip(rows, by_step, strict=True):
+        assert key == r.evaluation_job_id
+        assert cells[:4] == [str(r.global_step), r.checkpoint_id.split("/")[-1], f"{r.metrics['loss']:g}",
+                             f"{r.metrics['perplexity']:.4g}"]
+        assert cells[4] == r.evaluation_job_id and href.endswith(f"#/jobs/{r.evaluation_job_id}")
+    assert camel_case_labels(driver) == []
+    screenshot(driver, screenshots, "job-evaluations")
+    assert console_errors(driver) == []
+
+    # a marker opens its evaluation job's page
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, f'a.marker[data-marker="{EVAL_JOBS[0]}"]').click() or True,
+         "the first marker to be clicked")
+    wait(driver, lambda d: d.current_url.endswith(f"#/jobs/{EVAL_JOBS[0]}")
+         and d.find_element(By.ID, "job-state").text == "succeeded", "the evaluation job's page")
+    assert console_errors(driver) == []
+
+
+def api_metrics(stack: LocalStack, token: str, job_id: str) -> dict[str, Any]:
+    """The loss curve as the job page asks for it."""
+    answer = httpx.get(f"{stack.s.api_url}/v1/training-jobs/{job_id}/metrics",
+                       headers={"Authorization": f"Bearer {token}"},
+                       params={"series": "loss,lr,tokensPerSecond,mfu", "maxPoints": 2000})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def job_json(state: str, ready_steps: tuple[int, ...]) -> dict[str, Any]:
+    """A job as GET /v1/training-jobs/{id} answers (``job_view`` over the records): two ranks, READY checkpoints."""
+    from trainyard_api.views import job_view
+    from trainyard_contract.records import AttemptRecord, CheckpointRecord, JobRecord
+    from trainyard_contract.spec import TrainingSpec
+
+    spec = TrainingSpec.model_validate(spec_with(**{"training.maxSteps": 40}))
+    job = JobRecord(job_id="job-000000000001", tenant="dev", spec=spec, spec_hash=spec.spec_hash(), state=state,
+                    attempts=[AttemptRecord(attempt=1, allocation_id="a1", epoch=1, world_size=2, state="running")])
+    checkpoints = [CheckpointRecord(job_id=job.job_id, tenant="dev", attempt=1, epoch=1, global_step=step,
+                                    world_size=2, state="READY") for step in ready_steps]
+    return job_view(job, None, checkpoints).model_dump(mode="json", by_alias=True)
+
+
+def evaluation_json(job: str, step: int, metrics: dict[str, float]) -> dict[str, Any]:
+    return {"evaluationJobId": job, "checkpointId": f"job-000000000001/checkpoint/step-{step:09d}-a1",
+            "globalStep": step, "metrics": metrics, "finishedAt": "2026-12-02T01:30:00Z"}
+
+
+def test_evaluations_arriving_while_the_job_runs_appear_without_a_reload_and_one_without_a_loss_only_in_the_table(
+        driver: WebDriver, ui: str) -> None:
+    base = "/v1/training-jobs/job-000000000001"
+    steps = list(range(1, 21))
+    curves = {"fromStep": 1, "toStep": 20, "method": "all",
+              "series": {"loss": {"steps": steps, "values": [4 / s for s in steps], "totalPoints": 20}}}
+    first = evaluation_json("job-e00000000010", 10, {"loss": 0.5, "perplexity": math.exp(0.5)})
+    later = evaluation_json("job-e00000000020", 20, {"accuracy": 0.42})  # the user's code reported no loss
+    answers = {base: job_json("running", (10, 20)), f"{base}/metrics": curves,
+               f"{base}/evaluations": {"jobId": "job-000000000001", "evaluations": [first]}}
+    in_page(driver, ui, """
+      window.__answers = args[0];
+      window.fetch = async (path) => {  // the path without its query; anything else (events, logs) a 404
+        const found = window.__answers[String(path).split("?")[0]];
+        return new Response(JSON.stringify(found || { detail: "not found" }),
+                            { status: found ? 200 : 404, headers: { "Content-Type": "application/json" } });
+      };
+      const main = document.createElement("main");
+      main.id = "main";
+      document.body.replaceChildren(main, Object.assign(document.createElement("div"), { id: "notice" }));
+      window.__page = new AbortController();
+      await job.render(main, { id: "job-000000000001" }, { signal: window.__page.signal });
+      return true;
+    """, answers)
+    try:
+        def shown(d: WebDriver) -> dict[str, Any]:
+            return d.execute_script("""return {
+              marks: [...document.querySelectorAll('svg[data-series="loss"] a.marker')].map((m) => m.dataset.marker),
+              rows: [...document.querySelectorAll("#evaluations-table tbody tr")].map((r) => r.dataset.evaluation),
+              headers: [...document.querySelectorAll("#evaluations-table thead th")].map((t) => t.textContent),
+              legend: document.getElementById("loss-legend")?.textContent || "" }""")
+        assert wait(driver, lambda d: shown(d)["rows"], "the first evaluation") == [first["evaluationJobId"]]
+        assert shown(driver)["marks"] == [first["evaluationJobId"]]
+        # the step-20 checkpoint's evaluation arrives: the page reads it again by itself
+        driver.execute_script("window.__answers[arguments[0]].evaluations.push(arguments[1])",
+                              f"{base}/evaluations", later)
+        got = wait(driver, lambda d: g if len((g := shown(d))["rows"]) == 2 else None, "the second evaluation")
+        assert got["rows"] == [first["evaluationJobId"], later["evaluationJobId"]]
+        assert got["marks"] == [first["evaluationJobId"]]  # no loss: nothing to draw on the loss chart
+        assert got["headers"] == ["Step", "Checkpoint", "Loss", "perplexity", "accuracy", "Evaluation job", "Finished"]
+        assert "evaluation (held-out)" in got["legend"] and "1 evaluation without a loss" in got["legend"]
+        assert console_errors(driver) == []
+    finally:
+        driver.execute_script("window.__page.abort()")
+        driver.get(f"{ui}/index.html")  # a fresh page for the tests after this one
+
+
+ENDED_AT = "2026-12-02T01:27:44Z"
+MINUTE_MS = 60_000
+
+
+@pytest.mark.parametrize(("state", "ready", "evaluated", "minutes_after_end", "pending"), [
+    ("running", (10, 20), (10,), 0, True),  # the step-20 checkpoint's evaluation may come
+    ("running", (10, 20), (10, 20), 0, False),  # every READY checkpoint has one
+    ("running", (), (), 0, False),  # no READY checkpoint to evaluate
+    ("succeeded", (10, 20), (10,), 1, True),  # the last checkpoint's evaluation comes after the job ended
+    ("succeeded", (10, 20), (10,), 11, False),  # …but not ten minutes later
+])
+def test_the_page_reads_the_evaluations_again_only_while_one_may_still_come(
+        driver: WebDriver, ui: str, state: str, ready: tuple[int, ...], evaluated: tuple[int, ...],
+        minutes_after_end: int, pending: bool) -> None:
+    view = {**job_json(state, ready), "updatedAt": ENDED_AT}
+    view["attempts"][-1]["endedAt"] = ENDED_AT if state == "succeeded" else None
+    evaluations = [evaluation_json(f"job-e{s:011d}", s, {"loss": 1.0}) for s in evaluated]
+    now = in_page(driver, ui, f"return Date.parse('{ENDED_AT}') + {minutes_after_end * MINUTE_MS};")
+    assert in_page(driver, ui, "return job.evaluationsPending(args[0], args[1], args[2]);",
+                   view, evaluations, now) is pending

@@ -93,9 +93,12 @@ export const TIME_STEPS_MS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
  * `data-points` on the first polyline says how many points it draws. `lines` adds more series over the same
  * x values (`[{name, values, color}]`), `hline` a horizontal reference (`{value, label}`), `logX` a log axis.
  * `format` / `formatX` write a tick (`(value, step)`), `xSteps` the x axis's tick steps (e.g. TIME_STEPS_MS),
- * `xValues` / `yValues` a log axis's tick values; `empty` is what a chart without points says.
+ * `xValues` / `yValues` a log axis's tick values; `empty` is what a chart without points says. `markers` are
+ * points of another series over the same axes (`[{key, step, value, title, href}]`, e.g. evaluations): each a
+ * diamond (`<a class="marker" data-marker=key>` linking to `href`, `title` its tooltip); those outside the
+ * curve's steps are left out, and `data-markers` on the <svg> says how many are drawn.
  */
-export function lineChart({ name, label, steps, values, onZoom, format = tickNumber, formatX, xSteps = null, xValues = null, yValues = null, lines = [], hline = null, logX = false, logY = false, empty = "no data yet" }) {
+export function lineChart({ name, label, steps, values, onZoom, format = tickNumber, formatX, xSteps = null, xValues = null, yValues = null, lines = [], hline = null, logX = false, logY = false, empty = "no data yet", markers = [] }) {
   const W = 600, H = 200, L = 56, R = 10, T = 10, B = 24;
   const svg = s("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": `${label}: ${steps.length} points`, "data-series": name });
   if (!steps.length) {
@@ -105,7 +108,8 @@ export function lineChart({ name, label, steps, values, onZoom, format = tickNum
   const fx = logX ? Math.log10 : (v) => v;
   const [x0, x1] = steps.length > 1 ? [fx(steps[0]), fx(steps[steps.length - 1])] : [fx(steps[0]) - 1, fx(steps[0]) + 1];
   const fy = logY ? (v) => (v > 0 ? Math.log10(v) : NaN) : (v) => v;
-  const [y0, y1] = extent([...values, ...lines.flatMap((l) => l.values), ...(hline ? [hline.value] : [])].map(fy));
+  const shownMarkers = markers.filter((m) => Number.isFinite(fy(m.value)) && fx(m.step) >= x0 && fx(m.step) <= x1);
+  const [y0, y1] = extent([...values, ...lines.flatMap((l) => l.values), ...(hline ? [hline.value] : []), ...shownMarkers.map((m) => m.value)].map(fy));
   const yTicks = logY ? logTicks(10 ** y0, 10 ** y1, { values: yValues, format }) : axisTicks(y0, y1, { format });
   const xFormat = formatX || tickNumber;
   const xTicks = logX ? logTicks(10 ** x0, 10 ** x1, { count: 4, values: xValues, format: xFormat })
@@ -134,8 +138,22 @@ export function lineChart({ name, label, steps, values, onZoom, format = tickNum
   };
   polyline(values, {});
   for (const l of lines) polyline(l.values, { style: `stroke:${l.color}`, "data-line": l.name });
+  if (markers.length) drawMarkers(svg, shownMarkers, x, y);
   if (onZoom) dragToZoom(svg, { W, L, R, x0, x1, onZoom });
   return svg;
+}
+
+/** The markers of `lineChart`: a diamond each, a link when it has `href`; a press on one opens it, not a zoom. */
+function drawMarkers(svg, markers, x, y) {
+  svg.setAttribute("data-markers", markers.length);
+  for (const m of markers) {
+    const cx = x(m.step), cy = y(m.value), r = 5;
+    const mark = s(m.href ? "a" : "g", { class: "marker", href: m.href, "data-marker": m.key, "data-step": m.step, "data-value": m.value, "aria-label": m.title });
+    mark.append(s("path", { d: `M${cx.toFixed(1)},${(cy - r).toFixed(1)}l${r},${r}l${-r},${r}l${-r},${-r}z` }));
+    const tip = s("title"); tip.textContent = m.title || ""; mark.append(tip);
+    mark.addEventListener("pointerdown", (e) => e.stopPropagation()); // the chart's drag-to-zoom would capture the click
+    svg.append(mark);
+  }
 }
 
 /** A legend for a chart's lines. */

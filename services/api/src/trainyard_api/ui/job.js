@@ -1,5 +1,5 @@
-// Job: state and progress (live), spec and lineage, attempts timeline, curves, per-rank heat map,
-// checkpoints, goodput, log tail per rank; actions; "Open in the Lab".
+// Job: state and progress (live), spec and lineage, attempts timeline, curves with the checkpoints'
+// evaluations, per-rank heat map, checkpoints, goodput, log tail per rank; actions; "Open in the Lab".
 
 import { api, liveJobs, stream } from "./api.js";
 import { bytes, h, int, label, notify, num, pct, rate, seconds, stateBadge, when } from "./format.js";
@@ -12,6 +12,9 @@ const TIMING = ["computeSeconds", "collectiveSeconds", "dataWaitSeconds", "check
 const WASTE_COLORS = { lostWork: "#e07b73", launchRestore: "#e8b04a", checkpointStall: "#b48ad6", hang: "#7f8896", replicaDown: "#6fa8c7", idle: "#c9ced6" };
 const MAX_POINTS = 2000;
 const HEAT_BUCKETS = 60;
+const EVAL_POLL_MS = 5000;
+// an evaluation job queues for devices like any job: its result may come this long after the job ended
+const EVAL_GRACE_MS = 10 * 60 * 1000;
 
 /** The Lab's inputs from what the job says of itself: model, layout, measured step and checkpoint times. */
 export function labQuery(view) {
@@ -60,6 +63,41 @@ export function emptyCurveText(view, name, othersHaveData) {
   if (!FINISHED.has(view.state)) return "no data yet";
   if (othersHaveData) return `${label(name)} was not reported by this run`;
   return `no metrics were recorded: ${endedText(view)}`;
+}
+
+/** An evaluation's metrics in words, loss and perplexity first: "Loss 2.312 · perplexity 10.09". */
+export function metricsText(metrics) {
+  return metricNames([{ metrics }]).map((k) => `${label(k)} ${num(metrics[k], 4)}`).join(" · ");
+}
+
+/** The metrics the evaluations report, as table columns: loss, perplexity, then the others by name. */
+export function metricNames(evaluations) {
+  const first = ["loss", "perplexity"];
+  const names = new Set(evaluations.flatMap((e) => Object.keys(e.metrics || {})));
+  return [...first.filter((k) => names.has(k)), ...[...names].filter((k) => !first.includes(k)).sort()];
+}
+
+/** The loss chart's second series: a marker per evaluation that reported a loss (the held-out loss), at its step. */
+export function evaluationMarkers(evaluations) {
+  return evaluations.filter((e) => Number.isFinite(e.metrics?.loss)).map((e) => ({
+    key: e.evaluationJobId, step: e.globalStep, value: e.metrics.loss, href: `#/jobs/${e.evaluationJobId}`,
+    title: `Evaluation (held-out) of step ${int(e.globalStep)}: ${metricsText(e.metrics)} — by job ${e.evaluationJobId}, checkpoint ${checkpointName(e.checkpointId)}`,
+  }));
+}
+
+/** `<job>/checkpoint/step-000000040-a1` → `step-000000040-a1`, the id the checkpoints table shows. */
+const checkpointName = (artifactId) => String(artifactId).split("/").at(-1);
+
+/**
+ * Whether evaluations may still arrive: a READY checkpoint has none yet, while the job may still run or within
+ * `EVAL_GRACE_MS` of its end (the last checkpoint's evaluation comes after the job finished).
+ */
+export function evaluationsPending(view, evaluations, now = Date.now()) {
+  const evaluated = new Set(evaluations.map((e) => e.globalStep));
+  if (!view.checkpoints?.some((c) => c.state === "READY" && !evaluated.has(c.globalStep))) return false;
+  if (!FINISHED.has(view.state)) return true;
+  const ended = Date.parse(view.attempts?.at(-1)?.endedAt || view.updatedAt);
+  return !(now - ended > EVAL_GRACE_MS);
 }
 
 function section(id, title, ...children) {
@@ -182,7 +220,7 @@ function goodputBreakdown(view) {
       h("td", { class: "num" }, seconds(p.value)), h("td", { class: "num" }, g.allocatedDeviceSeconds ? pct(p.value / g.allocatedDeviceSeconds) : "—"))))));
 }
 
-function curvesSection(jobId, ctx, viewOf) {
+function curvesSection(jobId, ctx, viewOf, evaluationsOf) {
   const from = h("input", { id: "zoom-from", type: "number", min: 0, step: 1, inputmode: "numeric" });
   const to = h("input", { id: "zoom-to", type: "number", min: 0, step: 1, inputmode: "numeric" });
   const info = h("p", { class: "muted", id: "curves-info", "aria-live": "polite" });
@@ -190,24 +228,90 @@ function curvesSection(jobId, ctx, viewOf) {
   const zoomForm = h("form", { class: "inline", "aria-label": "Step range" },
     h("label", { for: "zoom-from" }, "From step", from), h("label", { for: "zoom-to" }, "To step", to),
     h("button", { type: "submit", id: "zoom-apply" }, "Zoom"), h("button", { type: "button", id: "zoom-reset" }, "Whole run"));
-  let range = null;
-  async function load() {
-    const q = new URLSearchParams({ series: CURVES.join(","), maxPoints: String(MAX_POINTS) });
-    if (range) { q.set("fromStep", String(range[0])); q.set("toStep", String(range[1])); }
-    const m = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
+  let range = null, m = null;
+  const draw = () => {
+    if (!m) return;
     const series = CURVES.map((name) => [name, m.series[name] || { steps: [], values: [], totalPoints: 0 }]);
     const anyData = series.some(([, sr]) => sr.totalPoints > 0);
+    const evaluations = evaluationsOf();
     grid.replaceChildren(...series.map(([name, sr]) => h("figure", { "data-curve": name, "data-total": sr.totalPoints },
       h("figcaption", {}, h("strong", {}, label(name)), h("span", { class: "muted" }, ` ${int(sr.steps.length)} of ${int(sr.totalPoints)} steps`)),
       lineChart({ name, label: label(name), steps: sr.steps, values: sr.values, empty: emptyCurveText(viewOf(), name, anyData),
-        onZoom: (a, b) => { from.value = a; to.value = b; range = [a, b]; load(); } }))));
+        markers: name === "loss" ? evaluationMarkers(evaluations) : [],
+        onZoom: (a, b) => { from.value = a; to.value = b; range = [a, b]; load(); } }),
+      name === "loss" ? evaluationsLegend(evaluations) : null)));
+  };
+  async function load() {
+    const q = new URLSearchParams({ series: CURVES.join(","), maxPoints: String(MAX_POINTS) });
+    if (range) { q.set("fromStep", String(range[0])); q.set("toStep", String(range[1])); }
+    m = await api(`/v1/training-jobs/${jobId}/metrics?${q}`, { signal: ctx.signal });
+    draw();
     info.className = "muted";
     info.textContent = `steps ${int(m.fromStep)}–${int(m.toStep)} · ${m.method === "all" ? "every step" : `down-sampled (${m.method}) to at most ${int(MAX_POINTS)} points`} · drag across a chart to zoom`;
   }
   zoomForm.addEventListener("submit", (e) => { e.preventDefault(); range = from.value && to.value ? [Number(from.value), Number(to.value)] : null; load().catch(showError(info)); });
   zoomForm.querySelector("#zoom-reset").addEventListener("click", () => { range = null; from.value = ""; to.value = ""; load().catch(showError(info)); });
   const fail = (e) => { info.textContent = `The metric history could not be read: ${e.message}`; info.className = "error"; };
-  return { el: section("curves-section", "Curves", zoomForm, info, grid), load: () => (range ? Promise.resolve() : load()), fail };
+  return { el: section("curves-section", "Curves", zoomForm, info, grid), load: () => (range ? Promise.resolve() : load()), fail, redraw: draw };
+}
+
+/** Under the loss chart, once there are evaluations: what the markers are, or why there are none. */
+function evaluationsLegend(evaluations) {
+  if (!evaluations.length) return null;
+  const drawn = evaluations.filter((e) => Number.isFinite(e.metrics?.loss)).length;
+  const others = evaluations.length - drawn;
+  return h("div", { class: "legend", id: "loss-legend" },
+    h("span", {}, h("span", { class: "swatch line-swatch" }), "training loss"),
+    drawn ? h("span", {}, h("span", { class: "swatch eval-swatch" }), "evaluation (held-out)") : null,
+    others ? h("a", { href: "#evaluations-section", id: "loss-legend-others", onclick: jumpTo("evaluations-section") },
+      `${others} evaluation${others === 1 ? "" : "s"} without a loss: in the table below`) : null);
+}
+
+// the hash routes pages: an in-page anchor scrolls without changing it
+const jumpTo = (id) => (e) => { e.preventDefault(); document.getElementById(id)?.scrollIntoView(); };
+
+/**
+ * The evaluations of the job's checkpoints (`…/evaluations`): a row per evaluation, step, checkpoint, each metric,
+ * the evaluation job; read again every `EVAL_POLL_MS` while more may come (`evaluationsPending`).
+ */
+function evaluationsSection(jobId, ctx, viewOf, onChange) {
+  const holder = h("div", { id: "evaluations" });
+  let list = null, timer = null;
+  ctx.signal.addEventListener("abort", () => clearTimeout(timer), { once: true });
+  const draw = () => {
+    const view = viewOf();
+    if (!list.length) {
+      const text = evaluationsPending(view, list) ? "No evaluation yet: the evaluations of READY checkpoints (a checkpoint trigger's evaluation jobs) appear here."
+        : FINISHED.has(view.state) ? "No checkpoint of this job was evaluated." : "No evaluation yet.";
+      holder.replaceChildren(h("p", { class: "muted", id: "evaluations-empty" }, text));
+      return;
+    }
+    const names = metricNames(list);
+    holder.replaceChildren(h("table", { id: "evaluations-table" },
+      h("thead", {}, h("tr", {}, h("th", { scope: "col", class: "num" }, "Step"), h("th", { scope: "col" }, "Checkpoint"),
+        ...names.map((k) => h("th", { scope: "col", class: "num" }, label(k))), h("th", { scope: "col" }, "Evaluation job"), h("th", { scope: "col" }, "Finished"))),
+      h("tbody", {}, ...list.map((e) => h("tr", { "data-evaluation": e.evaluationJobId, "data-step": e.globalStep },
+        h("td", { class: "num" }, int(e.globalStep)), h("td", { title: e.checkpointId }, checkpointName(e.checkpointId)),
+        ...names.map((k) => h("td", { class: "num", "data-metric": k }, num(e.metrics[k], 4))),
+        h("td", {}, h("a", { href: `#/jobs/${e.evaluationJobId}`, "data-job-link": e.evaluationJobId }, e.evaluationJobId)),
+        h("td", {}, when(e.finishedAt)))))));
+  };
+  const fail = (e) => holder.replaceChildren(h("p", { class: "error" }, `The evaluations could not be read: ${e.message}`));
+  async function load() {
+    clearTimeout(timer);
+    const answer = await api(`/v1/training-jobs/${jobId}/evaluations`, { signal: ctx.signal });
+    const changed = JSON.stringify(answer.evaluations) !== JSON.stringify(list);
+    list = answer.evaluations;
+    draw();
+    if (changed) onChange();
+    clearTimeout(timer); // a refresh's read and the timer's may overlap: one timer at a time
+    if (evaluationsPending(viewOf(), list) && !ctx.signal.aborted) {
+      timer = setTimeout(() => load().catch((e) => { if (!ctx.signal.aborted) fail(e); }), EVAL_POLL_MS);
+    }
+  }
+  const el = section("evaluations-section", "Evaluations", holder,
+    h("p", { class: "muted" }, "Held-out metrics of the job's READY checkpoints, each by an evaluation job; drawn on the loss chart as ◆."));
+  return { el, load, fail, list: () => list || [] };
 }
 
 function heatSection(jobId, ctx, stragglersOf, viewOf) {
@@ -279,7 +383,8 @@ export async function render(main, { id }, ctx) {
   const cks = section("checkpoints-section", "Checkpoints");
   const good = section("goodput-section", "Goodput");
   const stragglers = () => new Set((view.stragglers || []).filter((s) => s.attempt === view.attempts.at(-1)?.attempt).map((s) => s.rank));
-  const curves = curvesSection(id, ctx, () => view);
+  const evals = evaluationsSection(id, ctx, () => view, () => curves.redraw());
+  const curves = curvesSection(id, ctx, () => view, evals.list);
   const heat = heatSection(id, ctx, stragglers, () => view);
   const logs = logsSection(view, ctx);
   const paint = () => {
@@ -301,9 +406,10 @@ export async function render(main, { id }, ctx) {
   const loadMetrics = () => Promise.all([
     curves.load().catch((e) => { if (!ctx.signal.aborted) curves.fail(e); }),
     heat.load().catch((e) => { if (!ctx.signal.aborted) heat.fail(e); }),
+    evals.load().catch((e) => { if (!ctx.signal.aborted) evals.fail(e); }),
   ]);
   paint();
-  main.replaceChildren(h("p", {}, h("a", { href: "#/jobs" }, "← Jobs")), head, curves.el, heat.el,
+  main.replaceChildren(h("p", {}, h("a", { href: "#/jobs" }, "← Jobs")), head, curves.el, evals.el, heat.el,
     h("div", { class: "grid" }, att, good), cks, logs.el, lin);
   await loadMetrics();
   logs.load();
