@@ -133,6 +133,7 @@ RULES_BEYOND_THE_SCHEMA["POST /v1/experiments"] += [
     ("space", r"may not vary|parameter (has|is|needs)|must be below high|log-scale range needs|whole-number bounds"),
     ("search", r"^grid search walks listed values"),
     ("budget", r"exceeds the grid's \d+ points"),
+    ("budget.maxTrials", r"^early stopping compares trials"),
     ("earlyStopping.minSteps", r"must come before base\.training\.maxSteps"),
 ]
 

@@ -147,3 +147,23 @@ async def test_the_driver_submits_trials_pauses_them_at_the_rung_and_stops_the_w
     finally:
         await history.aclose()
         await raw.aclose()
+
+
+async def test_the_examples_sweep_and_its_evaluation_template_are_accepted(app) -> None:
+    """docs/experiments.md's walkthrough: examples/sweep/sweep.yaml, then a checkpoint trigger on the experiment
+    with examples/sweep/eval.yaml (what the CLI sends for them)."""
+    from pathlib import Path
+
+    import yaml
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "sweep"
+    sweep_body = yaml.safe_load((examples / "sweep.yaml").read_text())
+    template = yaml.safe_load((examples / "eval.yaml").read_text())
+    async with client_for("http://api", TOKEN_A, transport=app) as a:
+        made = await a.post("/v1/experiments", json=sweep_body)
+        assert made.status_code == 201, made.text
+        assert made.json()["rungs"] == [30, 90]
+        trigger = await a.post("/v1/triggers", json={"name": "lr-sweep-evals", "on": "checkpointReady",
+                                                     "experiment": made.json()["experimentId"],
+                                                     "template": template})
+        assert trigger.status_code == 201, trigger.text

@@ -45,7 +45,9 @@ def running(values: dict[int, float] | None = None, state: str = "running", **kw
 
 def test_rungs_are_min_steps_times_eta_below_max_steps() -> None:
     assert rung_steps(spec(), 80) == [20, 40]
-    assert rung_steps(spec(earlyStopping={"minSteps": 10, "reductionFactor": 3}), 100) == [10, 30, 90]
+    assert rung_steps(spec(earlyStopping={"minSteps": 10, "reductionFactor": 3}), 100) == [10, 30]  # 4 → 2 → 1
+    many = spec(earlyStopping={"minSteps": 10, "reductionFactor": 3}, budget={"maxTrials": 27})
+    assert rung_steps(many, 1000) == [10, 30, 90]  # 27 → 9 → 3 → 1: no rung for the last one
     assert rung_steps(spec(earlyStopping=None), 80) == []
 
 

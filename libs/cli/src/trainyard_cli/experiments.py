@@ -24,13 +24,15 @@ CREATE_HELP = """Start an experiment from a sweep file (YAML or JSON; - reads st
 
 The file names: name; base (a training spec, inline or the path of a spec file, relative to the sweep file); space (spec field → {low, high, log, type: float|int} or {type: categorical, values: […]}); search ({algorithm: random|grid|tpe, seed}); metric ({name: loss, goal: minimize}); earlyStopping ({kind: successiveHalving, minSteps, reductionFactor}); budget ({maxTrials, maxDeviceHours}); maxConcurrentTrials. The API checks the base and a trial's spec as it checks a submission: a problem is named base.<field> or space.<field>.
 
-Example (examples/sweep/sweep.yaml; `trainyard experiments create examples/sweep/sweep.yaml --code examples/gpt-sdk`):
+Example: examples/sweep/sweep.yaml (six learning rates for the tiny built-in GPT, the worst stopped at steps 30 and 90):
 
   name: lr-sweep
-  base: ../gpt-sdk/spec.yaml
+  base: {…a training spec…}     # or the path of a spec file: base: ../tiny.yaml
   space: {training.learningRate: {low: 0.0003, high: 0.03, log: true}}
-  earlyStopping: {minSteps: 20}
+  earlyStopping: {minSteps: 30, reductionFactor: 3}
   budget: {maxTrials: 6}
+
+Your own code: a base with code (base: ../gpt-sdk/spec.yaml) and --code examples/gpt-sdk.
 """  # noqa: E501 - help text: a paragraph per line, typer wraps it
 
 

@@ -60,7 +60,9 @@ def space_problems(spec: ExperimentSpec) -> list[FieldProblem]:
         if "training.maxSteps" in spec.space:
             problems.append(FieldProblem("space.training.maxSteps", "early stopping compares trials at the same "
                                                                     "steps: training.maxSteps cannot vary with it"))
-        if not rung_steps(spec, max_steps):
+        if spec.budget.max_trials < 2:
+            problems.append(FieldProblem("budget.maxTrials", "early stopping compares trials: give it at least 2"))
+        elif not rung_steps(spec, max_steps):
             problems.append(FieldProblem("earlyStopping.minSteps", f"the first rung ({es.min_steps}) must come "
                                                                     f"before base.training.maxSteps ({max_steps})"))
     return problems

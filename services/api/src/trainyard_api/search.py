@@ -98,14 +98,16 @@ def trial_body(spec: ExperimentSpec, trial: Trial) -> dict[str, Any]:
 
 
 def rung_steps(spec: ExperimentSpec, max_steps: int) -> list[int]:
-    """The steps of the rungs below ``max_steps``: minSteps·η^k."""
+    """The steps of the rungs: minSteps·η^k below ``max_steps``, while more than one trial races there (the
+    trials reaching rung k are ⌈maxTrials/η^k⌉: a rung of one would pause it for nothing)."""
     es = spec.early_stopping
     if es is None:
         return []
-    out, step = [], es.min_steps
-    while step < max_steps:
+    out, step, racing = [], es.min_steps, spec.budget.max_trials
+    while step < max_steps and racing > 1:
         out.append(step)
         step *= es.reduction_factor
+        racing = math.ceil(racing / es.reduction_factor)
     return out
 
 
