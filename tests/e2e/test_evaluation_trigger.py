@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from bench.experiments.eval_latency import run_scenario, trigger_jobs, wait
-from trainyard_cli import infra
-from trainyard_cli.devstack import prepare_and_publish
-from trainyard_cli.stack import LocalStack, StackSettings
+from tests.support.stack import local_stack
+from trainyard_cli.stack import LocalStack
 from trainyard_contract import events as ev
 from trainyard_runtime.bus import Bus
 
@@ -31,18 +30,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    settings = StackSettings(
-        state_dir=tmp_path_factory.mktemp("stack") / ".trainyard",
-        kafka_port=infra.free_port(), redis_port=infra.free_port(), api_port=infra.free_port(),
-        nodes=1, devices_per_node=4, ready_timeout_s=180,
-    )
-    stack = LocalStack(settings)
-    try:
-        stack.up()
-        prepare_and_publish(stack)
+    with local_stack(tmp_path_factory.mktemp("stack") / ".trainyard", nodes=1) as stack:
         yield stack
-    finally:
-        stack.down()
 
 
 def client_for(stack: LocalStack) -> httpx.Client:
