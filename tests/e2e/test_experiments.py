@@ -2,8 +2,8 @@
 successive halving stopping the losers, and every service killed -9 and started again mid-sweep.
 
 * ``trainyard experiments create SWEEP --code examples/gpt-sdk``: 6 random learning rates, η = 3, 2 at a time;
-* mid-sweep (a trial waiting at its rung), the API, scheduler, coordinator, registry and telemetry are killed
-  -9 and started again: the search carries on from its record;
+* mid-sweep (a trial waiting at its rung), the API, scheduler, coordinator, registry, telemetry and both node
+  agents are killed -9 together and started again: the search carries on from its record;
 * at least the worst half stop early, each with the reason and a READY checkpoint; the best one runs to the end;
   every rung kept trials no worse than those it stopped; each trial is one job (no double submission) that names
   the experiment, the trial and its point; ``trainyard experiments show`` draws the table;
@@ -123,11 +123,13 @@ def test_a_sweep_stops_the_worst_half_early_and_survives_a_restart_of_every_serv
     assert made.returncode == 0, made.stderr
     experiment_id = json.loads(made.stdout)["experimentId"]
     with rig.client() as client:
-        # 1. mid-sweep: a trial waits at its rung; every service is killed -9 and started again
+        # 1. mid-sweep: a trial waits at its rung; every service and node agent is killed -9 and started again
         wait_experiment(client, experiment_id, "a trial waiting at its rung",
                         lambda e: any(t["state"] == "waiting" for t in e["trials"]), 600)
         for name in SERVICES:
             rig.kill_component(name, "service")
+        for agent in sorted(c.name for c in rig.stack.components() if c.name.startswith("node-agent-")):
+            rig.kill_component(agent, "agent")
         rig.restart_dead()
         # 2. the search carries on to its end
         e = wait_experiment(client, experiment_id, "the experiment over", lambda e: e["state"] != "running", 1200)

@@ -101,7 +101,13 @@ def kill_replica(stack: LocalStack, client: httpx.Client, job_id: str, rank: int
     os.kill(pids[rank], signal.SIGKILL)
 
 
-@pytest.mark.parametrize(("replicas", "batch"), [(2, "reduced"), (3, "accumulate")])
+@pytest.mark.parametrize(("replicas", "batch"), [
+    (2, "reduced"),
+    # accumulate's arithmetic (each replica's share, the weights) is unit-tested (tests/unit/trainyard_sdk/
+    # test_replicas.py); its whole run on three replicas is a long one (CI time)
+    pytest.param(3, "accumulate", marks=[pytest.mark.long, pytest.mark.skipif(
+        os.environ.get("TRAINYARD_LONG_TESTS") != "1", reason="3 replicas end to end: TRAINYARD_LONG_TESTS=1")]),
+])
 def test_a_killed_replica_is_replaced_while_the_others_train_on(
         stack: LocalStack, client: httpx.Client, tmp_path: Path, replicas: int, batch: str) -> None:
     shape = {"resources__gpuCount": replicas, "parallelism__data": replicas, "faultTolerance__replicas": replicas,
