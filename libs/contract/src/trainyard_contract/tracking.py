@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import ipaddress
 from datetime import datetime
+from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 
 from trainyard_contract.records import Record
 
-__all__ = ["TenantTracking", "mlflow_uri_problem"]
+__all__ = ["MlflowUri", "TenantTracking", "checked_mlflow_uri", "mlflow_uri_problem"]
 
 MAX_URI_LENGTH = 2048
 # names that cloud providers' instance metadata services answer on (an IP literal is caught by its range)
@@ -72,18 +73,22 @@ def mlflow_uri_problem(uri: str) -> str | None:
     return _address_problem(host)
 
 
+def checked_mlflow_uri(value: str) -> str:
+    """``value`` when it is a URI the exporter may call (:func:`mlflow_uri_problem`), else ValueError saying why."""
+    if problem := mlflow_uri_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+MlflowUri = Annotated[str, AfterValidator(checked_mlflow_uri)]
+"""A tenant's MLflow tracking server, checked wherever one is taken in (the admin body, the stored record)."""
+
+
 class TenantTracking(Record):
     """A tenant's tracking targets (``ty:tracking:tenants``, field: the tenant), set by a platform-admin."""
 
-    mlflow_uri: str | None = Field(default=None, description="the MLflow tracking server (http(s)://host[:port]); "
-                                                              "null: no MLflow export")
+    mlflow_uri: MlflowUri | None = Field(
+        default=None, description="the MLflow tracking server (http(s)://host[:port]); null: no MLflow export")
     tensorboard: bool = Field(default=False, description="write TensorBoard event files into each job's directory")
     updated_at: datetime | None = None
     updated_by: str | None = Field(default=None, description="the token id that set it")
-
-    @field_validator("mlflow_uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        if value is not None and (problem := mlflow_uri_problem(value)):
-            raise ValueError(problem)
-        return value

@@ -6,12 +6,12 @@ admin reads them. Stored as ``TenantTracking`` in ``Keys.tracking_tenants``; the
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from trainyard_contract.events import utcnow
 from trainyard_contract.records import TenantToken
-from trainyard_contract.tracking import MAX_URI_LENGTH, TenantTracking, mlflow_uri_problem
+from trainyard_contract.tracking import MAX_URI_LENGTH, MlflowUri, TenantTracking
 from trainyard_runtime.replication import write_confirmed
 from trainyard_runtime.store import Keys, StateStore
 
@@ -23,19 +23,12 @@ class TenantTrackingBody(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
-    mlflow_uri: str | None = Field(
+    mlflow_uri: MlflowUri | None = Field(
         default=None, max_length=MAX_URI_LENGTH, examples=["http://mlflow.research.internal:5000"],
         description="the MLflow tracking server, http(s)://host[:port][/path]: no credentials, not a link-local "
                     "or cloud-metadata address")
     tensorboard: bool = Field(default=False, description="write TensorBoard event files into each job's directory "
                                                          "(tensorboard/ under the job's prefix)")
-
-    @field_validator("mlflow_uri")
-    @classmethod
-    def _uri(cls, value: str | None) -> str | None:
-        if value is not None and (problem := mlflow_uri_problem(value)):
-            raise ValueError(problem)
-        return value
 
 
 class TenantTrackingService:
