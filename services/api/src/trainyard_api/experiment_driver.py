@@ -33,7 +33,7 @@ from trainyard_telemetry.metrics_history import series_key
 from trainyard_api.bodies import SubmittedSpec
 from trainyard_api.experiments import ExperimentStore, experiment_token, trial_job_id, trial_key
 from trainyard_api.jobs import JobService
-from trainyard_api.search import Action, Observation, decide, rung_steps, sample_point, trial_body
+from trainyard_api.search import ENDED, Action, Observation, decide, rung_steps, sample_point, trial_body
 from trainyard_api.validation import InvalidSpecError, field_errors
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,13 @@ class ExperimentDriver:
                 await self.apply(record, action)
 
     async def observe(self, record: ExperimentRecord, rungs: Sequence[int]) -> dict[int, Observation]:
+        """The jobs of the trials not over yet (one MGET; an ended trial's record already holds all it will)."""
         now = self.clock()
         out: dict[int, Observation] = {}
-        for trial in record.trials:
-            if trial.job_id is None or (job := await self.jobs().store.get_job(trial.job_id)) is None:
+        live = [t for t in record.trials if t.job_id is not None and t.state not in ENDED]
+        jobs = {j.job_id: j for j in await self.jobs().store.get_jobs([t.job_id or "" for t in live])}
+        for trial in live:
+            if (job := jobs.get(trial.job_id or "")) is None:
                 continue
             if not is_trial_job(job, record.experiment_id, trial.number):
                 out[trial.number] = Observation(state="failed", rung_values={}, reason=(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -21,7 +20,7 @@ from redis.exceptions import RedisError, WatchError
 
 from trainyard_contract.errors import ConflictError, NotFoundError, StateStoreError
 from trainyard_contract.events import utcnow
-from trainyard_contract.experiments import ExperimentRecord, ExperimentSpec, Trial
+from trainyard_contract.experiments import ExperimentRecord, ExperimentSpec, RungDecision, Trial
 from trainyard_contract.records import TenantToken
 from trainyard_runtime.replication import execute_confirmed
 from trainyard_runtime.store import Keys
@@ -92,7 +91,7 @@ class ExperimentView(_Out):
     reason: str | None
     spec: ExperimentSpec
     trials: list[Trial]
-    rung_decisions: list[Any]
+    rung_decisions: list[RungDecision]
     rungs: list[int] = Field(description="the steps at which successive halving compares the trials")
     best: BestTrial | None
     device_hours: float = Field(description="the device-hours every trial held so far")
@@ -116,7 +115,7 @@ def experiment_view(record: ExperimentRecord, best_checkpoint: tuple[str, int] |
     return ExperimentView(
         experiment_id=record.experiment_id, tenant=record.tenant, name=record.spec.name, state=record.state,
         reason=record.reason, spec=record.spec, trials=record.trials,
-        rung_decisions=[d.model_dump(mode="json", by_alias=True) for d in record.rung_decisions],
+        rung_decisions=record.rung_decisions,
         rungs=rung_steps(record.spec, max_steps), best=best,
         device_hours=round(sum(t.device_hours for t in record.trials), 6), created_by=record.created_by,
         created_at=record.created_at, updated_at=record.updated_at)
