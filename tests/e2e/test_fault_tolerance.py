@@ -35,6 +35,7 @@ from tests.e2e.test_user_code import (
 )
 from tests.support.cli import trainyard
 from tests.support.stack import api_client, running_stack
+from tests.support.waiting import wait_for as poll
 from trainyard_cli.stack import LocalStack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +45,11 @@ STEPS = 400
 #: a step of ~50 ms: the others still train when the newcomer has started (a new python, torch, the sandbox)
 PAUSE = {"EXAMPLE_STEP_PAUSE_SECONDS": "0.04"}
 #: The faulted run's final model against the uninterrupted run's: its loss on the same held-out batches (the
-#: example prints it), within this fraction. The steps a replica missed ran with a smaller batch (``batch:
-#: reduced``), so the weights differ (AdamW amplifies any difference); what they learned does not, much.
+#: example prints it). The steps a replica missed ran with a smaller batch (``batch: reduced``), so the weights
+#: differ (AdamW amplifies any difference); what they learned does not, much: the faulted run's shortfall is at
+#: most this fraction of what the reference learned (its first step's loss down to its held-out loss), plus the
+#: share of the samples the faulted run never saw. How many steps ran degraded depends on how long the newcomer
+#: took to start (a new python, torch, the sandbox), which a loaded machine decides, not the platform.
 TOLERANCE = 0.02
 
 
@@ -93,6 +97,17 @@ def held_out_loss(stack: LocalStack, j: dict[str, Any]) -> float:
     return float(match.group(1))
 
 
+def first_loss(client: httpx.Client, j: dict[str, Any]) -> float:
+    """The job's training loss at its first step (the metric history's): where its learning started."""
+    def stored() -> float | None:
+        r = client.get(f"/v1/training-jobs/{j['jobId']}/metrics", params={"series": "loss", "toStep": 1})
+        loss = r.json()["series"]["loss"] if r.status_code == 200 else {}
+        return loss["values"][0] if loss.get("steps") == [1] else None
+    value = poll(stored, f"{j['jobId']}'s loss at step 1", timeout_s=120)
+    assert value is not None
+    return value
+
+
 def kill_replica(stack: LocalStack, client: httpx.Client, job_id: str, rank: int, after_step: int) -> None:
     """kill -9 the rank's process once the job is past ``after_step`` (its latest READY checkpoint at least)."""
     wait_for(client, job_id, f"step {after_step}", lambda j: j["state"] == "running"
@@ -138,9 +153,9 @@ def test_a_killed_replica_is_replaced_while_the_others_train_on(
         gap = max(b - a for (_, a), (_, b) in zip(times, times[1:], strict=False))
         assert gap < QUORUM_TIMEOUT_S, f"rank {rank} stood still for {gap:.1f}s"
     # some steps ran with fewer replicas, and the survivors said so
-    degraded = [json.loads(line) for line in
+    reported = [json.loads(line) for line in
                 (attempt_dir(stack, got) / "metrics" / "rank0.jsonl").read_text().splitlines()]
-    assert any(e["replicas"] < replicas for e in degraded) and degraded[-1]["replicas"] == replicas
+    assert any(e["replicas"] < replicas for e in reported) and reported[-1]["replicas"] == replicas
     # the newcomer healed from a peer: every replica ends with the same weights, bit for bit
     final = digests(stack, got)
     assert f"rank-{victim}.g1.log" in final and len(final) == replicas, final
@@ -155,7 +170,12 @@ def test_a_killed_replica_is_replaced_while_the_others_train_on(
         ref = finished(client, reference)
         assert ref["state"] == "succeeded" and len(ref["attempts"]) == 1, json.dumps(ref)[:2000]
         reference_loss, faulted_loss = held_out_loss(stack, ref), held_out_loss(stack, got)
-        assert abs(faulted_loss - reference_loss) / reference_loss < TOLERANCE, (faulted_loss, reference_loss)
+        learned = first_loss(client, ref) - reference_loss
+        assert learned > 0, (first_loss(client, ref), reference_loss)
+        unseen = sum(replicas - e["replicas"] for e in reported) / (replicas * len(reported))
+        allowed = learned * (TOLERANCE + unseen)
+        assert abs(faulted_loss - reference_loss) <= allowed, {
+            "faulted": faulted_loss, "reference": reference_loss, "learned": learned, "unseen": unseen}
 
 
 def test_below_min_replicas_the_attempt_restarts_from_the_latest_ready_checkpoint(
