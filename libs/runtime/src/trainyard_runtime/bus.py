@@ -265,6 +265,24 @@ class Deduper:
         await pipe.execute()
 
 
+async def start_concurrently(broker: KafkaBroker) -> None:
+    """``broker.start()``, with the subscribers started side by side (faststream starts them one after another,
+    and stops them side by side). A consumer's start waits for its group's first assignment: about half the
+    session timeout on the embedded broker, and on Kafka a new group's ``group.initial.rebalance.delay.ms`` (3 s
+    by default), so a service of N groups took N of those to start, or to come back after a restart. If one
+    fails, the ones that started are stopped and the first failure is raised."""
+    await broker.connect()
+    results = await asyncio.gather(*(sub.start() for sub in broker.subscribers), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        with contextlib.suppress(Exception):
+            await broker.stop()
+        raise failures[0]
+    for publisher in broker.publishers:
+        await publisher.start()
+    broker.running = True
+
+
 class Bus:
     """Owns the broker connection. ``start()`` after subscribing; ``aclose()`` is idempotent."""
 
@@ -324,7 +342,7 @@ class Bus:
             return
         self._register_subscribers()
         try:
-            await self.broker.start()
+            await start_concurrently(self.broker)
         except (KafkaError, OSError) as exc:
             raise BusError(f"cannot connect to the broker at {self.bootstrap}: {exc!r}") from exc
         self._started = True
