@@ -46,22 +46,16 @@ SERVICES = ("api", "scheduler", "checkpoint-coordinator", "registry", "telemetry
 
 
 def build(service: str, common: dict[str, Any], tmp: Path) -> tuple[ServiceRuntime, Callable[[], Any]]:
-    """The service's runtime, wired as its ``__main__`` wires it (not started), and what closes it."""
+    """The service's runtime, wired by the builder its ``__main__`` serves (not started), and what closes it."""
     if service == "api":
         from trainyard_api.server import ApiServer
         from trainyard_api.settings import ApiSettings
         server = ApiServer(ApiSettings(**common, api_port=0, api_bootstrap_admin_token_file=tmp / "admin-token"))
         return server.runtime, server.aclose
     if service == "scheduler":
-        from trainyard_scheduler.fencing import FencedLeases
-        from trainyard_scheduler.scheduler import Scheduler
+        from trainyard_scheduler.scheduler import build_service as scheduler
         from trainyard_scheduler.settings import SchedulerSettings
-        settings = SchedulerSettings(**common)
-        runtime = ServiceRuntime("scheduler", settings)
-        leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
-        scheduler = Scheduler(runtime, settings, leases=leases)
-        scheduler.install()
-        runtime.add_closer(scheduler.aclose)
+        runtime = scheduler(SchedulerSettings(**common))
         return runtime, runtime.aclose
     if service == "checkpoint-coordinator":
         from trainyard_checkpoint_coordinator.coordinator import build_service as coordinator

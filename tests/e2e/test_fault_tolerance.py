@@ -170,8 +170,9 @@ def test_a_killed_replica_is_replaced_while_the_others_train_on(
         ref = finished(client, reference)
         assert ref["state"] == "succeeded" and len(ref["attempts"]) == 1, json.dumps(ref)[:2000]
         reference_loss, faulted_loss = held_out_loss(stack, ref), held_out_loss(stack, got)
-        learned = first_loss(client, ref) - reference_loss
-        assert learned > 0, (first_loss(client, ref), reference_loss)
+        start = first_loss(client, ref)
+        learned = start - reference_loss
+        assert learned > 0, (start, reference_loss)
         unseen = sum(replicas - e["replicas"] for e in reported) / (replicas * len(reported))
         allowed = learned * (TOLERANCE + unseen)
         assert abs(faulted_loss - reference_loss) <= allowed, {

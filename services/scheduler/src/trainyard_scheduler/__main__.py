@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from trainyard_runtime.service import ServiceRuntime, service_main
+from trainyard_runtime.service import service_main
 
-from trainyard_scheduler.faults import with_faults
-from trainyard_scheduler.fencing import FencedLeases
-from trainyard_scheduler.scheduler import Scheduler
+from trainyard_scheduler.scheduler import build_service
 from trainyard_scheduler.settings import SchedulerSettings
 
 SUMMARY = (
@@ -22,12 +20,7 @@ SUMMARY = (
 
 async def serve(settings: SchedulerSettings) -> None:
     """Run one scheduler until SIGTERM/SIGINT; closing gives up the leader lease first."""
-    runtime = ServiceRuntime("scheduler", settings)
-    leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
-    scheduler = Scheduler(runtime, settings, leases=with_faults(leases, admit_pause_s=settings.admit_pause_s))
-    scheduler.install()
-    runtime.add_closer(scheduler.aclose)
-    await runtime.run()
+    await build_service(settings).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,6 +63,7 @@ from trainyard_scheduler.admission import Admission
 from trainyard_scheduler.blame import SilencePolicy
 from trainyard_scheduler.cycle import SchedulingCycle
 from trainyard_scheduler.discovery import JobDiscovery
+from trainyard_scheduler.faults import with_faults
 from trainyard_scheduler.fencing import FencedLeases, Leadership
 from trainyard_scheduler.handlers import JobHandlers
 from trainyard_scheduler.intake import Intake
@@ -214,3 +215,13 @@ class Scheduler:
 
 
 __all__ = ["Scheduler"]
+
+
+def build_service(settings: SchedulerSettings) -> ServiceRuntime:
+    """The scheduler wired into a :class:`ServiceRuntime` (not started); closing gives up the leader lease first."""
+    runtime = ServiceRuntime("scheduler", settings)
+    leases = FencedLeases(runtime.redis, ttl_ms=int(settings.lease_ttl_s * 1000))
+    scheduler = Scheduler(runtime, settings, leases=with_faults(leases, admit_pause_s=settings.admit_pause_s))
+    scheduler.install()
+    runtime.add_closer(scheduler.aclose)
+    return runtime
